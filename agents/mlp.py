@@ -1,0 +1,84 @@
+"""The default workload: an MLP classifier on a seeded synthetic dataset (downloads nothing).
+
+Written against the public worker API as a user would write it. Settings of the job come from the
+``ELASTICD_*`` environment (set by the agent or the local cluster); the workload's own flags are
+below. Exit codes: 0 done, 2 a fatal elasticd error (bad settings, model mismatch, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import elasticd  # noqa: E402
+from elasticd.log import configure_logging  # noqa: E402
+
+
+def make_dataset(n: int, features: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian clusters around random class centres: learnable, deterministic, no download."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, features, generator=g) * 2.0
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = centres[y] + torch.randn(n, features, generator=g)
+    return x, y
+
+
+def make_model(features: int, hidden: int, classes: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, classes),
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=300, help="train until this many steps are committed")
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--features", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--audit", default=None, help="append one JSON line per committed step here")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds of extra compute per step (slows the demo and fault tests down)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging()
+    torch.set_num_threads(1)
+    x, y = make_dataset(args.samples, args.features, args.classes, args.seed)
+    # Every worker builds the same initial weights; rank 0's are broadcast at the first sync anyway.
+    model = make_model(args.features, args.hidden, args.classes, args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    try:
+        trainer = elasticd.ElasticTrainer(
+            model, optimizer, dataset_size=args.samples, global_batch_size=args.global_batch,
+            seed=args.seed, audit_path=args.audit,
+        )
+        with trainer:
+            for batch in trainer.batches(max_steps=args.steps):
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
+                trainer.step(loss)
+    except elasticd.FatalError as exc:
+        print(f"elasticd: fatal: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

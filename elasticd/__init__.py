@@ -1,0 +1,21 @@
+"""elasticd: fault-tolerant elastic data-parallel training for PyTorch.
+
+The worker API: build the model and optimizer as usual, wrap them in ``ElasticTrainer``, and take
+batches from it. See README.md for a complete example.
+"""
+
+from elasticd.config import WorkerEnv
+from elasticd.errors import ElasticdError, FatalError, TransientError
+from elasticd.sampler import Batch, BatchMode
+
+__all__ = ["Batch", "BatchMode", "ElasticTrainer", "ElasticdError", "FatalError", "StepResult",
+           "TransientError", "WorkerEnv"]
+
+
+def __getattr__(name: str) -> object:
+    # The trainer imports torch; keep `import elasticd` light for the agent and elasticctl.
+    if name in ("ElasticTrainer", "StepResult"):
+        from elasticd import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)

@@ -1,0 +1,224 @@
+"""Training state: what a member holds, its checksum, and the rank-0 broadcast to newcomers.
+
+Owns ``TrainingState`` (model and optimizer state dicts, the step counter, the data position, the
+RNG state) and ``sync_state``: after each rendezvous the ranks compare (step, checksum); if they
+differ, rank 0 (by construction a member holding the newest committed step) broadcasts the state as
+one JSON layout and one flat byte buffer (two broadcasts), never as pickled objects, and then every
+rank proves it holds identical bytes. Never decides who rank 0 is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from elasticd.collectives import Abandon, all_reduce, broadcast
+from elasticd.errors import CheckpointTransferError, ModelMismatch, StateCorrupt
+from elasticd.process_group import Group
+from elasticd.retry import Deadline
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {str(d): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool,
+)}
+_ALIGN = 8
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class Counters:
+    """The scalar progress of training, part of the synced state."""
+
+    step: int = 0          # committed steps so far
+    epoch: int = 0         # current epoch of the data order
+    position: int = 0      # global sample offset within the epoch
+
+    def as_list(self) -> list[int]:
+        return [self.step, self.epoch, self.position]
+
+
+class TrainingState:
+    """The model, the optimizer and the counters of one worker."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.counters = Counters()
+        self.signature = model_signature(model)
+
+    # -- flat layout -------------------------------------------------------------------------
+
+    def _optimizer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self.optimizer.state_dict()["state"]
+        for idx in sorted(state):
+            for key in sorted(state[idx]):
+                value = state[idx][key]
+                if isinstance(value, torch.Tensor):
+                    yield f"optim.{idx}.{key}", value
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the state, in a canonical order (checksummed and broadcast)."""
+        out = [(f"model.{k}", v) for k, v in self.model.state_dict().items()]
+        out += list(self._optimizer_tensors())
+        out.append(("counters", torch.tensor(self.counters.as_list(), dtype=torch.int64)))
+        return out
+
+    def checksum(self) -> int:
+        """A 63-bit digest of every tensor's bytes (and its name) in canonical order."""
+        h = hashlib.sha256()
+        for name, t in self.tensors():
+            h.update(name.encode())
+            h.update(_bytes_of(t).numpy().tobytes() if t.numel() else b"")
+        return int.from_bytes(h.digest()[:8], "big") & _MASK63
+
+    def layout(self) -> dict[str, object]:
+        """The JSON description needed to rebuild the state from the flat buffer."""
+        entries = []
+        offset = 0
+        for name, t in self.tensors():
+            nbytes = t.numel() * t.element_size()
+            entries.append([name, str(t.dtype), list(t.shape), offset, nbytes])
+            offset += _aligned(nbytes)
+        groups = []
+        for g in self.optimizer.state_dict()["param_groups"]:
+            groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()})
+        scalars = {}
+        for idx, st in self.optimizer.state_dict()["state"].items():
+            for key, value in st.items():
+                if not isinstance(value, torch.Tensor):
+                    scalars[f"{idx}.{key}"] = value
+        return {"tensors": entries, "total": offset, "param_groups": groups, "optim_scalars": scalars,
+                "rng": list(torch.get_rng_state().shape)}
+
+    def pack(self) -> tuple[bytes, torch.Tensor]:
+        """The layout (JSON bytes) and the flat uint8 buffer: state tensors then the RNG state."""
+        layout = self.layout()
+        total = int(layout["total"])  # type: ignore[call-overload]
+        rng = torch.get_rng_state()
+        flat = torch.empty(total + rng.numel(), dtype=torch.uint8)
+        for (name, t), entry in zip(self.tensors(), layout["tensors"], strict=True):  # type: ignore[call-overload]
+            offset, nbytes = entry[3], entry[4]
+            if nbytes:
+                flat[offset : offset + nbytes].copy_(_bytes_of(t))
+        flat[total:].copy_(rng)
+        return json.dumps(layout).encode(), flat
+
+    def unpack(self, layout_bytes: bytes, flat: torch.Tensor) -> None:
+        """Load the state from a peer's layout and buffer (data only; nothing is executed).
+
+        Raises:
+            ModelMismatch: the peer's model tensors differ in name, dtype or shape from ours.
+            StateCorrupt: the layout is malformed.
+        """
+        try:
+            layout = json.loads(layout_bytes)
+            entries = layout["tensors"]
+            total = int(layout["total"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StateCorrupt(f"state layout from rank 0 is malformed: {exc}") from exc
+        ours = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        model_sd: dict[str, torch.Tensor] = {}
+        optim_state: dict[int, dict[str, object]] = {}
+        for name, dtype_s, shape, offset, nbytes in entries:
+            if dtype_s not in _DTYPES:
+                raise StateCorrupt(f"state layout names an unknown dtype {dtype_s!r}")
+            dtype = _DTYPES[dtype_s]
+            raw = flat[offset : offset + nbytes]
+            t = raw.view(dtype).reshape(shape).clone() if nbytes else torch.empty(shape, dtype=dtype)
+            if name.startswith("model."):
+                mine = ours.get(name)
+                if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
+                    raise ModelMismatch(f"state tensor {name} {dtype_s}{shape} does not match this worker's model")
+                model_sd[name[len("model."):]] = t
+            elif name.startswith("optim."):
+                _, idx, key = name.split(".", 2)
+                optim_state.setdefault(int(idx), {})[key] = t
+            elif name == "counters":
+                self.counters = Counters(*[int(x) for x in t.tolist()])
+        if set(model_sd) != {k[len("model."):] for k in ours}:
+            raise ModelMismatch("the state from rank 0 has a different set of model tensors")
+        for key, value in layout.get("optim_scalars", {}).items():
+            idx, name = key.split(".", 1)
+            optim_state.setdefault(int(idx), {})[name] = value
+        self.model.load_state_dict(model_sd)
+        groups = layout["param_groups"]
+        self.optimizer.load_state_dict({"state": optim_state, "param_groups": groups})
+        torch.set_rng_state(flat[total:].clone())
+
+
+def model_signature(model: torch.nn.Module) -> str:
+    """Names, dtypes and shapes of the model's state: two workers can share state iff equal."""
+    desc = [(k, str(v.dtype), list(v.shape)) for k, v in model.state_dict().items()]
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    transferred_bytes: int
+    checksum: int
+    step: int
+    duration_s: float
+
+
+def sync_state(group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float) -> SyncReport:
+    """Make every rank of ``group`` hold rank 0's state, and prove it.
+
+    Raises:
+        CollectiveError: a collective failed (the caller re-rendezvouses).
+        CheckpointTransferError: rank 0 does not hold the newest step (the rendezvous broke its rule).
+        StateCorrupt: after the transfer, the ranks' checksums still differ.
+        ModelMismatch: rank 0's model does not match this worker's.
+    """
+    started = time.monotonic()
+    dev = group.device
+    mine = state.checksum()
+    step = state.counters.step
+    probe = torch.tensor([step, -step, mine, -mine], dtype=torch.int64, device=dev)
+    all_reduce(probe, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
+    max_step, min_step, hmax, hmin = int(probe[0]), -int(probe[1]), int(probe[2]), -int(probe[3])
+    transferred = 0
+    if max_step != min_step or hmax != hmin:
+        if group.rank == 0 and step != max_step:
+            raise CheckpointTransferError(f"rank 0 holds step {step} but a member holds {max_step}")
+        if group.rank == 0:
+            layout, flat = state.pack()
+            header = torch.tensor([len(layout), flat.numel()], dtype=torch.int64, device=dev)
+        else:
+            header = torch.zeros(2, dtype=torch.int64, device=dev)
+        broadcast(header, 0, group, deadline, abandon, poll_s)
+        n_layout, n_flat = int(header[0]), int(header[1])
+        payload = torch.empty(n_layout + n_flat, dtype=torch.uint8, device=dev)
+        if group.rank == 0:
+            payload[:n_layout].copy_(torch.frombuffer(bytearray(layout), dtype=torch.uint8))
+            payload[n_layout:].copy_(flat)
+        broadcast(payload, 0, group, deadline, abandon, poll_s)
+        transferred = payload.numel()
+        if group.rank != 0:
+            host = payload.cpu()
+            state.unpack(bytes(host[:n_layout].numpy()), host[n_layout:])
+        mine = state.checksum()
+        verify = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
+        all_reduce(verify, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
+        if int(verify[0]) != -int(verify[1]):
+            raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}")
+    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started)
+    log.info("state_synced", generation=group.generation, rank=group.rank, step=report.step,
+             transferred_bytes=transferred, checksum=f"{mine:016x}", duration_s=round(report.duration_s, 4))
+    return report

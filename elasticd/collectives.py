@@ -1,0 +1,219 @@
+"""Bounded collectives and DDP-style bucketed gradient averaging.
+
+Owns every collective call made on a generation's group: each wait is bounded by a deadline and
+checks, every ``abort_poll_s``, whether the generation was abandoned (a peer lost its lease), so a
+peer frozen with SIGSTOP cannot hold the survivors. torch errors become ``CollectiveError``. Never
+retries in place: a failed collective latches the failure and the caller re-rendezvouses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
+from elasticd.process_group import Group
+from elasticd.retry import Deadline
+
+Abandon = Callable[[], bool]
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+
+
+def wait(work: dist.Work, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float, what: str) -> None:
+    """Wait for ``work`` without ever blocking past ``deadline`` or an abandoned generation.
+
+    Raises:
+        CollectiveError: the collective failed (e.g. a peer crashed and closed its sockets).
+        PeerLost: the generation was abandoned while waiting.
+        CollectiveTimeout: ``deadline`` passed.
+    """
+    if group.backend == "nccl":
+        while not work.is_completed():
+            _check(group, deadline, abandon, what)
+            time.sleep(poll_s / 10)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"{what} failed in generation {group.generation}: {exc}") from exc
+        return
+    slice_ = timedelta(seconds=poll_s)
+    while True:
+        try:
+            work.wait(slice_)
+            return
+        except RuntimeError as exc:
+            if work.is_completed():
+                raise CollectiveError(f"{what} failed in generation {group.generation}: {exc}") from exc
+        _check(group, deadline, abandon, what)
+
+
+def _check(group: Group, deadline: Deadline, abandon: Abandon, what: str) -> None:
+    if abandon():
+        raise PeerLost(f"{what} abandoned: generation {group.generation} lost a member")
+    if deadline.expired():
+        raise CollectiveTimeout(f"{what} timed out in generation {group.generation}")
+
+
+def _launch(fn: Callable[[], dist.Work], group: Group, what: str) -> dist.Work:
+    try:
+        return fn()
+    except RuntimeError as exc:
+        raise CollectiveError(f"{what} could not start in generation {group.generation}: {exc}") from exc
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType, deadline: Deadline, abandon: Abandon, poll_s: float
+) -> None:
+    """In-place bounded all_reduce.
+
+    Raises:
+        CollectiveError: see ``wait`` (``PeerLost``, ``CollectiveTimeout`` are subclasses).
+    """
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    work = _launch(lambda: group.pg.allreduce([tensor], opts), group, "all_reduce")
+    wait(work, group, deadline, abandon, poll_s, "all_reduce")
+
+
+def broadcast(tensor: torch.Tensor, root: int, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
+    """In-place bounded broadcast from ``root``.
+
+    Raises:
+        CollectiveError: see ``wait``.
+    """
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    work = _launch(lambda: group.pg.broadcast([tensor], opts), group, "broadcast")
+    wait(work, group, deadline, abandon, poll_s, "broadcast")
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], extra: int, device: torch.device) -> None:
+        self.params = params
+        dtype = params[0].dtype
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.buffer = torch.zeros(self.numel + extra, dtype=dtype, device=device)
+        self.extra = extra
+        self.ready = 0
+        self.work: dist.Work | None = None
+
+
+class GradientReducer:
+    """Averages gradients across a generation's ranks, DDP-style, with the commit vote piggybacked.
+
+    Gradients are grouped in buckets (reverse parameter order, like DDP), and a bucket's all_reduce
+    is launched from a post-accumulate-grad hook as soon as all of its gradients are ready, so
+    communication overlaps the rest of backward. The bucket launched last carries ``vote`` slots:
+    each rank writes its vote there and reads the sum once the bucket completes. An all_reduce only
+    completes on a rank after every rank contributed, so a completed vote is every member's vote.
+    """
+
+    VOTE_SLOTS = 3  # weighted loss, veto count, rejoin requests
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters")
+        self._buckets: list[_Bucket] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(trainable):
+            if current and (size + p.numel() * p.element_size() > bucket_cap_bytes or p.dtype != current[0].dtype):
+                self._buckets.append(_Bucket(current, 0, device))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        self._buckets.append(_Bucket(current, self.VOTE_SLOTS, device))
+        self._vote_bucket = self._buckets[-1]
+        self._where = {id(p): b for b in self._buckets for p in b.params}
+        self._group: Group | None = None
+        self._scale = 1.0
+        self._error: BaseException | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def begin(self, group: Group, scale: float, vote: Sequence[float]) -> None:
+        """Arm for one step: this rank's gradients will be multiplied by ``scale`` before the sum."""
+        self._group, self._scale, self._error = group, scale, None
+        for b in self._buckets:
+            b.ready, b.work = 0, None
+        vb = self._vote_bucket
+        vb.buffer[vb.numel :].copy_(torch.tensor(list(vote), dtype=vb.buffer.dtype))
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._group is None:
+            return
+        bucket = self._where[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.work is not None or self._error is not None or self._group is None:
+            return
+        offset = 0
+        flat = bucket.buffer
+        for p, n in zip(bucket.params, bucket.sizes, strict=True):
+            dst = flat[offset : offset + n]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                torch.mul(p.grad.reshape(-1), self._scale, out=dst)
+            offset += n
+        group = self._group
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        try:
+            bucket.work = group.pg.allreduce([flat], opts)
+        except RuntimeError as exc:  # a broken group can refuse at launch; latch, never raise in autograd
+            self._error = CollectiveError(f"gradient all_reduce could not start: {exc}")
+
+    def finish(self, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[float]:
+        """Launch what backward did not, wait for every bucket, write the averaged gradients back.
+
+        Returns:
+            The summed vote slots.
+
+        Raises:
+            CollectiveError: a bucket failed, timed out, or the generation was abandoned.
+        """
+        group = self._group
+        assert group is not None, "begin() was not called"
+        try:
+            for b in self._buckets:
+                self._launch(b)
+            if self._error is not None:
+                raise self._error
+            for b in self._buckets:
+                assert b.work is not None
+                wait(b.work, group, deadline, abandon, poll_s, "gradient all_reduce")
+        finally:
+            self._group = None
+        for b in self._buckets:
+            offset = 0
+            for p, n in zip(b.params, b.sizes, strict=True):
+                view = b.buffer[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+                offset += n
+        vb = self._vote_bucket
+        return [float(x) for x in vb.buffer[vb.numel :].tolist()]
+
+    def cancel(self) -> None:
+        """Forget a step whose collectives will never be waited for (its group is being retired)."""
+        self._group = None
+        for b in self._buckets:
+            b.work = None

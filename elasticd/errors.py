@@ -1,0 +1,66 @@
+"""The elasticd exception hierarchy.
+
+Owns every exception type elasticd raises. Imports nothing from elasticd.
+
+``TransientError`` may be retried after backoff or a new rendezvous; ``FatalError`` means stop and
+report. Third-party exceptions are translated into these in the module that imports the library,
+always with ``raise Ours(...) from exc``.
+"""
+
+from __future__ import annotations
+
+
+class ElasticdError(Exception):
+    """Root of every error raised by elasticd."""
+
+
+class TransientError(ElasticdError):
+    """A failure that may go away after backoff or re-rendezvous."""
+
+
+class FatalError(ElasticdError):
+    """A failure that retrying cannot fix: stop and report."""
+
+
+class EtcdUnavailable(TransientError):
+    """etcd could not be reached or did not answer in time (after the retry bound)."""
+
+
+class StaleGeneration(TransientError):
+    """The generation this member acted on is no longer current."""
+
+
+class CollectiveError(TransientError):
+    """A torch.distributed collective failed (a peer crashed, a connection broke)."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not finish within its bound."""
+
+
+class PeerLost(CollectiveError):
+    """A member of the current generation lost its lease or the generation was aborted."""
+
+
+class CheckpointTransferError(TransientError):
+    """The state broadcast to newcomers failed."""
+
+
+class ConfigError(FatalError):
+    """A setting is missing or invalid; the message names the setting."""
+
+
+class RendezvousClosed(FatalError):
+    """No generation could be formed within the join timeout, or the job is closed."""
+
+
+class ModelMismatch(FatalError):
+    """This worker's model (parameter names, shapes, dtypes) differs from the job's."""
+
+
+class StateCorrupt(FatalError):
+    """Training state differs between ranks after a sync, or a record is unreadable."""
+
+
+class RestartsExhausted(FatalError):
+    """A step failed more times than the retry policy allows."""

@@ -1,0 +1,154 @@
+"""A thin wrapper over python-etcd3 that satisfies ``membership.KeyValueStore``.
+
+Owns the etcd3/gRPC imports, the retry of idempotent calls, endpoint failover, and the translation
+of etcd3/gRPC errors into ``EtcdUnavailable``. Holds no protocol logic.
+"""
+
+from __future__ import annotations
+
+import os
+
+# etcd3 0.12 ships protobuf modules generated for an old protoc; today's protobuf only loads them
+# with the pure-Python implementation. Set it before the first import so users never meet it.
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+import threading  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
+from typing import TypeVar  # noqa: E402
+
+import etcd3  # noqa: E402
+import etcd3.exceptions  # noqa: E402
+import grpc  # noqa: E402
+import structlog  # noqa: E402
+
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, parse_endpoint  # noqa: E402
+from elasticd.errors import EtcdUnavailable  # noqa: E402
+from elasticd.membership import KeyValue  # noqa: E402
+from elasticd.retry import call_with_retry  # noqa: E402
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+
+# Errors that mean "this endpoint did not answer": retried, then failed over, then EtcdUnavailable.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.InternalServerError,
+    grpc.RpcError,
+)
+
+
+class EtcdClient:
+    """etcd access for elasticd: every call bounded, retried when idempotent, errors translated."""
+
+    def __init__(self, config: EtcdConfig, timeouts: Timeouts, retry: RetryPolicy) -> None:
+        self._config = config
+        self._timeouts = timeouts
+        self._retry = retry
+        self._endpoints = [parse_endpoint(e) for e in config.endpoints]
+        self._index = 0
+        self._lock = threading.Lock()
+        self._client = self._connect(0)
+
+    def _connect(self, index: int) -> etcd3.Etcd3Client:
+        host, port = self._endpoints[index]
+        return etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s)
+
+    def _failover(self, failed: etcd3.Etcd3Client) -> None:
+        with self._lock:
+            if self._client is not failed or len(self._endpoints) == 1:
+                return
+            self._index = (self._index + 1) % len(self._endpoints)
+            log.warning("etcd_endpoint_failover", endpoint="%s:%d" % self._endpoints[self._index])
+            self._client = self._connect(self._index)
+
+    def _call(self, what: str, fn: Callable[[etcd3.Etcd3Client], _T]) -> _T:
+        def attempt() -> _T:
+            client = self._client
+            try:
+                return fn(client)
+            except _TRANSIENT:
+                self._failover(client)
+                raise
+
+        try:
+            return call_with_retry(attempt, policy=self._retry, transient=_TRANSIENT, event="etcd_call_retried", call=what)
+        except _TRANSIENT as exc:
+            raise EtcdUnavailable(
+                f"etcd at {','.join(self._config.endpoints)} did not answer {what} after "
+                f"{self._retry.etcd_attempts} attempts: {exc}"
+            ) from exc
+
+    # -- KeyValueStore ----------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        value, meta = self._call("get", lambda c: c.get(key))
+        if value is None or meta is None:
+            return None
+        return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        rows = self._call("get_prefix", lambda c: list(c.get_prefix(prefix)))
+        return [
+            KeyValue(meta.key.decode(), value, meta.mod_revision, meta.create_revision, meta.lease_id)
+            for value, meta in rows
+        ]
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self._call("put", lambda c: c.put(key, value, lease=lease or None))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", lambda c: c.delete(key))
+
+    def compare_and_put(
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = ()
+    ) -> bool:
+        deletes = list(delete_keys)
+
+        def txn(c: etcd3.Etcd3Client) -> bool:
+            cmp = (
+                c.transactions.version(key) == 0
+                if expected_mod_revision == 0
+                else c.transactions.mod(key) == expected_mod_revision
+            )
+            ops = [c.transactions.put(key, value)] + [c.transactions.delete(k) for k in deletes]
+            ok, _ = c.transaction(compare=[cmp], success=ops, failure=[])
+            return bool(ok)
+
+        # A CAS is safe to retry: a lost reply makes the retry fail the compare, and the caller re-reads.
+        return self._call("compare_and_put", txn)
+
+    def grant_lease(self, ttl_s: float) -> int:
+        ttl = max(1, round(ttl_s))
+        lease = self._call("lease", lambda c: c.lease(ttl))
+        return int(lease.id)
+
+    def refresh_lease(self, lease: int) -> float:
+        replies = self._call("refresh_lease", lambda c: list(c.refresh_lease(lease)))
+        return float(replies[0].TTL) if replies else 0.0
+
+    def revoke_lease(self, lease: int) -> None:
+        self._call("revoke_lease", lambda c: c.revoke_lease(lease))
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        client = self._client
+
+        def on_event(_response: object) -> None:
+            callback()
+
+        watch_id = self._call("watch", lambda c: c.add_watch_prefix_callback(prefix, on_event))
+
+        def cancel() -> None:
+            try:
+                client.cancel_watch(watch_id)
+            except _TRANSIENT as exc:
+                raise EtcdUnavailable(f"cancel_watch failed: {exc}") from exc
+
+        return cancel
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except _TRANSIENT:
+            pass

@@ -1,0 +1,738 @@
+"""The rendezvous: members, generations, the pure decision ``next_action`` and its executor.
+
+Owns the membership protocol over a ``KeyValueStore`` (defined here, satisfied by ``etcd.py``):
+
+* every member registers ``members/<id>`` under its own lease, renewed in the background;
+* a member that wants into the next generation writes ``ready/<id>`` under the same lease;
+* ``next_action(snapshot, me, window, now)`` decides, purely, whether to wait, publish the next
+  ``generation`` record (by compare-and-set on its ``mod_revision``), join a published one, or fail;
+* a watcher keeps two flags fresh for the hot path: the current generation must be abandoned
+  (a member lost its lease, the generation was aborted or superseded), or newcomers wait to join.
+
+Never imports etcd3 or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Protocol
+
+import structlog
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.errors import (
+    EtcdUnavailable,
+    ModelMismatch,
+    RendezvousClosed,
+)
+from elasticd.retry import Clock, Deadline
+
+log = structlog.get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# The store this module consumes
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from the store."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int = 0
+
+
+class KeyValueStore(Protocol):
+    """What the rendezvous needs from etcd. ``etcd.EtcdClient`` satisfies it structurally."""
+
+    def get(self, key: str) -> KeyValue | None: ...
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def compare_and_put(
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = ()
+    ) -> bool:
+        """Put ``key`` (and delete ``delete_keys``) iff its mod_revision is as expected (0: absent)."""
+        ...
+
+    def grant_lease(self, ttl_s: float) -> int: ...
+
+    def refresh_lease(self, lease: int) -> float:
+        """Renew; return the remaining TTL in seconds (<= 0: the lease is gone)."""
+        ...
+
+    def revoke_lease(self, lease: int) -> None: ...
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (no arguments) after any change under ``prefix``; return a canceller."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Records (JSON in etcd; parsing never trusts them)
+
+
+class Keys:
+    """The etcd key layout of one job (documented in README)."""
+
+    def __init__(self, root: str, job_id: str) -> None:
+        self.job = f"{root}/{job_id}"
+
+    @property
+    def prefix(self) -> str:
+        return self.job + "/"
+
+    @property
+    def generation(self) -> str:
+        return f"{self.job}/generation"
+
+    @property
+    def abort(self) -> str:
+        return f"{self.job}/abort"
+
+    def member(self, member_id: str) -> str:
+        return f"{self.job}/members/{member_id}"
+
+    def ready(self, member_id: str) -> str:
+        return f"{self.job}/ready/{member_id}"
+
+    def progress(self, member_id: str) -> str:
+        return f"{self.job}/progress/{member_id}"
+
+    def event(self, seq: int) -> str:
+        return f"{self.job}/events/{seq:012d}"
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """A live member (``members/<id>``, leased)."""
+
+    member_id: str
+    node: str
+    local_rank: int
+    pid: int
+    host: str
+    store_port: int
+    signature: str
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """A member waiting for the next generation (``ready/<id>``, leased)."""
+
+    member_id: str
+    committed_step: int
+    prev_generation: int
+    prev_rank: int
+    signature: str
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """A published generation (``generation``): dense rank order and where its store lives."""
+
+    generation: int
+    members: tuple[str, ...]
+    store_host: str
+    store_port: int
+    signature: str
+    committed_step: int
+    reason: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member_id: str) -> int:
+        return self.members.index(member_id)
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    """``abort``: the named generation is broken; its members must re-rendezvous."""
+
+    generation: int
+    member_id: str
+    reason: str
+
+
+def encode(record: object) -> bytes:
+    return json.dumps(asdict(record), sort_keys=True).encode()  # type: ignore[call-overload]
+
+
+def _decode(cls: type, raw: bytes) -> object:
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    if set(data) != set(fields):
+        raise ValueError(f"fields {sorted(data)} != {sorted(fields)}")
+    for name, f in fields.items():
+        want = {"int": int, "str": str, "tuple[str, ...]": list}[str(f.type)]
+        if not isinstance(data[name], want) or isinstance(data[name], bool):
+            raise ValueError(f"field {name} is not {f.type}")
+    if "members" in data:
+        if not all(isinstance(m, str) for m in data["members"]):
+            raise ValueError("members must be strings")
+        data["members"] = tuple(data["members"])
+    return cls(**data)
+
+
+def decode_member(raw: bytes) -> MemberRecord:
+    rec = _decode(MemberRecord, raw)
+    assert isinstance(rec, MemberRecord)
+    return rec
+
+
+def decode_ready(raw: bytes) -> ReadyRecord:
+    rec = _decode(ReadyRecord, raw)
+    assert isinstance(rec, ReadyRecord)
+    return rec
+
+
+def decode_generation(raw: bytes) -> GenerationRecord:
+    rec = _decode(GenerationRecord, raw)
+    assert isinstance(rec, GenerationRecord)
+    if rec.generation < 1 or len(set(rec.members)) != len(rec.members) or not rec.members:
+        raise ValueError("generation must be >= 1 with distinct, non-empty members")
+    return rec
+
+
+def decode_abort(raw: bytes) -> AbortRecord:
+    rec = _decode(AbortRecord, raw)
+    assert isinstance(rec, AbortRecord)
+    return rec
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything under the job prefix, parsed; malformed records are listed, not fatal."""
+
+    generation: GenerationRecord | None = None
+    generation_revision: int = 0
+    members: Mapping[str, MemberRecord] = field(default_factory=dict)
+    ready: Mapping[str, ReadyRecord] = field(default_factory=dict)
+    ready_order: Mapping[str, int] = field(default_factory=dict)
+    aborted: int = 0
+    malformed: tuple[str, ...] = ()
+
+    @property
+    def highest_generation_seen(self) -> int:
+        seen = [self.generation.generation if self.generation else 0, self.aborted]
+        seen += [r.prev_generation for r in self.ready.values()]
+        return max(seen)
+
+
+def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
+    """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``."""
+    generation: GenerationRecord | None = None
+    generation_revision = 0
+    members: dict[str, MemberRecord] = {}
+    ready: dict[str, ReadyRecord] = {}
+    ready_order: dict[str, int] = {}
+    aborted = 0
+    malformed: list[str] = []
+    for kv in kvs:
+        try:
+            if kv.key == keys.generation:
+                generation_revision = kv.mod_revision
+                generation = decode_generation(kv.value)
+            elif kv.key == keys.abort:
+                aborted = decode_abort(kv.value).generation
+            elif kv.key.startswith(keys.member("")):
+                m = decode_member(kv.value)
+                if kv.key != keys.member(m.member_id):
+                    raise ValueError("member id does not match its key")
+                members[m.member_id] = m
+            elif kv.key.startswith(keys.ready("")):
+                r = decode_ready(kv.value)
+                if kv.key != keys.ready(r.member_id):
+                    raise ValueError("member id does not match its key")
+                ready[r.member_id] = r
+                ready_order[r.member_id] = kv.create_revision
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            malformed.append(f"{kv.key}: {exc}")
+    return Snapshot(generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure decision
+
+
+class ActionKind(StrEnum):
+    WAIT = "wait"
+    PUBLISH = "publish"
+    JOIN = "join"
+    REREGISTER = "reregister"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Me:
+    member_id: str
+    signature: str
+    last_generation: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """What this process saw of the current round, on its own monotonic clock."""
+
+    entered_at: float
+    candidates_changed_at: float
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str
+    until: float | None = None
+    record: GenerationRecord | None = None
+    expected_revision: int = 0
+    consumed_ready: tuple[str, ...] = ()
+    error: str = ""
+
+
+def candidates_of(snap: Snapshot) -> list[ReadyRecord]:
+    """Ready members that are alive and whose model matches the job's signature."""
+    job_sig = snap.generation.signature if snap.generation else _first_signature(snap)
+    return [
+        r
+        for r in snap.ready.values()
+        if r.member_id in snap.members and r.signature == job_sig
+    ]
+
+
+def _first_signature(snap: Snapshot) -> str:
+    alive = [r for r in snap.ready.values() if r.member_id in snap.members]
+    if not alive:
+        return ""
+    return min(alive, key=lambda r: (snap.ready_order.get(r.member_id, 0), r.member_id)).signature
+
+
+def generation_broken(snap: Snapshot) -> bool:
+    """The current generation can no longer make progress: aborted, or a member's lease is gone."""
+    g = snap.generation
+    if g is None:
+        return True
+    return snap.aborted >= g.generation or any(m not in snap.members for m in g.members)
+
+
+def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecord]:
+    """Newest committed step first (so rank 0 holds it), then survivors in their old rank order,
+    then newcomers in arrival order."""
+    old = snap.generation.members if snap.generation else ()
+
+    def key(r: ReadyRecord) -> tuple[int, int, int, int, str]:
+        survivor = r.member_id in old and r.prev_generation == (snap.generation.generation if snap.generation else -1)
+        return (
+            -r.committed_step,
+            0 if survivor else 1,
+            r.prev_rank if survivor else 0,
+            snap.ready_order.get(r.member_id, 0),
+            r.member_id,
+        )
+
+    return sorted(chosen, key=key)
+
+
+def next_action(
+    snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
+) -> Action:
+    """Decide what this member does next in a rendezvous. Pure: no I/O, no clock reads."""
+    g = snap.generation
+    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
+        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
+    if me.member_id not in snap.members or me.member_id not in snap.ready:
+        return Action(ActionKind.REREGISTER, "my member or ready record is gone (lease expired?)")
+    job_sig = g.signature if g else _first_signature(snap)
+    if job_sig and me.signature != job_sig:
+        return Action(
+            ActionKind.FAIL,
+            "model mismatch",
+            error=f"this worker's model signature {me.signature[:12]} differs from the job's "
+            f"{job_sig[:12]} (parameter names, shapes or dtypes differ)",
+        )
+    cands = candidates_of(snap)
+    ids = {r.member_id for r in cands}
+    broken = generation_broken(snap)
+    if g is not None:
+        missing = [m for m in g.members if m in snap.members and m not in ids]
+        if missing and not broken:
+            return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
+                          f"members {missing} to reach a step boundary")
+        last_call = window.entered_at + timeouts.last_call_s
+        if missing and now < last_call:
+            return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
+    if len(cands) < world.min_workers:
+        return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
+    old = set(g.members) if g else set()
+    newcomers = ids - old
+    settle = window.candidates_changed_at + timeouts.join_window_s
+    if newcomers and len(cands) < world.max_workers and now < settle:
+        return Action(ActionKind.WAIT, "join window open", until=settle)
+    chosen = rank_order(snap, cands)[: world.max_workers]
+    rank0 = snap.members[chosen[0].member_id]
+    number = snap.highest_generation_seen + 1
+    if g is None:
+        reason = "start"
+    elif snap.aborted >= g.generation:
+        reason = "aborted"
+    elif any(m not in snap.members for m in g.members):
+        reason = "member_lost"
+    elif newcomers:
+        reason = "join"
+    else:
+        reason = "regroup"
+    record = GenerationRecord(
+        generation=number,
+        members=tuple(r.member_id for r in chosen),
+        store_host=rank0.host,
+        store_port=rank0.store_port,
+        signature=job_sig,
+        committed_step=chosen[0].committed_step,
+        reason=reason,
+    )
+    return Action(
+        ActionKind.PUBLISH,
+        reason,
+        record=record,
+        expected_revision=snap.generation_revision,
+        consumed_ready=tuple(record.members),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The executor
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The outcome of a rendezvous, from this member's point of view."""
+
+    record: GenerationRecord
+    rank: int
+    duration_s: float
+
+    @property
+    def generation(self) -> int:
+        return self.record.generation
+
+    @property
+    def world_size(self) -> int:
+        return self.record.world_size
+
+
+class MemberState(StrEnum):
+    UNREGISTERED = "unregistered"
+    REGISTERED = "registered"
+    CLOSED = "closed"
+
+
+class Membership:
+    """One member's presence in a job: lease, registration, rendezvous, and the health watcher.
+
+    Thread-safety: ``join``/``abort``/``close`` are called from the training thread; the keepalive
+    and watcher threads only set flags read through ``must_abandon`` and ``join_pending``.
+    """
+
+    def __init__(
+        self,
+        store: KeyValueStore,
+        keys: Keys,
+        member: MemberRecord,
+        world: WorldConfig,
+        timeouts: Timeouts,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self.record = member
+        self._world = world
+        self._timeouts = timeouts
+        self._clock = clock
+        self._lease = 0
+        self._state = MemberState.UNREGISTERED
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._current: GenerationRecord | None = None
+        self._abandon = False
+        self._abandon_reason = ""
+        self._join_pending = False
+        self._lease_lost = False
+        self._cancel_watch: Callable[[], None] | None = None
+        self._threads: list[threading.Thread] = []
+        self._warned_malformed: set[str] = set()
+        self._progress: Mapping[str, object] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def member_id(self) -> str:
+        return self.record.member_id
+
+    def start(self) -> None:
+        """Register and start the keepalive and watcher threads.
+
+        Raises:
+            EtcdUnavailable: etcd could not be reached within the retry bound.
+        """
+        self._register()
+        self._cancel_watch = self._store.watch_prefix(self._keys.prefix, self._on_change)
+        for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self) -> None:
+        """Leave the job now: revoke the lease so peers see this member gone at once."""
+        if self._state == MemberState.CLOSED:
+            return
+        self._stop.set()
+        self._changed.set()
+        if self._cancel_watch is not None:
+            try:
+                self._cancel_watch()
+            except EtcdUnavailable:
+                pass
+        try:
+            if self._lease:
+                self._store.revoke_lease(self._lease)
+        except EtcdUnavailable as exc:
+            log.warning("lease_revoke_failed", error=str(exc))
+        for t in self._threads:
+            t.join(timeout=self._timeouts.etcd_request_s * 2)
+        self._state = MemberState.CLOSED
+        log.info("membership_closed", member=self.member_id)
+
+    def _register(self) -> None:
+        self._lease = self._store.grant_lease(self._timeouts.lease_ttl_s)
+        self._store.put(self._keys.member(self.member_id), encode(self.record), lease=self._lease)
+        with self._lock:
+            self._lease_lost = False
+        self._state = MemberState.REGISTERED
+        log.info("member_registered", member=self.member_id, lease=self._lease)
+
+    # -- background threads -----------------------------------------------------------------
+
+    def _on_change(self) -> None:
+        self._changed.set()
+
+    def set_progress(self, payload: Mapping[str, object]) -> None:
+        """Hand the latest progress to the keepalive thread, which publishes it (off the hot path)."""
+        self._progress = payload
+
+    def _keepalive_loop(self) -> None:
+        published: Mapping[str, object] | None = None
+        while not self._stop.wait(self._timeouts.keepalive_s):
+            progress = self._progress
+            if progress is not None and progress is not published:
+                self.publish_progress(progress)
+                published = progress
+            lease = self._lease
+            try:
+                ttl = self._store.refresh_lease(lease)
+            except EtcdUnavailable as exc:
+                log.warning("lease_refresh_failed", error=str(exc))
+                continue
+            if ttl <= 0 and lease == self._lease:
+                with self._lock:
+                    if not self._lease_lost:
+                        log.warning("lease_expired", member=self.member_id, lease=lease)
+                    self._lease_lost = True
+                self._changed.set()
+
+    def _watch_loop(self) -> None:
+        # Watches can break (etcd restarts); polling every keepalive interval covers that.
+        while not self._stop.is_set():
+            self._changed.wait(self._timeouts.keepalive_s)
+            self._changed.clear()
+            if self._stop.is_set():
+                return
+            try:
+                snap = self.snapshot()
+            except EtcdUnavailable:
+                continue
+            self._update_health(snap)
+
+    def snapshot(self) -> Snapshot:
+        """Read and parse the job's keys.
+
+        Raises:
+            EtcdUnavailable: etcd could not be reached within the retry bound.
+        """
+        snap = parse_snapshot(self._keys, self._store.get_prefix(self._keys.prefix))
+        for bad in snap.malformed:
+            if bad not in self._warned_malformed:
+                self._warned_malformed.add(bad)
+                log.error("malformed_record_ignored", record=bad)
+        return snap
+
+    def _update_health(self, snap: Snapshot) -> None:
+        with self._lock:
+            current = self._current
+            if current is None:
+                return
+            abandon, why = False, ""
+            malformed_generation = snap.generation is None and snap.generation_revision != 0
+            if malformed_generation:
+                pass  # garbage written by hand: reported by snapshot(); not a reason to stop training
+            elif snap.generation is None or snap.generation.generation != current.generation:
+                abandon, why = True, "generation superseded"
+            elif snap.aborted >= current.generation:
+                abandon, why = True, "generation aborted"
+            else:
+                lost = [m for m in current.members if m not in snap.members]
+                if lost:
+                    abandon, why = True, f"members lost their lease: {lost}"
+            if self._lease_lost:
+                abandon, why = True, "my lease expired"
+            if abandon and not self._abandon:
+                self._abandon, self._abandon_reason = True, why
+                log.warning("generation_abandon_requested", generation=current.generation, cause=why)
+            cands = candidates_of(snap)
+            pending = any(r.member_id not in current.members for r in cands)
+            if pending and not self._join_pending:
+                log.info("join_requested", generation=current.generation,
+                         newcomers=[r.member_id for r in cands if r.member_id not in current.members])
+            self._join_pending = pending
+
+    # -- hot-path flags ---------------------------------------------------------------------
+
+    def must_abandon(self) -> bool:
+        """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
+        return self._abandon
+
+    @property
+    def abandon_reason(self) -> str:
+        return self._abandon_reason
+
+    def join_pending(self) -> bool:
+        """Newcomers wait to join: re-rendezvous at the next step boundary."""
+        return self._join_pending
+
+    # -- rendezvous -------------------------------------------------------------------------
+
+    def abort(self, generation: int, reason: str) -> None:
+        """Mark ``generation`` broken so every member leaves it at once (best effort)."""
+        rec = AbortRecord(generation=generation, member_id=self.member_id, reason=reason[:200])
+        try:
+            self._store.put(self._keys.abort, encode(rec))
+        except EtcdUnavailable as exc:
+            log.warning("abort_publish_failed", generation=generation, error=str(exc))
+
+    def join(self, committed_step: int, deadline: Deadline) -> Joined:
+        """Wait for (or publish) the next generation that includes this member.
+
+        Args:
+            committed_step: the newest step whose state this member holds (-1: none).
+            deadline: when to give up.
+
+        Raises:
+            RendezvousClosed: no generation could be formed before ``deadline``.
+            ModelMismatch: this member's model differs from the job's.
+            EtcdUnavailable: etcd stayed unreachable past the retry bound.
+        """
+        started = self._clock()
+        prev = self._current
+        with self._lock:
+            self._current = None
+            self._abandon = False
+            self._join_pending = False
+        me = Me(self.member_id, self.record.signature, prev.generation if prev else 0)
+        ready = ReadyRecord(
+            member_id=self.member_id,
+            committed_step=committed_step,
+            prev_generation=prev.generation if prev else 0,
+            prev_rank=prev.rank_of(self.member_id) if prev and self.member_id in prev.members else 0,
+            signature=self.record.signature,
+        )
+        if self._lease_lost:
+            self._register()
+        self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+        window = Window(entered_at=started, candidates_changed_at=started)
+        last_cands: frozenset[str] = frozenset()
+        last_reason = ""
+        while True:
+            if deadline.expired():
+                raise RendezvousClosed(
+                    f"no generation formed within the join timeout ({last_reason})"
+                )
+            self._changed.clear()
+            snap = self.snapshot()
+            cands = frozenset(r.member_id for r in candidates_of(snap))
+            now = self._clock()
+            if cands != last_cands:
+                window = replace(window, candidates_changed_at=now)
+                last_cands = cands
+            action = next_action(snap, me, window, now, self._world, self._timeouts)
+            last_reason = action.reason
+            if action.kind is ActionKind.JOIN:
+                assert action.record is not None
+                return self._joined(action.record, started, snap)
+            if action.kind is ActionKind.FAIL:
+                self.close()
+                raise ModelMismatch(action.error)
+            if action.kind is ActionKind.REREGISTER:
+                log.warning("member_reregistered", member=self.member_id, cause=action.reason)
+                if self.member_id not in snap.members:
+                    self._register()
+                self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+                continue
+            if action.kind is ActionKind.PUBLISH:
+                assert action.record is not None
+                won = self._store.compare_and_put(
+                    self._keys.generation,
+                    action.expected_revision,
+                    encode(action.record),
+                    delete_keys=[self._keys.ready(m) for m in action.consumed_ready],
+                )
+                if won:
+                    log.info(
+                        "generation_published",
+                        generation=action.record.generation,
+                        world_size=action.record.world_size,
+                        members=list(action.record.members),
+                        cause=action.reason,
+                    )
+                continue
+            wait_s = self._timeouts.keepalive_s
+            if action.until is not None:
+                wait_s = min(wait_s, max(0.0, action.until - now))
+            self._changed.wait(min(wait_s, deadline.remaining_s()))
+
+    def _joined(self, record: GenerationRecord, started: float, snap: Snapshot) -> Joined:
+        with self._lock:
+            self._current = record
+            self._abandon = False
+            self._abandon_reason = ""
+        self._update_health(snap)
+        return Joined(record, record.rank_of(self.member_id), self._clock() - started)
+
+    def publish_progress(self, payload: Mapping[str, object]) -> None:
+        """Best-effort progress record for ``elasticctl`` (leased: it vanishes with the member)."""
+        try:
+            self._store.put(
+                self._keys.progress(self.member_id), json.dumps(dict(payload)).encode(), lease=self._lease
+            )
+        except EtcdUnavailable as exc:
+            log.warning("progress_publish_failed", error=str(exc))
+
+
+def new_member_id(node: str, local_rank: int) -> str:
+    """A member id unique per process: node, local rank, pid."""
+    return f"{node}.{local_rank}.{os.getpid()}"

@@ -1,0 +1,174 @@
+"""One torch.distributed process group per generation, built and abandoned in-process.
+
+Owns the c10d store and the gloo/NCCL group objects. Every worker hosts a ``TCPStore`` server from
+its start; generation g uses the server of its rank 0 (always a live member) under the key prefix
+``gen/<g>/``, so stores of different generations never collide. The build is preceded by an
+arrival barrier that can be abandoned, so a member that dies between publication and build does
+not hold the others for the whole build timeout. Never retries and never decides membership.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from elasticd.config import Timeouts
+from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
+from elasticd.retry import Deadline
+
+log = structlog.get_logger(__name__)
+
+
+def resolve_backend(requested: str) -> str:
+    """``auto`` means NCCL when CUDA is available, else gloo."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+@dataclass
+class Group:
+    """The process group of one generation."""
+
+    pg: dist.ProcessGroup
+    generation: int
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+class StoreServer:
+    """This worker's ``TCPStore`` server; it serves every generation in which this worker is rank 0."""
+
+    def __init__(self, host: str, timeouts: Timeouts) -> None:
+        self.host = host
+        self._timeouts = timeouts
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("group_build")
+        )
+        self.port = int(self.store.port)
+
+
+class GroupFactory:
+    """Builds the group of a generation and retires the groups of old ones."""
+
+    def __init__(
+        self, server: StoreServer, advertise_addr: str, backend: str, local_rank: int, timeouts: Timeouts
+    ) -> None:
+        self._server = server
+        self._addr = advertise_addr
+        self.backend = resolve_backend(backend)
+        self._timeouts = timeouts
+        self.device = (
+            torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        self._client: dist.Store | None = None
+        self._client_addr: tuple[str, int] | None = None
+
+    def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> dist.Store:
+        if (host, port) == (self._addr, self._server.port) or (
+            port == self._server.port and host in (self._server.host, "127.0.0.1", "localhost")
+        ):
+            return self._server.store
+        if self._client_addr == (host, port) and self._client is not None:
+            return self._client
+        self._client, self._client_addr = None, None  # drop the old connection before opening one
+        while True:
+            if abandon():
+                raise PeerLost(f"generation abandoned while connecting to store {host}:{port}")
+            try:
+                client = dist.TCPStore(
+                    host, port, is_master=False,
+                    timeout=timedelta(seconds=max(0.5, min(1.0, deadline.remaining_s()))),
+                )
+            except (RuntimeError, dist.DistError) as exc:
+                if deadline.expired():
+                    raise CollectiveTimeout(f"store {host}:{port} unreachable: {exc}") from exc
+                continue
+            client.set_timeout(self._timeouts.td("group_build"))
+            self._client, self._client_addr = client, (host, port)
+            return client
+
+    def build(
+        self,
+        generation: int,
+        rank: int,
+        world_size: int,
+        store_host: str,
+        store_port: int,
+        deadline: Deadline,
+        abandon: Callable[[], bool],
+    ) -> Group:
+        """Build generation ``generation``'s group, with every member of it.
+
+        Raises:
+            PeerLost: the generation was abandoned while waiting for peers to arrive.
+            CollectiveTimeout: not every member arrived before ``deadline``.
+            CollectiveError: the backend failed to connect.
+        """
+        started = time.monotonic()
+        base = self._store_for(store_host, store_port, deadline, abandon)
+        store = dist.PrefixStore(f"gen/{generation}/", base)
+        try:
+            store.add("arrived", 1)
+            while int(store.add("arrived", 0)) < world_size:
+                if abandon():
+                    raise PeerLost(f"generation {generation} abandoned while waiting for peers")
+                if deadline.expired():
+                    raise CollectiveTimeout(f"generation {generation}: peers did not arrive in time")
+                time.sleep(self._timeouts.abort_poll_s / 4)
+            pg = self._make(store, rank, world_size)
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveError(f"building generation {generation} failed: {exc}") from exc
+        log.info(
+            "process_group_rebuilt",
+            generation=generation,
+            rank=rank,
+            world_size=world_size,
+            backend=self.backend,
+            duration_s=round(time.monotonic() - started, 4),
+        )
+        return Group(pg, generation, rank, world_size, self.backend, self.device)
+
+    def _make(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._timeouts.td("collective")
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self._timeouts.td("collective")
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._addr)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+    def retire(self, group: Group | None) -> None:
+        """Let go of an old group without waiting on collectives stuck in it.
+
+        NCCL groups are aborted; gloo groups are dropped on a short-lived thread so that a
+        destructor joining a stuck worker thread never blocks training.
+        """
+        if group is None:
+            return
+        pg = group.pg
+        del group
+        if self.backend == "nccl":
+            try:
+                pg.abort()  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                log.warning("process_group_abort_failed", error=str(exc))
+        threading.Thread(target=_drop, args=([pg],), name="elasticd-retire", daemon=True).start()
+
+
+def _drop(holder: list[dist.ProcessGroup]) -> None:
+    holder.clear()

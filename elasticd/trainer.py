@@ -1,0 +1,371 @@
+"""The worker-side API and the per-step protocol.
+
+Owns ``ElasticTrainer``: it turns a training loop into an elastic one. Each step: the rank's share
+of the global batch is computed from the synced data position; ``step(loss)`` runs backward, the
+bucketed gradient all_reduce (with the commit vote in its last bucket) and, only if every member's
+vote arrived, ``optimizer.step()`` and the counters. A failed or abandoned collective commits
+nothing on this rank: the generation is aborted, the members re-rendezvous, rank 0 syncs the newest
+state, and the same batch position is retried in the new group. Never spawns processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import structlog
+import torch
+
+from elasticd.checkpoint import TrainingState, sync_state
+from elasticd.collectives import GradientReducer
+from elasticd.config import WorkerEnv
+from elasticd.errors import (
+    CheckpointTransferError,
+    CollectiveError,
+    RestartsExhausted,
+)
+from elasticd.log import bind_context
+from elasticd.membership import Joined, KeyValueStore, Keys, MemberRecord, Membership, new_member_id
+from elasticd.process_group import Group, GroupFactory, StoreServer
+from elasticd.retry import Deadline
+from elasticd.sampler import Batch, BatchMode, ElasticSampler
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A committed step, as every member of the generation committed it."""
+
+    step: int
+    loss: float          # the global-batch mean loss
+    generation: int
+    world_size: int
+    duration_s: float
+
+
+class ElasticTrainer:
+    """Elastic data-parallel training of ``model`` with ``optimizer``.
+
+    Example::
+
+        trainer = ElasticTrainer(model, optimizer, dataset_size=len(x), global_batch_size=64)
+        with trainer:
+            for batch in trainer.batches(max_steps=1000):
+                loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
+                trainer.step(loss)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dataset_size: int,
+        global_batch_size: int,
+        seed: int = 0,
+        batch_mode: BatchMode | str = BatchMode.CONSTANT_GLOBAL,
+        reference_world_size: int = 1,
+        env: WorkerEnv | None = None,
+        store: KeyValueStore | None = None,
+        audit_path: str | Path | None = None,
+        log_every: int = 1,
+    ) -> None:
+        """
+        Args:
+            model: the model; every member must build the same architecture.
+            optimizer: its optimizer.
+            dataset_size: number of samples; batches carry indices into ``range(dataset_size)``.
+            global_batch_size: samples per step over all ranks (``constant_global``), or per rank
+                (``linear_scaling``, where the learning rate is scaled by
+                ``world_size / reference_world_size``).
+            seed: seed of the per-epoch global order.
+            batch_mode: ``constant_global`` (default) or ``linear_scaling``.
+            reference_world_size: the world size the learning rate was tuned for (linear scaling).
+            env: settings; by default read from ``ELASTICD_*`` variables.
+            store: the key-value store; by default an etcd client for ``env.etcd``.
+            audit_path: if set, one JSON line per committed step and per sync is appended here.
+            log_every: log a ``step_committed`` line every this many steps.
+        """
+        self.env = env or WorkerEnv.from_environ()
+        self.model = model
+        self.optimizer = optimizer
+        self.state = TrainingState(model, optimizer)
+        self.sampler = ElasticSampler(dataset_size, global_batch_size, seed, BatchMode(batch_mode))
+        self._reference_world = reference_world_size
+        self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._store = store
+        self._audit_path = Path(audit_path) if audit_path else None
+        self._audit: IO[str] | None = None
+        self._log_every = max(1, log_every)
+        self._membership: Membership | None = None
+        self._factory: GroupFactory | None = None
+        self._server: StoreServer | None = None
+        self._reducer: GradientReducer | None = None
+        self.group: Group | None = None
+        self.joined: Joined | None = None
+        self._has_state = False
+        self._need_rendezvous = True
+        self._cause = "start"
+        self._failed_at = 0.0
+        self._failures_this_step = 0
+        self._pending: Batch | None = None
+        self.recoveries = 0
+        self.last_result: StepResult | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> ElasticTrainer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(clean=exc[0] is None)
+
+    def start(self) -> None:
+        """Connect to etcd and register; the first rendezvous happens at the first batch.
+
+        Raises:
+            EtcdUnavailable: etcd could not be reached within the retry bound.
+        """
+        env = self.env
+        torch.set_num_threads(1) if env.backend != "nccl" else None
+        if self._store is None:
+            from elasticd.etcd import EtcdClient  # the worker's wiring point
+
+            self._store = EtcdClient(env.etcd, env.timeouts, env.retry)
+        self._server = StoreServer(env.advertise_addr, env.timeouts)
+        self._factory = GroupFactory(self._server, env.advertise_addr, env.backend, env.local_rank, env.timeouts)
+        record = MemberRecord(
+            member_id=new_member_id(env.node_id, env.local_rank),
+            node=env.node_id,
+            local_rank=env.local_rank,
+            pid=__import__("os").getpid(),
+            host=env.advertise_addr,
+            store_port=self._server.port,
+            signature=self.state.signature,
+        )
+        self._membership = Membership(self._store, Keys(env.etcd.prefix, env.world.job_id), record, env.world, env.timeouts)
+        bind_context(node=env.node_id, member=record.member_id)
+        self._membership.start()
+        self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
+        if self._audit_path:
+            self._audit_path.parent.mkdir(parents=True, exist_ok=True)
+            self._audit = self._audit_path.open("a", buffering=1)
+        self._failed_at = time.monotonic()
+
+    def close(self, clean: bool = True) -> None:
+        """Leave the job: a short goodbye barrier (so no peer mistakes a finished member for a lost
+        one), then revoke the lease, drop the group and stop the background threads."""
+        if self.group is not None and clean and self._membership is not None and not self._membership.must_abandon():
+            try:
+                from elasticd.collectives import all_reduce
+                import torch.distributed as dist
+
+                all_reduce(torch.zeros(1, device=self.group.device), self.group, dist.ReduceOp.SUM,
+                           Deadline.after(self.env.timeouts.td("collective")), self._membership.must_abandon,
+                           self.env.timeouts.abort_poll_s)
+            except CollectiveError as exc:
+                log.warning("goodbye_barrier_failed", error=str(exc))
+        if self._membership is not None:
+            self._membership.close()
+        if self._reducer is not None:
+            self._reducer.close()
+        if self._factory is not None:
+            self._factory.retire(self.group)
+        self.group = None
+        if self._audit is not None:
+            self._audit_line({"event": "final", "step": self.state.counters.step,
+                              "checksum": f"{self.state.checksum():016x}"})
+            self._audit.close()
+            self._audit = None
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        """Committed steps so far (the job's step counter, synced from rank 0)."""
+        return self.state.counters.step
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank if self.group else -1
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size if self.group else 0
+
+    def batches(self, max_steps: int) -> Iterator[Batch]:
+        """Yield this rank's batch for each step until ``max_steps`` steps are committed.
+
+        After a failed step the same global position is yielded again (split over the new group).
+        """
+        assert self._membership is not None, "call start() (or use the trainer as a context manager)"
+        while self.state.counters.step < max_steps:
+            if self._need_rendezvous or self._membership.must_abandon():
+                if not self._need_rendezvous:
+                    self._fail(CollectiveError(self._membership.abandon_reason or "generation abandoned"))
+                self._recover()
+            assert self.group is not None
+            c = self.state.counters
+            batch = self.sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size)
+            self._pending = batch
+            yield batch
+            if self._pending is not None:
+                raise RuntimeError("trainer.step(loss) must be called once for every batch")
+
+    def step(self, loss: torch.Tensor) -> StepResult | None:
+        """Backward, average gradients over the generation, and commit if every member voted.
+
+        Args:
+            loss: this rank's loss on its batch, averaged over its own samples.
+
+        Returns:
+            The committed step, or None if the step failed here (it will be retried).
+
+        Raises:
+            RestartsExhausted: the same step failed more often than ``retry.step_retries``.
+        """
+        batch, self._pending = self._pending, None
+        assert batch is not None, "step() called without a batch from batches()"
+        assert self.group is not None and self._reducer is not None and self._membership is not None
+        started = time.monotonic()
+        group = self.group
+        n_local = len(batch.indices)
+        vote = [
+            float(loss.detach()) * batch.weight if n_local else 0.0,
+            0.0,
+            1.0 if self._membership.join_pending() else 0.0,
+        ]
+        self.optimizer.zero_grad(set_to_none=True)
+        timeouts = self.env.timeouts
+        try:
+            self._reducer.begin(group, batch.weight, vote)
+            if n_local:
+                loss.backward()
+            summed = self._reducer.finish(
+                Deadline.after(timeouts.td("collective")), self._membership.must_abandon, timeouts.abort_poll_s
+            )
+        except CollectiveError as exc:
+            self._reducer.cancel()
+            self._fail(exc)
+            return None
+        if summed[1] > 0:
+            self._fail(CollectiveError(f"{int(summed[1])} member(s) vetoed step {batch.step}"))
+            return None
+        self.optimizer.step()
+        c = self.state.counters
+        c.step = batch.step
+        c.epoch, c.position = self.sampler.after(batch)
+        c.epoch, c.position = self.sampler.normalize(c.epoch, c.position, group.world_size)
+        self._failures_this_step = 0
+        duration = time.monotonic() - started
+        result = StepResult(c.step, summed[0], group.generation, group.world_size, duration)
+        self.last_result = result
+        if summed[2] > 0:
+            self._need_rendezvous, self._cause = True, "join"
+            self._failed_at = time.monotonic()
+        self._record_commit(batch, result)
+        return result
+
+    # -- failure and recovery ---------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        assert self._membership is not None
+        gen = self.group.generation if self.group else 0
+        self._failures_this_step += 1
+        log.warning("step_failed", generation=gen, rank=self.rank, step=self.state.counters.step + 1,
+                    error=str(exc)[:300], attempt=self._failures_this_step)
+        if self.group is not None:
+            self._membership.abort(gen, str(exc))
+        if not self._need_rendezvous:
+            self._failed_at = time.monotonic()
+        self._need_rendezvous, self._cause = True, type(exc).__name__
+        if self._failures_this_step > self.env.retry.step_retries:
+            raise RestartsExhausted(
+                f"step {self.state.counters.step + 1} failed {self._failures_this_step} times "
+                f"(retry.step_retries={self.env.retry.step_retries}); last error: {exc}"
+            ) from exc
+
+    def _recover(self) -> None:
+        """Rendezvous, rebuild the group in-process, and sync the state from rank 0."""
+        assert self._membership is not None and self._factory is not None
+        timeouts = self.env.timeouts
+        self._factory.retire(self.group)
+        self.group = None
+        deadline = Deadline.after(timeouts.td("join"))
+        while True:
+            committed = self.state.counters.step if self._has_state else -1
+            joined = self._membership.join(committed, deadline)
+            rec = joined.record
+            bind_context(generation=rec.generation, rank=joined.rank)
+            try:
+                group = self._factory.build(
+                    rec.generation, joined.rank, rec.world_size, rec.store_host, rec.store_port,
+                    Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())),
+                    self._membership.must_abandon,
+                )
+                self.group = group
+                report = sync_state(group, self.state, Deadline.after(timeouts.td("checkpoint_transfer")),
+                                    self._membership.must_abandon, timeouts.abort_poll_s)
+                break
+            except (CollectiveError, CheckpointTransferError) as exc:
+                log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
+                self._membership.abort(rec.generation, str(exc))
+                self._factory.retire(self.group)
+                self.group = None
+                if deadline.expired():
+                    raise
+        self.joined = joined
+        self._has_state = True
+        self._need_rendezvous = False
+        self.recoveries += 1
+        if self.sampler.mode is BatchMode.LINEAR_SCALING:
+            for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+                g["lr"] = base * group.world_size / self._reference_world
+        c = self.state.counters
+        bind_context(step=c.step)
+        log.info("recovered", generation=group.generation, rank=group.rank, world_size=group.world_size,
+                 step=c.step, cause=self._cause, members=list(rec.members),
+                 duration_s=round(time.monotonic() - self._failed_at, 4), rendezvous_s=round(joined.duration_s, 4))
+        self._audit_line({"event": "sync", "generation": group.generation, "rank": group.rank,
+                          "world_size": group.world_size, "step": c.step, "epoch": c.epoch,
+                          "position": c.position, "checksum": f"{report.checksum:016x}",
+                          "transferred_bytes": report.transferred_bytes, "cause": self._cause,
+                          "t": time.time()})
+        self._publish_progress()
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _record_commit(self, batch: Batch, result: StepResult) -> None:
+        if result.step % self._log_every == 0:
+            bind_context(step=result.step)
+            log.info("step_committed", generation=result.generation, rank=batch.rank, step=result.step,
+                     loss=round(result.loss, 6), world_size=result.world_size,
+                     duration_s=round(result.duration_s, 5))
+        if self._audit is not None:
+            self._audit_line({"event": "commit", "step": result.step, "generation": result.generation,
+                              "rank": batch.rank, "world_size": batch.world_size, "epoch": batch.epoch,
+                              "position": batch.position, "indices": batch.indices, "loss": result.loss,
+                              "t": time.time()})
+        self._publish_progress()
+
+    def _publish_progress(self) -> None:
+        assert self._membership is not None
+        r = self.last_result
+        self._membership.set_progress({
+            "step": self.state.counters.step,
+            "generation": self.group.generation if self.group else 0,
+            "rank": self.rank,
+            "step_time_s": r.duration_s if r else None,
+            "recoveries": self.recoveries,
+            "time": time.time(),
+        })
+
+    def _audit_line(self, record: dict[str, object]) -> None:
+        if self._audit is not None:
+            self._audit.write(json.dumps(record) + "\n")
