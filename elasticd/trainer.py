@@ -132,8 +132,10 @@ class ElasticTrainer:
         Raises:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
+        started_wall = time.time()
         env = self.env
-        torch.set_num_threads(1) if env.backend != "nccl" else None
+        if env.backend != "nccl":
+            torch.set_num_threads(1)  # workers share the node's cores; see README
         if self._store is None:
             from elasticd.etcd import EtcdClient  # the worker's wiring point
 
@@ -156,6 +158,7 @@ class ElasticTrainer:
         if self._audit_path:
             self._audit_path.parent.mkdir(parents=True, exist_ok=True)
             self._audit = self._audit_path.open("a", buffering=1)
+            self._audit_line({"event": "start", "member": record.member_id, "t": started_wall})
         self._failed_at = time.monotonic()
 
     def close(self, clean: bool = True) -> None:

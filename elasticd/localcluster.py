@@ -1,0 +1,184 @@
+"""An embedded local cluster: a real etcd on loopback and worker processes, all tracked by PID.
+
+Owns starting and stopping the processes of a local job (used by the README's main command, the
+tests and the benchmarks): ``EtcdServer`` runs the real ``etcd`` binary on free loopback ports with
+a temporary data directory; ``WorkerProcess`` runs one training program with the ``ELASTICD_*``
+environment. Everything it starts it stops by PID, and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticd.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ETCD_START_TIMEOUT_S = 20.0  # etcd usually answers in well under a second
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def etcd_binary() -> str:
+    """The etcd server on PATH (or /usr/bin/etcd).
+
+    Raises:
+        ConfigError: no etcd binary is installed.
+    """
+    found = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if not found:
+        raise ConfigError("etcd: no etcd binary on PATH (apt-get install etcd-server)")
+    return found
+
+
+class EtcdServer:
+    """A real single-node etcd on loopback, on free ports, with a temporary data dir."""
+
+    def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None) -> None:
+        self.host = host
+        self.client_port = free_port(host)
+        self.peer_port = free_port(host)
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = Path(self.data_dir + ".log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        """Start etcd and wait until it answers.
+
+        Raises:
+            RuntimeError: etcd did not answer within ``ETCD_START_TIMEOUT_S``.
+        """
+        url_c = f"http://{self.host}:{self.client_port}"
+        url_p = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            etcd_binary(), "--name", "elasticd-test", "--data-dir", self.data_dir,
+            "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
+            "--listen-peer-urls", url_p, "--initial-advertise-peer-urls", url_p,
+            "--initial-cluster", f"elasticd-test={url_p}",
+            "--log-level", "error",
+        ]
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ETCD_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
+            if self._answers():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd did not answer on {self.endpoint} within {ETCD_START_TIMEOUT_S} s")
+
+    def _answers(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as r:
+                return b"true" in r.read()
+        except OSError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, remove_data: bool = True) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+        if remove_data and self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports and data (leases and keys survive)."""
+        self.stop(remove_data=False)
+        self.start()
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class WorkerProcess:
+    """One training program run as a separate process with the ``ELASTICD_*`` environment."""
+
+    program: Sequence[str]
+    env: Mapping[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = field(default=0.0)
+
+    def start(self) -> WorkerProcess:
+        full_env = dict(os.environ)
+        full_env.update(self.env)
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env["PYTHONUNBUFFERED"] = "1"
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(list(self.program), env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        self.started_at = time.monotonic()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            os.kill(self.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def python_program(script: str | Path, *args: str) -> list[str]:
+    """The command line that runs ``script`` (path relative to the repo) with this interpreter."""
+    path = Path(script)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    return [sys.executable, str(path), *args]

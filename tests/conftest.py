@@ -1,0 +1,109 @@
+"""Shared fixtures: a real etcd per test module, and a local job whose workers are tracked by PID."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.audit import AuditReport, check_dir
+from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
+
+_job_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    server = EtcdServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class LocalJob:
+    """Workers of the default workload (or any program) in one job, with their audit logs."""
+
+    def __init__(self, etcd: EtcdServer, workdir: Path, **settings: object) -> None:
+        self.etcd = etcd
+        self.dir = workdir
+        self.job_id = f"job{os.getpid()}x{next(_job_ids)}"
+        self.settings = {k.upper(): str(v) for k, v in settings.items()}
+        self.workers: list[WorkerProcess] = []
+
+    def env(self, local_rank: int, **extra: object) -> dict[str, str]:
+        env = {
+            "ELASTICD_ETCD_ENDPOINTS": self.etcd.endpoint,
+            "ELASTICD_JOB_ID": self.job_id,
+            "ELASTICD_NODE_ID": "testnode",
+            "ELASTICD_LOCAL_RANK": str(local_rank),
+            "ELASTICD_LEASE_TTL_S": "2",
+            "ELASTICD_KEEPALIVE_S": "0.5",
+        }
+        env.update({"ELASTICD_" + k: v for k, v in self.settings.items()})
+        env.update({"ELASTICD_" + k.upper(): str(v) for k, v in extra.items()})
+        return env
+
+    def spawn(self, *args: str, program: str = "agents/mlp.py", audit: bool = True, **extra: object) -> WorkerProcess:
+        i = len(self.workers)
+        argv = list(args) + (["--audit", str(self.dir / f"audit{i}.jsonl")] if audit else [])
+        w = WorkerProcess(python_program(program, *argv), self.env(i, **extra), self.dir / f"worker{i}.log")
+        self.workers.append(w.start())
+        return w
+
+    def audit(self, dataset_size: int = 2048) -> AuditReport:
+        return check_dir(self.dir, dataset_size)
+
+    def committed(self) -> int:
+        """The highest step committed so far (read from the audit logs)."""
+        best = 0
+        for p in self.dir.glob("*.jsonl"):
+            for line in reversed(p.read_text().splitlines()):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("event") == "commit":
+                    best = max(best, int(rec["step"]))
+                    break
+        return best
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.logs_tail()}")
+
+    def wait_all(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        return [w.wait(max(0.1, deadline - time.monotonic())) for w in self.workers]
+
+    def logs_tail(self, n: int = 15) -> str:
+        return "\n".join(f"--- worker {i}\n" + "\n".join(w.log_text().splitlines()[-n:]) for i, w in enumerate(self.workers))
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+@pytest.fixture
+def local_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., LocalJob]]:
+    jobs: list[LocalJob] = []
+
+    def make(**settings: object) -> LocalJob:
+        job = LocalJob(etcd_server, tmp_path / f"job{len(jobs)}", **settings)
+        jobs.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        for j in jobs:
+            j.stop()
