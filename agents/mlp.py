@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--audit", default=None, help="append one JSON line per committed step here")
+    p.add_argument("--save-final", default=None, help="write the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra compute per step (slows the demo and fault tests down)")
     return p.parse_args(argv)
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.step_sleep)
                 loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
                 trainer.step(loss)
-    except elasticd.FatalError as exc:
+            if args.save_final:
+                torch.save(model.state_dict(), args.save_final)
+    except elasticd.ElasticdError as exc:
         print(f"elasticd: fatal: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -132,8 +132,9 @@ class TrainingState:
             if dtype_s not in _DTYPES:
                 raise StateCorrupt(f"state layout names an unknown dtype {dtype_s!r}")
             dtype = _DTYPES[dtype_s]
-            raw = flat[offset : offset + nbytes]
-            t = raw.view(dtype).reshape(shape).clone() if nbytes else torch.empty(shape, dtype=dtype)
+            # clone first: a fresh storage is aligned for any dtype, whatever the offset was
+            raw = flat[offset : offset + nbytes].clone()
+            t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
             if name.startswith("model."):
                 mine = ours.get(name)
                 if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
@@ -204,15 +205,16 @@ def sync_state(group: Group, state: TrainingState, deadline: Deadline, abandon: 
             header = torch.zeros(2, dtype=torch.int64, device=dev)
         broadcast(header, 0, group, deadline, abandon, poll_s)
         n_layout, n_flat = int(header[0]), int(header[1])
-        payload = torch.empty(n_layout + n_flat, dtype=torch.uint8, device=dev)
+        start = _aligned(n_layout)  # the state bytes start aligned for every dtype
+        payload = torch.zeros(start + n_flat, dtype=torch.uint8, device=dev)
         if group.rank == 0:
             payload[:n_layout].copy_(torch.frombuffer(bytearray(layout), dtype=torch.uint8))
-            payload[n_layout:].copy_(flat)
+            payload[start:].copy_(flat)
         broadcast(payload, 0, group, deadline, abandon, poll_s)
         transferred = payload.numel()
         if group.rank != 0:
             host = payload.cpu()
-            state.unpack(bytes(host[:n_layout].numpy()), host[n_layout:])
+            state.unpack(bytes(host[:n_layout].numpy()), host[start:])
         mine = state.checksum()
         verify = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
         all_reduce(verify, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)

@@ -46,9 +46,15 @@ def wait(work: dist.Work, group: Group, deadline: Deadline, abandon: Abandon, po
         try:
             work.wait(slice_)
             return
-        except RuntimeError as exc:
+        except RuntimeError:
             if work.is_completed():
-                raise CollectiveError(f"{what} failed in generation {group.generation}: {exc}") from exc
+                # Done, but maybe only just after the slice ran out: a second wait tells success
+                # (returns at once) from failure (raises the collective's own error).
+                try:
+                    work.wait(slice_)
+                    return
+                except RuntimeError as exc:
+                    raise CollectiveError(f"{what} failed in generation {group.generation}: {exc}") from exc
         _check(group, deadline, abandon, what)
 
 

@@ -26,6 +26,10 @@ class EtcdUnavailable(TransientError):
     """etcd could not be reached or did not answer in time (after the retry bound)."""
 
 
+class LeaseLost(TransientError):
+    """This member's etcd lease no longer exists (it expired, e.g. while the process was frozen)."""
+
+
 class StaleGeneration(TransientError):
     """The generation this member acted on is no longer current."""
 

@@ -22,7 +22,7 @@ import grpc  # noqa: E402
 import structlog  # noqa: E402
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, parse_endpoint  # noqa: E402
-from elasticd.errors import EtcdUnavailable  # noqa: E402
+from elasticd.errors import EtcdUnavailable, LeaseLost  # noqa: E402
 from elasticd.membership import KeyValue  # noqa: E402
 from elasticd.retry import call_with_retry  # noqa: E402
 
@@ -35,8 +35,16 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     etcd3.exceptions.ConnectionFailedError,
     etcd3.exceptions.ConnectionTimeoutError,
     etcd3.exceptions.InternalServerError,
-    grpc.RpcError,
 )
+# gRPC status codes that a retry (or another endpoint) may cure; anything else is an answer.
+_TRANSIENT_CODES = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+}
+
+
+class _RetryableRpc(Exception):
+    """A gRPC error whose status code is transient (wrapped so tenacity can tell it apart)."""
 
 
 class EtcdClient:
@@ -71,10 +79,20 @@ class EtcdClient:
             except _TRANSIENT:
                 self._failover(client)
                 raise
+            except grpc.RpcError as exc:
+                code = exc.code() if callable(getattr(exc, "code", None)) else None
+                if code == grpc.StatusCode.NOT_FOUND and "lease" in str(exc):
+                    raise LeaseLost(f"{what}: the lease no longer exists") from exc
+                if code in _TRANSIENT_CODES:
+                    self._failover(client)
+                    raise _RetryableRpc(str(exc)) from exc
+                raise EtcdUnavailable(f"etcd rejected {what}: {code}: {exc}") from exc
 
         try:
-            return call_with_retry(attempt, policy=self._retry, transient=_TRANSIENT, event="etcd_call_retried", call=what)
-        except _TRANSIENT as exc:
+            return call_with_retry(
+                attempt, policy=self._retry, transient=_TRANSIENT + (_RetryableRpc,), event="etcd_call_retried", call=what
+            )
+        except (*_TRANSIENT, _RetryableRpc) as exc:
             raise EtcdUnavailable(
                 f"etcd at {','.join(self._config.endpoints)} did not answer {what} after "
                 f"{self._retry.etcd_attempts} attempts: {exc}"
@@ -142,7 +160,7 @@ class EtcdClient:
         def cancel() -> None:
             try:
                 client.cancel_watch(watch_id)
-            except _TRANSIENT as exc:
+            except (*_TRANSIENT, grpc.RpcError) as exc:
                 raise EtcdUnavailable(f"cancel_watch failed: {exc}") from exc
 
         return cancel
@@ -150,5 +168,5 @@ class EtcdClient:
     def close(self) -> None:
         try:
             self._client.close()
-        except _TRANSIENT:
+        except (*_TRANSIENT, grpc.RpcError):
             pass

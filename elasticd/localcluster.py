@@ -139,6 +139,7 @@ class WorkerProcess:
         full_env.update(self.env)
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env["PYTHONUNBUFFERED"] = "1"
+        full_env.setdefault("PYTHONFAULTHANDLER", "1")  # a native crash prints its stacks
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:

@@ -28,6 +28,7 @@ import structlog
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import (
     EtcdUnavailable,
+    LeaseLost,
     ModelMismatch,
     RendezvousClosed,
 )
@@ -478,6 +479,7 @@ class Membership:
         self._threads: list[threading.Thread] = []
         self._warned_malformed: set[str] = set()
         self._progress: Mapping[str, object] | None = None
+        self._renewed_at = float("-inf")
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -512,15 +514,26 @@ class Membership:
         try:
             if self._lease:
                 self._store.revoke_lease(self._lease)
-        except EtcdUnavailable as exc:
+        except (EtcdUnavailable, LeaseLost) as exc:
             log.warning("lease_revoke_failed", error=str(exc))
         for t in self._threads:
             t.join(timeout=self._timeouts.etcd_request_s * 2)
         self._state = MemberState.CLOSED
         log.info("membership_closed", member=self.member_id)
 
+    def _put_ready(self, ready: ReadyRecord) -> None:
+        """Write my ready record, re-registering first if my lease is gone."""
+        try:
+            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+        except LeaseLost:
+            log.warning("member_reregistered", member=self.member_id, cause="lease expired")
+            self._register()
+            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+
     def _register(self) -> None:
+        asked_at = self._clock()
         self._lease = self._store.grant_lease(self._timeouts.lease_ttl_s)
+        self._renewed_at = asked_at
         self._store.put(self._keys.member(self.member_id), encode(self.record), lease=self._lease)
         with self._lock:
             self._lease_lost = False
@@ -544,11 +557,16 @@ class Membership:
                 self.publish_progress(progress)
                 published = progress
             lease = self._lease
+            asked_at = self._clock()
             try:
                 ttl = self._store.refresh_lease(lease)
+            except LeaseLost:
+                ttl = 0.0
             except EtcdUnavailable as exc:
                 log.warning("lease_refresh_failed", error=str(exc))
                 continue
+            if ttl > 0 and lease == self._lease:
+                self._renewed_at = asked_at
             if ttl <= 0 and lease == self._lease:
                 with self._lock:
                     if not self._lease_lost:
@@ -613,6 +631,13 @@ class Membership:
 
     # -- hot-path flags ---------------------------------------------------------------------
 
+    def may_commit(self) -> bool:
+        """Fencing for a commit: the generation is not abandoned, and this member's lease is
+        certainly still alive (renewed less than ``lease_ttl_s - keepalive_s`` ago). A member that
+        was frozen past its lease must not commit a step its peers have already given up on."""
+        fresh = self._clock() - self._renewed_at < self._timeouts.lease_ttl_s - self._timeouts.keepalive_s
+        return fresh and not self._abandon and not self._lease_lost
+
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
         return self._abandon
@@ -663,7 +688,7 @@ class Membership:
         )
         if self._lease_lost:
             self._register()
-        self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+        self._put_ready(ready)
         window = Window(entered_at=started, candidates_changed_at=started)
         last_cands: frozenset[str] = frozenset()
         last_reason = ""
@@ -691,7 +716,7 @@ class Membership:
                 log.warning("member_reregistered", member=self.member_id, cause=action.reason)
                 if self.member_id not in snap.members:
                     self._register()
-                self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+                self._put_ready(ready)
                 continue
             if action.kind is ActionKind.PUBLISH:
                 assert action.record is not None
@@ -729,7 +754,7 @@ class Membership:
             self._store.put(
                 self._keys.progress(self.member_id), json.dumps(dict(payload)).encode(), lease=self._lease
             )
-        except EtcdUnavailable as exc:
+        except (EtcdUnavailable, LeaseLost) as exc:
             log.warning("progress_publish_failed", error=str(exc))
 
 

@@ -76,6 +76,7 @@ class GroupFactory:
             torch.cuda.set_device(self.device)
         self._client: dist.Store | None = None
         self._client_addr: tuple[str, int] | None = None
+        self._retiring: list[threading.Thread] = []
 
     def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> dist.Store:
         if (host, port) == (self._addr, self._server.port) or (
@@ -158,17 +159,38 @@ class GroupFactory:
         NCCL groups are aborted; gloo groups are dropped on a short-lived thread so that a
         destructor joining a stuck worker thread never blocks training.
         """
-        if group is None:
+        if group is None or group.pg is None:
             return
-        pg = group.pg
-        del group
+        # The retire thread must hold the only reference: if the last one were dropped here, the
+        # destructor would run on the training thread and wait for the stuck collective.
+        holder = [group.pg]
+        group.pg = None  # type: ignore[assignment]
+        pg = holder[0]
         if self.backend == "nccl":
             try:
                 pg.abort()  # type: ignore[attr-defined]
             except RuntimeError as exc:
                 log.warning("process_group_abort_failed", error=str(exc))
-        threading.Thread(target=_drop, args=([pg],), name="elasticd-retire", daemon=True).start()
+        del pg
+        t = threading.Thread(target=_drop, args=(holder,), name="elasticd-retire", daemon=True)
+        t.start()
+        self._retiring = [r for r in self._retiring if r.is_alive()] + [t]
+
+    def drain(self, deadline: Deadline) -> None:
+        """Wait until retired groups are destroyed (a group whose collective is stuck on a frozen
+        peer is destroyed only when the backend's own timeout, ``collective_s``, ends that
+        collective). Destroying one during interpreter exit aborts the process, so exit waits."""
+        alive = [t for t in self._retiring if t.is_alive()]
+        if alive:
+            log.info("waiting_for_abandoned_groups", count=len(alive), bound_s=round(deadline.remaining_s(), 1))
+        for t in alive:
+            t.join(deadline.remaining_s())
+        still = [t for t in self._retiring if t.is_alive()]
+        if still:
+            log.warning("abandoned_groups_still_closing", count=len(still))
 
 
 def _drop(holder: list[dist.ProcessGroup]) -> None:
+    started = time.monotonic()
     holder.clear()
+    log.debug("process_group_released", duration_s=round(time.monotonic() - started, 3))

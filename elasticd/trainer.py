@@ -11,6 +11,7 @@ state, and the same batch position is retried in the new group. Never spawns pro
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ class ElasticTrainer:
             member_id=new_member_id(env.node_id, env.local_rank),
             node=env.node_id,
             local_rank=env.local_rank,
-            pid=__import__("os").getpid(),
+            pid=os.getpid(),
             host=env.advertise_addr,
             store_port=self._server.port,
             signature=self.state.signature,
@@ -180,6 +181,7 @@ class ElasticTrainer:
             self._reducer.close()
         if self._factory is not None:
             self._factory.retire(self.group)
+            self._factory.drain(Deadline.after(self.env.timeouts.collective_s + 1.0))
         self.group = None
         if self._audit is not None:
             self._audit_line({"event": "final", "step": self.state.counters.step,
@@ -260,6 +262,9 @@ class ElasticTrainer:
         if summed[1] > 0:
             self._fail(CollectiveError(f"{int(summed[1])} member(s) vetoed step {batch.step}"))
             return None
+        if not self._membership.may_commit():
+            self._fail(CollectiveError(f"step {batch.step} not committed: lease not fresh or generation abandoned"))
+            return None
         self.optimizer.step()
         c = self.state.counters
         c.step = batch.step
@@ -339,7 +344,7 @@ class ElasticTrainer:
                           "world_size": group.world_size, "step": c.step, "epoch": c.epoch,
                           "position": c.position, "checksum": f"{report.checksum:016x}",
                           "transferred_bytes": report.transferred_bytes, "cause": self._cause,
-                          "t": time.time()})
+                          "t": time.time(), **_resource_counts()})
         self._publish_progress()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -372,3 +377,11 @@ class ElasticTrainer:
     def _audit_line(self, record: dict[str, object]) -> None:
         if self._audit is not None:
             self._audit.write(json.dumps(record) + "\n")
+
+
+def _resource_counts() -> dict[str, int]:
+    """Open file descriptors and OS threads of this process (Linux; empty elsewhere)."""
+    try:
+        return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task"))}
+    except OSError:
+        return {}

@@ -24,3 +24,62 @@ def test_sigkill_mid_step_survivors_finish_at_world_2(local_job):
     assert rep.last_step == 150
     assert rep.step_world[rep.last_step] == 2
     assert sorted(set(rep.generations.values()))[:1] == [2]
+
+
+def test_fourth_worker_joins_mid_run_and_gets_rank0_state(local_job):
+    job = local_job(min_workers=3)
+    for _ in range(3):
+        job.spawn("--steps", "400", *SLOW)
+    job.wait_for(lambda: job.committed() >= 40, 60, "40 committed steps")
+    joiner = job.spawn("--steps", "400", *SLOW)
+    codes = job.wait_all(120)
+    assert codes == [0, 0, 0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert rep.last_step == 400
+    assert 4 in rep.generations.values(), rep.generations
+    assert rep.step_world[400] == 4
+    assert "transferred_bytes" in joiner.log_text()
+    # the joiner's own sync line shows it received bytes, and its checksum equals the others'
+    # (checked for every generation by audit.check); its final parameters equal the others' too
+    assert len(set(rep.final_checksums)) == 1 and len(rep.final_checksums) == 4
+
+
+def test_sigstop_peer_is_dropped_after_lease_expiry_and_rejoins_on_resume(local_job):
+    # collective_s bounds how long a group stuck on the frozen peer lingers (and so the exit)
+    job = local_job(min_workers=2, collective_s=5)
+    for _ in range(3):
+        job.spawn("--steps", "200", *SLOW)
+    job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
+    frozen = job.workers[1]
+    frozen.signal(signal.SIGSTOP)
+    at_stop = job.committed()
+    # the others go on once the frozen member's lease (2 s) expires
+    job.wait_for(lambda: job.committed() >= at_stop + 20, 30, "survivors to go on without the frozen peer")
+    frozen.signal(signal.SIGCONT)
+    codes = job.wait_all(120)
+    assert codes == [0, 0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert rep.last_step == 200
+    log = frozen.log_text()
+    assert log.count('"member_registered"') >= 2, log[-3000:]  # its lease expired; it came back anew
+    assert rep.step_world[200] == 3  # it rejoined as a newcomer
+    assert len(set(rep.final_checksums)) == 1 and len(rep.final_checksums) == 3
+
+
+def test_fds_and_threads_stay_bounded_over_50_generation_changes(local_job):
+    job = local_job(min_workers=1, join_window_s=0.05)
+    survivor = job.spawn("--steps", "1000000", "--step-sleep", "0.005")
+    job.wait_for(lambda: job.committed() >= 5, 60, "the survivor to train")
+    churn = job.spawn("--cycles", "26", program="tests/programs/churn.py", audit=False)
+    assert churn.wait(150) == 0, job.logs_tail()
+    survivor.stop()
+    syncs = [r for r in __import__("elasticd.audit", fromlist=["x"]).read_lines([job.dir / "audit0.jsonl"])
+             if r["event"] == "sync"]
+    assert len(syncs) >= 50, len(syncs)
+    early, late = syncs[5], syncs[-1]
+    assert late["fds"] <= early["fds"] + 4, (early, late)
+    assert late["threads"] <= early["threads"] + 4, (early, late)
+    rep = job.audit()
+    assert rep.ok, rep.violations

@@ -1,0 +1,1023 @@
+"""Benchmarks of elasticd on this machine: ``python -m elasticd.bench <subcommand>``.
+
+Owns measuring elasticd end to end, against real processes, and printing the figures (a table, or
+one JSON object with ``--json``). ``recovery`` runs local jobs of the default workload
+(``agents/mlp.py``) on a real etcd (``localcluster``) and measures, each as a median over
+``--reps`` repetitions:
+
+* ``recovery_sigkill_s`` / ``recovery_sigstop_s``: fault injected into a worker -> the survivors'
+  first commit in a new generation (audit ``commit`` lines' ``t``);
+* ``join_s``: a newcomer's audit ``start`` line -> its first ``commit`` line;
+* ``overhead_ratio``: elastic step time / plain torch DDP (``agents/mlp_ddp.py``) step time;
+* ``transfer_ratio``: ``checkpoint.sync_state`` throughput / raw gloo broadcast throughput of the
+  same bytes in the same group (spawned processes, a wide MLP);
+* ``steps_lost``: missing or repeated committed steps found by ``audit.check`` over every job.
+
+Every process it starts (etcd, workers, transfer processes) is tracked by PID and killed in
+``finally`` blocks. Never holds daemon logic and never changes how elasticd behaves: settings reach
+the workers only through their ``ELASTICD_*`` environment. Later subcommands (``agent``,
+``checkpoint``) register in ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elasticd.audit import AuditReport, check_dir
+from elasticd.config import Timeouts
+from elasticd.localcluster import REPO_ROOT, EtcdServer, WorkerProcess, free_port, python_program
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+Record = dict[str, object]
+
+WORKLOAD = "agents/mlp.py"
+DDP_WORKLOAD = "agents/mlp_ddp.py"
+DATASET_SIZE = 2048           # agents/mlp.py --samples default; the audit checks each epoch with it
+POLL_S = 0.05                 # how often the bench reads the audit logs (it shares the 2 cores)
+KILL_AT_STEP = 30             # the SIGKILL lands this far into training
+SETTLE_STEPS = 10             # steps at the new world size before the next fault
+JOIN_SETTLE_STEPS = 20        # steps after the newcomer's first commit before the SIGSTOP
+PHASE_TIMEOUT_S = 90.0        # bound on every wait of a phase
+EXIT_GRACE_S = 1.0            # a finished worker still running after this is killed (its final GC
+                              # at interpreter exit takes seconds on 2 shared cores)
+TRANSFER_FEATURES, TRANSFER_CLASSES = 32, 10
+
+
+class BenchError(RuntimeError):
+    """A repetition could not be measured (a phase timed out, or a worker died unexpectedly)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and results
+
+
+@dataclass(frozen=True)
+class RecoverySettings:
+    """What ``recovery`` runs; printed next to the figures."""
+
+    reps: int = 5
+    workers: int = 3
+    lease_ttl_s: float = 2.0
+    keepalive_s: float = 0.5
+    step_sleep_s: float = 0.02        # fault jobs only; the overhead jobs run without it
+    fault_steps: int = 450
+    overhead_steps: int = 400
+    window_from: int = 50             # steady-state window of the overhead jobs: steps window_from..N
+    transfer_hidden: int = 2048       # width of the MLP whose state the transfer phase moves
+    min_workers_faults: int = 2
+
+    def timeouts(self) -> Timeouts:
+        """The worker timeouts these settings give (defaults for everything not set here)."""
+        return Timeouts(lease_ttl_s=self.lease_ttl_s, keepalive_s=self.keepalive_s)
+
+    def describe(self) -> dict[str, object]:
+        t = self.timeouts()
+        return {
+            **asdict(self),
+            "ELASTICD_LEASE_TTL_S": self.lease_ttl_s,
+            "ELASTICD_KEEPALIVE_S": self.keepalive_s,
+            "ELASTICD_MIN_WORKERS": f"{self.min_workers_faults} (fault jobs), {self.workers} (overhead jobs)",
+            "last_call_s": t.last_call_s,
+            "join_window_s": t.join_window_s,
+            "abort_poll_s": t.abort_poll_s,
+            "collective_s": t.collective_s,
+            "OMP_NUM_THREADS": "1",
+            "workload": f"{WORKLOAD} defaults (global batch 64, {DATASET_SIZE} samples, hidden 128)",
+            "cpus": os.cpu_count(),
+            "torch": _version("torch"),
+            "python": sys.version.split()[0],
+        }
+
+
+@dataclass
+class FaultRep:
+    """One repetition of the fault job: SIGKILL, join, SIGSTOP, as seen in the audit and logs."""
+
+    sigkill_s: float | None = None
+    sigkill_victim_rank: int | None = None
+    sigstop_s: float | None = None
+    sigstop_victim_rank: int | None = None
+    join_s: float | None = None
+    join_transferred_bytes: int | None = None
+    exit_after_final_s: float | None = None
+    timeline: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    last_step: int = 0
+    steps_lost: int = 0
+    violations: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class OverheadRep:
+    elastic_step_s: float | None = None
+    ddp_step_s: float | None = None
+    ratio: float | None = None
+    max_loss_diff: float | None = None
+    steps_lost: int = 0
+    violations: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class TransferResult:
+    bytes: int = 0
+    sync_s: list[float] = field(default_factory=list)
+    raw_s: list[float] = field(default_factory=list)
+    checksum_s: float | None = None
+    pack_s: float | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers over JSON records
+
+
+def _num(rec: Mapping[str, object], key: str) -> float:
+    value = rec[key]
+    assert isinstance(value, (int, float)), f"{key}={value!r} is not a number"
+    return float(value)
+
+
+def _int(rec: Mapping[str, object], key: str) -> int:
+    return int(_num(rec, key))
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _log_time(rec: Mapping[str, object]) -> float | None:
+    ts = rec.get("timestamp")
+    if not isinstance(ts, str):
+        return None
+    try:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def read_json_lines(path: Path) -> list[Record]:
+    """Every JSON-object line of ``path`` (tracebacks and partial lines are skipped)."""
+    out: list[Record] = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+class _Tail:
+    """Reads only what was appended to a file since the last call (the bench polls every 50 ms)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = ""
+
+    def read_new(self) -> list[Record]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        lines = (self._partial + data.decode(errors="replace")).split("\n")
+        self._partial = lines.pop()
+        out: list[Record] = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
+def _lost_steps(rep: AuditReport) -> int:
+    """Committed steps that are missing (gaps) or were committed twice (rolled back after commit)."""
+    missing = set(range(1, rep.last_step + 1)) - set(rep.steps)
+    repeated = sum(1 for v in rep.violations if "committed in several generations" in v)
+    return len(missing) + repeated
+
+
+# ---------------------------------------------------------------------------------------------
+# A local job whose audit logs are followed while it runs
+
+
+class _Worker:
+    def __init__(self, index: int, proc: WorkerProcess, audit: Path) -> None:
+        self.index = index
+        self.proc = proc
+        self.audit = audit
+        self.tail = _Tail(audit)
+        self.start_t: float | None = None
+        self.final_seen: float | None = None   # when the bench read the "final" line (bench clock)
+        self.commits: list[Record] = []
+        self.expected_dead = False
+
+    @property
+    def last(self) -> Record | None:
+        return self.commits[-1] if self.commits else None
+
+
+class _Job:
+    """Workers of one elastic job, all tracked by PID; their audit logs are tailed by ``poll``."""
+
+    def __init__(self, etcd: EtcdServer, workdir: Path, job_id: str, env: Mapping[str, str]) -> None:
+        self.etcd = etcd
+        self.dir = workdir
+        self.job_id = job_id
+        self.env = dict(env)
+        self.workers: list[_Worker] = []
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, *args: str) -> _Worker:
+        i = len(self.workers)
+        audit = self.dir / f"audit{i}.jsonl"
+        env = {
+            **self.env,
+            "ELASTICD_ETCD_ENDPOINTS": self.etcd.endpoint,
+            "ELASTICD_JOB_ID": self.job_id,
+            "ELASTICD_NODE_ID": "bench",
+            "ELASTICD_LOCAL_RANK": str(i),
+            "OMP_NUM_THREADS": "1",
+        }
+        proc = WorkerProcess(python_program(WORKLOAD, *args, "--audit", str(audit)), env, self.dir / f"worker{i}.log")
+        w = _Worker(i, proc, audit)
+        self.workers.append(w)
+        proc.start()
+        return w
+
+    def poll(self) -> None:
+        for w in self.workers:
+            for rec in w.tail.read_new():
+                if rec.get("event") == "commit":
+                    w.commits.append(rec)
+                elif rec.get("event") == "start":
+                    w.start_t = _num(rec, "t")
+                elif rec.get("event") == "final":
+                    w.final_seen = time.time()
+
+    def max_step(self) -> int:
+        return max((_int(w.last, "step") for w in self.workers if w.last), default=0)
+
+    def generation(self) -> int:
+        return max((_int(w.last, "generation") for w in self.workers if w.last), default=0)
+
+    def world_size(self) -> int:
+        """The world size of the newest committed step."""
+        last = max((w.last for w in self.workers if w.last), key=lambda c: _int(c, "step"), default=None)
+        return _int(last, "world_size") if last else 0
+
+    def worker_at_rank(self, rank: int) -> _Worker:
+        gen = self.generation()
+        for w in self.workers:
+            if w.proc.alive() and w.last and _int(w.last, "generation") == gen and _int(w.last, "rank") == rank:
+                return w
+        raise BenchError(f"no live worker holds rank {rank} of generation {gen}")
+
+    def wait_until(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if cond():
+                return
+            for w in self.workers:
+                if not w.expected_dead and not w.proc.alive():
+                    raise BenchError(f"worker {w.index} exited with {w.proc.wait(0)} while waiting for "
+                                     f"{what}\n{self.logs_tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs_tail()}")
+            time.sleep(POLL_S)
+
+    def first_commit_after(self, t: float, generation: int, timeout: float, what: str) -> Record:
+        """The earliest commit with ``t`` later than ``t`` in a generation newer than ``generation``."""
+
+        def found() -> list[Record]:
+            return [c for w in self.workers for c in w.commits
+                    if _num(c, "t") > t and _int(c, "generation") > generation]
+
+        self.wait_until(lambda: bool(found()), timeout, what)
+        time.sleep(0.2)  # let the other survivors write their line of the same step
+        self.poll()
+        return min(found(), key=lambda c: _num(c, "t"))
+
+    def kill(self, w: _Worker) -> None:
+        """SIGKILL a worker (also a stopped one) by PID and reap it."""
+        w.expected_dead = True
+        if w.proc.alive():
+            os.kill(w.proc.pid, signal.SIGKILL)
+            w.proc.wait(10)
+
+    def wait_exit(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for w in self.workers:
+            if w.expected_dead:
+                continue
+            codes.append(w.proc.wait(max(0.1, deadline - time.monotonic())))
+        return codes
+
+    def wait_exit_after_final(self, grace_s: float) -> float:
+        """Give the finished workers ``grace_s`` to exit; return the slowest exit after its final line.
+
+        A worker still running after that is killed by ``stop`` (the figure is then ``grace_s``).
+
+        Raises:
+            BenchError: a worker exited with a non-zero code.
+        """
+        deadline = time.monotonic() + grace_s
+        pending = {w.index: w for w in self.workers if not w.expected_dead and w.final_seen is not None}
+        lag = 0.0
+        while pending and time.monotonic() < deadline:
+            for i, w in list(pending.items()):
+                code = w.proc.wait(0)
+                if code is None:
+                    continue
+                if code != 0:
+                    raise BenchError(f"worker {w.index} exited with {code}\n{self.logs_tail()}")
+                assert w.final_seen is not None
+                lag = max(lag, time.time() - w.final_seen)
+                del pending[i]
+            time.sleep(0.02)
+        return grace_s if pending else lag
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.proc.stop()  # SIGCONT + SIGKILL by PID, if still alive
+
+    def logs_tail(self, n: int = 8) -> str:
+        return "\n".join(f"--- worker {w.index}\n" + "\n".join(w.proc.log_text().splitlines()[-n:])
+                         for w in self.workers)
+
+    def log_events(self) -> list[Record]:
+        out: list[Record] = []
+        for w in self.workers:
+            for rec in read_json_lines(w.proc.log_path):
+                rec["_worker"] = w.index
+                rec["_t"] = _log_time(rec)
+                out.append(rec)
+        return out
+
+
+def _job_env(s: RecoverySettings, min_workers: int) -> dict[str, str]:
+    return {
+        "ELASTICD_LEASE_TTL_S": str(s.lease_ttl_s),
+        "ELASTICD_KEEPALIVE_S": str(s.keepalive_s),
+        "ELASTICD_MIN_WORKERS": str(min_workers),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the time of a recovery goes (from the workers' JSON logs)
+
+
+def _events(evs: Sequence[Record], name: str, generation: int | None = None,
+            after: float | None = None) -> list[Record]:
+    out = []
+    for e in evs:
+        if e.get("event") != name:
+            continue
+        if generation is not None and e.get("generation") != generation:
+            continue
+        t = e.get("_t")
+        if after is not None and (not isinstance(t, float) or t < after):
+            continue
+        out.append(e)
+    return out
+
+
+def _first_t(evs: Sequence[Record], origin: float) -> float | None:
+    ts = [float(t) - origin for e in evs if isinstance(t := e.get("_t"), float)]
+    return min(ts) if ts else None
+
+
+def _last_t(evs: Sequence[Record], origin: float) -> float | None:
+    ts = [float(t) - origin for e in evs if isinstance(t := e.get("_t"), float)]
+    return max(ts) if ts else None
+
+
+def _max_field(evs: Sequence[Record], key: str) -> float | None:
+    vals = [float(v) for e in evs if isinstance(v := e.get(key), (int, float))]
+    return max(vals) if vals else None
+
+
+def fault_timeline(evs: Sequence[Record], fault_t: float, old_gen: int, new_gen: int,
+                   commit_t: float) -> dict[str, float | None]:
+    """Seconds after the fault at which the survivors noticed, re-formed and committed again."""
+    return {
+        "step_failed": _first_t(_events(evs, "step_failed", after=fault_t), fault_t),
+        "abandon_requested": _first_t(_events(evs, "generation_abandon_requested", old_gen, after=fault_t), fault_t),
+        "generation_published": _first_t(_events(evs, "generation_published", new_gen), fault_t),
+        "group_built": _last_t(_events(evs, "process_group_rebuilt", new_gen), fault_t),
+        "recovered": _last_t(_events(evs, "recovered", new_gen), fault_t),
+        "first_commit": commit_t - fault_t,
+        "rendezvous_s": _max_field(_events(evs, "recovered", new_gen), "rendezvous_s"),
+        "build_s": _max_field(_events(evs, "process_group_rebuilt", new_gen), "duration_s"),
+        "sync_s": _max_field(_events(evs, "state_synced", new_gen), "duration_s"),
+        "generations_formed": float(new_gen - old_gen),
+    }
+
+
+def join_timeline(evs: Sequence[Record], newcomer: int, start_t: float, gen: int,
+                  commit_t: float) -> dict[str, float | None]:
+    """Seconds after the newcomer's ``start`` line at which each part of its join happened."""
+    mine = [e for e in evs if e.get("_worker") == newcomer]
+    others = [e for e in evs if e.get("_worker") != newcomer]
+    return {
+        "member_registered": _first_t(_events(mine, "member_registered"), start_t),
+        "join_requested": _first_t(_events(others, "join_requested", after=start_t), start_t),
+        "step_failed_or_left": _first_t(_events(others, "step_failed", after=start_t), start_t),
+        "generation_published": _first_t(_events(evs, "generation_published", gen), start_t),
+        "group_built": _last_t(_events(evs, "process_group_rebuilt", gen), start_t),
+        "recovered": _last_t(_events(evs, "recovered", gen), start_t),
+        "first_commit": commit_t - start_t,
+        "rendezvous_s": _max_field(_events(mine, "recovered", gen), "rendezvous_s"),
+        "build_s": _max_field(_events(evs, "process_group_rebuilt", gen), "duration_s"),
+        "sync_s": _max_field(_events(evs, "state_synced", gen), "duration_s"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1: faults (SIGKILL, join, SIGSTOP) in one job per repetition
+
+
+def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> FaultRep:
+    """3 workers; SIGKILL one (3 -> 2), a newcomer joins (2 -> 3), SIGSTOP one (3 -> 2), finish.
+
+    The victims' ranks rotate with ``rep`` so that rank 0 (which hosts the generation's store) is
+    among them.
+    """
+    out = FaultRep()
+    job = _Job(etcd, workdir, f"bench{os.getpid()}f{rep}", _job_env(s, s.min_workers_faults))
+    args = ("--steps", str(s.fault_steps), "--step-sleep", str(s.step_sleep_s))
+    try:
+        for _ in range(s.workers):
+            job.spawn(*args)
+        job.wait_until(lambda: job.max_step() >= KILL_AT_STEP and job.world_size() == s.workers,
+                       PHASE_TIMEOUT_S, f"{KILL_AT_STEP} steps at world {s.workers}")
+
+        # SIGKILL: the survivors' collective fails as soon as the victim's sockets close.
+        victim = job.worker_at_rank(rep % s.workers)
+        out.sigkill_victim_rank = rep % s.workers
+        old_gen = job.generation()
+        victim.expected_dead = True
+        kill_t = time.time()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        first = job.first_commit_after(kill_t, old_gen, PHASE_TIMEOUT_S, "the first commit after SIGKILL")
+        out.sigkill_s = _num(first, "t") - kill_t
+        sigkill_marks = (kill_t, old_gen, _int(first, "generation"), _num(first, "t"))
+
+        # Join: a newcomer at world 2; measured from its own start line (torch already imported).
+        target = _int(first, "step") + SETTLE_STEPS
+        job.wait_until(lambda: job.max_step() >= target, PHASE_TIMEOUT_S, f"step {target}")
+        newcomer = job.spawn(*args)
+        job.wait_until(lambda: bool(newcomer.commits), PHASE_TIMEOUT_S, "the newcomer's first commit")
+        assert newcomer.start_t is not None
+        joined = newcomer.commits[0]
+        out.join_s = _num(joined, "t") - newcomer.start_t
+        join_marks = (newcomer.index, newcomer.start_t, _int(joined, "generation"), _num(joined, "t"))
+
+        # SIGSTOP: nothing breaks until the victim's lease expires; then the survivors move on.
+        target = _int(joined, "step") + JOIN_SETTLE_STEPS
+        job.wait_until(lambda: job.max_step() >= target and job.generation() == _int(joined, "generation"),
+                       PHASE_TIMEOUT_S, f"step {target}")
+        if job.max_step() > s.fault_steps - 50:
+            raise BenchError(f"the job reached step {job.max_step()} of {s.fault_steps} before the SIGSTOP "
+                             "phase; raise fault_steps")
+        stop_rank = (rep + 1) % s.workers
+        victim = job.worker_at_rank(stop_rank)
+        out.sigstop_victim_rank = stop_rank
+        old_gen = job.generation()
+        victim.expected_dead = True
+        stop_t = time.time()
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            first = job.first_commit_after(stop_t, old_gen, PHASE_TIMEOUT_S, "the first commit after SIGSTOP")
+        finally:
+            job.kill(victim)  # SIGKILL reaches a stopped process; it never runs again
+        out.sigstop_s = _num(first, "t") - stop_t
+        sigstop_marks = (stop_t, old_gen, _int(first, "generation"), _num(first, "t"))
+
+        # The survivors finish the job; each writes its audit "final" line once it has left.
+        live = [w for w in job.workers if not w.expected_dead]
+        job.wait_until(lambda: all(w.final_seen is not None for w in live), PHASE_TIMEOUT_S * 2,
+                       "the survivors' final lines")
+        out.exit_after_final_s = job.wait_exit_after_final(EXIT_GRACE_S)
+        evs = job.log_events()
+        out.timeline = {
+            "sigkill": fault_timeline(evs, *sigkill_marks),
+            "join": join_timeline(evs, *join_marks),
+            "sigstop": fault_timeline(evs, *sigstop_marks),
+        }
+        syncs = [r for r in read_json_lines(newcomer.audit) if r.get("event") == "sync"]
+        if syncs:
+            out.join_transferred_bytes = _int(syncs[0], "transferred_bytes")
+    except BenchError as exc:
+        out.error = str(exc)
+    finally:
+        job.stop()
+    report = check_dir(workdir, DATASET_SIZE)
+    out.last_step = report.last_step
+    out.steps_lost = _lost_steps(report)
+    out.violations = list(report.violations)
+    if out.error is None and report.last_step != s.fault_steps:
+        out.error = f"the job ended at step {report.last_step}, not {s.fault_steps}"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2: step time, elastic vs plain DDP
+
+
+def _window_deltas(series: Iterable[Sequence[tuple[int, float, int]]], lo: int) -> list[float]:
+    """Per-step durations (consecutive end times) for steps > ``lo`` within one generation."""
+    out: list[float] = []
+    for rows in series:
+        rows = sorted(rows)
+        for (s0, t0, g0), (s1, t1, g1) in zip(rows, rows[1:], strict=False):
+            if s1 == s0 + 1 and s0 >= lo and g0 == g1:
+                out.append(t1 - t0)
+    return out
+
+
+def _run_elastic(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> tuple[float, dict[int, float], AuditReport]:
+    job = _Job(etcd, workdir, f"bench{os.getpid()}o{rep}", _job_env(s, s.workers))
+    try:
+        for _ in range(s.workers):
+            job.spawn("--steps", str(s.overhead_steps))
+        job.wait_until(lambda: all(w.final_seen is not None for w in job.workers), PHASE_TIMEOUT_S * 2,
+                       "the elastic workers' final lines")
+        job.wait_exit_after_final(EXIT_GRACE_S)  # then killed: the next job must not share the cores
+    finally:
+        job.stop()
+    series = [[(_int(c, "step"), _num(c, "t"), _int(c, "generation")) for c in w.commits] for w in job.workers]
+    deltas = _window_deltas(series, s.window_from)
+    if not deltas:
+        raise BenchError("the elastic job committed no steps in the window")
+    losses = {_int(c, "step"): _num(c, "loss") for c in job.workers[0].commits}
+    return statistics.median(deltas), losses, check_dir(workdir, DATASET_SIZE)
+
+
+def _run_ddp(workdir: Path, s: RecoverySettings) -> tuple[float, dict[int, float]]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs: list[WorkerProcess] = []
+    outs = [workdir / f"ddp{r}.json" for r in range(s.workers)]
+    try:
+        for r in range(s.workers):
+            env = {"RANK": str(r), "WORLD_SIZE": str(s.workers), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+            procs.append(WorkerProcess(python_program(DDP_WORKLOAD, "--steps", str(s.overhead_steps),
+                                                      "--out", str(outs[r])), env, workdir / f"ddp{r}.log").start())
+        deadline = time.monotonic() + PHASE_TIMEOUT_S * 2
+        while not all(o.exists() for o in outs):
+            if any(not p.alive() and p.wait(0) != 0 for p in procs) or time.monotonic() > deadline:
+                tails = "\n".join(p.log_text()[-1500:] for p in procs)
+                raise BenchError(f"the DDP job failed or timed out: exit codes {[p.wait(0) for p in procs]}\n{tails}")
+            time.sleep(POLL_S)
+        grace = time.monotonic() + EXIT_GRACE_S  # then killed: the next job must not share the cores
+        while any(p.alive() for p in procs) and time.monotonic() < grace:
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            p.stop()
+    results = [json.loads(o.read_text()) for o in outs]
+    series = [[(i + 1, float(t), 0) for i, t in enumerate(res["t"])] for res in results]
+    deltas = _window_deltas(series, s.window_from)
+    losses: dict[int, float] = {}
+    for res in results:
+        for i, v in enumerate(res["loss"]):
+            losses[i + 1] = losses.get(i + 1, 0.0) + float(v)
+    return statistics.median(deltas), losses
+
+
+def run_overhead_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> OverheadRep:
+    """One elastic job and one DDP job of the same steps, in alternating order."""
+    out = OverheadRep()
+    try:
+        if rep % 2:
+            ddp, ddp_losses = _run_ddp(workdir / "ddp", s)
+            el, el_losses, report = _run_elastic(etcd, workdir / "elastic", rep, s)
+        else:
+            el, el_losses, report = _run_elastic(etcd, workdir / "elastic", rep, s)
+            ddp, ddp_losses = _run_ddp(workdir / "ddp", s)
+        out.elastic_step_s, out.ddp_step_s, out.ratio = el, ddp, el / ddp
+        common = sorted(set(el_losses) & set(ddp_losses))
+        out.max_loss_diff = max((abs(el_losses[k] - ddp_losses[k]) for k in common), default=None)
+        out.steps_lost = _lost_steps(report)
+        out.violations = list(report.violations)
+    except BenchError as exc:
+        out.error = str(exc)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 3: newcomer state sync vs raw broadcast, in one gloo group of spawned processes
+
+
+def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
+                     port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
+    """One rank: ranks < world-1 hold a trained state (survivors), the last rank is a newcomer."""
+    import torch
+    import torch.distributed as dist  # the raw baseline must bypass elasticd's collectives
+    import torch.nn.functional as F
+
+    from elasticd.checkpoint import TrainingState, sync_state
+    from elasticd.collectives import all_reduce
+    from elasticd.log import configure_logging
+    from elasticd.process_group import GroupFactory, StoreServer
+    from elasticd.retry import Deadline
+
+    sys.path.insert(0, str(REPO_ROOT / "agents"))
+    from mlp import make_model  # type: ignore[import-not-found]
+
+    configure_logging(json=True, level=40)  # errors only: the parent prints the figures
+    torch.set_num_threads(1)
+    timeouts = Timeouts()
+    never = lambda: False  # noqa: E731 - nothing aborts this fixed group
+    server = StoreServer("127.0.0.1", timeouts)
+    if rank == 0:
+        for _ in range(world - 1):
+            port_q.put(server.port)
+        port = server.port
+    else:
+        port = port_q.get(timeout=60)
+    factory = GroupFactory(server, "127.0.0.1", "gloo", rank, timeouts)
+    group = factory.build(1, rank, world, "127.0.0.1", port, Deadline.after(60), never)
+    newcomer = rank == world - 1
+
+    def fresh() -> TrainingState:
+        model = make_model(TRANSFER_FEATURES, hidden, TRANSFER_CLASSES, 0)
+        return TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+    def barrier() -> None:
+        all_reduce(torch.zeros(1), group, dist.ReduceOp.SUM, Deadline.after(60), never, timeouts.abort_poll_s)
+
+    state = fresh()
+    result: dict[str, object] = {"rank": rank}
+    if not newcomer:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, TRANSFER_FEATURES, generator=g)
+        y = torch.randint(0, TRANSFER_CLASSES, (64,), generator=g)
+        F.cross_entropy(state.model(x), y).backward()
+        state.optimizer.step()  # momentum buffers: the optimizer state is half of what moves
+        t0 = time.perf_counter()
+        state.checksum()
+        result["checksum_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state.pack()
+        result["pack_s"] = time.perf_counter() - t0
+    sync_s: list[float] = []
+    raw_s: list[float] = []
+    nbytes: list[int] = []
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    for i in range(reps + 1):  # the first round warms up and is dropped
+        if newcomer:
+            state = fresh()
+        else:
+            state.counters.step = i + 1
+        for what in (("sync", "raw") if i % 2 == 0 else ("raw", "sync")):
+            if what == "sync":
+                barrier()
+                t0 = time.perf_counter()
+                report = sync_state(group, state, Deadline.after(timeouts.checkpoint_transfer_s), never,
+                                    timeouts.abort_poll_s)
+                sync_s.append(time.perf_counter() - t0)
+                nbytes.append(report.transferred_bytes)
+            else:
+                n = nbytes[-1] if nbytes else 0
+                if not n:  # sync runs first in round 0, so this only guards the type checker
+                    continue
+                buf = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
+                barrier()
+                t0 = time.perf_counter()
+                group.pg.broadcast([buf], opts).wait()
+                raw_s.append(time.perf_counter() - t0)
+    result.update(sync_s=sync_s[1:], raw_s=raw_s[1:], bytes=nbytes)
+    barrier()
+    res_q.put(result)
+    factory.retire(group)
+
+
+def run_transfer(s: RecoverySettings) -> TransferResult:
+    """Sync vs raw broadcast in a gloo group of ``s.workers`` processes; timed on the newcomer."""
+    out = TransferResult()
+    ctx = multiprocessing.get_context("spawn")
+    port_q: Queue[int] = ctx.Queue()
+    res_q: Queue[dict[str, object]] = ctx.Queue()
+    procs = [ctx.Process(target=_transfer_worker, args=(r, s.workers, s.transfer_hidden, s.reps, port_q, res_q),
+                         name=f"elasticd-bench-transfer{r}", daemon=True) for r in range(s.workers)]
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, object]] = {}
+        deadline = time.monotonic() + PHASE_TIMEOUT_S * 2
+        while len(results) < s.workers:
+            try:
+                res = res_q.get(timeout=1.0)
+                results[_int(res, "rank")] = res
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise BenchError(f"a transfer process died: {[p.exitcode for p in procs]}") from None
+                if time.monotonic() > deadline:
+                    raise BenchError("the transfer processes did not finish in time") from None
+        newcomer = results[s.workers - 1]
+        sync_s, raw_s, nbytes = newcomer["sync_s"], newcomer["raw_s"], newcomer["bytes"]
+        assert isinstance(sync_s, list) and isinstance(raw_s, list) and isinstance(nbytes, list)
+        out.sync_s = [float(x) for x in sync_s]
+        out.raw_s = [float(x) for x in raw_s]
+        out.bytes = int(nbytes[-1])
+        if len(set(nbytes)) != 1:
+            raise BenchError(f"the synced state changed size between rounds: {nbytes}")
+        rank0 = results[0]
+        out.checksum_s = _num(rank0, "checksum_s")
+        out.pack_s = _num(rank0, "pack_s")
+    except BenchError as exc:
+        out.error = str(exc)
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The recovery subcommand
+
+
+def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], None]) -> dict[str, object]:
+    """Run every phase and return the result object (what ``--json`` prints)."""
+    started = time.monotonic()
+    faults: list[FaultRep] = []
+    overheads: list[OverheadRep] = []
+    with EtcdServer() as etcd:  # stopped by PID on the way out
+        for rep in range(s.reps):
+            t0 = time.monotonic()
+            faults.append(run_fault_rep(etcd, workdir / f"faults{rep}", rep, s))
+            f = faults[-1]
+            progress(f"faults rep {rep + 1}/{s.reps}: sigkill {_fmt(f.sigkill_s)} s, join {_fmt(f.join_s)} s, "
+                     f"sigstop {_fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
+                     + (f" ERROR {f.error.splitlines()[0]}" if f.error else ""))
+        for rep in range(s.reps):
+            t0 = time.monotonic()
+            overheads.append(run_overhead_rep(etcd, workdir / f"overhead{rep}", rep, s))
+            o = overheads[-1]
+            progress(f"overhead rep {rep + 1}/{s.reps}: elastic {_fmt(o.elastic_step_s, 5)} s, "
+                     f"ddp {_fmt(o.ddp_step_s, 5)} s, ratio {_fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
+                     + (f" ERROR {o.error.splitlines()[0]}" if o.error else ""))
+    t0 = time.monotonic()
+    transfer = run_transfer(s)
+    progress(f"transfer: {transfer.bytes} bytes, {len(transfer.sync_s)} rounds ({time.monotonic() - t0:.0f} s)"
+             + (f" ERROR {transfer.error}" if transfer.error else ""))
+
+    mb = transfer.bytes / 1e6
+    sync_mbps = [mb / x for x in transfer.sync_s]
+    raw_mbps = [mb / x for x in transfer.raw_s]
+    ratios = [a / b for a, b in zip(sync_mbps, raw_mbps, strict=False)]
+    violations = [f"faults rep {i}: {v}" for i, f in enumerate(faults) for v in f.violations]
+    violations += [f"overhead rep {i}: {v}" for i, o in enumerate(overheads) for v in o.violations]
+    steps_lost = sum(f.steps_lost for f in faults) + sum(o.steps_lost for o in overheads)
+    errors = [f"faults rep {i}: {f.error}" for i, f in enumerate(faults) if f.error]
+    errors += [f"overhead rep {i}: {o.error}" for i, o in enumerate(overheads) if o.error]
+    errors += [f"transfer: {transfer.error}"] if transfer.error else []
+
+    def samples(xs: Iterable[float | None]) -> list[float | None]:
+        return [None if x is None else round(x, 6) for x in xs]
+
+    figures = {
+        "recovery_sigkill_s": _median(f.sigkill_s for f in faults),
+        "recovery_sigstop_s": _median(f.sigstop_s for f in faults),
+        "lease_ttl_s": s.lease_ttl_s,
+        "join_s": _median(f.join_s for f in faults),
+        "overhead_ratio": _median(o.ratio for o in overheads),
+        "transfer_ratio": _median(ratios),
+        "transfer_bytes": transfer.bytes,
+        "steps_lost": steps_lost,
+    }
+    baselines = {
+        "ddp_step_s": _median(o.ddp_step_s for o in overheads),
+        "elastic_step_s": _median(o.elastic_step_s for o in overheads),
+        "raw_broadcast_MBps": _median(raw_mbps),
+        "sync_MBps": _median(sync_mbps),
+        "raw_broadcast_s": _median(transfer.raw_s),
+        "sync_s": _median(transfer.sync_s),
+        "sync_checksum_s_once": transfer.checksum_s,
+        "sync_pack_s_once": transfer.pack_s,
+        "max_loss_diff_elastic_vs_ddp": max((o.max_loss_diff for o in overheads if o.max_loss_diff is not None),
+                                            default=None),
+        "join_transferred_bytes": _median(float(f.join_transferred_bytes) for f in faults
+                                          if f.join_transferred_bytes is not None),
+    }
+    breakdown: dict[str, dict[str, float | None]] = {}
+    for phase in ("sigkill", "join", "sigstop"):
+        keys = sorted({k for f in faults for k in f.timeline.get(phase, {})})
+        breakdown[phase] = {k: _median(f.timeline.get(phase, {}).get(k) for f in faults) for k in keys}
+    return {
+        "figures": figures,
+        "baselines": baselines,
+        "targets": {"recovery_sigstop_s": f"<= lease_ttl_s + 1 = {s.lease_ttl_s + 1:g}",
+                    "overhead_ratio": "<= 1.03", "steps_lost": "0"},
+        "samples": {
+            "recovery_sigkill_s": samples(f.sigkill_s for f in faults),
+            "sigkill_victim_rank": [f.sigkill_victim_rank for f in faults],
+            "recovery_sigstop_s": samples(f.sigstop_s for f in faults),
+            "sigstop_victim_rank": [f.sigstop_victim_rank for f in faults],
+            "join_s": samples(f.join_s for f in faults),
+            "exit_after_final_s": samples(f.exit_after_final_s for f in faults),
+            "overhead_ratio": samples(o.ratio for o in overheads),
+            "elastic_step_s": samples(o.elastic_step_s for o in overheads),
+            "ddp_step_s": samples(o.ddp_step_s for o in overheads),
+            "transfer_ratio": samples(ratios),
+            "sync_MBps": samples(sync_mbps),
+            "raw_broadcast_MBps": samples(raw_mbps),
+        },
+        "breakdown_s": breakdown,
+        "violations": violations,
+        "errors": errors,
+        "settings": s.describe(),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def _fmt(x: float | int | None, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}f}"
+
+
+def render_recovery(result: Mapping[str, object]) -> str:
+    """The human-readable table of a ``run_recovery`` result."""
+    fig = result["figures"]
+    base = result["baselines"]
+    smp = result["samples"]
+    bd = result["breakdown_s"]
+    st = result["settings"]
+    assert isinstance(fig, dict) and isinstance(base, dict) and isinstance(smp, dict)
+    assert isinstance(bd, dict) and isinstance(st, dict)
+
+    def spread(key: str) -> str:
+        xs = [x for x in smp.get(key, []) if x is not None]
+        return f"{min(xs):.3f}..{max(xs):.3f}  n={len(xs)}" if xs else "n=0"
+
+    ttl = fig["lease_ttl_s"]
+    lines = [
+        f"elasticd recovery benchmark: {st['workers']} workers, {st['workload']}",
+        f"median of {st['reps']} repetitions (min..max, n)",
+        "",
+        f"{'figure':<22}{'median':>10}   {'spread':<26}note",
+        f"{'recovery_sigkill_s':<22}{_fmt(fig['recovery_sigkill_s']):>10}   {spread('recovery_sigkill_s'):<26}"
+        "SIGKILL -> survivors' next commit",
+        f"{'recovery_sigstop_s':<22}{_fmt(fig['recovery_sigstop_s']):>10}   {spread('recovery_sigstop_s'):<26}"
+        f"lease TTL {ttl:g} s; target <= {ttl + 1:g} s",
+        f"{'join_s':<22}{_fmt(fig['join_s']):>10}   {spread('join_s'):<26}newcomer start -> its first commit",
+        f"{'overhead_ratio':<22}{_fmt(fig['overhead_ratio']):>10}   {spread('overhead_ratio'):<26}"
+        "elastic / DDP step time; target <= 1.03",
+        f"{'transfer_ratio':<22}{_fmt(fig['transfer_ratio']):>10}   {spread('transfer_ratio'):<26}"
+        f"sync_state / raw broadcast, {fig['transfer_bytes']} bytes",
+        f"{'steps_lost':<22}{_fmt(fig['steps_lost']):>10}   {'':<26}audit.check over every job; must be 0",
+        "",
+        "baselines",
+        f"  ddp_step_s          {_fmt(base['ddp_step_s'], 5):>10}   plain torch DDP (gloo), steps "
+        f"{st['window_from']}..{st['overhead_steps']}",
+        f"  elastic_step_s      {_fmt(base['elastic_step_s'], 5):>10}   ElasticTrainer, same window (commit t deltas)",
+        f"  raw_broadcast_MBps  {_fmt(base['raw_broadcast_MBps'], 1):>10}   ProcessGroupGloo.broadcast, timed on the newcomer",
+        f"  sync_MBps           {_fmt(base['sync_MBps'], 1):>10}   checkpoint.sync_state to a fresh newcomer",
+        f"  sync_s / raw_s      {_fmt(base['sync_s'], 4):>10} / {_fmt(base['raw_broadcast_s'], 4)}"
+        f"   (one checksum {_fmt(base['sync_checksum_s_once'], 4)} s, one pack {_fmt(base['sync_pack_s_once'], 4)} s)",
+        f"  max |loss diff|     {_fmt(base['max_loss_diff_elastic_vs_ddp'], 6):>10}   elastic vs DDP, same steps",
+        "",
+        "where the time goes (median seconds after the fault / the newcomer's start line)",
+    ]
+    for phase, marks in bd.items():
+        assert isinstance(marks, dict)
+        order = ["step_failed", "abandon_requested", "member_registered", "join_requested", "step_failed_or_left",
+                 "generation_published", "group_built", "recovered", "first_commit"]
+        seq = ", ".join(f"{k} +{_fmt(marks[k])}" for k in order if k in marks and marks[k] is not None)
+        parts = ", ".join(f"{k} {_fmt(marks[k])}" for k in ("rendezvous_s", "build_s", "sync_s") if k in marks)
+        lines.append(f"  {phase:<8} {seq}")
+        lines.append(f"  {'':<8} (durations: {parts})")
+    lines += ["", "settings"]
+    for k in ("ELASTICD_LEASE_TTL_S", "ELASTICD_KEEPALIVE_S", "ELASTICD_MIN_WORKERS", "last_call_s",
+              "join_window_s", "abort_poll_s", "step_sleep_s", "fault_steps", "overhead_steps",
+              "transfer_hidden", "OMP_NUM_THREADS", "cpus", "torch", "python"):
+        lines.append(f"  {k:<22}{st[k]}")
+    lines.append(f"  wall time             {result['wall_s']} s")
+    viol, errs = result["violations"], result["errors"]
+    assert isinstance(viol, list) and isinstance(errs, list)
+    if viol:
+        lines += ["", "AUDIT VIOLATIONS"] + [f"  {v}" for v in viol]
+    if errs:
+        lines += ["", "ERRORS"] + [f"  {e.splitlines()[0]}" for e in errs]
+    return "\n".join(lines)
+
+
+def _add_recovery_args(p: argparse.ArgumentParser) -> None:
+    d = RecoverySettings()
+    p.add_argument("--reps", type=int, default=d.reps, help="repetitions of each measurement (default %(default)s)")
+    p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s, help="ELASTICD_LEASE_TTL_S (default %(default)s)")
+    p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="ELASTICD_KEEPALIVE_S (default %(default)s)")
+    p.add_argument("--step-sleep", type=float, default=d.step_sleep_s,
+                   help="--step-sleep of the fault jobs' workers (default %(default)s; none in the overhead jobs)")
+    p.add_argument("--transfer-hidden", type=int, default=d.transfer_hidden,
+                   help="hidden width of the MLP whose state the transfer phase moves (default %(default)s)")
+    p.add_argument("--workdir", default=None, help="keep the logs and audit files here (default: a temp dir, removed)")
+
+
+def _run_recovery_cmd(args: argparse.Namespace) -> int:
+    s = RecoverySettings(reps=args.reps, lease_ttl_s=args.lease_ttl, keepalive_s=args.keepalive,
+                         step_sleep_s=args.step_sleep, transfer_hidden=args.transfer_hidden)
+    s.timeouts()  # validates the TTL/keepalive pair before anything starts
+    keep = args.workdir is not None
+    workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="elasticd-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def progress(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = run_recovery(s, workdir, progress)
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(result) if args.json else render_recovery(result))
+    fig = result["figures"]
+    assert isinstance(fig, dict)
+    return 1 if result["errors"] or result["violations"] or fig["steps_lost"] else 0
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "recovery": Subcommand(
+        "fault recovery, join, step overhead vs DDP and state-transfer throughput of a 3-worker job",
+        _add_recovery_args, _run_recovery_cmd,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m elasticd.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+        cmd.add_args(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Set before any worker or transfer process starts: they inherit it (one thread per process,
+    # as the workers run on a shared node).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    return SUBCOMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

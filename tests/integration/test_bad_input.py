@@ -1,0 +1,49 @@
+"""Bad input gets one clear error, and a running job is not disturbed."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.localcluster import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_unreachable_etcd_at_start_fails_clearly_after_the_retry_bound(local_job):
+    job = local_job()
+    job.etcd_endpoint_override = f"127.0.0.1:{free_port()}"
+    w = job.spawn("--steps", "5", etcd_endpoints=job.etcd_endpoint_override, etcd_attempts=3)
+    assert w.wait(60) == 2, w.log_text()[-2000:]
+    text = w.log_text()
+    assert "EtcdUnavailable" in text and job.etcd_endpoint_override in text and "3 attempts" in text, text[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "named"),
+    [
+        ("lease_ttl_s", "abc", "ELASTICD_LEASE_TTL_S"),
+        ("min_workers", "5", "min_workers"),
+        ("etcd_endpoints", "no-port-here", "etcd_endpoints"),
+        ("keepalive_s", "9", "keepalive_s"),
+    ],
+)
+def test_invalid_settings_name_the_setting(local_job, setting, value, named):
+    job = local_job(max_workers=4)
+    w = job.spawn("--steps", "5", **{setting: value})
+    assert w.wait(60) == 2, w.log_text()[-2000:]
+    assert "ConfigError" in w.log_text() and named in w.log_text(), w.log_text()[-2000:]
+
+
+def test_worker_with_a_different_model_is_rejected_and_the_job_goes_on(local_job):
+    job = local_job(min_workers=2)
+    for _ in range(2):
+        job.spawn("--steps", "120", "--step-sleep", "0.02")
+    job.wait_for(lambda: job.committed() >= 20, 60, "20 committed steps")
+    bad = job.spawn("--steps", "120", "--hidden", "64", audit=False)
+    assert bad.wait(60) == 2, bad.log_text()[-2000:]
+    assert "ModelMismatch" in bad.log_text(), bad.log_text()[-2000:]
+    codes = job.wait_all(90)
+    assert codes[:2] == [0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert rep.last_step == 120 and set(rep.generations.values()) == {2}
