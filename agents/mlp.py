@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             model, optimizer, dataset_size=args.samples, global_batch_size=args.global_batch,
             seed=args.seed, audit_path=args.audit,
         )
+        # SIGTERM (what systemd and the agent send on stop): finish the current step, then leave.
+        signal.signal(signal.SIGTERM, lambda *_: trainer.drain())
         with trainer:
             for batch in trainer.batches(max_steps=args.steps):
                 if args.step_sleep:

@@ -25,6 +25,7 @@ class AuditReport:
     step_world: dict[int, int] = field(default_factory=dict)
     epochs_complete: int = 0
     final_checksums: list[str] = field(default_factory=list)
+    finals_by_step: dict[int, set[str]] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -59,6 +60,7 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             syncs[int(r["generation"])].append(r)  # type: ignore[call-overload]
         elif r["event"] == "final":
             rep.final_checksums.append(str(r["checksum"]))
+            rep.finals_by_step.setdefault(int(r["step"]), set()).add(str(r["checksum"]))  # type: ignore[call-overload]
     v = rep.violations
     rep.steps = sorted(commits)
     if rep.steps and rep.steps != list(range(1, rep.steps[-1] + 1)):
@@ -99,8 +101,9 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             v.append(f"epoch {epoch}: {dataset_size - len(set(used))} samples never used")
         elif sorted(set(used)) == list(range(dataset_size)):
             rep.epochs_complete += 1
-    if len(set(rep.final_checksums)) > 1:
-        v.append(f"final parameters differ across ranks: {sorted(set(rep.final_checksums))}")
+    for step, sums in sorted(rep.finals_by_step.items()):
+        if len(sums) > 1:
+            v.append(f"members that left at step {step} hold different parameters: {sorted(sums)}")
     return rep
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ class TrainingState:
         layout = self.layout()
         total = int(layout["total"])  # type: ignore[call-overload]
         rng = torch.get_rng_state()
-        flat = torch.empty(total + rng.numel(), dtype=torch.uint8)
+        flat = torch.zeros(total + rng.numel(), dtype=torch.uint8)  # zeroed padding
         for (name, t), entry in zip(self.tensors(), layout["tensors"], strict=True):  # type: ignore[call-overload]
             offset, nbytes = entry[3], entry[4]
             if nbytes:
@@ -115,23 +116,49 @@ class TrainingState:
     def unpack(self, layout_bytes: bytes, flat: torch.Tensor) -> None:
         """Load the state from a peer's layout and buffer (data only; nothing is executed).
 
+        Everything is decoded and checked before anything is loaded, so a bad transfer leaves this
+        worker's state as it was.
+
         Raises:
             ModelMismatch: the peer's model tensors differ in name, dtype or shape from ours.
-            StateCorrupt: the layout is malformed.
+            StateCorrupt: the layout is malformed or does not fit the buffer.
         """
         try:
-            layout = json.loads(layout_bytes)
-            entries = layout["tensors"]
-            total = int(layout["total"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StateCorrupt(f"state layout from rank 0 is malformed: {exc}") from exc
+            decoded = self._decode(layout_bytes, flat)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as exc:
+            raise StateCorrupt(f"state from rank 0 is malformed: {type(exc).__name__}: {exc}") from exc
+        model_sd, optim_sd, counters, rng = decoded
+        try:
+            self.optimizer.load_state_dict(optim_sd)  # validates groups before changing anything
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StateCorrupt(f"optimizer state from rank 0 does not fit this optimizer: {exc}") from exc
+        self.model.load_state_dict(model_sd)
+        self.counters = counters
+        torch.set_rng_state(rng)
+
+    def _decode(
+        self, layout_bytes: bytes, flat: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, object], Counters, torch.Tensor]:
+        layout = json.loads(layout_bytes)
+        entries = layout["tensors"]
+        total = int(layout["total"])
+        groups = layout["param_groups"]
+        if not isinstance(entries, list) or not isinstance(groups, list):
+            raise TypeError("tensors and param_groups must be lists")
+        if not 0 <= total <= flat.numel():
+            raise ValueError(f"total {total} does not fit a buffer of {flat.numel()} bytes")
         ours = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         model_sd: dict[str, torch.Tensor] = {}
         optim_state: dict[int, dict[str, object]] = {}
-        for name, dtype_s, shape, offset, nbytes in entries:
+        counters: Counters | None = None
+        for entry in entries:
+            name, dtype_s, shape, offset, nbytes = entry
             if dtype_s not in _DTYPES:
-                raise StateCorrupt(f"state layout names an unknown dtype {dtype_s!r}")
+                raise ValueError(f"unknown dtype {dtype_s!r}")
             dtype = _DTYPES[dtype_s]
+            numel = math.prod(int(d) for d in shape)
+            if nbytes != numel * dtype.itemsize or offset < 0 or offset + nbytes > total:
+                raise ValueError(f"entry {name} does not fit: {shape} {dtype_s} at {offset}+{nbytes}")
             # clone first: a fresh storage is aligned for any dtype, whatever the offset was
             raw = flat[offset : offset + nbytes].clone()
             t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
@@ -144,16 +171,22 @@ class TrainingState:
                 _, idx, key = name.split(".", 2)
                 optim_state.setdefault(int(idx), {})[key] = t
             elif name == "counters":
-                self.counters = Counters(*[int(x) for x in t.tolist()])
+                counters = Counters(*[int(x) for x in t.tolist()])
         if set(model_sd) != {k[len("model."):] for k in ours}:
             raise ModelMismatch("the state from rank 0 has a different set of model tensors")
-        for key, value in layout.get("optim_scalars", {}).items():
+        if counters is None:
+            raise KeyError("counters")
+        if len(groups) != len(self.optimizer.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.optimizer.param_groups)
+        ):
+            raise ValueError("optimizer param groups differ from this worker's")
+        for key, value in dict(layout.get("optim_scalars", {})).items():
             idx, name = key.split(".", 1)
             optim_state.setdefault(int(idx), {})[name] = value
-        self.model.load_state_dict(model_sd)
-        groups = layout["param_groups"]
-        self.optimizer.load_state_dict({"state": optim_state, "param_groups": groups})
-        torch.set_rng_state(flat[total:].clone())
+        rng = flat[total:].clone()
+        if rng.numel() != torch.get_rng_state().numel():
+            raise ValueError(f"RNG state of {rng.numel()} bytes")
+        return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng
 
 
 def model_signature(model: torch.nn.Module) -> str:

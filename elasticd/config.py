@@ -10,6 +10,7 @@ Durations are ``*_s`` numbers in files and variables and ``timedelta`` propertie
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -24,6 +25,12 @@ ENV_PREFIX = "ELASTICD_"
 
 def _seconds(doc: str, default: float) -> float:
     return field(default=default, metadata={"doc": doc, "unit": "s"})
+
+
+def _positive_finite(value: object) -> bool:
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,8 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{f.name}: must be a positive number of seconds, got {value!r}")
+            if not _positive_finite(value):
+                raise ConfigError(f"{f.name}: must be a positive, finite number of seconds, got {value!r}")
         if self.keepalive_s * 2 > self.lease_ttl_s:
             raise ConfigError(
                 f"keepalive_s: must be at most half of lease_ttl_s ({self.lease_ttl_s}), "
@@ -94,8 +101,8 @@ class RetryPolicy:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
         for name in ("etcd_backoff_initial_s", "etcd_backoff_max_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive number, got {value!r}")
+            if not _positive_finite(value):
+                raise ConfigError(f"{name}: must be a positive, finite number, got {value!r}")
 
 
 @dataclass(frozen=True)

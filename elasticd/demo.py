@@ -181,6 +181,7 @@ class Outcome:
 
     codes: dict[int, int | None] = field(default_factory=dict)
     killed: int | None = None
+    stopped: set[int] = field(default_factory=set)  # stopped by the demo (stranded newcomer)
     problems: list[str] = field(default_factory=list)
     report: AuditReport | None = None
 
@@ -307,6 +308,8 @@ class Demo:
                 self.outcome.codes[i] = code
                 if i == self.outcome.killed:
                     self.say(f"worker {i} is gone (exit {code})")
+                elif i in self.outcome.stopped:
+                    self.say(f"worker {i} stopped (exit {code})")
                 elif code == 0:
                     self.say(f"worker {i} finished (exit 0)")
                 else:
@@ -349,7 +352,10 @@ class Demo:
                     stranded_since = stranded_since or time.monotonic()
                     if time.monotonic() - stranded_since > STRANDED_GRACE_S:
                         self.outcome.problems.append(
-                            f"worker {newcomer} started too late: the job finished before it could join")
+                            f"worker {newcomer} started too late: the job finished before it could join "
+                            "(give the job more --steps or a larger --step-sleep)")
+                        self.outcome.stopped.add(newcomer)
+                        self.say(f"stopping worker {newcomer}: the job finished before it could join")
                         self.workers[newcomer].stop()
             if not any(w.alive() for w in self.workers) and len(self.workers) == newcomer:
                 self.outcome.problems.append("every worker exited before the newcomer was started")
@@ -378,7 +384,7 @@ class Demo:
         assert rep is not None
         problems = list(o.problems)
         for i, code in sorted(o.codes.items()):
-            if i != o.killed and code != 0:
+            if i != o.killed and i not in o.stopped and code != 0:
                 problems.append(f"worker {i} exited with {code} (log: {self.workdir / f'worker{i}.log'})")
         if o.killed is None:
             problems.append("no worker was killed (the job never reached the kill step)")

@@ -264,7 +264,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                     raise ValueError("member id does not match its key")
                 ready[r.member_id] = r
                 ready_order[r.member_id] = kv.create_revision
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
             malformed.append(f"{kv.key}: {exc}")
     return Snapshot(generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed))
 

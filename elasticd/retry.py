@@ -67,7 +67,9 @@ def call_with_retry(
         retry=tenacity.retry_if_exception_type(transient),
         stop=tenacity.stop_after_attempt(policy.etcd_attempts),
         wait=tenacity.wait_exponential_jitter(
-            initial=policy.etcd_backoff_initial_s, max=policy.etcd_backoff_max_s
+            multiplier=policy.etcd_backoff_initial_s,
+            max=policy.etcd_backoff_max_s,
+            jitter=policy.etcd_backoff_initial_s,  # tenacity's default jitter (1 s) would dwarf the backoff
         ),
         before_sleep=_log_retry,
         reraise=True,

@@ -61,7 +61,10 @@ class ElasticSampler:
         self.dataset_size = dataset_size
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.mode = BatchMode(mode)
+        try:
+            self.mode = BatchMode(mode)
+        except ValueError as exc:
+            raise ConfigError(f"batch_mode: must be one of {[m.value for m in BatchMode]}, got {mode!r}") from exc
         self.drop_last = drop_last
         self._cache: tuple[int, list[int]] | None = None
 
@@ -90,6 +93,8 @@ class ElasticSampler:
 
         The batch is split into ``world_size`` contiguous shares whose sizes differ by at most one.
         """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
         epoch, position = self.normalize(epoch, position, world_size)
         take = min(self.global_size(world_size), self.dataset_size - position)
         lo = position + rank * take // world_size

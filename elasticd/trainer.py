@@ -115,6 +115,9 @@ class ElasticTrainer:
         self._failed_at = 0.0
         self._failures_this_step = 0
         self._pending: Batch | None = None
+        self._draining = False
+        self._drained = False
+        self._finished_together = False
         self.recoveries = 0
         self.last_result: StepResult | None = None
 
@@ -165,7 +168,9 @@ class ElasticTrainer:
     def close(self, clean: bool = True) -> None:
         """Leave the job: a short goodbye barrier (so no peer mistakes a finished member for a lost
         one), then revoke the lease, drop the group and stop the background threads."""
-        if self.group is not None and clean and self._membership is not None and not self._membership.must_abandon():
+        # Only when every rank stopped at the same max_steps is a collective sure to be matched.
+        if (self.group is not None and clean and self._finished_together and self._membership is not None
+                and not self._membership.must_abandon()):
             try:
                 from elasticd.collectives import all_reduce
                 import torch.distributed as dist
@@ -211,6 +216,8 @@ class ElasticTrainer:
         """
         assert self._membership is not None, "call start() (or use the trainer as a context manager)"
         while self.state.counters.step < max_steps:
+            if self._drained:
+                return
             if self._need_rendezvous or self._membership.must_abandon():
                 if not self._need_rendezvous:
                     self._fail(CollectiveError(self._membership.abandon_reason or "generation abandoned"))
@@ -222,6 +229,21 @@ class ElasticTrainer:
             yield batch
             if self._pending is not None:
                 raise RuntimeError("trainer.step(loss) must be called once for every batch")
+        self._finished_together = True
+
+    def drain(self) -> None:
+        """Leave the job gracefully after the next committed step.
+
+        The next step's vote asks every member to regroup; once it is committed everywhere,
+        ``batches()`` stops here and ``close()`` revokes the lease, so the others form the next
+        generation without this member at once, losing nothing. Safe to call from a signal handler.
+        """
+        self._draining = True
+
+    @property
+    def drained(self) -> bool:
+        """True once this member committed its last step after ``drain()``."""
+        return self._drained
 
     def step(self, loss: torch.Tensor) -> StepResult | None:
         """Backward, average gradients over the generation, and commit if every member voted.
@@ -244,7 +266,7 @@ class ElasticTrainer:
         vote = [
             float(loss.detach()) * batch.weight if n_local else 0.0,
             0.0,
-            1.0 if self._membership.join_pending() else 0.0,
+            1.0 if self._membership.join_pending() or self._draining else 0.0,
         ]
         self.optimizer.zero_grad(set_to_none=True)
         timeouts = self.env.timeouts
@@ -274,8 +296,11 @@ class ElasticTrainer:
         duration = time.monotonic() - started
         result = StepResult(c.step, summed[0], group.generation, group.world_size, duration)
         self.last_result = result
-        if summed[2] > 0:
-            self._need_rendezvous, self._cause = True, "join"
+        if self._draining:
+            self._drained = True
+            log.info("drained", generation=group.generation, rank=group.rank, step=c.step)
+        elif summed[2] > 0:
+            self._need_rendezvous, self._cause = True, "regroup"
             self._failed_at = time.monotonic()
         self._record_commit(batch, result)
         return result

@@ -72,7 +72,7 @@ def test_fds_and_threads_stay_bounded_over_50_generation_changes(local_job):
     job = local_job(min_workers=1, join_window_s=0.05)
     survivor = job.spawn("--steps", "1000000", "--step-sleep", "0.005")
     job.wait_for(lambda: job.committed() >= 5, 60, "the survivor to train")
-    churn = job.spawn("--cycles", "26", program="tests/programs/churn.py", audit=False)
+    churn = job.spawn("--cycles", "26", "--audit-dir", str(job.dir), program="tests/programs/churn.py", audit=False)
     assert churn.wait(150) == 0, job.logs_tail()
     survivor.stop()
     syncs = [r for r in __import__("elasticd.audit", fromlist=["x"]).read_lines([job.dir / "audit0.jsonl"])

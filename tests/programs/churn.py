@@ -22,22 +22,24 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--cycles", type=int, default=25)
     p.add_argument("--steps-per-cycle", type=int, default=2)
+    p.add_argument("--audit-dir", default=None)
     args = p.parse_args()
     configure_logging()
     x, y = make_dataset(2048, 32, 10, 0)
-    for _ in range(args.cycles):
+    for cycle in range(args.cycles):
         model = make_model(32, 128, 10, 0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        trainer = elasticd.ElasticTrainer(model, opt, dataset_size=2048, global_batch_size=64)
+        audit = os.path.join(args.audit_dir, f"churn{cycle}.jsonl") if args.audit_dir else None
+        trainer = elasticd.ElasticTrainer(model, opt, dataset_size=2048, global_batch_size=64, audit_path=audit)
         with trainer:
-            target = None
+            done = 0
             for batch in trainer.batches(max_steps=10**9):
-                if target is None:
-                    target = trainer.step_count + args.steps_per_cycle
                 loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
-                trainer.step(loss)
-                if trainer.step_count >= target:
-                    break
+                if trainer.step(loss) is not None:
+                    done += 1
+                if done == args.steps_per_cycle - 1:
+                    trainer.drain()  # the next committed step is this member's last
+        assert trainer.drained
     return 0
 
 

@@ -1,0 +1,412 @@
+"""The ``KeyValueStore`` contract, run against the in-memory fake and a real etcd.
+
+One mixin (``KeyValueStoreContract``) holds every test; ``TestFakeStore`` and ``TestEtcdStore`` only
+say how to build a store and how to make a lease run out (the manual clock for the fake, real time
+for etcd). If the fake drifts from etcd, the same test passes on one and fails on the other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from structlog.testing import capture_logs
+
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.etcd import EtcdClient
+from elasticd.localcluster import EtcdServer, free_port
+from elasticd.membership import KeyValueStore
+from tests.fakes import FakeKeyValueStore, ManualClock
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    # python-etcd3's watch thread has no stop: once its client's channel is closed it dies with
+    # "Channel closed!". Only that thread's death is ignored; any other thread error still shows.
+    pytest.mark.filterwarnings(
+        "ignore:Exception in thread etcd3_watch:pytest.PytestUnhandledThreadExceptionWarning"
+    ),
+]
+
+_prefixes = itertools.count()
+
+
+class Harness:
+    """A store under test, a fresh key prefix, and how to wait for (or force) things to happen."""
+
+    def __init__(self, store: KeyValueStore) -> None:
+        self.store = store
+        self.prefix = f"/contract/t{next(_prefixes)}/"
+
+    def k(self, name: str) -> str:
+        return self.prefix + name
+
+    def expire(self, lease: int, probe_key: str) -> None:
+        """Let ``lease`` run out (``probe_key`` is attached to it)."""
+        raise NotImplementedError
+
+    def eventually(self, cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+        """Whether ``cond`` holds within ``timeout_s`` (watch callbacks may be asynchronous)."""
+        raise NotImplementedError
+
+
+class FakeHarness(Harness):
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.fake = FakeKeyValueStore(self.clock)
+        super().__init__(self.fake)
+
+    def expire(self, lease: int, probe_key: str) -> None:
+        self.clock.advance(self.fake.lease_ttl_remaining(lease) + 0.001)
+
+    def eventually(self, cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+        return cond()  # the fake calls back synchronously: true now or never
+
+
+class EtcdHarness(Harness):
+    def __init__(self, client: EtcdClient) -> None:
+        super().__init__(client)
+
+    def expire(self, lease: int, probe_key: str) -> None:
+        # etcd rounds TTLs up to its minimum (about 2 s here) and reaps leases every 500 ms.
+        if not self.eventually(lambda: self.store.get(probe_key) is None, timeout_s=10.0):
+            raise AssertionError(f"lease {lease:x} did not expire within 10 s")
+
+    def eventually(self, cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if cond():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+class Counter:
+    """A watch callback that counts its calls (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._n += 1
+
+    @property
+    def n(self) -> int:
+        with self._lock:
+            return self._n
+
+
+class KeyValueStoreContract:
+    """What ``membership`` relies on from a ``KeyValueStore``; subclasses provide ``kv``."""
+
+    @pytest.fixture
+    def kv(self) -> Iterator[Harness]:
+        raise NotImplementedError
+
+    # -- get / put / delete -----------------------------------------------------------------
+
+    def test_get_absent_key_is_none(self, kv: Harness) -> None:
+        assert kv.store.get(kv.k("nothing")) is None
+
+    def test_put_then_get_returns_value_and_revisions(self, kv: Harness) -> None:
+        kv.store.put(kv.k("a"), b"one")
+        first = kv.store.get(kv.k("a"))
+        assert first is not None
+        assert (first.key, first.value, first.lease) == (kv.k("a"), b"one", 0)
+        assert first.create_revision == first.mod_revision > 0
+
+        kv.store.put(kv.k("a"), b"two")
+        second = kv.store.get(kv.k("a"))
+        assert second is not None
+        assert second.value == b"two"
+        assert second.mod_revision > first.mod_revision
+        assert second.create_revision == first.create_revision
+
+    def test_each_change_gets_a_newer_revision(self, kv: Harness) -> None:
+        kv.store.put(kv.k("x"), b"1")
+        kv.store.put(kv.k("y"), b"1")
+        x, y = kv.store.get(kv.k("x")), kv.store.get(kv.k("y"))
+        assert x is not None and y is not None
+        assert y.mod_revision > x.mod_revision
+        assert y.create_revision > x.create_revision
+
+    def test_delete_removes_key_and_absent_delete_is_a_no_op(self, kv: Harness) -> None:
+        kv.store.put(kv.k("a"), b"1")
+        kv.store.delete(kv.k("a"))
+        assert kv.store.get(kv.k("a")) is None
+        kv.store.delete(kv.k("never-there"))  # must not raise
+        kv.store.put(kv.k("a"), b"2")
+        again = kv.store.get(kv.k("a"))
+        assert again is not None and again.value == b"2"
+        assert again.create_revision == again.mod_revision  # a new life starts a new create_revision
+
+    def test_get_prefix_returns_only_keys_under_prefix_in_key_order(self, kv: Harness) -> None:
+        for name in ("m/b", "m/a", "m/c", "mx", "other/a"):
+            kv.store.put(kv.k(name), name.encode())
+        rows = kv.store.get_prefix(kv.k("m/"))
+        assert [r.key for r in rows] == [kv.k("m/a"), kv.k("m/b"), kv.k("m/c")]
+        assert [r.value for r in rows] == [b"m/a", b"m/b", b"m/c"]
+        assert kv.store.get_prefix(kv.k("empty/")) == []
+
+    # -- compare_and_put ----------------------------------------------------------------------
+
+    def test_cas_on_absent_key_expects_zero(self, kv: Harness) -> None:
+        assert kv.store.compare_and_put(kv.k("g"), 0, b"first") is True
+        got = kv.store.get(kv.k("g"))
+        assert got is not None and got.value == b"first"
+        # The key exists now: "absent" no longer holds.
+        assert kv.store.compare_and_put(kv.k("g"), 0, b"second") is False
+        still = kv.store.get(kv.k("g"))
+        assert still is not None and still.value == b"first" and still.mod_revision == got.mod_revision
+
+    def test_cas_on_mod_revision(self, kv: Harness) -> None:
+        kv.store.put(kv.k("g"), b"v1")
+        v1 = kv.store.get(kv.k("g"))
+        assert v1 is not None
+        assert kv.store.compare_and_put(kv.k("g"), v1.mod_revision, b"v2") is True
+        v2 = kv.store.get(kv.k("g"))
+        assert v2 is not None and v2.value == b"v2" and v2.mod_revision > v1.mod_revision
+        # Losing the race: the revision we read is stale now.
+        assert kv.store.compare_and_put(kv.k("g"), v1.mod_revision, b"v3") is False
+        after = kv.store.get(kv.k("g"))
+        assert after == v2
+
+    def test_cas_expecting_a_revision_fails_on_absent_key(self, kv: Harness) -> None:
+        kv.store.put(kv.k("other"), b"x")
+        rev = kv.store.get(kv.k("other"))
+        assert rev is not None
+        assert kv.store.compare_and_put(kv.k("g"), rev.mod_revision, b"v") is False
+        assert kv.store.get(kv.k("g")) is None
+
+    def test_cas_writes_without_lease(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(5)
+        try:
+            kv.store.put(kv.k("g"), b"leased", lease=lease)
+            cur = kv.store.get(kv.k("g"))
+            assert cur is not None and cur.lease == lease
+            assert kv.store.compare_and_put(kv.k("g"), cur.mod_revision, b"published") is True
+            after = kv.store.get(kv.k("g"))
+            assert after is not None and after.lease == 0
+        finally:
+            kv.store.revoke_lease(lease)
+        survived = kv.store.get(kv.k("g"))  # no longer attached: the revoke must not take it
+        assert survived is not None and survived.value == b"published"
+
+    def test_cas_deletes_keys_atomically_on_success(self, kv: Harness) -> None:
+        for name in ("ready/a", "ready/b", "ready/c"):
+            kv.store.put(kv.k(name), b"r")
+        ok = kv.store.compare_and_put(
+            kv.k("generation"), 0, b"gen", delete_keys=[kv.k("ready/a"), kv.k("ready/b"), kv.k("ready/gone")]
+        )
+        assert ok is True
+        assert kv.store.get(kv.k("ready/a")) is None
+        assert kv.store.get(kv.k("ready/b")) is None
+        assert kv.store.get(kv.k("ready/c")) is not None
+        gen = kv.store.get(kv.k("generation"))
+        assert gen is not None and gen.value == b"gen"
+
+    def test_cas_deletes_nothing_on_failure(self, kv: Harness) -> None:
+        kv.store.put(kv.k("generation"), b"old")
+        kv.store.put(kv.k("ready/a"), b"r")
+        ok = kv.store.compare_and_put(kv.k("generation"), 0, b"new", delete_keys=[kv.k("ready/a")])
+        assert ok is False
+        assert kv.store.get(kv.k("ready/a")) is not None
+        gen = kv.store.get(kv.k("generation"))
+        assert gen is not None and gen.value == b"old"
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def test_lease_grant_attach_refresh(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(1)
+        try:
+            assert lease > 0
+            kv.store.put(kv.k("member"), b"m", lease=lease)
+            got = kv.store.get(kv.k("member"))
+            assert got is not None and got.lease == lease
+            assert kv.store.refresh_lease(lease) > 0
+        finally:
+            kv.store.revoke_lease(lease)
+
+    def test_revoke_deletes_leased_keys_only(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(5)
+        other = kv.store.grant_lease(5)
+        try:
+            kv.store.put(kv.k("members/a"), b"a", lease=lease)
+            kv.store.put(kv.k("ready/a"), b"a", lease=lease)
+            kv.store.put(kv.k("members/b"), b"b", lease=other)
+            kv.store.put(kv.k("generation"), b"g")
+            kv.store.revoke_lease(lease)
+            assert kv.store.get(kv.k("members/a")) is None
+            assert kv.store.get(kv.k("ready/a")) is None
+            assert kv.store.get(kv.k("members/b")) is not None
+            assert kv.store.get(kv.k("generation")) is not None
+            assert kv.store.refresh_lease(lease) <= 0
+        finally:
+            kv.store.revoke_lease(other)
+
+    def test_a_gone_lease_is_reported_as_lease_lost(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(5)
+        kv.store.revoke_lease(lease)
+        assert kv.store.refresh_lease(lease) <= 0
+        with pytest.raises(LeaseLost):
+            kv.store.put(kv.k("member"), b"m", lease=lease)
+        assert kv.store.get(kv.k("member")) is None
+        with pytest.raises(LeaseLost):
+            kv.store.revoke_lease(lease)
+
+    def test_put_without_lease_detaches_key_from_its_lease(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(5)
+        kv.store.put(kv.k("a"), b"leased", lease=lease)
+        kv.store.put(kv.k("a"), b"plain")
+        kv.store.revoke_lease(lease)
+        got = kv.store.get(kv.k("a"))
+        assert got is not None and got.value == b"plain" and got.lease == 0
+
+    def test_expired_lease_deletes_its_keys(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(1)
+        keeper = kv.store.grant_lease(30)
+        try:
+            kv.store.put(kv.k("members/a"), b"a", lease=lease)
+            kv.store.put(kv.k("members/b"), b"b", lease=keeper)
+            kv.store.put(kv.k("generation"), b"g")
+            kv.expire(lease, kv.k("members/a"))
+            assert kv.store.get(kv.k("members/a")) is None
+            assert kv.store.refresh_lease(lease) <= 0
+            assert kv.store.get(kv.k("members/b")) is not None
+            assert kv.store.get(kv.k("generation")) is not None
+        finally:
+            kv.store.revoke_lease(keeper)
+
+    # -- watch --------------------------------------------------------------------------------
+
+    def test_watch_fires_for_changes_under_prefix_only(self, kv: Harness) -> None:
+        seen = Counter()
+        cancel = kv.store.watch_prefix(kv.k("job/"), seen)
+        try:
+            kv.store.put(kv.k("elsewhere"), b"x")      # not under the prefix
+            kv.store.put(kv.k("job/members/a"), b"a")  # under it
+            # Events arrive in revision order: had "elsewhere" fired, it would be counted first.
+            assert kv.eventually(lambda: seen.n >= 1), "the watch callback never fired for a put"
+            assert seen.n == 1
+            kv.store.delete(kv.k("job/members/a"))
+            assert kv.eventually(lambda: seen.n >= 2), "the watch callback never fired for a delete"
+        finally:
+            cancel()
+
+    def test_watch_fires_on_cas_and_lease_revoke(self, kv: Harness) -> None:
+        seen = Counter()
+        cancel = kv.store.watch_prefix(kv.k("job/"), seen)
+        lease = kv.store.grant_lease(5)
+        try:
+            assert kv.store.compare_and_put(kv.k("job/generation"), 0, b"g") is True
+            assert kv.eventually(lambda: seen.n >= 1), "no callback after a CAS"
+            kv.store.put(kv.k("job/members/a"), b"a", lease=lease)
+            assert kv.eventually(lambda: seen.n >= 2), "no callback after a leased put"
+            kv.store.revoke_lease(lease)
+            assert kv.eventually(lambda: seen.n >= 3), "no callback when a lease took its key"
+        finally:
+            cancel()
+
+    def test_cancelled_watch_stops_firing(self, kv: Harness) -> None:
+        cancelled, sentinel = Counter(), Counter()
+        cancel = kv.store.watch_prefix(kv.k("job/"), cancelled)
+        cancel_sentinel = kv.store.watch_prefix(kv.k("job/"), sentinel)
+        try:
+            kv.store.put(kv.k("job/a"), b"1")
+            assert kv.eventually(lambda: cancelled.n >= 1 and sentinel.n >= 1)
+            cancel()
+            before = cancelled.n
+            kv.store.put(kv.k("job/b"), b"2")
+            assert kv.eventually(lambda: sentinel.n >= 2), "the live watch stopped too"
+            assert cancelled.n == before
+        finally:
+            cancel_sentinel()
+
+
+class TestFakeStore(KeyValueStoreContract):
+    @pytest.fixture
+    def kv(self) -> Iterator[Harness]:
+        yield FakeHarness()
+
+    # What only the fake can show cheaply: time moves only on the manual clock.
+
+    def test_refresh_extends_the_lease(self) -> None:
+        h = FakeHarness()
+        lease = h.store.grant_lease(1.0)
+        h.store.put(h.k("m"), b"m", lease=lease)
+        h.clock.advance(0.6)
+        assert h.store.refresh_lease(lease) == pytest.approx(1.0)
+        h.clock.advance(0.6)  # 1.2 s after the grant, 0.6 s after the refresh
+        assert h.store.get(h.k("m")) is not None
+        h.clock.advance(0.5)
+        assert h.store.get(h.k("m")) is None
+        assert h.store.refresh_lease(lease) <= 0
+
+    def test_expiry_happens_on_the_next_call_and_notifies_watchers(self) -> None:
+        h = FakeHarness()
+        seen = Counter()
+        h.store.watch_prefix(h.k(""), seen)
+        lease = h.store.grant_lease(2.0)
+        h.store.put(h.k("m"), b"m", lease=lease)
+        assert seen.n == 1  # synchronous: already called when put returns
+        h.clock.advance(1.99)
+        assert h.store.get(h.k("m")) is not None and seen.n == 1
+        h.clock.advance(0.02)
+        assert seen.n == 1  # nothing happens until the store is called
+        assert h.store.get_prefix(h.k("")) == []
+        assert seen.n == 2
+
+    def test_one_revision_per_operation(self) -> None:
+        h = FakeHarness()
+        fake = h.fake
+        h.store.put(h.k("a"), b"1")
+        h.store.put(h.k("b"), b"1")
+        start = fake.revision
+        assert h.store.compare_and_put(h.k("g"), 0, b"g", delete_keys=[h.k("a"), h.k("b")])
+        assert fake.revision == start + 1
+        g = h.store.get(h.k("g"))
+        assert g is not None and g.mod_revision == start + 1
+        h.store.delete(h.k("absent"))
+        assert not h.store.compare_and_put(h.k("g"), 0, b"again")
+        assert fake.revision == start + 1  # neither a no-op delete nor a lost CAS is a change
+
+    def test_callback_may_read_the_store(self) -> None:
+        h = FakeHarness()
+        seen: list[int] = []
+        h.store.watch_prefix(h.k(""), lambda: seen.append(len(h.store.get_prefix(h.k("")))))
+        h.store.put(h.k("a"), b"1")
+        assert seen == [1]  # called after the change is visible, without deadlocking
+
+
+class TestEtcdStore(KeyValueStoreContract):
+    @pytest.fixture
+    def kv(self, etcd_server: EtcdServer) -> Iterator[Harness]:
+        client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+        try:
+            yield EtcdHarness(client)
+        finally:
+            client.close()
+
+
+def test_refused_endpoint_raises_etcd_unavailable_after_retry_bound() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    policy = RetryPolicy(etcd_attempts=2, etcd_backoff_initial_s=0.01, etcd_backoff_max_s=0.02)
+    client = EtcdClient(EtcdConfig(endpoints=(endpoint,)), Timeouts(etcd_request_s=1.0), policy)
+    started = time.monotonic()
+    try:
+        with capture_logs() as logs, pytest.raises(EtcdUnavailable) as info:
+            client.get("/elasticd/anything")
+    finally:
+        client.close()
+    elapsed = time.monotonic() - started
+    assert endpoint in str(info.value)
+    assert "2 attempts" in str(info.value)
+    retries = [e for e in logs if e["event"] == "etcd_call_retried"]
+    assert len(retries) == 1, logs  # two attempts: one retry in between
+    assert elapsed < 2 * 1.0 + 2.0, f"took {elapsed:.1f}s; the retry bound is 2 attempts of <= 1 s"

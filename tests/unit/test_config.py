@@ -1,0 +1,201 @@
+"""WorkerEnv.from_environ: every ELASTICD_* variable, validation that names the setting, round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from elasticd.config import (
+    EtcdConfig,
+    RetryPolicy,
+    Timeouts,
+    WorkerEnv,
+    WorldConfig,
+    parse_endpoint,
+)
+from elasticd.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+# A value for every variable, each different from its default (so a variable that is ignored shows).
+FULL_ENV = {
+    "ELASTICD_ETCD_ENDPOINTS": "10.0.0.1:2379, http://10.0.0.2:2380 ,",
+    "ELASTICD_ETCD_PREFIX": "/custom",
+    "ELASTICD_JOB_ID": "job-42",
+    "ELASTICD_MIN_WORKERS": "2",
+    "ELASTICD_MAX_WORKERS": "6",
+    "ELASTICD_JOIN_S": "50",
+    "ELASTICD_JOIN_WINDOW_S": "0.5",
+    "ELASTICD_LAST_CALL_S": "0.6",
+    "ELASTICD_LEASE_TTL_S": "4",
+    "ELASTICD_KEEPALIVE_S": "1.5",
+    "ELASTICD_COLLECTIVE_S": "11",
+    "ELASTICD_GROUP_BUILD_S": "12",
+    "ELASTICD_CHECKPOINT_TRANSFER_S": "13",
+    "ELASTICD_ETCD_REQUEST_S": "1.25",
+    "ELASTICD_ABORT_POLL_S": "0.05",
+    "ELASTICD_SHUTDOWN_GRACE_S": "14",
+    "ELASTICD_ETCD_ATTEMPTS": "3",
+    "ELASTICD_ETCD_BACKOFF_INITIAL_S": "0.1",
+    "ELASTICD_ETCD_BACKOFF_MAX_S": "2",
+    "ELASTICD_STEP_RETRIES": "4",
+    "ELASTICD_NODE_ID": "node-7",
+    "ELASTICD_LOCAL_RANK": "3",
+    "ELASTICD_ADVERTISE_ADDR": "10.1.2.3",
+    "ELASTICD_BACKEND": "gloo",
+}
+
+
+def test_from_environ_parses_every_variable() -> None:
+    env = WorkerEnv.from_environ(FULL_ENV)
+    assert [parse_endpoint(e) for e in env.etcd.endpoints] == [("10.0.0.1", 2379), ("10.0.0.2", 2380)]
+    assert env.etcd.prefix == "/custom"
+    assert env.world == WorldConfig(job_id="job-42", min_workers=2, max_workers=6)
+    assert env.timeouts == Timeouts(
+        join_s=50.0, join_window_s=0.5, last_call_s=0.6, lease_ttl_s=4.0, keepalive_s=1.5,
+        collective_s=11.0, group_build_s=12.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25,
+        abort_poll_s=0.05, shutdown_grace_s=14.0,
+    )
+    assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0,
+                                    step_retries=4)
+    assert (env.node_id, env.local_rank, env.advertise_addr, env.backend) == ("node-7", 3, "10.1.2.3", "gloo")
+    assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
+
+
+def test_every_field_has_a_variable_in_the_test() -> None:
+    """If a setting is added, this test makes the parse test above cover it."""
+    names = {"ELASTICD_ETCD_ENDPOINTS", "ELASTICD_ETCD_PREFIX"}
+    for cls in (WorldConfig, Timeouts, RetryPolicy, WorkerEnv):
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name not in ("world", "etcd", "timeouts", "retry"):
+                names.add("ELASTICD_" + f.name.upper())
+    assert names == set(FULL_ENV)
+
+
+def test_defaults_when_nothing_is_set() -> None:
+    env = WorkerEnv.from_environ({"ELASTICD_NODE_ID": "n"})
+    assert env == WorkerEnv(node_id="n")
+    assert env.timeouts == Timeouts() and env.retry == RetryPolicy() and env.world == WorldConfig()
+    assert env.etcd.endpoints == ("127.0.0.1:2379",)
+
+
+def test_unrelated_variables_are_ignored() -> None:
+    env = WorkerEnv.from_environ({"ELASTICD_NODE_ID": "n", "ELASTICD_NOT_A_SETTING": "x", "PATH": "/bin"})
+    assert env == WorkerEnv(node_id="n")
+
+
+def test_timeouts_as_timedelta() -> None:
+    t = WorkerEnv.from_environ(FULL_ENV).timeouts
+    assert t.td("collective") == timedelta(seconds=11)
+    assert t.td("keepalive") == timedelta(seconds=1.5)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("ELASTICD_LEASE_TTL_S", "abc", "ELASTICD_LEASE_TTL_S"),
+        ("ELASTICD_JOIN_S", "", "ELASTICD_JOIN_S"),
+        ("ELASTICD_JOIN_S", "-1", "join_s"),
+        ("ELASTICD_COLLECTIVE_S", "0", "collective_s"),
+        ("ELASTICD_LEASE_TTL_S", "0.5", "lease_ttl_s"),
+        ("ELASTICD_KEEPALIVE_S", "2", "keepalive_s"),  # lease TTL defaults to 3: keepalive > ttl / 2
+        ("ELASTICD_MIN_WORKERS", "two", "ELASTICD_MIN_WORKERS"),
+        ("ELASTICD_MIN_WORKERS", "1.5", "ELASTICD_MIN_WORKERS"),
+        ("ELASTICD_MIN_WORKERS", "0", "min_workers"),
+        ("ELASTICD_MAX_WORKERS", "-3", "max_workers"),
+        ("ELASTICD_MIN_WORKERS", "2000", "min_workers"),  # > max_workers (1024)
+        ("ELASTICD_JOB_ID", "a/b", "job_id"),
+        ("ELASTICD_JOB_ID", "", "job_id"),
+        ("ELASTICD_ETCD_ENDPOINTS", "nohost", "etcd_endpoints"),
+        ("ELASTICD_ETCD_ENDPOINTS", "host:0", "etcd_endpoints"),
+        ("ELASTICD_ETCD_ENDPOINTS", "host:99999", "etcd_endpoints"),
+        ("ELASTICD_ETCD_ENDPOINTS", "host:port", "etcd_endpoints"),
+        ("ELASTICD_ETCD_ENDPOINTS", ":2379", "etcd_endpoints"),
+        ("ELASTICD_ETCD_ENDPOINTS", " , ", "etcd_endpoints"),
+        ("ELASTICD_ETCD_PREFIX", "noslash", "etcd_prefix"),
+        ("ELASTICD_ETCD_PREFIX", "/trailing/", "etcd_prefix"),
+        ("ELASTICD_ETCD_ATTEMPTS", "0", "etcd_attempts"),
+        ("ELASTICD_ETCD_ATTEMPTS", "x", "ELASTICD_ETCD_ATTEMPTS"),
+        ("ELASTICD_ETCD_BACKOFF_MAX_S", "0", "etcd_backoff_max_s"),
+        ("ELASTICD_STEP_RETRIES", "-1", "step_retries"),
+        ("ELASTICD_LOCAL_RANK", "-1", "local_rank"),
+        ("ELASTICD_LOCAL_RANK", "zero", "ELASTICD_LOCAL_RANK"),
+        ("ELASTICD_BACKEND", "mpi", "backend"),
+        ("ELASTICD_NODE_ID", "a/b", "node_id"),
+        ("ELASTICD_LEASE_TTL_S", "nan", "lease_ttl_s"),
+        ("ELASTICD_COLLECTIVE_S", "nan", "collective_s"),
+        ("ELASTICD_LEASE_TTL_S", "inf", "lease_ttl_s"),
+    ],
+)
+def test_malformed_values_raise_config_error_naming_the_setting(variable: str, value: str, named: str) -> None:
+    env = {"ELASTICD_NODE_ID": "n", variable: value}
+    with pytest.raises(ConfigError) as info:
+        WorkerEnv.from_environ(env)
+    assert named in str(info.value), str(info.value)
+    assert not isinstance(info.value.__cause__, ConfigError)  # raised once, not re-wrapped
+
+
+def test_keepalive_relative_to_a_configured_ttl() -> None:
+    ok = WorkerEnv.from_environ({"ELASTICD_LEASE_TTL_S": "10", "ELASTICD_KEEPALIVE_S": "5"})
+    assert ok.timeouts.keepalive_s == 5.0
+    with pytest.raises(ConfigError, match="keepalive_s"):
+        WorkerEnv.from_environ({"ELASTICD_LEASE_TTL_S": "10", "ELASTICD_KEEPALIVE_S": "5.01"})
+
+
+def test_min_greater_than_max_names_both() -> None:
+    with pytest.raises(ConfigError) as info:
+        WorkerEnv.from_environ({"ELASTICD_MIN_WORKERS": "5", "ELASTICD_MAX_WORKERS": "4"})
+    assert "min_workers" in str(info.value) and "max_workers" in str(info.value)
+
+
+def test_value_is_quoted_in_the_message() -> None:
+    with pytest.raises(ConfigError, match="'abc'"):
+        WorkerEnv.from_environ({"ELASTICD_LEASE_TTL_S": "abc"})
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("127.0.0.1:2379", ("127.0.0.1", 2379)),
+        ("http://etcd.example:2379", ("etcd.example", 2379)),
+        ("https://etcd:1", ("etcd", 1)),
+        ("[::1]:2379", ("::1", 2379)),
+        (" host:65535 ", ("host", 65535)),
+    ],
+)
+def test_parse_endpoint(text: str, parsed: tuple[str, int]) -> None:
+    assert parse_endpoint(text) == parsed
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        WorkerEnv(node_id="n"),
+        WorkerEnv.from_environ(FULL_ENV),
+        WorkerEnv(
+            world=WorldConfig(job_id="j", min_workers=3, max_workers=3),
+            etcd=EtcdConfig(endpoints=("a:1", "b:2", "[::1]:3"), prefix="/p/q"),
+            timeouts=Timeouts(join_window_s=0.1, keepalive_s=0.3, lease_ttl_s=1.0, abort_poll_s=0.001),
+            retry=RetryPolicy(etcd_attempts=1, etcd_backoff_initial_s=0.001, step_retries=1),
+            node_id="host.example.com", local_rank=15, advertise_addr="::1", backend="nccl",
+        ),
+    ],
+    ids=["defaults", "full", "edges"],
+)
+def test_to_environ_round_trips(env: WorkerEnv) -> None:
+    variables = env.to_environ()
+    assert all(k.startswith("ELASTICD_") and isinstance(v, str) for k, v in variables.items())
+    assert WorkerEnv.from_environ(variables) == env
+    assert WorkerEnv.from_environ(variables).to_environ() == variables
+
+
+def test_to_environ_covers_every_variable() -> None:
+    assert set(WorkerEnv(node_id="n").to_environ()) == set(FULL_ENV)
+
+
+def test_config_error_is_fatal() -> None:
+    from elasticd.errors import FatalError
+
+    assert issubclass(ConfigError, FatalError)

@@ -1,0 +1,479 @@
+"""The pure rendezvous decision ``next_action`` and ``parse_snapshot``, on hand-built state.
+
+Every case is a snapshot, a member, its window and a fixed ``now``; nothing touches a store or a
+clock. Timeouts: join window 0.25 s, last call 0.3 s. ``NOW`` is 1000.0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import pytest
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.membership import (
+    AbortRecord,
+    Action,
+    ActionKind,
+    GenerationRecord,
+    KeyValue,
+    Keys,
+    Me,
+    MemberRecord,
+    ReadyRecord,
+    Snapshot,
+    Window,
+    encode,
+    next_action,
+    parse_snapshot,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SIG = "a" * 64
+OTHER_SIG = "b" * 64
+NOW = 1000.0
+T = Timeouts(join_window_s=0.25, last_call_s=0.3)
+KEYS = Keys("/elasticd", "job")
+
+# -- builders -----------------------------------------------------------------------------------
+
+
+def member(mid: str, sig: str = SIG) -> MemberRecord:
+    """A live member; its store lives on a host derived from its id (to check who hosts it)."""
+    return MemberRecord(mid, node=f"node-{mid}", local_rank=0, pid=100, host=f"host-{mid}",
+                        store_port=20000 + sum(map(ord, mid)), signature=sig)
+
+
+def ready(mid: str, step: int = 0, prev_gen: int = 0, prev_rank: int = 0, sig: str = SIG) -> ReadyRecord:
+    return ReadyRecord(mid, committed_step=step, prev_generation=prev_gen, prev_rank=prev_rank, signature=sig)
+
+
+def gen(number: int, members: Sequence[str], sig: str = SIG, step: int = 0) -> GenerationRecord:
+    return GenerationRecord(number, tuple(members), store_host=f"host-{members[0]}", store_port=1,
+                            signature=sig, committed_step=step, reason="start")
+
+
+def snap(
+    generation: GenerationRecord | None = None,
+    alive: Sequence[str] = (),
+    ready_recs: Sequence[ReadyRecord] = (),
+    aborted: int = 0,
+    generation_revision: int | None = None,
+    member_sigs: dict[str, str] | None = None,
+) -> Snapshot:
+    """Members in ``alive`` are registered; ready records arrive in the order given."""
+    sigs = member_sigs or {}
+    return Snapshot(
+        generation=generation,
+        generation_revision=(generation_revision if generation_revision is not None
+                             else (50 if generation is not None else 0)),
+        members={m: member(m, sigs.get(m, SIG)) for m in alive},
+        ready={r.member_id: r for r in ready_recs},
+        ready_order={r.member_id: 100 + i for i, r in enumerate(ready_recs)},
+        aborted=aborted,
+    )
+
+
+def me(mid: str, last_gen: int = 0, sig: str = SIG) -> Me:
+    return Me(mid, sig, last_gen)
+
+
+def settled(entered: float = NOW - 10.0, changed: float = NOW - 10.0) -> Window:
+    """A window whose join window and last call are long over."""
+    return Window(entered_at=entered, candidates_changed_at=changed)
+
+
+FRESH = Window(entered_at=NOW - 0.1, candidates_changed_at=NOW - 0.1)  # both still open at NOW
+
+W1 = WorldConfig(min_workers=1, max_workers=8)
+
+
+def decide(s: Snapshot, m: Me, window: Window = FRESH, now: float = NOW, world: WorldConfig = W1) -> Action:
+    return next_action(s, m, window, now, world, T)
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    snap: Snapshot
+    me: Me
+    window: Window = FRESH
+    now: float = NOW
+    world: WorldConfig = W1
+    kind: ActionKind = ActionKind.WAIT
+    members: tuple[str, ...] | None = None  # published (or joined) rank order
+    generation: int | None = None           # published (or joined) generation number
+    until: float | None = None
+    reason: str | None = None               # PUBLISH: the record's reason
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+G3_ABC = gen(3, ["a", "b", "c"])
+READY_ABC_G3 = [ready("a", 7, 3, 0), ready("b", 7, 3, 1), ready("c", 7, 3, 2)]
+
+CASES = [
+    # -- JOIN ----------------------------------------------------------------------------------
+    Case("join: published generation includes me",
+         snap(gen(4, ["b", "a"]), alive=["a", "b"]), me("a", last_gen=3),
+         kind=ActionKind.JOIN, members=("b", "a"), generation=4),
+    Case("join: a newcomer joins the generation that takes it in",
+         snap(gen(4, ["a", "b", "n"]), alive=["a", "b", "n"]), me("n", last_gen=0),
+         kind=ActionKind.JOIN, members=("a", "b", "n"), generation=4),
+    Case("join wins even if my records are gone (the publisher consumed my ready record)",
+         snap(gen(2, ["a"]), alive=[]), me("a", last_gen=1),
+         kind=ActionKind.JOIN, generation=2),
+    Case("no join: the generation that includes me is the one I am leaving",
+         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=[ready("a", 7, 3, 0)]), me("a", last_gen=3),
+         kind=ActionKind.WAIT),
+    # -- healthy generation: wait for its members to reach a step boundary ----------------------
+    Case("newcomer waits while a healthy generation trains",
+         snap(gen(1, ["a", "b"]), alive=["a", "b", "n"], ready_recs=[ready("n")]), me("n"),
+         window=settled(), kind=ActionKind.WAIT, until=None),
+    Case("newcomer still waits when only some members reached the boundary",
+         snap(gen(1, ["a", "b"]), alive=["a", "b", "n"], ready_recs=[ready("n"), ready("a", 5, 1, 0)]),
+         me("n"), window=settled(), kind=ActionKind.WAIT),
+    Case("an abort of an older generation does not break the current one",
+         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=[ready("a", 7, 3, 0)], aborted=2), me("a", 3),
+         window=settled(), kind=ActionKind.WAIT, until=None),
+    Case("survivors regroup (all members ready, no newcomer)",
+         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3), me("b", 3),
+         kind=ActionKind.PUBLISH, members=("a", "b", "c"), generation=4, reason="regroup"),
+    Case("all members ready plus a newcomer: join window still open",
+         snap(G3_ABC, alive=["a", "b", "c", "n"], ready_recs=[*READY_ABC_G3, ready("n")]), me("a", 3),
+         window=Window(NOW - 5, NOW - 0.1), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.25),
+    Case("all members ready plus a newcomer: window over, newcomer joins last",
+         snap(G3_ABC, alive=["a", "b", "c", "n"], ready_recs=[ready("n"), *READY_ABC_G3]), me("a", 3),
+         window=settled(), kind=ActionKind.PUBLISH, members=("a", "b", "c", "n"), generation=4, reason="join"),
+    # -- broken generation: last call, then publish without the missing -------------------------
+    Case("aborted: wait for members that have not come (last call)",
+         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3[:2], aborted=3), me("a", 3),
+         window=Window(NOW - 0.1, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
+    Case("aborted: after last call, publish without the missing member",
+         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3[:2], aborted=3), me("a", 3),
+         window=Window(NOW - 0.31, NOW - 10), kind=ActionKind.PUBLISH, members=("a", "b"), generation=4,
+         reason="aborted"),
+    Case("aborted and everyone came: no last call",
+         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3, aborted=3), me("a", 3),
+         window=FRESH, kind=ActionKind.PUBLISH, members=("a", "b", "c"), generation=4, reason="aborted"),
+    Case("lost lease: the dead member is not waited for",
+         snap(G3_ABC, alive=["a", "b"], ready_recs=READY_ABC_G3[:2]), me("b", 3),
+         window=FRESH, kind=ActionKind.PUBLISH, members=("a", "b"), generation=4, reason="member_lost"),
+    Case("lost lease: a live member that has not come gets a last call",
+         snap(G3_ABC, alive=["a", "b"], ready_recs=[READY_ABC_G3[1]]), me("b", 3),
+         window=Window(NOW - 0.29, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.29 + 0.3),
+    Case("lost lease: after last call, publish without dead and missing",
+         snap(G3_ABC, alive=["a", "b"], ready_recs=[READY_ABC_G3[1]]), me("b", 3),
+         window=Window(NOW - 0.31, NOW - 10), kind=ActionKind.PUBLISH, members=("b",), generation=4,
+         reason="member_lost"),
+    Case("lost lease: a newcomer also waits through last call",
+         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]), me("n"),
+         window=Window(NOW - 0.1, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
+    # -- first generation, join window, min/max workers -----------------------------------------
+    Case("start: join window open after the last arrival",
+         snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]), me("a"),
+         window=Window(NOW - 5, NOW - 0.2), kind=ActionKind.WAIT, until=NOW - 0.2 + 0.25),
+    Case("start: join window closed, publish generation 1 in arrival order",
+         snap(None, alive=["a", "b"], ready_recs=[ready("b"), ready("a")]), me("a"),
+         window=Window(NOW - 5, NOW - 0.26), kind=ActionKind.PUBLISH, members=("b", "a"), generation=1,
+         reason="start"),
+    Case("start: at max_workers the join window is skipped",
+         snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]), me("a"),
+         world=WorldConfig(min_workers=1, max_workers=2), kind=ActionKind.PUBLISH, members=("a", "b"),
+         generation=1),
+    Case("min_workers: not enough ready",
+         snap(None, alive=["a", "b", "c"], ready_recs=[ready("a"), ready("b")]), me("a"),
+         window=settled(), world=WorldConfig(min_workers=3, max_workers=8), kind=ActionKind.WAIT),
+    Case("min_workers: reached",
+         snap(None, alive=["a", "b", "c"], ready_recs=[ready("a"), ready("b"), ready("c")]), me("a"),
+         window=settled(), world=WorldConfig(min_workers=3, max_workers=8), kind=ActionKind.PUBLISH,
+         members=("a", "b", "c")),
+    Case("min_workers: a ready record whose lease is gone does not count",
+         snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b"), ready("ghost")]), me("a"),
+         window=settled(), world=WorldConfig(min_workers=3, max_workers=8), kind=ActionKind.WAIT),
+    Case("min_workers: broken generation below minimum waits even after last call",
+         snap(G3_ABC, alive=["a"], ready_recs=[READY_ABC_G3[0]]), me("a", 3),
+         window=settled(), world=WorldConfig(min_workers=2, max_workers=8), kind=ActionKind.WAIT),
+    Case("max_workers: truncated to the first ranks, arrival order",
+         snap(None, alive=list("abcde"), ready_recs=[ready(x) for x in "cabed"]), me("a"),
+         window=settled(), world=WorldConfig(min_workers=1, max_workers=3), kind=ActionKind.PUBLISH,
+         members=("c", "a", "b"), generation=1),
+    Case("max_workers: survivors are kept over newcomers",
+         snap(gen(2, ["a", "b"]), alive=["a", "b", "x", "y"],
+              ready_recs=[ready("x"), ready("b", 9, 2, 1), ready("y"), ready("a", 9, 2, 0)]),
+         me("x"), window=settled(), world=WorldConfig(min_workers=1, max_workers=3),
+         kind=ActionKind.PUBLISH, members=("a", "b", "x"), generation=3, reason="join"),
+    # -- rank order -----------------------------------------------------------------------------
+    Case("rank order: survivors keep their old ranks, newcomers follow by arrival",
+         snap(gen(5, ["c", "a", "b"]), alive=["a", "b", "c", "y", "x"],
+              ready_recs=[ready("a", 4, 5, 1), ready("y"), ready("b", 4, 5, 2), ready("x"),
+                          ready("c", 4, 5, 0)], aborted=5),
+         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("c", "a", "b", "y", "x"),
+         generation=6, reason="aborted"),
+    Case("rank order: the newest committed step is rank 0",
+         snap(gen(5, ["c", "a", "b"]), alive=["a", "b", "c"],
+              ready_recs=[ready("a", 4, 5, 1), ready("b", 5, 5, 2), ready("c", 4, 5, 0)], aborted=5),
+         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("b", "c", "a"), generation=6),
+    Case("rank order: a newcomer holding a newer step (restored checkpoint) is rank 0",
+         snap(gen(5, ["a", "b"]), alive=["a", "b", "n"],
+              ready_recs=[ready("a", 4, 5, 0), ready("n", 8), ready("b", 4, 5, 1)]),
+         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("n", "a", "b"), generation=6),
+    Case("rank order: a newcomer's rank in an older generation means nothing",
+         snap(gen(5, ["a", "b"]), alive=["a", "b", "x", "y"],
+              ready_recs=[ready("x", 4, 2, 9), ready("y", 4, 2, 0), ready("b", 4, 5, 1), ready("a", 4, 5, 0)],
+              aborted=5),
+         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("a", "b", "x", "y"), generation=6),
+    # -- model signature ------------------------------------------------------------------------
+    Case("model mismatch with the published generation fails",
+         snap(gen(1, ["a"]), alive=["a", "n"], ready_recs=[ready("n", sig=OTHER_SIG)],
+              member_sigs={"n": OTHER_SIG}), me("n", sig=OTHER_SIG), kind=ActionKind.FAIL),
+    Case("model mismatch with the first arrival fails (no generation yet)",
+         snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n", sig=OTHER_SIG)],
+              member_sigs={"n": OTHER_SIG}), me("n", sig=OTHER_SIG), kind=ActionKind.FAIL),
+    Case("a mismatched member is never chosen",
+         snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n", sig=OTHER_SIG)],
+              member_sigs={"n": OTHER_SIG}), me("a"), window=settled(), kind=ActionKind.PUBLISH,
+         members=("a",), generation=1),
+    # -- reregister -----------------------------------------------------------------------------
+    Case("my member record is gone: reregister",
+         snap(None, alive=["b"], ready_recs=[ready("a"), ready("b")]), me("a"), kind=ActionKind.REREGISTER),
+    Case("my ready record is gone: reregister",
+         snap(None, alive=["a", "b"], ready_recs=[ready("b")]), me("a"), kind=ActionKind.REREGISTER),
+    Case("reregister comes before the signature check",
+         snap(gen(1, ["b"]), alive=["b"]), me("a", sig=OTHER_SIG), kind=ActionKind.REREGISTER),
+    # -- generation numbers ---------------------------------------------------------------------
+    Case("generation number: past an abort record of a later generation",
+         snap(gen(7, ["a", "b"]), alive=["a", "b"], ready_recs=[ready("a", 1, 7, 0), ready("b", 1, 7, 1)],
+              aborted=9),
+         me("a", 7), window=settled(), kind=ActionKind.PUBLISH, generation=10, reason="aborted"),
+    Case("generation number: past a malformed generation record (known from ready records)",
+         snap(None, alive=["a", "b"], ready_recs=[ready("a", 3, 6, 0), ready("b", 3, 6, 1)],
+              generation_revision=77),
+         me("a", 6), window=settled(), kind=ActionKind.PUBLISH, members=("a", "b"), generation=7,
+         extra={"expected_revision": 77}),
+    Case("generation number: past the newest generation any ready member was in",
+         snap(gen(2, ["a"]), alive=["a", "n"], ready_recs=[ready("a", 3, 2, 0), ready("n", 0, 11, 0)]),
+         me("a", 2), window=settled(), kind=ActionKind.PUBLISH, generation=12),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_next_action(case: Case) -> None:
+    action = next_action(case.snap, case.me, case.window, case.now, case.world, T)
+    assert action.kind is case.kind, action.reason
+    if case.members is not None:
+        assert action.record is not None
+        assert action.record.members == case.members, action.reason
+    if case.generation is not None:
+        assert action.record is not None
+        assert action.record.generation == case.generation
+    if case.kind is ActionKind.WAIT:
+        assert action.until == case.until
+        assert action.record is None
+    if case.reason is not None:
+        assert action.record is not None and action.record.reason == case.reason
+        assert action.reason == case.reason
+    for name, want in case.extra.items():
+        assert getattr(action, name) == want
+    if case.kind is ActionKind.PUBLISH:
+        assert action.record is not None
+        assert action.expected_revision == case.snap.generation_revision
+        assert action.consumed_ready == action.record.members
+    if case.kind is ActionKind.FAIL:
+        assert "signature" in action.error and action.record is None
+
+
+def test_publish_record_describes_rank0_and_the_job() -> None:
+    s = snap(gen(5, ["c", "a"], step=3), alive=["a", "c"],
+             ready_recs=[ready("a", 4, 5, 1), ready("c", 3, 5, 0)], aborted=5)
+    action = decide(s, me("c", 5), window=settled())
+    assert action.kind is ActionKind.PUBLISH
+    rec = action.record
+    assert rec is not None
+    assert rec.members == ("a", "c")
+    assert (rec.store_host, rec.store_port) == (member("a").host, member("a").store_port)
+    assert rec.committed_step == 4
+    assert rec.signature == SIG
+    assert rec.rank_of("c") == 1 and rec.world_size == 2
+
+
+def test_every_publish_is_consistent_and_newer_than_anything_seen() -> None:
+    """Random snapshots: whatever is published is a valid, strictly newer generation."""
+    rng = random.Random(1234)
+    ids = [f"m{i}" for i in range(7)]
+    publishes = 0
+    for _ in range(3000):
+        g = None
+        if rng.random() < 0.8:
+            g = gen(rng.randint(1, 20), rng.sample(ids, rng.randint(1, 5)))
+        alive = [m for m in ids if rng.random() < 0.8]
+        recs = []
+        for m in rng.sample(ids, len(ids)):
+            if rng.random() < 0.7:
+                in_g = g is not None and m in g.members and rng.random() < 0.7
+                recs.append(ready(m, rng.randint(-1, 9), g.generation if in_g and g else rng.randint(0, 25),
+                                  g.members.index(m) if in_g and g else 0,
+                                  SIG if rng.random() < 0.9 else OTHER_SIG))
+        s = snap(g, alive=alive, ready_recs=recs, aborted=rng.choice([0, 0, rng.randint(1, 30)]),
+                 generation_revision=rng.choice([0, 3, 99]) if g is None else 42)
+        mid = rng.choice(ids)
+        m = me(mid, last_gen=s.ready[mid].prev_generation if mid in s.ready else rng.randint(0, 20))
+        world = WorldConfig(min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 6))
+        window = Window(NOW - rng.random(), NOW - rng.random())
+        action = next_action(s, m, window, NOW, world, T)
+        if action.kind is ActionKind.JOIN:
+            assert action.record is s.generation and mid in action.record.members
+            assert action.record.generation > m.last_generation
+        if action.kind is not ActionKind.PUBLISH:
+            continue
+        publishes += 1
+        rec = action.record
+        assert rec is not None
+        seen = [g.generation if g else 0, s.aborted, m.last_generation]
+        seen += [r.prev_generation for r in s.ready.values()]
+        assert rec.generation > max(seen)
+        assert len(set(rec.members)) == len(rec.members)
+        assert world.min_workers <= len(rec.members) <= world.max_workers
+        assert all(x in s.members and x in s.ready for x in rec.members)
+        assert all(s.ready[x].signature == rec.signature for x in rec.members)
+        assert s.ready[rec.members[0]].committed_step == max(s.ready[x].committed_step for x in rec.members)
+        assert rec.committed_step == s.ready[rec.members[0]].committed_step
+        assert action.expected_revision == s.generation_revision
+    assert publishes > 100  # the generator must actually reach the interesting branch
+
+
+def test_a_lost_cas_leads_to_join_on_reread() -> None:
+    """Two members decide from the same snapshot; the loser re-reads and joins the winner's record."""
+    s = snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")])
+    first = decide(s, me("a"), window=settled())
+    second = decide(s, me("b"), window=settled())
+    assert first.kind is second.kind is ActionKind.PUBLISH
+    assert first.record == second.record  # deterministic: both would publish the same thing
+    assert first.record is not None
+    after = snap(first.record, alive=["a", "b"], generation_revision=60)
+    assert decide(after, me("b")).kind is ActionKind.JOIN
+
+
+# -- parse_snapshot ------------------------------------------------------------------------------
+
+
+def kv(key: str, value: bytes, rev: int = 10, create: int | None = None) -> KeyValue:
+    return KeyValue(key, value, rev, create if create is not None else rev)
+
+
+def good_records() -> list[KeyValue]:
+    return [
+        kv(KEYS.generation, encode(gen(3, ["a", "b"])), rev=40, create=5),
+        kv(KEYS.abort, encode(AbortRecord(2, "a", "boom")), rev=30),
+        kv(KEYS.member("a"), encode(member("a")), rev=11),
+        kv(KEYS.member("b"), encode(member("b")), rev=12),
+        kv(KEYS.ready("b"), encode(ready("b", 3, 3, 1)), rev=45, create=44),
+        kv(KEYS.ready("a"), encode(ready("a", 3, 3, 0)), rev=46, create=43),
+        kv(KEYS.progress("a"), b'{"step": 3}', rev=47),
+        kv(KEYS.event(1), b"not even json", rev=48),  # not a record the rendezvous reads
+    ]
+
+
+def test_parse_snapshot_reads_well_formed_records() -> None:
+    s = parse_snapshot(KEYS, good_records())
+    assert s.malformed == ()
+    assert s.generation == gen(3, ["a", "b"])
+    assert s.generation_revision == 40
+    assert s.aborted == 2
+    assert dict(s.members) == {"a": member("a"), "b": member("b")}
+    assert dict(s.ready) == {"a": ready("a", 3, 3, 0), "b": ready("b", 3, 3, 1)}
+    assert dict(s.ready_order) == {"a": 43, "b": 44}  # arrival = create_revision, not mod_revision
+    assert s.highest_generation_seen == 3
+
+
+def _obj(record: object, **changes: object) -> bytes:
+    data = asdict(record)  # type: ignore[call-overload]
+    for k, v in changes.items():
+        if v is _DROP:
+            del data[k]
+        else:
+            data[k] = v
+    return json.dumps(data).encode()
+
+
+_DROP = object()
+
+MALFORMED = [
+    ("garbage JSON", KEYS.member("c"), b"{not json"),
+    ("invalid UTF-8", KEYS.member("c"), b"\xff\xfe\x00garbage"),
+    ("empty value", KEYS.ready("c"), b""),
+    ("JSON list", KEYS.member("c"), b'["c"]'),
+    ("JSON null", KEYS.abort, b"null"),
+    ("missing field", KEYS.member("c"), _obj(member("c"), pid=_DROP)),
+    ("extra field", KEYS.ready("c"), _obj(ready("c"), surprise=1)),
+    ("str for int", KEYS.member("c"), _obj(member("c"), local_rank="0")),
+    ("bool for int", KEYS.ready("c"), _obj(ready("c"), committed_step=True)),
+    ("float for int", KEYS.ready("c"), _obj(ready("c"), prev_rank=1.0)),
+    ("int for str", KEYS.member("c"), _obj(member("c"), host=127001)),
+    ("member key/id mismatch", KEYS.member("c"), encode(member("d"))),
+    ("ready key/id mismatch", KEYS.ready("c"), encode(ready("d"))),
+    ("ready id with a slash", KEYS.ready("c"), encode(ready("c/x"))),
+    ("abort garbage", KEYS.abort, b"\x00\x01"),
+    ("abort wrong type", KEYS.abort, _obj(AbortRecord(1, "a", "r"), generation="1")),
+]
+
+MALFORMED_GENERATION = [
+    ("generation garbage", b"}{"),
+    ("generation 0", _obj(gen(1, ["a"]), generation=0)),
+    ("generation negative", _obj(gen(1, ["a"]), generation=-4)),
+    ("generation not int", _obj(gen(1, ["a"]), generation="3")),
+    ("members not a list", _obj(gen(1, ["a"]), members="ab")),
+    ("members hold non-strings", _obj(gen(1, ["a"]), members=["a", 2])),
+    ("members nested lists", _obj(gen(1, ["a"]), members=[["a"]])),
+    ("members empty", _obj(gen(1, ["a"]), members=[])),
+    ("members duplicated", _obj(gen(1, ["a"]), members=["a", "a"])),
+    ("infinite generation", _obj(gen(1, ["a"]), generation=1e999)),
+]
+
+
+@pytest.mark.parametrize(("what", "key", "value"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_parse_snapshot_lists_malformed_records(what: str, key: str, value: bytes) -> None:
+    clean = parse_snapshot(KEYS, good_records())
+    records = [r for r in good_records() if r.key != key] + [kv(key, value, rev=99)]
+    s = parse_snapshot(KEYS, records)
+    assert len(s.malformed) == 1, s.malformed
+    assert s.malformed[0].startswith(key + ": ")
+    # The good records are all still there.
+    assert s.generation == clean.generation
+    assert {k: v for k, v in s.members.items()} == {k: v for k, v in clean.members.items() if KEYS.member(k) != key}
+    assert {k: v for k, v in s.ready.items()} == {k: v for k, v in clean.ready.items() if KEYS.ready(k) != key}
+    assert "c" not in s.members and "c" not in s.ready and "d" not in s.members and "d" not in s.ready
+    if key == KEYS.abort:
+        assert s.aborted == 0
+
+
+@pytest.mark.parametrize(("what", "value"), MALFORMED_GENERATION, ids=[m[0] for m in MALFORMED_GENERATION])
+def test_parse_snapshot_malformed_generation(what: str, value: bytes) -> None:
+    records = [r for r in good_records() if r.key != KEYS.generation] + [kv(KEYS.generation, value, rev=77)]
+    s = parse_snapshot(KEYS, records)
+    assert s.generation is None
+    assert s.generation_revision == 77  # so a new generation can replace it by CAS
+    assert len(s.malformed) == 1 and s.malformed[0].startswith(KEYS.generation + ": ")
+    assert set(s.members) == {"a", "b"} and set(s.ready) == {"a", "b"}
+
+
+def test_parse_snapshot_survives_deeply_nested_json() -> None:
+    records = good_records() + [kv(KEYS.member("c"), b"[" * 100_000, rev=99)]
+    s = parse_snapshot(KEYS, records)
+    assert len(s.malformed) == 1 and s.malformed[0].startswith(KEYS.member("c"))
+
+
+def test_malformed_generation_does_not_restart_numbering() -> None:
+    """A garbage generation record is replaced by CAS on its revision, numbered past the ready records."""
+    records = [r for r in good_records() if r.key != KEYS.generation] + [kv(KEYS.generation, b"}{", rev=77)]
+    s = parse_snapshot(KEYS, records)
+    action = decide(s, me("a", 3), window=settled())
+    assert action.kind is ActionKind.PUBLISH
+    assert action.record is not None and action.record.generation == 4
+    assert action.expected_revision == 77
