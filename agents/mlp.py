@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.step_sleep)
                 loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
                 trainer.step(loss)
-            if args.save_final:
+            if args.save_final and trainer.step_count >= args.steps:
                 torch.save(model.state_dict(), args.save_final)
     except elasticd.ElasticdError as exc:
         print(f"elasticd: fatal: {type(exc).__name__}: {exc}", file=sys.stderr)

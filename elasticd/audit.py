@@ -75,32 +75,59 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         if len(set(ranks)) != len(ranks):
             v.append(f"generation {gen}: a rank synced twice: {ranks}")
     per_epoch: dict[int, list[int]] = defaultdict(list)
+    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    last_of_generation: dict[int, int] = {}  # generation -> its last committed step
+    for step in rep.steps:
+        for r in commits[step]:
+            gen_of_row = int(r["generation"])  # type: ignore[call-overload]
+            last_of_generation[gen_of_row] = max(last_of_generation.get(gen_of_row, 0), step)
     for step in rep.steps:
         rows = commits[step]
         gens = {int(r["generation"]) for r in rows}  # type: ignore[call-overload]
         if len(gens) != 1:
             v.append(f"step {step} committed in several generations {sorted(gens)} (repeated)")
             continue
+        gen = gens.pop()
         world = int(rows[0]["world_size"])  # type: ignore[call-overload]
         ranks = sorted(int(r["rank"]) for r in rows)  # type: ignore[call-overload]
-        if ranks != list(range(world)):
+        if len(set(ranks)) != len(ranks) or not set(ranks) <= set(range(world)):
             v.append(f"step {step}: committed by ranks {ranks} of a world of {world}")
+        # A rank may lack a line only for the last step of its generation: it contributed and then
+        # died (or was fenced off) before logging, which is also why the generation ended there.
+        absent = sorted(set(range(world)) - set(ranks))
+        if absent and step != last_of_generation[gen]:
+            v.append(f"step {step}: ranks {absent} of generation {gen} did not commit it, yet the generation went on")
+        batch_keys = {(int(r["epoch"]), int(r["position"]), int(r.get("global_size", 0))) for r in rows}  # type: ignore[call-overload]
+        if len(batch_keys) != 1:
+            v.append(f"step {step}: ranks disagree on the global batch {sorted(batch_keys)}")
         losses = [float(r["loss"]) for r in rows]  # type: ignore[arg-type]
         if max(losses) - min(losses) > loss_rtol * max(1.0, abs(losses[0])):
             v.append(f"step {step}: ranks disagree on the loss {losses}")
         rep.losses[step] = losses[0]
         rep.step_world[step] = world
-        epoch = int(rows[0]["epoch"])  # type: ignore[call-overload]
-        for r in rows:
-            per_epoch[epoch].extend(int(i) for i in r["indices"])  # type: ignore[attr-defined]
+        epoch, position, size = sorted(batch_keys)[0]
+        spans[epoch].append((position, size))
+        used = [int(i) for r in rows for i in r["indices"]]  # type: ignore[attr-defined]
+        if not absent and len(set(used)) != size:
+            v.append(f"step {step}: the ranks' shares hold {len(set(used))} samples, not the global batch of {size}")
+        per_epoch[epoch].extend(used)
+    last_epoch = max(spans, default=0)
     for epoch, used in sorted(per_epoch.items()):
         dupes = len(used) - len(set(used))
         if dupes:
             v.append(f"epoch {epoch}: {dupes} samples used more than once")
-        if epoch < max(per_epoch) and sorted(used) != list(range(dataset_size)):
-            v.append(f"epoch {epoch}: {dataset_size - len(set(used))} samples never used")
-        elif sorted(set(used)) == list(range(dataset_size)):
-            rep.epochs_complete += 1
+        # The committed global batches of an epoch must tile its order: no overlap, no hole.
+        cursor = 0
+        for position, size in sorted(spans[epoch]):
+            if position != cursor:
+                v.append(f"epoch {epoch}: global batches jump from position {cursor} to {position}")
+                break
+            cursor = position + size
+        else:
+            if epoch < last_epoch and cursor != dataset_size:
+                v.append(f"epoch {epoch}: {dataset_size - cursor} samples never used")
+            elif cursor == dataset_size:
+                rep.epochs_complete += 1
     for step, sums in sorted(rep.finals_by_step.items()):
         if len(sums) > 1:
             v.append(f"members that left at step {step} hold different parameters: {sorted(sums)}")

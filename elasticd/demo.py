@@ -37,7 +37,7 @@ from elasticd.audit import AuditReport, check_dir
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorkerEnv, WorldConfig
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
-from elasticd.membership import GenerationRecord, KeyValueStore, Keys, decode_generation
+from elasticd.membership import GenerationRecord, Keys, KeyValueStore, decode_generation
 
 JOB_ID = "demo"
 SAMPLES = 2048        # the workload's dataset size; the audit checks every epoch against it
@@ -106,6 +106,7 @@ class Progress:
     joined: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (generation, rank)
     last_commit_t: float = 0.0
     pauses: dict[int, float] = field(default_factory=dict)  # generation -> seconds without a commit
+    finals: list[int] = field(default_factory=list)  # the step of each worker's "final" line
 
     def absorb(self, worker: int, rec: dict[str, object], say: Callable[[str], None]) -> None:
         """Fold one audit record in; announce generations and first joins through ``say``."""
@@ -124,19 +125,21 @@ class Progress:
                 self.joined[worker] = (gen, rank)
                 if gen > 1:
                     say(f"worker {worker} joined: generation {gen}, rank {rank}, step {_int(rec['step'])}")
+        elif event == "final":
+            self.finals.append(_int(rec["step"]))
         elif event == "commit":
             step, gen = _int(rec["step"]), _int(rec["generation"])
-            t = float(rec["t"])  # type: ignore[arg-type]
-            seen = self.generations.get(gen)
-            if seen is not None:
-                if not seen.first_step or step < seen.first_step:
-                    seen.first_step, seen.first_commit_t = step, t
+            t = _float(rec["t"])
+            current = self.generations.get(gen)
+            if current is not None:
+                if not current.first_step or step < current.first_step:
+                    current.first_step, current.first_commit_t = step, t
                     if gen > 1 and self.last_commit_t:
                         self.pauses[gen] = max(0.0, t - self.last_commit_t)
-                seen.last_step = max(seen.last_step, step)
+                current.last_step = max(current.last_step, step)
             if step > self.step:
                 self.step, self.generation, self.world_size = step, gen, _int(rec["world_size"])
-                self.loss = float(rec["loss"])  # type: ignore[arg-type]
+                self.loss = _float(rec["loss"])
                 self.last_commit_t = max(self.last_commit_t, t)
                 if self.first_loss is None and step == 1:
                     self.first_loss = self.loss
@@ -152,6 +155,11 @@ class Progress:
 def _int(value: object) -> int:
     assert isinstance(value, (int, str, float)), value
     return int(value)
+
+
+def _float(value: object) -> float:
+    assert isinstance(value, (int, str, float)), value
+    return float(value)
 
 
 def _node_of(member_id: str) -> str:
@@ -396,9 +404,8 @@ class Demo:
             problems.append(f"committed {rep.last_step} of {plan.steps} steps")
         w = self.out.write
         w("\n== summary ==\n")
-        w(f"steps committed   {rep.last_step}/{plan.steps}"
-          f"{' (1..%d, no gap, no repeat)' % rep.last_step if rep.ok and rep.steps else ''}; "
-          f"epochs complete {rep.epochs_complete}\n")
+        continuous = f" (1..{rep.last_step}, no gap, no repeat)" if rep.ok and rep.steps else ""
+        w(f"steps committed   {rep.last_step}/{plan.steps}{continuous}; epochs complete {rep.epochs_complete}\n")
         w("generations\n")
         for gen, world in sorted(rep.generations.items()):
             seen = p.generations.get(gen)
@@ -417,9 +424,10 @@ class Demo:
             f"{i}: {'killed' if i == o.killed else 'exit ' + str(c)}" for i, c in sorted(o.codes.items())
         )
         w(f"workers           {codes}\n")
-        sums = sorted(set(rep.final_checksums))
-        w(f"final parameters  {'identical on ' + str(len(rep.final_checksums)) + ' workers' if len(sums) == 1 else sums}"
-          f"{' (' + sums[0] + ')' if len(sums) == 1 else ''}\n")
+        for step, sums in sorted(rep.finals_by_step.items()):
+            n = p.finals.count(step)
+            state = f"identical on {n} worker(s) ({next(iter(sums))})" if len(sums) == 1 else f"DIFFER: {sorted(sums)}"
+            w(f"final parameters  at step {step}: {state}\n")
         if rep.ok:
             w("invariants        OK\n")
         else:

@@ -66,5 +66,13 @@ class StateCorrupt(FatalError):
     """Training state differs between ranks after a sync, or a record is unreadable."""
 
 
+class StateLost(FatalError):
+    """No live member holds the job's newest committed state (every member that had it is gone)."""
+
+
+class JobFinished(ElasticdError):
+    """The job already reached its target step; a late joiner has nothing to do."""
+
+
 class RestartsExhausted(FatalError):
     """A step failed more times than the retry policy allows."""

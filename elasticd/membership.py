@@ -28,9 +28,11 @@ import structlog
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import (
     EtcdUnavailable,
+    JobFinished,
     LeaseLost,
     ModelMismatch,
     RendezvousClosed,
+    StateLost,
 )
 from elasticd.retry import Clock, Deadline
 
@@ -104,6 +106,10 @@ class Keys:
     def abort(self) -> str:
         return f"{self.job}/abort"
 
+    @property
+    def finished(self) -> str:
+        return f"{self.job}/finished"
+
     def member(self, member_id: str) -> str:
         return f"{self.job}/members/{member_id}"
 
@@ -170,6 +176,14 @@ class AbortRecord:
     reason: str
 
 
+@dataclass(frozen=True)
+class FinishedRecord:
+    """``finished``: every member reached the target step together; the job is done."""
+
+    generation: int
+    step: int
+
+
 def encode(record: object) -> bytes:
     return json.dumps(asdict(record), sort_keys=True).encode()  # type: ignore[call-overload]
 
@@ -212,6 +226,12 @@ def decode_generation(raw: bytes) -> GenerationRecord:
     return rec
 
 
+def decode_finished(raw: bytes) -> FinishedRecord:
+    rec = _decode(FinishedRecord, raw)
+    assert isinstance(rec, FinishedRecord)
+    return rec
+
+
 def decode_abort(raw: bytes) -> AbortRecord:
     rec = _decode(AbortRecord, raw)
     assert isinstance(rec, AbortRecord)
@@ -229,6 +249,7 @@ class Snapshot:
     ready_order: Mapping[str, int] = field(default_factory=dict)
     aborted: int = 0
     malformed: tuple[str, ...] = ()
+    finished: FinishedRecord | None = None
 
     @property
     def highest_generation_seen(self) -> int:
@@ -245,6 +266,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     ready: dict[str, ReadyRecord] = {}
     ready_order: dict[str, int] = {}
     aborted = 0
+    finished: FinishedRecord | None = None
     malformed: list[str] = []
     for kv in kvs:
         try:
@@ -253,6 +275,8 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 generation = decode_generation(kv.value)
             elif kv.key == keys.abort:
                 aborted = decode_abort(kv.value).generation
+            elif kv.key == keys.finished:
+                finished = decode_finished(kv.value)
             elif kv.key.startswith(keys.member("")):
                 m = decode_member(kv.value)
                 if kv.key != keys.member(m.member_id):
@@ -266,7 +290,9 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 ready_order[r.member_id] = kv.create_revision
         except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
             malformed.append(f"{kv.key}: {exc}")
-    return Snapshot(generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed))
+    return Snapshot(
+        generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +305,8 @@ class ActionKind(StrEnum):
     JOIN = "join"
     REREGISTER = "reregister"
     FAIL = "fail"
+    FINISHED = "finished"
+    STATE_LOST = "state_lost"
 
 
 @dataclass(frozen=True)
@@ -357,6 +385,8 @@ def next_action(
     g = snap.generation
     if g is not None and me.member_id in g.members and g.generation > me.last_generation:
         return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
+    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
+        return Action(ActionKind.FINISHED, f"the job finished at step {snap.finished.step}")
     if me.member_id not in snap.members or me.member_id not in snap.ready:
         return Action(ActionKind.REREGISTER, "my member or ready record is gone (lease expired?)")
     job_sig = g.signature if g else _first_signature(snap)
@@ -380,6 +410,15 @@ def next_action(
             return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
     if len(cands) < world.min_workers:
         return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
+    if g is not None and not any(m in snap.members for m in g.members):
+        best = max(r.committed_step for r in cands)
+        if best < g.committed_step:
+            return Action(
+                ActionKind.STATE_LOST,
+                "state lost",
+                error=f"every member of generation {g.generation} is gone and no waiting member holds "
+                f"its state (step {g.committed_step}; best here: {best}); restart from a checkpoint",
+            )
     old = set(g.members) if g else set()
     newcomers = ids - old
     settle = window.candidates_changed_at + timeouts.join_window_s
@@ -712,6 +751,12 @@ class Membership:
             if action.kind is ActionKind.FAIL:
                 self.close()
                 raise ModelMismatch(action.error)
+            if action.kind is ActionKind.STATE_LOST:
+                self.close()
+                raise StateLost(action.error)
+            if action.kind is ActionKind.FINISHED:
+                self._store.delete(self._keys.ready(self.member_id))
+                raise JobFinished(action.reason)
             if action.kind is ActionKind.REREGISTER:
                 log.warning("member_reregistered", member=self.member_id, cause=action.reason)
                 if self.member_id not in snap.members:
@@ -747,6 +792,13 @@ class Membership:
             self._abandon_reason = ""
         self._update_health(snap)
         return Joined(record, record.rank_of(self.member_id), self._clock() - started)
+
+    def mark_finished(self, generation: int, step: int) -> None:
+        """Record that every member reached the target step together (late joiners stop)."""
+        try:
+            self._store.put(self._keys.finished, encode(FinishedRecord(generation=generation, step=step)))
+        except EtcdUnavailable as exc:
+            log.warning("finished_publish_failed", error=str(exc))
 
     def publish_progress(self, payload: Mapping[str, object]) -> None:
         """Best-effort progress record for ``elasticctl`` (leased: it vanishes with the member)."""

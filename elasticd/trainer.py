@@ -27,6 +27,7 @@ from elasticd.config import WorkerEnv
 from elasticd.errors import (
     CheckpointTransferError,
     CollectiveError,
+    JobFinished,
     RestartsExhausted,
 )
 from elasticd.log import bind_context
@@ -178,6 +179,8 @@ class ElasticTrainer:
                 all_reduce(torch.zeros(1, device=self.group.device), self.group, dist.ReduceOp.SUM,
                            Deadline.after(self.env.timeouts.td("collective")), self._membership.must_abandon,
                            self.env.timeouts.abort_poll_s)
+                if self.group.rank == 0:
+                    self._membership.mark_finished(self.group.generation, self.state.counters.step)
             except CollectiveError as exc:
                 log.warning("goodbye_barrier_failed", error=str(exc))
         if self._membership is not None:
@@ -221,7 +224,11 @@ class ElasticTrainer:
             if self._need_rendezvous or self._membership.must_abandon():
                 if not self._need_rendezvous:
                     self._fail(CollectiveError(self._membership.abandon_reason or "generation abandoned"))
-                self._recover()
+                try:
+                    self._recover()
+                except JobFinished as exc:
+                    log.info("job_already_finished", reason=str(exc))
+                    return
             assert self.group is not None
             c = self.state.counters
             batch = self.sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size)
@@ -383,7 +390,8 @@ class ElasticTrainer:
         if self._audit is not None:
             self._audit_line({"event": "commit", "step": result.step, "generation": result.generation,
                               "rank": batch.rank, "world_size": batch.world_size, "epoch": batch.epoch,
-                              "position": batch.position, "indices": batch.indices, "loss": result.loss,
+                              "position": batch.position, "global_size": batch.global_size,
+                              "indices": batch.indices, "loss": result.loss,
                               "t": time.time()})
         self._publish_progress()
 
