@@ -83,3 +83,46 @@ def test_fds_and_threads_stay_bounded_over_50_generation_changes(local_job):
     assert late["threads"] <= early["threads"] + 4, (early, late)
     rep = job.audit()
     assert rep.ok, rep.violations
+
+
+def test_etcd_restart_and_freeze_do_not_stop_training(local_job, etcd_server):
+    """etcd is off the hot path: a restart (keys and leases survive on disk) and a 1 s freeze are
+    ridden out; the job finishes with every invariant holding."""
+    job = local_job(min_workers=2)
+    for _ in range(2):
+        job.spawn("--steps", "300", *SLOW)
+    job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
+    etcd_server.restart()
+    job.wait_for(lambda: job.committed() >= 80, 60, "training to go on after the etcd restart")
+    etcd_server.signal(signal.SIGSTOP)
+    try:
+        at = job.committed()
+        job.wait_for(lambda: job.committed() >= at + 10, 30, "training while etcd is frozen")
+    finally:
+        etcd_server.signal(signal.SIGCONT)
+    codes = job.wait_all(120)
+    assert codes == [0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert rep.last_step == 300
+
+
+def test_garbage_written_into_etcd_is_reported_and_the_job_goes_on(local_job, etcd_server):
+    from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+    from elasticd.etcd import EtcdClient
+
+    job = local_job(min_workers=2)
+    for _ in range(2):
+        job.spawn("--steps", "200", *SLOW)
+    job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    prefix = f"/elasticd/{job.job_id}"
+    for key, value in [("members/garbage", b"not json"), ("ready/x", b'{"member_id": 5}'),
+                       ("abort", b"\xff\xfe"), ("generation", b"[[[[")]:
+        client.put(f"{prefix}/{key}", value)
+    codes = job.wait_all(120)
+    assert codes == [0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert rep.last_step == 200
+    assert "malformed_record_ignored" in job.workers[0].log_text()
