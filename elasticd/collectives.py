@@ -81,7 +81,7 @@ def all_reduce(
         CollectiveError: see ``wait`` (``PeerLost``, ``CollectiveTimeout`` are subclasses).
     """
     opts = dist.AllreduceOptions()
-    opts.reduceOp = op
+    opts.reduceOp = op  # type: ignore[assignment]  # the stubs disagree with the binding
     work = _launch(lambda: group.pg.allreduce([tensor], opts), group, "all_reduce")
     wait(work, group, deadline, abandon, poll_s, "all_reduce")
 
@@ -143,7 +143,10 @@ class GradientReducer:
         self._group: Group | None = None
         self._scale = 1.0
         self._error: BaseException | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in trainable
+        ]
 
     def close(self) -> None:
         for h in self._handles:
@@ -179,7 +182,7 @@ class GradientReducer:
             offset += n
         group = self._group
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         try:
             bucket.work = group.pg.allreduce([flat], opts)
         except RuntimeError as exc:  # a broken group can refuse at launch; latch, never raise in autograd

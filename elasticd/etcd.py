@@ -47,6 +47,9 @@ class _RetryableRpc(Exception):
     """A gRPC error whose status code is transient (wrapped so tenacity can tell it apart)."""
 
 
+_RETRYABLE: tuple[type[BaseException], ...] = (*_TRANSIENT, _RetryableRpc)
+
+
 class EtcdClient:
     """etcd access for elasticd: every call bounded, retried when idempotent, errors translated."""
 
@@ -90,9 +93,9 @@ class EtcdClient:
 
         try:
             return call_with_retry(
-                attempt, policy=self._retry, transient=_TRANSIENT + (_RetryableRpc,), event="etcd_call_retried", call=what
+                attempt, policy=self._retry, transient=_RETRYABLE, event="etcd_call_retried", call=what
             )
-        except (*_TRANSIENT, _RetryableRpc) as exc:
+        except _RETRYABLE as exc:
             raise EtcdUnavailable(
                 f"etcd at {','.join(self._config.endpoints)} did not answer {what} after "
                 f"{self._retry.etcd_attempts} attempts: {exc}"

@@ -18,6 +18,7 @@ from datetime import timedelta
 import structlog
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore  # typed here, unlike torch.distributed
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
@@ -51,7 +52,7 @@ class StoreServer:
     def __init__(self, host: str, timeouts: Timeouts) -> None:
         self.host = host
         self._timeouts = timeouts
-        self.store = dist.TCPStore(
+        self.store = TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("group_build")
         )
         self.port = int(self.store.port)
@@ -74,11 +75,11 @@ class GroupFactory:
         )
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-        self._client: dist.Store | None = None
+        self._client: Store | None = None
         self._client_addr: tuple[str, int] | None = None
         self._retiring: list[threading.Thread] = []
 
-    def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> dist.Store:
+    def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> Store:
         if (host, port) == (self._addr, self._server.port) or (
             port == self._server.port and host in (self._server.host, "127.0.0.1", "localhost")
         ):
@@ -90,7 +91,7 @@ class GroupFactory:
             if abandon():
                 raise PeerLost(f"generation abandoned while connecting to store {host}:{port}")
             try:
-                client = dist.TCPStore(
+                client = TCPStore(
                     host, port, is_master=False,
                     timeout=timedelta(seconds=max(0.5, min(1.0, deadline.remaining_s()))),
                 )
@@ -121,7 +122,7 @@ class GroupFactory:
         """
         started = time.monotonic()
         base = self._store_for(store_host, store_port, deadline, abandon)
-        store = dist.PrefixStore(f"gen/{generation}/", base)
+        store = PrefixStore(f"gen/{generation}/", base)
         try:
             store.add("arrived", 1)
             while int(store.add("arrived", 0)) < world_size:
@@ -143,15 +144,15 @@ class GroupFactory:
         )
         return Group(pg, generation, rank, world_size, self.backend, self.device)
 
-    def _make(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+    def _make(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self._timeouts.td("collective")
-            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        opts = dist.ProcessGroupGloo._Options()
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)  # type: ignore[return-value]
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = self._timeouts.td("collective")
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._addr)]
-        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)  # type: ignore[return-value]
 
     def retire(self, group: Group | None) -> None:
         """Let go of an old group without waiting on collectives stuck in it.
@@ -168,7 +169,7 @@ class GroupFactory:
         pg = holder[0]
         if self.backend == "nccl":
             try:
-                pg.abort()  # type: ignore[attr-defined]
+                pg.abort()
             except RuntimeError as exc:
                 log.warning("process_group_abort_failed", error=str(exc))
         del pg

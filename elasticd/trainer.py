@@ -280,7 +280,7 @@ class ElasticTrainer:
         try:
             self._reducer.begin(group, batch.weight, vote)
             if n_local:
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
             summed = self._reducer.finish(
                 Deadline.after(timeouts.td("collective")), self._membership.must_abandon, timeouts.abort_poll_s
             )
