@@ -14,6 +14,7 @@ Never imports etcd3 or torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -110,6 +111,10 @@ class Keys:
     def finished(self) -> str:
         return f"{self.job}/finished"
 
+    @property
+    def committed(self) -> str:
+        return f"{self.job}/committed"
+
     def member(self, member_id: str) -> str:
         return f"{self.job}/members/{member_id}"
 
@@ -177,6 +182,15 @@ class AbortRecord:
 
 
 @dataclass(frozen=True)
+class CommittedRecord:
+    """``committed`` (not leased): the job's newest committed step as last published by a rank 0.
+    It outlives the members, so a newcomer can tell a fresh job from one whose state is gone."""
+
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
 class FinishedRecord:
     """``finished``: every member reached the target step together; the job is done."""
 
@@ -232,6 +246,12 @@ def decode_finished(raw: bytes) -> FinishedRecord:
     return rec
 
 
+def decode_committed(raw: bytes) -> CommittedRecord:
+    rec = _decode(CommittedRecord, raw)
+    assert isinstance(rec, CommittedRecord)
+    return rec
+
+
 def decode_abort(raw: bytes) -> AbortRecord:
     rec = _decode(AbortRecord, raw)
     assert isinstance(rec, AbortRecord)
@@ -250,6 +270,7 @@ class Snapshot:
     aborted: int = 0
     malformed: tuple[str, ...] = ()
     finished: FinishedRecord | None = None
+    committed_step: int = -1
 
     @property
     def highest_generation_seen(self) -> int:
@@ -267,6 +288,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     ready_order: dict[str, int] = {}
     aborted = 0
     finished: FinishedRecord | None = None
+    committed_step = -1
     malformed: list[str] = []
     for kv in kvs:
         try:
@@ -277,6 +299,8 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 aborted = decode_abort(kv.value).generation
             elif kv.key == keys.finished:
                 finished = decode_finished(kv.value)
+            elif kv.key == keys.committed:
+                committed_step = decode_committed(kv.value).step
             elif kv.key.startswith(keys.member("")):
                 m = decode_member(kv.value)
                 if kv.key != keys.member(m.member_id):
@@ -291,7 +315,8 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
         except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
             malformed.append(f"{kv.key}: {exc}")
     return Snapshot(
-        generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished
+        generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
+        committed_step,
     )
 
 
@@ -412,12 +437,13 @@ def next_action(
         return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
     if g is not None and not any(m in snap.members for m in g.members):
         best = max(r.committed_step for r in cands)
-        if best < g.committed_step:
+        newest = max(g.committed_step, snap.committed_step)
+        if best < newest:
             return Action(
                 ActionKind.STATE_LOST,
                 "state lost",
                 error=f"every member of generation {g.generation} is gone and no waiting member holds "
-                f"its state (step {g.committed_step}; best here: {best}); restart from a checkpoint",
+                f"the job's state (step {newest}; the best here: {best}); restart from a checkpoint",
             )
     old = set(g.members) if g else set()
     newcomers = ids - old
@@ -595,6 +621,8 @@ class Membership:
             if progress is not None and progress is not published:
                 self.publish_progress(progress)
                 published = progress
+                if progress.get("rank") == 0:
+                    self._publish_committed(progress)
             lease = self._lease
             asked_at = self._clock()
             try:
@@ -793,6 +821,15 @@ class Membership:
         self._update_health(snap)
         return Joined(record, record.rank_of(self.member_id), self._clock() - started)
 
+    def _publish_committed(self, progress: Mapping[str, object]) -> None:
+        step, generation = progress.get("step"), progress.get("generation")
+        if not isinstance(step, int) or not isinstance(generation, int):
+            return
+        try:
+            self._store.put(self._keys.committed, encode(CommittedRecord(generation=generation, step=step)))
+        except EtcdUnavailable as exc:
+            log.warning("committed_publish_failed", error=str(exc))
+
     def mark_finished(self, generation: int, step: int) -> None:
         """Record that every member reached the target step together (late joiners stop)."""
         try:
@@ -810,6 +847,11 @@ class Membership:
             log.warning("progress_publish_failed", error=str(exc))
 
 
+_incarnations = itertools.count()
+
+
 def new_member_id(node: str, local_rank: int) -> str:
-    """A member id unique per process: node, local rank, pid."""
-    return f"{node}.{local_rank}.{os.getpid()}"
+    """A member id unique per incarnation: node, local rank, pid, and a counter when one process
+    joins more than once (a member that left must come back as a newcomer, never as its old self)."""
+    n = next(_incarnations)
+    return f"{node}.{local_rank}.{os.getpid()}" + (f".{n}" if n else "")
