@@ -6,16 +6,19 @@ batches from it. See README.md for a complete example.
 
 from elasticd.config import WorkerEnv
 from elasticd.errors import ElasticdError, FatalError, TransientError
-from elasticd.sampler import Batch, BatchMode
 
 __all__ = ["Batch", "BatchMode", "ElasticTrainer", "ElasticdError", "FatalError", "StepResult",
            "TransientError", "WorkerEnv"]
 
 
 def __getattr__(name: str) -> object:
-    # The trainer imports torch; keep `import elasticd` light for the agent and elasticctl.
+    # The trainer and sampler import torch; keep `import elasticd` light for elasticctl.
     if name in ("ElasticTrainer", "StepResult"):
         from elasticd import trainer
 
         return getattr(trainer, name)
+    if name in ("Batch", "BatchMode"):
+        from elasticd import sampler
+
+        return getattr(sampler, name)
     raise AttributeError(name)

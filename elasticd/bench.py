@@ -663,7 +663,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     from elasticd.retry import Deadline
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
-    from mlp import make_model  # type: ignore[import-not-found]
+    from mlp import make_model  # type: ignore[import-not-found, unused-ignore]
 
     configure_logging(json=True, level=40)  # errors only: the parent prints the figures
     torch.set_num_threads(1)
@@ -714,8 +714,9 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
             if what == "sync":
                 barrier()
                 t0 = time.perf_counter()
+                # as the trainer does when the new generation has a newcomer in it
                 report = sync_state(group, state, Deadline.after(timeouts.checkpoint_transfer_s), never,
-                                    timeouts.abort_poll_s)
+                                    timeouts.abort_poll_s, expect_transfer=True)
                 sync_s.append(time.perf_counter() - t0)
                 nbytes.append(report.transferred_bytes)
             else:
@@ -730,7 +731,11 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     result.update(sync_s=sync_s[1:], raw_s=raw_s[1:], bytes=nbytes)
     barrier()
     res_q.put(result)
-    factory.retire(group)
+    res_q.close()
+    res_q.join_thread()  # the result is in the pipe
+    # Leave without running the group's and the store's destructors: peers exit at the same moment,
+    # and gloo can abort ("terminate called") when its connections close under a destructor.
+    os._exit(0)
 
 
 def run_transfer(s: RecoverySettings) -> TransferResult:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,12 +75,17 @@ class TrainingState:
         return out
 
     def checksum(self) -> int:
-        """A 63-bit digest of every tensor's bytes (and its name) in canonical order."""
-        h = hashlib.sha256()
+        """A 63-bit digest (CRC-32 and Adler-32) of every tensor's name and bytes, in canonical
+        order. It guards against divergence and corrupt transfers between our own ranks, not
+        against an adversary; both checksums read the tensors in place, without a copy."""
+        crc, adler = 0, 1
         for name, t in self.tensors():
-            h.update(name.encode())
-            h.update(_bytes_of(t).numpy().tobytes() if t.numel() else b"")
-        return int.from_bytes(h.digest()[:8], "big") & _MASK63
+            label = name.encode()
+            crc, adler = zlib.crc32(label, crc), zlib.adler32(label, adler)
+            if t.numel():
+                view = _bytes_of(t).numpy()
+                crc, adler = zlib.crc32(view, crc), zlib.adler32(view, adler)
+        return ((crc << 32) | adler) & _MASK63
 
     def layout(self) -> dict[str, object]:
         """The JSON description needed to rebuild the state from the flat buffer."""
@@ -101,17 +107,27 @@ class TrainingState:
                 "rng": list(torch.get_rng_state().shape)}
 
     def pack(self) -> tuple[bytes, torch.Tensor]:
-        """The layout (JSON bytes) and the flat uint8 buffer: state tensors then the RNG state."""
+        """The layout (JSON bytes) and the flat uint8 buffer of the state tensors and RNG state."""
+        layout_bytes, payload = self.pack_payload()
+        return layout_bytes, payload[_aligned(len(layout_bytes)) :]
+
+    def pack_payload(self) -> tuple[bytes, torch.Tensor]:
+        """The layout (JSON bytes) and one uint8 buffer holding the layout, padding to an aligned
+        offset, the state tensors and the RNG state: exactly what rank 0 broadcasts."""
         layout = self.layout()
+        layout_bytes = json.dumps(layout).encode()
+        start = _aligned(len(layout_bytes))
         total = int(layout["total"])  # type: ignore[call-overload]
         rng = torch.get_rng_state()
-        flat = torch.zeros(total + rng.numel(), dtype=torch.uint8)  # zeroed padding
-        for (name, t), entry in zip(self.tensors(), layout["tensors"], strict=True):  # type: ignore[call-overload]
+        payload = torch.zeros(start + total + rng.numel(), dtype=torch.uint8)  # zeroed padding
+        payload[: len(layout_bytes)].copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
+        flat = payload[start:]
+        for (_, t), entry in zip(self.tensors(), layout["tensors"], strict=True):  # type: ignore[call-overload]
             offset, nbytes = entry[3], entry[4]
             if nbytes:
                 flat[offset : offset + nbytes].copy_(_bytes_of(t))
         flat[total:].copy_(rng)
-        return json.dumps(layout).encode(), flat
+        return layout_bytes, payload
 
     def unpack(self, layout_bytes: bytes, flat: torch.Tensor) -> None:
         """Load the state from a peer's layout and buffer (data only; nothing is executed).
@@ -159,8 +175,11 @@ class TrainingState:
             numel = math.prod(int(d) for d in shape)
             if nbytes != numel * dtype.itemsize or offset < 0 or offset + nbytes > total:
                 raise ValueError(f"entry {name} does not fit: {shape} {dtype_s} at {offset}+{nbytes}")
-            # clone first: a fresh storage is aligned for any dtype, whatever the offset was
-            raw = flat[offset : offset + nbytes].clone()
+            raw = flat[offset : offset + nbytes]
+            # Model tensors are copied by load_state_dict, so a view is enough when it is aligned;
+            # optimizer tensors are kept by the optimizer, so they get storage of their own.
+            if name.startswith("optim.") or (flat.storage_offset() + offset) % dtype.itemsize:
+                raw = raw.clone()
             t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
             if name.startswith("model."):
                 mine = ours.get(name)
@@ -211,8 +230,16 @@ class SyncReport:
     duration_s: float
 
 
-def sync_state(group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float) -> SyncReport:
+def sync_state(
+    group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float,
+    expect_transfer: bool = False,
+) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
+
+    Args:
+        expect_transfer: this rank knows a transfer is due (it has no state, or the group has
+            members it did not train with), so it skips hashing before the transfer. Ranks may
+            disagree on this: any rank that skips forces the transfer, which is always safe.
 
     Raises:
         CollectiveError: a collective failed (the caller re-rendezvouses).
@@ -222,33 +249,37 @@ def sync_state(group: Group, state: TrainingState, deadline: Deadline, abandon: 
     """
     started = time.monotonic()
     dev = group.device
-    mine = state.checksum()
     step = state.counters.step
-    probe = torch.tensor([step, -step, mine, -mine], dtype=torch.int64, device=dev)
+    mine = -1 if expect_transfer else state.checksum()
+    skip = 1 if expect_transfer else 0
+    probe = torch.tensor([step, -step, mine, -mine, skip], dtype=torch.int64, device=dev)
     all_reduce(probe, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
-    max_step, min_step, hmax, hmin = int(probe[0]), -int(probe[1]), int(probe[2]), -int(probe[3])
+    max_step, min_step, hmax, hmin, skipped = (int(probe[0]), -int(probe[1]), int(probe[2]),
+                                                -int(probe[3]), int(probe[4]))
     transferred = 0
-    if max_step != min_step or hmax != hmin:
+    if max_step != min_step or hmax != hmin or skipped:
         if group.rank == 0 and step != max_step:
             raise CheckpointTransferError(f"rank 0 holds step {step} but a member holds {max_step}")
         if group.rank == 0:
-            layout, flat = state.pack()
-            header = torch.tensor([len(layout), flat.numel()], dtype=torch.int64, device=dev)
+            layout, payload = state.pack_payload()
+            header = torch.tensor([len(layout), payload.numel()], dtype=torch.int64, device=dev)
         else:
             header = torch.zeros(2, dtype=torch.int64, device=dev)
         broadcast(header, 0, group, deadline, abandon, poll_s)
-        n_layout, n_flat = int(header[0]), int(header[1])
+        n_layout, n_payload = int(header[0]), int(header[1])
         start = _aligned(n_layout)  # the state bytes start aligned for every dtype
-        payload = torch.zeros(start + n_flat, dtype=torch.uint8, device=dev)
         if group.rank == 0:
-            payload[:n_layout].copy_(torch.frombuffer(bytearray(layout), dtype=torch.uint8))
-            payload[start:].copy_(flat)
+            payload = payload.to(dev)
+        else:
+            payload = torch.empty(n_payload, dtype=torch.uint8, device=dev)
         broadcast(payload, 0, group, deadline, abandon, poll_s)
         transferred = payload.numel()
         if group.rank != 0:
             host = payload.cpu()
             state.unpack(bytes(host[:n_layout].numpy()), host[start:])
-        mine = state.checksum()
+            mine = state.checksum()
+        elif mine == -1:
+            mine = state.checksum()
         verify = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
         all_reduce(verify, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
         if int(verify[0]) != -int(verify[1]):

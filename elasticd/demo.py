@@ -2,8 +2,8 @@
 
 Owns the demo only. It starts a real etcd on loopback and ``--workers`` processes of the default
 workload ``agents/mlp.py`` (through ``localcluster``, every process tracked by PID), SIGKILLs one
-worker mid-step after about a third of the steps, starts a newcomer after about two thirds, prints
-a progress line about once a second (read from the workers' audit logs and the generation record in
+worker mid-step after about a third of the steps, starts a newcomer so that it joins at about two
+thirds (early by the measured start-up time of a worker), prints a progress line about once a second (read from the workers' audit logs and the generation record in
 etcd), and ends with the verdict of ``audit.check``. It holds no training or rendezvous logic, and it
 stops everything it started, by PID, on every way out (Ctrl-C included).
 
@@ -11,8 +11,8 @@ Usage::
 
     python -m elasticd.demo [--workers 3] [--steps 300] [--step-sleep 0.1] [--keep] [--workdir DIR]
 
-Exit codes: 0 every worker that was not killed exited 0, all steps were committed and the audit
-found no violation; 1 the run failed; 2 bad arguments or no etcd binary; 130 interrupted.
+Exit codes: 0 every worker that was not killed exited 0, the newcomer joined, all steps were
+committed and the audit found no violation; 1 the run failed; 2 bad arguments or no etcd binary; 130 interrupted.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class EtcdClient:
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         rows = self._call("get_prefix", lambda c: list(c.get_prefix(prefix)))
         return [
-            KeyValue(meta.key.decode(), value, meta.mod_revision, meta.create_revision, meta.lease_id)
+            KeyValue(meta.key.decode(errors="backslashreplace"), value, meta.mod_revision, meta.create_revision, meta.lease_id)
             for value, meta in rows
         ]
 

@@ -537,6 +537,7 @@ class Membership:
         self._stop = threading.Event()
         self._current: GenerationRecord | None = None
         self._abandon = False
+        self._fenced = False
         self._abandon_reason = ""
         self._join_pending = False
         self._lease_lost = False
@@ -672,20 +673,21 @@ class Membership:
             current = self._current
             if current is None:
                 return
-            abandon, why = False, ""
+            abandon, why, fenced = False, "", False
             malformed_generation = snap.generation is None and snap.generation_revision != 0
             if malformed_generation:
                 pass  # garbage written by hand: reported by snapshot(); not a reason to stop training
             elif snap.generation is None or snap.generation.generation != current.generation:
-                abandon, why = True, "generation superseded"
+                abandon, why, fenced = True, "generation superseded", True
             elif snap.aborted >= current.generation:
-                abandon, why = True, "generation aborted"
+                abandon, why, fenced = True, "generation aborted", True
             else:
                 lost = [m for m in current.members if m not in snap.members]
                 if lost:
                     abandon, why = True, f"members lost their lease: {lost}"
             if self._lease_lost:
-                abandon, why = True, "my lease expired"
+                abandon, why, fenced = True, "my lease expired", True
+            self._fenced = self._fenced or fenced
             if abandon and not self._abandon:
                 self._abandon, self._abandon_reason = True, why
                 log.warning("generation_abandon_requested", generation=current.generation, cause=why)
@@ -699,11 +701,13 @@ class Membership:
     # -- hot-path flags ---------------------------------------------------------------------
 
     def may_commit(self) -> bool:
-        """Fencing for a commit: the generation is not abandoned, and this member's lease is
+        """Fencing for a commit: the generation was not superseded or aborted, and this member's lease is
         certainly still alive (renewed less than ``lease_ttl_s - keepalive_s`` ago). A member that
         was frozen past its lease must not commit a step its peers have already given up on."""
         fresh = self._clock() - self._renewed_at < self._timeouts.lease_ttl_s - self._timeouts.keepalive_s
-        return fresh and not self._abandon and not self._lease_lost
+        # A peer that lost its lease after contributing does not stop this commit: the completed
+        # all_reduce proves every member voted, and refusing here would repeat the step later.
+        return fresh and not self._fenced and not self._lease_lost
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
@@ -817,6 +821,7 @@ class Membership:
         with self._lock:
             self._current = record
             self._abandon = False
+            self._fenced = False
             self._abandon_reason = ""
         self._update_health(snap)
         return Joined(record, record.rank_of(self.member_id), self._clock() - started)

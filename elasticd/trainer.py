@@ -75,7 +75,7 @@ class ElasticTrainer:
         env: WorkerEnv | None = None,
         store: KeyValueStore | None = None,
         audit_path: str | Path | None = None,
-        log_every: int = 1,
+        log_every: int = 10,
     ) -> None:
         """
         Args:
@@ -91,7 +91,9 @@ class ElasticTrainer:
             env: settings; by default read from ``ELASTICD_*`` variables.
             store: the key-value store; by default an etcd client for ``env.etcd``.
             audit_path: if set, one JSON line per committed step and per sync is appended here.
-            log_every: log a ``step_committed`` line every this many steps.
+            log_every: log a ``step_committed`` line every this many steps (the audit file, when
+                set, has every step). A JSON line per step costs about as much as the whole step
+                of a small model on a busy 2-core machine, hence 10.
         """
         self.env = env or WorkerEnv.from_environ()
         self.model = model
@@ -338,6 +340,7 @@ class ElasticTrainer:
         self._factory.retire(self.group)
         self.group = None
         deadline = Deadline.after(timeouts.td("join"))
+        previous = self.joined.record if self.joined is not None and self._has_state else None
         while True:
             committed = self.state.counters.step if self._has_state else -1
             joined = self._membership.join(committed, deadline)
@@ -350,8 +353,11 @@ class ElasticTrainer:
                     self._membership.must_abandon,
                 )
                 self.group = group
+                # A newcomer among us means a transfer: then hashing before it is wasted work.
+                newcomers = previous is None or any(m not in previous.members for m in rec.members)
                 report = sync_state(group, self.state, Deadline.after(timeouts.td("checkpoint_transfer")),
-                                    self._membership.must_abandon, timeouts.abort_poll_s)
+                                    self._membership.must_abandon, timeouts.abort_poll_s,
+                                    expect_transfer=newcomers)
                 break
             except (CollectiveError, CheckpointTransferError) as exc:
                 log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
@@ -363,7 +369,8 @@ class ElasticTrainer:
         self.joined = joined
         self._has_state = True
         self._need_rendezvous = False
-        self.recoveries += 1
+        if self._cause != "start":  # a worker's first join is not a recovery
+            self.recoveries += 1
         if self.sampler.mode is BatchMode.LINEAR_SCALING:
             for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
                 g["lr"] = base * group.world_size / self._reference_world

@@ -1,0 +1,51 @@
+"""``elasticctl`` starts at once: the control-plane modules import without torch.
+
+STYLE: ``agent``, ``status`` and ``cli`` import without torch, so ``elasticctl status`` starts
+instantly. Each check runs in a fresh interpreter (this test process has long imported torch).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.localcluster import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log",
+                 "elasticd.membership", "elasticd.etcd", "elasticd.status", "elasticd.cli"]
+# A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.
+STARTUP_BOUND_S = 3.0
+
+
+def _python(code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("module", LIGHT_MODULES)
+def test_control_plane_module_imports_without_torch(module: str) -> None:
+    # Importing torch is made to fail, so the traceback names the module that imports it.
+    proc = _python(
+        "import importlib, sys\n"
+        "sys.modules['torch'] = None\n"
+        f"importlib.import_module({module!r})\n"
+    )
+    assert proc.returncode == 0, f"importing {module} imports torch:\n{proc.stderr[-3000:]}"
+
+
+def test_elasticctl_against_unreachable_etcd_fails_fast_and_clearly() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    proc = _python("import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())",
+                   "--etcd", endpoint, "status", "--job", "nojob")
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"elasticctl: etcd at {endpoint} did not answer"), proc.stderr
+    assert took < STARTUP_BOUND_S, f"elasticctl took {took:.1f} s to report an unreachable etcd"

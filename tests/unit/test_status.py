@@ -1,0 +1,305 @@
+"""The read model ``status`` and its renderers, on hand-built records.
+
+Every case is a list of raw keys as etcd would return them, a fixed wall clock ``NOW`` and optional
+bounds; nothing touches a real store or a clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from elasticd.membership import (
+    AbortRecord,
+    FinishedRecord,
+    GenerationRecord,
+    KeyValue,
+    Keys,
+    MemberRecord,
+    ReadyRecord,
+    encode,
+)
+from elasticd.status import (
+    EXIT_DEGRADED,
+    EXIT_DOWN,
+    EXIT_OK,
+    Health,
+    WorkerState,
+    build_status,
+    decode_progress,
+    read_status,
+    render_json,
+    render_table,
+)
+from tests.fakes import FakeKeyValueStore
+
+pytestmark = pytest.mark.timeout(60)
+
+SIG = "a" * 64
+NOW = 1_700_000_000.0
+KEYS = Keys("/elasticd", "job")
+
+# -- builders -----------------------------------------------------------------------------------
+
+
+def member(mid: str, node: str = "n1", pid: int = 100) -> MemberRecord:
+    return MemberRecord(mid, node=node, local_rank=int(mid[-1]) if mid[-1].isdigit() else 0, pid=pid,
+                        host="10.0.0.1", store_port=29500, signature=SIG)
+
+
+def gen(number: int, members: Sequence[str], reason: str = "start", step: int = 0) -> GenerationRecord:
+    return GenerationRecord(number, tuple(members), store_host="10.0.0.1", store_port=29500,
+                            signature=SIG, committed_step=step, reason=reason)
+
+
+def progress(step: int, generation: int = 1, rank: int = 0, step_time_s: float | None = 0.02,
+             recoveries: int = 0, age_s: float = 1.5) -> bytes:
+    return json.dumps({"step": step, "generation": generation, "rank": rank, "step_time_s": step_time_s,
+                       "recoveries": recoveries, "time": NOW - age_s}).encode()
+
+
+@dataclass
+class Job:
+    """Raw keys of a job, in the order they were written (create_revision grows with it)."""
+
+    rows: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def put(self, key: str, value: bytes) -> Job:
+        self.rows.append((key, value))
+        return self
+
+    def alive(self, *mids: str) -> Job:
+        for m in mids:
+            self.put(KEYS.member(m), encode(member(m)))
+        return self
+
+    def ready(self, mid: str, step: int = -1, prev_gen: int = 0) -> Job:
+        return self.put(KEYS.ready(mid), encode(ReadyRecord(mid, step, prev_gen, 0, SIG)))
+
+    def generation(self, number: int, members: Sequence[str], **kw: object) -> Job:
+        return self.put(KEYS.generation, encode(gen(number, members, **kw)))  # type: ignore[arg-type]
+
+    def abort(self, number: int, reason: str = "peer lost") -> Job:
+        return self.put(KEYS.abort, encode(AbortRecord(number, "m0", reason)))
+
+    def finished(self, number: int, step: int) -> Job:
+        return self.put(KEYS.finished, encode(FinishedRecord(number, step)))
+
+    def kvs(self) -> list[KeyValue]:
+        return [KeyValue(k, v, mod_revision=10 + i, create_revision=10 + i) for i, (k, v) in enumerate(self.rows)]
+
+
+def status_of(job: Job, min_workers: int | None = None, max_workers: int | None = None):  # noqa: ANN201
+    return build_status(KEYS, job.kvs(), now=NOW, min_workers=min_workers, max_workers=max_workers)
+
+
+# -- health classification ----------------------------------------------------------------------
+
+CASES = [
+    # (name, job, min, max, health, words in the reason)
+    ("no keys at all", Job(), None, None, Health.DOWN, "no such job"),
+    ("registered, no generation yet", Job().alive("m0", "m1").ready("m0"), 2, None, Health.DOWN,
+     "no generation yet: 2 registered, 1 ready of min_workers 2"),
+    ("all live members in the generation", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), None, None,
+     Health.HEALTHY, "all 2 live members"),
+    ("a live member left out, no max known", Job().alive("m0", "m1", "m2").ready("m2").generation(1, ["m0", "m1"]),
+     None, None, Health.DEGRADED, "1 live member(s) not in generation 1"),
+    ("at max", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), 1, 2, Health.HEALTHY, "= max_workers 2"),
+    ("at max with a newcomer that cannot fit", Job().alive("m0", "m1", "m2").ready("m2").generation(1, ["m0", "m1"]),
+     1, 2, Health.HEALTHY, "= max_workers 2"),
+    ("below max", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), 2, 3, Health.DEGRADED, "2 < max_workers 3"),
+    ("below min", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), 3, 4, Health.DOWN, "2 < min_workers 3"),
+    ("a generation member lost its lease", Job().alive("m0").generation(1, ["m0", "m1"]), None, 2, Health.DOWN,
+     "lost 1 of 2"),
+    ("the generation was aborted", Job().alive("m0", "m1").generation(2, ["m0", "m1"]).abort(2), None, 2,
+     Health.DOWN, "generation 2 was aborted"),
+    ("an abort of an older generation is history", Job().alive("m0", "m1").abort(1).generation(2, ["m0", "m1"]),
+     None, 2, Health.HEALTHY, "= max_workers 2"),
+    ("finished, members gone", Job().generation(3, ["m0", "m1"]).finished(3, 400), 2, 2, Health.FINISHED,
+     "finished at step 400"),
+    ("finished without any generation", Job().finished(1, 5), None, None, Health.FINISHED, "at step 5"),
+    ("finished long ago, a newer generation runs", Job().alive("m0").finished(1, 5).generation(2, ["m0"]),
+     None, None, Health.HEALTHY, "all 1 live members"),
+    ("garbage generation record", Job().alive("m0").put(KEYS.generation, b"[[[["), None, None, Health.DOWN,
+     "generation record is malformed"),
+]
+
+
+@pytest.mark.parametrize(("name", "job", "lo", "hi", "health", "reason"), CASES, ids=[c[0] for c in CASES])
+def test_health(name: str, job: Job, lo: int | None, hi: int | None, health: Health, reason: str) -> None:
+    st = status_of(job, lo, hi)
+    assert st.health is health, st.reason
+    assert reason in st.reason
+    assert st.exit_code == {Health.HEALTHY: EXIT_OK, Health.FINISHED: EXIT_OK,
+                            Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN}[health]
+
+
+def test_exit_codes_are_0_1_2() -> None:
+    assert [h.exit_code for h in Health] == [0, 1, 2, 0]
+
+
+# -- members ------------------------------------------------------------------------------------
+
+
+def _job_with_everyone() -> Job:
+    """m1 is rank 0 and m0 rank 1 of generation 4; m2 waits; m3 is only registered; m9's lease is gone."""
+    return (
+        Job()
+        .alive("m0", "m1", "m2", "m3")
+        .ready("m2", step=-1)
+        .ready("m3x", step=7)  # a ready record without a member record: not a live member
+        .generation(4, ["m1", "m0", "m9"], reason="join", step=120)
+        .put(KEYS.progress("m0"), progress(130, generation=4, rank=1, recoveries=2, age_s=0.25))
+        .put(KEYS.progress("m1"), progress(131, generation=4, rank=0, step_time_s=None, age_s=-0.5))
+        .put(KEYS.progress("m9"), progress(99))  # stale progress of a gone member: ignored
+        .put(KEYS.event(1), b"whatever")  # keys the read model does not know are not its business
+    )
+
+
+def test_members_have_rank_state_and_progress_in_rank_order() -> None:
+    st = status_of(_job_with_everyone())
+    rows = {m.member_id: m for m in st.members}
+    assert [m.member_id for m in st.members] == ["m1", "m0", "m2", "m3"]
+    assert [(m.rank, m.state) for m in st.members] == [
+        (0, WorkerState.TRAINING), (1, WorkerState.TRAINING), (None, WorkerState.WAITING),
+        (None, WorkerState.REGISTERED)]
+    m0, m1 = rows["m0"], rows["m1"]
+    assert (m0.node, m0.local_rank, m0.pid, m0.host) == ("n1", 0, 100, "10.0.0.1")
+    assert (m0.committed_step, m0.step_time_s, m0.recoveries) == (130, 0.02, 2)
+    assert m0.heartbeat_age_s == pytest.approx(0.25)
+    assert m1.step_time_s is None and m1.heartbeat_age_s == pytest.approx(-0.5)  # clock skew shows
+    assert rows["m2"].committed_step is None and rows["m2"].heartbeat_age_s is None
+    assert rows["m3"].recoveries is None
+    assert st.generation is not None
+    assert (st.generation.number, st.generation.world_size, st.generation.members, st.generation.reason,
+            st.generation.committed_step) == (4, 3, ("m1", "m0", "m9"), "join", 120)
+    assert st.missing == ("m9",) and st.health is Health.DOWN
+    assert st.job_id == "job" and st.prefix == "/elasticd/job/"
+
+
+def test_waiting_member_shows_the_step_of_its_ready_record() -> None:
+    st = status_of(Job().alive("m0", "m1").ready("m1", step=57).generation(1, ["m0"]))
+    assert [(m.member_id, m.state, m.committed_step) for m in st.members] == [
+        ("m0", WorkerState.TRAINING, None), ("m1", WorkerState.WAITING, 57)]
+
+
+def test_malformed_records_are_listed_and_never_fatal() -> None:
+    job = (
+        Job()
+        .alive("m0", "m1")
+        .generation(2, ["m0", "m1"])
+        .put(KEYS.member("garbage"), b"not json")
+        .put(KEYS.ready("x"), b'{"member_id": 5}')
+        .put(KEYS.abort, b"\xff\xfe")
+        .put(KEYS.progress("m0"), b'{"step": "ten"}')
+        .put(KEYS.progress("m1"), b"[]")
+    )
+    st = status_of(job, max_workers=2)
+    assert st.health is Health.HEALTHY
+    assert st.last_abort is None
+    bad = sorted(s.split(":")[0] for s in st.malformed)
+    assert bad == sorted([KEYS.member("garbage"), KEYS.ready("x"), KEYS.abort, KEYS.progress("m0"),
+                          KEYS.progress("m1")])
+    assert all(m.committed_step is None for m in st.members)
+
+
+def test_last_abort_and_finished_are_reported() -> None:
+    st = status_of(Job().alive("m0").abort(3, "collective timed out").generation(4, ["m0"]).finished(4, 300))
+    assert st.last_abort == AbortRecord(3, "m0", "collective timed out")
+    assert st.finished == FinishedRecord(4, 300)
+
+
+@pytest.mark.parametrize(
+    ("raw", "ok"),
+    [
+        (progress(5), True),
+        (json.dumps({"step": 1, "generation": 1, "rank": 0, "step_time_s": None, "recoveries": 0, "time": 1.0,
+                     "extra": "fields are fine"}).encode(), True),
+        (json.dumps({"step": 1, "generation": 1, "rank": 0, "recoveries": 0, "time": 1.0}).encode(), False),
+        (json.dumps({"step": True, "generation": 1, "rank": 0, "step_time_s": 1, "recoveries": 0,
+                     "time": 1.0}).encode(), False),
+        (b'{"step": 1, "generation": 1, "rank": 0, "step_time_s": NaN, "recoveries": 0, "time": 1}', False),
+        (b"\x00", False),
+    ],
+)
+def test_decode_progress(raw: bytes, ok: bool) -> None:
+    if ok:
+        assert decode_progress(raw).step in (1, 5)
+    else:
+        with pytest.raises(ValueError):
+            decode_progress(raw)
+
+
+def test_read_status_reads_one_prefix_of_a_store_and_no_other_job() -> None:
+    store = FakeKeyValueStore()
+    for key, value in Job().alive("m0", "m1").generation(1, ["m0", "m1"]).rows:
+        store.put(key, value)
+    other = Keys("/elasticd", "jobx")  # a job whose id starts with ours
+    store.put(other.member("z"), encode(member("z")))
+    store.put(other.generation, b"garbage")
+    before = store.revision
+    st = read_status(store, KEYS, now=NOW, max_workers=2)
+    assert st.health is Health.HEALTHY and [m.member_id for m in st.members] == ["m0", "m1"]
+    assert st.malformed == ()
+    assert store.revision == before  # read only
+
+
+# -- renderers ----------------------------------------------------------------------------------
+
+JSON_KEYS = ["job", "prefix", "health", "reason", "exit_code", "min_workers", "max_workers", "generation",
+             "members", "missing", "finished", "last_abort", "malformed"]
+MEMBER_KEYS = ["member_id", "node", "local_rank", "pid", "host", "rank", "state", "committed_step",
+               "step_time_s", "recoveries", "heartbeat_age_s"]
+
+
+@pytest.mark.parametrize("job", [Job(), _job_with_everyone(), Job().finished(1, 5).abort(1)])
+def test_json_is_one_object_on_one_line_with_stable_keys(job: Job) -> None:
+    text = render_json(status_of(job, 1, 4))
+    assert "\n" not in text
+    data = json.loads(text)
+    assert list(data) == JSON_KEYS
+    for m in data["members"]:
+        assert list(m) == MEMBER_KEYS
+
+
+def test_json_values() -> None:
+    data = json.loads(render_json(status_of(_job_with_everyone(), 2, 3)))
+    assert data["health"] == "down" and data["exit_code"] == 2
+    assert data["generation"] == {"number": 4, "world_size": 3, "members": ["m1", "m0", "m9"],
+                                  "reason": "join", "committed_step": 120}
+    assert data["members"][1] == {"member_id": "m0", "node": "n1", "local_rank": 0, "pid": 100,
+                                  "host": "10.0.0.1", "rank": 1, "state": "training", "committed_step": 130,
+                                  "step_time_s": 0.02, "recoveries": 2, "heartbeat_age_s": 0.25}
+    assert data["missing"] == ["m9"] and data["finished"] is None and data["last_abort"] is None
+    assert (data["min_workers"], data["max_workers"]) == (2, 3)
+
+
+def test_table_columns_are_aligned() -> None:
+    text = render_table(status_of(_job_with_everyone(), 2, 3))
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("MEMBER"))
+    table = lines[header:header + 5]
+    for col in ("NODE", "RANK", "STATE", "STEP", "HEARTBEAT"):
+        at = table[0].index(col)
+        for row in table[1:]:
+            assert row[at - 2:at] == "  " and row[at] != " ", (col, row)
+    assert "training" in table[1] and "130" in table[2] and "0.2s ago" in table[2]
+    assert "waiting" in table[3] and "registered" in table[4]
+    assert "HEALTH" not in text and "DOWN: generation 4 lost 1 of 3" in text
+    assert "missing (in the generation, lease gone): m9" in text
+
+
+def test_table_lists_malformed_and_empty_jobs() -> None:
+    text = render_table(status_of(Job().put(KEYS.member("garbage"), b"not json")))
+    assert "no live members" in text
+    assert f"malformed records (1, ignored):\n  {KEYS.member('garbage')}: " in text
+    assert "not stored in etcd" in text
+
+
+def test_table_escapes_control_characters_from_records() -> None:
+    job = Job().put(KEYS.member("m0"), encode(MemberRecord("m0", "evil\x1b[2J", 0, 1, "h\n", 1, SIG)))
+    text = render_table(status_of(job.generation(1, ["m0"])))
+    assert "\x1b" not in text and "evil\\x1b[2J" in text and "h\\n" in text
