@@ -40,8 +40,8 @@ def make_model(features: int, hidden: int, classes: int, seed: int) -> torch.nn.
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that define the workload (shared with the plain-DDP baseline, agents/mlp_ddp.py)."""
     p.add_argument("--steps", type=int, default=300, help="train until this many steps are committed")
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--samples", type=int, default=2048)
@@ -50,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_workload_arguments(p)
     p.add_argument("--audit", default=None, help="append one JSON line per committed step here")
     p.add_argument("--save-final", default=None, help="write the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0,

@@ -25,19 +25,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from mlp import make_dataset, make_model  # noqa: E402
+from mlp import add_workload_arguments, make_dataset, make_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="train this many steps")
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--samples", type=int, default=2048)
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     p.add_argument("--out", default=None, help="write {rank, world_size, t, loss} as JSON here")
     return p.parse_args(argv)
 

@@ -49,13 +49,22 @@ class Counters:
 
 
 class TrainingState:
-    """The model, the optimizer and the counters of one worker."""
+    """The model, the optimizer and the counters of one worker.
+
+    The state's CPU tensors live in one flat "arena" buffer once it has been packed or received:
+    parameters, buffers and optimizer tensors become views into it, so rank 0 broadcasts the arena
+    without copying, a newcomer adopts the buffer it received without copying, and the checksum is
+    one pass over contiguous memory. A tensor that has moved out (an optimizer creating its state
+    at its first step) is copied back in at the next pack.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
         self.counters = Counters()
         self.signature = model_signature(model)
+        self._arena: torch.Tensor | None = None
+        self._arena_key: str = ""
 
     # -- flat layout -------------------------------------------------------------------------
 
@@ -75,17 +84,15 @@ class TrainingState:
         return out
 
     def checksum(self) -> int:
-        """A 63-bit digest (CRC-32 and Adler-32) of every tensor's name and bytes, in canonical
-        order. It guards against divergence and corrupt transfers between our own ranks, not
-        against an adversary; both checksums read the tensors in place, without a copy."""
-        crc, adler = 0, 1
-        for name, t in self.tensors():
-            label = name.encode()
-            crc, adler = zlib.crc32(label, crc), zlib.adler32(label, adler)
-            if t.numel():
-                view = _bytes_of(t).numpy()
-                crc, adler = zlib.crc32(view, crc), zlib.adler32(view, adler)
-        return ((crc << 32) | adler) & _MASK63
+        """CRC-32 of the packed state bytes, the layout of names, dtypes and shapes included, and
+        the byte count above it. Like gzip's and PNG's, it catches divergence and corrupt transfers
+        between our own ranks (a random change escapes it with p = 2^-32); it is no defence against
+        an adversary, and it is one pass over contiguous memory (~12 ms for 34 MB here)."""
+        layout = self.layout()
+        arena = self._refresh_arena(layout)
+        total = int(layout["total"])  # type: ignore[call-overload]
+        crc = zlib.crc32(arena[:total].numpy().data, zlib.crc32(self._arena_key.encode()))
+        return int(((total << 32) | crc) & _MASK63)
 
     def layout(self) -> dict[str, object]:
         """The JSON description needed to rebuild the state from the flat buffer."""
@@ -107,33 +114,59 @@ class TrainingState:
                 "rng": list(torch.get_rng_state().shape)}
 
     def pack(self) -> tuple[bytes, torch.Tensor]:
-        """The layout (JSON bytes) and the flat uint8 buffer of the state tensors and RNG state."""
-        layout_bytes, payload = self.pack_payload()
-        return layout_bytes, payload[_aligned(len(layout_bytes)) :]
+        """The layout (JSON bytes) and the flat uint8 buffer (state tensors, then the RNG state).
 
-    def pack_payload(self) -> tuple[bytes, torch.Tensor]:
-        """The layout (JSON bytes) and one uint8 buffer holding the layout, padding to an aligned
-        offset, the state tensors and the RNG state: exactly what rank 0 broadcasts."""
+        The buffer is this state's arena: it is what rank 0 broadcasts, and it stays the storage
+        of the state, so it must not be written to.
+        """
         layout = self.layout()
-        layout_bytes = json.dumps(layout).encode()
-        start = _aligned(len(layout_bytes))
+        arena = self._refresh_arena(layout)
+        return json.dumps(layout).encode(), arena
+
+    def _refresh_arena(self, layout: dict[str, object]) -> torch.Tensor:
+        entries = layout["tensors"]
         total = int(layout["total"])  # type: ignore[call-overload]
         rng = torch.get_rng_state()
-        payload = torch.zeros(start + total + rng.numel(), dtype=torch.uint8)  # zeroed padding
-        payload[: len(layout_bytes)].copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
-        flat = payload[start:]
-        for (_, t), entry in zip(self.tensors(), layout["tensors"], strict=True):  # type: ignore[call-overload]
+        key = json.dumps(entries)
+        arena = self._arena
+        if arena is None or key != self._arena_key or arena.numel() != total + rng.numel():
+            arena = torch.zeros(total + rng.numel(), dtype=torch.uint8)  # zeroed padding
+        for (name, t), entry in zip(self.tensors(), entries, strict=True):  # type: ignore[call-overload]
             offset, nbytes = entry[3], entry[4]
-            if nbytes:
-                flat[offset : offset + nbytes].copy_(_bytes_of(t))
-        flat[total:].copy_(rng)
-        return layout_bytes, payload
+            if not nbytes:
+                continue
+            region = arena[offset : offset + nbytes]
+            if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() == region.data_ptr():
+                continue  # it lives there already
+            region.copy_(_bytes_of(t))
+            if t.device.type == "cpu" and name != "counters":
+                self._adopt(name, region.view(t.dtype).view(t.shape))
+        arena[total:].copy_(rng)
+        self._arena, self._arena_key = arena, key
+        return arena
+
+    def _adopt(self, name: str, view: torch.Tensor) -> None:
+        """Make the state tensor called ``name`` live in ``view`` (same dtype, shape and values)."""
+        kind, _, rest = name.partition(".")
+        if kind == "model":
+            prefix, _, attr = rest.rpartition(".")
+            module = self.model.get_submodule(prefix) if prefix else self.model
+            param = module._parameters.get(attr)
+            if param is not None:
+                param.data = view
+            elif module._buffers.get(attr) is not None:
+                module._buffers[attr] = view
+        elif kind == "optim":
+            idx, _, key = rest.partition(".")
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            self.optimizer.state[params[int(idx)]][key] = view
 
     def unpack(self, layout_bytes: bytes, flat: torch.Tensor) -> None:
         """Load the state from a peer's layout and buffer (data only; nothing is executed).
 
         Everything is decoded and checked before anything is loaded, so a bad transfer leaves this
-        worker's state as it was.
+        worker's state as it was. CPU tensors are adopted as views of ``flat`` (no copy), so
+        ``flat`` becomes this state's arena and must not be written to afterwards.
 
         Raises:
             ModelMismatch: the peer's model tensors differ in name, dtype or shape from ours.
@@ -143,18 +176,25 @@ class TrainingState:
             decoded = self._decode(layout_bytes, flat)
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as exc:
             raise StateCorrupt(f"state from rank 0 is malformed: {type(exc).__name__}: {exc}") from exc
-        model_sd, optim_sd, counters, rng = decoded
+        model_sd, optim_sd, counters, rng, key = decoded
         try:
             self.optimizer.load_state_dict(optim_sd)  # validates groups before changing anything
         except (ValueError, TypeError, KeyError) as exc:
             raise StateCorrupt(f"optimizer state from rank 0 does not fit this optimizer: {exc}") from exc
-        self.model.load_state_dict(model_sd)
+        ours = self.model.state_dict()
+        for name, t in model_sd.items():
+            if ours[name].device == t.device:
+                self._adopt(f"model.{name}", t)
+            else:
+                ours[name].copy_(t)
         self.counters = counters
         torch.set_rng_state(rng)
+        if flat.device.type == "cpu" and flat.storage_offset() % _ALIGN == 0:
+            self._arena, self._arena_key = flat, key
 
     def _decode(
         self, layout_bytes: bytes, flat: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], dict[str, object], Counters, torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, object], Counters, torch.Tensor, str]:
         layout = json.loads(layout_bytes)
         entries = layout["tensors"]
         total = int(layout["total"])
@@ -176,10 +216,8 @@ class TrainingState:
             if nbytes != numel * dtype.itemsize or offset < 0 or offset + nbytes > total:
                 raise ValueError(f"entry {name} does not fit: {shape} {dtype_s} at {offset}+{nbytes}")
             raw = flat[offset : offset + nbytes]
-            # Model tensors are copied by load_state_dict, so a view is enough when it is aligned;
-            # optimizer tensors are kept by the optimizer, so they get storage of their own.
-            if name.startswith("optim.") or (flat.storage_offset() + offset) % dtype.itemsize:
-                raw = raw.clone()
+            if (flat.storage_offset() + offset) % dtype.itemsize:
+                raw = raw.clone()  # a fresh storage is aligned for any dtype
             t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
             if name.startswith("model."):
                 mine = ours.get(name)
@@ -205,7 +243,7 @@ class TrainingState:
         rng = flat[total:].clone()
         if rng.numel() != torch.get_rng_state().numel():
             raise ValueError(f"RNG state of {rng.numel()} bytes")
-        return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng
+        return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng, json.dumps(entries)
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -261,22 +299,23 @@ def sync_state(
         if group.rank == 0 and step != max_step:
             raise CheckpointTransferError(f"rank 0 holds step {step} but a member holds {max_step}")
         if group.rank == 0:
-            layout, payload = state.pack_payload()
-            header = torch.tensor([len(layout), payload.numel()], dtype=torch.int64, device=dev)
+            layout, arena = state.pack()
+            header = torch.tensor([len(layout), arena.numel()], dtype=torch.int64, device=dev)
         else:
             header = torch.zeros(2, dtype=torch.int64, device=dev)
         broadcast(header, 0, group, deadline, abandon, poll_s)
-        n_layout, n_payload = int(header[0]), int(header[1])
-        start = _aligned(n_layout)  # the state bytes start aligned for every dtype
+        n_layout, n_arena = int(header[0]), int(header[1])
         if group.rank == 0:
-            payload = payload.to(dev)
+            layout_t = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev)
+            payload = arena.to(dev)  # no copy on CPU: the arena itself goes out
         else:
-            payload = torch.empty(n_payload, dtype=torch.uint8, device=dev)
+            layout_t = torch.empty(n_layout, dtype=torch.uint8, device=dev)
+            payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
+        broadcast(layout_t, 0, group, deadline, abandon, poll_s)
         broadcast(payload, 0, group, deadline, abandon, poll_s)
-        transferred = payload.numel()
+        transferred = n_layout + n_arena
         if group.rank != 0:
-            host = payload.cpu()
-            state.unpack(bytes(host[:n_layout].numpy()), host[start:])
+            state.unpack(bytes(layout_t.cpu().numpy()), payload.cpu())
             mine = state.checksum()
         elif mine == -1:
             mine = state.checksum()

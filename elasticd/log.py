@@ -35,7 +35,9 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
-        cache_logger_on_first_use=True,
+        # Not cached: a cached module logger ignores structlog.testing.capture_logs, and at
+        # elasticd's log rate (per rendezvous, every log_every steps) caching saves nothing.
+        cache_logger_on_first_use=False,
     )
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -198,6 +198,9 @@ class FinishedRecord:
     step: int
 
 
+_R = TypeVar("_R")
+
+
 def encode(record: object) -> bytes:
     return json.dumps(asdict(record), sort_keys=True).encode()  # type: ignore[call-overload]
 
@@ -220,42 +223,26 @@ def _decode(cls: type, raw: bytes) -> object:
     return cls(**data)
 
 
-def decode_member(raw: bytes) -> MemberRecord:
-    rec = _decode(MemberRecord, raw)
-    assert isinstance(rec, MemberRecord)
-    return rec
+def decode(cls: type[_R], raw: bytes) -> _R:
+    """Parse one record of type ``cls``, trusting nothing.
 
-
-def decode_ready(raw: bytes) -> ReadyRecord:
-    rec = _decode(ReadyRecord, raw)
-    assert isinstance(rec, ReadyRecord)
+    Raises:
+        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
+    """
+    rec = _decode(cls, raw)
+    assert isinstance(rec, cls)
     return rec
 
 
 def decode_generation(raw: bytes) -> GenerationRecord:
-    rec = _decode(GenerationRecord, raw)
-    assert isinstance(rec, GenerationRecord)
+    rec = decode(GenerationRecord, raw)
     if rec.generation < 1 or len(set(rec.members)) != len(rec.members) or not rec.members:
         raise ValueError("generation must be >= 1 with distinct, non-empty members")
     return rec
 
 
-def decode_finished(raw: bytes) -> FinishedRecord:
-    rec = _decode(FinishedRecord, raw)
-    assert isinstance(rec, FinishedRecord)
-    return rec
-
-
-def decode_committed(raw: bytes) -> CommittedRecord:
-    rec = _decode(CommittedRecord, raw)
-    assert isinstance(rec, CommittedRecord)
-    return rec
-
-
 def decode_abort(raw: bytes) -> AbortRecord:
-    rec = _decode(AbortRecord, raw)
-    assert isinstance(rec, AbortRecord)
-    return rec
+    return decode(AbortRecord, raw)
 
 
 @dataclass(frozen=True)
@@ -298,16 +285,16 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
             elif kv.key == keys.abort:
                 aborted = decode_abort(kv.value).generation
             elif kv.key == keys.finished:
-                finished = decode_finished(kv.value)
+                finished = decode(FinishedRecord, kv.value)
             elif kv.key == keys.committed:
-                committed_step = decode_committed(kv.value).step
+                committed_step = decode(CommittedRecord, kv.value).step
             elif kv.key.startswith(keys.member("")):
-                m = decode_member(kv.value)
+                m = decode(MemberRecord, kv.value)
                 if kv.key != keys.member(m.member_id):
                     raise ValueError("member id does not match its key")
                 members[m.member_id] = m
             elif kv.key.startswith(keys.ready("")):
-                r = decode_ready(kv.value)
+                r = decode(ReadyRecord, kv.value)
                 if kv.key != keys.ready(r.member_id):
                     raise ValueError("member id does not match its key")
                 ready[r.member_id] = r

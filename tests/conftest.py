@@ -10,11 +10,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from elasticd.audit import AuditReport, check_dir
 from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
 
 _job_ids = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog() -> Iterator[None]:
+    """A test that configures logging (e.g. the CLI in-process) must not leak it into the next."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(scope="module")
