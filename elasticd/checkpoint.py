@@ -21,7 +21,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd.collectives import Abandon, all_reduce, broadcast
+from elasticd.collectives import Abandon, all_reduce, broadcast, start_broadcast, wait
 from elasticd.errors import CheckpointTransferError, ModelMismatch, StateCorrupt
 from elasticd.process_group import Group
 from elasticd.retry import Deadline
@@ -33,6 +33,7 @@ _DTYPES = {str(d): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}
 _ALIGN = 8
+TRANSFER_CHUNKS = 8  # pieces of the state broadcast: each is checksummed while the next arrives
 _MASK63 = (1 << 63) - 1
 
 
@@ -92,6 +93,20 @@ class TrainingState:
         arena = self._refresh_arena(layout)
         total = int(layout["total"])  # type: ignore[call-overload]
         crc = zlib.crc32(arena[:total].numpy().data, zlib.crc32(self._arena_key.encode()))
+        return int(((total << 32) | crc) & _MASK63)
+
+    def streamed_checksum(self, crc: int, total: int) -> int | None:
+        """``checksum()`` from a CRC of the arena's state bytes taken as they arrived, valid only
+        if every state tensor lives in the arena (it does after ``unpack`` on CPU); else None."""
+        arena = self._arena
+        if arena is None:
+            return None
+        base = arena.data_ptr()
+        for (name, t), entry in zip(self.tensors(), json.loads(self._arena_key), strict=True):
+            if name == "counters" or not entry[4]:
+                continue  # counters were decoded from those very bytes
+            if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != base + entry[3]:
+                return None
         return int(((total << 32) | crc) & _MASK63)
 
     def layout(self) -> dict[str, object]:
@@ -274,6 +289,11 @@ def sync_state(
 ) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
 
+    One all_reduce compares (step, checksum) and carries rank 0's sizes; if a transfer is due,
+    rank 0 broadcasts the JSON layout and then its arena in ``TRANSFER_CHUNKS`` pieces, so that a
+    receiver checksums each piece while the next one arrives and rank 0 checksums its arena while
+    it goes out; a last all_reduce compares the checksums.
+
     Args:
         expect_transfer: this rank knows a transfer is due (it has no state, or the group has
             members it did not train with), so it skips hashing before the transfer. Ranks may
@@ -289,36 +309,47 @@ def sync_state(
     dev = group.device
     step = state.counters.step
     mine = -1 if expect_transfer else state.checksum()
-    skip = 1 if expect_transfer else 0
-    probe = torch.tensor([step, -step, mine, -mine, skip], dtype=torch.int64, device=dev)
+    layout, arena = state.pack() if group.rank == 0 else (b"", None)
+    sizes = [len(layout), arena.numel()] if arena is not None else [0, 0]
+    probe = torch.tensor([step, -step, mine, -mine, int(expect_transfer), *sizes], dtype=torch.int64, device=dev)
     all_reduce(probe, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
-    max_step, min_step, hmax, hmin, skipped = (int(probe[0]), -int(probe[1]), int(probe[2]),
-                                                -int(probe[3]), int(probe[4]))
+    max_step, min_step, hmax, hmin, skipped, n_layout, n_arena = (int(x) for x in probe.tolist())
+    min_step, hmin = -min_step, -hmin
     transferred = 0
     if max_step != min_step or hmax != hmin or skipped:
         if group.rank == 0 and step != max_step:
             raise CheckpointTransferError(f"rank 0 holds step {step} but a member holds {max_step}")
         if group.rank == 0:
-            layout, arena = state.pack()
-            header = torch.tensor([len(layout), arena.numel()], dtype=torch.int64, device=dev)
-        else:
-            header = torch.zeros(2, dtype=torch.int64, device=dev)
-        broadcast(header, 0, group, deadline, abandon, poll_s)
-        n_layout, n_arena = int(header[0]), int(header[1])
-        if group.rank == 0:
+            assert arena is not None
             layout_t = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev)
             payload = arena.to(dev)  # no copy on CPU: the arena itself goes out
         else:
             layout_t = torch.empty(n_layout, dtype=torch.uint8, device=dev)
             payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
         broadcast(layout_t, 0, group, deadline, abandon, poll_s)
-        broadcast(payload, 0, group, deadline, abandon, poll_s)
+        layout_bytes = bytes(layout_t.cpu().numpy())
+        try:
+            meta = json.loads(layout_bytes)
+            total, key = int(meta["total"]), json.dumps(meta["tensors"])
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise StateCorrupt(f"state layout from rank 0 is malformed: {exc}") from exc
+        if not 0 <= total <= n_arena:
+            raise StateCorrupt(f"state layout total {total} does not fit {n_arena} bytes")
+        bounds = [total * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)] + [n_arena]
+        pieces = [payload[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+        works = [start_broadcast(piece, 0, group) for piece in pieces]
+        crc = zlib.crc32(key.encode())
+        if group.rank == 0 and mine == -1:
+            mine = state.checksum()  # while the arena goes out: off the receivers' critical path
+        for piece, work, a in zip(pieces, works, bounds):
+            wait(work, group, deadline, abandon, poll_s, "state broadcast")
+            if group.rank != 0 and a < total and dev.type == "cpu":
+                crc = zlib.crc32(piece.numpy().data, crc)  # while the next piece arrives
         transferred = n_layout + n_arena
         if group.rank != 0:
-            state.unpack(bytes(layout_t.cpu().numpy()), payload.cpu())
-            mine = state.checksum()
-        elif mine == -1:
-            mine = state.checksum()
+            state.unpack(layout_bytes, payload.cpu())
+            streamed = state.streamed_checksum(crc, total) if dev.type == "cpu" else None
+            mine = streamed if streamed is not None else state.checksum()
         verify = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
         all_reduce(verify, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
         if int(verify[0]) != -int(verify[1]):

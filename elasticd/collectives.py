@@ -86,17 +86,25 @@ def all_reduce(
     wait(work, group, deadline, abandon, poll_s, "all_reduce")
 
 
+def start_broadcast(tensor: torch.Tensor, root: int, group: Group) -> dist.Work:
+    """Launch an in-place broadcast from ``root``; finish it with ``wait``.
+
+    Raises:
+        CollectiveError: the group refused to start it.
+    """
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    return _launch(lambda: group.pg.broadcast([tensor], opts), group, "broadcast")
+
+
 def broadcast(tensor: torch.Tensor, root: int, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
     """In-place bounded broadcast from ``root``.
 
     Raises:
         CollectiveError: see ``wait``.
     """
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    opts.rootTensor = 0
-    work = _launch(lambda: group.pg.broadcast([tensor], opts), group, "broadcast")
-    wait(work, group, deadline, abandon, poll_s, "broadcast")
+    wait(start_broadcast(tensor, root, group), group, deadline, abandon, poll_s, "broadcast")
 
 
 class _Bucket:
