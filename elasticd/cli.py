@@ -1,8 +1,9 @@
 """The ``elasticctl`` and ``elasticd`` entry points: argparse, logging setup, exit codes.
 
-Owns turning a command line into settings, wiring an ``EtcdClient`` to ``status.read_status``, and
-turning the outcome into output and an exit code. Holds no logic that tests cannot reach without
-argv: the read model and its renderers live in ``status.py``. Imports no torch.
+Owns turning a command line into settings, wiring an ``EtcdClient`` to ``status.read_status`` (and,
+for ``elasticd``, to an ``agent.Agent``), and turning the outcome into output and an exit code.
+Holds no logic that tests cannot reach without argv: the read model and its renderers live in
+``status.py``, the agent in ``agent.py``. Imports no torch.
 
 Usage::
 
@@ -22,7 +23,15 @@ Exit codes of ``elasticctl``:
   line or an ``ELASTICD_*`` variable is invalid (one line on stderr says which).
 
 With ``--watch`` the report is redrawn every ``--interval`` seconds until Ctrl-C, and the exit code
-is that of the last report. ``elasticd`` (the node agent) is not built yet: it says so and exits 2.
+is that of the last report.
+
+``elasticd [--config FILE] [flags] -- PROGRAM [ARGS...]`` runs the node agent (``agent.py``). Every
+setting is a flag, an ``ELASTICD_<NAME>`` variable and a key of the TOML file (default
+``/etc/elasticd/elasticd.toml``, read only if it exists), in that order of precedence; torchrun's
+``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``, ``--rdzv-id`` and
+``--max-restarts`` are accepted too. Exit codes of ``elasticd``: 0 the workers finished or the node
+was drained; 1 restarts exhausted or another fatal error (the reason on stderr); 2 bad
+configuration (one line on stderr per bad field, naming it).
 """
 
 from __future__ import annotations
@@ -32,11 +41,23 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorkerEnv, WorldConfig, parse_endpoint
+from elasticd.config import (
+    AGENT_SETTINGS,
+    DEFAULT_CONFIG_FILE,
+    AgentConfig,
+    EtcdConfig,
+    RetryPolicy,
+    Timeouts,
+    WorkerEnv,
+    WorldConfig,
+    load_agent_config,
+    parse_endpoint,
+)
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.log import configure_logging
 from elasticd.membership import Keys
@@ -264,30 +285,112 @@ def _positive_float(text: str) -> float:
 
 # -- the node agent ----------------------------------------------------------------------------
 
-AGENT_NOT_BUILT = (
-    "elasticd: the node agent is not built yet, so this command does nothing.\n"
-    "To run an elastic job today, run the workers directly:\n"
-    "  python -m elasticd.demo            a local job on a private etcd (kills a worker, adds one)\n"
-    "  ELASTICD_ETCD_ENDPOINTS=HOST:PORT ELASTICD_JOB_ID=ID python agents/mlp.py\n"
-    "                                     one worker of a job (start one per process you want)\n"
-    "and watch the job with: elasticctl status --job ID"
-)
+AGENT_PROG = "elasticd"
+AGENT_EXIT_OK = 0  # the workers finished, or the node was drained (SIGTERM)
+AGENT_EXIT_FATAL = 1  # restarts exhausted, etcd unreachable at start, or an internal failure
+AGENT_EXIT_BAD_CONFIG = 2  # a bad flag, variable or config file field; one line on stderr per field
+# torchrun's spellings of the same settings, so that a torchrun command line works with little change.
+TORCHRUN_ALIASES: dict[str, list[str]] = {
+    "job_id": ["--rdzv-id", "--rdzv_id"],
+    "etcd_endpoints": ["--rdzv-endpoint", "--rdzv_endpoint", "--etcd"],
+    "nproc_per_node": ["--nproc_per_node"],
+    "max_restarts": ["--max_restarts"],
+}
+_AGENT_GROUPS = {"world": "job", "etcd": "etcd", "timeouts": "timeouts (seconds)",
+                 "retry": "etcd retries", "agent": "node agent"}
+
+
+def build_agent_parser() -> argparse.ArgumentParser:
+    """The ``elasticd`` parser: one flag per setting (``--lease-ttl-s`` for ``lease_ttl_s``), default
+    None so that a flag not given leaves the variable, the file or the default in force."""
+    parser = argparse.ArgumentParser(
+        prog=AGENT_PROG,
+        allow_abbrev=False,
+        usage="%(prog)s [--config FILE] [flags] -- PROGRAM [ARGS...]",
+        description="The elasticd node agent: runs this node's workers of an elastic training job, "
+        "restarts a failed one (it rejoins as a newcomer), and drains them on SIGTERM. Every setting "
+        "is a flag, an ELASTICD_<NAME> variable and a key of the TOML config file (in that order of "
+        "precedence).",
+        epilog="Exit codes: 0 the workers finished or the node was drained; 1 restarts exhausted, etcd "
+        "unreachable, or another fatal error; 2 bad configuration (the message names the field).",
+    )
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"TOML config file (default: $ELASTICD_CONFIG, else {DEFAULT_CONFIG_FILE} if it exists)")
+    parser.add_argument("--nnodes", metavar="MIN:MAX", default=None,
+                        help="torchrun's node bounds: min/max_workers become MIN/MAX times nproc_per_node")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for s in AGENT_SETTINGS.values():
+        if s.name == "program":
+            continue
+        if s.section not in groups:
+            groups[s.section] = parser.add_argument_group(_AGENT_GROUPS[s.section])
+        metavar = {int: "N", float: "S", tuple: "HOST:PORT[,...]"}.get(s.kind, "TEXT")
+        groups[s.section].add_argument(s.flag, *TORCHRUN_ALIASES.get(s.name, []), dest=s.name, default=None,
+                                       metavar=metavar, help=f"{s.doc} [{s.variable}]".replace("%", "%%"))
+    parser.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_agent_command_line(
+    argv: Sequence[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    default_config_file: Path = DEFAULT_CONFIG_FILE,
+) -> AgentConfig:
+    """Turn an ``elasticd`` command line (and the environment, and the config file) into settings.
+
+    The program follows ``--``, or (as with torchrun) is the first argument that is not a flag.
+
+    Raises:
+        ConfigError: a setting is bad or missing; one line per field, naming it.
+        SystemExit: ``--help``, or a flag argparse does not know (exit code 2).
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    program: list[str] = []
+    if "--" in args_list:
+        cut = args_list.index("--")
+        args_list, program = args_list[:cut], args_list[cut + 1:]
+    parser = build_agent_parser()
+    args = parser.parse_args(args_list)
+    if args.program:
+        if program:
+            parser.error(f"unrecognized arguments before --: {' '.join(args.program)}")
+        program = list(args.program)
+    flags = {s.name: getattr(args, s.name) for s in AGENT_SETTINGS.values() if s.name != "program"}
+    return load_agent_config(flags, program=program, nnodes=args.nnodes, config_file=args.config,
+                             environ=environ, default_config_file=default_config_file)
 
 
 def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = None) -> int:
-    """``elasticd``: the node agent is not built yet; say so, and how to run workers instead.
+    """``elasticd [--config FILE] [flags] -- PROGRAM [ARGS...]``: run the node agent.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+        stderr: where configuration errors and the reason of a fatal exit go (default: ``sys.stderr``).
 
     Returns:
-        2 (nothing was done); 0 for ``--help``.
+        0 the workers finished or the node was drained; 1 fatal (restarts exhausted, etcd
+        unreachable); 2 bad configuration.
     """
-    parser = argparse.ArgumentParser(
-        prog="elasticd",
-        description="The elasticd node agent (not built yet). " + AGENT_NOT_BUILT.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.parse_known_args(argv)  # only --help means something; any other flag is not built either
-    print(AGENT_NOT_BUILT, file=stderr if stderr is not None else sys.stderr)
-    return EXIT_DOWN
+    err = stderr if stderr is not None else sys.stderr
+    try:
+        config = parse_agent_command_line(argv)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            print(f"{AGENT_PROG}: {line}", file=err)
+        return AGENT_EXIT_BAD_CONFIG
+    configure_logging()
+    from elasticd.agent import Agent  # the entry point wires the concrete objects
+    from elasticd.etcd import EtcdClient
+
+    client = EtcdClient(config.etcd, config.timeouts, config.retry)
+    try:
+        outcome = Agent(config, client).run()
+    finally:
+        client.close()
+    if outcome.exit_code != AGENT_EXIT_OK:
+        print(f"{AGENT_PROG}: {outcome.reason}", file=err)
+    return outcome.exit_code
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Settings: frozen dataclasses, their loading from the environment, and validation.
+"""Settings: frozen dataclasses, their loading (environment, TOML file, flags), and validation.
 
-Owns every tunable number of elasticd (timeouts, TTLs, retry counts, world bounds) and the worker
-environment contract. It is the only module that reads ``os.environ``. Configuration is loaded once
-in an entry point and the relevant sub-dataclass is passed down; nothing else reads settings.
+Owns every tunable number of elasticd (timeouts, TTLs, retry counts, world bounds, the agent's
+restart policy), the worker environment contract (``WorkerEnv``) and the node agent's settings
+(``AgentConfig``, loaded by ``load_agent_config``: flag > ``ELASTICD_*`` variable > TOML file >
+default). It is the only module that reads ``os.environ``. Configuration is loaded once in an entry
+point and the relevant sub-dataclass is passed down; nothing else reads settings.
 
 Durations are ``*_s`` numbers in files and variables and ``timedelta`` properties in code.
 """
@@ -10,12 +12,18 @@ Durations are ``*_s`` numbers in files and variables and ``timedelta`` propertie
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import re
+import shutil
 import socket
-from collections.abc import Mapping
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 from elasticd.errors import ConfigError
@@ -267,3 +275,370 @@ def convert(name: str, raw: str, like: object) -> object:
     except ValueError as exc:
         raise ConfigError(f"{name}: expected a {type(like).__name__}, got {raw!r}") from exc
     return text
+
+
+# ---------------------------------------------------------------------------------------------
+# The node agent
+
+DEFAULT_CONFIG_FILE = Path("/etc/elasticd/elasticd.toml")
+CONFIG_FILE_VARIABLE = f"{ENV_PREFIX}CONFIG"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything the node agent (``elasticd``) needs; built by ``load_agent_config``.
+
+    Its settings share one flat namespace (``AGENT_SETTINGS``): the TOML key ``lease_ttl_s`` is the
+    variable ``ELASTICD_LEASE_TTL_S`` and the flag ``--lease-ttl-s``. The restart policy allows
+    ``max_restarts`` worker restarts per ``restart_window_s`` over the whole node; each restart
+    waits ``restart_backoff_initial_s * 2**(restarts in the window)``, at most
+    ``restart_backoff_max_s``.
+    """
+
+    program: tuple[str, ...] = field(default=(), metadata={
+        "doc": "The training program each worker runs (argv); a first element ending in .py is run "
+               "with the agent's Python. Not read from the environment."})
+    world: WorldConfig = field(default_factory=WorldConfig)
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    nproc_per_node: int = field(default=1, metadata={
+        "doc": "Workers this agent runs (default: one per device in CUDA_VISIBLE_DEVICES, else 1)."})
+    node_id: str = field(default_factory=socket.gethostname, metadata={
+        "doc": "This node's id in the job (default: the host name)."})
+    advertise_addr: str = field(default="127.0.0.1", metadata={
+        "doc": "Address the workers of this node listen on for their peers."})
+    backend: str = field(default="auto", metadata={"doc": "torch.distributed backend: auto, gloo or nccl."})
+    checkpoint_dir: Path | None = field(default=None, metadata={
+        "doc": "Directory for checkpoints (not used yet; validated)."})
+    max_restarts: int = field(default=3, metadata={
+        "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
+               "agent (restarts_exhausted, exit 1)."})
+    restart_window_s: float = field(default=300.0, metadata={
+        "doc": "The window over which restarts are counted against max_restarts."})
+    restart_backoff_initial_s: float = field(default=0.5, metadata={
+        "doc": "Wait before the first restart in a window; doubled for each further one."})
+    restart_backoff_max_s: float = field(default=30.0, metadata={"doc": "The longest wait before a restart."})
+    kill_wait_s: float = field(default=5.0, metadata={
+        "doc": "After SIGKILL, how long to wait for workers to be reaped before the agent exits anyway."})
+    poll_interval_s: float = field(default=0.1, metadata={
+        "doc": "Longest sleep of the agent loop (a worker's exit wakes it at once; this is the fallback)."})
+    stats_interval_s: float = field(default=5.0, metadata={
+        "doc": "Interval between samples of each worker's memory and CPU use."})
+
+    def __post_init__(self) -> None:
+        if not self.program or not all(isinstance(a, str) for a in self.program) or not self.program[0]:
+            raise ConfigError(
+                "program: no training program given (put it after --, e.g. "
+                "`elasticd [flags] -- python train.py`, or set program = [...] in the config file)"
+            )
+        for name in ("nproc_per_node", "max_restarts"):
+            value = getattr(self, name)
+            least = 1 if name == "nproc_per_node" else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"{name}: must be an integer >= {least}, got {value!r}")
+        for name in ("restart_window_s", "restart_backoff_initial_s", "restart_backoff_max_s",
+                     "kill_wait_s", "poll_interval_s", "stats_interval_s"):
+            value = getattr(self, name)
+            if not _positive_finite(value):
+                raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+        if self.restart_backoff_max_s < self.restart_backoff_initial_s:
+            raise ConfigError(
+                f"restart_backoff_max_s: must be >= restart_backoff_initial_s "
+                f"({self.restart_backoff_initial_s}), got {self.restart_backoff_max_s}"
+            )
+        if self.nproc_per_node > self.world.max_workers:
+            raise ConfigError(
+                f"nproc_per_node: must be <= max_workers ({self.world.max_workers}), got {self.nproc_per_node}"
+            )
+        if self.checkpoint_dir is not None:
+            text = str(self.checkpoint_dir)
+            if not text or "\0" in text:
+                raise ConfigError(f"checkpoint_dir: not a valid path: {text!r}")
+            if self.checkpoint_dir.exists() and not self.checkpoint_dir.is_dir():
+                raise ConfigError(f"checkpoint_dir: {text} exists and is not a directory")
+        self.worker_env(0)  # validates node_id, advertise_addr and backend as a worker would
+
+    def worker_env(self, local_rank: int) -> WorkerEnv:
+        """The settings of this node's worker ``local_rank``."""
+        return WorkerEnv(world=self.world, etcd=self.etcd, timeouts=self.timeouts, retry=self.retry,
+                         node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
+                         backend=self.backend)
+
+    def worker_environ(self, local_rank: int) -> dict[str, str]:
+        """The ``ELASTICD_*`` variables of worker ``local_rank`` (what ``WorkerEnv.from_environ`` reads)."""
+        return self.worker_env(local_rank).to_environ()
+
+
+def child_environ(extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a process the agent starts: its own, with ``extra`` on top.
+
+    Output is unbuffered unless the caller says otherwise, so a worker's last lines before a crash
+    reach the agent's log.
+    """
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+def default_nproc_per_node(environ: Mapping[str, str] | None = None) -> int:
+    """One worker per device listed in ``CUDA_VISIBLE_DEVICES``; 1 when it is unset or empty.
+
+    The agent imports no torch, so it cannot ask CUDA; this variable is what a scheduler sets.
+    """
+    env = os.environ if environ is None else environ
+    devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return max(1, len(devices))
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX`` nodes.
+
+    Raises:
+        ConfigError: not ``N`` or ``MIN:MAX`` with ``1 <= MIN <= MAX``.
+    """
+    lo_text, sep, hi_text = text.strip().partition(":")
+    try:
+        lo = int(lo_text)
+        hi = int(hi_text) if sep else lo
+    except ValueError as exc:
+        raise ConfigError(f"nnodes: expected N or MIN:MAX, got {text!r}") from exc
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One agent setting: TOML key ``name``, variable ``ELASTICD_<NAME>``, flag ``--<name>``."""
+
+    name: str
+    section: str  # the dataclass that holds it: world, etcd, timeouts, retry or agent
+    attr: str  # its field there
+    kind: type  # int, float, str, or tuple (a list of strings)
+    doc: str
+    from_env: bool = True
+
+    @property
+    def variable(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_EXTRA_DOCS = {
+    "job_id": "The job this node's workers join.",
+    "min_workers": "Smallest world size the job trains at.",
+    "max_workers": "Largest world size; further workers wait.",
+    "etcd_endpoints": "etcd endpoints, host:port (several for an etcd cluster).",
+    "etcd_prefix": "Key prefix of all jobs in etcd.",
+}
+_SECTIONS = ("world", "etcd", "timeouts", "retry")
+
+
+def _agent_settings() -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    tables: list[tuple[str, type, str]] = [
+        ("world", WorldConfig, ""), ("etcd", EtcdConfig, "etcd_"), ("timeouts", Timeouts, ""),
+        ("retry", RetryPolicy, ""), ("agent", AgentConfig, ""),
+    ]
+    for section, cls, rename in tables:
+        for f in dataclasses.fields(cls):
+            if f.name in _SECTIONS:
+                continue
+            name = rename + f.name
+            like = _default_of(f)
+            kind: type = str if like is None else type(like)
+            doc = str(f.metadata.get("doc", _EXTRA_DOCS.get(name, "")))
+            assert name not in out, f"setting {name} defined twice"
+            out[name] = Setting(name, section, f.name, kind, doc, from_env=name != "program")
+    return out
+
+
+AGENT_SETTINGS: Mapping[str, Setting] = _agent_settings()
+
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", tuple: "a list of strings"}
+
+
+def _from_toml(setting: Setting, raw: object, where: str) -> object:
+    kind = setting.kind
+    ok = (
+        (kind is int and isinstance(raw, int) and not isinstance(raw, bool))
+        or (kind is float and isinstance(raw, (int, float)) and not isinstance(raw, bool))
+        or (kind is str and isinstance(raw, str))
+        or (kind is tuple and isinstance(raw, list) and all(isinstance(x, str) for x in raw))
+    )
+    if not ok:
+        raise ConfigError(f"{setting.name}: expected {_KIND_WORDS[kind]}, got {raw!r} "
+                          f"({type(raw).__name__}) {where}")
+    if kind is float:
+        return float(raw)  # type: ignore[arg-type]
+    if kind is tuple:
+        return tuple(raw)  # type: ignore[arg-type]
+    return raw
+
+
+def _from_text(setting: Setting, raw: str, where: str) -> object:
+    text = raw.strip()
+    kind = setting.kind
+    try:
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError as exc:
+        raise ConfigError(f"{setting.name}: expected {_KIND_WORDS[kind]}, got {raw!r} ({where})") from exc
+    if kind is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return text
+
+
+def _config_path(explicit: str | Path | None, env: Mapping[str, str], default: Path) -> Path | None:
+    if explicit is not None:
+        where = "--config"
+        path = Path(explicit)
+    elif CONFIG_FILE_VARIABLE in env:
+        where = CONFIG_FILE_VARIABLE
+        path = Path(env[CONFIG_FILE_VARIABLE])
+    else:
+        return default if default.is_file() else None
+    if not path.is_file():
+        raise ConfigError(f"config: no such file: {str(path)!r} (from {where})")
+    return path
+
+
+def _read_toml(path: Path) -> dict[str, object]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+
+
+def load_agent_config(
+    flags: Mapping[str, str | None] | None = None,
+    *,
+    program: Sequence[str] = (),
+    nnodes: str | None = None,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    default_config_file: Path = DEFAULT_CONFIG_FILE,
+) -> AgentConfig:
+    """Load the agent's settings: flag > ``ELASTICD_*`` variable > TOML file > default.
+
+    Args:
+        flags: setting name -> the flag's text, for the flags given (None: not given).
+        program: the program from the command line (overrides ``program`` in the file).
+        nnodes: torchrun's ``--nnodes N|MIN:MAX``: ``min_workers``/``max_workers`` become
+            ``MIN``/``MAX`` times ``nproc_per_node``.
+        config_file: ``--config``; else ``$ELASTICD_CONFIG``; else ``default_config_file`` if it exists.
+        environ: the environment (default: ``os.environ``).
+        default_config_file: the file read when none is named.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: a setting is unknown, ill-typed or invalid, or no program is given; the
+            message has one line per bad field, naming it and where its value came from.
+    """
+    env = os.environ if environ is None else environ
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    errors: list[str] = []
+    path = _config_path(config_file, env, default_config_file)
+    if path is not None:
+        where = f"in {path}"
+        for key, raw in _read_toml(path).items():
+            known = AGENT_SETTINGS.get(key)
+            if known is None:
+                close = difflib.get_close_matches(key, list(AGENT_SETTINGS), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                errors.append(f"{key}: unknown setting {where}{hint}")
+                continue
+            try:
+                values[key] = _from_toml(known, raw, where)
+                sources[key] = where
+            except ConfigError as exc:
+                errors.append(str(exc))
+    for known in AGENT_SETTINGS.values():
+        if known.from_env and known.variable in env:
+            try:
+                values[known.name] = _from_text(known, env[known.variable], f"from {known.variable}")
+                sources[known.name] = f"from {known.variable}"
+            except ConfigError as exc:
+                errors.append(str(exc))
+    for name, raw in given.items():
+        known = AGENT_SETTINGS[name]  # the command line offers only known settings
+        try:
+            values[name] = _from_text(known, raw, f"from {known.flag}")
+            sources[name] = f"from {known.flag}"
+        except ConfigError as exc:
+            errors.append(str(exc))
+    if program:
+        values["program"] = tuple(program)
+        sources["program"] = "from the command line"
+    if errors:
+        raise ConfigError("\n".join(errors))
+    if "nproc_per_node" not in values:
+        values["nproc_per_node"] = default_nproc_per_node(env)
+        if "CUDA_VISIBLE_DEVICES" in env:
+            sources["nproc_per_node"] = "from CUDA_VISIBLE_DEVICES"
+    if nnodes is not None:
+        if "min_workers" in given or "max_workers" in given:
+            raise ConfigError("nnodes: give either --nnodes or --min-workers/--max-workers, not both")
+        nproc = values["nproc_per_node"]
+        if not isinstance(nproc, int) or nproc < 1:
+            raise ConfigError(f"nproc_per_node: must be an integer >= 1, got {nproc!r} "
+                              f"({sources.get('nproc_per_node', 'default')})")
+        lo, hi = parse_nnodes(nnodes)
+        values["min_workers"], values["max_workers"] = lo * nproc, hi * nproc
+        sources["min_workers"] = sources["max_workers"] = "from --nnodes"
+    prog = values.get("program")
+    if isinstance(prog, tuple) and prog and str(prog[0]).endswith(".py"):
+        values["program"] = (sys.executable, *prog)
+    ckpt = values.get("checkpoint_dir")
+    if isinstance(ckpt, str):
+        values["checkpoint_dir"] = Path(ckpt) if ckpt else None
+    try:
+        config = _assemble(values)
+    except ConfigError as exc:
+        raise ConfigError(_with_sources(str(exc), sources)) from exc
+    _check_program(config.program)
+    return config
+
+
+def _with_sources(message: str, sources: Mapping[str, str]) -> str:
+    """Say where the values a validation message talks about came from."""
+    named = message.split(":", 1)[0]
+    mentioned = [n for n in sources if n != named and re.search(rf"\b{n}\b", message)]
+    if named in sources and not mentioned:
+        return f"{message} ({sources[named]})"
+    notes = [f"{n} {sources[n]}" for n in ([named] if named in sources else []) + mentioned]
+    return f"{message} ({'; '.join(notes)})" if notes else message
+
+
+def _assemble(values: Mapping[str, object]) -> AgentConfig:
+    parts: dict[str, dict[str, object]] = {section: {} for section in (*_SECTIONS, "agent")}
+    for name, value in values.items():
+        known = AGENT_SETTINGS[name]
+        parts[known.section][known.attr] = value
+    top: dict[str, object] = dict(parts["agent"])
+    top["world"] = _build(WorldConfig, parts["world"], "world")
+    top["etcd"] = _build(EtcdConfig, parts["etcd"], "etcd")
+    top["timeouts"] = _build(Timeouts, parts["timeouts"], "timeouts")
+    top["retry"] = _build(RetryPolicy, parts["retry"], "retry")
+    return _build(AgentConfig, top, "agent")
+
+
+def _check_program(program: tuple[str, ...]) -> None:
+    exe = program[0]
+    found = shutil.which(exe) if os.sep not in exe else (exe if os.access(exe, os.X_OK) else None)
+    if found is None or os.path.isdir(found):
+        raise ConfigError(f"program: {exe!r} is not an executable file or a command on PATH")

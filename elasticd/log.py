@@ -34,7 +34,8 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        # One write per line: workers share the agent's stdout, and two writes per line interleave.
+        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         # Not cached: a cached module logger ignores structlog.testing.capture_logs, and at
         # elasticd's log rate (per rendezvous, every log_every steps) caching saves nothing.
         cache_logger_on_first_use=False,

@@ -191,9 +191,11 @@ def test_bad_command_lines_are_argparse_errors(argv: list[str], message: str,
     assert "usage: elasticctl" in err and message in err, err
 
 
-def test_elasticd_agent_says_it_is_not_built_and_exits_2() -> None:
+def test_elasticd_agent_without_a_program_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
     err = io.StringIO()
     assert agent_main([], stderr=err) == 2
-    assert agent_main(["--node", "x"], stderr=err) == 2
-    text = err.getvalue()
-    assert "node agent is not built yet" in text and "python -m elasticd.demo" in text
+    assert err.getvalue().startswith("elasticd: program: no training program given")
+    with pytest.raises(SystemExit) as info:
+        agent_main(["--node", "x"])  # no abbreviations: --node is not --node-id
+    assert info.value.code == 2
+    assert "unrecognized arguments: --node" in capsys.readouterr().err

@@ -205,8 +205,7 @@ def test_toml_example_parses_and_every_key_has_a_comment() -> None:
 def test_toml_example_documents_the_agent_settings() -> None:
     keys = {k for _, k, _ in _toml_key_lines(TOML_EXAMPLE.read_text())}
     wanted = {"job_id", "etcd_endpoints", "program", "nproc_per_node", "min_workers", "max_workers",
-              "lease_ttl_s", "shutdown_grace_s", "max_restarts", "restart_window_s", "checkpoint_dir",
-              "metrics_port"}
+              "lease_ttl_s", "shutdown_grace_s", "max_restarts", "restart_window_s", "checkpoint_dir"}
     assert wanted <= keys, f"missing: {sorted(wanted - keys)}"
 
 
@@ -257,3 +256,17 @@ def test_env_example_names_match_toml_keys_and_values_are_valid() -> None:
     assert unknown == [], f"ELASTICD_* variables with no key in {TOML_EXAMPLE.name}: {unknown}"
     # What the worker contract already parses, it accepts (the rest belongs to the agent).
     WorkerEnv.from_environ(ours)
+
+
+def test_toml_example_loads_as_the_agent_configuration(tmp_path: Path) -> None:
+    """The example is what an operator copies: the agent itself must accept every key in it."""
+    from elasticd.config import load_agent_config
+
+    program = tmp_path / "train"
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    text = re.sub(r"(?m)^program = .*$", f'program = ["{program}"]', TOML_EXAMPLE.read_text())
+    config_file = tmp_path / "elasticd.toml"
+    config_file.write_text(text)
+    cfg = load_agent_config(config_file=config_file, environ={}, default_config_file=tmp_path / "none.toml")
+    assert cfg is not None

@@ -1,0 +1,452 @@
+"""The node agent: runs this node's workers, marks a dead one gone in etcd at once, restarts it, drains.
+
+Owns the agent's state machine. ``AgentState`` is the agent's, ``SlotState`` each local rank's; the
+transitions are written once, in the pure ``decide(snapshot, now, config)``, and ``Agent.run`` is
+the small executor that applies its actions through a ``Supervisor`` (processes) and a
+``KeyValueStore`` (etcd). What it does:
+
+* starts ``nproc_per_node`` workers of the configured program, each with the worker environment
+  (``AgentConfig.worker_environ``: job, etcd, timeouts, node id, local rank);
+* when a worker ends, it revokes the lease of that worker's member record at once (found by node
+  and pid under ``members/``), so the survivors re-rendezvous now instead of after the lease TTL;
+* it restarts a failed worker after an exponential backoff, within the restart budget
+  (``max_restarts`` per ``restart_window_s``); the restarted worker joins as a newcomer. When the
+  budget is spent it stops its workers and exits 1 (``restarts_exhausted``). A worker that exits
+  0 is done; when all are done the agent exits 0;
+* SIGTERM (or SIGINT) drains: it is forwarded to the workers, which finish their step and leave;
+  after ``shutdown_grace_s`` they are killed; the agent exits 0. A second SIGTERM kills at once.
+
+Every wait is bounded (``poll_interval_s``; a worker's exit and a signal wake the loop at once).
+The agent writes nothing to etcd except those lease revocations. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import select
+import signal
+import socket
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from types import FrameType
+
+import structlog
+
+from elasticd.config import AgentConfig, child_environ
+from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.log import bind_context
+from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode
+from elasticd.retry import Clock
+from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+
+
+class AgentState(StrEnum):
+    STARTING = "starting"  # no worker started yet
+    RUNNING = "running"  # supervising: restarting failed workers within the budget
+    DRAINING = "draining"  # asked to stop (SIGTERM): workers finish their step and leave; exit 0
+    STOPPING = "stopping"  # a fatal condition (restarts exhausted): workers are stopped; exit 1
+
+
+class SlotState(StrEnum):
+    """One local rank's worker."""
+
+    PENDING = "pending"  # not started yet
+    RUNNING = "running"
+    EXITED = "exited"  # its process ended; the agent has not acted on that yet
+    BACKOFF = "backoff"  # waiting to be restarted
+    DONE = "done"  # exited 0: finished, never restarted
+    STOPPED = "stopped"  # ended and will not be restarted (the agent is stopping)
+
+
+@dataclass(frozen=True)
+class Slot:
+    local_rank: int
+    state: SlotState = SlotState.PENDING
+    pid: int = 0
+    exit: WorkerExit | None = None
+    restart_at: float = 0.0  # BACKOFF: when to restart (monotonic)
+    starts: int = 0
+
+
+@dataclass(frozen=True)
+class AgentSnapshot:
+    """Everything ``decide`` looks at."""
+
+    state: AgentState
+    slots: tuple[Slot, ...]
+    restarts: tuple[float, ...] = ()  # when each restart was decided (monotonic)
+    stop_requests: int = 0  # SIGTERM/SIGINT received
+    terminate_deadline: float | None = None  # SIGTERM forwarded: kill after this
+    kill_deadline: float | None = None  # SIGKILL sent: stop waiting after this
+    reason: str = ""  # why the agent is stopping (STOPPING)
+
+    @classmethod
+    def initial(cls, nproc: int) -> AgentSnapshot:
+        return cls(AgentState.STARTING, tuple(Slot(lr) for lr in range(nproc)))
+
+
+class ActionKind(StrEnum):
+    SPAWN = "spawn"  # start (or restart) the worker of local_rank
+    RELEASE = "release"  # a worker ended: revoke its lease, then put its slot in slot_state
+    TERMINATE = "terminate"  # SIGTERM to every running worker; kill after `until`
+    KILL = "kill"  # SIGKILL to every running worker (and its children); give up after `until`
+    WAIT = "wait"  # nothing to do until `until` (None: until something happens)
+    EXIT = "exit"  # the agent is done: exit with exit_code
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str
+    local_rank: int = -1
+    slot_state: SlotState | None = None
+    restart_at: float = 0.0
+    next_state: AgentState | None = None
+    until: float | None = None
+    exit_code: int = EXIT_OK
+
+
+@dataclass(frozen=True)
+class AgentOutcome:
+    exit_code: int
+    reason: str
+
+
+def restarts_in_window(restarts: Iterable[float], now: float, window_s: float) -> int:
+    """How many of the restart times lie within the last ``window_s`` seconds before ``now``."""
+    return sum(1 for t in restarts if now - t < window_s)
+
+
+def restart_backoff_s(recent_restarts: int, initial_s: float, max_s: float) -> float:
+    """The wait before the next restart: ``initial_s * 2**recent_restarts``, at most ``max_s``."""
+    return min(max_s, initial_s * 2.0 ** min(recent_restarts, 64))
+
+
+def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
+    """What the agent does next. Pure: no I/O, no clock reads."""
+    ended = next((s for s in snap.slots if s.state is SlotState.EXITED), None)
+    if ended is not None:
+        return _release(snap, ended, now, config)
+    running = [s for s in snap.slots if s.state is SlotState.RUNNING]
+    stopping = snap.state in (AgentState.DRAINING, AgentState.STOPPING)
+    if snap.stop_requests and not stopping:
+        return Action(ActionKind.TERMINATE, "stop requested: the workers finish their step and leave",
+                      next_state=AgentState.DRAINING, until=now + config.timeouts.shutdown_grace_s)
+    if stopping:
+        draining = snap.state is AgentState.DRAINING
+        code = EXIT_OK if draining else EXIT_FATAL
+        reason = "drained" if draining else snap.reason
+        if not running:
+            return Action(ActionKind.EXIT, reason, exit_code=code)
+        if snap.terminate_deadline is None:
+            return Action(ActionKind.TERMINATE, "stopping the other workers",
+                          until=now + config.timeouts.shutdown_grace_s)
+        if snap.kill_deadline is None:
+            if snap.stop_requests >= 2:
+                return Action(ActionKind.KILL, "a second stop request", until=now + config.kill_wait_s)
+            if now >= snap.terminate_deadline:
+                return Action(ActionKind.KILL, f"workers still running after shutdown_grace_s "
+                              f"({config.timeouts.shutdown_grace_s:g} s)", until=now + config.kill_wait_s)
+            return Action(ActionKind.WAIT, "waiting for the workers to leave", until=snap.terminate_deadline)
+        if now >= snap.kill_deadline:
+            pids = [s.pid for s in running]
+            return Action(ActionKind.EXIT, f"workers_not_reaped: pids {pids} outlived SIGKILL by "
+                          f"kill_wait_s ({config.kill_wait_s:g} s); {reason}", exit_code=EXIT_FATAL)
+        return Action(ActionKind.WAIT, "waiting for killed workers to be reaped", until=snap.kill_deadline)
+    pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
+    if pending is not None:
+        return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
+    due = [s for s in snap.slots if s.state is SlotState.BACKOFF]
+    ready = next((s for s in due if s.restart_at <= now), None)
+    if ready is not None:
+        return Action(ActionKind.SPAWN, "restart", local_rank=ready.local_rank, next_state=AgentState.RUNNING)
+    if all(s.state is SlotState.DONE for s in snap.slots):
+        return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
+    return Action(ActionKind.WAIT, "supervising", until=min((s.restart_at for s in due), default=None))
+
+
+def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -> Action:
+    e = slot.exit
+    assert e is not None, "an EXITED slot carries its exit"
+    what = f"worker {slot.local_rank} (pid {e.pid}) {e.describe()}"
+    if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
+        return Action(ActionKind.RELEASE, f"{what}; the agent is stopping", local_rank=slot.local_rank,
+                      slot_state=SlotState.DONE if e.ok else SlotState.STOPPED)
+    if e.ok:
+        return Action(ActionKind.RELEASE, f"{what}: done", local_rank=slot.local_rank, slot_state=SlotState.DONE)
+    recent = restarts_in_window(snap.restarts, now, config.restart_window_s)
+    if recent >= config.max_restarts:
+        return Action(
+            ActionKind.RELEASE,
+            f"restarts_exhausted: {what}; {recent} restarts in the last {config.restart_window_s:g} s "
+            f"(max_restarts {config.max_restarts})",
+            local_rank=slot.local_rank, slot_state=SlotState.STOPPED, next_state=AgentState.STOPPING,
+        )
+    delay = restart_backoff_s(recent, config.restart_backoff_initial_s, config.restart_backoff_max_s)
+    return Action(ActionKind.RELEASE, f"{what}: restart in {delay:g} s", local_rank=slot.local_rank,
+                  slot_state=SlotState.BACKOFF, restart_at=now + delay)
+
+
+def member_leases(kvs: Iterable[KeyValue], keys: Keys, node: str, pids: Collection[int]) -> list[tuple[str, int]]:
+    """(member id, lease) of each leased member record of ``node`` whose pid is in ``pids``.
+
+    Pure; a record that does not parse is skipped (it is not ours to judge).
+    """
+    found: list[tuple[str, int]] = []
+    for kv in kvs:
+        if not kv.key.startswith(keys.member("")) or not kv.lease:
+            continue
+        try:
+            rec = decode(MemberRecord, kv.value)
+        except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+            continue
+        if rec.node == node and rec.pid in pids:
+            found.append((rec.member_id, kv.lease))
+    return found
+
+
+class _Waker:
+    """Bounded sleeps that a signal or ``poke`` cuts short.
+
+    With ``install`` (main thread only), SIGTERM and SIGINT count as stop requests, and every signal,
+    SIGCHLD included, wakes ``wait`` at once through ``signal.set_wakeup_fd``.
+    """
+
+    def __init__(self, install: bool) -> None:
+        self._install = install
+        self.stop_requests = 0
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._old_fd = -1
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _Waker:
+        if self._install:
+            self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+            for sig, handler in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
+                                 (signal.SIGCHLD, self._on_wake)):
+                self._old[sig] = signal.signal(sig, handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._install:
+            for sig, handler in self._old.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.set_wakeup_fd(self._old_fd)
+        self._r.close()
+        self._w.close()
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_requests += 1  # only an int: a handler must not take locks
+
+    def _on_wake(self, signum: int, frame: FrameType | None) -> None:
+        pass  # the wakeup fd already woke the loop
+
+    def poke(self) -> None:
+        try:
+            self._w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake (buffer full) or closed
+
+    def wait(self, timeout_s: float) -> None:
+        ready, _, _ = select.select([self._r], [], [], max(0.0, timeout_s))
+        if ready:
+            try:
+                while self._r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+
+class Agent:
+    """The executor: applies ``decide``'s actions until it says exit."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        store: KeyValueStore,
+        supervisor: Supervisor | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._clock = clock
+        self._supervisor = supervisor or Supervisor(clock)
+        self._keys = Keys(config.etcd.prefix, config.world.job_id)
+        self.snapshot = AgentSnapshot.initial(config.nproc_per_node)
+        self._waker: _Waker | None = None
+        self._pending_stop = 0
+
+    @property
+    def stats(self) -> dict[int, WorkerStats]:
+        """The latest memory and CPU sample of each running worker (local rank -> sample)."""
+        return self._supervisor.stats()
+
+    def request_stop(self) -> None:
+        """Ask the agent to drain, as SIGTERM does (for callers that are not signals)."""
+        self._pending_stop += 1
+        if self._waker is not None:
+            self._waker.poke()
+
+    def run(self, install_signals: bool = True) -> AgentOutcome:
+        """Run until the workers are done, drained, or the agent must give up.
+
+        Args:
+            install_signals: handle SIGTERM/SIGINT/SIGCHLD (only possible in the main thread).
+
+        Returns:
+            The exit code (0 done or drained, 1 fatal) and the reason.
+        """
+        c = self._config
+        bind_context(node=c.node_id)
+        log.info("agent_started", job=c.world.job_id, node=c.node_id, program=list(c.program),
+                 nproc_per_node=c.nproc_per_node, min_workers=c.world.min_workers,
+                 max_workers=c.world.max_workers, etcd=list(c.etcd.endpoints), max_restarts=c.max_restarts,
+                 restart_window_s=c.restart_window_s)
+        with _Waker(install_signals) as waker:
+            self._waker = waker
+            try:
+                outcome = self._run(waker)
+            finally:
+                self._waker = None
+        level = log.info if outcome.exit_code == EXIT_OK else log.error
+        level("agent_stopped", exit_code=outcome.exit_code, reason=outcome.reason)
+        return outcome
+
+    def _run(self, waker: _Waker) -> AgentOutcome:
+        c = self._config
+        try:
+            self._store.get(self._keys.generation)  # fail fast, and clearly, on an unreachable etcd
+        except EtcdUnavailable as exc:
+            return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
+        try:
+            return self._loop(waker)
+        except Exception as exc:  # the top-level loop: any surprise becomes a fatal stop
+            log.error("agent_failed", error=repr(exc), exc_info=True)
+            self._supervisor.terminate_all(c.timeouts.shutdown_grace_s, c.kill_wait_s)
+            return AgentOutcome(EXIT_FATAL, f"agent_failed: {exc!r}")
+
+    def _loop(self, waker: _Waker) -> AgentOutcome:
+        c = self._config
+        next_sample = self._clock() + c.stats_interval_s
+        while True:
+            now = self._clock()
+            self._observe(waker, now)
+            if now >= next_sample:
+                self._supervisor.sample()
+                next_sample = now + c.stats_interval_s
+            action = decide(self.snapshot, now, c)
+            if action.kind is ActionKind.WAIT:
+                timeout = min(c.poll_interval_s, next_sample - now)
+                if action.until is not None:
+                    timeout = min(timeout, action.until - now)
+                waker.wait(timeout)
+                continue
+            if action.kind is ActionKind.EXIT:
+                return AgentOutcome(action.exit_code, action.reason)
+            self._apply(action, now)
+
+    def _observe(self, waker: _Waker, now: float) -> None:
+        requests = waker.stop_requests + self._pending_stop
+        if requests != self.snapshot.stop_requests:
+            log.info("stop_signal_received", count=requests, state=str(self.snapshot.state))
+            self.snapshot = replace(self.snapshot, stop_requests=requests)
+        for e in self._supervisor.poll():
+            self._log_exit(e)
+            self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e)
+
+    def _log_exit(self, e: WorkerExit) -> None:
+        stats = e.last_stats
+        level = log.info if e.ok else log.warning
+        level("worker_exited", local_rank=e.local_rank, pid=e.pid, kind=str(e.kind), code=e.code,
+              signal=e.signal, runtime_s=e.runtime_s, how=e.describe(),
+              rss_mb=round(stats.rss_bytes / 2**20, 1) if stats else None,
+              cpu_percent=stats.cpu_percent if stats else None)
+
+    def _set_slot(self, local_rank: int, **changes: object) -> Slot:
+        slots = list(self.snapshot.slots)
+        slots[local_rank] = replace(slots[local_rank], **changes)  # type: ignore[arg-type]
+        self.snapshot = replace(self.snapshot, slots=tuple(slots))
+        return slots[local_rank]
+
+    def _apply(self, action: Action, now: float) -> None:
+        c = self._config
+        if action.kind is ActionKind.SPAWN:
+            self._spawn(action.local_rank, now)
+        elif action.kind is ActionKind.RELEASE:
+            slot = self.snapshot.slots[action.local_rank]
+            assert slot.exit is not None and action.slot_state is not None
+            if slot.exit.kind is not ExitKind.SPAWN_FAILED:
+                self._revoke(slot.exit)
+            self._set_slot(action.local_rank, state=action.slot_state, restart_at=action.restart_at, pid=0)
+            if action.slot_state is SlotState.BACKOFF:
+                kept = tuple(t for t in self.snapshot.restarts if now - t < c.restart_window_s)  # bounded
+                self.snapshot = replace(self.snapshot, restarts=(*kept, now))
+                recent = len(kept) + 1
+                log.info("worker_restart_scheduled", local_rank=action.local_rank,
+                         in_s=round(action.restart_at - now, 3), restarts_in_window=recent,
+                         max_restarts=c.max_restarts, reason=action.reason)
+            if action.next_state is AgentState.STOPPING:
+                log.error("restarts_exhausted", local_rank=action.local_rank, reason=action.reason)
+                self.snapshot = replace(self.snapshot, reason=action.reason)
+        elif action.kind is ActionKind.TERMINATE:
+            pids = self._supervisor.send_signal(signal.SIGTERM)
+            log.info("workers_signalled", signal="SIGTERM", pids=pids, grace_s=c.timeouts.shutdown_grace_s,
+                     reason=action.reason)
+            self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
+        elif action.kind is ActionKind.KILL:
+            pids = self._supervisor.kill()
+            log.warning("workers_killed", pids=pids, reason=action.reason)
+            self.snapshot = replace(self.snapshot, kill_deadline=action.until)
+        if action.next_state is not None:
+            self.snapshot = replace(self.snapshot, state=action.next_state)
+
+    def _spawn(self, local_rank: int, now: float) -> None:
+        c = self._config
+        slot = self.snapshot.slots[local_rank]
+        env = child_environ(c.worker_environ(local_rank))
+        try:
+            pid = self._supervisor.spawn(local_rank, c.program, env)
+        except OSError as exc:
+            e = WorkerExit(local_rank, 0, ExitKind.SPAWN_FAILED, detail=f"{c.program[0]}: {exc}")
+            self._log_exit(e)
+            self._set_slot(local_rank, state=SlotState.EXITED, exit=e, starts=slot.starts + 1)
+            return
+        self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1)
+        log.info("worker_started", local_rank=local_rank, pid=pid, start=slot.starts + 1,
+                 restart=slot.starts > 0)
+
+    def _revoke(self, e: WorkerExit) -> None:
+        """Mark the ended worker gone in etcd now: revoke the lease of its member record, which also
+        drops its ready record. Best effort: if etcd does not answer, the lease TTL does it later."""
+        started = self._clock()
+        node = self._config.node_id
+        try:
+            found = member_leases(self._store.get_prefix(self._keys.member("")), self._keys, node,
+                                  {e.pid, *e.descendants})
+        except EtcdUnavailable as exc:
+            log.warning("worker_lease_revoke_failed", local_rank=e.local_rank, pid=e.pid, error=str(exc))
+            return
+        if not found:
+            # Normal after a clean exit (the worker revoked its own lease) or a death before joining.
+            log.info("worker_record_not_found", local_rank=e.local_rank, pid=e.pid)
+            return
+        for member, lease in found:
+            try:
+                self._store.revoke_lease(lease)
+            except LeaseLost:
+                log.info("worker_lease_vanished", local_rank=e.local_rank, pid=e.pid, member=member)
+                continue
+            except EtcdUnavailable as exc:
+                log.warning("worker_lease_revoke_failed", local_rank=e.local_rank, pid=e.pid, member=member,
+                            error=str(exc))
+                continue
+            log.info("worker_lease_revoked", local_rank=e.local_rank, pid=e.pid, member=member, lease=lease,
+                     took_s=round(self._clock() - started, 4))

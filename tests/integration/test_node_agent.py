@@ -1,0 +1,250 @@
+"""The node agent for real: agents as separate processes, a real etcd, real gloo workers.
+
+Each agent runs in its own session, so teardown kills it and every worker it started with one
+``killpg`` on its pid (the workers stay in the agent's process group).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.audit import check_dir, read_lines
+from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port
+
+AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
+MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", "300"]
+_ids = itertools.count()
+
+
+def _env(**settings: object) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update({"ELASTICD_" + k.upper(): str(v) for k, v in settings.items()})
+    return env
+
+
+class AgentProcess:
+    """One ``elasticd`` process; its log (the agent's and its workers' lines) goes to a file."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        with log_path.open("ab") as out:
+            self.proc = subprocess.Popen(AGENT + argv, env=env, cwd=REPO_ROOT, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self, name: str) -> list[dict[str, object]]:
+        """The agent's log lines of event ``name`` (a line garbled by a concurrent writer is skipped)."""
+        out = []
+        for line in self.log_text().splitlines():
+            if f'"{name}"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == name:
+                out.append(rec)
+        return out
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the agent and the workers it started
+        except ProcessLookupError:
+            pass
+        self.wait(10)
+
+
+class AgentJob:
+    """One job run by agents; each agent's workers append to ``<dir>/<node>.jsonl`` (the audit log)."""
+
+    def __init__(self, etcd: EtcdServer, workdir: Path, **settings: object) -> None:
+        self.etcd = etcd
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.job_id = f"agent{os.getpid()}x{next(_ids)}"
+        self.settings = settings
+        self.agents: dict[str, AgentProcess] = {}
+
+    def audit_path(self, node: str) -> Path:
+        return self.dir / f"{node}.jsonl"
+
+    def start(self, node: str, *flags: str, program: list[str] | None = None) -> AgentProcess:
+        prog = program if program is not None else [*MLP, "--audit", str(self.audit_path(node))]
+        argv = ["--etcd", self.etcd.endpoint, "--job-id", self.job_id, "--node-id", node, *flags, "--", *prog]
+        agent = AgentProcess(argv, _env(**self.settings), self.dir / f"agent-{node}.log")
+        self.agents[node] = agent
+        return agent
+
+    def commits(self, node: str) -> list[dict[str, object]]:
+        path = self.audit_path(node)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # the last line of a killed worker may be cut short
+        return [r for r in rows if r.get("event") == "commit"]
+
+    def commits_at_world(self, node: str, world: int) -> int:
+        return sum(1 for r in self.commits(node) if r["world_size"] == world)
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs_tail()}")
+
+    def logs_tail(self, n: int = 25) -> str:
+        return "\n".join(f"--- agent {node}\n" + "\n".join(a.log_text().splitlines()[-n:])
+                         for node, a in self.agents.items())
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            a.kill_group()
+
+
+@pytest.fixture
+def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
+    jobs: list[AgentJob] = []
+
+    def make(**settings: object) -> AgentJob:
+        job = AgentJob(etcd_server, tmp_path / f"job{len(jobs)}", **settings)
+        jobs.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        for j in jobs:
+            j.stop()
+
+
+def _worker_pid(agent: AgentProcess) -> int:
+    started = agent.events("worker_started")
+    assert started, agent.log_text()[-3000:]
+    return int(started[-1]["pid"])  # type: ignore[call-overload]
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it(agent_job):
+    # A 10 s lease: survivors that waited for the dead worker's lease to expire would show it.
+    job = agent_job(lease_ttl_s=10)
+    a = job.start("a", "--nnodes", "1:2")
+    b = job.start("b", "--nnodes", "1:2")
+    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
+    victim = _worker_pid(b)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(lambda: any(r["t"] > killed_at for r in job.commits("a")), 10, "the survivor's next commit")
+    first_after = min(float(r["t"]) for r in job.commits("a") if r["t"] > killed_at)  # type: ignore[arg-type]
+    assert first_after - killed_at < 3.0, f"the survivor went on only {first_after - killed_at:.2f} s after the kill"
+    assert a.wait(90) == 0, job.logs_tail()
+    assert b.wait(30) == 0, job.logs_tail()
+    revoked = b.events("worker_lease_revoked")
+    assert revoked and revoked[0]["pid"] == victim, job.logs_tail()
+    exited = [e for e in b.events("worker_exited") if e["pid"] == victim]
+    assert exited and exited[0]["kind"] == "signaled" and exited[0]["signal"] == signal.SIGKILL
+    assert len(b.events("worker_started")) == 2  # the restart
+    assert b.events("agent_stopped")[-1]["reason"] == "workers_finished"
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == 300
+    # the restarted worker rejoined as a newcomer: it synced into a world of 2 after the kill
+    rejoined = [r for r in read_lines([job.audit_path("b")]) if r["event"] == "sync" and r["t"] > killed_at]
+    assert rejoined and rejoined[0]["world_size"] == 2, rejoined
+    assert len(set(rep.final_checksums)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_drains_the_node_and_the_job_goes_on_at_world_1(agent_job):
+    job = agent_job()
+    a = job.start("a", "--nnodes", "1:2")
+    b = job.start("b", "--nnodes", "1:2")
+    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
+    sent = time.monotonic()
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait(20) == 0, job.logs_tail()
+    assert time.monotonic() - sent < 10
+    assert b.events("agent_stopped")[-1]["reason"] == "drained"
+    assert b.events("workers_signalled") and not b.events("workers_killed")
+    assert '"drained"' in b.log_text()  # the worker's own line: it finished its step and left
+    assert not b.events("worker_restart_scheduled")
+    assert a.wait(90) == 0, job.logs_tail()
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == 300
+    assert rep.step_world[300] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_always_fails_exhausts_the_restart_budget(agent_job):
+    job = agent_job()
+    started = time.monotonic()
+    agent = job.start("c", "--max-restarts", "2", "--restart-backoff-initial-s", "0.05",
+                      program=[sys.executable, "-c", "import sys; sys.exit(1)"])
+    assert agent.wait(30) == 1, agent.log_text()[-3000:]
+    assert time.monotonic() - started < 30
+    text = agent.log_text()
+    assert '"restarts_exhausted"' in text
+    assert "restarts_exhausted: worker 0" in text.splitlines()[-1]  # the reason, on stderr
+    assert len(agent.events("worker_started")) == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("toml", "argv", "message"),
+    [
+        ("program = ['true']\nbogus_field = 1\n", [], "elasticd: bogus_field: unknown setting in "),
+        ("program = ['true']\nlease_ttl_s = 'ten'\n", [], "elasticd: lease_ttl_s: expected a number, got 'ten'"),
+        ("max_restarts = 1\n", [], "elasticd: program: no training program given"),
+        (None, ["--max-restarts", "x", "--", "true"], "elasticd: max_restarts: expected an integer, got 'x'"),
+    ],
+    ids=["unknown field", "ill-typed field", "no program", "ill-typed flag"],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_field(tmp_path: Path, toml: str | None, argv: list[str],
+                                                            message: str) -> None:
+    if toml is not None:
+        (tmp_path / "elasticd.toml").write_text(toml)
+        argv = ["--config", str(tmp_path / "elasticd.toml"), *argv]
+    proc = subprocess.run(AGENT + argv, env=_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_etcd_is_a_clear_fatal_error_before_any_worker_starts(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    proc = subprocess.run(AGENT + ["--etcd", endpoint, "--", "true"], env=_env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=40)
+    assert proc.returncode == 1, proc
+    assert proc.stderr.startswith(f"elasticd: etcd_unreachable: etcd at {endpoint} did not answer"), proc.stderr
+    assert '"worker_started"' not in proc.stdout

@@ -1,0 +1,517 @@
+"""The node agent: its pure transition function, the restart budget and backoff, lease lookup, the
+executor on real (tiny) processes, and the agent's configuration (precedence, validation, torchrun
+flags)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+from elasticd.agent import (
+    Action,
+    ActionKind,
+    Agent,
+    AgentSnapshot,
+    AgentState,
+    Slot,
+    SlotState,
+    decide,
+    member_leases,
+    restart_backoff_s,
+    restarts_in_window,
+)
+from elasticd.cli import TORCHRUN_ALIASES, build_agent_parser, parse_agent_command_line
+from elasticd.config import (
+    AGENT_SETTINGS,
+    AgentConfig,
+    Timeouts,
+    WorkerEnv,
+    WorldConfig,
+    default_nproc_per_node,
+    load_agent_config,
+    parse_nnodes,
+)
+from elasticd.errors import ConfigError
+from elasticd.membership import KeyValue, Keys, MemberRecord, encode
+from elasticd.supervisor import ExitKind, WorkerExit
+from tests.fakes import FakeKeyValueStore
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = 1000.0
+CFG = AgentConfig(
+    program=("worker",), node_id="n", nproc_per_node=2, max_restarts=2, restart_window_s=60.0,
+    restart_backoff_initial_s=1.0, restart_backoff_max_s=3.0, kill_wait_s=5.0,
+    timeouts=Timeouts(shutdown_grace_s=10.0),
+)
+
+
+def running(lr: int) -> Slot:
+    return Slot(lr, SlotState.RUNNING, pid=100 + lr, starts=1)
+
+
+def ended(lr: int, kind: ExitKind, code: int | None = None, sig: int | None = None) -> Slot:
+    return Slot(lr, SlotState.EXITED, pid=100 + lr, exit=WorkerExit(lr, 100 + lr, kind, code, sig), starts=1)
+
+
+FAILED = ExitKind.FAILED
+OK = ExitKind.SUCCEEDED
+
+
+def snap(state: AgentState, *slots: Slot, **kw: object) -> AgentSnapshot:
+    return AgentSnapshot(state, slots, **kw)  # type: ignore[arg-type]
+
+
+R, D, S = AgentState.RUNNING, AgentState.DRAINING, AgentState.STOPPING
+EXHAUSTED = "restarts_exhausted: worker 0 exited with code 1"
+
+# (id, snapshot, expected action fields). Only the fields named are compared.
+CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
+    ("start spawns rank 0", AgentSnapshot.initial(2),
+     dict(kind=ActionKind.SPAWN, local_rank=0, next_state=R)),
+    ("then the next pending rank", snap(R, running(0), Slot(1)), dict(kind=ActionKind.SPAWN, local_rank=1)),
+    ("all running: wait for something to happen", snap(R, running(0), running(1)),
+     dict(kind=ActionKind.WAIT, until=None)),
+    ("a crash within the budget: restart after the initial backoff", snap(R, ended(0, FAILED, 1), running(1)),
+     dict(kind=ActionKind.RELEASE, local_rank=0, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0,
+          next_state=None)),
+    ("a death by signal is a failure too", snap(R, ended(0, ExitKind.SIGNALED, sig=9), running(1)),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0)),
+    ("a worker that could not start is a failure too", snap(R, ended(0, ExitKind.SPAWN_FAILED), running(1)),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF)),
+    ("the second restart in the window waits twice as long",
+     snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10,)),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 2.0)),
+    ("restarts older than the window do not count",
+     snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 60.0, NOW - 70.0)),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0)),
+    ("the budget is spent: stop, exit 1 later",
+     snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10, NOW - 5)),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=S)),
+    ("exit 0 is done, not restarted", snap(R, ended(0, OK, 0), running(1)),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE, next_state=None)),
+    ("one done, one running: wait", snap(R, Slot(0, SlotState.DONE), running(1)), dict(kind=ActionKind.WAIT)),
+    ("all done: exit 0", snap(R, Slot(0, SlotState.DONE), Slot(1, SlotState.DONE)),
+     dict(kind=ActionKind.EXIT, exit_code=0, reason="workers_finished")),
+    ("a restart that is due", snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW - 0.1), running(1)),
+     dict(kind=ActionKind.SPAWN, local_rank=0, reason="restart")),
+    ("a restart that is not due yet: wait until then",
+     snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW + 2), running(1)),
+     dict(kind=ActionKind.WAIT, until=NOW + 2)),
+    ("SIGTERM: forward it, drain", snap(R, running(0), running(1), stop_requests=1),
+     dict(kind=ActionKind.TERMINATE, next_state=D, until=NOW + 10.0)),
+    ("SIGTERM before anything ran", snap(AgentState.STARTING, Slot(0), Slot(1), stop_requests=1),
+     dict(kind=ActionKind.TERMINATE, next_state=D)),
+    ("draining: wait for the workers until the grace ends",
+     snap(D, running(0), stop_requests=1, terminate_deadline=NOW + 3),
+     dict(kind=ActionKind.WAIT, until=NOW + 3)),
+    ("draining: the grace is over, kill",
+     snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 0.1),
+     dict(kind=ActionKind.KILL, until=NOW + 5.0)),
+    ("a second SIGTERM kills at once", snap(D, running(0), stop_requests=2, terminate_deadline=NOW + 3),
+     dict(kind=ActionKind.KILL)),
+    ("draining: a failed worker is not restarted",
+     snap(D, ended(0, FAILED, 1), running(1), stop_requests=1, terminate_deadline=NOW + 3),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=None)),
+    ("a crash seen together with a stop request is not restarted (Ctrl-C reaches the workers too)",
+     snap(R, ended(0, ExitKind.SIGNALED, sig=2), running(1), stop_requests=1),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=None)),
+    ("draining: a worker that left cleanly is done",
+     snap(D, ended(0, OK, 0), stop_requests=1, terminate_deadline=NOW + 3),
+     dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE)),
+    ("drained: exit 0", snap(D, Slot(0, SlotState.DONE), Slot(1, SlotState.STOPPED), stop_requests=1,
+                             terminate_deadline=NOW + 3),
+     dict(kind=ActionKind.EXIT, exit_code=0, reason="drained")),
+    ("draining with a restart pending and nothing running: exit 0",
+     snap(D, Slot(0, SlotState.BACKOFF, restart_at=NOW - 1), stop_requests=1, terminate_deadline=NOW + 3),
+     dict(kind=ActionKind.EXIT, exit_code=0)),
+    ("stopping: SIGTERM to the other workers",
+     snap(S, Slot(0, SlotState.STOPPED), running(1), reason=EXHAUSTED),
+     dict(kind=ActionKind.TERMINATE, until=NOW + 10.0, next_state=None)),
+    ("stopping: all gone, exit 1 with the reason", snap(S, Slot(0, SlotState.STOPPED), reason=EXHAUSTED),
+     dict(kind=ActionKind.EXIT, exit_code=1, reason=EXHAUSTED)),
+    ("killed workers not reaped within kill_wait_s: exit 1",
+     snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 6, kill_deadline=NOW - 0.1),
+     dict(kind=ActionKind.EXIT, exit_code=1)),
+    ("waiting for killed workers to be reaped",
+     snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 6, kill_deadline=NOW + 1),
+     dict(kind=ActionKind.WAIT, until=NOW + 1)),
+]
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decide(snapshot: AgentSnapshot, expected: dict[str, object]) -> None:
+    action = decide(snapshot, NOW, CFG)
+    got = {name: getattr(action, name) for name in expected}
+    assert got == expected, action
+
+
+def test_exhausted_reason_says_why() -> None:
+    action = decide(snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10, NOW - 5)), NOW, CFG)
+    assert action.reason == ("restarts_exhausted: worker 0 (pid 100) exited with code 1; 2 restarts in the "
+                             "last 60 s (max_restarts 2)")
+
+
+def test_max_restarts_zero_means_the_first_failure_is_fatal() -> None:
+    cfg = AgentConfig(program=("w",), node_id="n", max_restarts=0)
+    action = decide(snap(R, ended(0, ExitKind.SIGNALED, sig=9)), NOW, cfg)
+    assert (action.kind, action.next_state) == (ActionKind.RELEASE, S)
+    assert "was killed by SIGKILL" in action.reason
+
+
+def test_decide_is_pure() -> None:
+    s = snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10,))
+    assert decide(s, NOW, CFG) == decide(s, NOW, CFG)
+    assert s == snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10,))
+
+
+@pytest.mark.parametrize(
+    ("times", "now", "window", "count"),
+    [((), 10.0, 5.0, 0), ((1.0, 6.0, 9.0), 10.0, 5.0, 2), ((5.0,), 10.0, 5.0, 0), ((9.99,), 10.0, 5.0, 1)],
+)
+def test_restarts_in_window(times: tuple[float, ...], now: float, window: float, count: int) -> None:
+    assert restarts_in_window(times, now, window) == count
+
+
+@pytest.mark.parametrize(
+    ("recent", "initial", "cap", "wait"),
+    [(0, 0.5, 30.0, 0.5), (1, 0.5, 30.0, 1.0), (3, 0.5, 30.0, 4.0), (6, 0.5, 30.0, 30.0),
+     (10_000, 0.5, 30.0, 30.0), (2, 1.0, 1.0, 1.0)],
+)
+def test_restart_backoff(recent: int, initial: float, cap: float, wait: float) -> None:
+    assert restart_backoff_s(recent, initial, cap) == wait
+
+
+def test_member_leases_match_node_and_pid_and_skip_garbage() -> None:
+    keys = Keys("/elasticd", "j")
+
+    def member(mid: str, node: str, pid: int, lease: int) -> KeyValue:
+        rec = MemberRecord(mid, node, 0, pid, "127.0.0.1", 1, "sig")
+        return KeyValue(keys.member(mid), encode(rec), 1, 1, lease)
+
+    kvs = [
+        member("n.0.7", "n", 7, 70),
+        member("m.0.7", "m", 7, 71),  # another node, same pid
+        member("n.1.8", "n", 8, 80),  # another pid
+        member("n.0.9", "n", 9, 0),  # not leased
+        KeyValue(keys.member("junk"), b"not json", 1, 1, 99),
+        KeyValue(keys.ready("n.0.7"), b"{}", 1, 1, 70),
+    ]
+    assert member_leases(kvs, keys, "n", {7}) == [("n.0.7", 70)]
+    assert member_leases(kvs, keys, "n", {7, 8}) == [("n.0.7", 70), ("n.1.8", 80)]
+    assert member_leases(kvs, keys, "n", {42}) == []
+
+
+# -- the executor on real, tiny processes ---------------------------------------------------------
+
+
+def _agent(program: list[str], **settings: object) -> tuple[Agent, FakeKeyValueStore]:
+    store = FakeKeyValueStore()
+    fields: dict[str, object] = dict(
+        program=tuple(program), node_id="n", world=WorldConfig(job_id="j"), restart_backoff_initial_s=0.01,
+        restart_backoff_max_s=0.02, poll_interval_s=0.02, kill_wait_s=2.0,
+        timeouts=Timeouts(shutdown_grace_s=0.5),
+    )
+    fields.update(settings)
+    return Agent(AgentConfig(**fields), store), store  # type: ignore[arg-type]
+
+
+def _events(logs: list[dict[str, object]], name: str) -> list[dict[str, object]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def test_a_worker_that_always_fails_exhausts_the_restarts() -> None:
+    agent, _ = _agent([sys.executable, "-c", "import sys; sys.exit(3)"], max_restarts=2)
+    started = time.monotonic()
+    with structlog.testing.capture_logs() as logs:
+        outcome = agent.run(install_signals=False)
+    assert time.monotonic() - started < 20
+    assert outcome.exit_code == 1 and outcome.reason.startswith("restarts_exhausted: worker 0"), outcome
+    assert len(_events(logs, "worker_started")) == 3  # the first start and two restarts
+    assert [e["code"] for e in _events(logs, "worker_exited")] == [3, 3, 3]
+    assert len(_events(logs, "restarts_exhausted")) == 1
+    assert _events(logs, "agent_stopped")[-1]["exit_code"] == 1
+
+
+def test_workers_that_exit_0_are_done_and_the_agent_exits_0() -> None:
+    agent, _ = _agent([sys.executable, "-c", "pass"], nproc_per_node=2)
+    with structlog.testing.capture_logs() as logs:
+        outcome = agent.run(install_signals=False)
+    assert (outcome.exit_code, outcome.reason) == (0, "workers_finished")
+    assert sorted(e["local_rank"] for e in _events(logs, "worker_started")) == [0, 1]
+    assert not _events(logs, "worker_restart_scheduled")
+
+
+def test_a_program_that_cannot_start_is_a_failure_with_a_clear_reason() -> None:
+    agent, _ = _agent(["/nonexistent/program"], max_restarts=1)
+    outcome = agent.run(install_signals=False)
+    assert outcome.exit_code == 1
+    assert "could not be started: /nonexistent/program" in outcome.reason, outcome.reason
+
+
+@pytest.mark.parametrize("obeys_sigterm", [True, False], ids=["drains", "ignores SIGTERM: killed"])
+def test_stop_request_drains_then_kills_and_exits_0(obeys_sigterm: bool) -> None:
+    handler = "lambda *_: sys.exit(0)" if obeys_sigterm else "signal.SIG_IGN"
+    code = f"import signal, sys, time; signal.signal(signal.SIGTERM, {handler}); print('up', flush=True); time.sleep(60)"
+    agent, _ = _agent([sys.executable, "-c", code])
+    timer = threading.Timer(0.5, agent.request_stop)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            outcome = agent.run(install_signals=False)
+    finally:
+        timer.cancel()
+    assert (outcome.exit_code, outcome.reason) == (0, "drained")
+    assert time.monotonic() - started < 10
+    assert len(_events(logs, "workers_signalled")) == 1
+    assert bool(_events(logs, "workers_killed")) is not obeys_sigterm
+    (exit_line,) = _events(logs, "worker_exited")
+    assert exit_line["kind"] == ("succeeded" if obeys_sigterm else "signaled")
+
+
+def test_the_lease_of_a_dead_workers_record_is_revoked() -> None:
+    # The test writes the worker's member record (with its pid) under a lease, then SIGKILLs it.
+    agent, store = _agent([sys.executable, "-c", "import time; time.sleep(30)"], max_restarts=0)
+    keys = Keys("/elasticd", "j")
+    lease = store.grant_lease(30)
+
+    def register_then_kill() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not agent.snapshot.slots[0].pid:
+            time.sleep(0.01)
+        pid = agent.snapshot.slots[0].pid
+        store.put(keys.member("n.0.x"), encode(MemberRecord("n.0.x", "n", 0, pid, "h", 1, "s")), lease=lease)
+        os.kill(pid, signal.SIGKILL)
+
+    t = threading.Thread(target=register_then_kill)
+    t.start()
+    with structlog.testing.capture_logs() as logs:
+        outcome = agent.run(install_signals=False)
+    t.join(10)
+    assert outcome.exit_code == 1
+    (revoked,) = _events(logs, "worker_lease_revoked")
+    assert (revoked["lease"], revoked["member"]) == (lease, "n.0.x")
+    assert store.get(keys.member("n.0.x")) is None
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+def _load(tmp_path: Path, toml: str | None = None, environ: dict[str, str] | None = None,
+          flags: dict[str, str | None] | None = None, **kw: object) -> AgentConfig:
+    config_file = None
+    if toml is not None:
+        config_file = tmp_path / "elasticd.toml"
+        config_file.write_text(toml)
+    kw.setdefault("program", ["true"])
+    return load_agent_config(flags, config_file=config_file, environ=environ or {},  # type: ignore[arg-type]
+                             default_config_file=tmp_path / "absent.toml", **kw)
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "flag", "ttl"),
+    [(False, False, False, 3.0), (True, False, False, 5.0), (True, True, False, 6.0), (True, True, True, 7.0),
+     (False, True, False, 6.0), (False, False, True, 7.0), (True, False, True, 7.0)],
+)
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path, toml: bool, env: bool, flag: bool,
+                                                         ttl: float) -> None:
+    cfg = _load(tmp_path, "lease_ttl_s = 5\njob_id = 'from-file'\n" if toml else None,
+                {"ELASTICD_LEASE_TTL_S": "6"} if env else None, {"lease_ttl_s": "7"} if flag else None)
+    assert cfg.timeouts.lease_ttl_s == ttl
+    assert cfg.world.job_id == ("from-file" if toml else "default")
+
+
+def test_every_setting_from_a_file(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = _load(tmp_path, f"""
+job_id = "j1"
+min_workers = 2
+max_workers = 8
+etcd_endpoints = ["10.0.0.1:2379", "10.0.0.2:2379"]
+etcd_prefix = "/x"
+lease_ttl_s = 4
+keepalive_s = 1.5
+shutdown_grace_s = 20.5
+etcd_attempts = 3
+program = ["true", "--flag"]
+nproc_per_node = 2
+node_id = "gpu-7"
+advertise_addr = "10.1.1.1"
+backend = "gloo"
+checkpoint_dir = "{ckpt}"
+max_restarts = 5
+restart_window_s = 600
+restart_backoff_initial_s = 0.25
+restart_backoff_max_s = 10
+""", program=[])
+    assert cfg.world == WorldConfig(job_id="j1", min_workers=2, max_workers=8)
+    assert cfg.etcd.endpoints == ("10.0.0.1:2379", "10.0.0.2:2379") and cfg.etcd.prefix == "/x"
+    assert (cfg.timeouts.lease_ttl_s, cfg.timeouts.keepalive_s, cfg.timeouts.shutdown_grace_s) == (4.0, 1.5, 20.5)
+    assert isinstance(cfg.timeouts.lease_ttl_s, float) and cfg.retry.etcd_attempts == 3
+    assert cfg.program == ("true", "--flag")
+    assert (cfg.nproc_per_node, cfg.node_id, cfg.advertise_addr, cfg.backend) == (2, "gpu-7", "10.1.1.1", "gloo")
+    assert cfg.checkpoint_dir == ckpt
+    assert (cfg.max_restarts, cfg.restart_window_s, cfg.restart_backoff_initial_s, cfg.restart_backoff_max_s) == (
+        5, 600.0, 0.25, 10.0)
+
+
+def test_the_default_file_is_read_only_if_it_exists(tmp_path: Path) -> None:
+    default = tmp_path / "default.toml"
+    assert load_agent_config(program=["true"], environ={}, default_config_file=default).max_restarts == 3
+    default.write_text("max_restarts = 9\n")
+    assert load_agent_config(program=["true"], environ={}, default_config_file=default).max_restarts == 9
+    via_env = tmp_path / "env.toml"
+    via_env.write_text("max_restarts = 4\n")
+    cfg = load_agent_config(program=["true"], environ={"ELASTICD_CONFIG": str(via_env)}, default_config_file=default)
+    assert cfg.max_restarts == 4
+
+
+@pytest.mark.parametrize(
+    ("toml", "named"),
+    [
+        ("lease_tll_s = 5", "lease_tll_s: unknown setting in "),
+        ("lease_tll_s = 5", "(did you mean lease_ttl_s?)"),
+        ("[timeouts]\nlease_ttl_s = 5", "timeouts: unknown setting"),
+        ("lease_ttl_s = 'ten'", "lease_ttl_s: expected a number, got 'ten' (str) in "),
+        ("nproc_per_node = 1.5", "nproc_per_node: expected an integer, got 1.5 (float)"),
+        ("max_restarts = true", "max_restarts: expected an integer, got True (bool)"),
+        ("program = 'python train.py'", "program: expected a list of strings"),
+        ("program = ['python', 3]", "program: expected a list of strings"),
+        ("etcd_endpoints = 'h:1'", "etcd_endpoints: expected a list of strings"),
+        ("node_id = 3", "node_id: expected a string, got 3 (int)"),
+        ("lease_ttl_s = ", "is not valid TOML"),
+        ("lease_ttl_s = 0.5\nkeepalive_s = 0.2", "lease_ttl_s: etcd grants leases of at least 1 s, got 0.5 (in "),
+        ("lease_ttl_s = 1", "keepalive_s: must be at most half of lease_ttl_s (1.0), got 0.75 (lease_ttl_s in "),
+        ("max_restarts = -1", "max_restarts: must be an integer >= 0, got -1 (in "),
+        ("restart_backoff_initial_s = 5\nrestart_backoff_max_s = 1", "restart_backoff_max_s: must be >= "),
+        ("min_workers = 4\nmax_workers = 2", "min_workers: must be <= max_workers"),
+        ("nproc_per_node = 4\nmax_workers = 2", "nproc_per_node: must be <= max_workers (2)"),
+        ("backend = 'mpi'", "backend: must be one of auto, gloo, nccl"),
+        ("etcd_endpoints = ['nohost']", "etcd_endpoints: expected host:port"),
+    ],
+)
+def test_bad_file_fields_name_the_field(tmp_path: Path, toml: str, named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, toml)
+    assert named in str(info.value), str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_each_bad_field_gets_its_own_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, "bogus = 1\nlease_ttl_s = 'x'", {"ELASTICD_MAX_RESTARTS": "many"},
+              {"restart_window_s": "soon"})
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("bogus: unknown setting")
+    assert lines[1].startswith("lease_ttl_s: expected a number")
+    assert lines[2] == "max_restarts: expected an integer, got 'many' (from ELASTICD_MAX_RESTARTS)"
+    assert lines[3] == "restart_window_s: expected a number, got 'soon' (from --restart-window-s)"
+
+
+def test_a_validation_error_says_where_the_value_came_from(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"keepalive_s: must be at most half .* \(from ELASTICD_KEEPALIVE_S\)"):
+        _load(tmp_path, environ={"ELASTICD_KEEPALIVE_S": "2"})
+
+
+def test_missing_config_file_and_checkpoint_dir_that_is_a_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^config: no such file: .*nope.toml.* \(from --config\)"):
+        load_agent_config(program=["true"], config_file=tmp_path / "nope.toml", environ={})
+    afile = tmp_path / "file"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match=r"^checkpoint_dir: .* exists and is not a directory"):
+        _load(tmp_path, flags={"checkpoint_dir": str(afile)})
+
+
+def test_missing_or_unrunnable_program(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^program: no training program given"):
+        _load(tmp_path, program=[])
+    with pytest.raises(ConfigError, match=r"^program: 'no-such-program-x' is not an executable"):
+        _load(tmp_path, program=["no-such-program-x"])
+    assert _load(tmp_path, program=["agents/mlp.py", "--steps", "3"]).program == (
+        sys.executable, "agents/mlp.py", "--steps", "3")
+
+
+@pytest.mark.parametrize(
+    ("visible", "nproc"), [(None, 1), ("", 1), ("0", 1), ("0,1,2", 3), ("GPU-a,GPU-b", 2)]
+)
+def test_nproc_per_node_defaults_to_the_visible_devices(tmp_path: Path, visible: str | None, nproc: int) -> None:
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert default_nproc_per_node(env) == nproc
+    assert _load(tmp_path, environ=env).nproc_per_node == nproc
+    assert _load(tmp_path, environ=env, flags={"nproc_per_node": "1"}).nproc_per_node == 1
+
+
+@pytest.mark.parametrize(("text", "bounds"), [("2", (2, 2)), ("1:4", (1, 4)), (" 3:3 ", (3, 3))])
+def test_parse_nnodes(text: str, bounds: tuple[int, int]) -> None:
+    assert parse_nnodes(text) == bounds
+
+
+@pytest.mark.parametrize("text", ["0", "2:1", "a", "1:b", "", "1:2:3", "-1:2"])
+def test_parse_nnodes_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="^nnodes: "):
+        parse_nnodes(text)
+
+
+def _cli(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None) -> AgentConfig:
+    return parse_agent_command_line(list(argv), environ=environ or {}, default_config_file=tmp_path / "absent.toml")
+
+
+def test_torchrun_flags(tmp_path: Path) -> None:
+    cfg = _cli(tmp_path, "--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-endpoint", "10.0.0.9:2379",
+               "--rdzv-id", "run-1", "--max-restarts", "7", "--", "true", "--lr", "0.1")
+    assert (cfg.world.min_workers, cfg.world.max_workers) == (2, 6)
+    assert cfg.nproc_per_node == 2 and cfg.etcd.endpoints == ("10.0.0.9:2379",)
+    assert cfg.world.job_id == "run-1" and cfg.max_restarts == 7
+    assert cfg.program == ("true", "--lr", "0.1")
+    # torchrun's underscore spellings, and the program as the first non-flag argument (no --)
+    cfg = _cli(tmp_path, "--nproc_per_node", "3", "--rdzv_id", "r", "--max_restarts", "0", "--nnodes", "2",
+               "true", "--steps", "5")
+    assert (cfg.nproc_per_node, cfg.world.job_id, cfg.max_restarts) == (3, "r", 0)
+    assert (cfg.world.min_workers, cfg.world.max_workers) == (6, 6)
+    assert cfg.program == ("true", "--steps", "5")
+
+
+def test_nnodes_uses_the_nproc_from_any_source_and_conflicts_with_explicit_bounds(tmp_path: Path) -> None:
+    cfg = _cli(tmp_path, "--nnodes", "1:2", "--", "true", environ={"ELASTICD_NPROC_PER_NODE": "4"})
+    assert (cfg.world.min_workers, cfg.world.max_workers) == (4, 8)
+    cfg = _cli(tmp_path, "--nnodes", "2", "--", "true", environ={"ELASTICD_MIN_WORKERS": "1"})
+    assert cfg.world.min_workers == 2  # a flag beats a variable
+    with pytest.raises(ConfigError, match="^nnodes: give either"):
+        _cli(tmp_path, "--nnodes", "1:2", "--min-workers", "1", "--", "true")
+
+
+def test_every_setting_has_a_flag_and_unknown_flags_are_usage_errors(tmp_path: Path) -> None:
+    parser = build_agent_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for s in AGENT_SETTINGS.values():
+        if s.name != "program":
+            assert s.flag in flags, s.name
+    assert {a for aliases in TORCHRUN_ALIASES.values() for a in aliases} <= flags
+    with pytest.raises(SystemExit) as info:
+        _cli(tmp_path, "--lease-ttl", "3", "--", "true")  # no abbreviations: a typo must not guess
+    assert info.value.code == 2
+
+
+def test_worker_environ_is_the_worker_contract(tmp_path: Path) -> None:
+    cfg = _cli(tmp_path, "--node-id", "gpu-3", "--job-id", "jj", "--lease-ttl-s", "9", "--nproc-per-node", "2",
+               "--", "true")
+    variables = cfg.worker_environ(1)
+    env = WorkerEnv.from_environ(variables)
+    assert env == cfg.worker_env(1)
+    assert (env.node_id, env.local_rank, env.world.job_id, env.timeouts.lease_ttl_s) == ("gpu-3", 1, "jj", 9.0)
+    assert variables["ELASTICD_LOCAL_RANK"] == "1" and variables["ELASTICD_NODE_ID"] == "gpu-3"
+
+
+def test_action_defaults_are_inert() -> None:
+    a = Action(ActionKind.WAIT, "x")
+    assert (a.next_state, a.slot_state, a.until, a.exit_code) == (None, None, None, 0)
