@@ -32,7 +32,7 @@ _DTYPES = {str(d): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}
-_ALIGN = 8
+_ALIGN = 64  # cache-line aligned: parameters live in the arena, and vector kernels like it
 TRANSFER_CHUNKS = 8  # pieces of the state broadcast: each is checksummed while the next arrives
 _MASK63 = (1 << 63) - 1
 

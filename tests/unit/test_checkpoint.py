@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from elasticd.checkpoint import Counters, TrainingState, model_signature
+from elasticd.checkpoint import _ALIGN, Counters, TrainingState, model_signature
 from elasticd.errors import ModelMismatch, StateCorrupt
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,7 +140,8 @@ def test_pack_is_deterministic_and_compact() -> None:
         assert torch.equal(f1[offset : offset + nbytes], f2[offset : offset + nbytes])
     assert torch.equal(f1[layout["total"] :], f2[layout["total"] :])
     payload = sum(t.numel() * t.element_size() for _, t in s.tensors())
-    assert payload <= layout["total"] < payload + 8 * len(layout["tensors"])  # only alignment padding
+    assert payload <= layout["total"] < payload + _ALIGN * len(layout["tensors"])  # only alignment padding
+    assert all(offset % _ALIGN == 0 for *_, offset, _n in layout["tensors"])
     assert f1.numel() == layout["total"] + torch.get_rng_state().numel()
 
 
