@@ -34,9 +34,10 @@ from types import FrameType
 import structlog
 
 from elasticd.config import AgentConfig, child_environ
+from elasticd.sdnotify import Notifier
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
-from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode
+from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode, parse_snapshot
 from elasticd.retry import Clock
 from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 
@@ -274,9 +275,23 @@ class Agent:
         store: KeyValueStore,
         supervisor: Supervisor | None = None,
         clock: Clock = time.monotonic,
+        notifier: Notifier | None = None,
+        watchdog_s: float | None = None,
     ) -> None:
+        """
+        Args:
+            notifier: where READY/WATCHDOG/STATUS/STOPPING go (systemd); None: nowhere.
+            watchdog_s: ping the watchdog this often (half of systemd's WatchdogSec); None: never.
+        """
         self._config = config
         self._store = store
+        self._notifier = notifier or Notifier(None)
+        self._watchdog_s = watchdog_s
+        self._last_ping = float("-inf")
+        self._next_status = float("-inf")
+        self._ready_sent = False
+        self._stopping_sent = False
+        self._last_status = ""
         self._clock = clock
         self._supervisor = supervisor or Supervisor(clock)
         self._keys = Keys(config.etcd.prefix, config.world.job_id)
@@ -339,12 +354,15 @@ class Agent:
         while True:
             now = self._clock()
             self._observe(waker, now)
+            self._notify(now)
             if now >= next_sample:
                 self._supervisor.sample()
                 next_sample = now + c.stats_interval_s
             action = decide(self.snapshot, now, c)
             if action.kind is ActionKind.WAIT:
                 timeout = min(c.poll_interval_s, next_sample - now)
+                if self._watchdog_s is not None:
+                    timeout = min(timeout, max(0.0, self._last_ping + self._watchdog_s - now))
                 if action.until is not None:
                     timeout = min(timeout, action.until - now)
                 waker.wait(timeout)
@@ -352,6 +370,36 @@ class Agent:
             if action.kind is ActionKind.EXIT:
                 return AgentOutcome(action.exit_code, action.reason)
             self._apply(action, now)
+
+    def _notify(self, now: float) -> None:
+        """systemd: WATCHDOG from this loop (before READY too), READY once this node's workers are
+        in a generation, STATUS when it changes, STOPPING when a drain starts."""
+        if self._watchdog_s is not None and now - self._last_ping >= self._watchdog_s:
+            self._notifier.watchdog()
+            self._last_ping = now
+        if self.snapshot.stop_requests and not self._stopping_sent:
+            self._notifier.stopping()
+            self._stopping_sent = True
+        if not self._notifier.enabled or now < self._next_status:
+            return
+        self._next_status = now + self._config.timeouts.keepalive_s
+        try:
+            snap = parse_snapshot(self._keys, self._store.get_prefix(self._keys.prefix))
+        except EtcdUnavailable:
+            return
+        g = snap.generation
+        mine = [m for m in (g.members if g else ()) if m in snap.members and snap.members[m].node == self._config.node_id]
+        if g is not None and mine and not self._ready_sent:
+            self._notifier.ready()
+            self._ready_sent = True
+            log.info("agent_ready", generation=g.generation, workers_in_generation=len(mine))
+        text = (f"generation {g.generation}, world {g.world_size} "
+                f"[{self._config.world.min_workers}..{self._config.world.max_workers}], "
+                f"this node {len(mine)}/{self._config.nproc_per_node} in it, step >= {snap.committed_step}"
+                if g is not None else "waiting for the first generation")
+        if text != self._last_status:
+            self._notifier.status(text)
+            self._last_status = text
 
     def _observe(self, waker: _Waker, now: float) -> None:
         requests = waker.stop_requests + self._pending_stop

@@ -57,10 +57,12 @@ from elasticd.config import (
     WorldConfig,
     load_agent_config,
     parse_endpoint,
+    systemd_notify_environ,
 )
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.log import configure_logging
 from elasticd.membership import Keys
+from elasticd.sdnotify import Notifier, watchdog_interval
 from elasticd.status import EXIT_DOWN, PrefixReader, read_status, render_json, render_table
 
 PROG = "elasticctl"
@@ -384,9 +386,13 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
     from elasticd.etcd import EtcdClient
 
     client = EtcdClient(config.etcd, config.timeouts, config.retry)
+    systemd = systemd_notify_environ()
+    notifier = Notifier(systemd["NOTIFY_SOCKET"])
     try:
-        outcome = Agent(config, client).run()
+        outcome = Agent(config, client, notifier=notifier,
+                        watchdog_s=watchdog_interval(systemd["WATCHDOG_USEC"], systemd["WATCHDOG_PID"])).run()
     finally:
+        notifier.close()
         client.close()
     if outcome.exit_code != AGENT_EXIT_OK:
         print(f"{AGENT_PROG}: {outcome.reason}", file=err)

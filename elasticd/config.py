@@ -370,13 +370,24 @@ class AgentConfig:
         return self.worker_env(local_rank).to_environ()
 
 
+SYSTEMD_NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+def systemd_notify_environ(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """What systemd tells a ``Type=notify`` service: ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``,
+    ``WATCHDOG_PID`` (each None when unset)."""
+    env = os.environ if environ is None else environ
+    return {name: env.get(name) for name in SYSTEMD_NOTIFY_VARIABLES}
+
+
 def child_environ(extra: Mapping[str, str]) -> dict[str, str]:
     """The environment of a process the agent starts: its own, with ``extra`` on top.
 
     Output is unbuffered unless the caller says otherwise, so a worker's last lines before a crash
-    reach the agent's log.
+    reach the agent's log. systemd's notify variables are the agent's alone: a worker must not
+    talk to systemd for it.
     """
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_NOTIFY_VARIABLES}
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra)
     return env

@@ -248,3 +248,46 @@ def test_unreachable_etcd_is_a_clear_fatal_error_before_any_worker_starts(tmp_pa
     assert proc.returncode == 1, proc
     assert proc.stderr.startswith(f"elasticd: etcd_unreachable: etcd at {endpoint} did not answer"), proc.stderr
     assert '"worker_started"' not in proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_agent_sends_ready_watchdog_status_and_stopping_to_its_notify_socket(agent_job, tmp_path):
+    """The test binds its own datagram socket as NOTIFY_SOCKET, as systemd would for Type=notify."""
+    import socket as socketlib
+
+    path = tmp_path / "notify.sock"
+    sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(0.2)
+    job = agent_job(lease_ttl_s=2, keepalive_s=0.5, min_workers=1)
+    prog = [*MLP[:-1], "100000", "--audit", str(job.audit_path("n"))]
+    argv = ["--etcd", job.etcd.endpoint, "--job-id", job.job_id, "--node-id", "n", "--", *prog]
+    env = _env(**job.settings)
+    env.update(NOTIFY_SOCKET=str(path), WATCHDOG_USEC="1000000")
+    agent = AgentProcess(argv, env, job.dir / "agent-n.log")
+    job.agents["n"] = agent
+    messages: list[str] = []
+
+    def receive_until(cond: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not cond():
+            try:
+                messages.extend(sock.recv(4096).decode().splitlines())
+            except TimeoutError:
+                pass
+
+    try:
+        receive_until(lambda: "READY=1" in messages and any(m.startswith("STATUS=generation") for m in messages), 60)
+        assert "READY=1" in messages, (messages, agent.log_text()[-2000:])
+        assert messages.index("WATCHDOG=1") < messages.index("READY=1")  # pinged while starting too
+        status = [m for m in messages if m.startswith("STATUS=generation")]
+        assert status and "world 1" in status[-1], messages
+        pings = messages.count("WATCHDOG=1")
+        receive_until(lambda: messages.count("WATCHDOG=1") >= pings + 2, 5)  # every 0.5 s
+        assert messages.count("WATCHDOG=1") >= pings + 2
+        os.kill(agent.pid, signal.SIGTERM)
+        receive_until(lambda: "STOPPING=1" in messages, 10)
+        assert "STOPPING=1" in messages
+        assert agent.wait(30) == 0, agent.log_text()[-2000:]
+    finally:
+        sock.close()

@@ -515,3 +515,14 @@ def test_worker_environ_is_the_worker_contract(tmp_path: Path) -> None:
 def test_action_defaults_are_inert() -> None:
     a = Action(ActionKind.WAIT, "x")
     assert (a.next_state, a.slot_state, a.until, a.exit_code) == (None, None, None, 0)
+
+
+def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elasticd.config import child_environ
+
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    env = child_environ({"ELASTICD_LOCAL_RANK": "0"})
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
+    assert env["ELASTICD_LOCAL_RANK"] == "0"
