@@ -14,6 +14,7 @@ import structlog
 
 from elasticd.audit import AuditReport, check_dir
 from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
+from tests.jobs import job_factory, wait_until
 
 _job_ids = itertools.count()
 
@@ -82,12 +83,7 @@ class LocalJob:
         return best
 
     def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.logs_tail()}")
+        wait_until(cond, timeout, what, self.logs_tail)
 
     def wait_all(self, timeout: float) -> list[int | None]:
         deadline = time.monotonic() + timeout
@@ -103,15 +99,5 @@ class LocalJob:
 
 @pytest.fixture
 def local_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., LocalJob]]:
-    jobs: list[LocalJob] = []
-
-    def make(**settings: object) -> LocalJob:
-        job = LocalJob(etcd_server, tmp_path / f"job{len(jobs)}", **settings)
-        jobs.append(job)
-        return job
-
-    try:
+    with job_factory(lambda d, settings: LocalJob(etcd_server, d, **settings), tmp_path) as make:
         yield make
-    finally:
-        for j in jobs:
-            j.stop()

@@ -20,6 +20,7 @@ import pytest
 
 from elasticd.audit import check_dir, read_lines
 from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port
+from tests.jobs import job_factory, wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
 MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", "300"]
@@ -114,12 +115,7 @@ class AgentJob:
         return sum(1 for r in self.commits(node) if r["world_size"] == world)
 
     def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs_tail()}")
+        wait_until(cond, timeout, what, self.logs_tail)
 
     def logs_tail(self, n: int = 25) -> str:
         return "\n".join(f"--- agent {node}\n" + "\n".join(a.log_text().splitlines()[-n:])
@@ -132,18 +128,8 @@ class AgentJob:
 
 @pytest.fixture
 def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
-    jobs: list[AgentJob] = []
-
-    def make(**settings: object) -> AgentJob:
-        job = AgentJob(etcd_server, tmp_path / f"job{len(jobs)}", **settings)
-        jobs.append(job)
-        return job
-
-    try:
+    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
         yield make
-    finally:
-        for j in jobs:
-            j.stop()
 
 
 def _worker_pid(agent: AgentProcess) -> int:
