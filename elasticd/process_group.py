@@ -26,6 +26,11 @@ from elasticd.retry import Deadline
 
 log = structlog.get_logger(__name__)
 
+# One attempt to reach rank 0's store lasts at most this long, so the build can notice an abandoned
+# generation between attempts; the whole connection is bounded by group_build_s.
+STORE_CONNECT_ATTEMPT_S = 1.0
+STORE_CONNECT_MIN_S = 0.5  # c10d needs some time for one TCP connect + handshake
+
 
 def resolve_backend(requested: str) -> str:
     """``auto`` means NCCL when CUDA is available, else gloo."""
@@ -93,7 +98,7 @@ class GroupFactory:
             try:
                 client = TCPStore(
                     host, port, is_master=False,
-                    timeout=timedelta(seconds=max(0.5, min(1.0, deadline.remaining_s()))),
+                    timeout=timedelta(seconds=max(STORE_CONNECT_MIN_S, min(STORE_CONNECT_ATTEMPT_S, deadline.remaining_s()))),
                 )
             except (RuntimeError, dist.DistError) as exc:
                 if deadline.expired():
