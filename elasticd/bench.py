@@ -657,7 +657,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     import torch.distributed as dist  # the raw baseline must bypass elasticd's collectives
 
     from elasticd.checkpoint import TrainingState, sync_state
-    from elasticd.collectives import all_reduce
+    from elasticd.collectives import barrier as collective_barrier
     from elasticd.log import configure_logging
     from elasticd.process_group import GroupFactory, StoreServer
     from elasticd.retry import Deadline
@@ -685,7 +685,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
         return TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
     def barrier() -> None:
-        all_reduce(torch.zeros(1), group, dist.ReduceOp.SUM, Deadline.after(60), never, timeouts.abort_poll_s)
+        collective_barrier(group, Deadline.after(60), never, timeouts.abort_poll_s)
 
     state = fresh()
     result: dict[str, object] = {"rank": rank}

@@ -86,6 +86,15 @@ def all_reduce(
     wait(work, group, deadline, abandon, poll_s, "all_reduce")
 
 
+def barrier(group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
+    """A bounded barrier: a one-element all_reduce every rank must reach.
+
+    Raises:
+        CollectiveError: see ``wait``.
+    """
+    all_reduce(torch.zeros(1, device=group.device), group, dist.ReduceOp.SUM, deadline, abandon, poll_s)
+
+
 def start_broadcast(tensor: torch.Tensor, root: int, group: Group) -> dist.Work:
     """Launch an in-place broadcast from ``root``; finish it with ``wait``.
 

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from elasticd.checkpoint import TrainingState, sync_state
-from elasticd.collectives import GradientReducer
+from elasticd.collectives import GradientReducer, barrier
 from elasticd.config import WorkerEnv
 from elasticd.errors import (
     CheckpointTransferError,
@@ -175,12 +175,8 @@ class ElasticTrainer:
         if (self.group is not None and clean and self._finished_together and self._membership is not None
                 and not self._membership.must_abandon()):
             try:
-                from elasticd.collectives import all_reduce
-                import torch.distributed as dist
-
-                all_reduce(torch.zeros(1, device=self.group.device), self.group, dist.ReduceOp.SUM,
-                           Deadline.after(self.env.timeouts.td("collective")), self._membership.must_abandon,
-                           self.env.timeouts.abort_poll_s)
+                barrier(self.group, Deadline.after(self.env.timeouts.td("collective")),
+                        self._membership.must_abandon, self.env.timeouts.abort_poll_s)
                 if self.group.rank == 0:
                     self._membership.mark_finished(self.group.generation, self.state.counters.step)
             except CollectiveError as exc:
