@@ -659,7 +659,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     from elasticd.checkpoint import TrainingState, sync_state
     from elasticd.collectives import barrier as collective_barrier
     from elasticd.log import configure_logging
-    from elasticd.process_group import GroupFactory, StoreServer
+    from elasticd.process_group import Group, GroupFactory, StoreServer
     from elasticd.retry import Deadline
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
@@ -683,6 +683,9 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     def fresh() -> TrainingState:
         model = make_model(TRANSFER_FEATURES, hidden, TRANSFER_CLASSES, 0)
         return TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+    def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
+        return factory.build_subgroup(parent, ranks, f"{name}r{len(sync_s)}", Deadline.after(60), never)
 
     def barrier() -> None:
         collective_barrier(group, Deadline.after(60), never, timeouts.abort_poll_s)
@@ -714,11 +717,16 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
             if what == "sync":
                 barrier()
                 t0 = time.perf_counter()
-                # as the trainer does when the new generation has a newcomer in it
+                # as the trainer does: survivors of generation 1 hold the state, the newcomer none
                 report = sync_state(group, state, Deadline.after(timeouts.checkpoint_transfer_s), never,
-                                    timeouts.abort_poll_s, expect_transfer=True)
+                                    timeouts.abort_poll_s, -1 if newcomer else 1, subgroup=subgroup,
+                                    retire=factory.retire)
                 sync_s.append(time.perf_counter() - t0)
-                nbytes.append(report.transferred_bytes)
+                if not report.transferred_bytes:  # a survivor that held the state received nothing
+                    layout, arena = state.pack()
+                    nbytes.append(len(layout) + arena.numel())
+                else:
+                    nbytes.append(report.transferred_bytes)
             else:
                 n = nbytes[-1] if nbytes else 0
                 if not n:  # sync runs first in round 0, so this only guards the type checker

@@ -14,7 +14,7 @@ import json
 import math
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -290,21 +290,35 @@ class SyncReport:
     duration_s: float
 
 
+SubgroupBuilder = Callable[[Group, Sequence[int], str], Group]
+Retire = Callable[[Group], None]
+_UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
+
+
 def sync_state(
     group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float,
-    expect_transfer: bool = False,
+    lineage: int, subgroup: SubgroupBuilder | None = None, retire: Retire | None = None,
 ) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
 
-    One all_reduce compares (step, checksum) and carries rank 0's sizes; if a transfer is due,
-    rank 0 broadcasts the JSON layout and then its arena in ``TRANSFER_CHUNKS`` pieces, so that a
-    receiver checksums each piece while the next one arrives and rank 0 checksums its arena while
-    it goes out; a last all_reduce compares the checksums.
+    1. One all_reduce tells every rank each rank's (step, lineage) and rank 0's layout and arena
+       sizes. A rank *needs* the state unless it holds rank 0's step from rank 0's lineage (the
+       generation in which both last held the same state); a rank without state always needs it.
+    2. If some rank needs it, rank 0 broadcasts the JSON layout and then its arena in
+       ``TRANSFER_CHUNKS`` pieces, only to those ranks: in a subgroup of rank 0 and them when
+       others hold the state already (``subgroup``; else in the whole group). A receiver checksums
+       each piece while the next one arrives; rank 0, and every rank that receives nothing,
+       checksums its own state meanwhile.
+    3. One all_reduce tells every rank every rank's checksum. A rank that claimed rank 0's state
+       but differs gets the state in one more round (logged as ``state_diverged``); a difference
+       after that, or on a rank that just received the state, is ``StateCorrupt``.
 
     Args:
-        expect_transfer: this rank knows a transfer is due (it has no state, or the group has
-            members it did not train with), so it skips hashing before the transfer. Ranks may
-            disagree on this: any rank that skips forces the transfer, which is always safe.
+        lineage: the generation in which this rank last synced (its state is the one every member
+            of that generation held, plus the steps they all committed); -1 without state.
+        subgroup: builds a group of some of ``group``'s ranks (``GroupFactory.build_subgroup``);
+            None: transfers always use the whole group.
+        retire: lets go of a subgroup after its transfer (``GroupFactory.retire``).
 
     Raises:
         CollectiveError: a collective failed (the caller re-rendezvouses).
@@ -313,27 +327,80 @@ def sync_state(
         ModelMismatch: rank 0's model does not match this worker's.
     """
     started = time.monotonic()
-    dev = group.device
+    dev, me, world = group.device, group.rank, group.world_size
     step = state.counters.step
-    mine = -1 if expect_transfer else state.checksum()
-    layout, arena = state.pack() if group.rank == 0 else (b"", None)
-    sizes = [len(layout), arena.numel()] if arena is not None else [0, 0]
-    probe = torch.tensor([step, -step, mine, -mine, int(expect_transfer), *sizes], dtype=torch.int64, device=dev)
-    all_reduce(probe, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
-    max_step, min_step, hmax, hmin, skipped, n_layout, n_arena = (int(x) for x in probe.tolist())
-    min_step, hmin = -min_step, -hmin
+    layout, arena = state.pack() if me == 0 else (b"", None)
+    probe = [_UNSET] * (2 + 2 * world)
+    if arena is not None:
+        probe[0], probe[1] = len(layout), arena.numel()
+    probe[2 + 2 * me], probe[3 + 2 * me] = step, lineage
+    got = _max_reduce(probe, group, deadline, abandon, poll_s)
+    n_layout, n_arena = got[0], got[1]
+    steps, lineages = got[2::2], got[3::2]
+    newest = max(range(world), key=lambda r: steps[r])
+    if steps[newest] != steps[0]:
+        raise CheckpointTransferError(f"rank 0 holds step {steps[0]} but rank {newest} holds {steps[newest]}")
+    needy = [r for r in range(1, world)
+             if lineages[r] < 0 or (steps[r], lineages[r]) != (steps[0], lineages[0])]
     transferred = 0
-    if max_step != min_step or hmax != hmin or skipped:
-        if group.rank == 0 and step != max_step:
-            raise CheckpointTransferError(f"rank 0 holds step {step} but a member holds {max_step}")
-        if group.rank == 0:
+    mine: int | None = None
+    for attempt in range(2):
+        if needy:
+            mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, attempt,
+                                    deadline, abandon, poll_s, subgroup, retire)
+            transferred += moved
+        if mine is None:
+            mine = state.checksum()
+        sums = [_UNSET] * world
+        sums[me] = mine
+        sums = _max_reduce(sums, group, deadline, abandon, poll_s)
+        diverged = [r for r in range(1, world) if sums[r] != sums[0]]
+        if not diverged:
+            break
+        if attempt == 0 and not set(diverged) & set(needy):
+            log.warning("state_diverged", generation=group.generation, rank=me, step=step, ranks=diverged)
+            needy, mine = diverged, (mine if me not in diverged else None)
+            continue
+        raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}: "
+                           f"ranks {diverged} differ from rank 0")
+    assert mine is not None
+    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started)
+    log.info("state_synced", generation=group.generation, rank=me, step=report.step,
+             transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
+             duration_s=round(report.duration_s, 4))
+    return report
+
+
+def _max_reduce(values: list[int], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=group.device)
+    all_reduce(t, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
+    return [int(x) for x in t.tolist()]
+
+
+def _transfer(
+    group: Group, state: TrainingState, layout: bytes, arena: torch.Tensor | None, needy: Sequence[int],
+    n_layout: int, n_arena: int, attempt: int, deadline: Deadline, abandon: Abandon, poll_s: float,
+    subgroup: SubgroupBuilder | None, retire: Retire | None,
+) -> tuple[int | None, int]:
+    """Rank 0's layout and arena to the ``needy`` ranks. Returns this rank's checksum if it took
+    part (None if not: it computes its own), and the bytes moved (0 if it did not take part)."""
+    me, dev = group.rank, group.device
+    members = [0, *needy]
+    if subgroup is None or len(members) == group.world_size:
+        members = list(range(group.world_size))  # the whole group takes part
+    if me not in members:
+        return None, 0
+    sub = subgroup(group, members, f"sync{attempt}") if len(members) < group.world_size and subgroup else group
+    try:
+        if me == 0:
             assert arena is not None
             layout_t = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev)
             payload = arena.to(dev)  # no copy on CPU: the arena itself goes out
         else:
             layout_t = torch.empty(n_layout, dtype=torch.uint8, device=dev)
             payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
-        broadcast(layout_t, 0, group, deadline, abandon, poll_s)
+        receives = me != 0
+        broadcast(layout_t, 0, sub, deadline, abandon, poll_s)
         layout_bytes = bytes(layout_t.cpu().numpy())
         try:
             meta = json.loads(layout_bytes)
@@ -344,24 +411,18 @@ def sync_state(
             raise StateCorrupt(f"state layout total {total} does not fit {n_arena} bytes")
         bounds = [total * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)] + [n_arena]
         pieces = [payload[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-        works = [start_broadcast(piece, 0, group) for piece in pieces]
+        works = [start_broadcast(piece, 0, sub) for piece in pieces]
         crc = zlib.crc32(key.encode())
-        if group.rank == 0 and mine == -1:
-            mine = state.checksum()  # while the arena goes out: off the receivers' critical path
+        mine: int | None = state.checksum() if me == 0 else None  # while the arena goes out
         for piece, work, a in zip(pieces, works, bounds):
-            wait(work, group, deadline, abandon, poll_s, "state broadcast")
-            if group.rank != 0 and a < total and dev.type == "cpu":
+            wait(work, sub, deadline, abandon, poll_s, "state broadcast")
+            if receives and a < total and dev.type == "cpu":
                 crc = zlib.crc32(piece.numpy().data, crc)  # while the next piece arrives
-        transferred = n_layout + n_arena
-        if group.rank != 0:
+        if receives:
             state.unpack(layout_bytes, payload.cpu())
             streamed = state.streamed_checksum(crc, total) if dev.type == "cpu" else None
             mine = streamed if streamed is not None else state.checksum()
-        verify = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
-        all_reduce(verify, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
-        if int(verify[0]) != -int(verify[1]):
-            raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}")
-    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started)
-    log.info("state_synced", generation=group.generation, rank=group.rank, step=report.step,
-             transferred_bytes=transferred, checksum=f"{mine:016x}", duration_s=round(report.duration_s, 4))
-    return report
+        return mine, n_layout + n_arena
+    finally:
+        if sub is not group and retire is not None:
+            retire(sub)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,6 +83,7 @@ class GroupFactory:
         self._client: Store | None = None
         self._client_addr: tuple[str, int] | None = None
         self._retiring: list[threading.Thread] = []
+        self._bases: dict[int, Store] = {}  # generation -> the store its group was built over
 
     def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> Store:
         if (host, port) == (self._addr, self._server.port) or (
@@ -127,18 +128,9 @@ class GroupFactory:
         """
         started = time.monotonic()
         base = self._store_for(store_host, store_port, deadline, abandon)
-        store = PrefixStore(f"gen/{generation}/", base)
-        try:
-            store.add("arrived", 1)
-            while int(store.add("arrived", 0)) < world_size:
-                if abandon():
-                    raise PeerLost(f"generation {generation} abandoned while waiting for peers")
-                if deadline.expired():
-                    raise CollectiveTimeout(f"generation {generation}: peers did not arrive in time")
-                time.sleep(self._timeouts.abort_poll_s / 4)
-            pg = self._make(store, rank, world_size)
-        except (RuntimeError, dist.DistError) as exc:
-            raise CollectiveError(f"building generation {generation} failed: {exc}") from exc
+        self._bases = {generation: base}  # subgroups are built only in the newest generation
+        pg = self._meet(PrefixStore(f"gen/{generation}/", base), rank, world_size, deadline, abandon,
+                        f"generation {generation}")
         log.info(
             "process_group_rebuilt",
             generation=generation,
@@ -148,6 +140,43 @@ class GroupFactory:
             duration_s=round(time.monotonic() - started, 4),
         )
         return Group(pg, generation, rank, world_size, self.backend, self.device)
+
+    def build_subgroup(
+        self, parent: Group, ranks: Sequence[int], name: str, deadline: Deadline, abandon: Callable[[], bool]
+    ) -> Group:
+        """A group of some ranks of ``parent`` (this rank among them), over the parent's store under
+        ``gen/<generation>/<name>/``; rank i of the subgroup is ``ranks[i]``. Every rank in ``ranks``
+        must call this with the same ``ranks`` and ``name``; retire it like any group.
+
+        Raises:
+            PeerLost, CollectiveTimeout, CollectiveError: as ``build``.
+        """
+        assert parent.rank in ranks and len(set(ranks)) == len(ranks), (parent.rank, ranks)
+        base = self._bases.get(parent.generation)
+        assert base is not None, f"build() generation {parent.generation} first"
+        started = time.monotonic()
+        store = PrefixStore(f"gen/{parent.generation}/{name}/", base)
+        sub_rank = list(ranks).index(parent.rank)
+        pg = self._meet(store, sub_rank, len(ranks), deadline, abandon,
+                        f"subgroup {name} of generation {parent.generation}")
+        log.debug("subgroup_built", generation=parent.generation, rank=parent.rank, name=name,
+                  members=list(ranks), duration_s=round(time.monotonic() - started, 4))
+        return Group(pg, parent.generation, sub_rank, len(ranks), self.backend, self.device)
+
+    def _meet(self, store: Store, rank: int, world_size: int, deadline: Deadline,
+              abandon: Callable[[], bool], what: str) -> dist.ProcessGroup:
+        """An abandonable arrival barrier on ``store``, then the backend's group over it."""
+        try:
+            store.add("arrived", 1)
+            while int(store.add("arrived", 0)) < world_size:
+                if abandon():
+                    raise PeerLost(f"{what} abandoned while waiting for peers")
+                if deadline.expired():
+                    raise CollectiveTimeout(f"{what}: peers did not arrive in time")
+                time.sleep(self._timeouts.abort_poll_s / 4)
+            return self._make(store, rank, world_size)
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveError(f"building {what} failed: {exc}") from exc
 
     def _make(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:
         if self.backend == "nccl":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -328,6 +328,12 @@ class ElasticTrainer:
                 f"(retry.step_retries={self.env.retry.step_retries}); last error: {exc}"
             ) from exc
 
+    def _subgroup(self, parent: Group, ranks: Sequence[int], name: str) -> Group:
+        """The group in which rank 0 sends the state to only the members that lack it."""
+        assert self._factory is not None and self._membership is not None
+        return self._factory.build_subgroup(parent, ranks, name, Deadline.after(self.env.timeouts.group_build_s),
+                                            self._membership.must_abandon)
+
     def _recover(self) -> None:
         """Rendezvous, rebuild the group in-process, and sync the state from rank 0."""
         assert self._membership is not None and self._factory is not None
@@ -348,11 +354,11 @@ class ElasticTrainer:
                     self._membership.must_abandon,
                 )
                 self.group = group
-                # A newcomer among us means a transfer: then hashing before it is wasted work.
-                newcomers = previous is None or any(m not in previous.members for m in rec.members)
+                # Survivors of the last generation at rank 0's step already hold its state.
+                lineage = previous.generation if previous is not None else -1
                 report = sync_state(group, self.state, Deadline.after(timeouts.td("checkpoint_transfer")),
-                                    self._membership.must_abandon, timeouts.abort_poll_s,
-                                    expect_transfer=newcomers)
+                                    self._membership.must_abandon, timeouts.abort_poll_s, lineage,
+                                    subgroup=self._subgroup, retire=self._factory.retire)
                 break
             except (CollectiveError, CheckpointTransferError) as exc:
                 log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
