@@ -216,3 +216,28 @@ def test_a_bogus_mode_is_one_clear_error_and_exit_2() -> None:
     assert proc.returncode == 2, proc
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == ["elasticd: mode: must be one of elastic, restart, got 'bogus' (from --mode)"]
+
+
+@pytest.mark.timeout(180)
+def test_a_node_joining_and_a_node_leaving_each_restart_the_group_without_using_the_budget(
+        etcd_server: EtcdServer, run: Run) -> None:
+    job = f"rs{os.getpid()}d"
+    a = run.agent(etcd_server, job, "a", "--nnodes", "1:3", "--max-restarts", "0")
+    b = run.agent(etcd_server, job, "b", "--nnodes", "1:3", "--max-restarts", "0")
+    wait_until(lambda: run.last_step(1) >= 5, 90, "a and b to train together", run.tail)
+    c = run.agent(etcd_server, job, "c", "--nnodes", "1:3", "--max-restarts", "0")
+    wait_until(lambda: run.last_step(2) >= 1, 90, "c to join: a round of 3", run.tail)
+    b.send_signal(signal.SIGTERM)
+    assert b.wait(30) == 0, run.tail()
+    assert run.events("b", "agent_stopped")[-1]["reason"] == "left the job (stop requested)"
+    assert a.wait(90) == 0, run.tail()
+    assert c.wait(30) == 0, run.tail()
+    rounds = run.events("a", "round_started")
+    assert [r["world_size"] for r in rounds][-2:] == [3, 2], rounds
+    assert rounds[-1]["nodes"] == ["a", "c"]  # the survivors keep their order
+    assert {r["restart_count"] for r in rounds} == {0}  # joins and leaves are not failures
+    failed = [(e["cause"], e["node"]) for n in "abc" for e in run.events(n, "round_failed")]
+    assert ("node_left", "b") in failed and all(cause in ("join", "node_left") for cause, _ in failed), failed
+    finals = run.finals(2)
+    assert {f["step"] for f in finals} == {STEPS} and {f["world_size"] for f in finals} == {2}
+    assert finals[0]["checksum"] == finals[1]["checksum"], finals
