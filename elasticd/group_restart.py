@@ -638,6 +638,10 @@ class GroupRestartAgent:
                 return AgentOutcome(action.exit_code, action.reason)
             try:
                 self._apply(action, view, now)
+            except LeaseLost:
+                # The others may already have ended this node's round (node_lost); decide sees that.
+                log.warning("lease_expired", lease=self._lease)
+                self._reregister()
             except EtcdUnavailable as exc:
                 log.warning("etcd_write_failed", action=str(action.kind), error=str(exc))
                 waker.wait(c.poll_interval_s)
@@ -710,7 +714,14 @@ class GroupRestartAgent:
         if ttl <= 0:
             # The others may already have ended this node's round (node_lost); decide sees that.
             log.warning("lease_expired", lease=self._lease)
+            self._reregister()
+
+    def _reregister(self) -> None:
+        """A new lease and agent record (the waiting record, if wanted, is rewritten by decide)."""
+        try:
             self._register_agent()
+        except (EtcdUnavailable, LeaseLost) as exc:
+            log.warning("agent_register_failed", error=str(exc))  # the next keepalive tries again
 
     def _leave(self) -> None:
         try:
@@ -731,11 +742,7 @@ class GroupRestartAgent:
         kind = action.kind
         if kind is ActionKind.REGISTER:
             rec = WaitingRecord(c.node_id, c.nproc_per_node, c.advertise_addr, pick_free_port(), loc.round)
-            try:
-                self._store.put(self._keys.waiting(c.node_id), encode(rec), lease=self._lease)
-            except LeaseLost:
-                self._register_agent()
-                self._store.put(self._keys.waiting(c.node_id), encode(rec), lease=self._lease)
+            self._store.put(self._keys.waiting(c.node_id), encode(rec), lease=self._lease)
             if loc.phase is not Phase.JOINING:
                 self.local = replace(loc, phase=Phase.JOINING, phase_since=now)
             log.info("round_wanted", port=rec.port, last_round=loc.round, reason=action.reason)
