@@ -460,8 +460,9 @@ def _joining(local: Local, view: RoundView, now: float, config: AgentConfig) -> 
     rnd = view.round
     if view.finished and (rnd is None or view.finished >= rnd.round):
         return Action(ActionKind.EXIT, f"job_already_finished: round {view.finished} finished", exit_code=EXIT_OK)
-    if rnd is not None and me in rnd.nodes and rnd.round > local.round and round_broken(view, rnd.round, rnd.nodes)[0] is None:
-        return Action(ActionKind.START, f"round {rnd.round} includes {me}", record=rnd)
+    if rnd is not None and me in rnd.nodes and rnd.round > local.round:
+        if round_broken(view, rnd.round, rnd.nodes)[0] is None:  # (one that failed at once: skip it)
+            return Action(ActionKind.START, f"round {rnd.round} includes {me}", record=rnd)
     if me not in view.waiting or me not in view.agents:
         return Action(ActionKind.REGISTER, "my waiting record is gone")
     order = sorted(view.waiting, key=lambda n: (view.waiting_order.get(n, 0), n))

@@ -72,7 +72,7 @@ class Run:
         return rows
 
     def last_step(self, rank: int) -> int:
-        steps = [int(r["step"]) for r in self.records(rank) if r["event"] == "step"]  # type: ignore[call-overload]
+        steps = [int(r["step"]) for r in self.records(rank) if r["event"] == "step"]
         return max(steps, default=0)
 
     def finals(self, world: int) -> list[dict[str, object]]:
@@ -134,7 +134,7 @@ def _kill_worker_midway(run: Run, node: str, local_rank: int) -> tuple[float, in
     """SIGKILL one worker once the job passed two checkpoints; return (when, the step then)."""
     wait_until(lambda: run.last_step(0) >= 2 * SAVE_EVERY + 5, 90, "the job to pass two checkpoints", run.tail)
     started = [e for e in run.events(node, "worker_started") if e["local_rank"] == local_rank]
-    victim = int(started[-1]["pid"])  # type: ignore[call-overload]
+    victim = int(started[-1]["pid"])
     step = run.last_step(0)
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -150,17 +150,18 @@ def _check_restarted_and_consistent(run: Run, world: int, killed_at: float, step
         assert len(starts) == 2, (rank, starts)  # the first start, and the restart
         again = starts[1]
         assert again["restart_count"] == 1 and again["world_size"] == world
-        resumed = int(again["resumed_from"])  # type: ignore[call-overload]
+        resumed = int(again["resumed_from"])
         # the newest checkpoint rank 0 saved before the group was stopped: at most one interval lost
-        before = max(int(r["step"]) for r in run.records(0) if r["event"] == "step" and r["restart_count"] == 0)  # type: ignore[call-overload]
+        before = max(int(r["step"]) for r in run.records(0)
+                     if r["event"] == "step" and r["restart_count"] == 0)
         assert before >= step_at_kill, (before, step_at_kill)
         assert resumed % SAVE_EVERY == 0 and 0 < before - SAVE_EVERY <= resumed <= before, (resumed, before)
-        after = [int(r["step"]) for r in rows if r["event"] == "step" and r["restart_count"] == 1]  # type: ignore[call-overload]
+        after = [int(r["step"]) for r in rows if r["event"] == "step" and r["restart_count"] == 1]
         assert after == list(range(resumed + 1, STEPS + 1)), (rank, after[:5], after[-5:])
     finals = run.finals(world)
     assert {f["step"] for f in finals} == {STEPS}
     assert {f["checksum"] for f in finals} == {reference}, (finals, reference)
-    first = min(float(r["t"]) for rank in range(world) for r in run.records(rank)  # type: ignore[arg-type]
+    first = min(float(r["t"]) for rank in range(world) for r in run.records(rank)
                 if r["event"] == "step" and r["restart_count"] == 1)
     return first - killed_at
 
@@ -192,9 +193,9 @@ def test_one_agent_with_two_workers_restarts_both_when_one_is_killed(
     assert agent.wait(90) == 0, run.tail()
     _check_restarted_and_consistent(run, 2, killed_at, step, reference)
     stopping = run.events("solo", "workers_stopping")
-    assert len(stopping) == 1 and len(stopping[0]["pids"]) == 1, stopping  # the survivor was stopped  # type: ignore[arg-type]
+    assert len(stopping) == 1 and len(stopping[0]["pids"]) == 1, stopping  # the survivor was stopped
     exits = run.events("solo", "worker_exited")
-    assert sorted(e["signal"] for e in exits[:2]) == [signal.SIGKILL, signal.SIGTERM], exits  # type: ignore[type-var]
+    assert sorted(e["signal"] for e in exits[:2]) == [signal.SIGKILL, signal.SIGTERM], exits
 
 
 @pytest.mark.timeout(60)

@@ -71,11 +71,11 @@ def one(etcd: EtcdServer, root: Path, job: str, steps: int) -> dict[str, float]:
                                           start_new_session=True))
     try:
         deadline = time.monotonic() + 120
-        while max((int(r["step"]) for r in _steps(root / "out", 0)), default=0) < 45:  # type: ignore[call-overload]
+        while max((int(r["step"]) for r in _steps(root / "out", 0)), default=0) < 45:
             if time.monotonic() > deadline:
                 raise RuntimeError("the job did not reach step 45")
             time.sleep(0.02)
-        victim = int(_events(root / "agent-b.log", "worker_started")[-1]["pid"])  # type: ignore[call-overload]
+        victim = int(_events(root / "agent-b.log", "worker_started")[-1]["pid"])
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
         for p in procs:
@@ -83,7 +83,7 @@ def one(etcd: EtcdServer, root: Path, job: str, steps: int) -> dict[str, float]:
                 raise RuntimeError(f"an agent failed; see {root}")
         failed = _ts(_events(root / "agent-b.log", "round_failed")[0])
         started = max(_ts(r) for n in "ab" for r in _events(root / f"agent-{n}.log", "round_started")[1:2])
-        first = min(float(r["t"]) for k in (0, 1) for r in _steps(root / "out", k)  # type: ignore[arg-type]
+        first = min(float(r["t"]) for k in (0, 1) for r in _steps(root / "out", k)
                     if r["restart_count"] == 1)
         return {"detect_s": round(failed - killed, 3), "round_started_s": round(started - killed, 3),
                 "first_step_s": round(first - killed, 3)}

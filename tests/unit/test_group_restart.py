@@ -82,7 +82,7 @@ def joining(since: float = NOW - 1, changed: float = NOW - 1, last: int = 0) -> 
 
 
 def running(r: int = 1, nodes: str = "ab", **kw: object) -> Local:
-    return replace(Local("a", Phase.RUNNING, round=r, nodes=tuple(nodes), running=1, phase_since=NOW - 5), **kw)  # type: ignore[arg-type]
+    return replace(Local("a", Phase.RUNNING, round=r, nodes=tuple(nodes), running=1, phase_since=NOW - 5), **kw)
 
 
 # -- joining -----------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_running_marks_the_node_done_when_every_worker_exited_0() -> None:
 def stopping(cause: Cause = Cause.WORKER_FAILED, **kw: object) -> Local:
     base = Local("a", Phase.STOPPING, round=1, nodes=("a", "b"), cause=str(cause), running=0,
                  terminate_deadline=NOW + 5)
-    return replace(base, **kw)  # type: ignore[arg-type]
+    return replace(base, **kw)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,8 @@ def stopping(cause: Cause = Cause.WORKER_FAILED, **kw: object) -> Local:
         (stopping(stop_requests=1), ActionKind.EXIT, "left the job"),
         (stopping(), ActionKind.RESTART, "round 1 ended (worker_failed): restart in 1 s"),
         (stopping(restarts=(NOW - 30,)), ActionKind.RESTART, "round 1 ended (worker_failed): restart in 2 s"),
-        (stopping(restarts=(NOW - 30, NOW - 10)), ActionKind.EXIT, "restarts_exhausted: round 1 ended (worker_failed); 2 restarts in the last 60 s (max_restarts 2)"),
+        (stopping(restarts=(NOW - 30, NOW - 10)), ActionKind.EXIT,
+         "restarts_exhausted: round 1 ended (worker_failed); 2 restarts in the last 60 s (max_restarts 2)"),
         (stopping(restarts=(NOW - 90, NOW - 10)), ActionKind.RESTART, "round 1 ended (worker_failed): restart in 2 s"),
         (stopping(Cause.JOIN, restarts=(NOW - 30, NOW - 10)), ActionKind.RESTART, "round 1 ended (join): rejoin"),
         (stopping(Cause.NODE_LOST), ActionKind.RESTART, "round 1 ended (node_lost): restart in 1 s"),
@@ -272,7 +273,7 @@ def test_rejoin_waits_for_its_backoff_then_registers() -> None:
 
 
 def finishing(**kw: object) -> Local:
-    return replace(Local("a", Phase.FINISHING, round=1, nodes=("a", "b"), phase_since=NOW - 1), **kw)  # type: ignore[arg-type]
+    return replace(Local("a", Phase.FINISHING, round=1, nodes=("a", "b"), phase_since=NOW - 1), **kw)
 
 
 @pytest.mark.parametrize(
@@ -368,7 +369,7 @@ def test_two_agents_restart_the_whole_group_once_and_finish(tmp_path: Path) -> N
     store = FakeKeyValueStore()
     cfg = replace(CFG, program=(sys.executable, "-c", SCRIPT, str(tmp_path)), restart_backoff_initial_s=0.05,
                   poll_interval_s=0.02, world=WorldConfig(job_id="j", min_workers=2, max_workers=2))
-    agents = [GroupRestartAgent(replace(cfg, node_id=n), store) for n in ("a", "b")]  # type: ignore[arg-type]
+    agents = [GroupRestartAgent(replace(cfg, node_id=n), store) for n in ("a", "b")]
     outcomes: dict[str, object] = {}
     threads = [threading.Thread(target=lambda g=g, n=n: outcomes.__setitem__(n, g.run(install_signals=False)))
                for g, n in zip(agents, "ab")]
@@ -377,7 +378,7 @@ def test_two_agents_restart_the_whole_group_once_and_finish(tmp_path: Path) -> N
     for t in threads:
         t.join(timeout=40)
     assert not any(t.is_alive() for t in threads), "agents still running"
-    assert {n: (o.exit_code, o.reason) for n, o in outcomes.items()} == {  # type: ignore[attr-defined]
+    assert {n: (o.exit_code, o.reason) for n, o in outcomes.items()} == {
         "a": (0, "workers_finished"), "b": (0, "workers_finished")}
     runs = [json.loads(line) for line in (tmp_path / "env.jsonl").read_text().splitlines()]
     assert len(runs) == 4  # both workers of round 1, then both again
