@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -391,3 +392,44 @@ def test_two_agents_restart_the_whole_group_once_and_finish(tmp_path: Path) -> N
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in second}) == 1
     keys = RestartKeys(cfg.etcd.prefix, "j")
     assert store.get(keys.agent("a")) is None and store.get(keys.agent("b")) is None  # leases revoked
+
+
+# A script that "trains" until stopped while the world has 2 workers, and finishes at once alone.
+SCRIPT_UNTIL_ALONE = """
+import os, sys, time
+if os.environ["WORLD_SIZE"] != "1":
+    time.sleep(30)
+"""
+
+
+def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_path: Path) -> None:
+    store = FakeKeyValueStore()
+    cfg = replace(CFG, program=(sys.executable, "-c", SCRIPT_UNTIL_ALONE), max_restarts=0, poll_interval_s=0.02,
+                  world=WorldConfig(job_id="j", min_workers=1, max_workers=2),
+                  timeouts=Timeouts(join_window_s=2.0))  # a and b surely start together
+    agents = {n: GroupRestartAgent(replace(cfg, node_id=n), store) for n in "ab"}  # type: ignore[arg-type]
+    outcomes: dict[str, object] = {}
+    threads = {n: threading.Thread(target=lambda n=n: outcomes.__setitem__(n, agents[n].run(install_signals=False)))
+               for n in "ab"}
+    for t in threads.values():
+        t.start()
+    keys = RestartKeys(cfg.etcd.prefix, "j")
+
+    def world() -> int:
+        kv = store.get(keys.round)
+        return len(json.loads(kv.value)["nodes"]) if kv else 0
+
+    deadline = time.monotonic() + 20
+    while world() < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert world() == 2, "a and b never formed a round together"
+    agents["b"].request_stop()
+    for t in threads.values():
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads.values()), "agents still running"
+    assert outcomes["b"].exit_code == 0 and outcomes["b"].reason == "left the job (stop requested)"  # type: ignore[attr-defined]
+    # the leave used none of a's restart budget (max_restarts 0): a finished alone
+    assert outcomes["a"].exit_code == 0 and outcomes["a"].reason == "workers_finished"  # type: ignore[attr-defined]
+    failed = json.loads(store.get(keys.failed).value)  # type: ignore[union-attr]
+    assert (failed["cause"], failed["node"]) == ("node_left", "b")
+    assert json.loads(store.get(keys.round).value)["nodes"] == ["a"]  # type: ignore[union-attr]
