@@ -137,7 +137,8 @@ class FailedRecord:
 
 @dataclass(frozen=True)
 class DoneRecord:
-    """``done/<node>`` (leased): every worker of the node exited 0 in ``round``."""
+    """``done/<node>`` (not leased, so that a finished node may leave): every worker of the node
+    exited 0 in ``round``."""
 
     node: str
     round: int
@@ -367,6 +368,13 @@ def decide(local: Local, view: RoundView, now: float, config: AgentConfig) -> Ac
     if phase is Phase.RUNNING:
         return _running(local, view, now, config)
     if local.stop_requests:
+        rnd = view.round
+        if (phase is Phase.JOINING and rnd is not None and local.node in rnd.nodes and rnd.round > local.round
+                and round_broken(view, rnd.round, rnd.nodes)[0] is None):
+            # A round that includes this node was published just now: end it as a leave, so that
+            # the others do not take the departure for a lost node (which would use their budget).
+            return Action(ActionKind.MARK_FAILED, f"the agent of {local.node} was asked to stop", round=rnd.round,
+                          cause=str(Cause.NODE_LEFT), expected_revision=view.failed_revision)
         return Action(ActionKind.EXIT, "left the job (stop requested)", exit_code=EXIT_OK)
     if phase is Phase.REJOIN:
         if now < local.restart_at:
@@ -696,9 +704,6 @@ class GroupRestartAgent:
         self._store.put(self._keys.agent(c.node_id), encode(AgentRecord(c.node_id, os.getpid(), c.advertise_addr)),
                         lease=self._lease)
         self._next_refresh = self._clock() + c.timeouts.keepalive_s
-        if self.local.phase is Phase.FINISHING:  # its done record died with the old lease
-            self._store.put(self._keys.done(c.node_id), encode(DoneRecord(c.node_id, self.local.round)),
-                            lease=self._lease)
         log.info("agent_registered", lease=self._lease)
 
     def _keepalive(self, now: float) -> None:
@@ -764,8 +769,7 @@ class GroupRestartAgent:
             if won:
                 log.warning("round_failed", round=action.round, cause=action.cause, detail=action.reason)
         elif kind is ActionKind.MARK_DONE:
-            self._store.put(self._keys.done(c.node_id), encode(DoneRecord(c.node_id, action.round)),
-                            lease=self._lease)
+            self._store.put(self._keys.done(c.node_id), encode(DoneRecord(c.node_id, action.round)))
             self.local = replace(loc, phase=Phase.FINISHING, phase_since=now)
             log.info("node_done", round=action.round)
         elif kind is ActionKind.MARK_FINISHED:

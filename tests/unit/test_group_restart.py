@@ -173,6 +173,16 @@ def test_a_round_that_includes_me_starts_my_workers() -> None:
     assert decide(joining(last=1), view("ab", "", r, failed(2)), NOW, CFG).kind is ActionKind.REGISTER
 
 
+def test_a_stop_request_while_joining_ends_a_round_that_already_includes_me_as_a_leave() -> None:
+    stop = replace(joining(), stop_requests=1)
+    action = decide(stop, view("ab", "", rnd(1, "ba")), NOW, CFG)
+    assert (action.kind, action.cause, action.round) == (ActionKind.MARK_FAILED, "node_left", 1)
+    assert decide(stop, view("ab", "", rnd(1, "ba"), failed(1, Cause.NODE_LEFT, "a")), NOW, CFG).kind is ActionKind.EXIT
+    assert decide(stop, view("ab", "ab"), NOW, CFG).kind is ActionKind.EXIT  # no round yet: just leave
+    # a finished node leaves at once: its done record is not leased, so the others do not lose it
+    assert decide(replace(finishing(), stop_requests=1), view("ab", "", rnd(1, "ab")), NOW, CFG).kind is ActionKind.EXIT
+
+
 def test_node_bounds_are_the_world_bounds_in_whole_nodes() -> None:
     cfg = replace(CFG, nproc_per_node=2, world=WorldConfig(min_workers=3, max_workers=5))
     assert node_bounds(cfg) == (2, 2)
@@ -409,8 +419,7 @@ def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_pat
                   timeouts=Timeouts(join_window_s=2.0))  # a and b surely start together
     agents = {n: GroupRestartAgent(replace(cfg, node_id=n), store) for n in "ab"}  # type: ignore[arg-type]
     outcomes: dict[str, object] = {}
-    threads = {n: threading.Thread(target=lambda n=n: outcomes.__setitem__(n, agents[n].run(install_signals=False)))
-               for n in "ab"}
+    threads = {n: threading.Thread(target=lambda n=n: outcomes.__setitem__(n, agents[n].run(False))) for n in "ab"}
     for t in threads.values():
         t.start()
     keys = RestartKeys(cfg.etcd.prefix, "j")
