@@ -417,7 +417,7 @@ def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_pat
     cfg = replace(CFG, program=(sys.executable, "-c", SCRIPT_UNTIL_ALONE), max_restarts=0, poll_interval_s=0.02,
                   world=WorldConfig(job_id="j", min_workers=1, max_workers=2),
                   timeouts=Timeouts(join_window_s=2.0))  # a and b surely start together
-    agents = {n: GroupRestartAgent(replace(cfg, node_id=n), store) for n in "ab"}  # type: ignore[arg-type]
+    agents = {n: GroupRestartAgent(replace(cfg, node_id=n), store) for n in "ab"}
     outcomes: dict[str, object] = {}
     threads = {n: threading.Thread(target=lambda n=n: outcomes.__setitem__(n, agents[n].run(False))) for n in "ab"}
     for t in threads.values():
@@ -436,9 +436,9 @@ def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_pat
     for t in threads.values():
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads.values()), "agents still running"
-    assert outcomes["b"].exit_code == 0 and outcomes["b"].reason == "left the job (stop requested)"  # type: ignore[attr-defined]
+    assert outcomes["b"].exit_code == 0 and outcomes["b"].reason == "left the job (stop requested)"
     # the leave used none of a's restart budget (max_restarts 0): a finished alone
-    assert outcomes["a"].exit_code == 0 and outcomes["a"].reason == "workers_finished"  # type: ignore[attr-defined]
-    failed = json.loads(store.get(keys.failed).value)  # type: ignore[union-attr]
+    assert outcomes["a"].exit_code == 0 and outcomes["a"].reason == "workers_finished"
+    failed = json.loads(store.get(keys.failed).value)
     assert (failed["cause"], failed["node"]) == ("node_left", "b")
-    assert json.loads(store.get(keys.round).value)["nodes"] == ["a"]  # type: ignore[union-attr]
+    assert json.loads(store.get(keys.round).value)["nodes"] == ["a"]
