@@ -28,7 +28,10 @@ process group and load their own checkpoint. What it does, as torchrun's elastic
   and exits 0; the others form a smaller round if it has at least ``min_workers``.
 
 The loop reads the restart prefix every ``poll_interval_s`` (a worker's exit and a signal wake it
-at once); every wait is bounded. Never imports torch.
+at once), so every sleep is bounded; the phases are bounded by ``join_s`` (too few nodes, or the
+others not reporting done), ``shutdown_grace_s`` + ``kill_wait_s`` (stopping), and the backoff. A
+spare node (the job is at ``max_workers``) waits for room without a deadline, as under torchrun.
+Never imports torch.
 """
 
 from __future__ import annotations
