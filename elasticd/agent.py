@@ -266,6 +266,9 @@ class _Waker:
                 pass
 
 
+Waker = _Waker  # the public name: restart mode (group_restart.py) sleeps the same way
+
+
 class Agent:
     """The executor: applies ``decide``'s actions until it says exit."""
 

@@ -388,9 +388,14 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
     client = EtcdClient(config.etcd, config.timeouts, config.retry)
     systemd = systemd_notify_environ()
     notifier = Notifier(systemd["NOTIFY_SOCKET"])
+    watchdog_s = watchdog_interval(systemd["WATCHDOG_USEC"], systemd["WATCHDOG_PID"])
     try:
-        outcome = Agent(config, client, notifier=notifier,
-                        watchdog_s=watchdog_interval(systemd["WATCHDOG_USEC"], systemd["WATCHDOG_PID"])).run()
+        if config.mode == "restart":  # unmodified torchrun scripts: any failure restarts the whole group
+            from elasticd.group_restart import GroupRestartAgent
+
+            outcome = GroupRestartAgent(config, client, notifier=notifier, watchdog_s=watchdog_s).run()
+        else:
+            outcome = Agent(config, client, notifier=notifier, watchdog_s=watchdog_s).run()
     finally:
         notifier.close()
         client.close()

@@ -281,6 +281,7 @@ def convert(name: str, raw: str, like: object) -> object:
 # The node agent
 
 DEFAULT_CONFIG_FILE = Path("/etc/elasticd/elasticd.toml")
+AGENT_MODES = ("elastic", "restart")  # AgentConfig.mode
 CONFIG_FILE_VARIABLE = f"{ENV_PREFIX}CONFIG"
 
 
@@ -325,6 +326,10 @@ class AgentConfig:
         "doc": "Longest sleep of the agent loop (a worker's exit wakes it at once; this is the fallback)."})
     stats_interval_s: float = field(default=5.0, metadata={
         "doc": "Interval between samples of each worker's memory and CPU use."})
+    mode: str = field(default="elastic", metadata={
+        "doc": "elastic: workers use the in-process worker API and the job goes on without a failed "
+               "one; restart: unmodified torchrun scripts (RANK, WORLD_SIZE, MASTER_ADDR, ...), and "
+               "any failure restarts every worker of the job (group_restart.py)."})
 
     def __post_init__(self) -> None:
         if not self.program or not all(isinstance(a, str) for a in self.program) or not self.program[0]:
@@ -357,6 +362,8 @@ class AgentConfig:
                 raise ConfigError(f"checkpoint_dir: not a valid path: {text!r}")
             if self.checkpoint_dir.exists() and not self.checkpoint_dir.is_dir():
                 raise ConfigError(f"checkpoint_dir: {text} exists and is not a directory")
+        if self.mode not in AGENT_MODES:
+            raise ConfigError(f"mode: must be one of {', '.join(AGENT_MODES)}, got {self.mode!r}")
         self.worker_env(0)  # validates node_id, advertise_addr and backend as a worker would
 
     def worker_env(self, local_rank: int) -> WorkerEnv:
