@@ -57,16 +57,28 @@ def events_json(job: AgentJob) -> dict[str, Any]:
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
-def _program(job: AgentJob, node: str, steps: int) -> list[str]:
+# The jobs below run until the test drains them (SIGTERM to every agent): a fixed step target would
+# either end the job before the checks on a busy machine or make the test slow on an idle one.
+ENDLESS = 10**6
+
+
+def _program(job: AgentJob, node: str, steps: int = ENDLESS) -> list[str]:
     return [*MLP[:-1], str(steps), "--audit", str(job.audit_path(node))]
+
+
+def drain_all(job: AgentJob, *agents: Any) -> None:
+    """SIGTERM every agent (what systemctl stop does); each must drain and exit 0."""
+    for agent in agents:
+        agent.proc.send_signal(signal.SIGTERM)
+    for agent in agents:
+        assert agent.wait(30) == 0, job.logs_tail()
 
 
 @pytest.mark.timeout(150)
 def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job: Any) -> None:
     job = agent_job(stats_interval_s=0.5)
-    steps = 700
-    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a", steps))
-    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b", steps))
+    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
+    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b"))
     job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
     b_worker = _worker_pid(b)
     proc = elasticctl(job, "drain", "b", "--wait", "--timeout", "40")
@@ -74,6 +86,7 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
     assert "drain of node 'b' requested (1 live member(s) there)" in proc.stdout
     assert "node 'b' drained: generation" in proc.stdout
     assert b.wait(20) == 0, job.logs_tail()
+    last_at_2 = max(int(r["step"]) for r in job.commits("a") if r["world_size"] == 2)
     assert b.events("agent_stopped")[-1]["reason"] == "drained"
     assert b.events("drain_requested") and b.events("drain_request_deleted")
     assert b.events("workers_signalled") and not b.events("workers_killed")
@@ -88,7 +101,6 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
 
     job.wait_for(smaller_with_resources, 30, "status to show the world of 1 with a's node record")
     st = status_json(job)
-    assert a.proc.poll() is None, "the job should still be running; raise the steps"
     assert st["members"][0]["node"] == "a" and st["members"][0]["restarts"] == 0
     assert st["members"][0]["rss_bytes"] > 10 * 2**20 and st["members"][0]["cpu_percent"] is not None
     (node_a,) = st["nodes"]
@@ -101,10 +113,12 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
     with etcd_client(job) as client:
         assert client.get(Keys("/elasticd", job.job_id).drain("b")) is None  # deleted by b's agent
 
-    assert a.wait(90) == 0, job.logs_tail()
+    job.wait_for(lambda: len(job.commits("a")) >= last_at_2 + 20, 30, "a to train on alone")
+    drain_all(job, a)
     rep = check_dir(job.dir, 2048)
-    assert rep.ok, rep.violations
-    assert rep.last_step == steps and rep.step_world[steps] == 1
+    assert rep.ok, rep.violations  # no committed step lost or repeated, equal checksums
+    assert rep.last_step >= last_at_2 + 20
+    assert all(rep.step_world[s] == 1 for s in range(last_at_2 + 1, rep.last_step + 1))
     kinds = [(e["kind"], e["source"].split(".")[1] if e["source"].startswith("agent.") else "member")
              for e in events_json(job)["events"]]
     assert kinds.index(("node_draining", "b")) < kinds.index(("node_drained", "b"))
@@ -115,9 +129,8 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
 @pytest.mark.timeout(150)
 def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) -> None:
     job = agent_job(stats_interval_s=0.5)
-    steps = 500
-    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a", steps))
-    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b", steps))
+    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
+    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b"))
     job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
     victim = _worker_pid(b)
     killed_at = time.time()
@@ -134,7 +147,6 @@ def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) ->
 
     job.wait_for(restart_shown, 20, "status to show b's restart")
     st = status_json(job)
-    assert a.proc.poll() is None, "the job should still be running; raise the steps"
     assert st["recoveries"][-1]["duration_s"] is not None and st["recoveries"][-1]["cause"]
     assert next(n for n in st["nodes"] if n["node"] == "b")["restarts"] == 1
     assert next(n for n in st["nodes"] if n["node"] == "a")["restarts"] == 0
@@ -169,17 +181,15 @@ def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) ->
     text = elasticctl(job, "events").stdout
     assert "worker_exited" in text and "how=\"was killed by SIGKILL\"" in text
 
-    assert a.wait(90) == 0 and b.wait(30) == 0, job.logs_tail()
+    drain_all(job, a, b)
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations
-    assert rep.last_step == steps
 
 
 @pytest.mark.timeout(120)
 def test_unknown_node_and_garbage_records_give_clear_answers_and_disturb_nothing(agent_job: Any) -> None:
     job = agent_job(stats_interval_s=0.5)
-    steps = 400
-    a = job.start("a", program=_program(job, "a", steps))
+    a = job.start("a", program=_program(job, "a"))
     job.wait_for(lambda: len(job.commits("a")) >= 5, 60, "the job to train")
     proc = elasticctl(job, "drain", "nosuchnode")
     assert proc.returncode == 2, proc
@@ -202,6 +212,8 @@ def test_unknown_node_and_garbage_records_give_clear_answers_and_disturb_nothing
     assert table.returncode == 0 and "malformed events (1, ignored)" in table.stdout
     gone = elasticctl(job, "events", job_id="nosuchjob")
     assert gone.returncode == 2 and "no such job" in gone.stderr
-    assert a.wait(90) == 0, job.logs_tail()  # not disturbed
+    trained = len(job.commits("a"))
+    job.wait_for(lambda: len(job.commits("a")) >= trained + 10, 30, "the job to go on")  # not disturbed
+    drain_all(job, a)
     rep = check_dir(job.dir, 2048)
-    assert rep.ok and rep.last_step == steps, rep.violations
+    assert rep.ok, rep.violations
