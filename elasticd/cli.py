@@ -284,7 +284,7 @@ def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[floa
     keys = Keys(query.etcd.prefix, query.job_id)
     client = _ctl_client(query.etcd)
     try:
-        return _drain(client, keys, query, out, err, sleep)
+        return execute_drain(client, keys, query, out, err, sleep)
     except EtcdUnavailable as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
@@ -294,8 +294,13 @@ def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[floa
         client.close()
 
 
-def _drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO, err: TextIO,
-           sleep: Callable[[float], None]) -> int:
+def execute_drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO, err: TextIO,
+                  sleep: Callable[[float], None]) -> int:
+    """The drain command on a given store: request, then (``--wait``) poll until done or timed out.
+
+    Raises:
+        EtcdUnavailable: etcd could not be reached within the store's retry bound.
+    """
     req = request_drain(store, keys, query.node, requester(), time.time())
     if not req.accepted:
         print(f"{PROG}: {req.message}", file=err, flush=True)

@@ -180,6 +180,11 @@ def test_a_bad_variable_is_named_when_a_flag_falls_back_on_the_environment() -> 
         (["status", "--min-workers", "3", "--max-workers", "2"], "--min-workers (3) must be <= --max-workers (2)"),
         (["status", "--count", "2"], "--count only applies with --watch"),
         (["status", "--bogus"], "unrecognized arguments: --bogus"),
+        (["drain"], "required: NODE"),
+        (["drain", "a/b"], "argument NODE: a node id is non-empty"),
+        (["drain", "a", "--timeout", "5"], "--timeout only applies with --wait"),
+        (["drain", "a", "--wait", "--timeout", "-1"], "argument --timeout: expected a positive number"),
+        (["events", "--limit", "0"], "argument --limit: expected an integer >= 1"),
     ],
 )
 def test_bad_command_lines_are_argparse_errors(argv: list[str], message: str,

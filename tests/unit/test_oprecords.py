@@ -355,3 +355,77 @@ def _until(cond: object, timeout: float = 10.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("condition not reached")
+
+
+# -- the drain command on a store -----------------------------------------------------------------
+
+
+def test_drain_wait_times_out_with_exit_2_while_the_nodes_member_stays_in_the_generation() -> None:
+    import io
+
+    from elasticd.cli import DrainQuery, execute_drain
+    from elasticd.config import EtcdConfig
+
+    store = FakeKeyValueStore()
+    for k, v in (member("a.0.11", "a", 11), generation(2, ["a.0.11"]), (KEYS.node("a"), encode_node(node("a")))):
+        store.put(k, v)
+    out, err = io.StringIO(), io.StringIO()
+    query = DrainQuery(etcd=EtcdConfig(), job_id="job", node="a", wait=True, timeout_s=0.3)
+    started = time.monotonic()
+    assert execute_drain(store, KEYS, query, out, err, time.sleep) == 2
+    assert 0.3 <= time.monotonic() - started < 5
+    assert "drain of node 'a' requested" in out.getvalue()
+    assert err.getvalue().startswith("elasticctl: node 'a' not drained after 0.3 s: generation 2 still has a.0.11")
+    # once the member is gone and a generation without it is published, --wait returns 0
+    store.delete(KEYS.member("a.0.11"))
+    store.put(*generation(3, ["b.0.21"]))
+    out = io.StringIO()
+    assert execute_drain(store, KEYS, query, out, err, time.sleep) == 0
+    assert "node 'a' drained: generation 3 (world size 1)" in out.getvalue()
+
+
+# -- the agent: node record, events, and a drain request through the store -----------------------
+
+
+def test_agent_publishes_its_node_record_and_drains_on_a_drain_request() -> None:
+    import sys
+    import threading
+
+    from elasticd.agent import Agent
+    from elasticd.config import AgentConfig, WorldConfig
+
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+            "time.sleep(60)")
+    store = FakeKeyValueStore()
+    keys = Keys("/elasticd", "j")
+    config = AgentConfig(program=(sys.executable, "-c", code), node_id="n", nproc_per_node=2,
+                         world=WorldConfig(job_id="j"), poll_interval_s=0.02, stats_interval_s=0.1,
+                         timeouts=Timeouts(shutdown_grace_s=5.0, keepalive_s=0.1, lease_ttl_s=1.0))
+    agent = Agent(config, store)
+    seen: list[NodeRecord] = []
+
+    def drain_once_running() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            kv = store.get(keys.node("n"))
+            rec = decode_node(kv.value) if kv is not None else None
+            if rec is not None and all(w.pid and w.rss_bytes for w in rec.workers):
+                seen.append(rec)
+                assert request_drain(store, keys, "n", "ops@test", time.time()).accepted
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=drain_once_running)
+    t.start()
+    outcome = agent.run(install_signals=False)
+    t.join(10)
+    assert (outcome.exit_code, outcome.reason) == (0, "drained")
+    (rec,) = seen
+    assert rec.state == "running" and [w.local_rank for w in rec.workers] == [0, 1] and rec.restarts == 0
+    assert store.get(keys.drain("n")) is None and store.get(keys.node("n")) is None
+    events = [decode_event(kv.value) for kv in sorted(store.get_prefix(keys.events), key=lambda kv: kv.key)]
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "node_draining" and kinds[-1] == "node_drained"
+    assert kinds.count("worker_exited") == 2 and "worker_restarted" not in kinds
+    assert events[0].detail["cause"] == "elasticctl drain by ops@test"
+    assert all(e.source.startswith("agent.n.") for e in events)
