@@ -317,6 +317,7 @@ class ElasticTrainer:
             log.info("drained", generation=group.generation, rank=group.rank, step=c.step)
         elif summed[2] > 0:
             self._need_rendezvous, self._cause = True, "regroup"
+            self._cause_detail = ""
             self._failed_at = time.monotonic()
         self._record_commit(batch, result)
         if self._unrecorded_recovery is not None:
