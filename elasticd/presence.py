@@ -107,6 +107,11 @@ class NodePresence:
         if self._thread is not None:
             self._thread.join(timeout=max(0.0, deadline - self._clock()))
         self.events.close(max(0.0, deadline - self._clock()))
+        if self._failing:
+            # etcd is away: do not wait out the store's retries; the lease ends by its TTL, and the
+            # node record and a drain request (under that lease) with it.
+            log.warning("node_record_left_to_expire", node=self._node, lease=self._lease)
+            return
         try:
             if self._drain_seen:
                 self._store.delete(self._keys.drain(self._node))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -429,3 +430,75 @@ def test_agent_publishes_its_node_record_and_drains_on_a_drain_request() -> None
     assert kinds.count("worker_exited") == 2 and "worker_restarted" not in kinds
     assert events[0].detail["cause"] == "elasticctl drain by ops@test"
     assert all(e.source.startswith("agent.n.") for e in events)
+
+
+class DownStore(FakeKeyValueStore):
+    """The fake store where every call fails while ``down`` is set (etcd unreachable)."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise EtcdUnavailable("etcd is down (test)")
+
+    def get(self, key: str) -> KeyValue | None:
+        self._check()
+        return super().get(key)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        self._check()
+        return super().get_prefix(prefix)
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self._check()
+        super().put(key, value, lease)
+
+    def delete(self, key: str) -> None:
+        self._check()
+        super().delete(key)
+
+    def grant_lease(self, ttl_s: float) -> int:
+        self._check()
+        return super().grant_lease(ttl_s)
+
+    def refresh_lease(self, lease: int) -> float:
+        self._check()
+        return super().refresh_lease(lease)
+
+    def revoke_lease(self, lease: int) -> None:
+        self._check()
+        super().revoke_lease(lease)
+
+
+def test_an_etcd_outage_does_not_stop_the_agent_or_its_workers(tmp_path: Path) -> None:
+    import sys
+    import threading
+
+    from elasticd.agent import Agent
+    from elasticd.config import AgentConfig, WorldConfig
+
+    store = DownStore()
+    keys = Keys("/elasticd", "j")
+    # Each worker runs 1.5 s and exits 0; one fails once first, so the agent also restarts it.
+    code = ("import os, sys, time; time.sleep(1.5); "
+            "flag = sys.argv[1]; first = not os.path.exists(flag); open(flag, 'a').close(); "
+            "sys.exit(3 if first and os.environ['ELASTICD_LOCAL_RANK'] == '0' else 0)")
+    flag = str(tmp_path / "failed-once")
+    config = AgentConfig(program=(sys.executable, "-c", code, flag), node_id="n", nproc_per_node=2,
+                         world=WorldConfig(job_id="j"), poll_interval_s=0.02, stats_interval_s=0.1,
+                         restart_backoff_initial_s=0.05, restart_backoff_max_s=0.1,
+                         timeouts=Timeouts(keepalive_s=0.1, lease_ttl_s=1.0, etcd_request_s=0.5))
+    agent = Agent(config, store)
+
+    def outage() -> None:
+        _until(lambda: store.get(keys.node("n")) is not None)
+        store.down = True  # from now on until the agent is done
+
+    t = threading.Thread(target=outage)
+    t.start()
+    started = time.monotonic()
+    outcome = agent.run(install_signals=False)
+    t.join(10)
+    assert (outcome.exit_code, outcome.reason) == (0, "workers_finished")
+    assert agent.snapshot.slots[0].starts == 2 and agent.snapshot.slots[1].starts == 1
+    assert time.monotonic() - started < 15
