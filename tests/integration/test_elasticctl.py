@@ -112,18 +112,21 @@ def test_garbage_in_etcd_is_listed_as_malformed_and_status_still_answers(
     keys = Keys("/elasticd", job.job_id)
     client.put(keys.member("garbage"), b"not json")
     client.put(keys.progress("garbage"), b"\xff\xfe")
-    client.put(f"{keys.job}/events/x", b"keys it does not know are not listed")
+    client.put(f"{keys.job}/other/x", b"keys it does not know are not listed")
+    client.put(keys.event("x"), b"an event that does not parse is listed")
+    client.put(keys.node("y"), b"[1, 2]")
     proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id, "--json",
                       "--max-workers", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert data["health"] == "healthy" and len(data["members"]) == 2
     bad = sorted(s.split(": ", 1)[0] for s in data["malformed"])
-    assert bad == sorted([keys.member("garbage"), keys.progress("garbage")]), data["malformed"]
+    assert bad == sorted([keys.member("garbage"), keys.progress("garbage"), keys.event("x"), keys.node("y")]), \
+        data["malformed"]
 
     proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "malformed records (2, ignored):" in proc.stdout and keys.member("garbage") in proc.stdout
+    assert "malformed records (4, ignored):" in proc.stdout and keys.member("garbage") in proc.stdout
 
 
 def test_watch_prints_one_json_line_per_frame(running_job: Any, etcd_server: EtcdServer) -> None:
