@@ -15,8 +15,8 @@ one JSON object with ``--json``). ``recovery`` runs local jobs of the default wo
 
 Every process it starts (etcd, workers, transfer processes) is tracked by PID and killed in
 ``finally`` blocks. Never holds daemon logic and never changes how elasticd behaves: settings reach
-the workers only through their ``ELASTICD_*`` environment. Later subcommands (``agent``,
-``checkpoint``) register in ``SUBCOMMANDS``.
+the workers only through their ``ELASTICD_*`` environment. ``agent`` lives in
+``elasticd.bench_agent``; every subcommand registers in ``SUBCOMMANDS``.
 """
 
 from __future__ import annotations
@@ -998,10 +998,26 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
+def _add_agent_args(p: argparse.ArgumentParser) -> None:
+    from elasticd import bench_agent  # it builds on this module's helpers, so it is imported late
+
+    bench_agent.add_agent_args(p)
+
+
+def _run_agent_cmd(args: argparse.Namespace) -> int:
+    from elasticd import bench_agent
+
+    return bench_agent.run_agent_cmd(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "recovery": Subcommand(
         "fault recovery, join, step overhead vs DDP and state-transfer throughput of a 3-worker job",
         _add_recovery_args, _run_recovery_cmd,
+    ),
+    "agent": Subcommand(
+        "under real node agents: crash detection, drain and node-loss recovery (elasticd.bench_agent)",
+        _add_agent_args, _run_agent_cmd,
     ),
 }
 

@@ -123,9 +123,34 @@ class _Bucket:
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
         self.buffer = torch.zeros(self.numel + extra, dtype=dtype, device=device)
+        self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p, n in zip(params, self.sizes, strict=True):
+            self.views.append(self.buffer[offset : offset + n].view_as(p))
+            offset += n
         self.extra = extra
         self.ready = 0
         self.work: dist.Work | None = None
+
+    def bind_grads(self) -> None:
+        """Zero the bucket and make each parameter's ``.grad`` its view into it (DDP's
+        ``gradient_as_bucket_view``): backward then accumulates straight into the bucket, and the
+        averaged gradients are in place once the all_reduce completes, with no copy either way."""
+        self.buffer.zero_()
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    def gather_grads(self) -> None:
+        """Copy in any gradient that is not the bucket's view (user code replaced ``.grad``)."""
+        for p, view in zip(self.params, self.views, strict=True):
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
 
 
 class GradientReducer:
@@ -133,7 +158,10 @@ class GradientReducer:
 
     Gradients are grouped in buckets (reverse parameter order, like DDP), and a bucket's all_reduce
     is launched from a post-accumulate-grad hook as soon as all of its gradients are ready, so
-    communication overlaps the rest of backward. The bucket launched last carries ``vote`` slots:
+    communication overlaps the rest of backward. Each parameter's ``.grad`` is a view into its
+    bucket (bound by ``begin``), so backward writes the bucket directly and the average lands in
+    ``.grad`` without copies; one multiply per bucket applies this rank's weight. The bucket
+    launched last carries ``vote`` slots:
     each rank writes its vote there and reads the sum once the bucket completes. An all_reduce only
     completes on a rank after every rank contributed, so a completed vote is every member's vote.
     """
@@ -170,12 +198,15 @@ class GradientReducer:
             h.remove()
 
     def begin(self, group: Group, scale: float, vote: Sequence[float]) -> None:
-        """Arm for one step: this rank's gradients will be multiplied by ``scale`` before the sum."""
+        """Arm for one step: zero the gradients (this replaces ``optimizer.zero_grad``); this rank's
+        gradients will be multiplied by ``scale`` before the sum."""
         self._group, self._scale, self._error = group, scale, None
         for b in self._buckets:
             b.ready, b.work = 0, None
+            b.bind_grads()
         vb = self._vote_bucket
-        vb.buffer[vb.numel :].copy_(torch.tensor(list(vote), dtype=vb.buffer.dtype))
+        for i, v in enumerate(vote):
+            vb.buffer[vb.numel + i] = v
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._group is None:
@@ -188,15 +219,10 @@ class GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None or self._error is not None or self._group is None:
             return
-        offset = 0
+        bucket.gather_grads()
+        if self._scale != 1.0:
+            bucket.grads.mul_(self._scale)
         flat = bucket.buffer
-        for p, n in zip(bucket.params, bucket.sizes, strict=True):
-            dst = flat[offset : offset + n]
-            if p.grad is None:
-                dst.zero_()
-            else:
-                torch.mul(p.grad.reshape(-1), self._scale, out=dst)
-            offset += n
         group = self._group
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
@@ -226,15 +252,6 @@ class GradientReducer:
                 wait(b.work, group, deadline, abandon, poll_s, "gradient all_reduce")
         finally:
             self._group = None
-        for b in self._buckets:
-            offset = 0
-            for p, n in zip(b.params, b.sizes, strict=True):
-                view = b.buffer[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-                offset += n
         vb = self._vote_bucket
         return [float(x) for x in vb.buffer[vb.numel :].tolist()]
 

@@ -1,25 +1,40 @@
-"""The README's main command: a local elastic job that loses a worker and gains one, watched live.
+"""The README's main command: a local elastic job run by real node agents, with faults, watched live.
 
-Owns the demo only. It starts a real etcd on loopback and ``--workers`` processes of the default
-workload ``agents/mlp.py`` (through ``localcluster``, every process tracked by PID), SIGKILLs one
-worker mid-step after about a third of the steps, starts a newcomer so that it joins at about two
-thirds (early by the measured start-up time of a worker), prints a progress line about once a second (read from the workers' audit logs and the generation record in
-etcd), and ends with the verdict of ``audit.check``. It holds no training or rendezvous logic, and it
-stops everything it started, by PID, on every way out (Ctrl-C included).
+Owns the demo only. It starts a real etcd on loopback and ``--nodes`` ``elasticd`` node agents
+(``node-0``, ``node-1``, ...), each a separate process in a session of its own running one worker of
+the default workload ``agents/mlp.py``. Then, going by the committed step:
+
+1. at about 1/5 of the steps it SIGKILLs the last node's worker. Its agent revokes the worker's lease
+   at once, the survivors regroup without waiting for the TTL, and the agent restarts the worker,
+   which rejoins as a newcomer and receives the state from rank 0;
+2. once that worker is back, at about 2/5, it drains ``node-1`` (SIGTERM to its agent, what
+   ``systemctl stop`` sends): the worker finishes its step and leaves, the agent exits 0, and the job
+   goes on at the smaller size;
+3. early enough (by the measured start-up time of a node) to join at about 3/5, it starts a new
+   agent, ``node-<nodes>``, whose worker joins;
+4. it prints ``elasticctl status`` once the new node trains and again at the end.
+
+A progress line about once a second comes from the workers' audit logs and the generation record in
+etcd; the run ends with the verdict of ``audit.check`` and of the agents' exit codes. It holds no
+training, rendezvous or supervision logic, and it stops everything it started, by process group, on
+every way out (Ctrl-C included).
 
 Usage::
 
-    python -m elasticd.demo [--workers 3] [--steps 300] [--step-sleep 0.1] [--keep] [--workdir DIR]
+    python -m elasticd.demo [--nodes 3] [--steps 300] [--step-sleep 0.1] [--keep] [--workdir DIR]
 
-Exit codes: 0 every worker that was not killed exited 0, the newcomer joined, all steps were
-committed and the audit found no violation; 1 the run failed; 2 bad arguments or no etcd binary; 130 interrupted.
+Exit codes: 0 every agent exited 0, the killed worker was restarted and rejoined, the drained node
+left, the new node joined, all steps were committed and the audit found no violation; 1 the run
+failed; 2 bad arguments or no etcd binary; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -34,18 +49,18 @@ from types import FrameType
 from typing import TextIO
 
 from elasticd.audit import AuditReport, check_dir
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorkerEnv, WorldConfig
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
-from elasticd.membership import GenerationRecord, Keys, KeyValueStore, decode_generation
+from elasticd.localcluster import EtcdServer, WorkerProcess, agent_program, python_program
+from elasticd.membership import GenerationRecord, Keys, KeyValueStore, decode_generation, parse_snapshot
 
 JOB_ID = "demo"
 SAMPLES = 2048        # the workload's dataset size; the audit checks every epoch against it
 GLOBAL_BATCH = 64
 TICK_S = 0.1          # how often the demo polls the audit logs, etcd and the processes
 STATUS_EVERY_S = 1.0  # one progress line this often
-STRANDED_GRACE_S = 3.0
-# Short lease so that a killed worker's key is gone within seconds (the library default is 3 s).
+AGENT_EXIT_WAIT_S = 30.0  # after the job finished: how long the agents get to exit
+# Short lease so that a frozen or lost node is noticed within seconds (the library default is 3 s).
 DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
 
 
@@ -54,17 +69,16 @@ DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
 
 
 class AuditTail:
-    """Follows ``worker<i>.jsonl`` files as they grow; yields complete JSON lines only."""
+    """Follows the ``<node>.jsonl`` audit files as they grow; yields complete JSON lines only."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}
 
-    def read(self) -> Iterator[tuple[int, dict[str, object]]]:
-        """New records since the last call, as (worker index, record)."""
-        for path in sorted(self.directory.glob("worker*.jsonl")):
-            worker = int(path.stem.removeprefix("worker"))
+    def read(self) -> Iterator[tuple[str, dict[str, object]]]:
+        """New records since the last call, as (node, record)."""
+        for path in sorted(self.directory.glob("*.jsonl")):
             with path.open("rb") as f:
                 f.seek(self._offsets.get(path, 0))
                 chunk = f.read()
@@ -75,7 +89,10 @@ class AuditTail:
                 self._partial[path] = rest
             for line in lines:
                 if line.strip():
-                    yield worker, json.loads(line)
+                    try:
+                        yield path.stem, json.loads(line)
+                    except ValueError:
+                        continue  # a killed worker's last line may be cut short; the audit says so
 
 
 @dataclass
@@ -100,16 +117,15 @@ class Progress:
     generation: int = 0
     world_size: int = 0
     loss: float | None = None
-    first_loss: float | None = None
     generations: dict[int, GenerationSeen] = field(default_factory=dict)
     reasons: dict[int, GenerationRecord] = field(default_factory=dict)
-    joined: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (generation, rank)
+    syncs: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)  # node -> (t, generation, rank)
     last_commit_t: float = 0.0
     pauses: dict[int, float] = field(default_factory=dict)  # generation -> seconds without a commit
     finals: list[int] = field(default_factory=list)  # the step of each worker's "final" line
 
-    def absorb(self, worker: int, rec: dict[str, object], say: Callable[[str], None]) -> None:
-        """Fold one audit record in; announce generations and first joins through ``say``."""
+    def absorb(self, node: str, rec: dict[str, object], say: Callable[[str], None]) -> None:
+        """Fold one audit record in; announce generations and joins through ``say``."""
         event = rec.get("event")
         if event == "sync":
             gen, rank, world = _int(rec["generation"]), _int(rec["rank"]), _int(rec["world_size"])
@@ -121,10 +137,10 @@ class Progress:
                 self.generations[gen] = seen
                 who = f" = {', '.join(_node_of(m) for m in seen.members)}" if seen.members else ""
                 say(f"generation {gen}: world {world}{who} ({seen.reason or seen.cause})")
-            if worker not in self.joined:
-                self.joined[worker] = (gen, rank)
-                if gen > 1:
-                    say(f"worker {worker} joined: generation {gen}, rank {rank}, step {_int(rec['step'])}")
+            history = self.syncs.setdefault(node, [])
+            if gen > 1 and (not history or history[-1][1] != gen - 1):
+                say(f"{node}'s worker joined as a newcomer: generation {gen}, rank {rank}, step {_int(rec['step'])}")
+            history.append((_float(rec["t"]), gen, rank))
         elif event == "final":
             self.finals.append(_int(rec["step"]))
         elif event == "commit":
@@ -141,8 +157,6 @@ class Progress:
                 self.step, self.generation, self.world_size = step, gen, _int(rec["world_size"])
                 self.loss = _float(rec["loss"])
                 self.last_commit_t = max(self.last_commit_t, t)
-                if self.first_loss is None and step == 1:
-                    self.first_loss = self.loss
 
     def note_record(self, record: GenerationRecord) -> None:
         """Remember a published generation record (polled from etcd)."""
@@ -150,6 +164,10 @@ class Progress:
         seen = self.generations.get(record.generation)
         if seen is not None and not seen.reason:
             seen.reason, seen.members = record.reason, record.members
+
+    def synced_after(self, node: str, t: float) -> bool:
+        """Whether ``node``'s worker joined a generation after wall-clock time ``t``."""
+        return any(when > t for when, _, _ in self.syncs.get(node, ()))
 
 
 def _int(value: object) -> int:
@@ -167,51 +185,86 @@ def _node_of(member_id: str) -> str:
     return member_id.split(".", 1)[0]
 
 
+def agent_events(log_path: Path, name: str) -> list[dict[str, object]]:
+    """The agent's JSON log lines of event ``name`` (its workers' lines go to the same file)."""
+    if not log_path.exists():
+        return []
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if f'"{name}"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == name:
+            out.append(rec)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
 
 @dataclass(frozen=True)
 class Plan:
-    workers: int
+    nodes: int
     steps: int
     step_sleep: float
-    kill_worker: int
-    kill_at: int   # SIGKILL the victim once this step is committed
-    join_at: int   # start the newcomer early enough that it joins near this step
+    kill_at: int   # SIGKILL the last node's worker once this step is committed
+    drain_at: int  # drain node-1 at this step (once the killed worker is back)
+    join_at: int   # start the new node early enough that it joins near this step
     min_workers: int
     timeout_s: float
+
+    @property
+    def victim(self) -> str:
+        return f"node-{self.nodes - 1}"
+
+    @property
+    def drained(self) -> str:
+        return "node-1"
+
+    @property
+    def newcomer(self) -> str:
+        return f"node-{self.nodes}"
 
 
 @dataclass
 class Outcome:
     """What happened, for the summary and the exit code."""
 
-    codes: dict[int, int | None] = field(default_factory=dict)
-    killed: int | None = None
-    stopped: set[int] = field(default_factory=set)  # stopped by the demo (stranded newcomer)
+    codes: dict[str, int | None] = field(default_factory=dict)  # node -> the agent's exit code
+    killed_pid: int | None = None
+    killed_t: float | None = None     # wall clock, comparable with the audit lines
+    rejoined: bool = False
+    drained_t: float | None = None
+    newcomer_started: bool = False
+    newcomer_joined: bool = False
     problems: list[str] = field(default_factory=list)
     report: AuditReport | None = None
 
 
 class Demo:
-    """One demo run in ``workdir``: an etcd, the workers, the display."""
+    """One demo run in ``workdir``: an etcd, the agents, the display."""
 
     def __init__(self, plan: Plan, workdir: Path, out: TextIO) -> None:
         self.plan = plan
         self.workdir = workdir
         self.audit_dir = workdir / "audit"
+        self.config_file = workdir / "elasticd.toml"
         self.out = out
         self.started = time.monotonic()
         self.etcd: EtcdServer | None = None
         self.store: KeyValueStore | None = None
         self._close_store: Callable[[], None] | None = None
-        self.workers: list[WorkerProcess] = []
+        self.agents: dict[str, WorkerProcess] = {}
         self.progress = Progress()
         self.outcome = Outcome()
-        self.startup_s: float | None = None       # spawn to the first synced generation
+        self.startup_s: float | None = None       # agents spawned -> the first synced generation
         self._rate_samples: deque[tuple[float, int]] = deque()
         self._generation_at_kill = 0
+        self._status_printed = False
 
     # -- output -----------------------------------------------------------------------------
 
@@ -221,9 +274,22 @@ class Demo:
     def status_line(self) -> None:
         p = self.progress
         loss = f"{p.loss:.3g}" if p.loss is not None else "-"
-        alive = sum(1 for w in self.workers if w.alive())
+        alive = [n for n, a in self.agents.items() if a.alive()]
         self.say(f"step {p.step:4d}/{self.plan.steps}  generation {p.generation}  world {p.world_size}  "
-                 f"loss {loss}  processes alive {alive}")
+                 f"loss {loss}  agents running: {', '.join(alive) or 'none'}")
+
+    def print_status(self, when: str) -> None:
+        """``elasticctl status`` of the job, as an operator would run it."""
+        assert self.etcd is not None
+        from elasticd.cli import ctl_main  # an entry point's wiring, as in start_etcd
+
+        buf = io.StringIO()
+        argv = ["--etcd", self.etcd.endpoint, "status", "--job", JOB_ID,
+                "--min-workers", str(self.plan.min_workers), "--max-workers", str(self.plan.nodes)]
+        code = ctl_main(argv, stdout=buf, stderr=buf)
+        self.say(f"elasticctl {' '.join(argv)}   ({when}; exit {code})")
+        self.out.write("".join(f"    {line}\n" for line in buf.getvalue().splitlines()))
+        self.out.flush()
 
     # -- processes --------------------------------------------------------------------------
 
@@ -237,33 +303,43 @@ class Demo:
         client = EtcdClient(EtcdConfig(endpoints=(self.etcd.endpoint,)), DEMO_TIMEOUTS, RetryPolicy(etcd_attempts=2))
         self.store, self._close_store = client, client.close
 
-    def worker_env(self, index: int) -> dict[str, str]:
+    def agent_argv(self, node: str) -> list[str]:
         assert self.etcd is not None
-        env = WorkerEnv(
-            world=WorldConfig(job_id=JOB_ID, min_workers=self.plan.min_workers),
-            etcd=EtcdConfig(endpoints=(self.etcd.endpoint,)),
-            timeouts=DEMO_TIMEOUTS,
-            node_id=f"node-{index}",
-            local_rank=0,            # each worker plays one node with one process
-            backend="gloo",          # every worker on this one machine's CPU, even where CUDA exists
-        )
-        return env.to_environ()
-
-    def spawn(self, index: int) -> WorkerProcess:
-        argv = python_program(
+        program = python_program(
             "agents/mlp.py", "--steps", str(self.plan.steps), "--samples", str(SAMPLES),
             "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(self.plan.step_sleep),
-            "--audit", str(self.audit_dir / f"worker{index}.jsonl"),
+            "--audit", str(self.audit_dir / f"{node}.jsonl"),
         )
-        w = WorkerProcess(argv, self.worker_env(index), self.workdir / f"worker{index}.log").start()
-        self.workers.append(w)
-        self.say(f"started worker {index} (node-{index}, pid {w.pid}), log {w.log_path}")
-        return w
+        return agent_program(
+            "--config", str(self.config_file),  # this demo's settings only, never /etc/elasticd's
+            "--etcd", self.etcd.endpoint, "--job-id", JOB_ID, "--node-id", node,
+            "--nnodes", f"{self.plan.min_workers}:{self.plan.nodes}", "--nproc-per-node", "1",
+            "--backend", "gloo",  # every worker on this one machine's CPU, even where CUDA exists
+            "--lease-ttl-s", str(DEMO_TIMEOUTS.lease_ttl_s), "--keepalive-s", str(DEMO_TIMEOUTS.keepalive_s),
+            "--", *program,
+        )
+
+    def start_agent(self, node: str) -> WorkerProcess:
+        a = WorkerProcess(self.agent_argv(node), {}, self.workdir / f"agent-{node}.log", new_session=True).start()
+        self.agents[node] = a
+        self.say(f"started agent {node} (pid {a.pid}), log {a.log_path}")
+        return a
+
+    def worker_pid(self, node: str) -> int | None:
+        """The pid of ``node``'s worker, from its member record in etcd."""
+        assert self.store is not None
+        keys = Keys(EtcdConfig().prefix, JOB_ID)
+        try:
+            snap = parse_snapshot(keys, self.store.get_prefix(keys.prefix))
+        except ElasticdError:
+            return None
+        pids = [m.pid for m in snap.members.values() if m.node == node]
+        return pids[0] if len(pids) == 1 else None
 
     def stop_all(self) -> None:
-        """Stop every process this demo started, by PID (idempotent)."""
-        for w in self.workers:
-            w.stop()
+        """Stop every process this demo started (each agent with its workers), and etcd (idempotent)."""
+        for a in self.agents.values():
+            a.stop()
         if self._close_store is not None:
             self._close_store()
             self._close_store = None
@@ -286,15 +362,6 @@ class Demo:
         (t0, s0), (t1, s1) = self._rate_samples[0], self._rate_samples[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
-    def newcomer_due(self) -> bool:
-        """Time to start the newcomer: after the regroup that followed the kill, and early enough
-        (by the measured start-up time of a worker) that it joins near ``plan.join_at``."""
-        p = self.progress
-        if self.outcome.killed is None or p.generation <= self._generation_at_kill:
-            return False
-        lead = math.ceil((self.startup_s or 0.0) * self.steps_per_s())
-        return p.step >= self.plan.join_at - lead
-
     # -- the loop ---------------------------------------------------------------------------
 
     def poll(self, tail: AuditTail) -> None:
@@ -308,66 +375,72 @@ class Demo:
                     self.progress.note_record(decode_generation(kv.value))
                 except (ValueError, TypeError, KeyError):
                     pass
-        for worker, rec in tail.read():
-            self.progress.absorb(worker, rec, self.say)
-        for i, w in enumerate(self.workers):
-            if i not in self.outcome.codes and w.proc is not None and w.proc.poll() is not None:
-                code = w.proc.returncode
-                self.outcome.codes[i] = code
-                if i == self.outcome.killed:
-                    self.say(f"worker {i} is gone (exit {code})")
-                elif i in self.outcome.stopped:
-                    self.say(f"worker {i} stopped (exit {code})")
-                elif code == 0:
-                    self.say(f"worker {i} finished (exit 0)")
-                else:
-                    self.say(f"worker {i} FAILED with exit {code}; see {w.log_path}")
+        for node, rec in tail.read():
+            self.progress.absorb(node, rec, self.say)
+        for node, a in self.agents.items():
+            if node not in self.outcome.codes and a.proc is not None and a.proc.poll() is not None:
+                code = a.proc.returncode
+                self.outcome.codes[node] = code
+                stopped = agent_events(a.log_path, "agent_stopped")
+                why = str(stopped[-1].get("reason", "")) if stopped else "no agent_stopped line"
+                self.say(f"agent {node} exited {code} ({why})")
+
+    def step_plan(self) -> None:
+        """Inject the next fault or change when its step has come."""
+        p, o, plan = self.progress, self.outcome, self.plan
+        if o.killed_pid is None and p.step >= plan.kill_at:
+            pid = self.worker_pid(plan.victim)
+            if pid is not None:
+                o.killed_pid, o.killed_t = pid, time.time()
+                self._generation_at_kill = p.generation
+                signal_pid(pid, signal.SIGKILL)
+                self.say(f"killed {plan.victim}'s worker (pid {pid}) with SIGKILL at step {p.step}; "
+                         f"its agent revokes its lease and restarts it")
+        if o.killed_t is not None and not o.rejoined and p.synced_after(plan.victim, o.killed_t):
+            o.rejoined = True
+        if o.rejoined and o.drained_t is None and p.step >= plan.drain_at:
+            o.drained_t = time.time()
+            self.agents[plan.drained].signal(signal.SIGTERM)
+            self.say(f"draining {plan.drained} at step {p.step}: SIGTERM to its agent (what systemctl stop sends)")
+        if o.drained_t is not None and not o.newcomer_started and plan.drained in o.codes:
+            lead = math.ceil((self.startup_s or 0.0) * self.steps_per_s())
+            if p.step >= plan.join_at - lead:
+                o.newcomer_started = True
+                self.say(f"adding {plan.newcomer} at step {p.step} so that it joins near step {plan.join_at} "
+                         f"(nodes took {self.startup_s or 0:.1f} s to start; {self.steps_per_s():.1f} steps/s)")
+                self.start_agent(plan.newcomer)
+        if o.newcomer_started and not o.newcomer_joined and plan.newcomer in p.syncs:
+            o.newcomer_joined = True
+        if o.newcomer_joined and not self._status_printed and p.world_size == plan.nodes:
+            self._status_printed = True
+            self.print_status("the new node trains")
 
     def run(self) -> Outcome:
         plan = self.plan
         self.audit_dir.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text("# the demo's agents take every setting from their flags\n")
         self.start_etcd()
-        for i in range(plan.workers):
-            self.spawn(i)
+        for i in range(plan.nodes):
+            self.start_agent(f"node-{i}")
         tail = AuditTail(self.audit_dir)
         deadline = time.monotonic() + plan.timeout_s
         next_status = time.monotonic() + STATUS_EVERY_S
-        newcomer = plan.workers
-        stranded_since: float | None = None
         spawned_at = time.monotonic()
+        finished_at: float | None = None
         while time.monotonic() < deadline:
             self.poll(tail)
             self._sample_rate()
-            p = self.progress
-            if self.startup_s is None and p.generations:
+            if self.startup_s is None and self.progress.generations:
                 self.startup_s = time.monotonic() - spawned_at
-            if self.outcome.killed is None and p.step >= plan.kill_at:
-                victim = self.workers[plan.kill_worker]
-                if victim.alive():
-                    victim.signal(signal.SIGKILL)
-                    self.outcome.killed = plan.kill_worker
-                    self._generation_at_kill = p.generation
-                    self.say(f"killed worker {plan.kill_worker} (pid {victim.pid}) with SIGKILL at step {p.step}")
-            if len(self.workers) == newcomer and self.newcomer_due():
-                self.say(f"starting a new worker at step {p.step} so that it joins near step {plan.join_at} "
-                         f"(workers took {self.startup_s or 0:.1f} s to start; {self.steps_per_s():.1f} steps/s)")
-                self.spawn(newcomer)
-            if not any(w.alive() for w in self.workers) and len(self.workers) > newcomer:
+            self.step_plan()
+            if not any(a.alive() for a in self.agents.values()):
                 break
-            if len(self.workers) > newcomer and self.workers[newcomer].alive() and newcomer not in p.joined:
-                others = [w for i, w in enumerate(self.workers) if i != newcomer]
-                if not any(w.alive() for w in others):
-                    stranded_since = stranded_since or time.monotonic()
-                    if time.monotonic() - stranded_since > STRANDED_GRACE_S:
-                        self.outcome.problems.append(
-                            f"worker {newcomer} started too late: the job finished before it could join "
-                            "(give the job more --steps or a larger --step-sleep)")
-                        self.outcome.stopped.add(newcomer)
-                        self.say(f"stopping worker {newcomer}: the job finished before it could join")
-                        self.workers[newcomer].stop()
-            if not any(w.alive() for w in self.workers) and len(self.workers) == newcomer:
-                self.outcome.problems.append("every worker exited before the newcomer was started")
-                break
+            if self.progress.step >= plan.steps:
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > AGENT_EXIT_WAIT_S:
+                    self.outcome.problems.append(
+                        f"agents still running {AGENT_EXIT_WAIT_S:g} s after the last step was committed")
+                    break
             if time.monotonic() >= next_status:
                 self.status_line()
                 next_status += STATUS_EVERY_S
@@ -376,10 +449,12 @@ class Demo:
             self.outcome.problems.append(f"the job did not finish within --timeout {plan.timeout_s:g} s")
         self.poll(tail)
         self.status_line()
-        for i, w in enumerate(self.workers):
-            if w.alive():
-                w.stop()
-            self.outcome.codes.setdefault(i, w.proc.returncode if w.proc is not None else None)
+        if self.store is not None:
+            self.print_status("the end")
+        for node, a in self.agents.items():
+            if a.alive():
+                a.stop()
+            self.outcome.codes.setdefault(node, a.proc.returncode if a.proc is not None else None)
         self.outcome.report = check_dir(self.audit_dir, SAMPLES)
         return self.outcome
 
@@ -391,15 +466,27 @@ class Demo:
         rep = o.report
         assert rep is not None
         problems = list(o.problems)
-        for i, code in sorted(o.codes.items()):
-            if i != o.killed and i not in o.stopped and code != 0:
-                problems.append(f"worker {i} exited with {code} (log: {self.workdir / f'worker{i}.log'})")
-        if o.killed is None:
+        for node, code in sorted(o.codes.items()):
+            if code != 0:
+                problems.append(f"agent {node} exited with {code} (log: {self.workdir / f'agent-{node}.log'})")
+        if o.killed_pid is None:
             problems.append("no worker was killed (the job never reached the kill step)")
-        if len(self.workers) <= plan.workers:
-            problems.append("the newcomer was never started")
-        elif plan.workers not in p.joined:
-            problems.append(f"worker {plan.workers} never joined")
+        elif not o.rejoined:
+            problems.append(f"{plan.victim}'s restarted worker never rejoined")
+        else:
+            revoked = agent_events(self.workdir / f"agent-{plan.victim}.log", "worker_lease_revoked")
+            if not any(r.get("pid") == o.killed_pid for r in revoked):
+                problems.append(f"agent {plan.victim} did not revoke the killed worker's lease")
+        if o.drained_t is None:
+            problems.append(f"{plan.drained} was never drained")
+        else:
+            stopped = agent_events(self.workdir / f"agent-{plan.drained}.log", "agent_stopped")
+            if not stopped or stopped[-1].get("reason") != "drained":
+                problems.append(f"agent {plan.drained} did not stop as drained: {stopped[-1:] or 'no line'}")
+        if not o.newcomer_started:
+            problems.append(f"{plan.newcomer} was never started")
+        elif not o.newcomer_joined:
+            problems.append(f"{plan.newcomer} never joined")
         if rep.last_step != plan.steps:
             problems.append(f"committed {rep.last_step} of {plan.steps} steps")
         w = self.out.write
@@ -410,9 +497,10 @@ class Demo:
         for gen, world in sorted(rep.generations.items()):
             seen = p.generations.get(gen)
             cause = (seen.reason or seen.cause) if seen else "?"
+            who = ", ".join(_node_of(m) for m in seen.members) if seen and seen.members else ""
             span = f"steps {seen.first_step}-{seen.last_step}" if seen and seen.first_step else "no step committed"
             pause = f"; no commit for {p.pauses[gen]:.2f} s before its first step" if gen in p.pauses else ""
-            w(f"  {gen:3d}  world {world}  {cause:<14} {span}{pause}\n")
+            w(f"  {gen:3d}  world {world}  {cause:<12} {span}{pause}   {who}\n")
         regroups = [g for g in sorted(rep.generations) if g > min(rep.generations, default=0)]
         w(f"recoveries        {len(regroups)} (generations after the first: {regroups})\n")
         last_loss = rep.losses.get(rep.last_step)
@@ -420,10 +508,7 @@ class Demo:
             first = rep.losses.get(1)
             w(f"loss              {first:.4g} at step 1 -> {last_loss:.4g} at step {rep.last_step}\n"
               if first is not None else f"final loss        {last_loss:.4g}\n")
-        codes = ", ".join(
-            f"{i}: {'killed' if i == o.killed else 'exit ' + str(c)}" for i, c in sorted(o.codes.items())
-        )
-        w(f"workers           {codes}\n")
+        w(f"agents            {', '.join(f'{n}: exit {c}' for n, c in sorted(o.codes.items()))}\n")
         for step, sums in sorted(rep.finals_by_step.items()):
             n = p.finals.count(step)
             state = f"identical on {n} worker(s) ({next(iter(sums))})" if len(sums) == 1 else f"DIFFER: {sorted(sums)}"
@@ -440,6 +525,14 @@ class Demo:
         w(f"result            {'PASS' if passed else 'FAIL'}\n")
         self.out.flush()
         return passed
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    """Signal a process the demo found in etcd as the victim's worker (gone already: nothing to do)."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,16 +558,15 @@ def _sigterm_raises() -> Iterator[None]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m elasticd.demo",
-        description="A local elastic job on loopback: a real etcd, --workers workers of agents/mlp.py; "
-        "one is SIGKILLed after ~1/3 of the steps, a new one joins after ~2/3; the audit checks "
-        "the invariants at the end.",
+        description="A local elastic job on loopback run by real node agents: a real etcd, --nodes agents "
+        "with one worker of agents/mlp.py each; one worker is SIGKILLed (its agent restarts it), "
+        "node-1 is drained, a new node joins; elasticctl status is printed; the audit checks the "
+        "invariants at the end.",
     )
-    p.add_argument("--workers", type=int, default=3, help="workers at the start (>= 2; default 3)")
-    p.add_argument("--steps", type=int, default=300, help="steps to commit (>= 6; default 300)")
+    p.add_argument("--nodes", type=int, default=3, help="agents at the start (>= 3; default 3)")
+    p.add_argument("--steps", type=int, default=300, help="steps to commit (>= 30; default 300)")
     p.add_argument("--step-sleep", type=float, default=0.1,
                    help="extra seconds per step in each worker, so the run can be watched (default 0.1)")
-    p.add_argument("--kill-worker", type=int, default=None,
-                   help="index of the worker to SIGKILL (default: the last one started)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds (default 600)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="empty or new directory for logs, audit files and etcd data (kept afterwards); "
@@ -489,26 +581,23 @@ def make_plan(args: argparse.Namespace) -> Plan:
     Raises:
         ConfigError: an argument is out of range; the message names it.
     """
-    if args.workers < 2:
-        raise ConfigError(f"--workers: at least 2 (one is killed), got {args.workers}")
-    if args.steps < 6:
-        raise ConfigError(f"--steps: at least 6, got {args.steps}")
+    if args.nodes < 3:
+        raise ConfigError(f"--nodes: at least 3 (one loses its worker, one is drained), got {args.nodes}")
+    if args.steps < 30:
+        raise ConfigError(f"--steps: at least 30, got {args.steps}")
     if args.step_sleep < 0:
         raise ConfigError(f"--step-sleep: must be >= 0, got {args.step_sleep}")
     if args.timeout <= 0:
         raise ConfigError(f"--timeout: must be > 0, got {args.timeout}")
-    kill = args.workers - 1 if args.kill_worker is None else args.kill_worker
-    if not 0 <= kill < args.workers:
-        raise ConfigError(f"--kill-worker: must be in 0..{args.workers - 1}, got {kill}")
     return Plan(
-        workers=args.workers,
+        nodes=args.nodes,
         steps=args.steps,
         step_sleep=args.step_sleep,
-        kill_worker=kill,
-        kill_at=args.steps // 3,
-        join_at=2 * args.steps // 3,
-        # The survivors must be able to go on alone, so never ask for more than workers - 1.
-        min_workers=max(1, min(2, args.workers - 1)),
+        kill_at=args.steps // 5,
+        drain_at=2 * args.steps // 5,
+        join_at=3 * args.steps // 5,
+        # One node at a time is short of its worker (killed, then drained), and the job goes on.
+        min_workers=args.nodes - 1,
         timeout_s=args.timeout,
     )
 
@@ -532,11 +621,12 @@ def main(argv: list[str] | None = None) -> int:
         remove = not args.keep
     out = sys.stdout
     demo = Demo(plan, workdir, out)
-    print(f"elasticd demo: {plan.workers} workers, {plan.steps} steps, min_workers {plan.min_workers}, "
-          f"lease TTL {DEMO_TIMEOUTS.lease_ttl_s:g} s; kill worker {plan.kill_worker} at step {plan.kill_at}, "
-          f"a new worker at step {plan.join_at}", file=out)
-    print(f"work dir {workdir} (worker<i>.log: worker logs, audit/worker<i>.jsonl: audit, etcd.log)",
-          file=out, flush=True)
+    print(f"elasticd demo: {plan.nodes} node agents (1 worker each), {plan.steps} steps, world "
+          f"{plan.min_workers}..{plan.nodes}, lease TTL {DEMO_TIMEOUTS.lease_ttl_s:g} s; SIGKILL {plan.victim}'s "
+          f"worker at step {plan.kill_at}, drain {plan.drained} at step {plan.drain_at}, add {plan.newcomer} "
+          f"near step {plan.join_at}", file=out)
+    print(f"work dir {workdir} (agent-<node>.log: each agent's and its workers' logs, audit/<node>.jsonl: "
+          f"audit, etcd.log)", file=out, flush=True)
     code = 1
     try:
         with _sigterm_raises():

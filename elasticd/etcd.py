@@ -172,7 +172,23 @@ class EtcdClient:
         return cancel
 
     def close(self) -> None:
+        watcher = getattr(self._client, "watcher", None)
+        if watcher is not None:
+            watcher._watch_stub = _ClosedWatchStub()
         try:
             self._client.close()
         except (*_TRANSIENT, grpc.RpcError):
             pass
+
+
+class _ClosedWatchStub:
+    """Stands in for etcd3's watch stub once the client is closed.
+
+    etcd3 0.12's watcher thread re-opens its stream in an endless loop; on a closed channel that
+    raises ValueError and prints a traceback from a long-lived process. SystemExit ends the thread
+    quietly (``threading`` ignores it).
+    """
+
+    def Watch(self, *args: object, **kwargs: object) -> None:  # noqa: N802 (gRPC stub method name)
+        raise SystemExit
+

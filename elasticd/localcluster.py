@@ -3,7 +3,9 @@
 Owns starting and stopping the processes of a local job (used by the README's main command, the
 tests and the benchmarks): ``EtcdServer`` runs the real ``etcd`` binary on free loopback ports with
 a temporary data directory; ``WorkerProcess`` runs one training program with the ``ELASTICD_*``
-environment. Everything it starts it stops by PID, and nothing else.
+environment, or (``new_session=True``, with ``agent_program``) one ``elasticd`` node agent in a
+session of its own, so that ``kill_group`` ends the agent and every worker it started at once.
+Everything it starts it stops by PID (or by the process group it created), and nothing else.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class WorkerProcess:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = field(default=0.0)
+    new_session: bool = False  # its own session and process group (an agent and its workers)
 
     def start(self) -> WorkerProcess:
         full_env = dict(os.environ)
@@ -143,7 +146,8 @@ class WorkerProcess:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(list(self.program), env=full_env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(list(self.program), env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=REPO_ROOT, start_new_session=self.new_session)
         self.started_at = time.monotonic()
         return self
 
@@ -167,14 +171,38 @@ class WorkerProcess:
             return None
 
     def stop(self) -> None:
+        """SIGKILL the process (and, with ``new_session``, everything in its process group)."""
+        if self.new_session and self.proc is not None:
+            self.kill_group()
+            return
         if self.alive():
             assert self.proc is not None
             os.kill(self.pid, signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(5)
 
+    def kill_group(self) -> None:
+        """SIGKILL the process group this process leads (only with ``new_session``: an agent and the
+        workers it started, which stay in its group), then reap the leader."""
+        assert self.new_session, "kill_group needs a process started with new_session=True"
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def agent_program(*args: str) -> list[str]:
+    """The command line that runs the ``elasticd`` node agent with this interpreter."""
+    return [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())", *args]
 
 
 def python_program(script: str | Path, *args: str) -> list[str]:

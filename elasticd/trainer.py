@@ -284,8 +284,7 @@ class ElasticTrainer:
             0.0,
             1.0 if self._membership.join_pending() or self._draining else 0.0,
         ]
-        self.optimizer.zero_grad(set_to_none=True)
-        timeouts = self.env.timeouts
+        timeouts = self.env.timeouts  # begin() zeroes the gradients: they are views into its buckets
         try:
             self._reducer.begin(group, batch.weight, vote)
             if n_local:

@@ -10,13 +10,12 @@ import pytest
 
 from elasticd.localcluster import REPO_ROOT
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(200)
 
 
-def test_demo_kills_a_worker_adds_one_and_passes_its_audit(tmp_path: Path) -> None:
+def test_demo_runs_agents_kills_a_worker_drains_a_node_adds_one_and_passes_its_audit(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    # 150 steps leave the newcomer about 10 s to start and join on a 2-core machine.
-    cmd = [sys.executable, "-m", "elasticd.demo", "--steps", "150", "--step-sleep", "0.1",
+    cmd = [sys.executable, "-m", "elasticd.demo", "--steps", "200", "--step-sleep", "0.1",
            "--timeout", "150", "--workdir", str(workdir)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -29,9 +28,14 @@ def test_demo_kills_a_worker_adds_one_and_passes_its_audit(tmp_path: Path) -> No
     assert proc.returncode == 0, tail
     assert "invariants        OK" in out, tail
     assert "result            PASS" in out, tail
-    assert "steps committed   150/150" in out, tail
-    assert "killed worker 2" in out, tail
-    assert "worker 3 joined" in out, tail
+    assert "steps committed   200/200" in out, tail
+    assert "killed node-2's worker" in out, tail
+    assert "agent node-1 exited 0 (drained)" in out, tail
+    assert "node-3's worker joined as a newcomer" in out, tail
+    assert "agents            node-0: exit 0, node-1: exit 0, node-2: exit 0, node-3: exit 0" in out, tail
+    # elasticctl status, printed while the new node trains and at the end
+    assert "health      HEALTHY: world size 3 = max_workers 3" in out, tail
+    assert "health      FINISHED: finished at step 200" in out, tail
     # what the demo printed is what its files say
-    assert sorted(p.name for p in (workdir / "audit").glob("*.jsonl")) == [f"worker{i}.jsonl" for i in range(4)]
-    assert (workdir / "worker3.log").exists()
+    assert sorted(p.name for p in (workdir / "audit").glob("*.jsonl")) == [f"node-{i}.jsonl" for i in range(4)]
+    assert sorted(p.name for p in workdir.glob("agent-*.log")) == [f"agent-node-{i}.log" for i in range(4)]

@@ -1,0 +1,34 @@
+"""``python -m elasticd.bench agent`` runs end to end (one repetition) and measures every figure.
+
+Not a timed test: the figures' values are not asserted against targets, only that each fault was
+injected, observed and survived with no committed step lost.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticd.localcluster import REPO_ROOT
+
+
+@pytest.mark.timeout(180)
+def test_bench_agent_measures_crash_drain_and_node_loss_with_no_step_lost(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "1", "--json",
+                           "--workdir", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    fig = result["figures"]
+    assert result["errors"] == [] and result["violations"] == [], result
+    assert fig["steps_lost"] == 0
+    for name in ("crash_detect_s", "node_loss_recovery_s", "drain_s", "drain_step_time_s"):
+        assert isinstance(fig[name], float) and fig[name] > 0, (name, fig)
+    # each fault happened: the drained agent exited 0 and the restarted worker started twice
+    agent_logs = {p.name: p.read_text() for p in (tmp_path / "rep0").glob("agent-*.log")}
+    assert '"reason": "drained"' in agent_logs["agent-node-1.log"]
+    assert agent_logs["agent-node-2.log"].count('"event": "worker_started"') == 2
