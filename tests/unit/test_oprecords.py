@@ -480,9 +480,9 @@ def test_an_etcd_outage_does_not_stop_the_agent_or_its_workers(tmp_path: Path) -
     store = DownStore()
     keys = Keys("/elasticd", "j")
     # Each worker runs 1.5 s and exits 0; one fails once first, so the agent also restarts it.
-    code = ("import os, sys, time; time.sleep(1.5); "
-            "flag = sys.argv[1]; first = not os.path.exists(flag); open(flag, 'a').close(); "
-            "sys.exit(3 if first and os.environ['ELASTICD_LOCAL_RANK'] == '0' else 0)")
+    code = ("import os, sys, time; time.sleep(1.5); rank = os.environ['ELASTICD_LOCAL_RANK']; "
+            "flag = sys.argv[1] + rank; first = not os.path.exists(flag); open(flag, 'a').close(); "
+            "sys.exit(3 if first and rank == '0' else 0)")
     flag = str(tmp_path / "failed-once")
     config = AgentConfig(program=(sys.executable, "-c", code, flag), node_id="n", nproc_per_node=2,
                          world=WorldConfig(job_id="j"), poll_interval_s=0.02, stats_interval_s=0.1,
