@@ -17,11 +17,17 @@ the small executor that applies its actions through a ``Supervisor`` (processes)
   after ``shutdown_grace_s`` they are killed; the agent exits 0. A second SIGTERM kills at once.
 
 Every wait is bounded (``poll_interval_s``; a worker's exit and a signal wake the loop at once).
-The agent writes nothing to etcd except those lease revocations. Never imports torch.
+
+For operators (``presence.NodePresence``, on its own thread so that etcd never stalls this loop):
+the agent keeps ``nodes/<node>`` (its state and each worker's pid, restarts, last exit, memory and
+CPU) under its own lease, records ``worker_exited``, ``worker_restarted``, ``restarts_exhausted``,
+``node_draining`` and ``node_drained`` in the job's events, and drains, as on SIGTERM, when
+``drain/<node>`` appears (``elasticctl drain``). Never imports torch.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import socket
@@ -38,6 +44,8 @@ from elasticd.sdnotify import Notifier
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
 from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode, parse_snapshot
+from elasticd.oprecords import DrainRecord, EventKind, NodeRecord, WorkerRecord
+from elasticd.presence import NodePresence
 from elasticd.retry import Clock
 from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 
@@ -301,6 +309,11 @@ class Agent:
         self.snapshot = AgentSnapshot.initial(config.nproc_per_node)
         self._waker: _Waker | None = None
         self._pending_stop = 0
+        self._presence: NodePresence | None = None
+        self._drain_request: DrainRecord | None = None
+        self._drain_requested = False  # set by the presence thread; acted on by the loop
+        self._drain_acted = False
+        self._last_exit: dict[int, str] = {}
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -344,12 +357,54 @@ class Agent:
             self._store.get(self._keys.generation)  # fail fast, and clearly, on an unreachable etcd
         except EtcdUnavailable as exc:
             return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
+        self._presence = NodePresence(self._store, self._keys, c.node_id, c.timeouts, c.stats_interval_s,
+                                      c.events_keep, self._on_drain_request, self._clock)
+        self._presence.start()
         try:
-            return self._loop(waker)
-        except Exception as exc:  # the top-level loop: any surprise becomes a fatal stop
-            log.error("agent_failed", error=repr(exc), exc_info=True)
-            self._supervisor.terminate_all(c.timeouts.shutdown_grace_s, c.kill_wait_s)
-            return AgentOutcome(EXIT_FATAL, f"agent_failed: {exc!r}")
+            try:
+                outcome = self._loop(waker)
+            except Exception as exc:  # the top-level loop: any surprise becomes a fatal stop
+                log.error("agent_failed", error=repr(exc), exc_info=True)
+                self._supervisor.terminate_all(c.timeouts.shutdown_grace_s, c.kill_wait_s)
+                outcome = AgentOutcome(EXIT_FATAL, f"agent_failed: {exc!r}")
+            if outcome.exit_code == EXIT_OK and outcome.reason == "drained":
+                self._presence.event(EventKind.NODE_DRAINED, node=c.node_id)
+            return outcome
+        finally:
+            # Bounded: the last events, the drain request and the node record (its lease) go now.
+            self._presence.close(2 * c.timeouts.etcd_request_s)
+            self._presence = None
+
+    def _on_drain_request(self, request: DrainRecord | None) -> None:
+        """From the presence thread: ``drain/<node>`` appeared. The loop acts on it."""
+        self._drain_request = request
+        self._drain_requested = True
+        if self._waker is not None:
+            self._waker.poke()
+
+    def _event(self, kind: EventKind, /, **detail: object) -> None:
+        if self._presence is not None:
+            self._presence.event(kind, node=self._config.node_id, **detail)
+
+    def _publish_node(self) -> None:
+        """Hand the node record as it is now to the presence thread (it writes it when it changed)."""
+        if self._presence is None:
+            return
+        c = self._config
+        stats = self._supervisor.stats()
+        workers = []
+        for slot in self.snapshot.slots:
+            st = stats.get(slot.local_rank)
+            fresh = st is not None and st.pid == slot.pid
+            workers.append(WorkerRecord(
+                local_rank=slot.local_rank, pid=slot.pid, state=str(slot.state), starts=slot.starts,
+                restarts=max(0, slot.starts - 1), last_exit=self._last_exit.get(slot.local_rank),
+                rss_bytes=st.rss_bytes if fresh and st is not None else None,
+                cpu_percent=st.cpu_percent if fresh and st is not None else None,
+            ))
+        self._presence.update(NodeRecord(node=c.node_id, host=c.advertise_addr, agent_pid=os.getpid(),
+                                         state=str(self.snapshot.state), time=time.time(),
+                                         workers=tuple(workers)))
 
     def _loop(self, waker: _Waker) -> AgentOutcome:
         c = self._config
@@ -361,6 +416,7 @@ class Agent:
             if now >= next_sample:
                 self._supervisor.sample()
                 next_sample = now + c.stats_interval_s
+            self._publish_node()
             action = decide(self.snapshot, now, c)
             if action.kind is ActionKind.WAIT:
                 timeout = min(c.poll_interval_s, next_sample - now)
@@ -405,6 +461,10 @@ class Agent:
             self._last_status = text
 
     def _observe(self, waker: _Waker, now: float) -> None:
+        if self._drain_requested and not self._drain_acted:
+            self._drain_acted = True
+            if not self.snapshot.stop_requests:  # already stopping: a drain request is no second SIGTERM
+                self._pending_stop += 1
         requests = waker.stop_requests + self._pending_stop
         if requests != self.snapshot.stop_requests:
             log.info("stop_signal_received", count=requests, state=str(self.snapshot.state))
@@ -420,6 +480,9 @@ class Agent:
               signal=e.signal, runtime_s=e.runtime_s, how=e.describe(),
               rss_mb=round(stats.rss_bytes / 2**20, 1) if stats else None,
               cpu_percent=stats.cpu_percent if stats else None)
+        self._last_exit[e.local_rank] = e.describe()
+        self._event(EventKind.WORKER_EXITED, local_rank=e.local_rank, pid=e.pid, exit_kind=str(e.kind), code=e.code,
+                    signal=e.signal, how=e.describe(), runtime_s=e.runtime_s)
 
     def _set_slot(self, local_rank: int, **changes: object) -> Slot:
         slots = list(self.snapshot.slots)
@@ -446,11 +509,17 @@ class Agent:
                          max_restarts=c.max_restarts, reason=action.reason)
             if action.next_state is AgentState.STOPPING:
                 log.error("restarts_exhausted", local_rank=action.local_rank, reason=action.reason)
+                self._event(EventKind.RESTARTS_EXHAUSTED, local_rank=action.local_rank, reason=action.reason)
                 self.snapshot = replace(self.snapshot, reason=action.reason)
         elif action.kind is ActionKind.TERMINATE:
             pids = self._supervisor.send_signal(signal.SIGTERM)
             log.info("workers_signalled", signal="SIGTERM", pids=pids, grace_s=c.timeouts.shutdown_grace_s,
                      reason=action.reason)
+            if action.next_state is AgentState.DRAINING:
+                req = self._drain_request
+                cause = ("elasticctl drain" + (f" by {req.requested_by}" if req else "")
+                         if self._drain_acted else "stop signal (SIGTERM/SIGINT)")
+                self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
             self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
         elif action.kind is ActionKind.KILL:
             pids = self._supervisor.kill()
@@ -473,6 +542,8 @@ class Agent:
         self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1)
         log.info("worker_started", local_rank=local_rank, pid=pid, start=slot.starts + 1,
                  restart=slot.starts > 0)
+        if slot.starts > 0:
+            self._event(EventKind.WORKER_RESTARTED, local_rank=local_rank, pid=pid, start=slot.starts + 1)
 
     def _revoke(self, e: WorkerExit) -> None:
         """Mark the ended worker gone in etcd now: revoke the lease of its member record, which also

@@ -9,6 +9,8 @@ Usage::
 
     elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] status [--job ID] [--json]
                [--watch [--interval S]] [--min-workers N] [--max-workers N]
+    elasticctl [...] drain NODE [--job ID] [--wait [--timeout S]]
+    elasticctl [...] events [--job ID] [--json] [--limit N]
 
 ``--etcd``, ``--prefix`` and ``--job`` default to ``ELASTICD_ETCD_ENDPOINTS``,
 ``ELASTICD_ETCD_PREFIX`` and ``ELASTICD_JOB_ID`` (read by ``config.WorkerEnv.from_environ``, only
@@ -25,6 +27,11 @@ Exit codes of ``elasticctl``:
 With ``--watch`` the report is redrawn every ``--interval`` seconds until Ctrl-C, and the exit code
 is that of the last report.
 
+Exit codes of ``elasticctl drain NODE``: 0 the request was written (with ``--wait``: and the node's
+members have left the generation, or the job finished); 2 no agent record for NODE (unknown node),
+``--wait`` timed out, etcd did not answer, or bad input. Exit codes of ``elasticctl events``: 0 the
+events were listed (possibly none); 2 no such job, etcd did not answer, or bad input.
+
 ``elasticd [--config FILE] [flags] -- PROGRAM [ARGS...]`` runs the node agent (``agent.py``). Every
 setting is a flag, an ``ELASTICD_<NAME>`` variable and a key of the TOML file (default
 ``/etc/elasticd/elasticd.toml``, read only if it exists), in that order of precedence; torchrun's
@@ -37,14 +44,17 @@ configuration (one line on stderr per bad field, naming it).
 from __future__ import annotations
 
 import argparse
+import getpass
 import logging
 import math
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from elasticd.config import (
     AGENT_SETTINGS,
@@ -63,7 +73,21 @@ from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.log import configure_logging
 from elasticd.membership import Keys
 from elasticd.sdnotify import Notifier, watchdog_interval
-from elasticd.status import EXIT_DOWN, PrefixReader, read_status, render_json, render_table
+from elasticd.drain import DEFAULT_DRAIN_WAIT_S, DRAIN_POLL_S, DrainStore, drain_progress, request_drain
+from elasticd.status import (
+    EXIT_DOWN,
+    EXIT_OK,
+    PrefixReader,
+    job_events,
+    read_status,
+    render_events_json,
+    render_events_table,
+    render_json,
+    render_table,
+)
+
+if TYPE_CHECKING:  # the client is imported where it is wired (etcd3 and grpc slow the start)
+    from elasticd.etcd import EtcdClient
 
 PROG = "elasticctl"
 # A status query is one idempotent read: answer fast or say etcd is not there. Each attempt is
@@ -85,6 +109,27 @@ class StatusQuery:
     count: int | None  # frames to draw in --watch mode (None: until Ctrl-C)
     min_workers: int | None
     max_workers: int | None
+
+
+@dataclass(frozen=True)
+class DrainQuery:
+    """A validated ``elasticctl drain`` command line."""
+
+    etcd: EtcdConfig
+    job_id: str
+    node: str
+    wait: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class EventsQuery:
+    """A validated ``elasticctl events`` command line."""
+
+    etcd: EtcdConfig
+    job_id: str
+    json: bool
+    limit: int | None
 
 
 def ctl_main(
@@ -113,6 +158,10 @@ def ctl_main(
     # a failure is reported once, on stderr, below.
     configure_logging(json=False, level=logging.CRITICAL)
     try:
+        if args.command == "drain":
+            return run_drain(drain_query(parser, args), out, err, sleep)
+        if args.command == "events":
+            return run_events(events_query(args), out, err)
         query = status_query(parser, args)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=err)
@@ -124,8 +173,10 @@ def build_ctl_parser() -> argparse.ArgumentParser:
     """The ``elasticctl`` argument parser (flag defaults are None: the environment fills them)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect elastic training jobs in etcd. Exit codes: 0 healthy or finished, "
-        "1 degraded, 2 down, no such job, etcd unreachable, or bad input.",
+        description="Inspect elastic training jobs in etcd, and drain nodes. Exit codes of status: 0 "
+        "healthy or finished, 1 degraded, 2 down, no such job, etcd unreachable, or bad input; of drain: "
+        "0 requested (with --wait: the node's members left the generation), 2 unknown node, timeout, etcd "
+        "unreachable or bad input; of events: 0 listed, 2 no such job, etcd unreachable or bad input.",
     )
     parser.add_argument("--etcd", type=_endpoints, default=None, metavar="HOST:PORT[,HOST:PORT]",
                         help="etcd endpoints (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)")
@@ -145,7 +196,149 @@ def build_ctl_parser() -> argparse.ArgumentParser:
                         help="the job's min_workers (not stored in etcd): below it is 'down'")
     status.add_argument("--max-workers", type=_positive_int, default=None, metavar="N",
                         help="the job's max_workers (not stored in etcd): below it is 'degraded'")
+    drain = commands.add_parser(
+        "drain", help="ask a node's agent to drain (its workers finish their step and leave)",
+        description="Ask the agent of NODE to drain, as on SIGTERM: its workers finish their step and "
+        "leave, the job goes on without them, the agent exits 0. Exit codes: 0 requested (with --wait: "
+        "the node's members have left the generation), 2 unknown node, --wait timed out, etcd unreachable "
+        "or bad input.")
+    drain.add_argument("node", type=_node_id, metavar="NODE", help="the node id (as in the nodes section of status)")
+    drain.add_argument("--job", type=_job_id, default=None,
+                       help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    drain.add_argument("--wait", action="store_true",
+                       help="return once the node's members have left the current generation")
+    drain.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                       help=f"with --wait: give up (exit 2) after S seconds (default: {DEFAULT_DRAIN_WAIT_S:g})")
+    events = commands.add_parser("events", help="show the job's membership and recovery history",
+                                 description="Show the job's events (generations published, recoveries, "
+                                 "worker exits and restarts, drains), newest last. Exit codes: 0 listed, "
+                                 "2 no such job, etcd unreachable or bad input.")
+    events.add_argument("--job", type=_job_id, default=None,
+                        help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    events.add_argument("--json", action="store_true", help="print one JSON object")
+    events.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                        help="only the newest N events (default: all kept, see events_keep)")
     return parser
+
+
+def _target(args: argparse.Namespace) -> tuple[EtcdConfig, str]:
+    """etcd and the job id from the flags, else from the environment (only for a missing flag).
+
+    Raises:
+        ConfigError: an ``ELASTICD_*`` variable that a missing flag falls back on is invalid.
+    """
+    endpoints: tuple[str, ...] | None = args.etcd
+    prefix: str | None = args.prefix
+    job_id: str | None = args.job
+    if endpoints is None or prefix is None or job_id is None:
+        env = WorkerEnv.from_environ()  # only when a flag is missing: a bad variable cannot block flags
+        endpoints = endpoints or env.etcd.endpoints
+        prefix = prefix or env.etcd.prefix
+        job_id = job_id or env.world.job_id
+    return EtcdConfig(endpoints=endpoints, prefix=prefix), job_id
+
+
+def drain_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DrainQuery:
+    """Validate ``drain`` flags (see ``status_query``).
+
+    Raises:
+        ConfigError: an ``ELASTICD_*`` variable that a missing flag falls back on is invalid.
+    """
+    if args.timeout is not None and not args.wait:
+        parser.error("--timeout only applies with --wait")
+    etcd, job_id = _target(args)
+    return DrainQuery(etcd=etcd, job_id=job_id, node=args.node, wait=args.wait,
+                      timeout_s=args.timeout if args.timeout is not None else DEFAULT_DRAIN_WAIT_S)
+
+
+def events_query(args: argparse.Namespace) -> EventsQuery:
+    """Validate ``events`` flags (see ``status_query``).
+
+    Raises:
+        ConfigError: an ``ELASTICD_*`` variable that a missing flag falls back on is invalid.
+    """
+    etcd, job_id = _target(args)
+    return EventsQuery(etcd=etcd, job_id=job_id, json=args.json, limit=args.limit)
+
+
+def _ctl_client(etcd: EtcdConfig) -> EtcdClient:
+    from elasticd.etcd import EtcdClient  # the entry point wires the concrete client
+
+    # One attempt per endpoint plus one, so that failover can reach every endpoint once.
+    retry = RetryPolicy(etcd_attempts=len(etcd.endpoints) + 1,
+                        etcd_backoff_initial_s=CTL_BACKOFF_S, etcd_backoff_max_s=CTL_BACKOFF_S)
+    return EtcdClient(etcd, CTL_TIMEOUTS, retry)
+
+
+def requester() -> str:
+    """Who asks for a drain: ``user@host (pid N)``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()} (elasticctl pid {os.getpid()})"
+
+
+def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[float], None]) -> int:
+    """Request the drain; with ``--wait``, poll until the node's members left the generation."""
+    keys = Keys(query.etcd.prefix, query.job_id)
+    client = _ctl_client(query.etcd)
+    try:
+        return execute_drain(client, keys, query, out, err, sleep)
+    except EtcdUnavailable as exc:
+        print(unreachable_message(query.etcd, exc), file=err, flush=True)
+        return EXIT_DOWN
+    except KeyboardInterrupt:
+        return EXIT_DOWN
+    finally:
+        client.close()
+
+
+def execute_drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO, err: TextIO,
+                  sleep: Callable[[float], None]) -> int:
+    """The drain command on a given store: request, then (``--wait``) poll until done or timed out.
+
+    Raises:
+        EtcdUnavailable: etcd could not be reached within the store's retry bound.
+    """
+    req = request_drain(store, keys, query.node, requester(), time.time())
+    if not req.accepted:
+        print(f"{PROG}: {req.message}", file=err, flush=True)
+        return EXIT_DOWN
+    print(req.message, file=out, flush=True)
+    if not query.wait:
+        return EXIT_OK
+    tracked = set(req.members)
+    deadline = time.monotonic() + query.timeout_s
+    while True:
+        done, why = drain_progress(keys, store.get_prefix(keys.prefix), query.node, tracked)
+        if done:
+            print(f"node {query.node!r} drained: {why}", file=out, flush=True)
+            return EXIT_OK
+        if time.monotonic() >= deadline:
+            print(f"{PROG}: node {query.node!r} not drained after {query.timeout_s:g} s: {why}", file=err,
+                  flush=True)
+            return EXIT_DOWN
+        sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def run_events(query: EventsQuery, out: TextIO, err: TextIO) -> int:
+    """Print the job's events, newest last."""
+    keys = Keys(query.etcd.prefix, query.job_id)
+    client = _ctl_client(query.etcd)
+    try:
+        ev = job_events(keys, client.get_prefix(keys.prefix), query.limit)
+    except EtcdUnavailable as exc:
+        print(unreachable_message(query.etcd, exc), file=err, flush=True)
+        return EXIT_DOWN
+    finally:
+        client.close()
+    if not ev.exists:
+        print(f"{PROG}: no such job: nothing under {keys.prefix}", file=err, flush=True)
+        return EXIT_DOWN
+    out.write(render_events_json(ev) + "\n" if query.json else render_events_table(ev))
+    out.flush()
+    return EXIT_OK
 
 
 def status_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> StatusQuery:
@@ -158,16 +351,9 @@ def status_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         parser.error(f"--min-workers ({args.min_workers}) must be <= --max-workers ({args.max_workers})")
     if args.count is not None and not args.watch:
         parser.error("--count only applies with --watch")
-    endpoints: tuple[str, ...] | None = args.etcd
-    prefix: str | None = args.prefix
-    job_id: str | None = args.job
-    if endpoints is None or prefix is None or job_id is None:
-        env = WorkerEnv.from_environ()  # only when a flag is missing: a bad variable cannot block flags
-        endpoints = endpoints or env.etcd.endpoints
-        prefix = prefix or env.etcd.prefix
-        job_id = job_id or env.world.job_id
+    etcd, job_id = _target(args)
     return StatusQuery(
-        etcd=EtcdConfig(endpoints=endpoints, prefix=prefix),
+        etcd=etcd,
         job_id=job_id,
         json=args.json,
         watch=args.watch,
@@ -180,13 +366,8 @@ def status_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
 
 def run_status(query: StatusQuery, out: TextIO, err: TextIO, sleep: Callable[[float], None]) -> int:
     """Print one report (or, with ``--watch``, one per interval) and return the last exit code."""
-    from elasticd.etcd import EtcdClient  # the entry point wires the concrete client
-
     keys = Keys(query.etcd.prefix, query.job_id)
-    # One attempt per endpoint plus one, so that failover can reach every endpoint once.
-    retry = RetryPolicy(etcd_attempts=len(query.etcd.endpoints) + 1,
-                        etcd_backoff_initial_s=CTL_BACKOFF_S, etcd_backoff_max_s=CTL_BACKOFF_S)
-    client = EtcdClient(query.etcd, CTL_TIMEOUTS, retry)
+    client = _ctl_client(query.etcd)
     clear = query.watch and not query.json and out.isatty()
     code = EXIT_DOWN
     frames = 0
@@ -256,6 +437,12 @@ def _prefix(text: str) -> str:
         return EtcdConfig(prefix=text).prefix
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _node_id(text: str) -> str:
+    if not text or "/" in text or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"a node id is non-empty, printable, with no '/', got {text!r}")
+    return text
 
 
 def _job_id(text: str) -> str:

@@ -166,6 +166,15 @@ class WorldConfig:
             )
 
 
+EVENTS_KEEP_DOC = ("Most events kept in the job's history in etcd (events/); each writer prunes the "
+                   "oldest beyond it after it writes.")
+
+
+def _check_events_keep(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"events_keep: must be an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """Everything a worker process needs, as handed over by its launcher in ``ELASTICD_*`` variables."""
@@ -178,8 +187,10 @@ class WorkerEnv:
     local_rank: int = 0
     advertise_addr: str = "127.0.0.1"
     backend: str = "auto"
+    events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
 
     def __post_init__(self) -> None:
+        _check_events_keep(self.events_keep)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"backend: must be one of auto, gloo, nccl, got {self.backend!r}")
         if self.local_rank < 0:
@@ -325,7 +336,9 @@ class AgentConfig:
     poll_interval_s: float = field(default=0.1, metadata={
         "doc": "Longest sleep of the agent loop (a worker's exit wakes it at once; this is the fallback)."})
     stats_interval_s: float = field(default=5.0, metadata={
-        "doc": "Interval between samples of each worker's memory and CPU use."})
+        "doc": "Interval between samples of each worker's memory and CPU use (and, at least, between "
+               "writes of the node record in etcd)."})
+    events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
     mode: str = field(default="elastic", metadata={
         "doc": "elastic: workers use the in-process worker API and the job goes on without a failed "
                "one; restart: unmodified torchrun scripts (RANK, WORLD_SIZE, MASTER_ADDR, ...), and "
@@ -364,13 +377,13 @@ class AgentConfig:
                 raise ConfigError(f"checkpoint_dir: {text} exists and is not a directory")
         if self.mode not in AGENT_MODES:
             raise ConfigError(f"mode: must be one of {', '.join(AGENT_MODES)}, got {self.mode!r}")
-        self.worker_env(0)  # validates node_id, advertise_addr and backend as a worker would
+        self.worker_env(0)  # validates node_id, advertise_addr, backend and events_keep as a worker would
 
     def worker_env(self, local_rank: int) -> WorkerEnv:
         """The settings of this node's worker ``local_rank``."""
         return WorkerEnv(world=self.world, etcd=self.etcd, timeouts=self.timeouts, retry=self.retry,
                          node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
-                         backend=self.backend)
+                         backend=self.backend, events_keep=self.events_keep)
 
     def worker_environ(self, local_rank: int) -> dict[str, str]:
         """The ``ELASTICD_*`` variables of worker ``local_rank`` (what ``WorkerEnv.from_environ`` reads)."""

@@ -13,7 +13,7 @@ import os
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
 import threading  # noqa: E402
-from collections.abc import Callable, Iterable  # noqa: E402
+from collections.abc import Callable, Iterable, Mapping  # noqa: E402
 from typing import TypeVar  # noqa: E402
 
 import etcd3  # noqa: E402
@@ -123,9 +123,11 @@ class EtcdClient:
         self._call("delete", lambda c: c.delete(key))
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = ()
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
     ) -> bool:
         deletes = list(delete_keys)
+        extra = dict(put_keys or {})
 
         def txn(c: etcd3.Etcd3Client) -> bool:
             cmp = (
@@ -134,6 +136,7 @@ class EtcdClient:
                 else c.transactions.mod(key) == expected_mod_revision
             )
             ops = [c.transactions.put(key, value)] + [c.transactions.delete(k) for k in deletes]
+            ops += [c.transactions.put(k, v) for k, v in extra.items()]
             ok, _ = c.transaction(compare=[cmp], success=ops, failure=[])
             return bool(ok)
 

@@ -35,6 +35,7 @@ from elasticd.errors import (
     RendezvousClosed,
     StateLost,
 )
+from elasticd.oprecords import EventKind, EventRecord, encode_event, event_name
 from elasticd.retry import Clock, Deadline
 
 log = structlog.get_logger(__name__)
@@ -67,9 +68,11 @@ class KeyValueStore(Protocol):
     def delete(self, key: str) -> None: ...
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = ()
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
     ) -> bool:
-        """Put ``key`` (and delete ``delete_keys``) iff its mod_revision is as expected (0: absent)."""
+        """Put ``key`` (and delete ``delete_keys``, and put ``put_keys``, unleased) iff its
+        mod_revision is as expected (0: absent), all in one transaction."""
         ...
 
     def grant_lease(self, ttl_s: float) -> int: ...
@@ -124,8 +127,21 @@ class Keys:
     def progress(self, member_id: str) -> str:
         return f"{self.job}/progress/{member_id}"
 
-    def event(self, seq: int) -> str:
-        return f"{self.job}/events/{seq:012d}"
+    def event(self, name: str) -> str:
+        """``events/<name>``; writers take ``name`` from ``oprecords.event_name`` (sorts by time)."""
+        return f"{self.job}/events/{name}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.job}/events/"
+
+    def node(self, node: str) -> str:
+        """``nodes/<node>``: the node agent's record, under the agent's lease."""
+        return f"{self.job}/nodes/{node}"
+
+    def drain(self, node: str) -> str:
+        """``drain/<node>``: an operator's request that this node drain (``elasticctl drain``)."""
+        return f"{self.job}/drain/{node}"
 
 
 @dataclass(frozen=True)
@@ -789,6 +805,7 @@ class Membership:
                     action.expected_revision,
                     encode(action.record),
                     delete_keys=[self._keys.ready(m) for m in action.consumed_ready],
+                    put_keys=dict([self._published_event(action.record)]),  # the history, same txn
                 )
                 if won:
                     log.info(
@@ -803,6 +820,15 @@ class Membership:
             if action.until is not None:
                 wait_s = min(wait_s, max(0.0, action.until - now))
             self._changed.wait(min(wait_s, deadline.remaining_s()))
+
+    def _published_event(self, record: GenerationRecord) -> tuple[str, bytes]:
+        """The ``generation_published`` event that goes into the publishing transaction."""
+        now_ns = time.time_ns()  # wall clock: events from many hosts are ordered by it
+        event = EventRecord(time=now_ns / 1e9, kind=EventKind.GENERATION_PUBLISHED, source=self.member_id,
+                            detail={"generation": record.generation, "reason": record.reason,
+                                    "world_size": record.world_size, "members": list(record.members),
+                                    "committed_step": record.committed_step})
+        return self._keys.event(event_name(now_ns, self.member_id)), encode_event(event)
 
     def _joined(self, record: GenerationRecord, started: float, snap: Snapshot) -> Joined:
         with self._lock:

@@ -1,9 +1,12 @@
 """The read model of one job (what ``elasticctl status`` shows), and pure renderers of it.
 
 Owns reading a job's keys (one ``get_prefix``, so one etcd revision) and turning them into a frozen
-``JobStatus``: the current generation, every live member with its rank, state and last progress, the
-finished and abort records, the records that could not be parsed, and a health verdict with its
-reason. ``render_table`` and ``render_json`` turn a ``JobStatus`` into text and do no I/O.
+``JobStatus``: the current generation, every live member with its rank, state and last progress (and,
+joined by node and pid from its agent's ``nodes/<node>`` record, its restarts, memory and CPU), the
+node agents, the last recoveries (from ``events/``), pending drain requests, the finished and abort
+records, the records that could not be parsed, and a health verdict with its reason.
+``render_table`` and ``render_json`` turn a ``JobStatus`` into text and do no I/O; ``job_events``,
+``render_events_table`` and ``render_events_json`` do the same for ``elasticctl events``.
 
 It never writes to etcd (the only store method it uses is ``get_prefix``), never imports torch (so
 ``elasticctl status`` starts at once), and never fails on a malformed record: it lists it.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -45,10 +49,20 @@ from elasticd.membership import (
     decode_abort,
     parse_snapshot,
 )
+from elasticd.oprecords import (
+    DECODE_ERRORS,
+    EventKind,
+    EventRecord,
+    NodeRecord,
+    decode_drain,
+    decode_event,
+    decode_node,
+)
 
 EXIT_OK = 0
 EXIT_DEGRADED = 1
 EXIT_DOWN = 2
+RECOVERIES_SHOWN = 5  # how many of the newest ``recovered`` events ``status`` reports
 
 
 class PrefixReader(Protocol):
@@ -111,6 +125,34 @@ class MemberStatus:
     step_time_s: float | None
     recoveries: int | None
     heartbeat_age_s: float | None  # now - progress time (can be < 0 when clocks disagree)
+    restarts: int | None = None  # of its local rank, by its agent (None: no node record for it)
+    rss_bytes: int | None = None  # from its agent's last sample
+    cpu_percent: float | None = None  # since the sample before; 100 is one full core
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node agent, from its ``nodes/<node>`` record."""
+
+    node: str
+    host: str
+    agent_pid: int
+    state: str  # the agent's state: starting, running, draining, stopping
+    workers_running: int
+    workers: int
+    restarts: int
+    heartbeat_age_s: float  # now - the record's write time
+    drain_requested: bool
+
+
+@dataclass(frozen=True)
+class RecoveryStatus:
+    """One ``recovered`` event: rank 0's first commit after a fault (or a regroup)."""
+
+    time: float
+    generation: int | None
+    cause: str
+    duration_s: float | None
 
 
 @dataclass(frozen=True)
@@ -138,6 +180,9 @@ class JobStatus:
     malformed: tuple[str, ...]  # "<key>: <why>", never fatal
     min_workers: int | None = None
     max_workers: int | None = None
+    nodes: tuple[NodeStatus, ...] = ()
+    recoveries: tuple[RecoveryStatus, ...] = ()  # the newest RECOVERIES_SHOWN, oldest first
+    drains: tuple[str, ...] = ()  # nodes with a pending drain request
 
     @property
     def exit_code(self) -> int:
@@ -184,6 +229,10 @@ def build_status(
     rows = list(kvs)
     snap = parse_snapshot(keys, rows)
     progress, bad_progress = _parse_progress(keys, rows)
+    node_records, bad_nodes = parse_nodes(keys, rows)
+    events, bad_events = parse_events(keys, rows)
+    drains, bad_drains = _parse_drains(keys, rows)
+    slots = {(n.node, w.pid): w for n in node_records.values() for w in n.workers if w.pid}
     last_abort = _parse_abort(keys, rows)
     g = snap.generation
     in_generation = set(g.members) if g else set()
@@ -197,6 +246,7 @@ def build_status(
             state = WorkerState.WAITING
         else:
             state = WorkerState.REGISTERED
+        slot = slots.get((rec.node, rec.pid))
         step: int | None = None
         if prog is not None:
             step = prog.step
@@ -214,6 +264,9 @@ def build_status(
             step_time_s=prog.step_time_s if prog else None,
             recoveries=prog.recoveries if prog else None,
             heartbeat_age_s=now - prog.time if prog else None,
+            restarts=slot.restarts if slot else None,
+            rss_bytes=slot.rss_bytes if slot else None,
+            cpu_percent=slot.cpu_percent if slot else None,
         ))
     order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.REGISTERED: 2}
     members.sort(key=lambda m: (order[m.state], m.rank if m.rank is not None else 0,
@@ -230,9 +283,84 @@ def build_status(
         missing=tuple(m for m in g.members if m not in snap.members) if g else (),
         finished=snap.finished,
         last_abort=last_abort,
-        malformed=snap.malformed + bad_progress,
+        malformed=snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events,
         min_workers=min_workers,
         max_workers=max_workers,
+        nodes=tuple(
+            NodeStatus(node=n.node, host=n.host, agent_pid=n.agent_pid, state=n.state,
+                       workers_running=sum(1 for w in n.workers if w.pid), workers=len(n.workers),
+                       restarts=n.restarts, heartbeat_age_s=now - n.time, drain_requested=n.node in drains)
+            for _, n in sorted(node_records.items())
+        ),
+        recoveries=tuple(_recovery(e) for _, e in events if e.kind == EventKind.RECOVERED)[-RECOVERIES_SHOWN:],
+        drains=tuple(sorted(drains)),
+    )
+
+
+def parse_nodes(keys: Keys, rows: Iterable[KeyValue]) -> tuple[dict[str, NodeRecord], tuple[str, ...]]:
+    """Node records by node; unparseable ones (or one whose node differs from its key) as
+    ``"<key>: <why>"``. Pure."""
+    under = keys.node("")
+    out: dict[str, NodeRecord] = {}
+    bad: list[str] = []
+    for kv in rows:
+        if not kv.key.startswith(under):
+            continue
+        try:
+            rec = decode_node(kv.value)
+            if kv.key != keys.node(rec.node):
+                raise ValueError("node does not match its key")
+            out[rec.node] = rec
+        except DECODE_ERRORS as exc:
+            bad.append(f"{kv.key}: {exc}")
+    return out, tuple(bad)
+
+
+def parse_events(keys: Keys, rows: Iterable[KeyValue]) -> tuple[list[tuple[str, EventRecord]], tuple[str, ...]]:
+    """(key, event) in key order, which is time order; unparseable ones as ``"<key>: <why>"``. Pure."""
+    out: list[tuple[str, EventRecord]] = []
+    bad: list[str] = []
+    for kv in sorted(rows, key=lambda kv: kv.key):
+        if not kv.key.startswith(keys.events):
+            continue
+        try:
+            out.append((kv.key, decode_event(kv.value)))
+        except DECODE_ERRORS as exc:
+            bad.append(f"{kv.key}: {exc}")
+    return out, tuple(bad)
+
+
+def _parse_drains(keys: Keys, rows: Iterable[KeyValue]) -> tuple[set[str], tuple[str, ...]]:
+    """Nodes with a drain request. A value that does not parse is still a request (the agent
+    drains on the key) but is listed as malformed too."""
+    under = keys.drain("")
+    nodes: set[str] = set()
+    bad: list[str] = []
+    for kv in rows:
+        if not kv.key.startswith(under):
+            continue
+        nodes.add(kv.key[len(under):])
+        try:
+            decode_drain(kv.value)
+        except DECODE_ERRORS as exc:
+            bad.append(f"{kv.key}: {exc}")
+    return nodes, tuple(bad)
+
+
+def _recovery(e: EventRecord) -> RecoveryStatus:
+    d = e.detail
+    generation, duration = d.get("generation"), d.get("duration_s")
+    cause = d.get("cause")
+    reason = d.get("generation_reason")
+    text = str(cause) if cause is not None else "unknown"
+    if isinstance(reason, str) and reason:
+        text += f" ({reason})"
+    return RecoveryStatus(
+        time=e.time,
+        generation=generation if isinstance(generation, int) and not isinstance(generation, bool) else None,
+        cause=text,
+        duration_s=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool)
+        and math.isfinite(duration) else None,
     )
 
 
@@ -374,9 +502,31 @@ def to_dict(status: JobStatus) -> dict[str, object]:
                 "step_time_s": _round(m.step_time_s, 6),
                 "recoveries": m.recoveries,
                 "heartbeat_age_s": _round(m.heartbeat_age_s, 3),
+                "restarts": m.restarts,
+                "rss_bytes": m.rss_bytes,
+                "cpu_percent": m.cpu_percent,
             }
             for m in status.members
         ],
+        "nodes": [
+            {
+                "node": n.node,
+                "host": n.host,
+                "agent_pid": n.agent_pid,
+                "state": n.state,
+                "workers_running": n.workers_running,
+                "workers": n.workers,
+                "restarts": n.restarts,
+                "heartbeat_age_s": _round(n.heartbeat_age_s, 3),
+                "drain_requested": n.drain_requested,
+            }
+            for n in status.nodes
+        ],
+        "recoveries": [
+            {"time": r.time, "generation": r.generation, "cause": r.cause, "duration_s": r.duration_s}
+            for r in status.recoveries
+        ],
+        "drains": list(status.drains),
         "missing": list(status.missing),
         "finished": None if status.finished is None else {
             "generation": status.finished.generation,
@@ -397,7 +547,8 @@ def render_json(status: JobStatus) -> str:
 
 
 _COLUMNS = ("MEMBER", "NODE", "LOCAL", "PID", "HOST", "RANK", "STATE", "STEP", "STEP_TIME",
-            "RECOVERIES", "HEARTBEAT")
+            "RECOVERIES", "HEARTBEAT", "RESTARTS", "RSS", "CPU")
+_NODE_COLUMNS = ("NODE", "HOST", "AGENT_PID", "AGENT_STATE", "WORKERS", "RESTARTS", "HEARTBEAT", "DRAIN")
 
 
 def render_table(status: JobStatus) -> str:
@@ -422,11 +573,25 @@ def render_table(status: JobStatus) -> str:
     out = [f"{k:<11} {v}" for k, v in lines]
     out.append("")
     if status.members:
-        rows = [_COLUMNS] + [_row(m) for m in status.members]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-        out += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        out += _aligned([_COLUMNS] + [_row(m) for m in status.members])
     else:
         out.append("no live members")
+    out.append("")
+    if status.nodes:
+        out += _aligned([_NODE_COLUMNS] + [_node_row(n) for n in status.nodes])
+    else:
+        out.append("no node agents (workers started without elasticd, or none running)")
+    out.append("")
+    if status.recoveries:
+        out.append(f"last recoveries (newest last, at most {RECOVERIES_SHOWN}):")
+        out += [f"  {_utc(r.time)}  generation {_opt(r.generation)}  {_clean(r.cause)}  "
+                f"{'-' if r.duration_s is None else f'{r.duration_s:.3f}s'}" for r in status.recoveries]
+    else:
+        out.append("last recoveries: none recorded")
+    orphan = [d for d in status.drains if d not in {n.node for n in status.nodes}]
+    if orphan:
+        out.append("")
+        out.append("drain requested for nodes without an agent record: " + ", ".join(map(_clean, orphan)))
     if status.missing:
         out.append("")
         out.append("missing (in the generation, lease gone): " + ", ".join(map(_clean, status.missing)))
@@ -435,6 +600,32 @@ def render_table(status: JobStatus) -> str:
         out.append(f"malformed records ({len(status.malformed)}, ignored):")
         out += [f"  {_clean(m)}" for m in status.malformed]
     return "\n".join(out) + "\n"
+
+
+def _aligned(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _node_row(n: NodeStatus) -> tuple[str, ...]:
+    return (
+        _clean(n.node),
+        _clean(n.host),
+        str(n.agent_pid),
+        _clean(n.state),
+        f"{n.workers_running}/{n.workers}",
+        str(n.restarts),
+        f"{n.heartbeat_age_s:.1f}s ago",
+        "requested" if n.drain_requested else "-",
+    )
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}MiB"
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if math.isfinite(t) and abs(t) < 1e11 else "?"
 
 
 def _row(m: MemberStatus) -> tuple[str, ...]:
@@ -450,6 +641,9 @@ def _row(m: MemberStatus) -> tuple[str, ...]:
         "-" if m.step_time_s is None else f"{m.step_time_s:.3f}s",
         _opt(m.recoveries),
         "-" if m.heartbeat_age_s is None else f"{m.heartbeat_age_s:.1f}s ago",
+        _opt(m.restarts),
+        _mib(m.rss_bytes),
+        "-" if m.cpu_percent is None else f"{m.cpu_percent:.0f}%",
     )
 
 
@@ -464,3 +658,70 @@ def _round(value: float | None, digits: int) -> float | None:
 def _clean(text: str) -> str:
     """Escape control characters: record fields come from etcd and must not drive the terminal."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# ---------------------------------------------------------------------------------------------
+# elasticctl events
+
+
+@dataclass(frozen=True)
+class JobEvents:
+    """The job's event history as ``elasticctl events`` shows it (oldest first)."""
+
+    job_id: str
+    prefix: str
+    exists: bool  # any key of the job exists
+    events: tuple[tuple[str, EventRecord], ...]  # (key, event), the newest ``limit``
+    total: int  # events that parsed, before the limit
+    malformed: tuple[str, ...]  # event keys that did not parse: "<key>: <why>"
+
+
+def job_events(keys: Keys, kvs: Iterable[KeyValue], limit: int | None = None) -> JobEvents:
+    """The newest ``limit`` events of a job (all when None), oldest first. Pure."""
+    rows = list(kvs)
+    events, bad = parse_events(keys, rows)
+    shown = events if limit is None else events[max(0, len(events) - limit):]
+    return JobEvents(job_id=keys.job.rpartition("/")[2], prefix=keys.prefix, exists=bool(rows),
+                     events=tuple(shown), total=len(events), malformed=bad)
+
+
+def events_to_dict(ev: JobEvents) -> dict[str, object]:
+    """The JSON shape of ``elasticctl events --json``: every key always present."""
+    return {
+        "job": ev.job_id,
+        "prefix": ev.prefix,
+        "total": ev.total,
+        "events": [{"key": key, "time": e.time, "kind": e.kind, "source": e.source, "detail": dict(e.detail)}
+                   for key, e in ev.events],
+        "malformed": list(ev.malformed),
+    }
+
+
+def render_events_json(ev: JobEvents) -> str:
+    return json.dumps(events_to_dict(ev), default=str)
+
+
+def render_events_table(ev: JobEvents) -> str:
+    """One line per event, oldest first: UTC time, kind, writer, details; then malformed keys."""
+    out = [f"job {_clean(ev.job_id)} ({_clean(ev.prefix)}): {len(ev.events)} of {ev.total} event(s), newest last"]
+    if ev.events:
+        rows = [("TIME", "KIND", "SOURCE", "DETAIL")]
+        for _, e in ev.events:
+            ms = int(round((e.time % 1) * 1000)) % 1000 if math.isfinite(e.time) else 0
+            rows.append((f"{_utc(e.time)[:-1]}.{ms:03d}Z", _clean(e.kind), _clean(e.source), _detail(e.detail)))
+        out += _aligned(rows)
+    if ev.malformed:
+        out.append("")
+        out.append(f"malformed events ({len(ev.malformed)}, ignored):")
+        out += [f"  {_clean(m)}" for m in ev.malformed]
+    return "\n".join(out) + "\n"
+
+
+def _detail(detail: Mapping[str, object]) -> str:
+    parts = []
+    for k in sorted(detail):
+        v = detail[k]
+        plain = isinstance(v, str) and v and not any(c.isspace() or c in "\"=" for c in v)
+        text = v if plain and isinstance(v, str) else json.dumps(v, default=str, separators=(",", ":"))
+        parts.append(f"{k}={text}")
+    return _clean(" ".join(parts))

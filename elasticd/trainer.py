@@ -30,7 +30,9 @@ from elasticd.errors import (
     JobFinished,
     RestartsExhausted,
 )
+from elasticd.events import EventLog
 from elasticd.log import bind_context
+from elasticd.oprecords import EventKind
 from elasticd.membership import Joined, KeyValueStore, Keys, MemberRecord, Membership, new_member_id
 from elasticd.process_group import Group, GroupFactory, StoreServer
 from elasticd.retry import Deadline
@@ -123,6 +125,10 @@ class ElasticTrainer:
         self._finished_together = False
         self.recoveries = 0
         self.last_result: StepResult | None = None
+        self._events: EventLog | None = None
+        self._cause_detail = ""
+        # Rank 0 of a generation that was a recovery: what to record at its first commit.
+        self._unrecorded_recovery: dict[str, object] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -158,7 +164,10 @@ class ElasticTrainer:
             store_port=self._server.port,
             signature=self.state.signature,
         )
-        self._membership = Membership(self._store, Keys(env.etcd.prefix, env.world.job_id), record, env.world, env.timeouts)
+        keys = Keys(env.etcd.prefix, env.world.job_id)
+        self._membership = Membership(self._store, keys, record, env.world, env.timeouts)
+        # Its thread starts with the first event (only a rank 0 after a recovery writes any).
+        self._events = EventLog(self._store, keys, record.member_id, env.events_keep)
         bind_context(node=env.node_id, member=record.member_id)
         self._membership.start()
         self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
@@ -183,6 +192,8 @@ class ElasticTrainer:
                 log.warning("goodbye_barrier_failed", error=str(exc))
         if self._membership is not None:
             self._membership.close()
+        if self._events is not None:
+            self._events.close(self.env.timeouts.etcd_request_s)
         if self._reducer is not None:
             self._reducer.close()
         if self._factory is not None:
@@ -305,8 +316,11 @@ class ElasticTrainer:
             log.info("drained", generation=group.generation, rank=group.rank, step=c.step)
         elif summed[2] > 0:
             self._need_rendezvous, self._cause = True, "regroup"
+            self._cause_detail = ""
             self._failed_at = time.monotonic()
         self._record_commit(batch, result)
+        if self._unrecorded_recovery is not None:
+            self._record_recovery(result)
         return result
 
     # -- failure and recovery ---------------------------------------------------------------
@@ -322,6 +336,7 @@ class ElasticTrainer:
         if not self._need_rendezvous:
             self._failed_at = time.monotonic()
         self._need_rendezvous, self._cause = True, type(exc).__name__
+        self._cause_detail = str(exc)[:200]
         if self._failures_this_step > self.env.retry.step_retries:
             raise RestartsExhausted(
                 f"step {self.state.counters.step + 1} failed {self._failures_this_step} times "
@@ -370,8 +385,15 @@ class ElasticTrainer:
         self.joined = joined
         self._has_state = True
         self._need_rendezvous = False
+        self._unrecorded_recovery = None
         if self._cause != "start":  # a worker's first join is not a recovery
             self.recoveries += 1
+            if group.rank == 0:
+                self._unrecorded_recovery = {
+                    "generation": group.generation, "cause": self._cause, "error": self._cause_detail,
+                    "generation_reason": rec.reason, "world_size": group.world_size,
+                    "failed_at": self._failed_at,
+                }
         if self.sampler.mode is BatchMode.LINEAR_SCALING:
             for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
                 g["lr"] = base * group.world_size / self._reference_world
@@ -388,6 +410,18 @@ class ElasticTrainer:
         self._publish_progress()
 
     # -- bookkeeping ------------------------------------------------------------------------
+
+    def _record_recovery(self, result: StepResult) -> None:
+        """Rank 0's first commit in a recovery generation: record ``recovered`` (fault noticed ->
+        this commit) in the job's events. Queues it only; the write happens off this thread."""
+        pending, self._unrecorded_recovery = self._unrecorded_recovery, None
+        assert pending is not None and self._events is not None
+        if pending["generation"] != result.generation:
+            return  # that generation broke before its first commit; the next one records
+        failed_at = pending.pop("failed_at")
+        assert isinstance(failed_at, float)
+        self._events.record(EventKind.RECOVERED, **pending, step=result.step,
+                            duration_s=round(time.monotonic() - failed_at, 4))
 
     def _record_commit(self, batch: Batch, result: StepResult) -> None:
         if result.step % self._log_every == 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from elasticd.errors import LeaseLost
@@ -163,9 +163,11 @@ class FakeKeyValueStore:
         self._notify(changed)
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = ()
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
     ) -> bool:
         deletes = list(delete_keys)
+        extra = dict(put_keys or {})
         with self._lock:
             changed = self._begin()
             current = self._data.get(key)
@@ -178,6 +180,9 @@ class FakeKeyValueStore:
                 for k in deletes:
                     if k != key and self._delete(k):
                         changed.append(k)
+                for k, v in extra.items():
+                    self._put(k, v, 0)
+                    changed.append(k)
         self._notify(changed)
         return ok
 

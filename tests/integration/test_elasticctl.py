@@ -112,18 +112,21 @@ def test_garbage_in_etcd_is_listed_as_malformed_and_status_still_answers(
     keys = Keys("/elasticd", job.job_id)
     client.put(keys.member("garbage"), b"not json")
     client.put(keys.progress("garbage"), b"\xff\xfe")
-    client.put(f"{keys.job}/events/x", b"keys it does not know are not listed")
+    client.put(f"{keys.job}/other/x", b"keys it does not know are not listed")
+    client.put(keys.event("x"), b"an event that does not parse is listed")
+    client.put(keys.node("y"), b"[1, 2]")
     proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id, "--json",
                       "--max-workers", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert data["health"] == "healthy" and len(data["members"]) == 2
     bad = sorted(s.split(": ", 1)[0] for s in data["malformed"])
-    assert bad == sorted([keys.member("garbage"), keys.progress("garbage")]), data["malformed"]
+    assert bad == sorted([keys.member("garbage"), keys.progress("garbage"), keys.event("x"), keys.node("y")]), \
+        data["malformed"]
 
     proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "malformed records (2, ignored):" in proc.stdout and keys.member("garbage") in proc.stdout
+    assert "malformed records (4, ignored):" in proc.stdout and keys.member("garbage") in proc.stdout
 
 
 def test_watch_prints_one_json_line_per_frame(running_job: Any, etcd_server: EtcdServer) -> None:
@@ -180,6 +183,11 @@ def test_a_bad_variable_is_named_when_a_flag_falls_back_on_the_environment() -> 
         (["status", "--min-workers", "3", "--max-workers", "2"], "--min-workers (3) must be <= --max-workers (2)"),
         (["status", "--count", "2"], "--count only applies with --watch"),
         (["status", "--bogus"], "unrecognized arguments: --bogus"),
+        (["drain"], "required: NODE"),
+        (["drain", "a/b"], "argument NODE: a node id is non-empty"),
+        (["drain", "a", "--timeout", "5"], "--timeout only applies with --wait"),
+        (["drain", "a", "--wait", "--timeout", "-1"], "argument --timeout: expected a positive number"),
+        (["events", "--limit", "0"], "argument --limit: expected an integer >= 1"),
     ],
 )
 def test_bad_command_lines_are_argparse_errors(argv: list[str], message: str,

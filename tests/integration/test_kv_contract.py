@@ -220,6 +220,16 @@ class KeyValueStoreContract:
         gen = kv.store.get(kv.k("generation"))
         assert gen is not None and gen.value == b"old"
 
+    def test_cas_puts_extra_keys_in_the_same_revision_only_on_success(self, kv: Harness) -> None:
+        ok = kv.store.compare_and_put(kv.k("generation"), 0, b"gen", put_keys={kv.k("events/1"): b"e1"})
+        assert ok is True
+        gen, event = kv.store.get(kv.k("generation")), kv.store.get(kv.k("events/1"))
+        assert gen is not None and event is not None and event.value == b"e1"
+        assert event.mod_revision == gen.mod_revision and event.lease == 0
+        ok = kv.store.compare_and_put(kv.k("generation"), 0, b"again", put_keys={kv.k("events/2"): b"e2"})
+        assert ok is False
+        assert kv.store.get(kv.k("events/2")) is None
+
     # -- leases -------------------------------------------------------------------------------
 
     def test_lease_grant_attach_refresh(self, kv: Harness) -> None:

@@ -45,6 +45,7 @@ FULL_ENV = {
     "ELASTICD_LOCAL_RANK": "3",
     "ELASTICD_ADVERTISE_ADDR": "10.1.2.3",
     "ELASTICD_BACKEND": "gloo",
+    "ELASTICD_EVENTS_KEEP": "42",
 }
 
 
@@ -61,6 +62,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0,
                                     step_retries=4)
     assert (env.node_id, env.local_rank, env.advertise_addr, env.backend) == ("node-7", 3, "10.1.2.3", "gloo")
+    assert env.events_keep == 42
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
 
 

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log",
                  "elasticd.membership", "elasticd.etcd", "elasticd.status", "elasticd.cli",
-                 "elasticd.supervisor", "elasticd.agent", "elasticd.group_restart"]
+                 "elasticd.supervisor", "elasticd.agent", "elasticd.group_restart", "elasticd.oprecords",
+                 "elasticd.events", "elasticd.presence", "elasticd.drain"]
 # A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.
 STARTUP_BOUND_S = 3.0
 
@@ -50,3 +51,16 @@ def test_elasticctl_against_unreachable_etcd_fails_fast_and_clearly() -> None:
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"elasticctl: etcd at {endpoint} did not answer"), proc.stderr
     assert took < STARTUP_BOUND_S, f"elasticctl took {took:.1f} s to report an unreachable etcd"
+
+
+@pytest.mark.parametrize("command", [["drain", "somenode"], ["events"]])
+def test_drain_and_events_against_unreachable_etcd_fail_fast_and_clearly(command: list[str]) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    proc = _python("import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())",
+                   "--etcd", endpoint, *command, "--job", "nojob")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"elasticctl: etcd at {endpoint} did not answer"), proc.stderr
+    assert time.monotonic() - started < STARTUP_BOUND_S

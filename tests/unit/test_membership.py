@@ -376,7 +376,7 @@ def good_records() -> list[KeyValue]:
         kv(KEYS.ready("b"), encode(ready("b", 3, 3, 1)), rev=45, create=44),
         kv(KEYS.ready("a"), encode(ready("a", 3, 3, 0)), rev=46, create=43),
         kv(KEYS.progress("a"), b'{"step": 3}', rev=47),
-        kv(KEYS.event(1), b"not even json", rev=48),  # not a record the rendezvous reads
+        kv(KEYS.event("1"), b"not even json", rev=48),  # not a record the rendezvous reads
     ]
 
 

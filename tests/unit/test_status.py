@@ -155,7 +155,7 @@ def _job_with_everyone() -> Job:
         .put(KEYS.progress("m0"), progress(130, generation=4, rank=1, recoveries=2, age_s=0.25))
         .put(KEYS.progress("m1"), progress(131, generation=4, rank=0, step_time_s=None, age_s=-0.5))
         .put(KEYS.progress("m9"), progress(99))  # stale progress of a gone member: ignored
-        .put(KEYS.event(1), b"whatever")  # keys the read model does not know are not its business
+        .put(KEYS.job + "/unknown/x", b"whatever")  # keys the read model does not know are not its business
     )
 
 
@@ -250,9 +250,11 @@ def test_read_status_reads_one_prefix_of_a_store_and_no_other_job() -> None:
 # -- renderers ----------------------------------------------------------------------------------
 
 JSON_KEYS = ["job", "prefix", "health", "reason", "exit_code", "min_workers", "max_workers", "generation",
-             "members", "missing", "finished", "last_abort", "malformed"]
+             "members", "nodes", "recoveries", "drains", "missing", "finished", "last_abort", "malformed"]
 MEMBER_KEYS = ["member_id", "node", "local_rank", "pid", "host", "rank", "state", "committed_step",
-               "step_time_s", "recoveries", "heartbeat_age_s"]
+               "step_time_s", "recoveries", "heartbeat_age_s", "restarts", "rss_bytes", "cpu_percent"]
+NODE_KEYS = ["node", "host", "agent_pid", "state", "workers_running", "workers", "restarts", "heartbeat_age_s",
+             "drain_requested"]
 
 
 @pytest.mark.parametrize("job", [Job(), _job_with_everyone(), Job().finished(1, 5).abort(1)])
@@ -263,6 +265,10 @@ def test_json_is_one_object_on_one_line_with_stable_keys(job: Job) -> None:
     assert list(data) == JSON_KEYS
     for m in data["members"]:
         assert list(m) == MEMBER_KEYS
+    for n in data["nodes"]:
+        assert list(n) == NODE_KEYS
+    for r in data["recoveries"]:
+        assert list(r) == ["time", "generation", "cause", "duration_s"]
 
 
 def test_json_values() -> None:
@@ -272,7 +278,9 @@ def test_json_values() -> None:
                                   "reason": "join", "committed_step": 120}
     assert data["members"][1] == {"member_id": "m0", "node": "n1", "local_rank": 0, "pid": 100,
                                   "host": "10.0.0.1", "rank": 1, "state": "training", "committed_step": 130,
-                                  "step_time_s": 0.02, "recoveries": 2, "heartbeat_age_s": 0.25}
+                                  "step_time_s": 0.02, "recoveries": 2, "heartbeat_age_s": 0.25,
+                                  "restarts": None, "rss_bytes": None, "cpu_percent": None}
+    assert (data["nodes"], data["recoveries"], data["drains"]) == ([], [], [])
     assert data["missing"] == ["m9"] and data["finished"] is None and data["last_abort"] is None
     assert (data["min_workers"], data["max_workers"]) == (2, 3)
 
