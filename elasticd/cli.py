@@ -385,15 +385,34 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
     from elasticd.agent import Agent  # the entry point wires the concrete objects
     from elasticd.etcd import EtcdClient
 
-    client = EtcdClient(config.etcd, config.timeouts, config.retry)
+    from elasticd.metrics import AgentMetrics, MetricsServer, serve
+
+    try:
+        client = EtcdClient(config.etcd, config.timeouts, config.retry)
+    except (EtcdUnavailable, ConfigError) as exc:  # with a user, connecting authenticates
+        print(f"{AGENT_PROG}: etcd_unreachable: {exc}", file=err)
+        return AGENT_EXIT_FATAL
+    metrics: AgentMetrics | None = None
+    server: MetricsServer | None = None
+    if config.metrics_port:
+        metrics = AgentMetrics(config.world.job_id, config.node_id)
+        try:
+            server = serve(metrics, config.metrics_addr, config.metrics_port)
+        except OSError as exc:
+            client.close()
+            print(f"{AGENT_PROG}: metrics_port: cannot listen on {config.metrics_addr}:{config.metrics_port}: "
+                  f"{exc}", file=err)
+            return AGENT_EXIT_FATAL
     systemd = systemd_notify_environ()
     notifier = Notifier(systemd["NOTIFY_SOCKET"])
     try:
-        outcome = Agent(config, client, notifier=notifier,
+        outcome = Agent(config, client, notifier=notifier, metrics=metrics,
                         watchdog_s=watchdog_interval(systemd["WATCHDOG_USEC"], systemd["WATCHDOG_PID"])).run()
     finally:
         notifier.close()
         client.close()
+        if server is not None:
+            server.close()
     if outcome.exit_code != AGENT_EXIT_OK:
         print(f"{AGENT_PROG}: {outcome.reason}", file=err)
     return outcome.exit_code

@@ -60,11 +60,49 @@ class EtcdClient:
         self._endpoints = [parse_endpoint(e) for e in config.endpoints]
         self._index = 0
         self._lock = threading.Lock()
-        self._client = self._connect(0)
+        self._client = self._first_client()
+
+    def _first_client(self) -> etcd3.Etcd3Client:
+        """Connect to the first endpoint that accepts us (only authentication talks to etcd here).
+
+        Raises:
+            EtcdUnavailable: no endpoint accepted the credentials.
+        """
+        failure: EtcdUnavailable | None = None
+        for index in range(len(self._endpoints)):
+            try:
+                client = self._connect(index)
+            except EtcdUnavailable as exc:
+                failure = exc
+                continue
+            self._index = index
+            return client
+        assert failure is not None
+        raise failure
 
     def _connect(self, index: int) -> etcd3.Etcd3Client:
+        """A client of endpoint ``index``; with a user it authenticates (one bounded request).
+
+        Raises:
+            EtcdUnavailable: authentication failed, or the endpoint did not answer it.
+            ConfigError: the password file cannot be read.
+        """
         host, port = self._endpoints[index]
-        return etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s)
+        c = self._config
+        user = c.user or None
+        password = c.resolved_password() if user else None
+        try:
+            return etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
+                                ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
+                                cert_key=c.cert_key or None, user=user, password=password)
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+            if code in _TRANSIENT_CODES:
+                raise EtcdUnavailable(f"etcd at {host}:{port} did not answer authenticate: {code}: "
+                                      f"{details}") from exc
+            raise EtcdUnavailable(f"etcd at {host}:{port} rejected the credentials of user {user!r}: "
+                                  f"{code}: {details}") from exc
 
     def _failover(self, failed: etcd3.Etcd3Client) -> None:
         with self._lock:
@@ -72,7 +110,20 @@ class EtcdClient:
                 return
             self._index = (self._index + 1) % len(self._endpoints)
             log.warning("etcd_endpoint_failover", endpoint="%s:%d" % self._endpoints[self._index])
-            self._client = self._connect(self._index)
+            try:
+                self._client = self._connect(self._index)
+            except EtcdUnavailable as exc:  # it would not authenticate us: the next failure moves on
+                log.warning("etcd_endpoint_failover_failed", error=str(exc))
+
+    def _reauthenticate(self, failed: etcd3.Etcd3Client) -> None:
+        with self._lock:
+            if self._client is not failed:
+                return
+            log.info("etcd_reauthenticated", endpoint="%s:%d" % self._endpoints[self._index])
+            try:
+                self._client = self._connect(self._index)
+            except EtcdUnavailable as exc:
+                log.warning("etcd_reauthenticate_failed", error=str(exc))
 
     def _call(self, what: str, fn: Callable[[etcd3.Etcd3Client], _T]) -> _T:
         def attempt() -> _T:
@@ -88,6 +139,9 @@ class EtcdClient:
                     raise LeaseLost(f"{what}: the lease no longer exists") from exc
                 if code in _TRANSIENT_CODES:
                     self._failover(client)
+                    raise _RetryableRpc(str(exc)) from exc
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._config.user:
+                    self._reauthenticate(client)  # an auth token expires when unused (etcd --auth-token-ttl)
                     raise _RetryableRpc(str(exc)) from exc
                 raise EtcdUnavailable(f"etcd rejected {what}: {code}: {exc}") from exc
 

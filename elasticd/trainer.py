@@ -122,6 +122,8 @@ class ElasticTrainer:
         self._drained = False
         self._finished_together = False
         self.recoveries = 0
+        self._last_recovery_s: float | None = None  # how long the last recovery took (progress record)
+        self._last_recovery_cause: str | None = None
         self.last_result: StepResult | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -367,6 +369,8 @@ class ElasticTrainer:
         self._need_rendezvous = False
         if self._cause != "start":  # a worker's first join is not a recovery
             self.recoveries += 1
+            self._last_recovery_s = round(time.monotonic() - self._failed_at, 4)
+            self._last_recovery_cause = self._cause
         if self.sampler.mode is BatchMode.LINEAR_SCALING:
             for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
                 g["lr"] = base * group.world_size / self._reference_world
@@ -407,6 +411,8 @@ class ElasticTrainer:
             "rank": self.rank,
             "step_time_s": r.duration_s if r else None,
             "recoveries": self.recoveries,
+            "last_recovery_s": self._last_recovery_s,
+            "last_recovery_cause": self._last_recovery_cause,
             "time": time.time(),
         })
 

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from elasticd.config import (
 )
 from elasticd.errors import ConfigError
 from elasticd.membership import KeyValue, Keys, MemberRecord, encode
+from elasticd.progress import JobView, ProgressMark
 from elasticd.supervisor import ExitKind, WorkerExit
 from tests.fakes import FakeKeyValueStore
 
@@ -526,3 +528,53 @@ def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.Mo
     env = child_environ({"ELASTICD_LOCAL_RANK": "0"})
     assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
     assert env["ELASTICD_LOCAL_RANK"] == "0"
+
+
+# -- hang detection -------------------------------------------------------------------------------
+
+HANG_CFG = AgentConfig(program=("worker",), node_id="n", nproc_per_node=2, hang_timeout_s=3.0,
+                       max_restarts=2, restart_window_s=60.0, restart_backoff_initial_s=1.0)
+STALLED = ProgressMark(("training", 1, 5), NOW - 4.0, 10)
+
+
+def test_a_worker_stalled_while_the_job_advanced_is_killed_as_hung() -> None:
+    s = snap(R, replace(running(0), mark=STALLED), running(1), view=JobView(read_at=NOW, job_step=30))
+    a = decide(s, NOW, HANG_CFG)
+    assert (a.kind, a.local_rank) == (ActionKind.KILL_HUNG, 0)
+    assert "made no progress for 4.0 s" in a.reason and "from 10 to 30" in a.reason
+    # once killed, it is not killed again while its exit is on the way
+    s2 = replace(s, slots=(replace(s.slots[0], hang_killed=True), s.slots[1]))
+    assert decide(s2, NOW, HANG_CFG).kind is ActionKind.WAIT
+
+
+@pytest.mark.parametrize(
+    ("view", "state", "why"),
+    [
+        (JobView(read_at=NOW, job_step=10), R, "the whole job stalled"),
+        (JobView(read_at=NOW - 1.5, job_step=30), R, "the newest read is too close to the last advance"),
+        (None, R, "no read of etcd succeeded (etcd down)"),
+        (JobView(read_at=NOW, job_step=30), D, "draining: no hang kills"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_no_hang_kill_without_evidence(view: JobView | None, state: AgentState, why: str) -> None:
+    s = snap(state, replace(running(0), mark=STALLED), view=view, stop_requests=1 if state is D else 0,
+             terminate_deadline=NOW + 5 if state is D else None)
+    assert decide(s, NOW, HANG_CFG).kind is not ActionKind.KILL_HUNG, why
+
+
+def test_a_worker_killed_as_hung_is_restarted_like_a_crashed_one() -> None:
+    slot = replace(ended(0, ExitKind.SIGNALED, sig=9), hang_killed=True)
+    a = decide(snap(R, slot, running(1)), NOW, HANG_CFG)
+    assert (a.kind, a.slot_state, a.restart_at) == (ActionKind.RELEASE, SlotState.BACKOFF, NOW + 1.0)
+    assert "was killed by SIGKILL as hung" in a.reason
+
+
+def test_hang_timeout_is_validated() -> None:
+    with pytest.raises(ConfigError, match="hang_timeout_s: must be a finite number"):
+        AgentConfig(program=("w",), hang_timeout_s=-1.0)
+    with pytest.raises(ConfigError, match="at least twice keepalive_s"):
+        AgentConfig(program=("w",), hang_timeout_s=1.0)
+    assert AgentConfig(program=("w",), hang_timeout_s=0.0).hang_timeout_s == 0.0
+    with pytest.raises(ConfigError, match="metrics_port"):
+        AgentConfig(program=("w",), metrics_port=70000)
