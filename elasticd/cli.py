@@ -55,7 +55,9 @@ from elasticd.config import (
     Timeouts,
     WorkerEnv,
     WorldConfig,
+    etcd_security_environ,
     load_agent_config,
+    without_etcd_security,
     parse_endpoint,
     systemd_notify_environ,
 )
@@ -120,6 +122,15 @@ def ctl_main(
     return run_status(query, out, err, sleep)
 
 
+CTL_SECURITY_FLAGS = {
+    "ca_cert": "CA bundle that signs etcd's certificate: talk TLS to etcd",
+    "cert_cert": "client certificate for etcd mutual TLS",
+    "cert_key": "private key of the client certificate",
+    "user": "etcd user (its password from --etcd-password-file or $ELASTICD_ETCD_PASSWORD)",
+    "password_file": "file whose first line is the etcd user's password",
+}
+
+
 def build_ctl_parser() -> argparse.ArgumentParser:
     """The ``elasticctl`` argument parser (flag defaults are None: the environment fills them)."""
     parser = argparse.ArgumentParser(
@@ -131,6 +142,12 @@ def build_ctl_parser() -> argparse.ArgumentParser:
                         help="etcd endpoints (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)")
     parser.add_argument("--prefix", type=_prefix, default=None,
                         help="key prefix of all jobs (default: $ELASTICD_ETCD_PREFIX, else /elasticd)")
+    # TLS and auth, as the agent's etcd_* settings; the password only from a file or
+    # $ELASTICD_ETCD_PASSWORD, never as a flag (a command line is visible to every local user).
+    for name, help_text in CTL_SECURITY_FLAGS.items():
+        parser.add_argument("--etcd-" + name.replace("_", "-"), dest="etcd_" + name, default=None,
+                            metavar="FILE" if name != "user" else "NAME",
+                            help=f"{help_text} (default: $ELASTICD_ETCD_{name.upper()})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     status = commands.add_parser("status", help="show a job's generation, members and health",
                                  description="Show a job's generation, members and health.")
@@ -162,12 +179,24 @@ def status_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
     prefix: str | None = args.prefix
     job_id: str | None = args.job
     if endpoints is None or prefix is None or job_id is None:
-        env = WorkerEnv.from_environ()  # only when a flag is missing: a bad variable cannot block flags
+        # only when a flag is missing: a bad variable cannot block flags; TLS/auth are taken below
+        env = WorkerEnv.from_environ(without_etcd_security())
         endpoints = endpoints or env.etcd.endpoints
         prefix = prefix or env.etcd.prefix
         job_id = job_id or env.world.job_id
+    security: dict[str, object] = dict(etcd_security_environ())
+    for name in CTL_SECURITY_FLAGS:
+        given = getattr(args, "etcd_" + name)
+        if given is not None:
+            security[name] = given
+            if name == "password_file":
+                security.pop("password", None)  # the flag wins over the variable
+    try:
+        etcd = EtcdConfig(endpoints=endpoints, prefix=prefix, **security)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ConfigError(f"etcd: {exc}") from exc
     return StatusQuery(
-        etcd=EtcdConfig(endpoints=endpoints, prefix=prefix),
+        etcd=etcd,
         job_id=job_id,
         json=args.json,
         watch=args.watch,
@@ -186,7 +215,14 @@ def run_status(query: StatusQuery, out: TextIO, err: TextIO, sleep: Callable[[fl
     # One attempt per endpoint plus one, so that failover can reach every endpoint once.
     retry = RetryPolicy(etcd_attempts=len(query.etcd.endpoints) + 1,
                         etcd_backoff_initial_s=CTL_BACKOFF_S, etcd_backoff_max_s=CTL_BACKOFF_S)
-    client = EtcdClient(query.etcd, CTL_TIMEOUTS, retry)
+    try:
+        client = EtcdClient(query.etcd, CTL_TIMEOUTS, retry)  # with a user, this authenticates
+    except EtcdUnavailable as exc:
+        print(unreachable_message(query.etcd, exc), file=err, flush=True)
+        return EXIT_DOWN
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=err, flush=True)
+        return EXIT_DOWN
     clear = query.watch and not query.json and out.isatty()
     code = EXIT_DOWN
     frames = 0
@@ -231,9 +267,16 @@ def unreachable_message(etcd: EtcdConfig, exc: EtcdUnavailable) -> str:
     if len(why) > 240:
         why = why[:237] + "..."
     where = ",".join(etcd.endpoints)
+    if " rejected " in why:  # it answered: the credentials or the request were refused
+        return f"{PROG}: {why} (check --etcd-user and --etcd-password-file or ELASTICD_ETCD_PASSWORD)"
     head = f"{PROG}: {why}" if why.startswith(f"etcd at {where} did not answer") else (
         f"{PROG}: etcd at {where} did not answer: {why}")
-    return f"{head} (set --etcd or ELASTICD_ETCD_ENDPOINTS)"
+    hint = "set --etcd or ELASTICD_ETCD_ENDPOINTS"
+    if etcd.tls:
+        hint += "; with TLS, check --etcd-ca-cert, --etcd-cert-cert and --etcd-cert-key"
+    elif "ssl" in why.lower() or "handshake" in why.lower() or "Socket closed" in why:
+        hint += "; if etcd speaks TLS, set --etcd-ca-cert"
+    return f"{head} ({hint})"
 
 
 # -- argparse types (an error here is an argparse error: usage on stderr, exit 2) ---------------

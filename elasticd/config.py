@@ -184,6 +184,24 @@ class EtcdConfig:
         return out
 
 
+ETCD_SECURITY_FIELDS = ("ca_cert", "cert_cert", "cert_key", "user", "password", "password_file")
+
+
+def etcd_security_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The TLS and auth settings given as ``ELASTICD_ETCD_*`` variables (field -> raw text, unvalidated)."""
+    env = os.environ if environ is None else environ
+    return {name: env[f"{ENV_PREFIX}ETCD_{name.upper()}"] for name in ETCD_SECURITY_FIELDS
+            if f"{ENV_PREFIX}ETCD_{name.upper()}" in env}
+
+
+def without_etcd_security(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment minus the etcd TLS and auth variables (for a caller that takes those from
+    elsewhere too, such as elasticctl's flags, and validates them together itself)."""
+    env = os.environ if environ is None else environ
+    drop = {f"{ENV_PREFIX}ETCD_{name.upper()}" for name in ETCD_SECURITY_FIELDS}
+    return {k: v for k, v in env.items() if k not in drop}
+
+
 def etcd_from_environ(environ: Mapping[str, str], base: EtcdConfig | None = None) -> EtcdConfig:
     """``EtcdConfig`` from ``ELASTICD_ETCD_*`` variables, on top of ``base`` (default: the defaults).
 

@@ -11,6 +11,9 @@ import os
 # etcd3 0.12 ships protobuf modules generated for an old protoc; today's protobuf only loads them
 # with the pure-Python implementation. Set it before the first import so users never meet it.
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+# gRPC's C core writes its own unstructured lines to stderr (a failed TLS handshake, a bad
+# certificate), around our one clear error; set GRPC_VERBOSITY yourself to see them when debugging.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import threading  # noqa: E402
 from collections.abc import Callable, Iterable  # noqa: E402
@@ -92,9 +95,15 @@ class EtcdClient:
         user = c.user or None
         password = c.resolved_password() if user else None
         try:
-            return etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
-                                ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
-                                cert_key=c.cert_key or None, user=user, password=password)
+            client = etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
+                                  ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
+                                  cert_key=c.cert_key or None, user=user, password=password)
+            if user and not c.tls:
+                # etcd3 0.12 sends the auth token twice: as call credentials, which gRPC refuses on a
+                # plaintext channel ("insufficient security level"), and as metadata, which etcd reads.
+                client.call_credentials = None
+                client.watcher._credentials = None
+            return client
         except grpc.RpcError as exc:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
             details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)

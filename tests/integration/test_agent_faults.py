@@ -15,7 +15,7 @@ import pytest
 from elasticd.audit import check_dir, read_lines
 from tests.integration.test_node_agent import AgentJob, _worker_pid, agent_job  # noqa: F401 (fixture)
 
-STEPS = 400
+STEPS = 700  # long enough that a replacement started under load (torch import ~10 s) joins before the end
 SLOW_MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", str(STEPS)]
 KILL_WAIT_S = 10.0  # bound on a SIGKILLed process to disappear
 
