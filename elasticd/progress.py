@@ -13,7 +13,8 @@ previous read while its member record exists. A worker whose record vanished (a 
 process loses its lease) does not advance. It is hung when one read taken at least
 ``hang_timeout_s`` after its last advance still shows no advance while the job's committed step is
 higher than when it last advanced: without a fresh read (etcd down) there is no evidence, so no
-verdict.
+verdict. A finished job has no hung workers: its members revoke their leases as they leave, and a
+worker that reached the last step between two reads looks, until it exits, like one that vanished.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class JobView:
     members: Mapping[str, MemberRecord] = field(default_factory=dict)
     waiting: frozenset[str] = frozenset()  # members with a ready record
     progress: Mapping[str, MemberProgress] = field(default_factory=dict)
+    finished: bool = False  # the job reached its target step (``finished`` record)
 
 
 def _number(data: Mapping[str, object], name: str) -> float | None:
@@ -101,6 +103,7 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
         members=dict(snap.members),
         waiting=frozenset(snap.ready),
         progress=progress,
+        finished=snap.finished is not None,
     )
 
 
@@ -169,7 +172,8 @@ def advance_mark(mark: ProgressMark | None, obs: WorkerObservation, view: JobVie
 
 def is_hung(mark: ProgressMark | None, view: JobView | None, hang_timeout_s: float) -> bool:
     """True when ``view``, read at least ``hang_timeout_s`` after the worker last advanced, shows the
-    job's committed step past where it stood then. Pure; False without a mark, a view, or a timeout."""
-    if mark is None or view is None or hang_timeout_s <= 0:
+    job's committed step past where it stood then. Pure; False without a mark, a view, or a timeout,
+    and once the job has finished (its workers leave, and their records vanish, as they exit)."""
+    if mark is None or view is None or hang_timeout_s <= 0 or view.finished:
         return False
     return view.read_at - mark.at >= hang_timeout_s and view.job_step > mark.job_step

@@ -61,7 +61,8 @@ def test_a_frozen_worker_is_detected_as_hung_killed_and_replaced(agent_job):
     assert a.wait(90) == 0, job.logs_tail()
     assert b.wait(30) == 0, job.logs_tail()
     assert len(b.events("worker_started")) == 2
-    assert not a.events("worker_hung")  # the survivor was never taken for hung
+    assert len(b.events("worker_hung")) == 1  # the replacement, finishing and leaving, was not taken for hung
+    assert not a.events("worker_hung")  # nor was the survivor
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations
     assert rep.last_step == STEPS

@@ -56,7 +56,9 @@ def test_read_job_view_takes_the_highest_committed_step_and_skips_garbage() -> N
         _kv(KEYS.committed, json.dumps({"generation": 2, "step": 11}).encode()),
     ]
     v = read_job_view(KEYS, rows, read_at=50.0)
-    assert (v.generation, v.world_size, v.job_step, v.read_at) == (2, 2, 12, 50.0)
+    assert (v.generation, v.world_size, v.job_step, v.read_at, v.finished) == (2, 2, 12, 50.0, False)
+    done = read_job_view(KEYS, [*rows, _kv(KEYS.finished, json.dumps({"generation": 2, "step": 12}).encode())], 1.0)
+    assert done.finished
     assert set(v.progress) == {"n.0.7", "m.0.8"}
     assert v.progress["m.0.8"] == MemberProgress(12, 1, 0.01, 2, 0.4, "PeerLost", 0)
     assert read_job_view(KEYS, [], 1.0).job_step == -1
@@ -122,8 +124,13 @@ def test_advance_mark(mark: ProgressMark | None, obs: WorkerObservation, expecte
         (ProgressMark(("training", 1, 5), 0.0, 10), None, 3.0, False),  # no read at all (etcd down)
         (None, _view(60.0, 20), 3.0, False),  # never seen in etcd
         (ProgressMark(("training", 1, 5), 0.0, 10), _view(60.0, 20), 0.0, False),  # hang detection off
+        # the job finished: a worker that reached the last step between two reads left (its record
+        # vanished) while it exits; it is not hung
+        (ProgressMark(("training", 1, 695), 0.0, 697), JobView(read_at=5.0, job_step=700, finished=True), 3.0,
+         False),
     ],
-    ids=["stalled while the job grew", "not long enough", "whole job stalled", "no read", "never seen", "off"],
+    ids=["stalled while the job grew", "not long enough", "whole job stalled", "no read", "never seen", "off",
+         "job finished"],
 )
 def test_is_hung(mark: ProgressMark | None, view: JobView | None, timeout: float, hung: bool) -> None:
     assert is_hung(mark, view, timeout) is hung
