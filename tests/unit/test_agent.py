@@ -4,6 +4,7 @@ flags)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -39,7 +40,7 @@ from elasticd.config import (
     load_agent_config,
     parse_nnodes,
 )
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.membership import KeyValue, Keys, MemberRecord, encode
 from elasticd.progress import JobView, ProgressMark
 from elasticd.supervisor import ExitKind, WorkerExit
@@ -578,3 +579,71 @@ def test_hang_timeout_is_validated() -> None:
     assert AgentConfig(program=("w",), hang_timeout_s=0.0).hang_timeout_s == 0.0
     with pytest.raises(ConfigError, match="metrics_port"):
         AgentConfig(program=("w",), metrics_port=70000)
+
+
+class _OutageStore(FakeKeyValueStore):
+    """A fake etcd that stops answering reads of the job when told (an etcd outage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = threading.Event()
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        if self.down.is_set():
+            raise EtcdUnavailable("etcd at fake did not answer get_prefix")
+        return super().get_prefix(prefix)
+
+
+def _progress(store: FakeKeyValueStore, member: str, step: int) -> None:
+    rec = {"step": step, "generation": 1, "rank": 0, "step_time_s": 0.01, "recoveries": 0, "time": 1.0}
+    store.put(Keys("/elasticd", "j").progress(member), json.dumps(rec).encode())
+
+
+@pytest.mark.parametrize("etcd_down", [False, True], ids=["stalled: killed as hung", "etcd down: left alone"])
+def test_the_executor_kills_a_stalled_worker_but_not_on_an_etcd_outage(etcd_down: bool) -> None:
+    """A real process registered under this node (by the test) stops advancing while another member's
+    progress grows. With the reads answered, it is killed as hung and restarted; with etcd not
+    answering, the agent has no evidence and leaves it alone."""
+    store = _OutageStore()
+    agent = Agent(AgentConfig(
+        program=(sys.executable, "-c", "import time; time.sleep(30)"), node_id="n", world=WorldConfig(job_id="j"),
+        timeouts=Timeouts(lease_ttl_s=1.0, keepalive_s=0.1, shutdown_grace_s=0.5), hang_timeout_s=0.5,
+        max_restarts=0, poll_interval_s=0.02, kill_wait_s=2.0), store)
+    keys = Keys("/elasticd", "j")
+    done = threading.Event()
+
+    def job() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not agent.snapshot.slots[0].pid:
+            time.sleep(0.01)
+        pid = agent.snapshot.slots[0].pid
+        store.put(keys.member("n.0.x"), encode(MemberRecord("n.0.x", "n", 0, pid, "h", 1, "s")))
+        store.put(keys.member("m.0.y"), encode(MemberRecord("m.0.y", "m", 0, 1, "h", 1, "s")))
+        _progress(store, "n.0.x", 5)
+        _progress(store, "m.0.y", 5)
+        time.sleep(0.3)  # the agent sees the worker at step 5
+        if etcd_down:
+            store.down.set()
+        step = 5
+        while not done.wait(0.05) and time.monotonic() < deadline:
+            step += 1
+            _progress(store, "m.0.y", step)  # the rest of the job advances
+        agent.request_stop()
+
+    t = threading.Thread(target=job)
+    t.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            timer = threading.Timer(3.0, done.set)
+            timer.start()
+            outcome = agent.run(install_signals=False)
+    finally:
+        done.set()
+        t.join(15)
+    hung = _events(logs, "worker_hung")
+    if etcd_down:
+        assert not hung and _events(logs, "job_read_failed"), logs
+        assert outcome.reason == "drained"
+    else:
+        assert len(hung) == 1 and hung[0]["job_step_then"] == 5 and hung[0]["job_step_now"] > 5, hung
+        assert outcome.exit_code == 1 and "as hung" in outcome.reason  # max_restarts 0: the kill is a failure
