@@ -389,7 +389,8 @@ class Agent:
         log.info("agent_started", job=c.world.job_id, node=c.node_id, program=list(c.program),
                  nproc_per_node=c.nproc_per_node, min_workers=c.world.min_workers,
                  max_workers=c.world.max_workers, etcd=list(c.etcd.endpoints), max_restarts=c.max_restarts,
-                 restart_window_s=c.restart_window_s)
+                 restart_window_s=c.restart_window_s, hang_timeout_s=c.hang_timeout_s,
+                 etcd_tls=c.etcd.tls, etcd_user=c.etcd.user or None)
         with _Waker(install_signals) as waker:
             self._waker = waker
             try:

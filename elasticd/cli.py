@@ -7,8 +7,13 @@ Holds no logic that tests cannot reach without argv: the read model and its rend
 
 Usage::
 
-    elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] status [--job ID] [--json]
-               [--watch [--interval S]] [--min-workers N] [--max-workers N]
+    elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] [--etcd-ca-cert FILE]
+               [--etcd-cert-cert FILE --etcd-cert-key FILE] [--etcd-user NAME [--etcd-password-file FILE]]
+               status [--job ID] [--json] [--watch [--interval S]] [--min-workers N] [--max-workers N]
+
+The etcd TLS and auth flags default to ``ELASTICD_ETCD_CA_CERT``, ``..._CERT_CERT``,
+``..._CERT_KEY``, ``..._USER`` and ``..._PASSWORD_FILE``; the password can also come from
+``ELASTICD_ETCD_PASSWORD`` (there is no password flag: a command line is visible to every user).
 
 ``--etcd``, ``--prefix`` and ``--job`` default to ``ELASTICD_ETCD_ENDPOINTS``,
 ``ELASTICD_ETCD_PREFIX`` and ``ELASTICD_JOB_ID`` (read by ``config.WorkerEnv.from_environ``, only
