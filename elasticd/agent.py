@@ -288,6 +288,20 @@ class _Waker:
                 pass
 
 
+HANG_READS_PER_TIMEOUT = 10  # reads of the job per hang_timeout_s when only hang detection needs them
+
+
+def job_read_interval_s(config: AgentConfig, live_consumers: bool) -> float:
+    """How often the agent reads the job's keys: every ``keepalive_s`` for metrics and systemd
+    STATUS (``live_consumers``); for hang detection alone, ``HANG_READS_PER_TIMEOUT`` times per
+    ``hang_timeout_s`` but never more often than every ``keepalive_s`` (each read is the whole job,
+    so many nodes reading a large job often would load etcd)."""
+    k = config.timeouts.keepalive_s
+    if live_consumers or config.hang_timeout_s <= 0:
+        return k
+    return max(k, config.hang_timeout_s / HANG_READS_PER_TIMEOUT)
+
+
 class _JobReader:
     """A thread that reads the job's keys every ``interval_s`` and keeps the newest ``JobView``.
 
@@ -411,7 +425,8 @@ class Agent:
         except EtcdUnavailable as exc:
             return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
         if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
-            self._reader = _JobReader(self._store, self._keys, self._clock, c.timeouts.keepalive_s)
+            self._reader = _JobReader(self._store, self._keys, self._clock, job_read_interval_s(
+                c, live_consumers=self._metrics is not None or self._notifier.enabled))
         try:
             return self._loop(waker)
         except Exception as exc:  # the top-level loop: any surprise becomes a fatal stop

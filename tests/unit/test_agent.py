@@ -25,6 +25,7 @@ from elasticd.agent import (
     Slot,
     SlotState,
     decide,
+    job_read_interval_s,
     member_leases,
     restart_backoff_s,
     restarts_in_window,
@@ -647,3 +648,10 @@ def test_the_executor_kills_a_stalled_worker_but_not_on_an_etcd_outage(etcd_down
     else:
         assert len(hung) == 1 and hung[0]["job_step_then"] == 5 and hung[0]["job_step_now"] > 5, hung
         assert outcome.exit_code == 1 and "as hung" in outcome.reason  # max_restarts 0: the kill is a failure
+
+
+def test_job_read_interval() -> None:
+    base = dict(program=("w",), timeouts=Timeouts(keepalive_s=0.75))
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=False) == 6.0  # type: ignore[arg-type]
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=True) == 0.75  # type: ignore[arg-type]
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=3.0), live_consumers=False) == 0.75  # type: ignore[arg-type]
