@@ -13,6 +13,11 @@ the small executor that applies its actions through a ``Supervisor`` (processes)
   (``max_restarts`` per ``restart_window_s``); the restarted worker joins as a newcomer. When the
   budget is spent it stops its workers and exits 1 (``restarts_exhausted``). A worker that exits
   0 is done; when all are done the agent exits 0;
+* it reads the job's keys every ``keepalive_s`` in a background thread (``progress.JobView``), so
+  the loop never waits on etcd; a local worker whose progress has not advanced for
+  ``hang_timeout_s`` while the job's committed step grew is SIGKILLed (with its children) and then
+  released and restarted like a crashed one (``worker_hung``); the same reads feed the metrics
+  (``metrics.AgentMetrics``) and systemd's STATUS line;
 * SIGTERM (or SIGINT) drains: it is forwarded to the workers, which finish their step and leave;
   after ``shutdown_grace_s`` they are killed; the agent exits 0. A second SIGTERM kills at once.
 
@@ -31,6 +36,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
@@ -43,9 +49,11 @@ from elasticd.config import AgentConfig, child_environ
 from elasticd.sdnotify import Notifier
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
-from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode, parse_snapshot
+from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode
+from elasticd.metrics import AgentMetrics
 from elasticd.oprecords import DrainRecord, EventKind, NodeRecord, WorkerRecord
 from elasticd.presence import NodePresence
+from elasticd.progress import JobView, ProgressMark, advance_mark, is_hung, observe_worker, read_job_view
 from elasticd.retry import Clock
 from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 
@@ -81,6 +89,8 @@ class Slot:
     exit: WorkerExit | None = None
     restart_at: float = 0.0  # BACKOFF: when to restart (monotonic)
     starts: int = 0
+    mark: ProgressMark | None = None  # RUNNING: when its progress in etcd last advanced (hang test)
+    hang_killed: bool = False  # RUNNING: SIGKILLed as hung; its exit is on the way
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,7 @@ class AgentSnapshot:
     terminate_deadline: float | None = None  # SIGTERM forwarded: kill after this
     kill_deadline: float | None = None  # SIGKILL sent: stop waiting after this
     reason: str = ""  # why the agent is stopping (STOPPING)
+    view: JobView | None = None  # the newest read of the job's keys (None: none succeeded yet)
 
     @classmethod
     def initial(cls, nproc: int) -> AgentSnapshot:
@@ -105,6 +116,7 @@ class ActionKind(StrEnum):
     RELEASE = "release"  # a worker ended: revoke its lease, then put its slot in slot_state
     TERMINATE = "terminate"  # SIGTERM to every running worker; kill after `until`
     KILL = "kill"  # SIGKILL to every running worker (and its children); give up after `until`
+    KILL_HUNG = "kill_hung"  # SIGKILL the hung worker of local_rank (and its children); its exit restarts it
     WAIT = "wait"  # nothing to do until `until` (None: until something happens)
     EXIT = "exit"  # the agent is done: exit with exit_code
 
@@ -168,6 +180,14 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
             return Action(ActionKind.EXIT, f"workers_not_reaped: pids {pids} outlived SIGKILL by "
                           f"kill_wait_s ({config.kill_wait_s:g} s); {reason}", exit_code=EXIT_FATAL)
         return Action(ActionKind.WAIT, "waiting for killed workers to be reaped", until=snap.kill_deadline)
+    hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)),
+                None)
+    if hung is not None:
+        assert hung.mark is not None and snap.view is not None
+        return Action(ActionKind.KILL_HUNG, f"worker {hung.local_rank} (pid {hung.pid}) made no progress for "
+                      f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
+                      f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
+                      local_rank=hung.local_rank)
     pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
     if pending is not None:
         return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
@@ -184,6 +204,8 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
     e = slot.exit
     assert e is not None, "an EXITED slot carries its exit"
     what = f"worker {slot.local_rank} (pid {e.pid}) {e.describe()}"
+    if slot.hang_killed:
+        what += " as hung"
     if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
         return Action(ActionKind.RELEASE, f"{what}; the agent is stopping", local_rank=slot.local_rank,
                       slot_state=SlotState.DONE if e.ok else SlotState.STOPPED)
@@ -276,6 +298,58 @@ class _Waker:
 
 Waker = _Waker  # the public name: restart mode (group_restart.py) sleeps the same way
 
+HANG_READS_PER_TIMEOUT = 10  # reads of the job per hang_timeout_s when only hang detection needs them
+
+
+def job_read_interval_s(config: AgentConfig, live_consumers: bool) -> float:
+    """How often the agent reads the job's keys: every ``keepalive_s`` for metrics and systemd
+    STATUS (``live_consumers``); for hang detection alone, ``HANG_READS_PER_TIMEOUT`` times per
+    ``hang_timeout_s`` but never more often than every ``keepalive_s`` (each read is the whole job,
+    so many nodes reading a large job often would load etcd)."""
+    k = config.timeouts.keepalive_s
+    if live_consumers or config.hang_timeout_s <= 0:
+        return k
+    return max(k, config.hang_timeout_s / HANG_READS_PER_TIMEOUT)
+
+
+class _JobReader:
+    """A thread that reads the job's keys every ``interval_s`` and keeps the newest ``JobView``.
+
+    It keeps etcd off the agent's loop: a slow or absent etcd delays only the next view (each
+    read is bounded by the store's own request timeout and retries), and a failed read leaves the
+    previous view in place, so nothing is decided on evidence that was not read.
+    """
+
+    def __init__(self, store: KeyValueStore, keys: Keys, clock: Clock, interval_s: float) -> None:
+        self._store, self._keys, self._clock, self._interval_s = store, keys, clock, interval_s
+        self._latest: JobView | None = None
+        self._stop = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="elasticd-job-reader", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> JobView | None:
+        return self._latest
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self._interval_s + 1.0)  # a read under way may outlast this; it is a daemon
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rows = self._store.get_prefix(self._keys.prefix)
+            except EtcdUnavailable as exc:
+                if not self._failing:
+                    log.warning("job_read_failed", error=str(exc)[:300])
+                self._failing = True
+            else:
+                if self._failing:
+                    log.info("job_read_recovered")
+                self._failing = False
+                self._latest = read_job_view(self._keys, rows, self._clock())
+            self._stop.wait(self._interval_s)
+
 
 class Agent:
     """The executor: applies ``decide``'s actions until it says exit."""
@@ -288,13 +362,17 @@ class Agent:
         clock: Clock = time.monotonic,
         notifier: Notifier | None = None,
         watchdog_s: float | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         """
         Args:
             notifier: where READY/WATCHDOG/STATUS/STOPPING go (systemd); None: nowhere.
             watchdog_s: ping the watchdog this often (half of systemd's WatchdogSec); None: never.
+            metrics: the Prometheus metrics to keep up to date (the caller serves them); None: none.
         """
         self._config = config
+        self._metrics = metrics
+        self._reader: _JobReader | None = None
         self._store = store
         self._notifier = notifier or Notifier(None)
         self._watchdog_s = watchdog_s
@@ -340,13 +418,17 @@ class Agent:
         log.info("agent_started", job=c.world.job_id, node=c.node_id, program=list(c.program),
                  nproc_per_node=c.nproc_per_node, min_workers=c.world.min_workers,
                  max_workers=c.world.max_workers, etcd=list(c.etcd.endpoints), max_restarts=c.max_restarts,
-                 restart_window_s=c.restart_window_s)
+                 restart_window_s=c.restart_window_s, hang_timeout_s=c.hang_timeout_s,
+                 etcd_tls=c.etcd.tls, etcd_user=c.etcd.user or None)
         with _Waker(install_signals) as waker:
             self._waker = waker
             try:
                 outcome = self._run(waker)
             finally:
                 self._waker = None
+                if self._reader is not None:
+                    self._reader.stop()
+                    self._reader = None
         level = log.info if outcome.exit_code == EXIT_OK else log.error
         level("agent_stopped", exit_code=outcome.exit_code, reason=outcome.reason)
         return outcome
@@ -360,6 +442,9 @@ class Agent:
         self._presence = NodePresence(self._store, self._keys, c.node_id, c.timeouts, c.stats_interval_s,
                                       c.events_keep, self._on_drain_request, self._clock)
         self._presence.start()
+        if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
+            self._reader = _JobReader(self._store, self._keys, self._clock, job_read_interval_s(
+                c, live_consumers=self._metrics is not None or self._notifier.enabled))
         try:
             try:
                 outcome = self._loop(waker)
@@ -414,7 +499,9 @@ class Agent:
             self._observe(waker, now)
             self._notify(now)
             if now >= next_sample:
-                self._supervisor.sample()
+                stats = self._supervisor.sample()
+                if self._metrics is not None:
+                    self._metrics.set_workers(self._config.nproc_per_node, self._supervisor.running(), stats)
                 next_sample = now + c.stats_interval_s
             self._publish_node()
             action = decide(self.snapshot, now, c)
@@ -442,20 +529,18 @@ class Agent:
         if not self._notifier.enabled or now < self._next_status:
             return
         self._next_status = now + self._config.timeouts.keepalive_s
-        try:
-            snap = parse_snapshot(self._keys, self._store.get_prefix(self._keys.prefix))
-        except EtcdUnavailable:
+        v = self.snapshot.view  # read by the job reader thread; None until a read succeeded
+        if v is None:
             return
-        g = snap.generation
-        mine = [m for m in (g.members if g else ()) if m in snap.members and snap.members[m].node == self._config.node_id]
-        if g is not None and mine and not self._ready_sent:
+        mine = [m for m in v.in_generation if m in v.members and v.members[m].node == self._config.node_id]
+        if v.generation and mine and not self._ready_sent:
             self._notifier.ready()
             self._ready_sent = True
-            log.info("agent_ready", generation=g.generation, workers_in_generation=len(mine))
-        text = (f"generation {g.generation}, world {g.world_size} "
+            log.info("agent_ready", generation=v.generation, workers_in_generation=len(mine))
+        text = (f"generation {v.generation}, world {v.world_size} "
                 f"[{self._config.world.min_workers}..{self._config.world.max_workers}], "
-                f"this node {len(mine)}/{self._config.nproc_per_node} in it, step >= {snap.committed_step}"
-                if g is not None else "waiting for the first generation")
+                f"this node {len(mine)}/{self._config.nproc_per_node} in it, step >= {v.job_step}"
+                if v.generation else "waiting for the first generation")
         if text != self._last_status:
             self._notifier.status(text)
             self._last_status = text
@@ -472,6 +557,24 @@ class Agent:
         for e in self._supervisor.poll():
             self._log_exit(e)
             self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e)
+        view = self._reader.latest() if self._reader is not None else None
+        if view is not None and view is not self.snapshot.view:
+            self._take_view(view)
+
+    def _take_view(self, view: JobView) -> None:
+        """A new read of the job: move each running worker's progress mark; update the metrics."""
+        node = self._config.node_id
+        slots = []
+        observed = {}
+        for s in self.snapshot.slots:
+            if s.state is SlotState.RUNNING and s.pid:
+                obs = observe_worker(view, node, self._supervisor.pids(s.local_rank) or {s.pid})
+                observed[s.local_rank] = obs
+                s = replace(s, mark=advance_mark(s.mark, obs, view))
+            slots.append(s)
+        self.snapshot = replace(self.snapshot, slots=tuple(slots), view=view)
+        if self._metrics is not None:
+            self._metrics.set_view(view, observed)
 
     def _log_exit(self, e: WorkerExit) -> None:
         stats = e.last_stats
@@ -507,6 +610,8 @@ class Agent:
                 log.info("worker_restart_scheduled", local_rank=action.local_rank,
                          in_s=round(action.restart_at - now, 3), restarts_in_window=recent,
                          max_restarts=c.max_restarts, reason=action.reason)
+                if self._metrics is not None:
+                    self._metrics.worker_restarted(action.local_rank)
             if action.next_state is AgentState.STOPPING:
                 log.error("restarts_exhausted", local_rank=action.local_rank, reason=action.reason)
                 self._event(EventKind.RESTARTS_EXHAUSTED, local_rank=action.local_rank, reason=action.reason)
@@ -525,6 +630,18 @@ class Agent:
             pids = self._supervisor.kill()
             log.warning("workers_killed", pids=pids, reason=action.reason)
             self.snapshot = replace(self.snapshot, kill_deadline=action.until)
+        elif action.kind is ActionKind.KILL_HUNG:
+            slot = self.snapshot.slots[action.local_rank]
+            pids = self._supervisor.kill([action.local_rank])
+            v, m = self.snapshot.view, slot.mark
+            log.warning("worker_hung", local_rank=action.local_rank, pid=slot.pid, killed=pids,
+                        stalled_s=round(v.read_at - m.at, 2) if v and m else None,
+                        last_progress=list(m.key) if m else None, job_step_then=m.job_step if m else None,
+                        job_step_now=v.job_step if v else None, hang_timeout_s=c.hang_timeout_s,
+                        reason=action.reason)
+            self._set_slot(action.local_rank, hang_killed=True)
+            if self._metrics is not None:
+                self._metrics.worker_hung(action.local_rank)
         if action.next_state is not None:
             self.snapshot = replace(self.snapshot, state=action.next_state)
 
@@ -539,7 +656,8 @@ class Agent:
             self._log_exit(e)
             self._set_slot(local_rank, state=SlotState.EXITED, exit=e, starts=slot.starts + 1)
             return
-        self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1)
+        self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1, mark=None,
+                       hang_killed=False)
         log.info("worker_started", local_rank=local_rank, pid=pid, start=slot.starts + 1,
                  restart=slot.starts > 0)
         if slot.starts > 0:

@@ -7,10 +7,15 @@ Holds no logic that tests cannot reach without argv: the read model and its rend
 
 Usage::
 
-    elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] status [--job ID] [--json]
-               [--watch [--interval S]] [--min-workers N] [--max-workers N]
+    elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] [--etcd-ca-cert FILE]
+               [--etcd-cert-cert FILE --etcd-cert-key FILE] [--etcd-user NAME [--etcd-password-file FILE]]
+               status [--job ID] [--json] [--watch [--interval S]] [--min-workers N] [--max-workers N]
     elasticctl [...] drain NODE [--job ID] [--wait [--timeout S]]
     elasticctl [...] events [--job ID] [--json] [--limit N]
+
+The etcd TLS and auth flags default to ``ELASTICD_ETCD_CA_CERT``, ``..._CERT_CERT``,
+``..._CERT_KEY``, ``..._USER`` and ``..._PASSWORD_FILE``; the password can also come from
+``ELASTICD_ETCD_PASSWORD`` (there is no password flag: a command line is visible to every user).
 
 ``--etcd``, ``--prefix`` and ``--job`` default to ``ELASTICD_ETCD_ENDPOINTS``,
 ``ELASTICD_ETCD_PREFIX`` and ``ELASTICD_JOB_ID`` (read by ``config.WorkerEnv.from_environ``, only
@@ -65,7 +70,9 @@ from elasticd.config import (
     Timeouts,
     WorkerEnv,
     WorldConfig,
+    etcd_security_environ,
     load_agent_config,
+    without_etcd_security,
     parse_endpoint,
     systemd_notify_environ,
 )
@@ -169,6 +176,15 @@ def ctl_main(
     return run_status(query, out, err, sleep)
 
 
+CTL_SECURITY_FLAGS = {
+    "ca_cert": "CA bundle that signs etcd's certificate: talk TLS to etcd",
+    "cert_cert": "client certificate for etcd mutual TLS",
+    "cert_key": "private key of the client certificate",
+    "user": "etcd user (its password from --etcd-password-file or $ELASTICD_ETCD_PASSWORD)",
+    "password_file": "file whose first line is the etcd user's password",
+}
+
+
 def build_ctl_parser() -> argparse.ArgumentParser:
     """The ``elasticctl`` argument parser (flag defaults are None: the environment fills them)."""
     parser = argparse.ArgumentParser(
@@ -182,6 +198,12 @@ def build_ctl_parser() -> argparse.ArgumentParser:
                         help="etcd endpoints (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)")
     parser.add_argument("--prefix", type=_prefix, default=None,
                         help="key prefix of all jobs (default: $ELASTICD_ETCD_PREFIX, else /elasticd)")
+    # TLS and auth, as the agent's etcd_* settings; the password only from a file or
+    # $ELASTICD_ETCD_PASSWORD, never as a flag (a command line is visible to every local user).
+    for name, help_text in CTL_SECURITY_FLAGS.items():
+        parser.add_argument("--etcd-" + name.replace("_", "-"), dest="etcd_" + name, default=None,
+                            metavar="FILE" if name != "user" else "NAME",
+                            help=f"{help_text} (default: $ELASTICD_ETCD_{name.upper()})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     status = commands.add_parser("status", help="show a job's generation, members and health",
                                  description="Show a job's generation, members and health.")
@@ -222,20 +244,33 @@ def build_ctl_parser() -> argparse.ArgumentParser:
 
 
 def _target(args: argparse.Namespace) -> tuple[EtcdConfig, str]:
-    """etcd and the job id from the flags, else from the environment (only for a missing flag).
+    """etcd (with its TLS/auth settings) and the job id from the flags, else from the environment
+    (only for a missing flag).
 
     Raises:
-        ConfigError: an ``ELASTICD_*`` variable that a missing flag falls back on is invalid.
+        ConfigError: an ``ELASTICD_*`` variable that a missing flag falls back on is invalid, or the
+            TLS/auth settings are.
     """
     endpoints: tuple[str, ...] | None = args.etcd
     prefix: str | None = args.prefix
     job_id: str | None = args.job
     if endpoints is None or prefix is None or job_id is None:
-        env = WorkerEnv.from_environ()  # only when a flag is missing: a bad variable cannot block flags
+        # only when a flag is missing: a bad variable cannot block flags; TLS/auth are taken below
+        env = WorkerEnv.from_environ(without_etcd_security())
         endpoints = endpoints or env.etcd.endpoints
         prefix = prefix or env.etcd.prefix
         job_id = job_id or env.world.job_id
-    return EtcdConfig(endpoints=endpoints, prefix=prefix), job_id
+    security: dict[str, object] = dict(etcd_security_environ())
+    for name in CTL_SECURITY_FLAGS:
+        given = getattr(args, "etcd_" + name)
+        if given is not None:
+            security[name] = given
+            if name == "password_file":
+                security.pop("password", None)  # the flag wins over the variable
+    try:
+        return EtcdConfig(endpoints=endpoints, prefix=prefix, **security), job_id  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ConfigError(f"etcd: {exc}") from exc
 
 
 def drain_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DrainQuery:
@@ -261,13 +296,21 @@ def events_query(args: argparse.Namespace) -> EventsQuery:
     return EventsQuery(etcd=etcd, job_id=job_id, json=args.json, limit=args.limit)
 
 
-def _ctl_client(etcd: EtcdConfig) -> EtcdClient:
+def _ctl_client(etcd: EtcdConfig, err: TextIO) -> EtcdClient | None:
+    """A client for one elasticctl command, or None after printing why there is none (etcd did not
+    answer, or refused the credentials: with a user, connecting authenticates)."""
     from elasticd.etcd import EtcdClient  # the entry point wires the concrete client
 
     # One attempt per endpoint plus one, so that failover can reach every endpoint once.
     retry = RetryPolicy(etcd_attempts=len(etcd.endpoints) + 1,
                         etcd_backoff_initial_s=CTL_BACKOFF_S, etcd_backoff_max_s=CTL_BACKOFF_S)
-    return EtcdClient(etcd, CTL_TIMEOUTS, retry)
+    try:
+        return EtcdClient(etcd, CTL_TIMEOUTS, retry)
+    except EtcdUnavailable as exc:
+        print(unreachable_message(etcd, exc), file=err, flush=True)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=err, flush=True)
+    return None
 
 
 def requester() -> str:
@@ -282,7 +325,9 @@ def requester() -> str:
 def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[float], None]) -> int:
     """Request the drain; with ``--wait``, poll until the node's members left the generation."""
     keys = Keys(query.etcd.prefix, query.job_id)
-    client = _ctl_client(query.etcd)
+    client = _ctl_client(query.etcd, err)
+    if client is None:
+        return EXIT_DOWN
     try:
         return execute_drain(client, keys, query, out, err, sleep)
     except EtcdUnavailable as exc:
@@ -325,7 +370,9 @@ def execute_drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO,
 def run_events(query: EventsQuery, out: TextIO, err: TextIO) -> int:
     """Print the job's events, newest last."""
     keys = Keys(query.etcd.prefix, query.job_id)
-    client = _ctl_client(query.etcd)
+    client = _ctl_client(query.etcd, err)
+    if client is None:
+        return EXIT_DOWN
     try:
         ev = job_events(keys, client.get_prefix(keys.prefix), query.limit)
     except EtcdUnavailable as exc:
@@ -367,7 +414,9 @@ def status_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
 def run_status(query: StatusQuery, out: TextIO, err: TextIO, sleep: Callable[[float], None]) -> int:
     """Print one report (or, with ``--watch``, one per interval) and return the last exit code."""
     keys = Keys(query.etcd.prefix, query.job_id)
-    client = _ctl_client(query.etcd)
+    client = _ctl_client(query.etcd, err)
+    if client is None:
+        return EXIT_DOWN
     clear = query.watch and not query.json and out.isatty()
     code = EXIT_DOWN
     frames = 0
@@ -412,9 +461,16 @@ def unreachable_message(etcd: EtcdConfig, exc: EtcdUnavailable) -> str:
     if len(why) > 240:
         why = why[:237] + "..."
     where = ",".join(etcd.endpoints)
+    if " rejected " in why:  # it answered: the credentials or the request were refused
+        return f"{PROG}: {why} (check --etcd-user and --etcd-password-file or ELASTICD_ETCD_PASSWORD)"
     head = f"{PROG}: {why}" if why.startswith(f"etcd at {where} did not answer") else (
         f"{PROG}: etcd at {where} did not answer: {why}")
-    return f"{head} (set --etcd or ELASTICD_ETCD_ENDPOINTS)"
+    hint = "set --etcd or ELASTICD_ETCD_ENDPOINTS"
+    if etcd.tls:
+        hint += "; with TLS, check --etcd-ca-cert, --etcd-cert-cert and --etcd-cert-key"
+    elif "ssl" in why.lower() or "handshake" in why.lower() or "Socket closed" in why:
+        hint += "; if etcd speaks TLS, set --etcd-ca-cert"
+    return f"{head} ({hint})"
 
 
 # -- argparse types (an error here is an argparse error: usage on stderr, exit 2) ---------------
@@ -572,7 +628,24 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
     from elasticd.agent import Agent  # the entry point wires the concrete objects
     from elasticd.etcd import EtcdClient
 
-    client = EtcdClient(config.etcd, config.timeouts, config.retry)
+    from elasticd.metrics import AgentMetrics, MetricsServer, serve
+
+    try:
+        client = EtcdClient(config.etcd, config.timeouts, config.retry)
+    except (EtcdUnavailable, ConfigError) as exc:  # with a user, connecting authenticates
+        print(f"{AGENT_PROG}: etcd_unreachable: {exc}", file=err)
+        return AGENT_EXIT_FATAL
+    metrics: AgentMetrics | None = None
+    server: MetricsServer | None = None
+    if config.metrics_port:
+        metrics = AgentMetrics(config.world.job_id, config.node_id)
+        try:
+            server = serve(metrics, config.metrics_addr, config.metrics_port)
+        except OSError as exc:
+            client.close()
+            print(f"{AGENT_PROG}: metrics_port: cannot listen on {config.metrics_addr}:{config.metrics_port}: "
+                  f"{exc}", file=err)
+            return AGENT_EXIT_FATAL
     systemd = systemd_notify_environ()
     notifier = Notifier(systemd["NOTIFY_SOCKET"])
     watchdog_s = watchdog_interval(systemd["WATCHDOG_USEC"], systemd["WATCHDOG_PID"])
@@ -582,10 +655,12 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
 
             outcome = GroupRestartAgent(config, client, notifier=notifier, watchdog_s=watchdog_s).run()
         else:
-            outcome = Agent(config, client, notifier=notifier, watchdog_s=watchdog_s).run()
+            outcome = Agent(config, client, notifier=notifier, metrics=metrics, watchdog_s=watchdog_s).run()
     finally:
         notifier.close()
         client.close()
+        if server is not None:
+            server.close()
     if outcome.exit_code != AGENT_EXIT_OK:
         print(f"{AGENT_PROG}: {outcome.reason}", file=err)
     return outcome.exit_code

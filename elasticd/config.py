@@ -119,6 +119,16 @@ class EtcdConfig:
 
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     prefix: str = "/elasticd"
+    ca_cert: str = field(default="", metadata={
+        "doc": "CA bundle (PEM file) that signs the etcd servers' certificates; set: talk TLS to etcd."})
+    cert_cert: str = field(default="", metadata={
+        "doc": "Client certificate (PEM file) for etcd mutual TLS; needs etcd_cert_key and etcd_ca_cert."})
+    cert_key: str = field(default="", metadata={"doc": "Private key (PEM file) of etcd_cert_cert."})
+    user: str = field(default="", metadata={"doc": "etcd user (role-based access); needs a password."})
+    password: str = field(default="", repr=False, metadata={
+        "doc": "Password of etcd_user (prefer etcd_password_file or ELASTICD_ETCD_PASSWORD; never logged)."})
+    password_file: str = field(default="", metadata={
+        "doc": "File whose first line is etcd_user's password (instead of etcd_password)."})
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -127,6 +137,89 @@ class EtcdConfig:
             parse_endpoint(ep)
         if not self.prefix.startswith("/") or self.prefix.endswith("/"):
             raise ConfigError(f"etcd_prefix: must start with '/' and not end with '/', got {self.prefix!r}")
+        for name in ("ca_cert", "cert_cert", "cert_key", "password_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"etcd_{name}: no such file: {path!r}")
+        if bool(self.cert_cert) != bool(self.cert_key):
+            raise ConfigError("etcd_cert_cert: a client certificate needs its key, and the key its certificate "
+                              "(set both etcd_cert_cert and etcd_cert_key, or neither)")
+        if self.cert_cert and not self.ca_cert:
+            raise ConfigError("etcd_cert_cert: a client certificate needs etcd_ca_cert (TLS) too")
+        if self.password and self.password_file:
+            raise ConfigError("etcd_password: give etcd_password or etcd_password_file, not both")
+        has_password = bool(self.password or self.password_file)
+        if bool(self.user) != has_password:
+            raise ConfigError("etcd_user: a user needs a password and a password its user (set etcd_user and "
+                              "etcd_password or etcd_password_file, or neither)")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca_cert)
+
+    def resolved_password(self) -> str:
+        """The password: ``password``, else the first line of ``password_file`` ("" without a user).
+
+        Raises:
+            ConfigError: the password file cannot be read or is empty.
+        """
+        if not self.password_file:
+            return self.password
+        try:
+            text = Path(self.password_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"etcd_password_file: cannot read {self.password_file!r}: {exc}") from exc
+        lines = text.splitlines()
+        if not lines or not lines[0]:
+            raise ConfigError(f"etcd_password_file: {self.password_file!r} is empty")
+        return lines[0]
+
+    def to_environ(self) -> dict[str, str]:
+        """The ``ELASTICD_ETCD_*`` variables that ``etcd_from_environ`` turns back into this value
+        (security settings only when set: a password given by file travels as the file's name)."""
+        out = {f"{ENV_PREFIX}ETCD_ENDPOINTS": ",".join(self.endpoints), f"{ENV_PREFIX}ETCD_PREFIX": self.prefix}
+        for f in dataclasses.fields(self):
+            if f.name not in ("endpoints", "prefix") and getattr(self, f.name):
+                out[f"{ENV_PREFIX}ETCD_{f.name.upper()}"] = str(getattr(self, f.name))
+        return out
+
+
+ETCD_SECURITY_FIELDS = ("ca_cert", "cert_cert", "cert_key", "user", "password", "password_file")
+
+
+def etcd_security_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The TLS and auth settings given as ``ELASTICD_ETCD_*`` variables (field -> raw text, unvalidated)."""
+    env = os.environ if environ is None else environ
+    return {name: env[f"{ENV_PREFIX}ETCD_{name.upper()}"] for name in ETCD_SECURITY_FIELDS
+            if f"{ENV_PREFIX}ETCD_{name.upper()}" in env}
+
+
+def without_etcd_security(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment minus the etcd TLS and auth variables (for a caller that takes those from
+    elsewhere too, such as elasticctl's flags, and validates them together itself)."""
+    env = os.environ if environ is None else environ
+    drop = {f"{ENV_PREFIX}ETCD_{name.upper()}" for name in ETCD_SECURITY_FIELDS}
+    return {k: v for k, v in env.items() if k not in drop}
+
+
+def etcd_from_environ(environ: Mapping[str, str], base: EtcdConfig | None = None) -> EtcdConfig:
+    """``EtcdConfig`` from ``ELASTICD_ETCD_*`` variables, on top of ``base`` (default: the defaults).
+
+    Raises:
+        ConfigError: a variable is malformed or the settings do not go together; the message names it.
+    """
+    kwargs: dict[str, object] = {}
+    for f in dataclasses.fields(EtcdConfig):
+        name = f"{ENV_PREFIX}ETCD_{f.name.upper()}"
+        if name not in environ:
+            continue
+        if f.name == "endpoints":
+            kwargs["endpoints"] = tuple(e for e in environ[name].split(",") if e.strip())
+        else:
+            kwargs[f.name] = environ[name]
+    if base is not None:
+        return _build_replace(base, kwargs, "ELASTICD_ETCD_")
+    return _build(EtcdConfig, kwargs, "ELASTICD_ETCD_")
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -207,14 +300,7 @@ class WorkerEnv:
         """
         env = os.environ if environ is None else environ
         world = _load(WorldConfig, env)
-        etcd_kwargs: dict[str, object] = {}
-        if f"{ENV_PREFIX}ETCD_ENDPOINTS" in env:
-            etcd_kwargs["endpoints"] = tuple(
-                e for e in env[f"{ENV_PREFIX}ETCD_ENDPOINTS"].split(",") if e.strip()
-            )
-        if f"{ENV_PREFIX}ETCD_PREFIX" in env:
-            etcd_kwargs["prefix"] = env[f"{ENV_PREFIX}ETCD_PREFIX"]
-        etcd = _build(EtcdConfig, etcd_kwargs, "ELASTICD_ETCD_")
+        etcd = etcd_from_environ(env)
         top = _load(cls, env, skip=("world", "etcd", "timeouts", "retry"))
         return dataclasses.replace(
             top, world=world, etcd=etcd, timeouts=_load(Timeouts, env), retry=_load(RetryPolicy, env)
@@ -222,10 +308,7 @@ class WorkerEnv:
 
     def to_environ(self) -> dict[str, str]:
         """The variables that make ``from_environ`` return this value (for launchers)."""
-        out: dict[str, str] = {
-            f"{ENV_PREFIX}ETCD_ENDPOINTS": ",".join(self.etcd.endpoints),
-            f"{ENV_PREFIX}ETCD_PREFIX": self.etcd.prefix,
-        }
+        out: dict[str, str] = self.etcd.to_environ()
         for obj in (self.world, self.timeouts, self.retry, self):
             for f in dataclasses.fields(obj):
                 if f.name in ("world", "etcd", "timeouts", "retry"):
@@ -240,6 +323,13 @@ _T = TypeVar("_T")
 def _build(cls: type[_T], kwargs: Mapping[str, object], where: str) -> _T:
     try:
         return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _build_replace(base: _T, kwargs: Mapping[str, object], where: str) -> _T:
+    try:
+        return dataclasses.replace(base, **kwargs)  # type: ignore[type-var]
     except TypeError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
@@ -343,6 +433,13 @@ class AgentConfig:
         "doc": "elastic: workers use the in-process worker API and the job goes on without a failed "
                "one; restart: unmodified torchrun scripts (RANK, WORLD_SIZE, MASTER_ADDR, ...), and "
                "any failure restarts every worker of the job (group_restart.py)."})
+    hang_timeout_s: float = field(default=60.0, metadata={
+        "doc": "A worker whose progress in etcd has not advanced for this long while the job's committed "
+               "step grew is killed and restarted like a crashed one (0: never)."})
+    metrics_port: int = field(default=0, metadata={
+        "doc": "TCP port of the Prometheus metrics endpoint (/metrics); 0: no endpoint."})
+    metrics_addr: str = field(default="127.0.0.1", metadata={
+        "doc": "Address the metrics endpoint listens on (0.0.0.0: every interface)."})
 
     def __post_init__(self) -> None:
         if not self.program or not all(isinstance(a, str) for a in self.program) or not self.program[0]:
@@ -360,6 +457,19 @@ class AgentConfig:
             value = getattr(self, name)
             if not _positive_finite(value):
                 raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+        if not (isinstance(self.hang_timeout_s, (int, float)) and not isinstance(self.hang_timeout_s, bool)
+                and math.isfinite(self.hang_timeout_s) and self.hang_timeout_s >= 0):
+            raise ConfigError(f"hang_timeout_s: must be a finite number of seconds >= 0 (0: off), "
+                              f"got {self.hang_timeout_s!r}")
+        if 0 < self.hang_timeout_s < 2 * self.timeouts.keepalive_s:
+            raise ConfigError(f"hang_timeout_s: must be 0 (off) or at least twice keepalive_s "
+                              f"({self.timeouts.keepalive_s}), the interval of progress records, "
+                              f"got {self.hang_timeout_s}")
+        if (not isinstance(self.metrics_port, int) or isinstance(self.metrics_port, bool)
+                or not 0 <= self.metrics_port < 65536):
+            raise ConfigError(f"metrics_port: must be an integer in 0..65535 (0: off), got {self.metrics_port!r}")
+        if not self.metrics_addr or any(c.isspace() for c in self.metrics_addr):
+            raise ConfigError(f"metrics_addr: must be an address to listen on, got {self.metrics_addr!r}")
         if self.restart_backoff_max_s < self.restart_backoff_initial_s:
             raise ConfigError(
                 f"restart_backoff_max_s: must be >= restart_backoff_initial_s "

@@ -11,6 +11,9 @@ import os
 # etcd3 0.12 ships protobuf modules generated for an old protoc; today's protobuf only loads them
 # with the pure-Python implementation. Set it before the first import so users never meet it.
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+# gRPC's C core writes its own unstructured lines to stderr (a failed TLS handshake, a bad
+# certificate), around our one clear error; set GRPC_VERBOSITY yourself to see them when debugging.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import threading  # noqa: E402
 from collections.abc import Callable, Iterable, Mapping  # noqa: E402
@@ -60,11 +63,55 @@ class EtcdClient:
         self._endpoints = [parse_endpoint(e) for e in config.endpoints]
         self._index = 0
         self._lock = threading.Lock()
-        self._client = self._connect(0)
+        self._client = self._first_client()
+
+    def _first_client(self) -> etcd3.Etcd3Client:
+        """Connect to the first endpoint that accepts us (only authentication talks to etcd here).
+
+        Raises:
+            EtcdUnavailable: no endpoint accepted the credentials.
+        """
+        failure: EtcdUnavailable | None = None
+        for index in range(len(self._endpoints)):
+            try:
+                client = self._connect(index)
+            except EtcdUnavailable as exc:
+                failure = exc
+                continue
+            self._index = index
+            return client
+        assert failure is not None
+        raise failure
 
     def _connect(self, index: int) -> etcd3.Etcd3Client:
+        """A client of endpoint ``index``; with a user it authenticates (one bounded request).
+
+        Raises:
+            EtcdUnavailable: authentication failed, or the endpoint did not answer it.
+            ConfigError: the password file cannot be read.
+        """
         host, port = self._endpoints[index]
-        return etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s)
+        c = self._config
+        user = c.user or None
+        password = c.resolved_password() if user else None
+        try:
+            client = etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
+                                  ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
+                                  cert_key=c.cert_key or None, user=user, password=password)
+            if user and not c.tls:
+                # etcd3 0.12 sends the auth token twice: as call credentials, which gRPC refuses on a
+                # plaintext channel ("insufficient security level"), and as metadata, which etcd reads.
+                client.call_credentials = None
+                client.watcher._credentials = None
+            return client
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+            if code in _TRANSIENT_CODES:
+                raise EtcdUnavailable(f"etcd at {host}:{port} did not answer authenticate: {code}: "
+                                      f"{details}") from exc
+            raise EtcdUnavailable(f"etcd at {host}:{port} rejected the credentials of user {user!r}: "
+                                  f"{code}: {details}") from exc
 
     def _failover(self, failed: etcd3.Etcd3Client) -> None:
         with self._lock:
@@ -72,7 +119,20 @@ class EtcdClient:
                 return
             self._index = (self._index + 1) % len(self._endpoints)
             log.warning("etcd_endpoint_failover", endpoint="%s:%d" % self._endpoints[self._index])
-            self._client = self._connect(self._index)
+            try:
+                self._client = self._connect(self._index)
+            except EtcdUnavailable as exc:  # it would not authenticate us: the next failure moves on
+                log.warning("etcd_endpoint_failover_failed", error=str(exc))
+
+    def _reauthenticate(self, failed: etcd3.Etcd3Client) -> None:
+        with self._lock:
+            if self._client is not failed:
+                return
+            log.info("etcd_reauthenticated", endpoint="%s:%d" % self._endpoints[self._index])
+            try:
+                self._client = self._connect(self._index)
+            except EtcdUnavailable as exc:
+                log.warning("etcd_reauthenticate_failed", error=str(exc))
 
     def _call(self, what: str, fn: Callable[[etcd3.Etcd3Client], _T]) -> _T:
         def attempt() -> _T:
@@ -88,6 +148,9 @@ class EtcdClient:
                     raise LeaseLost(f"{what}: the lease no longer exists") from exc
                 if code in _TRANSIENT_CODES:
                     self._failover(client)
+                    raise _RetryableRpc(str(exc)) from exc
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._config.user:
+                    self._reauthenticate(client)  # an auth token expires when unused (etcd --auth-token-ttl)
                     raise _RetryableRpc(str(exc)) from exc
                 raise EtcdUnavailable(f"etcd rejected {what}: {code}: {exc}") from exc
 

@@ -46,11 +46,25 @@ def etcd_binary() -> str:
     return found
 
 
-class EtcdServer:
-    """A real single-node etcd on loopback, on free ports, with a temporary data dir."""
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS for a local etcd's client port: its certificate and key (also presented by the health
+    check as a client certificate, so make it good for both), and the CA that clients must be signed by."""
 
-    def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None) -> None:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+class EtcdServer:
+    """A real single-node etcd on loopback, on free ports, with a temporary data dir.
+
+    With ``tls``, clients talk HTTPS/TLS and must present a certificate signed by ``tls.ca``.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None, tls: EtcdTls | None = None) -> None:
         self.host = host
+        self.tls = tls
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self._own_dir = data_dir is None
@@ -68,7 +82,7 @@ class EtcdServer:
         Raises:
             RuntimeError: etcd did not answer within ``ETCD_START_TIMEOUT_S``.
         """
-        url_c = f"http://{self.host}:{self.client_port}"
+        url_c = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         url_p = f"http://{self.host}:{self.peer_port}"
         cmd = [
             etcd_binary(), "--name", "elasticd-test", "--data-dir", self.data_dir,
@@ -77,6 +91,9 @@ class EtcdServer:
             "--initial-cluster", f"elasticd-test={url_p}",
             "--log-level", "error",
         ]
+        if self.tls is not None:
+            cmd += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                    "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ETCD_START_TIMEOUT_S
@@ -90,10 +107,16 @@ class EtcdServer:
         raise RuntimeError(f"etcd did not answer on {self.endpoint} within {ETCD_START_TIMEOUT_S} s")
 
     def _answers(self) -> bool:
+        import ssl
         import urllib.request
 
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        scheme = "https" if self.tls else "http"
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as r:
+            with urllib.request.urlopen(f"{scheme}://{self.endpoint}/health", timeout=0.5, context=context) as r:
                 return b"true" in r.read()
         except OSError:
             return False

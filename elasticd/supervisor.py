@@ -159,10 +159,16 @@ class Supervisor:
                 pass  # it ended meanwhile: the next poll() reports it
         return sent
 
-    def kill(self) -> list[int]:
-        """SIGKILL every worker and each one's child processes; return the pids killed."""
+    def pids(self, local_rank: int) -> frozenset[int]:
+        """The pid of worker ``local_rank`` and of its children last seen (empty: not running)."""
+        w = self._workers.get(local_rank)
+        return frozenset({int(w.proc.pid), *w.descendants}) if w is not None else frozenset()
+
+    def kill(self, local_ranks: Iterable[int] | None = None) -> list[int]:
+        """SIGKILL the given workers (default: all) and each one's child processes; return the pids killed."""
         killed: list[int] = []
-        for w in self._workers.values():
+        ranks = list(self._workers) if local_ranks is None else [lr for lr in local_ranks if lr in self._workers]
+        for w in (self._workers[lr] for lr in ranks):
             try:
                 tree = [w.proc, *w.proc.children(recursive=True)]
             except psutil.Error:

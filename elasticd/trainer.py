@@ -124,6 +124,8 @@ class ElasticTrainer:
         self._drained = False
         self._finished_together = False
         self.recoveries = 0
+        self._last_recovery_s: float | None = None  # how long the last recovery took (progress record)
+        self._last_recovery_cause: str | None = None
         self.last_result: StepResult | None = None
         self._events: EventLog | None = None
         self._cause_detail = ""
@@ -388,6 +390,8 @@ class ElasticTrainer:
         self._unrecorded_recovery = None
         if self._cause != "start":  # a worker's first join is not a recovery
             self.recoveries += 1
+            self._last_recovery_s = round(time.monotonic() - self._failed_at, 4)
+            self._last_recovery_cause = self._cause
             if group.rank == 0:
                 self._unrecorded_recovery = {
                     "generation": group.generation, "cause": self._cause, "error": self._cause_detail,
@@ -446,6 +450,8 @@ class ElasticTrainer:
             "rank": self.rank,
             "step_time_s": r.duration_s if r else None,
             "recoveries": self.recoveries,
+            "last_recovery_s": self._last_recovery_s,
+            "last_recovery_cause": self._last_recovery_cause,
             "time": time.time(),
         })
 

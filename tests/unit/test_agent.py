@@ -4,11 +4,13 @@ flags)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from elasticd.agent import (
     Slot,
     SlotState,
     decide,
+    job_read_interval_s,
     member_leases,
     restart_backoff_s,
     restarts_in_window,
@@ -38,8 +41,9 @@ from elasticd.config import (
     load_agent_config,
     parse_nnodes,
 )
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.membership import KeyValue, Keys, MemberRecord, encode
+from elasticd.progress import JobView, ProgressMark
 from elasticd.supervisor import ExitKind, WorkerExit
 from tests.fakes import FakeKeyValueStore
 
@@ -526,3 +530,128 @@ def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.Mo
     env = child_environ({"ELASTICD_LOCAL_RANK": "0"})
     assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
     assert env["ELASTICD_LOCAL_RANK"] == "0"
+
+
+# -- hang detection -------------------------------------------------------------------------------
+
+HANG_CFG = AgentConfig(program=("worker",), node_id="n", nproc_per_node=2, hang_timeout_s=3.0,
+                       max_restarts=2, restart_window_s=60.0, restart_backoff_initial_s=1.0)
+STALLED = ProgressMark(("training", 1, 5), NOW - 4.0, 10)
+
+
+def test_a_worker_stalled_while_the_job_advanced_is_killed_as_hung() -> None:
+    s = snap(R, replace(running(0), mark=STALLED), running(1), view=JobView(read_at=NOW, job_step=30))
+    a = decide(s, NOW, HANG_CFG)
+    assert (a.kind, a.local_rank) == (ActionKind.KILL_HUNG, 0)
+    assert "made no progress for 4.0 s" in a.reason and "from 10 to 30" in a.reason
+    # once killed, it is not killed again while its exit is on the way
+    s2 = replace(s, slots=(replace(s.slots[0], hang_killed=True), s.slots[1]))
+    assert decide(s2, NOW, HANG_CFG).kind is ActionKind.WAIT
+
+
+@pytest.mark.parametrize(
+    ("view", "state", "why"),
+    [
+        (JobView(read_at=NOW, job_step=10), R, "the whole job stalled"),
+        (JobView(read_at=NOW - 1.5, job_step=30), R, "the newest read is too close to the last advance"),
+        (None, R, "no read of etcd succeeded (etcd down)"),
+        (JobView(read_at=NOW, job_step=30), D, "draining: no hang kills"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_no_hang_kill_without_evidence(view: JobView | None, state: AgentState, why: str) -> None:
+    s = snap(state, replace(running(0), mark=STALLED), view=view, stop_requests=1 if state is D else 0,
+             terminate_deadline=NOW + 5 if state is D else None)
+    assert decide(s, NOW, HANG_CFG).kind is not ActionKind.KILL_HUNG, why
+
+
+def test_a_worker_killed_as_hung_is_restarted_like_a_crashed_one() -> None:
+    slot = replace(ended(0, ExitKind.SIGNALED, sig=9), hang_killed=True)
+    a = decide(snap(R, slot, running(1)), NOW, HANG_CFG)
+    assert (a.kind, a.slot_state, a.restart_at) == (ActionKind.RELEASE, SlotState.BACKOFF, NOW + 1.0)
+    assert "was killed by SIGKILL as hung" in a.reason
+
+
+def test_hang_timeout_is_validated() -> None:
+    with pytest.raises(ConfigError, match="hang_timeout_s: must be a finite number"):
+        AgentConfig(program=("w",), hang_timeout_s=-1.0)
+    with pytest.raises(ConfigError, match="at least twice keepalive_s"):
+        AgentConfig(program=("w",), hang_timeout_s=1.0)
+    assert AgentConfig(program=("w",), hang_timeout_s=0.0).hang_timeout_s == 0.0
+    with pytest.raises(ConfigError, match="metrics_port"):
+        AgentConfig(program=("w",), metrics_port=70000)
+
+
+class _OutageStore(FakeKeyValueStore):
+    """A fake etcd that stops answering reads of the job when told (an etcd outage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = threading.Event()
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        if self.down.is_set():
+            raise EtcdUnavailable("etcd at fake did not answer get_prefix")
+        return super().get_prefix(prefix)
+
+
+def _progress(store: FakeKeyValueStore, member: str, step: int) -> None:
+    rec = {"step": step, "generation": 1, "rank": 0, "step_time_s": 0.01, "recoveries": 0, "time": 1.0}
+    store.put(Keys("/elasticd", "j").progress(member), json.dumps(rec).encode())
+
+
+@pytest.mark.parametrize("etcd_down", [False, True], ids=["stalled: killed as hung", "etcd down: left alone"])
+def test_the_executor_kills_a_stalled_worker_but_not_on_an_etcd_outage(etcd_down: bool) -> None:
+    """A real process registered under this node (by the test) stops advancing while another member's
+    progress grows. With the reads answered, it is killed as hung and restarted; with etcd not
+    answering, the agent has no evidence and leaves it alone."""
+    store = _OutageStore()
+    agent = Agent(AgentConfig(
+        program=(sys.executable, "-c", "import time; time.sleep(30)"), node_id="n", world=WorldConfig(job_id="j"),
+        timeouts=Timeouts(lease_ttl_s=1.0, keepalive_s=0.1, shutdown_grace_s=0.5), hang_timeout_s=0.5,
+        max_restarts=0, poll_interval_s=0.02, kill_wait_s=2.0), store)
+    keys = Keys("/elasticd", "j")
+    done = threading.Event()
+
+    def job() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not agent.snapshot.slots[0].pid:
+            time.sleep(0.01)
+        pid = agent.snapshot.slots[0].pid
+        store.put(keys.member("n.0.x"), encode(MemberRecord("n.0.x", "n", 0, pid, "h", 1, "s")))
+        store.put(keys.member("m.0.y"), encode(MemberRecord("m.0.y", "m", 0, 1, "h", 1, "s")))
+        _progress(store, "n.0.x", 5)
+        _progress(store, "m.0.y", 5)
+        time.sleep(0.3)  # the agent sees the worker at step 5
+        if etcd_down:
+            store.down.set()
+        step = 5
+        while not done.wait(0.05) and time.monotonic() < deadline:
+            step += 1
+            _progress(store, "m.0.y", step)  # the rest of the job advances
+        agent.request_stop()
+
+    t = threading.Thread(target=job)
+    t.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            timer = threading.Timer(3.0, done.set)
+            timer.start()
+            outcome = agent.run(install_signals=False)
+    finally:
+        done.set()
+        t.join(15)
+    hung = _events(logs, "worker_hung")
+    if etcd_down:
+        assert not hung and _events(logs, "job_read_failed"), logs
+        assert outcome.reason == "drained"
+    else:
+        assert len(hung) == 1 and hung[0]["job_step_then"] == 5 and hung[0]["job_step_now"] > 5, hung
+        assert outcome.exit_code == 1 and "as hung" in outcome.reason  # max_restarts 0: the kill is a failure
+
+
+def test_job_read_interval() -> None:
+    base = dict(program=("w",), timeouts=Timeouts(keepalive_s=0.75))
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=False) == 6.0  # type: ignore[arg-type]
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=True) == 0.75  # type: ignore[arg-type]
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=3.0), live_consumers=False) == 0.75  # type: ignore[arg-type]

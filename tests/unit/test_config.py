@@ -201,3 +201,52 @@ def test_config_error_is_fatal() -> None:
     from elasticd.errors import FatalError
 
     assert issubclass(ConfigError, FatalError)
+
+
+# -- etcd TLS and auth ----------------------------------------------------------------------------
+
+
+def _files(tmp_path, *names: str) -> list[str]:
+    out = []
+    for n in names:
+        (tmp_path / n).write_text("x\n")
+        out.append(str(tmp_path / n))
+    return out
+
+
+def test_etcd_security_settings_round_trip_to_workers(tmp_path) -> None:
+    ca, cert, key, pw = _files(tmp_path, "ca.pem", "c.pem", "c.key", "pw")
+    etcd = EtcdConfig(ca_cert=ca, cert_cert=cert, cert_key=key, user="u", password_file=pw)
+    env = WorkerEnv(node_id="n", etcd=etcd)
+    variables = env.to_environ()
+    assert variables["ELASTICD_ETCD_PASSWORD_FILE"] == pw and "ELASTICD_ETCD_PASSWORD" not in variables
+    assert WorkerEnv.from_environ(variables) == env
+    assert etcd.tls and etcd.resolved_password() == "x"
+    by_value = EtcdConfig(user="u", password="secret")
+    assert "secret" not in repr(by_value)  # never in a log line that prints the settings
+    assert WorkerEnv.from_environ(WorkerEnv(node_id="n", etcd=by_value).to_environ()).etcd == by_value
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(ca_cert="/absent.pem"), "etcd_ca_cert: no such file: '/absent.pem'"),
+        (dict(cert_cert="CERT"), "etcd_cert_cert: a client certificate needs its key"),
+        (dict(cert_key="KEY"), "etcd_cert_cert: a client certificate needs its key"),
+        (dict(cert_cert="CERT", cert_key="KEY"), "etcd_cert_cert: a client certificate needs etcd_ca_cert"),
+        (dict(user="u"), "etcd_user: a user needs a password"),
+        (dict(password="p"), "etcd_user: a user needs a password"),
+        (dict(user="u", password="p", password_file="PW"), "etcd_password: give etcd_password or etcd_password_file"),
+    ],
+)
+def test_etcd_security_settings_are_validated(tmp_path, fields: dict[str, str], message: str) -> None:
+    real = dict(zip(("CERT", "KEY", "PW"), _files(tmp_path, "c.pem", "c.key", "pw"), strict=True))
+    with pytest.raises(ConfigError) as info:
+        EtcdConfig(**{k: real.get(v, v) for k, v in fields.items()})
+    assert str(info.value).startswith(message)
+
+
+def test_an_empty_password_file_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "pw").write_text("")
+    with pytest.raises(ConfigError, match="etcd_password_file: .* is empty"):
+        EtcdConfig(user="u", password_file=str(tmp_path / "pw")).resolved_password()

@@ -1,0 +1,182 @@
+"""etcd with TLS (mutual: a client certificate is required) and with authentication: an agent's job
+runs against it with the right settings, and ``elasticctl status`` answers with the right options
+and fails clearly (exit 2) with wrong ones. The certificates are made here with the openssl CLI;
+auth is enabled through etcd's gRPC Auth API (etcd3 0.12 has no helper for it; etcdctl may be
+absent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.localcluster import REPO_ROOT, EtcdServer, EtcdTls
+from tests.integration.test_node_agent import AgentJob
+
+OPENSSL = shutil.which("openssl")
+CTL = [sys.executable, "-c", "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())"]
+PROGRAM = [sys.executable, "agents/mlp.py", "--steps", "30"]
+CTL_TIMEOUT_S = 30  # bound on one elasticctl run (it answers in about 2 s when etcd refuses it)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    assert OPENSSL is not None
+    subprocess.run([OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def _leaf(d: Path, name: str, ca: str, usage: str) -> None:
+    """``name.pem``/``name.key``: a P-256 certificate for 127.0.0.1 signed by ``ca``."""
+    (d / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n"
+                                   "basicConstraints=CA:FALSE\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
+             f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
+             f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if OPENSSL is None:
+        pytest.skip("no openssl CLI to make test certificates (and the cryptography package is not installed)")
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "other-ca")  # signs nothing etcd trusts
+    _leaf(d, "server", "ca", "serverAuth,clientAuth")
+    _leaf(d, "client", "ca", "clientAuth")
+    return d
+
+
+@pytest.fixture
+def tls_etcd(pki: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tls=EtcdTls(pki / "ca.pem", pki / "server.pem", pki / "server.key")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    base["PYTHONPATH"] = str(REPO_ROOT)
+    base.update(env or {})
+    return subprocess.run(CTL + list(args), cwd=REPO_ROOT, env=base, capture_output=True, text=True,
+                          timeout=CTL_TIMEOUT_S)
+
+
+@pytest.mark.timeout(120)
+def test_tls_a_job_runs_and_elasticctl_needs_the_right_certificates(tls_etcd: EtcdServer, pki: Path,
+                                                                      tmp_path: Path) -> None:
+    tls = {"etcd_ca_cert": pki / "ca.pem", "etcd_cert_cert": pki / "client.pem", "etcd_cert_key": pki / "client.key"}
+    job = AgentJob(tls_etcd, tmp_path / "job", lease_ttl_s=2, keepalive_s=0.5, **tls)
+    try:
+        agent = job.start("a", program=[*PROGRAM, "--audit", str(job.audit_path("a"))])
+        assert agent.wait(90) == 0, job.logs_tail()  # the worker got the TLS settings from the agent
+    finally:
+        job.stop()
+    assert len(job.commits("a")) == 30
+    flags = ["--etcd-ca-cert", str(pki / "ca.pem"), "--etcd-cert-cert", str(pki / "client.pem"),
+             "--etcd-cert-key", str(pki / "client.key")]
+    ok = _ctl("--etcd", tls_etcd.endpoint, *flags, "status", "--job", job.job_id, "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["finished"], ok.stdout
+    from_env = _ctl("--etcd", tls_etcd.endpoint, "status", "--job", job.job_id,
+                    env={"ELASTICD_" + k.upper(): str(v) for k, v in tls.items()})
+    assert from_env.returncode == 0, from_env.stderr
+
+    plain = _ctl("--etcd", tls_etcd.endpoint, "status", "--job", job.job_id)
+    assert plain.returncode == 2 and plain.stdout == ""
+    (line,) = plain.stderr.splitlines()
+    assert line.startswith(f"elasticctl: etcd at {tls_etcd.endpoint} did not answer"), line
+    wrong_ca = _ctl("--etcd", tls_etcd.endpoint, "--etcd-ca-cert", str(pki / "other-ca.pem"),
+                    "--etcd-cert-cert", str(pki / "client.pem"), "--etcd-cert-key", str(pki / "client.key"),
+                    "status", "--job", job.job_id)
+    assert wrong_ca.returncode == 2
+    (line,) = wrong_ca.stderr.splitlines()
+    assert "did not answer" in line and "check --etcd-ca-cert" in line, line
+    no_client_cert = _ctl("--etcd", tls_etcd.endpoint, "--etcd-ca-cert", str(pki / "ca.pem"), "status",
+                          "--job", job.job_id)
+    assert no_client_cert.returncode == 2, no_client_cert.stderr
+    half = _ctl("--etcd", tls_etcd.endpoint, "--etcd-cert-cert", str(pki / "client.pem"), "status")
+    assert half.returncode == 2
+    assert half.stderr.strip() == ("elasticctl: etcd_cert_cert: a client certificate needs its key, and the key "
+                                   "its certificate (set both etcd_cert_cert and etcd_cert_key, or neither)")
+    missing = _ctl("--etcd", tls_etcd.endpoint, "--etcd-ca-cert", str(pki / "absent.pem"), "status")
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"elasticctl: etcd_ca_cert: no such file: {str(pki / 'absent.pem')!r}"
+
+
+def _enable_auth(endpoint: str, user: str, password: str, prefix: str) -> None:
+    """root (with the root role), and ``user`` with read-write on ``prefix``; then auth on."""
+    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    import etcd3
+    from etcd3 import etcdrpc
+    from etcd3.etcdrpc import auth_pb2
+
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        auth = etcdrpc.AuthStub(client.channel)
+        auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), 5)
+        auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="root-secret"), 5)
+        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), 5)
+        auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="trainer"), 5)
+        perm = auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=f"{prefix}/".encode(),
+                                  range_end=f"{prefix}0".encode())
+        auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name="trainer", perm=perm), 5)
+        auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), 5)
+        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role="trainer"), 5)
+        auth.AuthEnable(etcdrpc.AuthEnableRequest(), 5)
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_auth_a_job_runs_as_its_user_and_elasticctl_needs_the_password(tmp_path: Path) -> None:
+    server = EtcdServer().start()
+    try:
+        _enable_auth(server.endpoint, "trainer1", "s3cret-pw", "/elasticd")
+        password_file = tmp_path / "etcd-password"
+        password_file.write_text("s3cret-pw\n")
+        job = AgentJob(server, tmp_path / "job", lease_ttl_s=2, keepalive_s=0.5, etcd_user="trainer1",
+                       etcd_password_file=password_file)
+        try:
+            agent = job.start("a", program=[*PROGRAM, "--audit", str(job.audit_path("a"))])
+            assert agent.wait(90) == 0, job.logs_tail()
+        finally:
+            job.stop()
+        assert len(job.commits("a")) == 30
+        assert "s3cret-pw" not in job.agents["a"].log_text()  # never logged
+        ok = _ctl("--etcd", server.endpoint, "--etcd-user", "trainer1", "--etcd-password-file", str(password_file),
+                  "status", "--job", job.job_id, "--json")
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["finished"]
+        via_env = _ctl("--etcd", server.endpoint, "--etcd-user", "trainer1", "status", "--job", job.job_id,
+                       env={"ELASTICD_ETCD_PASSWORD": "s3cret-pw"})
+        assert via_env.returncode == 0, via_env.stderr
+
+        wrong = _ctl("--etcd", server.endpoint, "--etcd-user", "trainer1", "status", "--job", job.job_id,
+                     env={"ELASTICD_ETCD_PASSWORD": "WRONG-pw"})
+        assert wrong.returncode == 2 and wrong.stdout == ""
+        (line,) = wrong.stderr.splitlines()
+        assert "rejected the credentials of user 'trainer1'" in line and "check --etcd-user" in line, line
+        assert "WRONG-pw" not in line  # the password is never echoed
+        anonymous = _ctl("--etcd", server.endpoint, "status", "--job", job.job_id)
+        assert anonymous.returncode == 2
+        (line,) = anonymous.stderr.splitlines()
+        assert "rejected" in line, line
+        no_password = _ctl("--etcd", server.endpoint, "--etcd-user", "trainer1", "status")
+        assert no_password.returncode == 2
+        assert no_password.stderr.startswith("elasticctl: etcd_user: a user needs a password"), no_password.stderr
+    finally:
+        server.stop()
