@@ -7,12 +7,13 @@ the default workload ``agents/mlp.py``. Then, going by the committed step:
 1. at about 1/5 of the steps it SIGKILLs the last node's worker. Its agent revokes the worker's lease
    at once, the survivors regroup without waiting for the TTL, and the agent restarts the worker,
    which rejoins as a newcomer and receives the state from rank 0;
-2. once that worker is back, at about 2/5, it drains ``node-1`` (SIGTERM to its agent, what
-   ``systemctl stop`` sends): the worker finishes its step and leaves, the agent exits 0, and the job
-   goes on at the smaller size;
+2. once that worker is back, at about 2/5, it drains ``node-1`` with ``elasticctl drain node-1``:
+   its agent sees the request in etcd, the worker finishes its step and leaves, the agent exits 0,
+   and the job goes on at the smaller size;
 3. early enough (by the measured start-up time of a node) to join at about 3/5, it starts a new
    agent, ``node-<nodes>``, whose worker joins;
-4. it prints ``elasticctl status`` once the new node trains and again at the end.
+4. it prints ``elasticctl status`` once the new node trains, and ``elasticctl status`` and
+   ``elasticctl events`` at the end.
 
 A progress line about once a second comes from the workers' audit logs and the generation record in
 etcd; the run ends with the verdict of ``audit.check`` and of the agents' exit codes. It holds no
@@ -59,6 +60,7 @@ SAMPLES = 2048        # the workload's dataset size; the audit checks every epoc
 GLOBAL_BATCH = 64
 TICK_S = 0.1          # how often the demo polls the audit logs, etcd and the processes
 STATUS_EVERY_S = 1.0  # one progress line this often
+EVENTS_SHOWN = 30        # the last events printed at the end (elasticctl events --limit)
 AGENT_EXIT_WAIT_S = 30.0  # after the job finished: how long the agents get to exit
 # Short lease so that a frozen or lost node is noticed within seconds (the library default is 3 s).
 DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
@@ -278,18 +280,23 @@ class Demo:
         self.say(f"step {p.step:4d}/{self.plan.steps}  generation {p.generation}  world {p.world_size}  "
                  f"loss {loss}  agents running: {', '.join(alive) or 'none'}")
 
-    def print_status(self, when: str) -> None:
-        """``elasticctl status`` of the job, as an operator would run it."""
+    def elasticctl(self, *args: str, when: str = "") -> int:
+        """Run ``elasticctl`` as an operator would (in this process) and print what it printed."""
         assert self.etcd is not None
         from elasticd.cli import ctl_main  # an entry point's wiring, as in start_etcd
 
         buf = io.StringIO()
-        argv = ["--etcd", self.etcd.endpoint, "status", "--job", JOB_ID,
-                "--min-workers", str(self.plan.min_workers), "--max-workers", str(self.plan.nodes)]
+        argv = ["--etcd", self.etcd.endpoint, *args]
         code = ctl_main(argv, stdout=buf, stderr=buf)
-        self.say(f"elasticctl {' '.join(argv)}   ({when}; exit {code})")
+        self.say(f"$ elasticctl {' '.join(argv)}   ({when + '; ' if when else ''}exit {code})")
         self.out.write("".join(f"    {line}\n" for line in buf.getvalue().splitlines()))
         self.out.flush()
+        return code
+
+    def print_status(self, when: str) -> None:
+        """``elasticctl status`` of the job."""
+        self.elasticctl("status", "--job", JOB_ID, "--min-workers", str(self.plan.min_workers),
+                        "--max-workers", str(self.plan.nodes), when=when)
 
     # -- processes --------------------------------------------------------------------------
 
@@ -400,8 +407,8 @@ class Demo:
             o.rejoined = True
         if o.rejoined and o.drained_t is None and p.step >= plan.drain_at:
             o.drained_t = time.time()
-            self.agents[plan.drained].signal(signal.SIGTERM)
-            self.say(f"draining {plan.drained} at step {p.step}: SIGTERM to its agent (what systemctl stop sends)")
+            self.say(f"draining {plan.drained} at step {p.step}:")
+            self.elasticctl("drain", plan.drained, "--job", JOB_ID)
         if o.drained_t is not None and not o.newcomer_started and plan.drained in o.codes:
             lead = math.ceil((self.startup_s or 0.0) * self.steps_per_s())
             if p.step >= plan.join_at - lead:
@@ -451,6 +458,7 @@ class Demo:
         self.status_line()
         if self.store is not None:
             self.print_status("the end")
+            self.elasticctl("events", "--job", JOB_ID, "--limit", str(EVENTS_SHOWN), when="the job's history")
         for node, a in self.agents.items():
             if a.alive():
                 a.stop()
@@ -560,7 +568,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m elasticd.demo",
         description="A local elastic job on loopback run by real node agents: a real etcd, --nodes agents "
         "with one worker of agents/mlp.py each; one worker is SIGKILLed (its agent restarts it), "
-        "node-1 is drained, a new node joins; elasticctl status is printed; the audit checks the "
+        "node-1 is drained with elasticctl drain, a new node joins; elasticctl status is printed; the audit checks the "
         "invariants at the end.",
     )
     p.add_argument("--nodes", type=int, default=3, help="agents at the start (>= 3; default 3)")

@@ -30,7 +30,9 @@ def test_demo_runs_agents_kills_a_worker_drains_a_node_adds_one_and_passes_its_a
     assert "result            PASS" in out, tail
     assert "steps committed   200/200" in out, tail
     assert "killed node-2's worker" in out, tail
+    assert "elasticctl --etcd" in out and "drain node-1 --job demo   (exit 0)" in out, tail
     assert "agent node-1 exited 0 (drained)" in out, tail
+    assert "node_drained" in out, tail  # elasticctl events at the end
     assert "node-3's worker joined as a newcomer" in out, tail
     assert "agents            node-0: exit 0, node-1: exit 0, node-2: exit 0, node-3: exit 0" in out, tail
     # elasticctl status, printed while the new node trains and at the end
