@@ -92,8 +92,8 @@ class AgentJob:
     def audit_path(self, node: str) -> Path:
         return self.dir / f"{node}.jsonl"
 
-    def start(self, node: str, *flags: str, program: list[str] | None = None) -> AgentProcess:
-        prog = program if program is not None else [*MLP, "--audit", str(self.audit_path(node))]
+    def start(self, node: str, *flags: str, program: list[str] | None = None, steps: int = 300) -> AgentProcess:
+        prog = program if program is not None else [*MLP[:-1], str(steps), "--audit", str(self.audit_path(node))]
         argv = ["--etcd", self.etcd.endpoint, "--job-id", self.job_id, "--node-id", node, *flags, "--", *prog]
         agent = AgentProcess(argv, _env(**self.settings), self.dir / f"agent-{node}.log")
         self.agents[node] = agent
@@ -142,8 +142,9 @@ def _worker_pid(agent: AgentProcess) -> int:
 def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it(agent_job):
     # A 10 s lease: survivors that waited for the dead worker's lease to expire would show it.
     job = agent_job(lease_ttl_s=10)
-    a = job.start("a", "--nnodes", "1:2")
-    b = job.start("b", "--nnodes", "1:2")
+    # 600 steps: the restarted worker (a fresh Python importing torch) must be back before the end
+    a = job.start("a", "--nnodes", "1:2", steps=600)
+    b = job.start("b", "--nnodes", "1:2", steps=600)
     job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
     victim = _worker_pid(b)
     killed_at = time.time()
@@ -161,7 +162,7 @@ def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it
     assert b.events("agent_stopped")[-1]["reason"] == "workers_finished"
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations
-    assert rep.last_step == 300
+    assert rep.last_step == 600
     # the restarted worker rejoined as a newcomer: it synced into a world of 2 after the kill
     rejoined = [r for r in read_lines([job.audit_path("b")]) if r["event"] == "sync" and r["t"] > killed_at]
     assert rejoined and rejoined[0]["world_size"] == 2, rejoined
