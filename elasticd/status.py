@@ -38,6 +38,7 @@ from typing import Protocol
 
 from elasticd.membership import (
     AbortRecord,
+    CheckpointRecord,
     FinishedRecord,
     KeyValue,
     Keys,
@@ -138,6 +139,8 @@ class JobStatus:
     malformed: tuple[str, ...]  # "<key>: <why>", never fatal
     min_workers: int | None = None
     max_workers: int | None = None
+    checkpoint: CheckpointRecord | None = None  # the latest good durable checkpoint, if recorded
+    checkpoint_age_s: float | None = None  # now - its creation time (wall clocks of two hosts)
 
     @property
     def exit_code(self) -> int:
@@ -233,6 +236,8 @@ def build_status(
         malformed=snap.malformed + bad_progress,
         min_workers=min_workers,
         max_workers=max_workers,
+        checkpoint=snap.checkpoint,
+        checkpoint_age_s=now - snap.checkpoint.time if snap.checkpoint and snap.checkpoint.time else None,
     )
 
 
@@ -388,6 +393,14 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "reason": status.last_abort.reason,
         },
         "malformed": list(status.malformed),
+        "checkpoint": None if status.checkpoint is None else {
+            "step": status.checkpoint.step,
+            "path": status.checkpoint.path,
+            "node": status.checkpoint.node,
+            "generation": status.checkpoint.generation,
+            "bytes": status.checkpoint.bytes,
+            "age_s": _round(status.checkpoint_age_s, 3),
+        },
     }
 
 
@@ -418,6 +431,7 @@ def render_table(status: JobStatus) -> str:
         ("last abort", "none" if status.last_abort is None else
          f"generation {status.last_abort.generation} by {_clean(status.last_abort.member_id)}: "
          f"{_clean(status.last_abort.reason)}"),
+        ("checkpoint", _checkpoint_line(status)),
     ]
     out = [f"{k:<11} {v}" for k, v in lines]
     out.append("")
@@ -435,6 +449,14 @@ def render_table(status: JobStatus) -> str:
         out.append(f"malformed records ({len(status.malformed)}, ignored):")
         out += [f"  {_clean(m)}" for m in status.malformed]
     return "\n".join(out) + "\n"
+
+
+def _checkpoint_line(status: JobStatus) -> str:
+    ck = status.checkpoint
+    if ck is None:
+        return "none recorded"
+    age = "" if status.checkpoint_age_s is None else f", {status.checkpoint_age_s:.1f}s ago"
+    return f"step {ck.step} on {_clean(ck.node)}: {_clean(ck.path)} ({ck.bytes} bytes{age})"
 
 
 def _row(m: MemberStatus) -> tuple[str, ...]:
