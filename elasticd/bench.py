@@ -998,10 +998,27 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    from elasticd.bench_checkpoint import add_args  # imports this module: load it only when asked
+
+    add_args(p)
+
+
+def _run_checkpoint_cmd(args: argparse.Namespace) -> int:
+    from elasticd.bench_checkpoint import run_cmd
+
+    return run_cmd(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "recovery": Subcommand(
         "fault recovery, join, step overhead vs DDP and state-transfer throughput of a 3-worker job",
         _add_recovery_args, _run_recovery_cmd,
+    ),
+    "checkpoint": Subcommand(
+        "durable checkpoints with ~100 MB of state: step overhead, write throughput vs a plain "
+        "write+fsync, resume time vs a fresh start",
+        _add_checkpoint_args, _run_checkpoint_cmd,
     ),
 }
 

@@ -17,7 +17,9 @@ Files of one checkpoint, ``<name> = <seq:08d>-step<step:012d>``:
   groups); zero padding to a 64-byte boundary; the payload: the flat arena (model and optimizer
   tensors, the counters ``step, epoch, position``, then the torch RNG state).
 * ``<name>.json``: the manifest, written after the data file is durable: step, seq, sizes, the
-  CRC-32 of the whole data file, and the state checksum (``checkpoint.state_checksum``).
+  state checksum (``checkpoint.state_checksum``: a CRC-32 of the state tensors' bytes, seeded with
+  their layout) and a CRC-32 of every other byte of the file; together they cover the whole file,
+  in one pass (computed on a helper thread while the bytes are written).
 
 A save writes ``.<name>.ckpt.tmp.<pid>``, fsyncs it, renames it, fsyncs the directory, then does
 the same for the manifest: a checkpoint exists only once its manifest does, so a crash at any
@@ -59,7 +61,7 @@ _ALIGN = 64
 CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
 MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died; retention removes it
-_NAME = re.compile(r"^(\d{8})-step(\d{12})\.(ckpt|json)$")
+_NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|json)$")
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ class Manifest:
     header_bytes: int
     payload_offset: int
     payload_bytes: int
-    crc32: int  # of the whole data file
-    state_checksum: int  # checkpoint.state_checksum of the payload, as the trainer's audit shows it
+    state_bytes: int  # the payload's first state_bytes are the state tensors; the RNG state follows
+    state_checksum: int  # checkpoint.state_checksum of those bytes, as the trainer's audit shows it
+    crc32: int  # CRC-32 of every other byte of the file (magic, header, padding, RNG state)
     epoch: int
     position: int
     created: float  # wall clock
@@ -340,15 +343,16 @@ class CheckpointWriter:
         sums: dict[str, int] = {}
 
         def crc_job() -> None:  # on a helper thread, while the bytes are written
-            sums["file"] = zlib.crc32(data, zlib.crc32(prefix))
             sums["state"] = state_checksum(key, data[:total], total)
+            sums["rest"] = zlib.crc32(data[total:], zlib.crc32(prefix))
 
         _write_durably(self.directory, name + ".ckpt", [memoryview(prefix), data], crc_job)
         manifest = Manifest(
             format=FORMAT, version=VERSION, job=self._job_id, seq=seq, step=job.step,
             generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",
             file_bytes=payload_offset + payload_bytes, header_bytes=len(header), payload_offset=payload_offset,
-            payload_bytes=payload_bytes, crc32=sums["file"], state_checksum=sums["state"], epoch=job.epoch,
+            payload_bytes=payload_bytes, state_bytes=total, state_checksum=sums["state"], crc32=sums["rest"],
+            epoch=job.epoch,
             position=job.position, created=time.time(),
         )
         _write_durably(self.directory, name + ".json", [memoryview(json.dumps(asdict(manifest), indent=1).encode())])
@@ -461,7 +465,8 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
     size = entry.data_path.stat().st_size
     if size != man.file_bytes:
         raise ValueError(f"size {size} bytes, the manifest says {man.file_bytes} (truncated or overwritten)")
-    if not 0 <= man.header_bytes <= MAX_HEADER_BYTES or man.payload_offset + man.payload_bytes != size:
+    if (not 0 <= man.header_bytes <= MAX_HEADER_BYTES or man.payload_offset + man.payload_bytes != size
+            or not 0 <= man.state_bytes <= man.payload_bytes):
         raise ValueError("manifest sizes are inconsistent")
     payload = torch.empty(man.payload_bytes, dtype=torch.uint8)
     with entry.data_path.open("rb", buffering=0) as f:
@@ -474,25 +479,30 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
             raise ValueError(f"header length {hlen}, the manifest says {man.header_bytes}")
         header = _read_exact(f, hlen)
         pad = _read_exact(f, man.payload_offset - len(MAGIC) - _LEN.size - hlen)
-        crc = zlib.crc32(pad, zlib.crc32(header, zlib.crc32(magic + _LEN.pack(hlen))))
         view = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
         done = 0
         while done < len(view):
             n = f.readinto(view[done : done + CHUNK_BYTES])
             if not n:
                 raise ValueError(f"file ended after {done} payload bytes")
-            crc = zlib.crc32(view[done : done + n], crc)
             done += n
+    total = man.state_bytes
+    crc = zlib.crc32(view[total:], zlib.crc32(pad, zlib.crc32(header, zlib.crc32(magic + _LEN.pack(hlen)))))
     if crc != man.crc32:
-        raise ValueError(f"CRC-32 {crc:08x} does not match the manifest's {man.crc32:08x} (corrupt bytes)")
-    head = json.loads(header)
+        raise ValueError(f"CRC-32 {crc:08x} of the header and RNG state does not match the manifest's "
+                         f"{man.crc32:08x} (corrupt bytes)")
+    head = json.loads(header)  # its bytes are verified now
     if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("step") != man.step:
         raise ValueError("the header does not match the manifest")
     if head.get("signature") != man.signature or head.get("payload_bytes") != man.payload_bytes:
         raise ValueError("the header's signature or sizes do not match the manifest")
     layout = head.get("layout")
-    if not isinstance(layout, dict):
-        raise ValueError("the header holds no state layout")
+    if not isinstance(layout, dict) or layout.get("total") != total or not isinstance(layout.get("tensors"), list):
+        raise ValueError("the header holds no state layout of the manifest's size")
+    checksum = state_checksum(json.dumps(layout["tensors"]).encode(), view[:total], total)
+    if checksum != man.state_checksum:
+        raise ValueError(f"CRC-32 of the state tensors ({checksum:016x}) does not match the manifest's "
+                         f"{man.state_checksum:016x} (corrupt bytes)")
     return man, json.dumps(layout).encode(), payload
 
 

@@ -189,7 +189,7 @@ def test_damaged_and_foreign_checkpoints_are_refused_and_the_previous_good_one_i
     (directory / f"{name}.ckpt").write_bytes(evil)
     fake = json.loads(entries[good].manifest_path.read_text())  # type: ignore[union-attr]
     fake.update(seq=99999999, step=999, file=f"{name}.ckpt", file_bytes=len(evil), crc32=zlib.crc32(evil),
-                header_bytes=0, payload_offset=0, payload_bytes=len(evil))
+                state_bytes=0, header_bytes=0, payload_offset=0, payload_bytes=len(evil))
     (directory / f"{name}.json").write_text(json.dumps(fake))
 
     second = _restart(local_job, first, min_workers=2)

@@ -143,7 +143,8 @@ def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path
     if with_manifest:  # a manifest that matches the file exactly: only the format check can refuse it
         fake = json.loads(scan(tmp_path)[1].manifest_path.read_text())  # type: ignore[union-attr]
         fake.update(seq=99999999, step=900, file=f"{name}.ckpt", file_bytes=len(payload),
-                    crc32=zlib.crc32(payload), header_bytes=0, payload_offset=0, payload_bytes=len(payload))
+                    crc32=zlib.crc32(payload), header_bytes=0, payload_offset=0, payload_bytes=len(payload),
+                    state_bytes=0)
         (tmp_path / f"{name}.json").write_text(json.dumps(fake))
     fresh = make_state(seed=5)
     with capture_logs() as logs:
