@@ -227,3 +227,17 @@ def test_checkpoint_settings_round_trip_and_switches() -> None:
     assert WorkerEnv.from_environ(env.to_environ()) == env
     assert env.checkpoint.enabled and env.checkpoint.saves
     assert not CheckpointConfig().enabled and not CheckpointConfig(checkpoint_dir="/c").saves
+
+
+def test_agent_passes_checkpoint_settings_to_its_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from elasticd.config import load_agent_config
+
+    cfg = load_agent_config({"checkpoint_dir": str(tmp_path / "ck"), "checkpoint_every_steps": "25",
+                             "checkpoint_keep": "2"}, program=["/bin/true"], environ={"ELASTICD_CHECKPOINT_EVERY_S": "9"},
+                            default_config_file=tmp_path / "none.toml")
+    env = WorkerEnv.from_environ(cfg.worker_environ(0))
+    assert env.checkpoint == CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every_steps=25,
+                                              checkpoint_every_s=9.0, checkpoint_keep=2)
+    with pytest.raises(ConfigError, match=r"^checkpoint_keep: must be an integer >= 1"):
+        load_agent_config({"checkpoint_keep": "0"}, program=["/bin/true"], environ={},
+                          default_config_file=tmp_path / "none.toml")
