@@ -524,7 +524,12 @@ def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> 
     """
     started = time.monotonic()
     rejected: list[str] = []
-    for entry in scan(directory):
+    try:
+        entries = scan(directory)
+    except OSError as exc:
+        log.error("checkpoint_dir_unreadable", directory=str(directory), error=str(exc))
+        return None
+    for entry in entries:
         shown = entry.data_path or entry.manifest_path
         assert shown is not None
         if entry.step <= newer_than:
