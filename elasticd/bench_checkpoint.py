@@ -166,11 +166,14 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
             "snapshot_copy_s": statistics.median(snapshot_s), "state_bytes": nbytes}
 
 
-def _first_commit_s(job: _Job, spawned: float) -> float:
+def _first_commit_s(job: _Job, spawned: float) -> tuple[float, float]:
+    """Seconds from spawning the workers, and from the first trainer start (after Python and torch
+    are imported), to the job's first commit."""
     first = min((_num(c, "t") for w in job.workers for c in w.commits), default=None)
-    if first is None:
+    started = min((w.start_t for w in job.workers if w.start_t is not None), default=None)
+    if first is None or started is None:
         raise BenchError("no commit")
-    return first - spawned
+    return first - spawned, first - started
 
 
 def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
@@ -183,6 +186,8 @@ def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
     del job
     resume_s: list[float] = []
     fresh_s: list[float] = []
+    resume_join: list[float] = []
+    fresh_join: list[float] = []
     load_s: list[float] = []
     for rep in range(s.reps):
         for kind in (("resume", "fresh") if rep % 2 == 0 else ("fresh", "resume")):
@@ -193,19 +198,24 @@ def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
                 shutil.copytree(ckdir / src_job_id, target / job_id)
             steps = 20 + s.resume_steps if kind == "resume" else s.resume_steps
             job, spawned = _run_job(etcd, d, job_id, s, steps, ("--checkpoint-dir", str(target)))
-            first = _first_commit_s(job, spawned)
+            first, joined = _first_commit_s(job, spawned)
             first_step = min(_int(c, "step") for w in job.workers for c in w.commits)
             if kind == "resume":
                 if first_step != 21:
                     raise BenchError(f"the resumed job's first commit is step {first_step}, not 21")
                 resume_s.append(first)
+                resume_join.append(joined)
                 for w in job.workers:
                     load_s += [_num(r, "duration_s") for r in read_json_lines(w.proc.log_path)
                                if r.get("event") == "checkpoint_loaded"]
             else:
                 fresh_s.append(first)
-            progress(f"resume rep {rep} {kind}: first commit (step {first_step}) {first:.2f} s after spawn")
+                fresh_join.append(joined)
+            progress(f"resume rep {rep} {kind}: first commit (step {first_step}) {first:.2f} s after spawn, "
+                     f"{joined:.2f} s after the trainer started")
     return {"resume_s": statistics.median(resume_s), "fresh_start_s": statistics.median(fresh_s),
+            "resume_from_trainer_start_s": statistics.median(resume_join),
+            "fresh_from_trainer_start_s": statistics.median(fresh_join),
             "checkpoint_load_s": statistics.median(load_s) if load_s else None}
 
 
@@ -242,6 +252,8 @@ def render(result: Mapping[str, object]) -> str:
         f"  resume_s               {_fmt(f.get('resume_s'))}   spawn -> first commit from a "
         f"{_fmt((f.get('state_bytes') or 0) / 1e6, 0)} MB checkpoint",
         f"  fresh_start_s          {_fmt(f.get('fresh_start_s'))}   spawn -> first commit, nothing on disk",
+        f"  (from trainer start)   {_fmt(f.get('resume_from_trainer_start_s'))} vs "
+        f"{_fmt(f.get('fresh_from_trainer_start_s'))}   after Python and torch are imported",
         f"  checkpoint_load_s      {_fmt(f.get('checkpoint_load_s'))}   verify + load, per worker",
         f"  snapshot_copy_s        {_fmt(f.get('snapshot_copy_s'), 4)}   the copy on the training thread",
         f"  background_write_s     {_fmt(f.get('background_write_s'))}   the writer thread, per save",

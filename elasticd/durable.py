@@ -21,9 +21,10 @@ Files of one checkpoint, ``<name> = <seq:08d>-step<step:012d>``:
   their layout) and a CRC-32 of every other byte of the file; together they cover the whole file,
   in one pass (computed on a helper thread while the bytes are written).
 
-A save writes ``.<name>.ckpt.tmp.<pid>``, fsyncs it, renames it, fsyncs the directory, then does
-the same for the manifest: a checkpoint exists only once its manifest does, so a crash at any
-point leaves the previous checkpoints intact and no half file that looks complete. ``seq`` grows
+A save writes ``.<name>.ckpt.tmp.<pid>``, fsyncs it and renames it; then the same for the
+manifest; then it fsyncs the directory. A checkpoint exists only once its manifest and its data
+file both do (a manifest that survived a crash without its data file is rejected as incomplete),
+so a crash at any point leaves the previous checkpoints intact and no half file that looks complete. ``seq`` grows
 with every save into the directory, so the newest save wins even when a job was resumed from an
 older step (its later checkpoints supersede the abandoned ones). Loading parses JSON and raw bytes
 only: nothing in a file is executed (no pickle, no ``torch.load``), and a file that does not start
@@ -136,8 +137,10 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, view[done : done + CHUNK_BYTES])
 
 
-def _write_durably(directory: Path, name: str, parts: list[memoryview], crc_job: Callable[[], None] | None = None) -> None:
-    """Write ``parts`` to ``directory/name`` atomically: temp file, fsync, rename, fsync the dir.
+def _write_durably(directory: Path, name: str, parts: list[memoryview],
+                   crc_job: Callable[[], None] | None = None, sync_dir: bool = True) -> None:
+    """Write ``parts`` to ``directory/name`` atomically: temp file, fsync, rename, and (with
+    ``sync_dir``) fsync the directory.
 
     ``crc_job`` runs on a helper thread while the bytes are written (both release the GIL).
     """
@@ -148,7 +151,7 @@ def _write_durably(directory: Path, name: str, parts: list[memoryview], crc_job:
         def run() -> None:
             try:
                 crc_job()
-            except BaseException as exc:  # handed to the writer thread, which re-raises it
+            except Exception as exc:  # handed to the writer thread, which re-raises it
                 errors.append(exc)
         helper = threading.Thread(target=run, name="elasticd-ckpt-crc", daemon=True)
         helper.start()
@@ -161,7 +164,8 @@ def _write_durably(directory: Path, name: str, parts: list[memoryview], crc_job:
         finally:
             os.close(fd)
         os.rename(tmp, directory / name)
-        _fsync_dir(directory)
+        if sync_dir:
+            _fsync_dir(directory)
     except BaseException:
         try:
             tmp.unlink(missing_ok=True)
@@ -208,7 +212,7 @@ class CheckpointWriter:
         keep: int,
         wait_s: float,
         on_saved: Callable[[SavedCheckpoint], None] | None = None,
-        on_failed: Callable[[int, OSError], None] | None = None,
+        on_failed: Callable[[int, Exception], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
@@ -294,10 +298,11 @@ class CheckpointWriter:
                 return
             try:
                 saved = self._write(job)
-            except OSError as exc:
+            except Exception as exc:  # the writer thread's top level: report it, and stay alive
                 self.failures += 1
-                log.error("checkpoint_save_failed", step=job.step, directory=str(self.directory),
-                          errno=errno.errorcode.get(exc.errno or 0, str(exc.errno)), error=str(exc),
+                code = errno.errorcode.get(exc.errno or 0, str(exc.errno)) if isinstance(exc, OSError) else None
+                log.error("checkpoint_save_failed", step=job.step, directory=str(self.directory), errno=code,
+                          error=str(exc) if code else f"{type(exc).__name__}: {exc}", exc_info=code is None,
                           consequence="training goes on; the previous checkpoint is intact; the next save tries again")
                 if self._on_failed is not None:
                     self._on_failed(job.step, exc)
@@ -346,7 +351,9 @@ class CheckpointWriter:
             sums["state"] = state_checksum(key, data[:total], total)
             sums["rest"] = zlib.crc32(data[total:], zlib.crc32(prefix))
 
-        _write_durably(self.directory, name + ".ckpt", [memoryview(prefix), data], crc_job)
+        # The directory is fsynced once, after both renames: until then a crash may keep either
+        # name or neither, and a manifest without its data file is rejected as incomplete.
+        _write_durably(self.directory, name + ".ckpt", [memoryview(prefix), data], crc_job, sync_dir=False)
         manifest = Manifest(
             format=FORMAT, version=VERSION, job=self._job_id, seq=seq, step=job.step,
             generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",
@@ -361,7 +368,8 @@ class CheckpointWriter:
     def _retain(self) -> None:
         """Keep the ``keep`` newest complete checkpoints; remove older ones, orphans and stale temps."""
         entries = scan(self.directory)
-        complete = sorted((e for e in entries if e.manifest_path is not None), key=lambda e: e.seq, reverse=True)
+        complete = sorted((e for e in entries if e.manifest_path is not None and e.data_path is not None),
+                          key=lambda e: e.seq, reverse=True)
         kept = complete[: self._keep]
         oldest_kept = min((e.seq for e in kept), default=0)
         for e in entries:
