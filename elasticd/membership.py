@@ -510,7 +510,7 @@ def next_action(
             return Action(ActionKind.WAIT, f"every member of generation {g.generation} is gone and no waiting "
                           f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
                           f"{ck.node}); waiting for one that can")
-        resume = best < newest  # from a durable checkpoint: the steps after it are done again
+        resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
     old = set(g.members) if g else set()
     newcomers = ids - old
     settle = window.candidates_changed_at + timeouts.join_window_s

@@ -114,3 +114,9 @@ def test_a_live_generation_is_never_resumed_from_disk() -> None:
     action = decide(s, me("a", 3), window=settled())
     assert action.kind is ActionKind.PUBLISH and action.record is not None
     assert action.record.members[:2] == ("a", "b") and action.record.reason == "join"
+
+
+def test_a_checkpoint_of_the_newest_step_is_a_resume_too() -> None:
+    action = decide(_dead_job(CK, {"a": 55}), me("a"), window=settled())
+    assert action.kind is ActionKind.PUBLISH and action.record is not None
+    assert action.record.committed_step == 55 and action.record.reason == "resume"
