@@ -119,7 +119,7 @@ class GenerationStatus:
     number: int
     world_size: int
     members: tuple[str, ...]  # rank order
-    reason: str  # why it was published: start, join, member_lost, aborted, regroup
+    reason: str  # why it was published: start, join, member_lost, aborted, regroup, resume
     committed_step: int  # the step its rank 0 held when it was published
 
 
