@@ -111,6 +111,13 @@ def test_full_restart_after_sigkill_of_every_worker_resumes_from_the_checkpoint_
         second.spawn(*ARGS, *flags, "--save-final", str(second.dir / f"final{i}.pt"))
     assert second.wait_all(150) == [0, 0, 0], second.logs_tail()
 
+    client = _client(etcd_server)
+    try:
+        after = read_status(client, Keys("/elasticd", first.job_id), now=time.time())
+    finally:
+        client.close()
+    assert after.generation is not None and after.generation.reason == "resume"
+    assert after.generation.committed_step == resume_step
     rec2 = _records(second.dir)
     resumes = [r for r in rec2 if r["event"] == "resume"]
     assert len(resumes) == 3 and {r["step"] for r in resumes} == {resume_step}, resumes
