@@ -8,6 +8,7 @@ below. Exit codes: 0 done, 2 a fatal elasticd error (bad settings, model mismatc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -59,7 +60,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-final", default=None, help="write the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra compute per step (slows the demo and fault tests down)")
+    # Durable checkpoints: each flag overrides its ELASTICD_CHECKPOINT_* variable.
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="directory of durable checkpoints (local or shared); resume from it when no member holds state")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None, help="save every N committed steps")
+    p.add_argument("--checkpoint-every-s", type=float, default=None, help="save every T seconds")
+    p.add_argument("--checkpoint-keep", type=int, default=None, help="good checkpoints kept")
     return p.parse_args(argv)
+
+
+def checkpoint_settings(args: argparse.Namespace) -> elasticd.CheckpointConfig:
+    """The ELASTICD_CHECKPOINT_* settings with this program's flags on top.
+
+    Raises:
+        ConfigError: a value is invalid.
+    """
+    base = elasticd.WorkerEnv.from_environ().checkpoint
+    flags = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every_steps": args.checkpoint_every_steps,
+             "checkpoint_every_s": args.checkpoint_every_s, "checkpoint_keep": args.checkpoint_keep}
+    return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = elasticd.ElasticTrainer(
             model, optimizer, dataset_size=args.samples, global_batch_size=args.global_batch,
-            seed=args.seed, audit_path=args.audit,
+            seed=args.seed, audit_path=args.audit, checkpoint=checkpoint_settings(args),
         )
         # SIGTERM (what systemd and the agent send on stop): finish the current step, then leave.
         signal.signal(signal.SIGTERM, lambda *_: trainer.drain())

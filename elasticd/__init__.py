@@ -4,10 +4,10 @@ The worker API: build the model and optimizer as usual, wrap them in ``ElasticTr
 batches from it. See README.md for a complete example.
 """
 
-from elasticd.config import WorkerEnv
+from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.errors import ElasticdError, FatalError, TransientError
 
-__all__ = ["Batch", "BatchMode", "ElasticTrainer", "ElasticdError", "FatalError", "StepResult",
+__all__ = ["Batch", "BatchMode", "CheckpointConfig", "ElasticTrainer", "ElasticdError", "FatalError", "StepResult",
            "TransientError", "WorkerEnv"]
 
 

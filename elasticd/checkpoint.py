@@ -92,8 +92,7 @@ class TrainingState:
         layout, tensors = self._layout_and_tensors()
         arena = self._refresh_arena(layout, tensors)
         total = int(layout["total"])  # type: ignore[call-overload]
-        crc = zlib.crc32(arena[:total].numpy().data, zlib.crc32(self._arena_key.encode()))
-        return int(((total << 32) | crc) & _MASK63)
+        return state_checksum(self._arena_key.encode(), arena[:total].numpy().data, total)
 
     def streamed_checksum(self, crc: int, total: int) -> int | None:
         """``checksum()`` from a CRC of the arena's state bytes taken as they arrived, valid only
@@ -266,6 +265,13 @@ class TrainingState:
         if rng.numel() != torch.get_rng_state().numel():
             raise ValueError(f"RNG state of {rng.numel()} bytes")
         return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng, json.dumps(entries)
+
+
+def state_checksum(layout_key: bytes, state_bytes: memoryview, total: int) -> int:
+    """``TrainingState.checksum`` from the JSON of the layout's tensor entries and the arena's first
+    ``total`` bytes (so a checkpoint on disk can be checksummed without loading it)."""
+    crc = zlib.crc32(state_bytes, zlib.crc32(layout_key))
+    return int(((total << 32) | crc) & _MASK63)
 
 
 def model_signature(model: torch.nn.Module) -> str:

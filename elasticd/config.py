@@ -269,6 +269,52 @@ def _check_events_keep(value: object) -> None:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Durable checkpoints (``elasticd.durable``): where, how often, how many are kept.
+
+    Off unless ``checkpoint_dir`` is set. With a directory, a worker also resumes from it: a job
+    whose members hold no live state loads the newest good checkpoint found there.
+    """
+
+    checkpoint_dir: str = field(default="", metadata={
+        "doc": "Directory of durable checkpoints (local or shared); checkpoints of a job go to "
+               "<dir>/<job_id>/. Empty: no checkpoints, and no resume from disk."})
+    checkpoint_every_steps: int = field(default=0, metadata={
+        "doc": "Save when the committed step is a multiple of this (0: not by steps)."})
+    checkpoint_every_s: float = field(default=0.0, metadata={
+        "doc": "Save at the first step boundary this many seconds after the last save began (0: not by time)."})
+    checkpoint_keep: int = field(default=3, metadata={
+        "doc": "Good checkpoints kept in the directory; older ones are deleted after a save."})
+    checkpoint_wait_s: float = field(default=60.0, metadata={
+        "doc": "Longest a due save waits at a step boundary for the previous write to finish; past "
+               "it, this save is skipped (checkpoint_skipped) and the next one is tried."})
+
+    def __post_init__(self) -> None:
+        if "\0" in self.checkpoint_dir:
+            raise ConfigError(f"checkpoint_dir: not a valid path: {self.checkpoint_dir!r}")
+        for name, least in (("checkpoint_every_steps", 0), ("checkpoint_keep", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"{name}: must be an integer >= {least}, got {value!r}")
+        value = self.checkpoint_every_s
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value >= 0):
+            raise ConfigError(f"checkpoint_every_s: must be a finite number >= 0, got {value!r}")
+        if not _positive_finite(self.checkpoint_wait_s):
+            raise ConfigError(f"checkpoint_wait_s: must be a positive, finite number of seconds, "
+                              f"got {self.checkpoint_wait_s!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """A directory is set: resume from it, and save when a schedule is set."""
+        return bool(self.checkpoint_dir)
+
+    @property
+    def saves(self) -> bool:
+        return self.enabled and (self.checkpoint_every_steps > 0 or self.checkpoint_every_s > 0)
+
+
+@dataclass(frozen=True)
 class WorkerEnv:
     """Everything a worker process needs, as handed over by its launcher in ``ELASTICD_*`` variables."""
 
@@ -281,6 +327,7 @@ class WorkerEnv:
     advertise_addr: str = "127.0.0.1"
     backend: str = "auto"
     events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _check_events_keep(self.events_keep)
@@ -301,17 +348,18 @@ class WorkerEnv:
         env = os.environ if environ is None else environ
         world = _load(WorldConfig, env)
         etcd = etcd_from_environ(env)
-        top = _load(cls, env, skip=("world", "etcd", "timeouts", "retry"))
+        top = _load(cls, env, skip=("world", "etcd", "timeouts", "retry", "checkpoint"))
         return dataclasses.replace(
-            top, world=world, etcd=etcd, timeouts=_load(Timeouts, env), retry=_load(RetryPolicy, env)
+            top, world=world, etcd=etcd, timeouts=_load(Timeouts, env), retry=_load(RetryPolicy, env),
+            checkpoint=_load(CheckpointConfig, env),
         )
 
     def to_environ(self) -> dict[str, str]:
         """The variables that make ``from_environ`` return this value (for launchers)."""
         out: dict[str, str] = self.etcd.to_environ()
-        for obj in (self.world, self.timeouts, self.retry, self):
+        for obj in (self.world, self.timeouts, self.retry, self.checkpoint, self):
             for f in dataclasses.fields(obj):
-                if f.name in ("world", "etcd", "timeouts", "retry"):
+                if f.name in ("world", "etcd", "timeouts", "retry", "checkpoint"):
                     continue
                 out[ENV_PREFIX + f.name.upper()] = str(getattr(obj, f.name))
         return out
@@ -412,7 +460,16 @@ class AgentConfig:
         "doc": "Address the workers of this node listen on for their peers."})
     backend: str = field(default="auto", metadata={"doc": "torch.distributed backend: auto, gloo or nccl."})
     checkpoint_dir: Path | None = field(default=None, metadata={
-        "doc": "Directory for checkpoints (not used yet; validated)."})
+        "doc": "Directory of durable checkpoints, passed to the workers (ELASTICD_CHECKPOINT_DIR); "
+               "unset: no checkpoints."})
+    checkpoint_every_steps: int = field(default=CheckpointConfig.checkpoint_every_steps, metadata={
+        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_steps"].metadata["doc"]})
+    checkpoint_every_s: float = field(default=CheckpointConfig.checkpoint_every_s, metadata={
+        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_s"].metadata["doc"]})
+    checkpoint_keep: int = field(default=CheckpointConfig.checkpoint_keep, metadata={
+        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_keep"].metadata["doc"]})
+    checkpoint_wait_s: float = field(default=CheckpointConfig.checkpoint_wait_s, metadata={
+        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]})
     max_restarts: int = field(default=3, metadata={
         "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
                "agent (restarts_exhausted, exit 1)."})
@@ -493,7 +550,15 @@ class AgentConfig:
         """The settings of this node's worker ``local_rank``."""
         return WorkerEnv(world=self.world, etcd=self.etcd, timeouts=self.timeouts, retry=self.retry,
                          node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
-                         backend=self.backend, events_keep=self.events_keep)
+                         backend=self.backend, events_keep=self.events_keep,
+                         checkpoint=self.checkpoint_config())
+
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The workers' durable-checkpoint settings."""
+        return CheckpointConfig(
+            checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir is not None else "",
+            checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
+            checkpoint_keep=self.checkpoint_keep, checkpoint_wait_s=self.checkpoint_wait_s)
 
     def worker_environ(self, local_rank: int) -> dict[str, str]:
         """The ``ELASTICD_*`` variables of worker ``local_rank`` (what ``WorkerEnv.from_environ`` reads)."""

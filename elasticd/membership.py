@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol, TypeVar
 
@@ -118,6 +118,10 @@ class Keys:
     def committed(self) -> str:
         return f"{self.job}/committed"
 
+    @property
+    def checkpoint(self) -> str:
+        return f"{self.job}/checkpoint"
+
     def member(self, member_id: str) -> str:
         return f"{self.job}/members/{member_id}"
 
@@ -207,6 +211,50 @@ class CommittedRecord:
 
 
 @dataclass(frozen=True)
+class CheckpointRecord:
+    """``checkpoint`` (not leased): the job's latest good durable checkpoint, written by the member
+    that saved it (or that loaded it, when the record was missing or older). Decoded tolerantly
+    (``decode_checkpoint``): fields may be added, and only these are read."""
+
+    step: int
+    path: str
+    node: str
+    generation: int = 0
+    seq: int = 0
+    bytes: int = 0
+    time: float = 0.0
+
+
+def decode_checkpoint(raw: bytes) -> CheckpointRecord:
+    """Parse a ``checkpoint`` record: ``step``, ``path`` and ``node`` are required; the other known
+    fields are optional; unknown fields are ignored.
+
+    Raises:
+        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
+    """
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    out: dict[str, object] = {}
+    for name, f in CheckpointRecord.__dataclass_fields__.items():
+        if name not in data:
+            if f.default is MISSING:
+                raise ValueError(f"field {name} is missing")
+            continue
+        value = data[name]
+        kind = str(f.type)
+        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
+              "float": isinstance(value, (int, float))}[kind]
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"field {name} is not {kind}")
+        out[name] = float(value) if kind == "float" else value
+    rec = CheckpointRecord(**out)  # type: ignore[arg-type]
+    if rec.step < 0:
+        raise ValueError("step must be >= 0")
+    return rec
+
+
+@dataclass(frozen=True)
 class FinishedRecord:
     """``finished``: every member reached the target step together; the job is done."""
 
@@ -274,6 +322,7 @@ class Snapshot:
     malformed: tuple[str, ...] = ()
     finished: FinishedRecord | None = None
     committed_step: int = -1
+    checkpoint: CheckpointRecord | None = None
 
     @property
     def highest_generation_seen(self) -> int:
@@ -292,6 +341,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     aborted = 0
     finished: FinishedRecord | None = None
     committed_step = -1
+    checkpoint: CheckpointRecord | None = None
     malformed: list[str] = []
     for kv in kvs:
         try:
@@ -304,6 +354,8 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 finished = decode(FinishedRecord, kv.value)
             elif kv.key == keys.committed:
                 committed_step = decode(CommittedRecord, kv.value).step
+            elif kv.key == keys.checkpoint:
+                checkpoint = decode_checkpoint(kv.value)
             elif kv.key.startswith(keys.member("")):
                 m = decode(MemberRecord, kv.value)
                 if kv.key != keys.member(m.member_id):
@@ -319,7 +371,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
             malformed.append(f"{kv.key}: {exc}")
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
-        committed_step,
+        committed_step, checkpoint=checkpoint,
     )
 
 
@@ -406,6 +458,24 @@ def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecor
     return sorted(chosen, key=key)
 
 
+def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
+    """Whether a member about to rendezvous should look for a durable checkpoint (pure).
+
+    Yes when no member of the current generation is alive (or there is none), the job has not
+    finished, and this member holds nothing, or less than the newest step the job is known to have
+    reached (``generation``, ``committed`` or ``checkpoint`` record). While a generation has live
+    members they hold its newest state, and a newcomer gets it from rank 0.
+    """
+    g = snap.generation
+    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
+        return False
+    if g is not None and any(m in snap.members for m in g.members):
+        return False
+    newest = max(g.committed_step if g else -1, snap.committed_step,
+                 snap.checkpoint.step if snap.checkpoint else -1)
+    return held_step < 0 or held_step < newest
+
+
 def next_action(
     snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
 ) -> Action:
@@ -438,16 +508,25 @@ def next_action(
             return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
     if len(cands) < world.min_workers:
         return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
+    best = max(r.committed_step for r in cands)
+    resume = g is None and best > 0  # a first generation from state loaded from disk
     if g is not None and not any(m in snap.members for m in g.members):
-        best = max(r.committed_step for r in cands)
         newest = max(g.committed_step, snap.committed_step)
-        if best < newest:
+        ck = snap.checkpoint
+        if best < newest and ck is None:
             return Action(
                 ActionKind.STATE_LOST,
                 "state lost",
                 error=f"every member of generation {g.generation} is gone and no waiting member holds "
-                f"the job's state (step {newest}; the best here: {best}); restart from a checkpoint",
+                f"the job's state (step {newest}; the best here: {best}), and no durable checkpoint is "
+                f"recorded for this job (set checkpoint_dir to save them); restart from a checkpoint",
             )
+        if best < newest and best < 0:
+            assert ck is not None
+            return Action(ActionKind.WAIT, f"every member of generation {g.generation} is gone and no waiting "
+                          f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
+                          f"{ck.node}); waiting for one that can")
+        resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
     old = set(g.members) if g else set()
     newcomers = ids - old
     settle = window.candidates_changed_at + timeouts.join_window_s
@@ -456,7 +535,9 @@ def next_action(
     chosen = rank_order(snap, cands)[: world.max_workers]
     rank0 = snap.members[chosen[0].member_id]
     number = snap.highest_generation_seen + 1
-    if g is None:
+    if resume:
+        reason = "resume"
+    elif g is None:
         reason = "start"
     elif snap.aborted >= g.generation:
         reason = "aborted"
@@ -734,12 +815,17 @@ class Membership:
         except EtcdUnavailable as exc:
             log.warning("abort_publish_failed", generation=generation, error=str(exc))
 
-    def join(self, committed_step: int, deadline: Deadline) -> Joined:
+    def join(
+        self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None = None
+    ) -> Joined:
         """Wait for (or publish) the next generation that includes this member.
 
         Args:
             committed_step: the newest step whose state this member holds (-1: none).
             deadline: when to give up.
+            resume: loads durable state newer than the step given, if there is any, and returns
+                the step now held. Called (at most once per join) when ``should_load_checkpoint``
+                says so; the ready record then carries the new step.
 
         Raises:
             RendezvousClosed: no generation could be formed before ``deadline``.
@@ -773,6 +859,14 @@ class Membership:
                 )
             self._changed.clear()
             snap = self.snapshot()
+            if resume is not None and should_load_checkpoint(snap, ready.committed_step):
+                held = resume(ready.committed_step)
+                resume = None
+                if held != ready.committed_step:
+                    ready = replace(ready, committed_step=held)
+                    if self.member_id in self.snapshot().ready:  # not consumed by a generation meanwhile
+                        self._put_ready(ready)
+                continue
             cands = frozenset(r.member_id for r in candidates_of(snap))
             now = self._clock()
             if cands != last_cands:
@@ -847,6 +941,28 @@ class Membership:
             self._store.put(self._keys.committed, encode(CommittedRecord(generation=generation, step=step)))
         except EtcdUnavailable as exc:
             log.warning("committed_publish_failed", error=str(exc))
+
+    def publish_checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
+        """Record the job's latest good durable checkpoint (best effort).
+
+        Args:
+            only_if_newer: write only if the key is absent or names an older step (by
+                compare-and-set, so a concurrent save is never overwritten by an older record).
+        """
+        try:
+            if not only_if_newer:
+                self._store.put(self._keys.checkpoint, encode(record))
+                return
+            kv = self._store.get(self._keys.checkpoint)
+            if kv is not None:
+                try:
+                    if decode_checkpoint(kv.value).step >= record.step:
+                        return
+                except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                    pass  # garbage: replace it
+            self._store.compare_and_put(self._keys.checkpoint, kv.mod_revision if kv else 0, encode(record))
+        except EtcdUnavailable as exc:
+            log.warning("checkpoint_publish_failed", step=record.step, error=str(exc))
 
     def mark_finished(self, generation: int, step: int) -> None:
         """Record that every member reached the target step together (late joiners stop)."""

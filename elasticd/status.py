@@ -42,6 +42,7 @@ from typing import Protocol
 
 from elasticd.membership import (
     AbortRecord,
+    CheckpointRecord,
     FinishedRecord,
     KeyValue,
     Keys,
@@ -160,7 +161,7 @@ class GenerationStatus:
     number: int
     world_size: int
     members: tuple[str, ...]  # rank order
-    reason: str  # why it was published: start, join, member_lost, aborted, regroup
+    reason: str  # why it was published: start, join, member_lost, aborted, regroup, resume
     committed_step: int  # the step its rank 0 held when it was published
 
 
@@ -183,6 +184,8 @@ class JobStatus:
     nodes: tuple[NodeStatus, ...] = ()
     recoveries: tuple[RecoveryStatus, ...] = ()  # the newest RECOVERIES_SHOWN, oldest first
     drains: tuple[str, ...] = ()  # nodes with a pending drain request
+    checkpoint: CheckpointRecord | None = None  # the latest good durable checkpoint, if recorded
+    checkpoint_age_s: float | None = None  # now - its creation time (wall clocks of two hosts)
 
     @property
     def exit_code(self) -> int:
@@ -294,6 +297,8 @@ def build_status(
         ),
         recoveries=tuple(_recovery(e) for _, e in events if e.kind == EventKind.RECOVERED)[-RECOVERIES_SHOWN:],
         drains=tuple(sorted(drains)),
+        checkpoint=snap.checkpoint,
+        checkpoint_age_s=now - snap.checkpoint.time if snap.checkpoint and snap.checkpoint.time else None,
     )
 
 
@@ -538,6 +543,14 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "reason": status.last_abort.reason,
         },
         "malformed": list(status.malformed),
+        "checkpoint": None if status.checkpoint is None else {
+            "step": status.checkpoint.step,
+            "path": status.checkpoint.path,
+            "node": status.checkpoint.node,
+            "generation": status.checkpoint.generation,
+            "bytes": status.checkpoint.bytes,
+            "age_s": _round(status.checkpoint_age_s, 3),
+        },
     }
 
 
@@ -569,6 +582,7 @@ def render_table(status: JobStatus) -> str:
         ("last abort", "none" if status.last_abort is None else
          f"generation {status.last_abort.generation} by {_clean(status.last_abort.member_id)}: "
          f"{_clean(status.last_abort.reason)}"),
+        ("checkpoint", _checkpoint_line(status)),
     ]
     out = [f"{k:<11} {v}" for k, v in lines]
     out.append("")
@@ -626,6 +640,14 @@ def _mib(value: int | None) -> str:
 
 def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if math.isfinite(t) and abs(t) < 1e11 else "?"
+
+
+def _checkpoint_line(status: JobStatus) -> str:
+    ck = status.checkpoint
+    if ck is None:
+        return "none recorded"
+    age = "" if status.checkpoint_age_s is None else f", {status.checkpoint_age_s:.1f}s ago"
+    return f"step {ck.step} on {_clean(ck.node)}: {_clean(ck.path)} ({ck.bytes} bytes{age})"
 
 
 def _row(m: MemberStatus) -> tuple[str, ...]:

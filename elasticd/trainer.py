@@ -23,7 +23,8 @@ import torch
 
 from elasticd.checkpoint import TrainingState, sync_state
 from elasticd.collectives import GradientReducer, barrier
-from elasticd.config import WorkerEnv
+from elasticd.config import CheckpointConfig, WorkerEnv
+from elasticd.durable import CheckpointWriter, LoadedCheckpoint, SavedCheckpoint, job_dir, load_latest
 from elasticd.errors import (
     CheckpointTransferError,
     CollectiveError,
@@ -32,13 +33,25 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.log import bind_context
+from elasticd.membership import (
+    CheckpointRecord,
+    Joined,
+    KeyValueStore,
+    Keys,
+    MemberRecord,
+    Membership,
+    new_member_id,
+)
 from elasticd.oprecords import EventKind
-from elasticd.membership import Joined, KeyValueStore, Keys, MemberRecord, Membership, new_member_id
 from elasticd.process_group import Group, GroupFactory, StoreServer
 from elasticd.retry import Deadline
 from elasticd.sampler import Batch, BatchMode, ElasticSampler
 
 log = structlog.get_logger(__name__)
+
+# Lineages of state loaded from disk (DISK_LINEAGE_BASE + the checkpoint's seq): above any
+# generation number, so they never match the lineage of live state.
+DISK_LINEAGE_BASE = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class ElasticTrainer:
         store: KeyValueStore | None = None,
         audit_path: str | Path | None = None,
         log_every: int = 10,
+        checkpoint: CheckpointConfig | None = None,
     ) -> None:
         """
         Args:
@@ -96,8 +110,15 @@ class ElasticTrainer:
             log_every: log a ``step_committed`` line every this many steps (the audit file, when
                 set, has every step). A JSON line per step costs about as much as the whole step
                 of a small model on a busy 2-core machine, hence 10.
+            checkpoint: durable checkpoints (directory, schedule, retention); by default
+                ``env.checkpoint`` (the ``ELASTICD_CHECKPOINT_*`` variables). Rank 0 saves in the
+                background; a member that finds no live state resumes from the directory.
         """
         self.env = env or WorkerEnv.from_environ()
+        self.checkpoint = checkpoint if checkpoint is not None else self.env.checkpoint
+        self._writer: CheckpointWriter | None = None
+        self._from_disk = False
+        self.resumed_from: LoadedCheckpoint | None = None
         self.model = model
         self.optimizer = optimizer
         self.state = TrainingState(model, optimizer)
@@ -192,6 +213,8 @@ class ElasticTrainer:
                     self._membership.mark_finished(self.group.generation, self.state.counters.step)
             except CollectiveError as exc:
                 log.warning("goodbye_barrier_failed", error=str(exc))
+        if self._writer is not None:
+            self._writer.close()  # the write in flight finishes (bounded) and is published
         if self._membership is not None:
             self._membership.close()
         if self._events is not None:
@@ -323,6 +346,8 @@ class ElasticTrainer:
         self._record_commit(batch, result)
         if self._unrecorded_recovery is not None:
             self._record_recovery(result)
+        if group.rank == 0 and self.checkpoint.saves:
+            self._maybe_save(group.generation)
         return result
 
     # -- failure and recovery ---------------------------------------------------------------
@@ -361,7 +386,8 @@ class ElasticTrainer:
         previous = self.joined.record if self.joined is not None and self._has_state else None
         while True:
             committed = self.state.counters.step if self._has_state else -1
-            joined = self._membership.join(committed, deadline)
+            joined = self._membership.join(committed, deadline,
+                                           resume=self._resume if self.checkpoint.enabled else None)
             rec = joined.record
             bind_context(generation=rec.generation, rank=joined.rank)
             try:
@@ -371,8 +397,14 @@ class ElasticTrainer:
                     self._membership.must_abandon,
                 )
                 self.group = group
-                # Survivors of the last generation at rank 0's step already hold its state.
-                lineage = previous.generation if previous is not None else -1
+                # Survivors of the last generation at rank 0's step already hold its state, and so
+                # do members that all loaded the same checkpoint (its seq names that lineage).
+                if previous is not None:
+                    lineage = previous.generation
+                elif self._from_disk and self.resumed_from is not None:
+                    lineage = DISK_LINEAGE_BASE + self.resumed_from.manifest.seq
+                else:
+                    lineage = -1
                 report = sync_state(group, self.state, Deadline.after(timeouts.td("checkpoint_transfer")),
                                     self._membership.must_abandon, timeouts.abort_poll_s, lineage,
                                     subgroup=self._subgroup, retire=self._factory.retire)
@@ -412,6 +444,48 @@ class ElasticTrainer:
                           "transferred_bytes": report.transferred_bytes, "cause": self._cause,
                           "t": time.time(), **_resource_counts()})
         self._publish_progress()
+
+    # -- durable checkpoints ----------------------------------------------------------------
+
+    def _checkpoint_dir(self) -> Path:
+        return job_dir(self.checkpoint.checkpoint_dir, self.env.world.job_id)
+
+    def _maybe_save(self, generation: int) -> None:
+        c = self.checkpoint
+        if self._writer is None:
+            self._writer = CheckpointWriter(
+                self._checkpoint_dir(), job_id=self.env.world.job_id, node=self.env.node_id,
+                signature=self.state.signature, every_steps=c.checkpoint_every_steps,
+                every_s=c.checkpoint_every_s, keep=c.checkpoint_keep, wait_s=c.checkpoint_wait_s,
+                on_saved=self._on_checkpoint_saved,
+            )
+        if self._writer.due(self.state.counters.step):
+            self._writer.save(self.state, generation)
+
+    def _on_checkpoint_saved(self, saved: SavedCheckpoint) -> None:
+        """On the writer thread: publish the new checkpoint in etcd (best effort)."""
+        m = saved.manifest
+        if self._membership is not None:
+            self._membership.publish_checkpoint(CheckpointRecord(
+                step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
+                bytes=m.file_bytes, time=m.created))
+
+    def _resume(self, held_step: int) -> int:
+        """Called by the rendezvous when no live member holds the job's state: load the newest good
+        checkpoint newer than ``held_step`` from the directory; return the step now held."""
+        loaded = load_latest(self._checkpoint_dir(), self.state, newer_than=held_step)
+        if loaded is None:
+            return held_step
+        self._has_state, self._from_disk, self.resumed_from = True, True, loaded
+        m = loaded.manifest
+        self._audit_line({"event": "resume", "step": m.step, "epoch": m.epoch, "position": m.position,
+                          "path": str(loaded.path), "seq": m.seq, "checksum": f"{m.state_checksum:016x}",
+                          "rejected": list(loaded.rejected), "t": time.time()})
+        if self._membership is not None:
+            self._membership.publish_checkpoint(CheckpointRecord(
+                step=m.step, path=str(loaded.path), node=m.node, generation=m.generation, seq=m.seq,
+                bytes=m.file_bytes, time=m.created), only_if_newer=True)
+        return m.step
 
     # -- bookkeeping ------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 
 from elasticd.config import (
+    CheckpointConfig,
     EtcdConfig,
     RetryPolicy,
     Timeouts,
@@ -46,6 +47,11 @@ FULL_ENV = {
     "ELASTICD_ADVERTISE_ADDR": "10.1.2.3",
     "ELASTICD_BACKEND": "gloo",
     "ELASTICD_EVENTS_KEEP": "42",
+    "ELASTICD_CHECKPOINT_DIR": "/data/ckpt",
+    "ELASTICD_CHECKPOINT_EVERY_STEPS": "50",
+    "ELASTICD_CHECKPOINT_EVERY_S": "30",
+    "ELASTICD_CHECKPOINT_KEEP": "5",
+    "ELASTICD_CHECKPOINT_WAIT_S": "20",
 }
 
 
@@ -64,14 +70,16 @@ def test_from_environ_parses_every_variable() -> None:
     assert (env.node_id, env.local_rank, env.advertise_addr, env.backend) == ("node-7", 3, "10.1.2.3", "gloo")
     assert env.events_keep == 42
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
+    assert env.checkpoint == CheckpointConfig(checkpoint_dir="/data/ckpt", checkpoint_every_steps=50,
+                                              checkpoint_every_s=30.0, checkpoint_keep=5, checkpoint_wait_s=20.0)
 
 
 def test_every_field_has_a_variable_in_the_test() -> None:
     """If a setting is added, this test makes the parse test above cover it."""
     names = {"ELASTICD_ETCD_ENDPOINTS", "ELASTICD_ETCD_PREFIX"}
-    for cls in (WorldConfig, Timeouts, RetryPolicy, WorkerEnv):
+    for cls in (WorldConfig, Timeouts, RetryPolicy, CheckpointConfig, WorkerEnv):
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name not in ("world", "etcd", "timeouts", "retry"):
+            if f.name not in ("world", "etcd", "timeouts", "retry", "checkpoint"):
                 names.add("ELASTICD_" + f.name.upper())
     assert names == set(FULL_ENV)
 
@@ -250,3 +258,37 @@ def test_an_empty_password_file_is_a_clear_error(tmp_path) -> None:
     (tmp_path / "pw").write_text("")
     with pytest.raises(ConfigError, match="etcd_password_file: .* is empty"):
         EtcdConfig(user="u", password_file=str(tmp_path / "pw")).resolved_password()
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("ELASTICD_CHECKPOINT_EVERY_STEPS", "-1", r"^checkpoint_every_steps: must be an integer >= 0"),
+    ("ELASTICD_CHECKPOINT_EVERY_S", "-2", r"^checkpoint_every_s: must be a finite number >= 0"),
+    ("ELASTICD_CHECKPOINT_EVERY_S", "nan", r"^checkpoint_every_s: must be a finite number >= 0"),
+    ("ELASTICD_CHECKPOINT_KEEP", "0", r"^checkpoint_keep: must be an integer >= 1"),
+    ("ELASTICD_CHECKPOINT_WAIT_S", "0", r"^checkpoint_wait_s: must be a positive"),
+    ("ELASTICD_CHECKPOINT_KEEP", "three", r"^ELASTICD_CHECKPOINT_KEEP: expected a int"),
+])
+def test_bad_checkpoint_settings_name_the_setting(variable: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        WorkerEnv.from_environ({"ELASTICD_NODE_ID": "n", variable: value})
+
+
+def test_checkpoint_settings_round_trip_and_switches() -> None:
+    env = WorkerEnv(node_id="n", checkpoint=CheckpointConfig(checkpoint_dir="/c", checkpoint_every_s=2.5))
+    assert WorkerEnv.from_environ(env.to_environ()) == env
+    assert env.checkpoint.enabled and env.checkpoint.saves
+    assert not CheckpointConfig().enabled and not CheckpointConfig(checkpoint_dir="/c").saves
+
+
+def test_agent_passes_checkpoint_settings_to_its_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from elasticd.config import load_agent_config
+
+    cfg = load_agent_config({"checkpoint_dir": str(tmp_path / "ck"), "checkpoint_every_steps": "25",
+                             "checkpoint_keep": "2"}, program=["/bin/true"], environ={"ELASTICD_CHECKPOINT_EVERY_S": "9"},
+                            default_config_file=tmp_path / "none.toml")
+    env = WorkerEnv.from_environ(cfg.worker_environ(0))
+    assert env.checkpoint == CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every_steps=25,
+                                              checkpoint_every_s=9.0, checkpoint_keep=2)
+    with pytest.raises(ConfigError, match=r"^checkpoint_keep: must be an integer >= 1"):
+        load_agent_config({"checkpoint_keep": "0"}, program=["/bin/true"], environ={},
+                          default_config_file=tmp_path / "none.toml")

@@ -250,7 +250,8 @@ def test_read_status_reads_one_prefix_of_a_store_and_no_other_job() -> None:
 # -- renderers ----------------------------------------------------------------------------------
 
 JSON_KEYS = ["job", "prefix", "health", "reason", "exit_code", "min_workers", "max_workers", "generation",
-             "members", "nodes", "recoveries", "drains", "missing", "finished", "last_abort", "malformed"]
+             "members", "nodes", "recoveries", "drains", "missing", "finished", "last_abort", "malformed",
+             "checkpoint"]
 MEMBER_KEYS = ["member_id", "node", "local_rank", "pid", "host", "rank", "state", "committed_step",
                "step_time_s", "recoveries", "heartbeat_age_s", "restarts", "rss_bytes", "cpu_percent"]
 NODE_KEYS = ["node", "host", "agent_pid", "state", "workers_running", "workers", "restarts", "heartbeat_age_s",
@@ -311,3 +312,21 @@ def test_table_escapes_control_characters_from_records() -> None:
     job = Job().put(KEYS.member("m0"), encode(MemberRecord("m0", "evil\x1b[2J", 0, 1, "h\n", 1, SIG)))
     text = render_table(status_of(job.generation(1, ["m0"])))
     assert "\x1b" not in text and "evil\\x1b[2J" in text and "h\\n" in text
+
+
+def test_checkpoint_record_is_shown_in_table_and_json() -> None:
+    from elasticd.membership import CheckpointRecord
+
+    ck = CheckpointRecord(step=120, path="/ckpt/job/00000012-step000000000120.ckpt", node="n2", generation=3,
+                          seq=12, bytes=104857664, time=NOW - 4.0)
+    job = Job().alive("a.0").put(KEYS.generation, encode(gen(3, ["a.0"]))).put(KEYS.checkpoint, encode(ck))
+    st = status_of(job)
+    assert st.checkpoint == ck
+    table = render_table(st)
+    assert "checkpoint  step 120 on n2: /ckpt/job/00000012-step000000000120.ckpt (104857664 bytes, 4.0s ago)" in table
+    data = json.loads(render_json(st))["checkpoint"]
+    assert data == {"step": 120, "path": ck.path, "node": "n2", "generation": 3, "bytes": 104857664, "age_s": 4.0}
+    none = status_of(Job().alive("a.0").put(KEYS.generation, encode(gen(3, ["a.0"]))))
+    assert "checkpoint  none recorded" in render_table(none) and json.loads(render_json(none))["checkpoint"] is None
+    bad = status_of(Job().alive("a.0").put(KEYS.generation, encode(gen(3, ["a.0"]))).put(KEYS.checkpoint, b"{"))
+    assert bad.checkpoint is None and any(KEYS.checkpoint in m for m in bad.malformed)

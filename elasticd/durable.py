@@ -1,0 +1,567 @@
+"""Durable checkpoints on disk: the file format, the background writer, retention, verified loading.
+
+Owns the on-disk store of one job (``<checkpoint_dir>/<job_id>/``). ``CheckpointWriter.save`` is
+called by rank 0 at a step boundary: it copies the state's arena (``TrainingState.pack``) into a
+spare buffer and hands it to a writer thread, so training goes on while the bytes go to disk; a
+new save waits only while the previous write still runs (at most ``checkpoint_wait_s``, then it is
+skipped). ``load_latest`` finds the newest good checkpoint, verifies it, falls back to the previous
+good one when it is not, and loads it into a ``TrainingState``. Never decides who saves or when a
+job resumes (the trainer and ``membership`` do), and never talks to etcd itself (the writer's
+``on_saved`` callback does).
+
+Files of one checkpoint, ``<name> = <seq:08d>-step<step:012d>``:
+
+* ``<name>.ckpt``: the 16-byte ``MAGIC``; an 8-byte little-endian length H; H bytes of a JSON
+  header (format, version, job, step, generation, node, model signature, sizes, and the state
+  layout of ``TrainingState.pack``: tensor names, dtypes, shapes, offsets, optimizer param
+  groups); zero padding to a 64-byte boundary; the payload: the flat arena (model and optimizer
+  tensors, the counters ``step, epoch, position``, then the torch RNG state).
+* ``<name>.json``: the manifest, written after the data file is durable: step, seq, sizes, the
+  state checksum (``checkpoint.state_checksum``: a CRC-32 of the state tensors' bytes, seeded with
+  their layout) and a CRC-32 of every other byte of the file; together they cover the whole file,
+  in one pass (computed on a helper thread while the bytes are written).
+
+A save writes ``.<name>.ckpt.tmp.<pid>``, fsyncs it and renames it; then the same for the
+manifest; then it fsyncs the directory. A checkpoint exists only once its manifest and its data
+file both do (a manifest that survived a crash without its data file is rejected as incomplete),
+so a crash at any point leaves the previous checkpoints intact and no half file that looks complete. ``seq`` grows
+with every save into the directory, so the newest save wins even when a job was resumed from an
+older step (its later checkpoints supersede the abandoned ones). Loading parses JSON and raw bytes
+only: nothing in a file is executed (no pickle, no ``torch.load``), and a file that does not start
+with ``MAGIC`` is refused before anything else is read from it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import re
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from elasticd.checkpoint import TrainingState, state_checksum
+from elasticd.errors import ModelMismatch, StateCorrupt
+
+log = structlog.get_logger(__name__)
+
+FORMAT = "elasticd-checkpoint"
+VERSION = 1
+MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
+_LEN = struct.Struct("<Q")
+_ALIGN = 64
+CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
+MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
+STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died; retention removes it
+_NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|json)$")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint's ``.json`` says about its ``.ckpt`` (the loader trusts none of it blindly)."""
+
+    format: str
+    version: int
+    job: str
+    seq: int
+    step: int
+    generation: int
+    node: str
+    signature: str
+    file: str  # the data file's name, in the same directory
+    file_bytes: int
+    header_bytes: int
+    payload_offset: int
+    payload_bytes: int
+    state_bytes: int  # the payload's first state_bytes are the state tensors; the RNG state follows
+    state_checksum: int  # checkpoint.state_checksum of those bytes, as the trainer's audit shows it
+    crc32: int  # CRC-32 of every other byte of the file (magic, header, padding, RNG state)
+    epoch: int
+    position: int
+    created: float  # wall clock
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint that is on disk and durable."""
+
+    path: Path
+    manifest: Manifest
+    duration_s: float  # from the writer thread picking it up to the directory fsync after the manifest
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint that passed every check and is now this worker's state."""
+
+    path: Path
+    manifest: Manifest
+    rejected: tuple[str, ...]  # "<file>: <why>" for each newer one that failed a check
+    duration_s: float
+
+
+def job_dir(checkpoint_dir: str | Path, job_id: str) -> Path:
+    """Where the checkpoints of ``job_id`` live."""
+    return Path(checkpoint_dir) / job_id
+
+
+def _name(seq: int, step: int) -> str:
+    return f"{seq:08d}-step{step:012d}"
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    view = data.cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done : done + CHUNK_BYTES])
+
+
+def _write_durably(directory: Path, name: str, parts: list[memoryview],
+                   crc_job: Callable[[], None] | None = None, sync_dir: bool = True) -> None:
+    """Write ``parts`` to ``directory/name`` atomically: temp file, fsync, rename, and (with
+    ``sync_dir``) fsync the directory.
+
+    ``crc_job`` runs on a helper thread while the bytes are written (both release the GIL).
+    """
+    tmp = directory / f".{name}.tmp.{os.getpid()}"
+    helper: threading.Thread | None = None
+    errors: list[BaseException] = []
+    if crc_job is not None:
+        def run() -> None:
+            try:
+                crc_job()
+            except Exception as exc:  # handed to the writer thread, which re-raises it
+                errors.append(exc)
+        helper = threading.Thread(target=run, name="elasticd-ckpt-crc", daemon=True)
+        helper.start()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, directory / name)
+        if sync_dir:
+            _fsync_dir(directory)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the directory may be gone or read-only; retention removes it later
+        raise
+    finally:
+        if helper is not None:
+            helper.join()
+    if errors:
+        raise errors[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass
+class _Job:
+    step: int
+    generation: int
+    epoch: int
+    position: int
+    layout: bytes
+    payload: torch.Tensor  # the snapshot (the writer's spare buffer), not the live arena
+
+
+class CheckpointWriter:
+    """Background saves of one member's state into ``directory`` (one job's directory).
+
+    Thread-safety: ``due``, ``save`` and ``close`` are called from the training thread; the writer
+    thread owns the files. ``on_saved``/``on_failed`` are called on the writer thread.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        job_id: str,
+        node: str,
+        signature: str,
+        every_steps: int,
+        every_s: float,
+        keep: int,
+        wait_s: float,
+        on_saved: Callable[[SavedCheckpoint], None] | None = None,
+        on_failed: Callable[[int, Exception], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = directory
+        self._job_id = job_id
+        self._node = node
+        self._signature = signature
+        self._every_steps = every_steps
+        self._every_s = every_s
+        self._keep = keep
+        self._wait_s = wait_s
+        self._on_saved = on_saved
+        self._on_failed = on_failed
+        self._clock = clock
+        self._last_save_at = clock()
+        self._spare: torch.Tensor | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self._seq = -1  # the last seq used; read from the directory at the first save
+        self._thread: threading.Thread | None = None
+        self.saved: list[SavedCheckpoint] = []
+        self.failures = 0
+
+    def due(self, step: int) -> bool:
+        """A save is due after committing ``step`` (by steps or by time)."""
+        if self._every_steps and step % self._every_steps == 0:
+            return True
+        return bool(self._every_s) and self._clock() - self._last_save_at >= self._every_s
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def save(self, state: TrainingState, generation: int) -> bool:
+        """Snapshot ``state`` now (at a step boundary) and write it in the background.
+
+        Waits for the previous write if it still runs, at most ``wait_s``.
+
+        Returns:
+            True if the snapshot was taken and queued; False if it was skipped (previous write stuck).
+        """
+        if not self._idle.wait(self._wait_s):
+            log.warning("checkpoint_skipped", step=state.counters.step, reason=f"the previous write still "
+                        f"runs after checkpoint_wait_s={self._wait_s}")
+            self._last_save_at = self._clock()
+            return False
+        layout, arena = state.pack()
+        n = arena.numel()
+        if self._spare is None or self._spare.numel() != n:
+            self._spare = torch.empty(n, dtype=torch.uint8)
+        self._spare.copy_(arena)  # the only work on the training thread: one memcpy
+        c = state.counters
+        job = _Job(c.step, generation, c.epoch, c.position, layout, self._spare)
+        self._last_save_at = self._clock()
+        self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="elasticd-ckpt-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+        return True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no write runs (True), at most ``timeout_s``."""
+        return self._idle.wait(timeout_s)
+
+    def close(self) -> None:
+        """Let the write in flight finish (at most ``wait_s``), then stop the thread."""
+        if self._thread is None:
+            return
+        if not self._idle.wait(self._wait_s):
+            log.warning("checkpoint_write_abandoned", reason=f"still writing after checkpoint_wait_s={self._wait_s}")
+            return  # a daemon thread: the process may exit; the temp file never looks complete
+        self._queue.put(None)
+        self._thread.join(self._wait_s)
+        self._thread = None
+
+    # -- the writer thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                saved = self._write(job)
+            except Exception as exc:  # the writer thread's top level: report it, and stay alive
+                self.failures += 1
+                code = errno.errorcode.get(exc.errno or 0, str(exc.errno)) if isinstance(exc, OSError) else None
+                log.error("checkpoint_save_failed", step=job.step, directory=str(self.directory), errno=code,
+                          error=str(exc) if code else f"{type(exc).__name__}: {exc}", exc_info=code is None,
+                          consequence="training goes on; the previous checkpoint is intact; the next save tries again")
+                if self._on_failed is not None:
+                    self._on_failed(job.step, exc)
+            else:
+                self.saved.append(saved)
+                log.info("checkpoint_saved", step=job.step, path=str(saved.path), seq=saved.manifest.seq,
+                         bytes=saved.manifest.file_bytes, duration_s=round(saved.duration_s, 4))
+                if self._on_saved is not None:
+                    self._on_saved(saved)
+                try:
+                    self._retain()
+                except OSError as exc:
+                    log.warning("checkpoint_retention_failed", directory=str(self.directory), error=str(exc))
+            finally:
+                self._idle.set()
+
+    def _next_seq(self) -> int:
+        if self._seq < 0:
+            self._seq = max((e.seq for e in scan(self.directory)), default=0)
+        self._seq += 1
+        return self._seq
+
+    def _write(self, job: _Job) -> SavedCheckpoint:
+        started = time.monotonic()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        seq = self._next_seq()
+        name = _name(seq, job.step)
+        layout = json.loads(job.layout)
+        total = int(layout["total"])
+        payload = job.payload
+        payload_bytes = payload.numel()
+        header_obj = {
+            "format": FORMAT, "version": VERSION, "job": self._job_id, "step": job.step,
+            "generation": job.generation, "node": self._node, "signature": self._signature,
+            "payload_bytes": payload_bytes, "layout": layout,
+        }
+        header = json.dumps(header_obj).encode()
+        prefix_len = len(MAGIC) + _LEN.size + len(header)
+        payload_offset = _aligned(prefix_len)
+        prefix = MAGIC + _LEN.pack(len(header)) + header + bytes(payload_offset - prefix_len)
+        data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
+        key = json.dumps(layout["tensors"]).encode()
+        sums: dict[str, int] = {}
+
+        def crc_job() -> None:  # on a helper thread, while the bytes are written
+            sums["state"] = state_checksum(key, data[:total], total)
+            sums["rest"] = zlib.crc32(data[total:], zlib.crc32(prefix))
+
+        # The directory is fsynced once, after both renames: until then a crash may keep either
+        # name or neither, and a manifest without its data file is rejected as incomplete.
+        _write_durably(self.directory, name + ".ckpt", [memoryview(prefix), data], crc_job, sync_dir=False)
+        manifest = Manifest(
+            format=FORMAT, version=VERSION, job=self._job_id, seq=seq, step=job.step,
+            generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",
+            file_bytes=payload_offset + payload_bytes, header_bytes=len(header), payload_offset=payload_offset,
+            payload_bytes=payload_bytes, state_bytes=total, state_checksum=sums["state"], crc32=sums["rest"],
+            epoch=job.epoch,
+            position=job.position, created=time.time(),
+        )
+        _write_durably(self.directory, name + ".json", [memoryview(json.dumps(asdict(manifest), indent=1).encode())])
+        return SavedCheckpoint(self.directory / (name + ".ckpt"), manifest, time.monotonic() - started)
+
+    def _retain(self) -> None:
+        """Keep the ``keep`` newest complete checkpoints; remove older ones, orphans and stale temps."""
+        entries = scan(self.directory)
+        complete = sorted((e for e in entries if e.manifest_path is not None and e.data_path is not None),
+                          key=lambda e: e.seq, reverse=True)
+        kept = complete[: self._keep]
+        oldest_kept = min((e.seq for e in kept), default=0)
+        for e in entries:
+            if e in kept:
+                continue
+            # A data file without a manifest may be a save in progress by another writer: only
+            # files older than what we keep are surely abandoned.
+            if e.manifest_path is None and e.seq >= oldest_kept:
+                continue
+            for path in (e.manifest_path, e.data_path):  # manifest first: never a manifest without data
+                if path is not None:
+                    path.unlink(missing_ok=True)
+            log.info("checkpoint_removed", seq=e.seq, step=e.step, directory=str(self.directory))
+        now = time.time()
+        for tmp in self.directory.glob(".*.tmp.*"):
+            try:
+                if now - tmp.stat().st_mtime > STALE_TMP_S:
+                    tmp.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The files of one checkpoint found in a directory (the manifest not yet trusted)."""
+
+    seq: int
+    step: int
+    data_path: Path | None
+    manifest_path: Path | None
+
+
+def scan(directory: Path) -> list[Entry]:
+    """Every checkpoint-named file group in ``directory``, newest (highest seq) first."""
+    found: dict[tuple[int, int], dict[str, Path]] = {}
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for n in names:
+        m = _NAME.match(n)
+        if m:
+            found.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = directory / n
+    out = [Entry(seq, step, files.get("ckpt"), files.get("json")) for (seq, step), files in found.items()]
+    return sorted(out, key=lambda e: (e.seq, e.step), reverse=True)
+
+
+def read_manifest(path: Path) -> Manifest:
+    """Parse and type-check a manifest.
+
+    Raises:
+        ValueError: it is not a manifest of this format and version.
+        OSError: it cannot be read.
+    """
+    raw = path.read_bytes()
+    if len(raw) > 1 << 20:
+        raise ValueError(f"manifest of {len(raw)} bytes")
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("manifest is not a JSON object")
+    kwargs: dict[str, object] = {}
+    for name, f in Manifest.__dataclass_fields__.items():
+        if name not in data:
+            raise ValueError(f"manifest lacks {name}")
+        value = data[name]
+        kind = str(f.type)
+        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
+              "float": isinstance(value, (int, float))}[kind]
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"manifest field {name} is not {kind}")
+        kwargs[name] = float(value) if kind == "float" else value
+    man = Manifest(**kwargs)  # type: ignore[arg-type]
+    if man.format != FORMAT or man.version != VERSION:
+        raise ValueError(f"format {man.format!r} version {man.version} is not {FORMAT!r} version {VERSION}")
+    if "/" in man.file or man.file.startswith("."):
+        raise ValueError(f"manifest names a file outside its directory: {man.file!r}")
+    return man
+
+
+def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
+    """Check one checkpoint completely and read it: (manifest, layout JSON bytes, payload).
+
+    The payload is a fresh 64-byte-aligned tensor, so ``TrainingState.unpack`` adopts it as the
+    state's arena without a copy.
+
+    Raises:
+        ValueError: a check failed; the message says which (the caller logs it and falls back).
+        OSError: a file cannot be read.
+    """
+    if entry.manifest_path is None:
+        raise ValueError("no manifest (an incomplete save)")
+    if entry.data_path is None:
+        raise ValueError("the manifest's data file is missing")
+    man = read_manifest(entry.manifest_path)
+    if man.file != entry.data_path.name or man.seq != entry.seq or man.step != entry.step:
+        raise ValueError(f"manifest names {man.file} (seq {man.seq}, step {man.step}), not this file")
+    size = entry.data_path.stat().st_size
+    if size != man.file_bytes:
+        raise ValueError(f"size {size} bytes, the manifest says {man.file_bytes} (truncated or overwritten)")
+    if (not 0 <= man.header_bytes <= MAX_HEADER_BYTES or man.payload_offset + man.payload_bytes != size
+            or not 0 <= man.state_bytes <= man.payload_bytes):
+        raise ValueError("manifest sizes are inconsistent")
+    payload = torch.empty(man.payload_bytes, dtype=torch.uint8)
+    with entry.data_path.open("rb", buffering=0) as f:
+        magic = f.read(len(MAGIC))
+        if magic != MAGIC:
+            raise ValueError(f"not an elasticd checkpoint: the file starts with {magic[:8]!r}, not the "
+                             f"format's magic (nothing of it was loaded or executed)")
+        (hlen,) = _LEN.unpack(_read_exact(f, _LEN.size))
+        if hlen != man.header_bytes:
+            raise ValueError(f"header length {hlen}, the manifest says {man.header_bytes}")
+        header = _read_exact(f, hlen)
+        pad = _read_exact(f, man.payload_offset - len(MAGIC) - _LEN.size - hlen)
+        view = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done : done + CHUNK_BYTES])
+            if not n:
+                raise ValueError(f"file ended after {done} payload bytes")
+            done += n
+    total = man.state_bytes
+    crc = zlib.crc32(view[total:], zlib.crc32(pad, zlib.crc32(header, zlib.crc32(magic + _LEN.pack(hlen)))))
+    if crc != man.crc32:
+        raise ValueError(f"CRC-32 {crc:08x} of the header and RNG state does not match the manifest's "
+                         f"{man.crc32:08x} (corrupt bytes)")
+    head = json.loads(header)  # its bytes are verified now
+    if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("step") != man.step:
+        raise ValueError("the header does not match the manifest")
+    if head.get("signature") != man.signature or head.get("payload_bytes") != man.payload_bytes:
+        raise ValueError("the header's signature or sizes do not match the manifest")
+    layout = head.get("layout")
+    if not isinstance(layout, dict) or layout.get("total") != total or not isinstance(layout.get("tensors"), list):
+        raise ValueError("the header holds no state layout of the manifest's size")
+    checksum = state_checksum(json.dumps(layout["tensors"]).encode(), view[:total], total)
+    if checksum != man.state_checksum:
+        raise ValueError(f"CRC-32 of the state tensors ({checksum:016x}) does not match the manifest's "
+                         f"{man.state_checksum:016x} (corrupt bytes)")
+    return man, json.dumps(layout).encode(), payload
+
+
+def _read_exact(f: object, n: int) -> bytes:
+    data = f.read(n)  # type: ignore[attr-defined]
+    if not isinstance(data, bytes) or len(data) != n:
+        raise ValueError(f"file ended inside its header (wanted {n} bytes)")
+    return data
+
+
+def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> LoadedCheckpoint | None:
+    """Load the newest good checkpoint of ``directory`` into ``state``, if it is newer than ``newer_than``.
+
+    Checkpoints are tried newest (highest seq) first. One that fails a check, or does not fit this
+    model, is logged (``checkpoint_rejected``, with the reason) and the previous one is tried.
+
+    Returns:
+        The checkpoint loaded, or None (no good checkpoint newer than ``newer_than``; ``state`` unchanged).
+    """
+    started = time.monotonic()
+    rejected: list[str] = []
+    try:
+        entries = scan(directory)
+    except OSError as exc:
+        log.error("checkpoint_dir_unreadable", directory=str(directory), error=str(exc))
+        return None
+    for entry in entries:
+        shown = entry.data_path or entry.manifest_path
+        assert shown is not None
+        if entry.step <= newer_than:
+            log.info("checkpoint_not_newer", path=str(shown), step=entry.step, held_step=newer_than)
+            return None
+        try:
+            man, layout, payload = verify(entry)
+            if man.signature != state.signature:
+                raise ValueError(f"model signature {man.signature[:12]} differs from this worker's "
+                                 f"{state.signature[:12]}")
+            state.unpack(layout, payload)
+        except (ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError, OSError,
+                ModelMismatch, StateCorrupt) as exc:
+            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
+            rejected.append(f"{shown.name}: {why}")
+            log.warning("checkpoint_rejected", path=str(shown), step=entry.step, seq=entry.seq, reason=why,
+                        action="trying the previous checkpoint")
+            continue
+        loaded = LoadedCheckpoint(entry.data_path or shown, man, tuple(rejected), time.monotonic() - started)
+        c = state.counters
+        log.info("checkpoint_loaded", path=str(loaded.path), step=c.step, epoch=c.epoch, position=c.position,
+                 seq=man.seq, state_checksum=f"{man.state_checksum:016x}", rejected=len(rejected),
+                 duration_s=round(loaded.duration_s, 4))
+        return loaded
+    if rejected:
+        log.error("checkpoint_none_usable", directory=str(directory), rejected=rejected)
+    return None

@@ -1,0 +1,215 @@
+"""The on-disk store in one process: round trip, corruption and fallback, refusing foreign files
+(a pickle that would run code), retention, and failed saves that disturb nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from elasticd.checkpoint import TrainingState
+from elasticd.durable import MAGIC, CheckpointWriter, load_latest, read_manifest, scan
+from tests.unit.test_checkpoint import make_state, train
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rng() -> Iterator[None]:
+    saved = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)
+
+
+def writer(directory: Path, keep: int = 3, every_steps: int = 1) -> CheckpointWriter:
+    return CheckpointWriter(directory, job_id="j", node="n0", signature=make_state().signature,
+                            every_steps=every_steps, every_s=0.0, keep=keep, wait_s=10.0)
+
+
+def save_steps(directory: Path, steps: list[int], keep: int = 10) -> TrainingState:
+    """Train one state and checkpoint it at each of ``steps``; return it as of the last one."""
+    state = make_state(0)
+    w = writer(directory, keep=keep)
+    done = 0
+    for s in steps:
+        train(state, s - done, seed=s)
+        done = s
+        assert w.save(state, generation=1)
+        assert w.wait_idle(10)
+    w.close()
+    assert w.failures == 0
+    return state
+
+
+def params(state: TrainingState) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.model.state_dict().items()}
+
+
+def test_round_trip_restores_model_optimizer_counters_and_rng(tmp_path: Path) -> None:
+    state = save_steps(tmp_path, [3])
+    state.counters.epoch, state.counters.position = 2, 40
+    w = writer(tmp_path)
+    torch.manual_seed(1234)  # the RNG state at the save...
+    expected_rng = torch.get_rng_state()
+    w.save(state, generation=4)
+    w.close()
+    torch.manual_seed(99)  # ...is what a resumed worker continues with, not its own
+    fresh = make_state(seed=5)
+    loaded = load_latest(tmp_path, fresh)
+    assert loaded is not None and loaded.manifest.step == 3 and loaded.manifest.generation == 4
+    assert (fresh.counters.step, fresh.counters.epoch, fresh.counters.position) == (3, 2, 40)
+    for k, v in params(state).items():
+        assert torch.equal(fresh.model.state_dict()[k], v), k
+    assert fresh.checksum() == state.checksum() == loaded.manifest.state_checksum
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    # the optimizer continues identically: one more step on each gives the same parameters
+    train(state, 1, seed=7)
+    train(fresh, 1, seed=7)
+    assert fresh.checksum() == state.checksum()
+
+
+def test_newer_than_leaves_the_state_alone(tmp_path: Path) -> None:
+    save_steps(tmp_path, [2, 4])
+    fresh = make_state(seed=5)
+    before = fresh.checksum()
+    assert load_latest(tmp_path, fresh, newer_than=4) is None
+    assert fresh.checksum() == before
+    assert load_latest(tmp_path / "nothing-here", fresh) is None
+
+
+def _newest(directory: Path) -> Path:
+    data = scan(directory)[0].data_path
+    assert data is not None
+    return data
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload_byte", "flip_header_byte", "drop_manifest",
+                                    "garbage_manifest"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path: Path, damage: str) -> None:
+    save_steps(tmp_path, [2, 5])
+    newest = _newest(tmp_path)
+    raw = bytearray(newest.read_bytes())
+    if damage == "truncate":
+        newest.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip_payload_byte":
+        raw[-100] ^= 0x01
+        newest.write_bytes(raw)
+    elif damage == "flip_header_byte":
+        raw[40] ^= 0x20
+        newest.write_bytes(raw)
+    elif damage == "drop_manifest":
+        newest.with_suffix(".json").unlink()
+    else:
+        newest.with_suffix(".json").write_text("{not json")
+    fresh = make_state(seed=5)
+    with capture_logs() as logs:
+        loaded = load_latest(tmp_path, fresh)
+    assert loaded is not None and loaded.manifest.step == 2 and fresh.counters.step == 2
+    rejected = [e for e in logs if e["event"] == "checkpoint_rejected"]
+    assert len(rejected) == 1 and rejected[0]["step"] == 5, logs
+    want = {"truncate": "truncated", "flip_payload_byte": "CRC-32", "flip_header_byte": "CRC-32",
+            "drop_manifest": "no manifest", "garbage_manifest": "Expecting"}[damage]
+    assert want in rejected[0]["reason"], rejected[0]
+    assert loaded.rejected and want in loaded.rejected[0]
+
+
+class _Exploit:
+    """Unpickling this creates a marker file: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path, with_manifest: bool) -> None:
+    save_steps(tmp_path, [3])
+    good = read_manifest(scan(tmp_path)[0].manifest_path)  # type: ignore[arg-type]
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"model": _Exploit(marker)})
+    name = "99999999-step000000000900"
+    (tmp_path / f"{name}.ckpt").write_bytes(payload)
+    if with_manifest:  # a manifest that matches the file exactly: only the format check can refuse it
+        fake = json.loads(scan(tmp_path)[1].manifest_path.read_text())  # type: ignore[union-attr]
+        fake.update(seq=99999999, step=900, file=f"{name}.ckpt", file_bytes=len(payload),
+                    crc32=zlib.crc32(payload), header_bytes=0, payload_offset=0, payload_bytes=len(payload),
+                    state_bytes=0)
+        (tmp_path / f"{name}.json").write_text(json.dumps(fake))
+    fresh = make_state(seed=5)
+    with capture_logs() as logs:
+        loaded = load_latest(tmp_path, fresh)
+    assert not marker.exists()
+    assert loaded is not None and loaded.manifest.step == good.step == 3
+    rejected = [e for e in logs if e["event"] == "checkpoint_rejected"]
+    assert len(rejected) == 1 and rejected[0]["step"] == 900
+    assert ("not an elasticd checkpoint" if with_manifest else "no manifest") in rejected[0]["reason"]
+    assert not payload.startswith(MAGIC)
+
+
+def test_a_checkpoint_of_another_model_is_skipped(tmp_path: Path) -> None:
+    save_steps(tmp_path, [3])
+    other = make_state(seed=0, hidden=16)
+    with capture_logs() as logs:
+        assert load_latest(tmp_path, other) is None
+    assert any("signature" in str(e.get("reason")) for e in logs if e["event"] == "checkpoint_rejected")
+
+
+def test_retention_keeps_the_newest_k_by_save_order(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2, 3, 4, 5], keep=2)
+    entries = scan(tmp_path)
+    assert [(e.step, e.manifest_path is not None, e.data_path is not None) for e in entries] == [
+        (5, True, True), (4, True, True)]
+    # a job resumed from an older step writes newer checkpoints: save order wins, not step numbers
+    state = make_state(seed=0)
+    train(state, 3)
+    w = writer(tmp_path, keep=2)
+    w.save(state, generation=9)
+    w.close()
+    assert [e.step for e in scan(tmp_path)] == [3, 5]
+    fresh = make_state(seed=5)
+    loaded = load_latest(tmp_path, fresh)
+    assert loaded is not None and loaded.manifest.step == 3 and loaded.manifest.generation == 9
+
+
+def test_a_failed_save_reports_keeps_the_previous_and_the_next_save_retries(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    failed: list[int] = []
+    w = CheckpointWriter(blocker / "job", job_id="j", node="n0", signature=make_state().signature,
+                         every_steps=1, every_s=0.0, keep=2, wait_s=10.0,
+                         on_failed=lambda step, exc: failed.append(step))
+    state = make_state(0)
+    train(state, 1)
+    with capture_logs() as logs:
+        assert w.save(state, generation=1)
+        assert w.wait_idle(10)
+        train(state, 1)
+        assert w.save(state, generation=1)  # tried again
+        assert w.wait_idle(10)
+    w.close()
+    assert failed == [1, 2] and w.failures == 2
+    errors = [e for e in logs if e["event"] == "checkpoint_save_failed"]
+    assert len(errors) == 2 and errors[0]["errno"] in ("ENOTDIR", "EEXIST"), errors
+
+
+def test_schedule_by_steps_and_by_time(tmp_path: Path) -> None:
+    now = [100.0]
+    w = CheckpointWriter(tmp_path, job_id="j", node="n", signature="s", every_steps=5, every_s=0.0, keep=1,
+                         wait_s=1.0, clock=lambda: now[0])
+    assert [s for s in range(1, 16) if w.due(s)] == [5, 10, 15]
+    t = CheckpointWriter(tmp_path, job_id="j", node="n", signature="s", every_steps=0, every_s=30.0, keep=1,
+                         wait_s=1.0, clock=lambda: now[0])
+    assert not t.due(1)
+    now[0] += 30.0
+    assert t.due(2)
