@@ -13,12 +13,12 @@ import hashlib
 import json
 import math
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import structlog
 import torch
+import xxhash
 import torch.distributed as dist
 
 from elasticd.collectives import Abandon, all_reduce, broadcast, start_broadcast, wait
@@ -33,7 +33,7 @@ _DTYPES = {str(d): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}
 _ALIGN = 64  # cache-line aligned: parameters live in the arena, and vector kernels like it
-TRANSFER_CHUNKS = 8  # pieces of the state broadcast: each is checksummed while the next arrives
+TRANSFER_CHUNKS = 2  # pieces of the state broadcast: each is checksummed while the next arrives
 _MASK63 = (1 << 63) - 1
 
 
@@ -85,18 +85,18 @@ class TrainingState:
         return out
 
     def checksum(self) -> int:
-        """CRC-32 of the packed state bytes, the layout of names, dtypes and shapes included, and
-        the byte count above it. Like gzip's and PNG's, it catches divergence and corrupt transfers
-        between our own ranks (a random change escapes it with p = 2^-32); it is no defence against
-        an adversary, and it is one pass over contiguous memory (~12 ms for 34 MB here)."""
+        """A 63-bit XXH3 hash of the packed state bytes, the layout of names, dtypes and shapes
+        included (``state_checksum``). It catches divergence and corrupt transfers between our own
+        ranks (a random change escapes it with p ~ 2^-63); it is no defence against an adversary, and
+        it is one pass over contiguous memory (~3 ms for 34 MB here; CRC-32 took ~12 ms)."""
         layout, tensors = self._layout_and_tensors()
         arena = self._refresh_arena(layout, tensors)
         total = int(layout["total"])  # type: ignore[call-overload]
         return state_checksum(self._arena_key.encode(), arena[:total].numpy().data, total)
 
-    def streamed_checksum(self, crc: int, total: int) -> int | None:
-        """``checksum()`` from a CRC of the arena's state bytes taken as they arrived, valid only
-        if every state tensor lives in the arena (it does after ``unpack`` on CPU); else None."""
+    def streamed_checksum(self, hasher: StateHasher) -> int | None:
+        """``checksum()`` from a ``state_hasher`` fed the arena's state bytes as they arrived, valid
+        only if every state tensor lives in the arena (it does after ``unpack`` on CPU); else None."""
         arena = self._arena
         if arena is None:
             return None
@@ -106,7 +106,7 @@ class TrainingState:
                 continue  # counters were decoded from those very bytes
             if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != base + entry[3]:
                 return None
-        return int(((total << 32) | crc) & _MASK63)
+        return hasher.intdigest() & _MASK63
 
     def layout(self) -> dict[str, object]:
         """The JSON description needed to rebuild the state from the flat buffer."""
@@ -267,11 +267,26 @@ class TrainingState:
         return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng, json.dumps(entries)
 
 
+StateHasher = xxhash.xxh3_64
+
+
+def state_hasher(layout_key: bytes) -> StateHasher:
+    """A streaming hash of a state, seeded with the JSON of the layout's tensor entries: feed it the
+    arena's state bytes (in any number of pieces, in order) and ``intdigest() & _MASK63`` is the
+    checksum. XXH3 (the ``xxhash`` package) hashes ~13 GB/s here, CRC-32 (zlib) ~3 GB/s."""
+    h = xxhash.xxh3_64()
+    h.update(len(layout_key).to_bytes(8, "little"))
+    h.update(layout_key)
+    return h
+
+
 def state_checksum(layout_key: bytes, state_bytes: memoryview, total: int) -> int:
     """``TrainingState.checksum`` from the JSON of the layout's tensor entries and the arena's first
     ``total`` bytes (so a checkpoint on disk can be checksummed without loading it)."""
-    crc = zlib.crc32(state_bytes, zlib.crc32(layout_key))
-    return int(((total << 32) | crc) & _MASK63)
+    assert len(state_bytes) == total, (len(state_bytes), total)
+    h = state_hasher(layout_key)
+    h.update(state_bytes)
+    return h.intdigest() & _MASK63
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -418,15 +433,15 @@ def _transfer(
         bounds = [total * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)] + [n_arena]
         pieces = [payload[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
         works = [start_broadcast(piece, 0, sub) for piece in pieces]
-        crc = zlib.crc32(key.encode())
+        hasher = state_hasher(key.encode())
         mine: int | None = state.checksum() if me == 0 else None  # while the arena goes out
         for piece, work, a in zip(pieces, works, bounds):
             wait(work, sub, deadline, abandon, poll_s, "state broadcast")
             if receives and a < total and dev.type == "cpu":
-                crc = zlib.crc32(piece.numpy().data, crc)  # while the next piece arrives
+                hasher.update(piece.numpy().data)  # while the next piece arrives
         if receives:
             state.unpack(layout_bytes, payload.cpu())
-            streamed = state.streamed_checksum(crc, total) if dev.type == "cpu" else None
+            streamed = state.streamed_checksum(hasher) if dev.type == "cpu" else None
             mine = streamed if streamed is not None else state.checksum()
         return mine, n_layout + n_arena
     finally:

@@ -17,7 +17,7 @@ Files of one checkpoint, ``<name> = <seq:08d>-step<step:012d>``:
   groups); zero padding to a 64-byte boundary; the payload: the flat arena (model and optimizer
   tensors, the counters ``step, epoch, position``, then the torch RNG state).
 * ``<name>.json``: the manifest, written after the data file is durable: step, seq, sizes, the
-  state checksum (``checkpoint.state_checksum``: a CRC-32 of the state tensors' bytes, seeded with
+  state checksum (``checkpoint.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded with
   their layout) and a CRC-32 of every other byte of the file; together they cover the whole file,
   in one pass (computed on a helper thread while the bytes are written).
 
@@ -55,7 +55,7 @@ from elasticd.errors import ModelMismatch, StateCorrupt
 log = structlog.get_logger(__name__)
 
 FORMAT = "elasticd-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the state checksum is XXH3 (1 was CRC-32)
 MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
 _LEN = struct.Struct("<Q")
 _ALIGN = 64
@@ -509,7 +509,7 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
         raise ValueError("the header holds no state layout of the manifest's size")
     checksum = state_checksum(json.dumps(layout["tensors"]).encode(), view[:total], total)
     if checksum != man.state_checksum:
-        raise ValueError(f"CRC-32 of the state tensors ({checksum:016x}) does not match the manifest's "
+        raise ValueError(f"checksum of the state tensors ({checksum:016x}) does not match the manifest's "
                          f"{man.state_checksum:016x} (corrupt bytes)")
     return man, json.dumps(layout).encode(), payload
 
