@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from elasticd.restart_records import RestartKeys, RoundView, parse_view
 from elasticd.membership import (
     AbortRecord,
     CheckpointRecord,
@@ -166,6 +167,22 @@ class GenerationStatus:
 
 
 @dataclass(frozen=True)
+class RestartStatus:
+    """A restart-mode job (``group_restart.py``): the agents' current round, from ``restart/``."""
+
+    round: int
+    world_size: int
+    nodes: tuple[str, ...]  # node rank order
+    nproc_per_node: int
+    master: str
+    restart_count: int
+    reason: str
+    agents: tuple[str, ...]  # nodes whose agent is alive (leased record)
+    failed_round: int  # the last round marked failed (0: none)
+    finished_round: int  # the round that finished (0: none)
+
+
+@dataclass(frozen=True)
 class JobStatus:
     """Everything ``elasticctl status`` reports about one job, read at one etcd revision."""
 
@@ -186,6 +203,7 @@ class JobStatus:
     drains: tuple[str, ...] = ()  # nodes with a pending drain request
     checkpoint: CheckpointRecord | None = None  # the latest good durable checkpoint, if recorded
     checkpoint_age_s: float | None = None  # now - its creation time (wall clocks of two hosts)
+    restart: RestartStatus | None = None  # a restart-mode job (unmodified torchrun scripts): its round
 
     @property
     def exit_code(self) -> int:
@@ -274,7 +292,12 @@ def build_status(
     order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.REGISTERED: 2}
     members.sort(key=lambda m: (order[m.state], m.rank if m.rank is not None else 0,
                                 snap.ready_order.get(m.member_id, 0), m.member_id))
+    root, _, job_id = keys.job.rpartition("/")
+    restart_view = parse_view(RestartKeys(root, job_id), rows)
+    restart = _restart_status(restart_view)
     health, reason = classify(snap, bool(rows), keys.prefix, min_workers, max_workers)
+    if snap.generation is None and snap.finished is None and restart is not None:
+        health, reason = classify_restart(restart, min_workers, max_workers)
     return JobStatus(
         job_id=keys.job.rpartition("/")[2],
         prefix=keys.prefix,
@@ -286,7 +309,7 @@ def build_status(
         missing=tuple(m for m in g.members if m not in snap.members) if g else (),
         finished=snap.finished,
         last_abort=last_abort,
-        malformed=snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events,
+        malformed=snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events + restart_view.malformed,
         min_workers=min_workers,
         max_workers=max_workers,
         nodes=tuple(
@@ -298,6 +321,7 @@ def build_status(
         recoveries=tuple(_recovery(e) for _, e in events if e.kind == EventKind.RECOVERED)[-RECOVERIES_SHOWN:],
         drains=tuple(sorted(drains)),
         checkpoint=snap.checkpoint,
+        restart=restart,
         checkpoint_age_s=now - snap.checkpoint.time if snap.checkpoint and snap.checkpoint.time else None,
     )
 
@@ -367,6 +391,37 @@ def _recovery(e: EventRecord) -> RecoveryStatus:
         duration_s=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool)
         and math.isfinite(duration) else None,
     )
+
+
+def _restart_status(view: RoundView) -> RestartStatus | None:
+    r = view.round
+    if r is None and not view.finished and not view.failed_round:
+        return None
+    return RestartStatus(
+        round=r.round if r else 0, world_size=r.world_size if r else 0, nodes=r.nodes if r else (),
+        nproc_per_node=r.nproc_per_node if r else 0, master=f"{r.master_addr}:{r.master_port}" if r else "",
+        restart_count=r.restart_count if r else 0, reason=r.reason if r else "", agents=tuple(sorted(view.agents)),
+        failed_round=view.failed_round, finished_round=view.finished)
+
+
+def classify_restart(r: RestartStatus, min_workers: int | None, max_workers: int | None) -> tuple[Health, str]:
+    """The health of a restart-mode job (pure): finished; down while a failed round is being
+    replaced, when a node of the round lost its agent, or below ``min_workers``; degraded below
+    ``max_workers``; else healthy."""
+    if r.finished_round and r.finished_round >= r.round:
+        return Health.FINISHED, f"restart mode: round {r.finished_round} finished"
+    if not r.round:
+        return Health.DOWN, "restart mode: no round yet"
+    if r.failed_round >= r.round:
+        return Health.DOWN, f"restart mode: round {r.round} ended; the agents are restarting every worker"
+    lost = [n for n in r.nodes if n not in r.agents]
+    if lost:
+        return Health.DOWN, f"restart mode: round {r.round} lost the agent of {', '.join(lost)}"
+    if min_workers is not None and r.world_size < min_workers:
+        return Health.DOWN, f"restart mode: world size {r.world_size} < min_workers {min_workers}"
+    if max_workers is not None and r.world_size < max_workers:
+        return Health.DEGRADED, f"restart mode: world size {r.world_size} < max_workers {max_workers}"
+    return Health.HEALTHY, f"restart mode: round {r.round} runs with world size {r.world_size}"
 
 
 def classify(
@@ -543,6 +598,18 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "reason": status.last_abort.reason,
         },
         "malformed": list(status.malformed),
+        "restart": None if status.restart is None else {
+            "round": status.restart.round,
+            "world_size": status.restart.world_size,
+            "nodes": list(status.restart.nodes),
+            "nproc_per_node": status.restart.nproc_per_node,
+            "master": status.restart.master,
+            "restart_count": status.restart.restart_count,
+            "reason": status.restart.reason,
+            "agents": list(status.restart.agents),
+            "failed_round": status.restart.failed_round,
+            "finished_round": status.restart.finished_round,
+        },
         "checkpoint": None if status.checkpoint is None else {
             "step": status.checkpoint.step,
             "path": status.checkpoint.path,
@@ -584,6 +651,12 @@ def render_table(status: JobStatus) -> str:
          f"{_clean(status.last_abort.reason)}"),
         ("checkpoint", _checkpoint_line(status)),
     ]
+    r = status.restart
+    if r is not None:
+        lines.append(("restart", f"mode restart: round {r.round} ({_clean(r.reason)}), world size {r.world_size} = "
+                      f"{len(r.nodes)} node(s) x {r.nproc_per_node} [{_clean(', '.join(r.nodes))}], master "
+                      f"{_clean(r.master)}, {r.restart_count} restart(s); agents alive: "
+                      f"{_clean(', '.join(r.agents)) or 'none'}"))
     out = [f"{k:<11} {v}" for k, v in lines]
     out.append("")
     if status.members:

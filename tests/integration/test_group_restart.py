@@ -8,6 +8,7 @@ the checkpoint must end with exactly the parameters of a fault-free run under pl
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.cli import ctl_main
 from elasticd.localcluster import REPO_ROOT, EtcdServer
 from tests.jobs import wait_until
 
@@ -183,6 +185,13 @@ def test_two_agents_restart_every_worker_after_a_sigkill_and_end_like_torchrun(
         assert len(run.events(node, "worker_started")) == 2, run.tail()
         assert [e["restart_count"] for e in run.events(node, "round_started")] == [0, 1]
         assert run.events(node, "agent_stopped")[-1]["reason"] == "workers_finished"
+    # elasticctl status reads restart mode's round: round 2 (after one failure) finished
+    out, err = io.StringIO(), io.StringIO()
+    code = ctl_main(["--etcd", etcd_server.endpoint, "status", "--job", job, "--json"], stdout=out, stderr=err)
+    data = json.loads(out.getvalue())
+    assert code == 0 and data["health"] == "finished", (data, err.getvalue())
+    assert data["restart"]["round"] == 2 and data["restart"]["restart_count"] == 1, data["restart"]
+    assert data["restart"]["nodes"] == ["a", "b"] and data["restart"]["world_size"] == 2
 
 
 @pytest.mark.timeout(150)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log",
                  "elasticd.membership", "elasticd.etcd", "elasticd.status", "elasticd.cli",
-                 "elasticd.supervisor", "elasticd.agent", "elasticd.group_restart", "elasticd.oprecords",
+                 "elasticd.supervisor", "elasticd.agent", "elasticd.group_restart", "elasticd.restart_records", "elasticd.oprecords",
                  "elasticd.events", "elasticd.presence", "elasticd.drain", "elasticd.progress", "elasticd.metrics"]
 # A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.
 STARTUP_BOUND_S = 3.0

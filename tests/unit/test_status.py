@@ -251,7 +251,7 @@ def test_read_status_reads_one_prefix_of_a_store_and_no_other_job() -> None:
 
 JSON_KEYS = ["job", "prefix", "health", "reason", "exit_code", "min_workers", "max_workers", "generation",
              "members", "nodes", "recoveries", "drains", "missing", "finished", "last_abort", "malformed",
-             "checkpoint"]
+             "restart", "checkpoint"]
 MEMBER_KEYS = ["member_id", "node", "local_rank", "pid", "host", "rank", "state", "committed_step",
                "step_time_s", "recoveries", "heartbeat_age_s", "restarts", "rss_bytes", "cpu_percent"]
 NODE_KEYS = ["node", "host", "agent_pid", "state", "workers_running", "workers", "restarts", "heartbeat_age_s",
@@ -330,3 +330,54 @@ def test_checkpoint_record_is_shown_in_table_and_json() -> None:
     assert "checkpoint  none recorded" in render_table(none) and json.loads(render_json(none))["checkpoint"] is None
     bad = status_of(Job().alive("a.0").put(KEYS.generation, encode(gen(3, ["a.0"]))).put(KEYS.checkpoint, b"{"))
     assert bad.checkpoint is None and any(KEYS.checkpoint in m for m in bad.malformed)
+
+
+# -- restart mode (unmodified torchrun scripts) -------------------------------------------------
+
+
+def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] = ("a", "b"),
+                  garbage: bool = False) -> list[KeyValue]:
+    from elasticd.membership import encode
+    from elasticd.restart_records import AgentRecord, FailedRecord, FinishedRecord, RestartKeys, RoundRecord
+
+    root, _, job = KEYS.job.rpartition("/")
+    rk = RestartKeys(root, job)
+    rows = [KeyValue(rk.round, encode(RoundRecord(round=3, nodes=("a", "b"), nproc_per_node=2, master_addr="10.0.0.1",
+                                                  master_port=29500, restart_count=1, reason="worker_failed")), 5, 5)]
+    rows += [KeyValue(rk.agent(n), encode(AgentRecord(node=n, host="h", pid=1)), 2, 2) for n in agents]
+    if failed:
+        rows.append(KeyValue(rk.failed, encode(FailedRecord(round=failed, node="a", cause="worker_failed",
+                                                            detail="x")), 6, 6))
+    if finished:
+        rows.append(KeyValue(rk.finished, encode(FinishedRecord(round=finished)), 7, 7))
+    if garbage:
+        rows.append(KeyValue(rk.agent("zz"), b"{not json", 8, 8))
+    return rows
+
+
+@pytest.mark.parametrize(("kw", "lo", "hi", "health", "words"), [
+    ({}, 1, 4, Health.HEALTHY, "round 3 runs with world size 4"),
+    ({}, 1, 8, Health.DEGRADED, "world size 4 < max_workers 8"),
+    ({}, 6, 8, Health.DOWN, "world size 4 < min_workers 6"),
+    ({"failed": 3}, None, None, Health.DOWN, "round 3 ended"),
+    ({"agents": ("a",)}, None, None, Health.DOWN, "lost the agent of b"),
+    ({"finished": 3}, None, None, Health.FINISHED, "round 3 finished"),
+])
+def test_a_restart_mode_job_is_shown_by_its_round(kw: dict, lo: int | None, hi: int | None, health: Health,
+                                                  words: str) -> None:
+    st = build_status(KEYS, _restart_rows(**kw), now=NOW, min_workers=lo, max_workers=hi)
+    assert st.health is health and words in st.reason, st.reason
+    data = json.loads(render_json(st))["restart"]
+    assert data["round"] == 3 and data["world_size"] == 4 and data["nodes"] == ["a", "b"]
+    assert data["master"] == "10.0.0.1:29500" and data["restart_count"] == 1
+    assert "mode restart: round 3 (worker_failed), world size 4 = 2 node(s) x 2" in render_table(st)
+
+
+def test_garbage_under_restart_is_listed_not_fatal() -> None:
+    st = build_status(KEYS, _restart_rows(garbage=True), now=NOW, min_workers=1, max_workers=4)
+    assert st.health is Health.HEALTHY
+    assert any("/restart/agents/zz" in m for m in st.malformed), st.malformed
+
+
+def test_an_elastic_job_has_no_restart_section() -> None:
+    assert json.loads(render_json(status_of(_job_with_everyone(), 1, 4)))["restart"] is None
