@@ -52,7 +52,7 @@ from typing import TextIO
 from elasticd.audit import AuditReport, check_dir
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.localcluster import EtcdServer, WorkerProcess, agent_program, python_program
+from elasticd.localcluster import EtcdServer, WorkerProcess, agent_program, log_events, python_program
 from elasticd.membership import GenerationRecord, Keys, KeyValueStore, decode_generation, parse_snapshot
 
 JOB_ID = "demo"
@@ -185,23 +185,6 @@ def _float(value: object) -> float:
 def _node_of(member_id: str) -> str:
     """``node-2.0.4711`` -> ``node-2`` (member ids are node.local_rank.pid)."""
     return member_id.split(".", 1)[0]
-
-
-def agent_events(log_path: Path, name: str) -> list[dict[str, object]]:
-    """The agent's JSON log lines of event ``name`` (its workers' lines go to the same file)."""
-    if not log_path.exists():
-        return []
-    out = []
-    for line in log_path.read_text(errors="replace").splitlines():
-        if f'"{name}"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == name:
-            out.append(rec)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +371,7 @@ class Demo:
             if node not in self.outcome.codes and a.proc is not None and a.proc.poll() is not None:
                 code = a.proc.returncode
                 self.outcome.codes[node] = code
-                stopped = agent_events(a.log_path, "agent_stopped")
+                stopped = log_events(a.log_path, "agent_stopped")
                 why = str(stopped[-1].get("reason", "")) if stopped else "no agent_stopped line"
                 self.say(f"agent {node} exited {code} ({why})")
 
@@ -482,13 +465,13 @@ class Demo:
         elif not o.rejoined:
             problems.append(f"{plan.victim}'s restarted worker never rejoined")
         else:
-            revoked = agent_events(self.workdir / f"agent-{plan.victim}.log", "worker_lease_revoked")
+            revoked = log_events(self.workdir / f"agent-{plan.victim}.log", "worker_lease_revoked")
             if not any(r.get("pid") == o.killed_pid for r in revoked):
                 problems.append(f"agent {plan.victim} did not revoke the killed worker's lease")
         if o.drained_t is None:
             problems.append(f"{plan.drained} was never drained")
         else:
-            stopped = agent_events(self.workdir / f"agent-{plan.drained}.log", "agent_stopped")
+            stopped = log_events(self.workdir / f"agent-{plan.drained}.log", "agent_stopped")
             if not stopped or stopped[-1].get("reason") != "drained":
                 problems.append(f"agent {plan.drained} did not stop as drained: {stopped[-1:] or 'no line'}")
         if not o.newcomer_started:

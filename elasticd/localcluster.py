@@ -10,6 +10,7 @@ Everything it starts it stops by PID (or by the process group it created), and n
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -221,6 +222,24 @@ class WorkerProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def log_events(log_path: Path, name: str) -> list[dict[str, object]]:
+    """The JSON log lines of event ``name`` in a process's log file (an agent's log holds its
+    workers' lines too); a line garbled by a concurrent writer, or a traceback, is skipped."""
+    if not log_path.exists():
+        return []
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if f'"{name}"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == name:
+            out.append(rec)
+    return out
 
 
 def agent_program(*args: str) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.audit import check_dir, read_lines
-from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port
+from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port, log_events
 from tests.jobs import job_factory, wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
@@ -57,18 +57,8 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace")
 
     def events(self, name: str) -> list[dict[str, object]]:
-        """The agent's log lines of event ``name`` (a line garbled by a concurrent writer is skipped)."""
-        out = []
-        for line in self.log_text().splitlines():
-            if f'"{name}"' not in line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == name:
-                out.append(rec)
-        return out
+        """The agent's log lines of event ``name``."""
+        return log_events(self.log_path, name)
 
     def kill_group(self) -> None:
         try:

@@ -23,22 +23,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from elasticd.localcluster import REPO_ROOT, EtcdServer
+from elasticd.localcluster import REPO_ROOT, EtcdServer, log_events
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
-
-
-def _events(log: Path, name: str) -> list[dict[str, object]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if f'"{name}"' in line:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == name:
-                out.append(rec)
-    return out
 
 
 def _ts(rec: dict[str, object]) -> float:
@@ -75,14 +62,14 @@ def one(etcd: EtcdServer, root: Path, job: str, steps: int) -> dict[str, float]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the job did not reach step 45")
             time.sleep(0.02)
-        victim = int(_events(root / "agent-b.log", "worker_started")[-1]["pid"])
+        victim = int(log_events(root / "agent-b.log", "worker_started")[-1]["pid"])
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
         for p in procs:
             if p.wait(120) != 0:
                 raise RuntimeError(f"an agent failed; see {root}")
-        failed = _ts(_events(root / "agent-b.log", "round_failed")[0])
-        started = max(_ts(r) for n in "ab" for r in _events(root / f"agent-{n}.log", "round_started")[1:2])
+        failed = _ts(log_events(root / "agent-b.log", "round_failed")[0])
+        started = max(_ts(r) for n in "ab" for r in log_events(root / f"agent-{n}.log", "round_started")[1:2])
         first = min(float(r["t"]) for k in (0, 1) for r in _steps(root / "out", k)
                     if r["restart_count"] == 1)
         return {"detect_s": round(failed - killed, 3), "round_started_s": round(started - killed, 3),
