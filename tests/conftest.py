@@ -68,10 +68,11 @@ class LocalJob:
     def audit(self, dataset_size: int = 2048) -> AuditReport:
         return check_dir(self.dir, dataset_size)
 
-    def committed(self) -> int:
-        """The highest step committed so far (read from the audit logs)."""
+    def committed(self, worker: int | None = None) -> int:
+        """The highest step committed so far (read from the audit logs), by any worker or by the
+        ``worker``-th one spawned (0 while it has committed nothing)."""
         best = 0
-        for p in self.dir.glob("*.jsonl"):
+        for p in self.dir.glob("*.jsonl" if worker is None else f"audit{worker}.jsonl"):
             for line in reversed(p.read_text().splitlines()):
                 try:
                     rec = json.loads(line)
