@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     add_workload_arguments(p)
     p.add_argument("--audit", default=None, help="append one JSON line per committed step here")
+    p.add_argument("--audit-in-memory", action="store_true",
+                   help="keep the audit lines in memory and write them at exit (fault-free measurements only)")
     p.add_argument("--save-final", default=None, help="write the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra compute per step (slows the demo and fault tests down)")
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = elasticd.ElasticTrainer(
             model, optimizer, dataset_size=args.samples, global_batch_size=args.global_batch,
-            seed=args.seed, audit_path=args.audit, checkpoint=checkpoint_settings(args),
+            seed=args.seed, audit_path=args.audit, audit_in_memory=args.audit_in_memory,
+            checkpoint=checkpoint_settings(args),
         )
         # SIGTERM (what systemd and the agent send on stop): finish the current step, then leave.
         signal.signal(signal.SIGTERM, lambda *_: trainer.drain())

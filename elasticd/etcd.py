@@ -16,8 +16,8 @@ os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import threading  # noqa: E402
-from collections.abc import Callable, Iterable, Mapping  # noqa: E402
-from typing import TypeVar  # noqa: E402
+from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
 
 import etcd3  # noqa: E402
 import etcd3.exceptions  # noqa: E402
@@ -179,6 +179,18 @@ class EtcdClient:
             for value, meta in rows
         ]
 
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        def txn(c: etcd3.Etcd3Client) -> list[Any]:
+            ops = [c.transactions.get(p, range_end=_prefix_end(p)) for p in prefixes]
+            _, responses = c.transaction(compare=[], success=ops, failure=[])
+            return list(responses)
+
+        out: list[KeyValue] = []
+        for rows in self._call("get_prefixes", txn):
+            out += [KeyValue(meta.key.decode(errors="backslashreplace"), value, meta.mod_revision,
+                             meta.create_revision, meta.lease_id) for value, meta in rows]
+        return out
+
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
         self._call("put", lambda c: c.put(key, value, lease=lease or None))
 
@@ -255,3 +267,10 @@ class _ClosedWatchStub:
     def Watch(self, *args: object, **kwargs: object) -> None:  # noqa: N802 (gRPC stub method name)
         raise SystemExit
 
+
+
+def _prefix_end(prefix: str) -> bytes:
+    """The range end that makes a range read ``prefix`` and every key under it."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1  # keys are UTF-8 text here: the last byte is below 0xff
+    return bytes(raw)

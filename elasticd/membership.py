@@ -19,7 +19,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol, TypeVar
@@ -62,6 +62,11 @@ class KeyValueStore(Protocol):
     def get(self, key: str) -> KeyValue | None: ...
 
     def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        """The keys under each of ``prefixes`` (a whole key is a prefix too), read in one
+        transaction, so all of them are from one revision; in the order of ``prefixes``."""
+        ...
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None: ...
 
@@ -146,6 +151,19 @@ class Keys:
     def drain(self, node: str) -> str:
         """``drain/<node>``: an operator's request that this node drain (``elasticctl drain``)."""
         return f"{self.job}/drain/{node}"
+
+    @property
+    def rendezvous(self) -> tuple[str, ...]:
+        """What a member reads for the rendezvous and its health checks: everything but the
+        records written all the time or kept by the hundred (progress, events, nodes, drain)."""
+        return (self.generation, self.abort, self.finished, self.committed, self.checkpoint,
+                self.member(""), self.ready(""))
+
+    @property
+    def membership_changes(self) -> tuple[str, ...]:
+        """What a member watches: the keys whose change can end a generation or start the next.
+        The rest of ``rendezvous`` (committed step, checkpoint) is read by the periodic poll."""
+        return (self.generation, self.abort, self.finished, self.member(""), self.ready(""))
 
 
 @dataclass(frozen=True)
@@ -625,7 +643,7 @@ class Membership:
         self._abandon_reason = ""
         self._join_pending = False
         self._lease_lost = False
-        self._cancel_watch: Callable[[], None] | None = None
+        self._cancel_watches: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
         self._warned_malformed: set[str] = set()
         self._progress: Mapping[str, object] | None = None
@@ -644,7 +662,7 @@ class Membership:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
         self._register()
-        self._cancel_watch = self._store.watch_prefix(self._keys.prefix, self._on_change)
+        self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.membership_changes]
         for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop)):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -656,9 +674,9 @@ class Membership:
             return
         self._stop.set()
         self._changed.set()
-        if self._cancel_watch is not None:
+        for cancel in self._cancel_watches:
             try:
-                self._cancel_watch()
+                cancel()
             except EtcdUnavailable:
                 pass
         try:
@@ -740,12 +758,12 @@ class Membership:
             self._update_health(snap)
 
     def snapshot(self) -> Snapshot:
-        """Read and parse the job's keys.
+        """Read and parse the job's rendezvous keys (``Keys.rendezvous``), in one transaction.
 
         Raises:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
-        snap = parse_snapshot(self._keys, self._store.get_prefix(self._keys.prefix))
+        snap = parse_snapshot(self._keys, self._store.get_prefixes(self._keys.rendezvous))
         for bad in snap.malformed:
             if bad not in self._warned_malformed:
                 self._warned_malformed.add(bad)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import LeaseLost
@@ -138,6 +138,13 @@ class FakeKeyValueStore:
         with self._lock:
             changed = self._begin()
             rows = [kv for k, kv in sorted(self._data.items()) if k.startswith(prefix)]
+        self._notify(changed)
+        return rows
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        with self._lock:
+            changed = self._begin()
+            rows = [kv for p in prefixes for k, kv in sorted(self._data.items()) if k.startswith(p)]
         self._notify(changed)
         return rows
 

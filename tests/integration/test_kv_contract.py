@@ -154,6 +154,16 @@ class KeyValueStoreContract:
         assert [r.value for r in rows] == [b"m/a", b"m/b", b"m/c"]
         assert kv.store.get_prefix(kv.k("empty/")) == []
 
+    def test_get_prefixes_reads_each_prefix_in_order_and_nothing_else(self, kv: Harness) -> None:
+        for name in ("gen", "m/b", "m/a", "mx", "p/a", "r/a", "other"):
+            kv.store.put(kv.k(name), name.encode(), lease=0)
+        rows = kv.store.get_prefixes([kv.k("r/"), kv.k("gen"), kv.k("m/"), kv.k("absent")])
+        assert [r.key for r in rows] == [kv.k("r/a"), kv.k("gen"), kv.k("m/a"), kv.k("m/b")]
+        assert [r.value for r in rows] == [b"r/a", b"gen", b"m/a", b"m/b"]
+        gen = kv.store.get(kv.k("gen"))
+        assert gen is not None and rows[1].mod_revision == gen.mod_revision
+        assert kv.store.get_prefixes([]) == []
+
     # -- compare_and_put ----------------------------------------------------------------------
 
     def test_cas_on_absent_key_expects_zero(self, kv: Harness) -> None:
