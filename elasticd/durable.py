@@ -14,8 +14,9 @@ Files of one checkpoint, ``<name> = <seq:08d>-step<step:012d>``:
 * ``<name>.ckpt``: the 16-byte ``MAGIC``; an 8-byte little-endian length H; H bytes of a JSON
   header (format, version, job, step, generation, node, model signature, sizes, and the state
   layout of ``TrainingState.pack``: tensor names, dtypes, shapes, offsets, optimizer param
-  groups); zero padding to a 64-byte boundary; the payload: the flat arena (model and optimizer
-  tensors, the counters ``step, epoch, position``, then the torch RNG state).
+  groups); zero padding to a 4096-byte boundary (64 in files of earlier versions); the payload:
+  the flat arena (model and optimizer tensors, the counters ``step, epoch, position``, then the
+  torch RNG state). The writer writes it with O_DIRECT where the filesystem allows it.
 * ``<name>.json``: the manifest, written after the data file is durable: step, seq, sizes, the
   state checksum (``checkpoint.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded with
   their layout) and a CRC-32 of every other byte of the file; together they cover the whole file,
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import queue
 import re
@@ -58,9 +60,11 @@ FORMAT = "elasticd-checkpoint"
 VERSION = 2  # 2: the state checksum is XXH3 (1 was CRC-32)
 MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
 _LEN = struct.Struct("<Q")
-_ALIGN = 64
+_ALIGN = 64  # payload alignment the loader accepts at least (files of earlier versions)
+DIRECT_ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of this
 CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
 MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
+WRITER_NICE = 10  # niceness of the writer and checksum threads: training threads win a contended core
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died; retention removes it
 _NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|json)$")
 
@@ -130,6 +134,23 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _lower_priority() -> None:
+    """Make the calling thread yield to the training threads (Linux niceness is per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not permitted: the write still happens, at normal priority
+
+
+def _round_up(n: int) -> int:
+    return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def aligned_bytes(n: int) -> mmap.mmap:
+    """Zeroed, page-aligned memory of ``n`` bytes rounded up to ``DIRECT_ALIGN`` (an anonymous map)."""
+    return mmap.mmap(-1, max(DIRECT_ALIGN, _round_up(n)))
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     view = data.cast("B")
     done = 0
@@ -137,18 +158,56 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, view[done : done + CHUNK_BYTES])
 
 
+def _write_parts(tmp: Path, parts: list[memoryview], size: int | None) -> None:
+    """Create ``tmp`` and write ``parts`` into it, then fsync.
+
+    With ``size``, every part is ``DIRECT_ALIGN``-aligned in memory and in length: the file is
+    written with O_DIRECT, from the buffers straight to the device, which spares the CPU the copy
+    into the page cache and the page cache its churn (on this machine a buffered 99 MB write spent
+    0.3 s of CPU in the kernel, O_DIRECT almost none); then it is truncated to ``size``. A
+    filesystem that refuses O_DIRECT (EINVAL, e.g. tmpfs) gets the same bytes through the page cache.
+    """
+    direct = size is not None and hasattr(os, "O_DIRECT")
+    while True:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                direct = False
+                continue
+            raise
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            if size is not None:
+                os.ftruncate(fd, size)
+            os.fsync(fd)
+            return
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            direct = False  # opened, but writes refused: start over through the page cache
+        finally:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+
+
 def _write_durably(directory: Path, name: str, parts: list[memoryview],
-                   crc_job: Callable[[], None] | None = None, sync_dir: bool = True) -> None:
+                   crc_job: Callable[[], None] | None = None, sync_dir: bool = True,
+                   direct_size: int | None = None) -> None:
     """Write ``parts`` to ``directory/name`` atomically: temp file, fsync, rename, and (with
     ``sync_dir``) fsync the directory.
 
     ``crc_job`` runs on a helper thread while the bytes are written (both release the GIL).
+    ``direct_size``: see ``_write_parts``.
     """
     tmp = directory / f".{name}.tmp.{os.getpid()}"
     helper: threading.Thread | None = None
     errors: list[BaseException] = []
     if crc_job is not None:
         def run() -> None:
+            _lower_priority()
             try:
                 crc_job()
             except Exception as exc:  # handed to the writer thread, which re-raises it
@@ -156,13 +215,7 @@ def _write_durably(directory: Path, name: str, parts: list[memoryview],
         helper = threading.Thread(target=run, name="elasticd-ckpt-crc", daemon=True)
         helper.start()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for part in parts:
-                _write_all(fd, part)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_parts(tmp, parts, direct_size)
         os.rename(tmp, directory / name)
         if sync_dir:
             _fsync_dir(directory)
@@ -191,6 +244,7 @@ class _Job:
     position: int
     layout: bytes
     payload: torch.Tensor  # the snapshot (the writer's spare buffer), not the live arena
+    padded: memoryview  # the same bytes and zeros to a DIRECT_ALIGN multiple, page-aligned
 
 
 class CheckpointWriter:
@@ -227,7 +281,8 @@ class CheckpointWriter:
         self._on_failed = on_failed
         self._clock = clock
         self._last_save_at = clock()
-        self._spare: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # n bytes over page-aligned memory (see aligned_bytes)
+        self._spare_map: mmap.mmap | None = None
         self._idle = threading.Event()
         self._idle.set()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
@@ -262,10 +317,13 @@ class CheckpointWriter:
         layout, arena = state.pack()
         n = arena.numel()
         if self._spare is None or self._spare.numel() != n:
-            self._spare = torch.empty(n, dtype=torch.uint8)
+            self._spare = None
+            self._spare_map = aligned_bytes(n)
+            self._spare = torch.frombuffer(self._spare_map, dtype=torch.uint8)[:n]  # the rest of the last block stays zero: written, then truncated
         self._spare.copy_(arena)  # the only work on the training thread: one memcpy
         c = state.counters
-        job = _Job(c.step, generation, c.epoch, c.position, layout, self._spare)
+        assert self._spare_map is not None
+        job = _Job(c.step, generation, c.epoch, c.position, layout, self._spare, memoryview(self._spare_map))
         self._last_save_at = self._clock()
         self._idle.clear()
         if self._thread is None:
@@ -292,6 +350,7 @@ class CheckpointWriter:
     # -- the writer thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        _lower_priority()
         while True:
             job = self._queue.get()
             if job is None:
@@ -341,8 +400,10 @@ class CheckpointWriter:
         }
         header = json.dumps(header_obj).encode()
         prefix_len = len(MAGIC) + _LEN.size + len(header)
-        payload_offset = _aligned(prefix_len)
+        payload_offset = _round_up(prefix_len)
         prefix = MAGIC + _LEN.pack(len(header)) + header + bytes(payload_offset - prefix_len)
+        prefix_map = aligned_bytes(payload_offset)
+        prefix_map[:payload_offset] = prefix
         data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
         key = json.dumps(layout["tensors"]).encode()
         sums: dict[str, int] = {}
@@ -353,7 +414,8 @@ class CheckpointWriter:
 
         # The directory is fsynced once, after both renames: until then a crash may keep either
         # name or neither, and a manifest without its data file is rejected as incomplete.
-        _write_durably(self.directory, name + ".ckpt", [memoryview(prefix), data], crc_job, sync_dir=False)
+        _write_durably(self.directory, name + ".ckpt", [memoryview(prefix_map), job.padded[: _round_up(payload_bytes)]],
+                       crc_job, sync_dir=False, direct_size=payload_offset + payload_bytes)
         manifest = Manifest(
             format=FORMAT, version=VERSION, job=self._job_id, seq=seq, step=job.step,
             generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",

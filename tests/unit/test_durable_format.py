@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -15,7 +16,7 @@ import torch
 from structlog.testing import capture_logs
 
 from elasticd.checkpoint import TrainingState
-from elasticd.durable import MAGIC, CheckpointWriter, load_latest, read_manifest, scan
+from elasticd.durable import DIRECT_ALIGN, MAGIC, CheckpointWriter, load_latest, read_manifest, scan
 from tests.unit.test_checkpoint import make_state, train
 
 pytestmark = pytest.mark.timeout(60)
@@ -213,3 +214,53 @@ def test_schedule_by_steps_and_by_time(tmp_path: Path) -> None:
     assert not t.due(1)
     now[0] += 30.0
     assert t.due(2)
+
+
+def _round_trip(directory: Path) -> Path:
+    state = save_steps(directory, [2, 5])
+    fresh = make_state(seed=9)
+    loaded = load_latest(directory, fresh)
+    assert loaded is not None and loaded.manifest.step == 5 and loaded.rejected == ()
+    assert fresh.checksum() == state.checksum()
+    assert loaded.path.stat().st_size == loaded.manifest.file_bytes  # the padded last block was cut off
+    assert loaded.manifest.payload_offset % DIRECT_ALIGN == 0
+    return loaded.path
+
+
+def test_data_files_are_written_with_o_direct_where_the_filesystem_allows_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[int] = []
+    real_open = os.open
+
+    def spy(path: object, flags: int, *args: object) -> int:
+        if str(path).endswith(f".ckpt.tmp.{os.getpid()}"):
+            opened.append(flags)
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", spy)
+    _round_trip(tmp_path)
+    assert opened and all(f & os.O_DIRECT for f in opened)
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_the_same_file_through_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+    refused: list[str] = []
+
+    def no_direct(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:  # what tmpfs on older kernels answers
+            refused.append(str(path))
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_direct)
+    _round_trip(tmp_path)
+    assert refused
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm tmpfs")
+def test_round_trip_on_tmpfs() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        _round_trip(Path(d))
