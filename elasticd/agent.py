@@ -304,8 +304,8 @@ HANG_READS_PER_TIMEOUT = 10  # reads of the job per hang_timeout_s when only han
 def job_read_interval_s(config: AgentConfig, live_consumers: bool) -> float:
     """How often the agent reads the job's keys: every ``keepalive_s`` for metrics and systemd
     STATUS (``live_consumers``); for hang detection alone, ``HANG_READS_PER_TIMEOUT`` times per
-    ``hang_timeout_s`` but never more often than every ``keepalive_s`` (each read is the whole job,
-    so many nodes reading a large job often would load etcd)."""
+    ``hang_timeout_s`` but never more often than every ``keepalive_s`` (each read holds every
+    member's records, so many nodes reading a large job often would load etcd)."""
     k = config.timeouts.keepalive_s
     if live_consumers or config.hang_timeout_s <= 0:
         return k
@@ -338,7 +338,7 @@ class _JobReader:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                rows = self._store.get_prefix(self._keys.prefix)
+                rows = self._store.get_prefixes((*self._keys.rendezvous, self._keys.progress("")))
             except EtcdUnavailable as exc:
                 if not self._failing:
                     log.warning("job_read_failed", error=str(exc)[:300])

@@ -85,6 +85,7 @@ class RecoverySettings:
     overhead_steps: int = 1000
     window_from: int = 50             # steady-state window of the overhead jobs: steps window_from..N
     transfer_hidden: int = 2048       # width of the MLP whose state the transfer phase moves
+    transfer_rounds: int = 15         # sync and raw broadcast rounds of the transfer phase (~0.1 s each)
     min_workers_faults: int = 2
 
     def timeouts(self) -> Timeouts:
@@ -783,7 +784,7 @@ def run_transfer(s: RecoverySettings) -> TransferResult:
     ctx = multiprocessing.get_context("spawn")
     port_q: Queue[int] = ctx.Queue()
     res_q: Queue[dict[str, object]] = ctx.Queue()
-    procs = [ctx.Process(target=_transfer_worker, args=(r, s.workers, s.transfer_hidden, s.reps, port_q, res_q),
+    procs = [ctx.Process(target=_transfer_worker, args=(r, s.workers, s.transfer_hidden, s.transfer_rounds, port_q, res_q),
                          name=f"elasticd-bench-transfer{r}", daemon=True) for r in range(s.workers)]
     try:
         for p in procs:
@@ -950,7 +951,7 @@ def render_recovery(result: Mapping[str, object]) -> str:
     ttl = fig["lease_ttl_s"]
     lines = [
         f"elasticd recovery benchmark: {st['workers']} workers, {st['workload']}",
-        f"median of {st['reps']} repetitions (min..max, n)",
+        f"median of {st['reps']} repetitions (min..max, n); transfer_ratio: of {st['transfer_rounds']} rounds",
         "",
         f"{'figure':<22}{'median':>10}   {'spread':<26}note",
         f"{'recovery_sigkill_s':<22}{_fmt(fig['recovery_sigkill_s']):>10}   {spread('recovery_sigkill_s'):<26}"
@@ -989,7 +990,7 @@ def render_recovery(result: Mapping[str, object]) -> str:
     lines += ["", "settings"]
     for k in ("ELASTICD_LEASE_TTL_S", "ELASTICD_KEEPALIVE_S", "ELASTICD_MIN_WORKERS", "last_call_s",
               "join_window_s", "abort_poll_s", "step_sleep_s", "fault_steps", "overhead_steps",
-              "transfer_hidden", "OMP_NUM_THREADS", "cpus", "torch", "python"):
+              "transfer_hidden", "transfer_rounds", "OMP_NUM_THREADS", "cpus", "torch", "python"):
         lines.append(f"  {k:<22}{st[k]}")
     lines.append(f"  wall time             {result['wall_s']} s")
     lines.append(f"  load avg (1 min)      {result['loadavg_1m_before_after']} before/after (other work on the cores "

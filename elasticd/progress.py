@@ -81,7 +81,8 @@ def parse_progress(raw: bytes) -> MemberProgress:
 
 
 def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobView:
-    """Parse the rows of a job (``get_prefix(keys.prefix)``); records that do not parse are left out."""
+    """Parse the rows of a job (``keys.rendezvous`` and ``progress/``); records that do not parse are
+    left out."""
     rows = list(kvs)
     snap = parse_snapshot(keys, rows)
     progress: dict[str, MemberProgress] = {}

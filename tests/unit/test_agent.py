@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -593,6 +594,11 @@ class _OutageStore(FakeKeyValueStore):
         if self.down.is_set():
             raise EtcdUnavailable("etcd at fake did not answer get_prefix")
         return super().get_prefix(prefix)
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        if self.down.is_set():
+            raise EtcdUnavailable("etcd at fake did not answer get_prefixes")
+        return super().get_prefixes(prefixes)
 
 
 def _progress(store: FakeKeyValueStore, member: str, step: int) -> None:

@@ -321,3 +321,16 @@ def test_unpack_from_an_unaligned_slice() -> None:
     payload[3:].copy_(flat)
     dst.unpack(layout, payload[3:])
     assert_same_tensors(src, dst)
+
+
+@pytest.mark.parametrize(("world", "needy", "nbytes", "can", "expected"), [
+    (3, [2], 34 << 20, True, [0, 1, 2]),          # sparing one rank 34 MB: not worth a group build
+    (3, [2], 100 << 20, True, [0, 2]),            # sparing one rank 100 MB: a subgroup
+    (8, [5], 16 << 20, True, [0, 5]),             # sparing six ranks 16 MB each
+    (8, [5], 16 << 20, False, list(range(8))),    # no subgroup builder: the whole group
+    (3, [1, 2], 1 << 30, True, [0, 1, 2]),        # everyone needs it
+])
+def test_transfer_members(world: int, needy: list[int], nbytes: int, can: bool, expected: list[int]) -> None:
+    from elasticd.checkpoint import transfer_members
+
+    assert transfer_members(world, needy, nbytes, can) == expected

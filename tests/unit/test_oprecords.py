@@ -449,6 +449,10 @@ class DownStore(FakeKeyValueStore):
         self._check()
         return super().get_prefix(prefix)
 
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        self._check()
+        return super().get_prefixes(prefixes)
+
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
         self._check()
         super().put(key, value, lease)
