@@ -37,7 +37,7 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
         # One write per line: workers share the agent's stdout, and two writes per line interleave.
         logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         # Not cached: a cached module logger ignores structlog.testing.capture_logs, and at
-        # elasticd's log rate (per rendezvous, every log_every steps) caching saves nothing.
+        # elasticd's log rate (per rendezvous, a step line at most once a second) caching saves nothing.
         cache_logger_on_first_use=False,
     )
 
