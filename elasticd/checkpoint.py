@@ -318,6 +318,10 @@ class SyncReport:
 SubgroupBuilder = Callable[[Group, Sequence[int], str], Group]
 Retire = Callable[[Group], None]
 _UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
+# Rank 0's JSON layout rides in the first all_reduce when it is at most this long (a 64 KiB
+# all_reduce costs well under a millisecond here); a longer one takes one more broadcast.
+LAYOUT_SLOT_BYTES = 64 << 10
+_INT64_MIN = -(1 << 63)
 
 
 def sync_state(
@@ -359,7 +363,7 @@ def sync_state(
     if arena is not None:
         probe[0], probe[1] = len(layout), arena.numel()
     probe[2 + 2 * me], probe[3 + 2 * me] = step, lineage
-    got = _max_reduce(probe, group, deadline, abandon, poll_s)
+    got, carried = _probe(probe, layout if me == 0 else None, group, deadline, abandon, poll_s)
     n_layout, n_arena = got[0], got[1]
     steps, lineages = got[2::2], got[3::2]
     newest = max(range(world), key=lambda r: steps[r])
@@ -371,7 +375,7 @@ def sync_state(
     mine: int | None = None
     for attempt in range(2):
         if needy:
-            mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, attempt,
+            mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, carried, attempt,
                                     deadline, abandon, poll_s, subgroup, retire)
             transferred += moved
         if mine is None:
@@ -396,6 +400,27 @@ def sync_state(
     return report
 
 
+def _probe(values: list[int], layout: bytes | None, group: Group, deadline: Deadline, abandon: Abandon,
+           poll_s: float) -> tuple[list[int], bytes | None]:
+    """The first all_reduce (MAX) of ``values``, with rank 0's ``layout`` in a slot of
+    ``LAYOUT_SLOT_BYTES`` behind them (every other rank writes the int64 minimum there). Returns the
+    reduced values and the layout when it fit the slot (None: it must be broadcast)."""
+    slot = LAYOUT_SLOT_BYTES // 8
+    t = torch.full((len(values) + slot,), _INT64_MIN, dtype=torch.int64)
+    t[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    if layout is not None and len(layout) <= LAYOUT_SLOT_BYTES:
+        padded = layout + bytes(-len(layout) % 8)
+        t[len(values) : len(values) + len(padded) // 8] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+    t = t.to(group.device)
+    all_reduce(t, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
+    t = t.cpu()
+    got = [int(x) for x in t[: len(values)].tolist()]
+    n_layout = got[0]
+    if not 0 <= n_layout <= LAYOUT_SLOT_BYTES:
+        return got, None
+    return got, t[len(values) :].numpy().tobytes()[:n_layout]
+
+
 def _max_reduce(values: list[int], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64, device=group.device)
     all_reduce(t, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
@@ -416,11 +441,12 @@ def transfer_members(world_size: int, needy: Sequence[int], nbytes: int, can_sub
 
 def _transfer(
     group: Group, state: TrainingState, layout: bytes, arena: torch.Tensor | None, needy: Sequence[int],
-    n_layout: int, n_arena: int, attempt: int, deadline: Deadline, abandon: Abandon, poll_s: float,
-    subgroup: SubgroupBuilder | None, retire: Retire | None,
+    n_layout: int, n_arena: int, carried: bytes | None, attempt: int, deadline: Deadline, abandon: Abandon,
+    poll_s: float, subgroup: SubgroupBuilder | None, retire: Retire | None,
 ) -> tuple[int | None, int]:
     """Rank 0's layout and arena to the ``needy`` ranks. Returns this rank's checksum if it took
-    part (None if not: it computes its own), and the bytes moved (0 if it did not take part)."""
+    part (None if not: it computes its own), and the bytes moved (0 if it did not take part).
+    ``carried``: the layout, when the probe carried it (no layout broadcast then)."""
     me, dev = group.rank, group.device
     members = transfer_members(group.world_size, needy, n_layout + n_arena, subgroup is not None)
     if me not in members:
@@ -435,8 +461,11 @@ def _transfer(
             layout_t = torch.empty(n_layout, dtype=torch.uint8, device=dev)
             payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
         receives = me != 0
-        broadcast(layout_t, 0, sub, deadline, abandon, poll_s)
-        layout_bytes = bytes(layout_t.cpu().numpy())
+        if carried is not None:
+            layout_bytes = layout if me == 0 else carried
+        else:
+            broadcast(layout_t, 0, sub, deadline, abandon, poll_s)
+            layout_bytes = bytes(layout_t.cpu().numpy())
         try:
             meta = json.loads(layout_bytes)
             total, key = int(meta["total"]), json.dumps(meta["tensors"])
