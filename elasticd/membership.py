@@ -638,6 +638,7 @@ class Membership:
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._current: GenerationRecord | None = None
+        self._joined_revision = 0  # mod_revision of the generation record this member joined
         self._abandon = False
         self._fenced = False
         self._abandon_reason = ""
@@ -775,9 +776,15 @@ class Membership:
             current = self._current
             if current is None:
                 return
+            # A snapshot read before the generation this member joined was published (the watch
+            # thread's read crossing the join) says nothing about that generation: only the
+            # member's own lease counts then.
+            stale = snap.generation_revision < self._joined_revision
             abandon, why, fenced = False, "", False
             malformed_generation = snap.generation is None and snap.generation_revision != 0
-            if malformed_generation:
+            if stale:
+                pass
+            elif malformed_generation:
                 pass  # garbage written by hand: reported by snapshot(); not a reason to stop training
             elif snap.generation is None or snap.generation.generation != current.generation:
                 abandon, why, fenced = True, "generation superseded", True
@@ -793,6 +800,8 @@ class Membership:
             if abandon and not self._abandon:
                 self._abandon, self._abandon_reason = True, why
                 log.warning("generation_abandon_requested", generation=current.generation, cause=why)
+            if stale:
+                return
             cands = candidates_of(snap)
             pending = any(r.member_id not in current.members for r in cands)
             if pending and not self._join_pending:
@@ -945,6 +954,7 @@ class Membership:
     def _joined(self, record: GenerationRecord, started: float, snap: Snapshot) -> Joined:
         with self._lock:
             self._current = record
+            self._joined_revision = snap.generation_revision
             self._abandon = False
             self._fenced = False
             self._abandon_reason = ""

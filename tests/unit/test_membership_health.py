@@ -1,0 +1,50 @@
+"""The watch thread's health check against snapshots read around a join (fake store, no threads
+started): a read that crossed the join must not abandon the generation just joined."""
+
+from __future__ import annotations
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.membership import GenerationRecord, Keys, MemberRecord, Membership, encode
+from tests.fakes import FakeKeyValueStore, ManualClock
+
+KEYS = Keys("/elasticd", "j")
+
+
+def _member(store: FakeKeyValueStore, name: str) -> Membership:
+    rec = MemberRecord(member_id=name, node="n", local_rank=0, pid=1, host="127.0.0.1", store_port=1, signature="s")
+    lease = store.grant_lease(10)
+    store.put(KEYS.member(name), encode(rec), lease=lease)
+    return Membership(store, KEYS, rec, WorldConfig(job_id="j", min_workers=1), Timeouts())
+
+
+def _publish(store: FakeKeyValueStore, generation: int, members: tuple[str, ...]) -> GenerationRecord:
+    rec = GenerationRecord(generation=generation, members=members, store_host="127.0.0.1", store_port=1,
+                           signature="s", committed_step=0, reason="join")
+    store.put(KEYS.generation, encode(rec))
+    return rec
+
+
+def test_a_snapshot_read_before_the_join_does_not_abandon_the_new_generation() -> None:
+    store = FakeKeyValueStore(ManualClock())
+    a = _member(store, "a")
+    _member(store, "b")
+    _publish(store, 5, ("a",))
+    before = a.snapshot()  # the watch thread's read, under way while the join happens
+    g6 = _publish(store, 6, ("a", "b"))
+    a._joined(g6, 0.0, a.snapshot())
+    a._update_health(before)  # ... and applied after it
+    assert not a.must_abandon(), a.abandon_reason
+    _publish(store, 7, ("b",))
+    a._update_health(a.snapshot())  # a newer generation: this one is superseded
+    assert a.must_abandon() and a.abandon_reason == "generation superseded"
+
+
+def test_a_current_snapshot_that_lost_a_member_abandons() -> None:
+    store = FakeKeyValueStore(ManualClock())
+    a = _member(store, "a")
+    _member(store, "b")
+    g = _publish(store, 3, ("a", "b"))
+    a._joined(g, 0.0, a.snapshot())
+    store.delete(KEYS.member("b"))
+    a._update_health(a.snapshot())
+    assert a.must_abandon() and "b" in a.abandon_reason
