@@ -455,15 +455,15 @@ def _transfer(
     try:
         if me == 0:
             assert arena is not None
-            layout_t = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev)
             payload = arena.to(dev)  # no copy on CPU: the arena itself goes out
         else:
-            layout_t = torch.empty(n_layout, dtype=torch.uint8, device=dev)
             payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
         receives = me != 0
         if carried is not None:
             layout_bytes = layout if me == 0 else carried
         else:
+            layout_t = (torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev) if me == 0
+                        else torch.empty(n_layout, dtype=torch.uint8, device=dev))
             broadcast(layout_t, 0, sub, deadline, abandon, poll_s)
             layout_bytes = bytes(layout_t.cpu().numpy())
         try:

@@ -60,7 +60,6 @@ FORMAT = "elasticd-checkpoint"
 VERSION = 2  # 2: the state checksum is XXH3 (1 was CRC-32)
 MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
 _LEN = struct.Struct("<Q")
-_ALIGN = 64  # payload alignment the loader accepts at least (files of earlier versions)
 DIRECT_ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of this
 CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
 MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
@@ -120,10 +119,6 @@ def job_dir(checkpoint_dir: str | Path, job_id: str) -> Path:
 
 def _name(seq: int, step: int) -> str:
     return f"{seq:08d}-step{step:012d}"
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -317,9 +312,8 @@ class CheckpointWriter:
         layout, arena = state.pack()
         n = arena.numel()
         if self._spare is None or self._spare.numel() != n:
-            self._spare = None
-            self._spare_map = aligned_bytes(n)
-            self._spare = torch.frombuffer(self._spare_map, dtype=torch.uint8)[:n]  # the rest of the last block stays zero: written, then truncated
+            self._spare_map = aligned_bytes(n)  # past n it stays zero: written, then truncated away
+            self._spare = torch.frombuffer(self._spare_map, dtype=torch.uint8)[:n]
         self._spare.copy_(arena)  # the only work on the training thread: one memcpy
         c = state.counters
         assert self._spare_map is not None

@@ -21,6 +21,7 @@ from typing import Any, TypeVar  # noqa: E402
 
 import etcd3  # noqa: E402
 import etcd3.exceptions  # noqa: E402
+import etcd3.utils  # noqa: E402
 import grpc  # noqa: E402
 import structlog  # noqa: E402
 
@@ -173,23 +174,17 @@ class EtcdClient:
         return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        rows = self._call("get_prefix", lambda c: list(c.get_prefix(prefix)))
-        return [
-            KeyValue(meta.key.decode(errors="backslashreplace"), value, meta.mod_revision, meta.create_revision, meta.lease_id)
-            for value, meta in rows
-        ]
+        return _key_values(self._call("get_prefix", lambda c: list(c.get_prefix(prefix))))
 
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         def txn(c: etcd3.Etcd3Client) -> list[Any]:
-            ops = [c.transactions.get(p, range_end=_prefix_end(p)) for p in prefixes]
+            # the range end etcd3's own get_prefix uses
+            ops = [c.transactions.get(p, range_end=etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(p)))
+                   for p in prefixes]
             _, responses = c.transaction(compare=[], success=ops, failure=[])
             return list(responses)
 
-        out: list[KeyValue] = []
-        for rows in self._call("get_prefixes", txn):
-            out += [KeyValue(meta.key.decode(errors="backslashreplace"), value, meta.mod_revision,
-                             meta.create_revision, meta.lease_id) for value, meta in rows]
-        return out
+        return [kv for rows in self._call("get_prefixes", txn) for kv in _key_values(rows)]
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
         self._call("put", lambda c: c.put(key, value, lease=lease or None))
@@ -268,9 +263,7 @@ class _ClosedWatchStub:
         raise SystemExit
 
 
-
-def _prefix_end(prefix: str) -> bytes:
-    """The range end that makes a range read ``prefix`` and every key under it."""
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1  # keys are UTF-8 text here: the last byte is below 0xff
-    return bytes(raw)
+def _key_values(rows: Iterable[tuple[bytes, Any]]) -> list[KeyValue]:
+    """etcd3's (value, metadata) rows as ``KeyValue``s."""
+    return [KeyValue(meta.key.decode(errors="backslashreplace"), value, meta.mod_revision, meta.create_revision,
+                     meta.lease_id) for value, meta in rows]
