@@ -1,10 +1,10 @@
 """Training state: what a member holds, its checksum, and the rank-0 broadcast to newcomers.
 
 Owns ``TrainingState`` (model and optimizer state dicts, the step counter, the data position, the
-RNG state) and ``sync_state``: after each rendezvous the ranks compare (step, checksum); if they
-differ, rank 0 (by construction a member holding the newest committed step) broadcasts the state as
-one JSON layout and one flat byte buffer (two broadcasts), never as pickled objects, and then every
-rank proves it holds identical bytes. Never decides who rank 0 is.
+RNG state) and ``sync_state``: after each rendezvous the ranks compare (step, lineage); rank 0 (by
+construction a member holding the newest committed step) sends the state to the ranks that lack it
+as one JSON layout and one flat byte buffer, never as pickled objects, and then every rank proves it
+holds identical bytes. Never decides who rank 0 is.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
 
 import structlog
 import torch
 import xxhash
 import torch.distributed as dist
 
-from elasticd.collectives import Abandon, all_reduce, broadcast, start_broadcast, wait
+from elasticd.collectives import Abandon, all_reduce, start_broadcast, start_recv, start_send, wait, wait_each
 from elasticd.errors import CheckpointTransferError, ModelMismatch, StateCorrupt
 from elasticd.process_group import Group
 from elasticd.retry import Deadline
@@ -333,11 +335,12 @@ def sync_state(
     1. One all_reduce tells every rank each rank's (step, lineage) and rank 0's layout and arena
        sizes. A rank *needs* the state unless it holds rank 0's step from rank 0's lineage (the
        generation in which both last held the same state); a rank without state always needs it.
-    2. If some rank needs it, rank 0 broadcasts the JSON layout and then its arena in
-       ``TRANSFER_CHUNKS`` pieces, only to those ranks: in a subgroup of rank 0 and them when
-       others hold the state already (``subgroup``; else in the whole group). A receiver checksums
-       each piece while the next one arrives; rank 0, and every rank that receives nothing,
-       checksums its own state meanwhile.
+    2. If some rank needs it, rank 0 sends the JSON layout (unless the probe carried it) and
+       then its arena in ``TRANSFER_CHUNKS`` pieces, only to those ranks where it can
+       (``plan_transfer``): by point-to-point sends when they are few, else by a broadcast in a
+       subgroup of rank 0 and them (``subgroup``) or in the whole group. A receiver checksums each
+       piece while the next one arrives; rank 0, and every rank that receives nothing, checksums
+       its own state meanwhile.
     3. One all_reduce tells every rank every rank's checksum. A rank that claimed rank 0's state
        but differs gets the state in one more round (logged as ``state_diverged``); a difference
        after that, or on a rank that just received the state, is ``StateCorrupt``.
@@ -428,8 +431,8 @@ def _max_reduce(values: list[int], group: Group, deadline: Deadline, abandon: Ab
 
 
 def transfer_members(world_size: int, needy: Sequence[int], nbytes: int, can_subgroup: bool) -> list[int]:
-    """The ranks that take part in moving ``nbytes`` of state from rank 0 to the ``needy`` ranks:
-    rank 0 and them, or the whole group when a subgroup would spare the others less than
+    """The ranks that take part in broadcasting ``nbytes`` of state from rank 0 to the ``needy``
+    ranks: rank 0 and them, or the whole group when a subgroup would spare the others less than
     ``SUBGROUP_MIN_SAVED_BYTES`` (or cannot be built). Ranks that hold the state already and
     receive it anyway overwrite it with the same bytes, which the checksum round then proves."""
     members = [0, *sorted(set(needy) - {0})]
@@ -439,19 +442,106 @@ def transfer_members(world_size: int, needy: Sequence[int], nbytes: int, can_sub
     return members
 
 
+class TransferMode(StrEnum):
+    P2P = "p2p"              # rank 0 sends to each receiver
+    BROADCAST = "broadcast"  # a broadcast among the members
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """How the state moves, and among whom (rank 0 first)."""
+
+    mode: TransferMode
+    members: list[int]
+
+
+def plan_transfer(world_size: int, needy: Sequence[int], nbytes: int, backend: str, can_subgroup: bool) -> TransferPlan:
+    """Point-to-point sends from rank 0 when at most ``ceil(log2(world_size))`` ranks need the
+    state, on gloo; else a broadcast (``transfer_members``).
+
+    gloo's broadcast is a binomial tree that sends the whole buffer at each of its
+    ``ceil(log2(world_size))`` hops, to every rank, also to those that hold the state already; k
+    sends from rank 0 cost about k buffers on rank 0's link, and no one else's, and need no subgroup
+    (a gloo group build, ~15 ms). NCCL keeps the broadcast: its broadcast is pipelined, and its
+    point-to-point calls build communicators of their own on first use.
+    """
+    receivers = sorted(set(needy) - {0})
+    if backend == "gloo" and receivers and len(receivers) <= max(1, math.ceil(math.log2(world_size))):
+        return TransferPlan(TransferMode.P2P, [0, *receivers])
+    return TransferPlan(TransferMode.BROADCAST, transfer_members(world_size, needy, nbytes, can_subgroup))
+
+
+class _Link(Protocol):
+    """Moves tensors from rank 0 to the other members of a transfer, in order."""
+
+    def move(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
+        """Launch the moves of ``tensors`` now (rank 0's are sent, the others' are filled); the
+        returned iterator yields each index, in order, once that tensor has arrived (on rank 0:
+        has left), within the bounds of ``collectives.wait``.
+
+        Raises:
+            CollectiveError: a move could not start (while iterating: see ``collectives.wait``).
+        """
+        ...
+
+
+class _BroadcastLink:
+    def __init__(self, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
+        self.group, self._deadline, self._abandon, self._poll_s = group, deadline, abandon, poll_s
+
+    def move(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
+        works = [start_broadcast(t, 0, self.group) for t in tensors]
+        return self._arrivals(works)
+
+    def _arrivals(self, works: list[dist.Work]) -> Iterator[int]:
+        for i, work in enumerate(works):
+            wait(work, self.group, self._deadline, self._abandon, self._poll_s, "state broadcast")
+            yield i
+
+
+class _PointToPointLink:
+    """Rank 0 sends each tensor to every receiver; a receiver receives each from rank 0. Tags count
+    the tensors moved over this link, from ``tag_base``: both sides make the same calls."""
+
+    def __init__(self, group: Group, receivers: Sequence[int], tag_base: int, deadline: Deadline,
+                 abandon: Abandon, poll_s: float) -> None:
+        self.group, self._receivers, self._tag = group, list(receivers), tag_base
+        self._deadline, self._abandon, self._poll_s = deadline, abandon, poll_s
+
+    def move(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
+        g, first = self.group, self._tag
+        self._tag += len(tensors)
+        if g.rank == 0:
+            works = [start_send(t, r, g, first + i) for i, t in enumerate(tensors) for r in self._receivers]
+            per = len(self._receivers)
+        else:
+            works = [start_recv(t, 0, g, first + i) for i, t in enumerate(tensors)]
+            per = 1
+        return self._arrivals(works, per)
+
+    def _arrivals(self, works: list[dist.Work], per: int) -> Iterator[int]:
+        for j in wait_each(works, self.group, self._deadline, self._abandon, self._poll_s, "state transfer"):
+            if (j + 1) % per == 0:
+                yield j // per
+
+
 def _transfer(
     group: Group, state: TrainingState, layout: bytes, arena: torch.Tensor | None, needy: Sequence[int],
     n_layout: int, n_arena: int, carried: bytes | None, attempt: int, deadline: Deadline, abandon: Abandon,
     poll_s: float, subgroup: SubgroupBuilder | None, retire: Retire | None,
 ) -> tuple[int | None, int]:
-    """Rank 0's layout and arena to the ``needy`` ranks. Returns this rank's checksum if it took
-    part (None if not: it computes its own), and the bytes moved (0 if it did not take part).
-    ``carried``: the layout, when the probe carried it (no layout broadcast then)."""
+    """Rank 0's layout and arena to the ``needy`` ranks (``plan_transfer``). Returns this rank's
+    checksum if it took part (None if not: it computes its own), and the bytes moved (0 if it did
+    not take part). ``carried``: the layout, when the probe carried it (no layout move then)."""
     me, dev = group.rank, group.device
-    members = transfer_members(group.world_size, needy, n_layout + n_arena, subgroup is not None)
-    if me not in members:
+    plan = plan_transfer(group.world_size, needy, n_layout + n_arena, group.backend, subgroup is not None)
+    if me not in plan.members:
         return None, 0
-    sub = subgroup(group, members, f"sync{attempt}") if len(members) < group.world_size and subgroup else group
+    sub = group
+    if plan.mode is TransferMode.BROADCAST and len(plan.members) < group.world_size and subgroup is not None:
+        sub = subgroup(group, plan.members, f"sync{attempt}")
+    link: _Link = (_PointToPointLink(group, plan.members[1:], attempt << 8, deadline, abandon, poll_s)
+                   if plan.mode is TransferMode.P2P else _BroadcastLink(sub, deadline, abandon, poll_s))
     try:
         if me == 0:
             assert arena is not None
@@ -464,7 +554,8 @@ def _transfer(
         else:
             layout_t = (torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev) if me == 0
                         else torch.empty(n_layout, dtype=torch.uint8, device=dev))
-            broadcast(layout_t, 0, sub, deadline, abandon, poll_s)
+            for _ in link.move([layout_t]):
+                pass  # the layout must be whole before the pieces are placed
             layout_bytes = bytes(layout_t.cpu().numpy())
         try:
             meta = json.loads(layout_bytes)
@@ -474,14 +565,14 @@ def _transfer(
         if not 0 <= total <= n_arena:
             raise StateCorrupt(f"state layout total {total} does not fit {n_arena} bytes")
         bounds = [total * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)] + [n_arena]
-        pieces = [payload[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-        works = [start_broadcast(piece, 0, sub) for piece in pieces]
+        spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        pieces = [payload[a:b] for a, b in spans]
+        arrivals = link.move(pieces)
         hasher = state_hasher(key.encode())
         mine: int | None = state.checksum() if me == 0 else None  # while the arena goes out
-        for piece, work, a in zip(pieces, works, bounds):
-            wait(work, sub, deadline, abandon, poll_s, "state broadcast")
-            if receives and a < total and dev.type == "cpu":
-                hasher.update(piece.numpy().data)  # while the next piece arrives
+        for i in arrivals:
+            if receives and spans[i][0] < total and dev.type == "cpu":
+                hasher.update(pieces[i].numpy().data)  # while the next piece arrives
         if receives:
             state.unpack(layout_bytes, payload.cpu())
             streamed = state.streamed_checksum(hasher) if dev.type == "cpu" else None

@@ -8,8 +8,10 @@ retries in place: a failed collective latches the failure and the caller re-rend
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -114,6 +116,68 @@ def broadcast(tensor: torch.Tensor, root: int, group: Group, deadline: Deadline,
         CollectiveError: see ``wait``.
     """
     wait(start_broadcast(tensor, root, group), group, deadline, abandon, poll_s, "broadcast")
+
+
+def start_send(tensor: torch.Tensor, dst: int, group: Group, tag: int) -> dist.Work:
+    """Launch a point-to-point send of ``tensor`` to rank ``dst``; finish it with ``wait_each``.
+
+    Raises:
+        CollectiveError: the group refused to start it.
+    """
+    return _launch(lambda: group.pg.send([tensor], dst, tag), group, "send")
+
+
+def start_recv(tensor: torch.Tensor, src: int, group: Group, tag: int) -> dist.Work:
+    """Launch a point-to-point receive into ``tensor`` from rank ``src``; finish it with ``wait_each``.
+
+    Raises:
+        CollectiveError: the group refused to start it.
+    """
+    return _launch(lambda: group.pg.recv([tensor], src, tag), group, "recv")
+
+
+def wait_each(works: Sequence[dist.Work], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float,
+              what: str) -> Iterator[int]:
+    """Wait for ``works`` in order, yielding each one's index once it completed, with the bounds of
+    ``wait``. Use it for point-to-point works (``start_send``/``start_recv``).
+
+    gloo cannot bound a send or receive in slices as ``wait`` does: a timed-out ``wait(timeout)``
+    on one signals an "application timeout" to every pair of the group, which breaks it. So on
+    gloo a daemon thread makes the unbounded waits (gloo's own context timeout, ``collective_s``,
+    still ends them, and a crashed peer ends them at once) while the caller polls it; if the caller
+    gives up, the thread holds only the works and ends with them.
+
+    Raises:
+        CollectiveError, PeerLost, CollectiveTimeout: as ``wait``.
+    """
+    if group.backend != "gloo":
+        for i, work in enumerate(works):
+            wait(work, group, deadline, abandon, poll_s, what)
+            yield i
+        return
+    done: queue.SimpleQueue[int | RuntimeError] = queue.SimpleQueue()
+    threading.Thread(target=_wait_in_order, args=(list(works), done), name="elasticd-p2p-wait",
+                     daemon=True).start()
+    for _ in works:
+        while True:
+            try:
+                item = done.get(timeout=poll_s)
+                break
+            except queue.Empty:
+                _check(group, deadline, abandon, what)
+        if isinstance(item, RuntimeError):
+            raise CollectiveError(f"{what} failed in generation {group.generation}: {item}") from item
+        yield item
+
+
+def _wait_in_order(works: list[dist.Work], done: queue.SimpleQueue[int | RuntimeError]) -> None:
+    for i, work in enumerate(works):
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            done.put(exc)
+            return
+        done.put(i)
 
 
 class _Bucket:

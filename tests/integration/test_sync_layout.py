@@ -1,10 +1,20 @@
-"""sync_state between real processes in a gloo group: rank 0's layout rides in the probe
-all_reduce when it fits LAYOUT_SLOT_BYTES, and is broadcast when it does not; both end with the
-newcomer holding rank 0's state (equal checksums) and the same parameters."""
+"""sync_state between real processes in a gloo group.
+
+Covers every way the state can move (``plan_transfer``): point-to-point sends to the ranks that
+need it while a survivor that holds it stands by, and a broadcast when most ranks need it; each
+with rank 0's layout riding in the probe all_reduce (it fits LAYOUT_SLOT_BYTES) and sent on its own
+(it does not). Every case ends with every rank holding rank 0's step, checksum and parameters.
+A receiver frozen with SIGSTOP in the middle of a point-to-point transfer does not hold rank 0:
+it gives the transfer up as soon as the generation is abandoned, and a receiver killed with
+SIGKILL fails it at once.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 from queue import Queue
 
 import pytest
@@ -12,19 +22,16 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 
-def _model(layers: int, seed: int):  # type: ignore[no-untyped-def]
+def _model(layers: int, width: int, seed: int):  # type: ignore[no-untyped-def]
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
-def _worker(rank: int, layers: int, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
-    import os
-
+def _setup(rank: int, world: int, port_q: Queue[int]):  # type: ignore[no-untyped-def]
     import torch
 
-    from elasticd.checkpoint import LAYOUT_SLOT_BYTES, TrainingState, sync_state
     from elasticd.config import Timeouts
     from elasticd.log import configure_logging
     from elasticd.process_group import GroupFactory, StoreServer
@@ -33,55 +40,176 @@ def _worker(rank: int, layers: int, port_q: Queue[int], res_q: Queue[dict[str, o
     configure_logging(json=True, level=40)
     torch.set_num_threads(1)
     timeouts = Timeouts()
-    never = lambda: False  # noqa: E731
     server = StoreServer("127.0.0.1", timeouts)
     if rank == 0:
-        port_q.put(server.port)
+        for _ in range(world - 1):
+            port_q.put(server.port)
         port = server.port
     else:
         port = port_q.get(timeout=60)
     factory = GroupFactory(server, "127.0.0.1", "gloo", rank, timeouts)
-    group = factory.build(1, rank, 2, "127.0.0.1", port, Deadline.after(60), never)
-    model = _model(layers, seed=rank)  # different weights: the newcomer's must be replaced
+    group = factory.build(1, rank, world, "127.0.0.1", port, Deadline.after(60), lambda: False)
+    return timeouts, factory, group
+
+
+def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ignore[no-untyped-def]
+    """Rank 0 and the survivors hold the same trained state (seed 0, one step); a newcomer a fresh
+    model of its own seed."""
+    import torch
+
+    from elasticd.checkpoint import TrainingState
+
+    model = _model(layers, width, seed=0 if holds else seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if rank == 0:
-        model(torch.randn(3, 4)).sum().backward()
+    state = TrainingState(model, opt)
+    if holds:
+        model(torch.randn(3, width, generator=torch.Generator().manual_seed(1))).sum().backward()
         opt.step()  # momentum buffers: optimizer state moves too
         opt.zero_grad()
-        state = TrainingState(model, opt)
         state.counters.step = 7
-    else:
-        state = TrainingState(model, opt)
-    layout, _ = state.pack()
-    report = sync_state(group, state, Deadline.after(60), never, timeouts.abort_poll_s, 1 if rank == 0 else -1)
+    return state
+
+
+def _worker(rank: int, world: int, layers: int, holders: list[int], port_q: Queue[int],
+            res_q: Queue[dict[str, object]]) -> None:
+    from elasticd.checkpoint import LAYOUT_SLOT_BYTES, plan_transfer, sync_state
+    from elasticd.retry import Deadline
+
+    timeouts, factory, group = _setup(rank, world, port_q)
+    holds = rank in holders
+    state = _trained_state(layers, 4, holds, seed=rank)
+    layout, arena = state.pack()
+    needy = [r for r in range(world) if r not in holders]
+    plan = plan_transfer(world, needy, len(layout) + arena.numel(), "gloo", True)
+    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s, 1 if holds else -1,
+                        subgroup=lambda parent, ranks, name: factory.build_subgroup(
+                            parent, ranks, name, Deadline.after(60), lambda: False),
+                        retire=factory.retire)
     res_q.put({"rank": rank, "checksum": report.checksum, "step": state.counters.step,
-               "layout_bytes": len(layout), "slot": LAYOUT_SLOT_BYTES,
-               "params": [p.detach().flatten().tolist() for p in model.parameters()], "transferred": report.transferred_bytes})
+               "layout_bytes": len(layout), "slot": LAYOUT_SLOT_BYTES, "mode": str(plan.mode),
+               "params": [p.detach().flatten().tolist() for p in state.model.parameters()],
+               "transferred": report.transferred_bytes})
     res_q.close()
     res_q.join_thread()  # the result is in the pipe
     os._exit(0)  # as the benchmark: no destructors racing the peer's exit
 
 
-@pytest.mark.parametrize("layers", [2, 600])
-def test_newcomer_gets_rank_0_state_with_the_layout_in_the_probe_or_broadcast(layers: int) -> None:
+def _run(target, args_of, world: int, results_expected: int, timeout_s: float = 60):  # type: ignore[no-untyped-def]
     ctx = multiprocessing.get_context("spawn")
     port_q: Queue[int] = ctx.Queue()
     res_q: Queue[dict[str, object]] = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, layers, port_q, res_q), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(*args_of(r), port_q, res_q), daemon=True) for r in range(world)]
     try:
         for p in procs:
             p.start()
-        results = {int(r["rank"]): r for r in (res_q.get(timeout=30) for _ in procs)}  # type: ignore[call-overload]
+        results = [res_q.get(timeout=timeout_s) for _ in range(results_expected)]
     finally:
         for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGCONT)  # a test may have frozen it
             p.join(10)
             if p.is_alive():
                 p.kill()
-    zero, newcomer = results[0], results[1]
+    return {int(r["rank"]): r for r in results}, procs  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(("world", "holders", "mode"), [
+    (2, [0], "p2p"),           # one newcomer
+    (3, [0, 1], "p2p"),        # a survivor holds the state: rank 0 sends only to the newcomer
+    (4, [0], "broadcast"),     # three need it: more than log2(4) sends, a broadcast
+])
+@pytest.mark.parametrize("layers", [2, 600])  # the layout fits the probe's slot / is sent on its own
+def test_every_rank_ends_with_rank_0_state(world: int, holders: list[int], mode: str, layers: int) -> None:
+    results, _ = _run(_worker, lambda r: (r, world, layers, holders), world, world)
+    zero = results[0]
     fits = int(zero["layout_bytes"]) <= int(zero["slot"])  # type: ignore[call-overload]
-    assert fits == (layers == 2), "the two cases must cover both paths"
-    assert newcomer["step"] == 7
-    assert newcomer["checksum"] == zero["checksum"]
-    assert int(newcomer["transferred"]) > 0  # type: ignore[call-overload]
-    for a, b in zip(zero["params"], newcomer["params"], strict=True):  # type: ignore[call-overload]
-        assert a == b
+    assert fits == (layers == 2), "the two layer counts must cover both layout paths"
+    for rank, res in results.items():
+        assert res["mode"] == mode
+        assert res["step"] == 7
+        assert res["checksum"] == zero["checksum"]
+        for a, b in zip(zero["params"], res["params"], strict=True):  # type: ignore[call-overload]
+            assert a == b
+        if rank not in holders:
+            assert int(res["transferred"]) > 0  # type: ignore[call-overload]
+    if mode == "p2p":
+        for rank in holders[1:]:
+            assert results[rank]["transferred"] == 0, "a survivor holding the state receives nothing"
+
+
+# -- a receiver that freezes or dies in the middle of a point-to-point transfer -------------------
+
+_BIG_WIDTH = 2048  # ~34 MB of state with momentum: more than the sockets buffer, so rank 0's sends wait
+
+
+def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
+    from elasticd.checkpoint import _UNSET, _probe, sync_state
+    from elasticd.errors import CollectiveError
+    from elasticd.retry import Deadline
+
+    timeouts, _, group = _setup(rank, 2, port_q)
+    state = _trained_state(2, _BIG_WIDTH, rank == 0, seed=rank)
+    if rank == 1:
+        # The receiver's side of sync_state's first collective, exactly as sync_state makes it
+        # (a newcomer: step 0, no lineage), so rank 0 goes on into the point-to-point sends; then
+        # the receiver freezes or dies before it takes a byte.
+        probe = [_UNSET] * 6
+        probe[4], probe[5] = 0, -1
+        _probe(probe, None, group, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
+        res_q.put({"rank": 1, "probed": True})
+        res_q.close()
+        res_q.join_thread()
+        os.kill(os.getpid(), signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+        os._exit(3)  # SIGCONT in teardown
+    started = time.monotonic()
+    outcome: dict[str, object] = {"rank": 0}
+    try:
+        # The test touches ``flag`` as the membership watcher would raise "abandon" when the frozen
+        # peer's lease expires; a dead peer needs no flag: its connections break.
+        sync_state(group, state, Deadline.after(60), lambda: os.path.exists(flag), timeouts.abort_poll_s, 1)
+        outcome["error"] = None
+    except CollectiveError as exc:
+        outcome["error"] = type(exc).__name__
+        outcome["message"] = str(exc)
+    outcome["ended_at"] = time.time()
+    outcome["after_s"] = time.monotonic() - started
+    res_q.put(outcome)
+    res_q.close()
+    res_q.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "sigkill"])
+def test_a_receiver_lost_mid_transfer_does_not_hold_rank_0(fault: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "abandon"
+    ctx = multiprocessing.get_context("spawn")
+    port_q: Queue[int] = ctx.Queue()
+    res_q: Queue[dict[str, object]] = ctx.Queue()
+    procs = [ctx.Process(target=_sender_or_receiver, args=(r, fault, str(flag), port_q, res_q), daemon=True)
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        first = res_q.get(timeout=60)
+        assert first == {"rank": 1, "probed": True}, first
+        if fault == "sigstop":
+            time.sleep(0.5)  # rank 0 is now stuck in its sends; then the "lease" expires
+            flagged_at = time.time()
+            flag.touch()
+        outcome = res_q.get(timeout=45)
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(10)
+    assert outcome["rank"] == 0
+    if fault == "sigstop":
+        # Abandoned within a few abort polls of the flag, not after gloo's 30 s collective timeout.
+        assert outcome["error"] == "PeerLost", outcome
+        assert float(outcome["ended_at"]) - flagged_at < 2.0, outcome  # type: ignore[arg-type]
+    else:
+        # The broken connection ends the sends at once, with no flag.
+        assert outcome["error"] == "CollectiveError", outcome
+        assert "state transfer failed" in str(outcome["message"]), outcome
+        assert float(outcome["after_s"]) < 5.0, outcome  # type: ignore[arg-type]

@@ -334,3 +334,19 @@ def test_transfer_members(world: int, needy: list[int], nbytes: int, can: bool, 
     from elasticd.checkpoint import transfer_members
 
     assert transfer_members(world, needy, nbytes, can) == expected
+
+
+@pytest.mark.parametrize(("world", "needy", "backend", "mode", "members"), [
+    (2, [1], "gloo", "p2p", [0, 1]),                  # one newcomer: one send
+    (3, [2], "gloo", "p2p", [0, 2]),                  # a survivor holds it: only the newcomer takes part
+    (3, [1, 2], "gloo", "p2p", [0, 1, 2]),            # two sends = the tree's two hops
+    (4, [1, 2, 3], "gloo", "broadcast", [0, 1, 2, 3]),  # three sends > log2(4) hops: the tree
+    (8, [3, 5, 7], "gloo", "p2p", [0, 3, 5, 7]),      # three sends = log2(8) hops
+    (8, [1, 2, 3, 4], "gloo", "broadcast", [0, 1, 2, 3, 4]),  # a subgroup spares 3 ranks 34 MB each
+    (3, [2], "nccl", "broadcast", [0, 1, 2]),         # NCCL keeps its pipelined broadcast
+])
+def test_plan_transfer(world: int, needy: list[int], backend: str, mode: str, members: list[int]) -> None:
+    from elasticd.checkpoint import plan_transfer
+
+    plan = plan_transfer(world, needy, 34 << 20, backend, True)
+    assert (plan.mode, plan.members) == (mode, members)
