@@ -13,7 +13,8 @@ one JSON object with ``--json``). ``recovery`` runs local jobs of the default wo
   repetition in alternating order; the elastic workers keep their audit lines in memory until
   they exit, as the DDP baseline keeps its own records;
 * ``transfer_ratio``: ``checkpoint.sync_state`` throughput / raw gloo broadcast throughput of the
-  same bytes in the same group (spawned processes, a wide MLP; one survivor, one newcomer), and
+  same bytes in the same group (spawned processes, a wide MLP; one survivor, one newcomer; the
+  survivors hash their state before the round, as the trainer does while it rendezvouses), and
   ``transfer_vs_send_ratio``: the same sync / a raw gloo send of the same bytes from rank 0 to the
   newcomer alone (what the sync adds beyond moving the bytes to the one rank that needs them);
 * ``steps_lost``: missing or repeated committed steps found by ``audit.check`` over every job.
@@ -691,7 +692,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     import torch
     import torch.distributed as dist  # the raw baseline must bypass elasticd's collectives
 
-    from elasticd.checkpoint import TrainingState, sync_state
+    from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
     from elasticd.collectives import barrier as collective_barrier
     from elasticd.log import configure_logging
     from elasticd.process_group import Group, GroupFactory, StoreServer
@@ -751,12 +752,14 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
             state.counters.step = i + 1
         for what in (("sync", "raw", "send") if i % 2 == 0 else ("send", "raw", "sync")):
             if what == "sync":
+                # As the trainer does: survivors of generation 1 hold the state and hash it while
+                # they rendezvous (here: before the round), the newcomer holds none.
+                own = None if newcomer else ChecksumAhead(state).result(Deadline.after(60))
                 barrier()
                 t0 = time.perf_counter()
-                # as the trainer does: survivors of generation 1 hold the state, the newcomer none
                 report = sync_state(group, state, Deadline.after(timeouts.checkpoint_transfer_s), never,
                                     timeouts.abort_poll_s, -1 if newcomer else 1, subgroup=subgroup,
-                                    retire=factory.retire)
+                                    retire=factory.retire, own_checksum=own)
                 sync_s.append(time.perf_counter() - t0)
                 if not report.transferred_bytes:  # a survivor that held the state received nothing
                     layout, arena = state.pack()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ _DTYPES = {str(d): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}
 _ALIGN = 64  # cache-line aligned: parameters live in the arena, and vector kernels like it
-TRANSFER_CHUNKS = 2  # pieces of the state broadcast: each is checksummed while the next arrives
+TRANSFER_CHUNKS = 2  # pieces of the state transfer: each is checksummed while the next arrives (4 or 8: no gain here)
 # A transfer goes to a subgroup of rank 0 and the ranks that need the state only when that spares
 # the others at least this many bytes in all: building the subgroup costs ~15 ms (a gloo group),
 # about what moving 16-30 MB more costs on loopback; below it the whole group receives.
@@ -273,6 +274,29 @@ class TrainingState:
         return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng, json.dumps(entries)
 
 
+class ChecksumAhead:
+    """``state.checksum()`` computed on a daemon thread (XXH3 releases the GIL while it hashes), for
+    ``sync_state``'s ``own_checksum``: a survivor hashes its state while it rendezvouses instead of
+    on the state transfer's critical path. The caller must not change the state until it has taken
+    ``result``."""
+
+    def __init__(self, state: TrainingState) -> None:
+        self._value: int | None = None
+        self._thread = threading.Thread(target=self._run, args=(state,), name="elasticd-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self, state: TrainingState) -> None:
+        try:
+            self._value = state.checksum()
+        except (RuntimeError, ValueError, TypeError) as exc:  # sync_state hashes anew and meets it again
+            log.warning("checksum_ahead_failed", error=str(exc)[:200])
+
+    def result(self, deadline: Deadline) -> int | None:
+        """The checksum, or None if it failed or is not done by ``deadline``."""
+        self._thread.join(deadline.remaining_s())
+        return None if self._thread.is_alive() else self._value
+
+
 StateHasher = xxhash.xxh3_64
 
 
@@ -320,27 +344,25 @@ class SyncReport:
 SubgroupBuilder = Callable[[Group, Sequence[int], str], Group]
 Retire = Callable[[Group], None]
 _UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
-# Rank 0's JSON layout rides in the first all_reduce when it is at most this long (a 64 KiB
-# all_reduce costs well under a millisecond here); a longer one takes one more broadcast.
-LAYOUT_SLOT_BYTES = 64 << 10
-_INT64_MIN = -(1 << 63)
 
 
 def sync_state(
     group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float,
     lineage: int, subgroup: SubgroupBuilder | None = None, retire: Retire | None = None,
+    own_checksum: int | None = None,
 ) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
 
-    1. One all_reduce tells every rank each rank's (step, lineage) and rank 0's layout and arena
-       sizes. A rank *needs* the state unless it holds rank 0's step from rank 0's lineage (the
-       generation in which both last held the same state); a rank without state always needs it.
-    2. If some rank needs it, rank 0 sends the JSON layout (unless the probe carried it) and
-       then its arena in ``TRANSFER_CHUNKS`` pieces, only to those ranks where it can
-       (``plan_transfer``): by point-to-point sends when they are few, else by a broadcast in a
-       subgroup of rank 0 and them (``subgroup``) or in the whole group. A receiver checksums each
-       piece while the next one arrives; rank 0, and every rank that receives nothing, checksums
-       its own state meanwhile.
+    1. One small all_reduce tells every rank each rank's (step, lineage) and the sizes of rank 0's
+       JSON layout and arena. A rank *needs* the state unless it holds rank 0's step from rank 0's
+       lineage (the generation in which both last held the same state); a rank without state
+       always needs it.
+    2. If some rank needs it, rank 0 sends the layout and its arena in ``TRANSFER_CHUNKS`` pieces,
+       all launched at once (the receivers know every size from step 1), only to those ranks where
+       it can (``plan_transfer``): by point-to-point sends when they are few, else by a broadcast
+       in a subgroup of rank 0 and them (``subgroup``) or in the whole group. A receiver checksums
+       each piece while the next one arrives; rank 0, and every rank that receives nothing,
+       checksums its own state meanwhile.
     3. One all_reduce tells every rank every rank's checksum. A rank that claimed rank 0's state
        but differs gets the state in one more round (logged as ``state_diverged``); a difference
        after that, or on a rank that just received the state, is ``StateCorrupt``.
@@ -351,6 +373,11 @@ def sync_state(
         subgroup: builds a group of some of ``group``'s ranks (``GroupFactory.build_subgroup``);
             None: transfers always use the whole group.
         retire: lets go of a subgroup after its transfer (``GroupFactory.retire``).
+        own_checksum: ``state.checksum()`` of this rank's state as it is now, computed ahead (the
+            trainer hashes while it rendezvouses, so rank 0 and the ranks that receive nothing do
+            not hash on the transfer's critical path); None: computed here. A stale value cannot
+            pass unseen: it differs from what the receivers hash (rank 0) or makes this rank a
+            diverged one that is sent the state (any other rank).
 
     Raises:
         CollectiveError: a collective failed (the caller re-rendezvouses).
@@ -366,7 +393,7 @@ def sync_state(
     if arena is not None:
         probe[0], probe[1] = len(layout), arena.numel()
     probe[2 + 2 * me], probe[3 + 2 * me] = step, lineage
-    got, carried = _probe(probe, layout if me == 0 else None, group, deadline, abandon, poll_s)
+    got = _max_reduce(probe, group, deadline, abandon, poll_s)
     n_layout, n_arena = got[0], got[1]
     steps, lineages = got[2::2], got[3::2]
     newest = max(range(world), key=lambda r: steps[r])
@@ -378,11 +405,12 @@ def sync_state(
     mine: int | None = None
     for attempt in range(2):
         if needy:
-            mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, carried, attempt,
-                                    deadline, abandon, poll_s, subgroup, retire)
+            mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, attempt,
+                                    deadline, abandon, poll_s, subgroup, retire,
+                                    own_checksum if attempt == 0 else None)
             transferred += moved
         if mine is None:
-            mine = state.checksum()
+            mine = own_checksum if attempt == 0 and own_checksum is not None else state.checksum()
         sums = [_UNSET] * world
         sums[me] = mine
         sums = _max_reduce(sums, group, deadline, abandon, poll_s)
@@ -401,27 +429,6 @@ def sync_state(
              transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
              duration_s=round(report.duration_s, 4))
     return report
-
-
-def _probe(values: list[int], layout: bytes | None, group: Group, deadline: Deadline, abandon: Abandon,
-           poll_s: float) -> tuple[list[int], bytes | None]:
-    """The first all_reduce (MAX) of ``values``, with rank 0's ``layout`` in a slot of
-    ``LAYOUT_SLOT_BYTES`` behind them (every other rank writes the int64 minimum there). Returns the
-    reduced values and the layout when it fit the slot (None: it must be broadcast)."""
-    slot = LAYOUT_SLOT_BYTES // 8
-    t = torch.full((len(values) + slot,), _INT64_MIN, dtype=torch.int64)
-    t[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    if layout is not None and len(layout) <= LAYOUT_SLOT_BYTES:
-        padded = layout + bytes(-len(layout) % 8)
-        t[len(values) : len(values) + len(padded) // 8] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
-    t = t.to(group.device)
-    all_reduce(t, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
-    t = t.cpu()
-    got = [int(x) for x in t[: len(values)].tolist()]
-    n_layout = got[0]
-    if not 0 <= n_layout <= LAYOUT_SLOT_BYTES:
-        return got, None
-    return got, t[len(values) :].numpy().tobytes()[:n_layout]
 
 
 def _max_reduce(values: list[int], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[int]:
@@ -527,12 +534,12 @@ class _PointToPointLink:
 
 def _transfer(
     group: Group, state: TrainingState, layout: bytes, arena: torch.Tensor | None, needy: Sequence[int],
-    n_layout: int, n_arena: int, carried: bytes | None, attempt: int, deadline: Deadline, abandon: Abandon,
-    poll_s: float, subgroup: SubgroupBuilder | None, retire: Retire | None,
+    n_layout: int, n_arena: int, attempt: int, deadline: Deadline, abandon: Abandon,
+    poll_s: float, subgroup: SubgroupBuilder | None, retire: Retire | None, own_checksum: int | None,
 ) -> tuple[int | None, int]:
     """Rank 0's layout and arena to the ``needy`` ranks (``plan_transfer``). Returns this rank's
     checksum if it took part (None if not: it computes its own), and the bytes moved (0 if it did
-    not take part). ``carried``: the layout, when the probe carried it (no layout move then)."""
+    not take part). ``own_checksum``: rank 0's, if known (see ``sync_state``)."""
     me, dev = group.rank, group.device
     plan = plan_transfer(group.world_size, needy, n_layout + n_arena, group.backend, subgroup is not None)
     if me not in plan.members:
@@ -549,33 +556,33 @@ def _transfer(
         else:
             payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
         receives = me != 0
-        if carried is not None:
-            layout_bytes = layout if me == 0 else carried
-        else:
-            layout_t = (torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev) if me == 0
-                        else torch.empty(n_layout, dtype=torch.uint8, device=dev))
-            for _ in link.move([layout_t]):
-                pass  # the layout must be whole before the pieces are placed
-            layout_bytes = bytes(layout_t.cpu().numpy())
-        try:
-            meta = json.loads(layout_bytes)
-            total, key = int(meta["total"]), json.dumps(meta["tensors"])
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise StateCorrupt(f"state layout from rank 0 is malformed: {exc}") from exc
-        if not 0 <= total <= n_arena:
-            raise StateCorrupt(f"state layout total {total} does not fit {n_arena} bytes")
-        bounds = [total * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)] + [n_arena]
+        layout_t = (torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev) if me == 0
+                    else torch.empty(n_layout, dtype=torch.uint8, device=dev))
+        bounds = [n_arena * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)]
         spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        pieces = [payload[a:b] for a, b in spans]
-        arrivals = link.move(pieces)
-        hasher = state_hasher(key.encode())
-        mine: int | None = state.checksum() if me == 0 else None  # while the arena goes out
+        arrivals = link.move([layout_t, *(payload[a:b] for a, b in spans)])
+        mine: int | None = None
+        if me == 0:
+            mine = own_checksum if own_checksum is not None else state.checksum()  # while the arena goes out
+        layout_bytes, total, hasher = layout, 0, None
         for i in arrivals:
-            if receives and spans[i][0] < total and dev.type == "cpu":
-                hasher.update(pieces[i].numpy().data)  # while the next piece arrives
+            if i == 0 and receives:  # the layout comes first: it says which bytes are the state
+                layout_bytes = bytes(layout_t.cpu().numpy())
+                try:
+                    meta = json.loads(layout_bytes)
+                    total, key = int(meta["total"]), json.dumps(meta["tensors"])
+                except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                    raise StateCorrupt(f"state layout from rank 0 is malformed: {exc}") from exc
+                if not 0 <= total <= n_arena:
+                    raise StateCorrupt(f"state layout total {total} does not fit {n_arena} bytes")
+                hasher = state_hasher(key.encode())
+            elif receives and hasher is not None and dev.type == "cpu":
+                a, b = spans[i - 1]
+                if a < total:  # the state bytes of this piece, while the next one arrives
+                    hasher.update(payload[a : min(b, total)].numpy().data)
         if receives:
             state.unpack(layout_bytes, payload.cpu())
-            streamed = state.streamed_checksum(hasher) if dev.type == "cpu" else None
+            streamed = state.streamed_checksum(hasher) if hasher is not None and dev.type == "cpu" else None
             mine = streamed if streamed is not None else state.checksum()
         return mine, n_layout + n_arena
     finally:

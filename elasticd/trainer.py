@@ -21,7 +21,7 @@ from typing import IO
 import structlog
 import torch
 
-from elasticd.checkpoint import TrainingState, sync_state
+from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
 from elasticd.collectives import GradientReducer, barrier
 from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.durable import CheckpointWriter, LoadedCheckpoint, SavedCheckpoint, job_dir, load_latest
@@ -398,6 +398,9 @@ class ElasticTrainer:
         self.group = None
         deadline = Deadline.after(timeouts.td("join"))
         previous = self.joined.record if self.joined is not None and self._has_state else None
+        # Hash our state while we rendezvous (nothing changes it until the sync): rank 0 and the
+        # survivors that receive nothing then have their checksum ready when the transfer starts.
+        ahead = ChecksumAhead(self.state) if self._has_state else None
         while True:
             committed = self.state.counters.step if self._has_state else -1
             joined = self._membership.join(committed, deadline,
@@ -419,9 +422,12 @@ class ElasticTrainer:
                     lineage = DISK_LINEAGE_BASE + self.resumed_from.manifest.seq
                 else:
                     lineage = -1
-                report = sync_state(group, self.state, Deadline.after(timeouts.td("checkpoint_transfer")),
-                                    self._membership.must_abandon, timeouts.abort_poll_s, lineage,
-                                    subgroup=self._subgroup, retire=self._factory.retire)
+                sync_deadline = Deadline.after(timeouts.td("checkpoint_transfer"))
+                own = ahead.result(sync_deadline) if ahead is not None else None
+                ahead = None  # a failed attempt may have changed the state: a retry hashes it anew
+                report = sync_state(group, self.state, sync_deadline, self._membership.must_abandon,
+                                    timeouts.abort_poll_s, lineage, subgroup=self._subgroup,
+                                    retire=self._factory.retire, own_checksum=own)
                 break
             except (CollectiveError, CheckpointTransferError) as exc:
                 log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
