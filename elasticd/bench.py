@@ -1052,8 +1052,9 @@ def _add_recovery_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_recovery_cmd(args: argparse.Namespace) -> int:
-    s = RecoverySettings(reps=args.reps, overhead_reps=args.overhead_reps, lease_ttl_s=args.lease_ttl, keepalive_s=args.keepalive,
-                         step_sleep_s=args.step_sleep, transfer_hidden=args.transfer_hidden)
+    s = RecoverySettings(reps=args.reps, overhead_reps=args.overhead_reps, lease_ttl_s=args.lease_ttl,
+                         keepalive_s=args.keepalive, step_sleep_s=args.step_sleep,
+                         transfer_hidden=args.transfer_hidden)
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
     keep = args.workdir is not None
     workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="elasticd-bench-"))

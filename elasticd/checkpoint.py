@@ -1,4 +1,4 @@
-"""Training state: what a member holds, its checksum, and the rank-0 broadcast to newcomers.
+"""Training state: what a member holds, its checksum, and rank 0's transfer of it to newcomers.
 
 Owns ``TrainingState`` (model and optimizer state dicts, the step counter, the data position, the
 RNG state) and ``sync_state``: after each rendezvous the ranks compare (step, lineage); rank 0 (by

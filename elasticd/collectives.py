@@ -2,8 +2,9 @@
 
 Owns every collective call made on a generation's group: each wait is bounded by a deadline and
 checks, every ``abort_poll_s``, whether the generation was abandoned (a peer lost its lease), so a
-peer frozen with SIGSTOP cannot hold the survivors. torch errors become ``CollectiveError``. Never
-retries in place: a failed collective latches the failure and the caller re-rendezvouses.
+peer frozen with SIGSTOP cannot hold the survivors; point-to-point sends and receives are waited
+for with the same bounds (``wait_each``). torch errors become ``CollectiveError``. Never retries in
+place: a failed collective latches the failure and the caller re-rendezvouses.
 """
 
 from __future__ import annotations
