@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     torch.set_num_threads(1)
     x, y = make_dataset(args.samples, args.features, args.classes, args.seed)
-    # Every worker builds the same initial weights; rank 0's are broadcast at the first sync anyway.
+    # Every worker builds the same initial weights; rank 0's are sent to the others at the first sync anyway.
     model = make_model(args.features, args.hidden, args.classes, args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     try:
