@@ -110,15 +110,6 @@ def start_broadcast(tensor: torch.Tensor, root: int, group: Group) -> dist.Work:
     return _launch(lambda: group.pg.broadcast([tensor], opts), group, "broadcast")
 
 
-def broadcast(tensor: torch.Tensor, root: int, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
-    """In-place bounded broadcast from ``root``.
-
-    Raises:
-        CollectiveError: see ``wait``.
-    """
-    wait(start_broadcast(tensor, root, group), group, deadline, abandon, poll_s, "broadcast")
-
-
 def start_send(tensor: torch.Tensor, dst: int, group: Group, tag: int) -> dist.Work:
     """Launch a point-to-point send of ``tensor`` to rank ``dst``; finish it with ``wait_each``.
 
