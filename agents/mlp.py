@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every-steps", type=int, default=None, help="save every N committed steps")
     p.add_argument("--checkpoint-every-s", type=float, default=None, help="save every T seconds")
     p.add_argument("--checkpoint-keep", type=int, default=None, help="good checkpoints kept")
+    p.add_argument("--checkpoint-allow-new-model", action="store_true", default=None,
+                   help="start over from step 1 even if the directory holds another model's checkpoints (kept)")
     return p.parse_args(argv)
 
 
@@ -79,7 +81,8 @@ def checkpoint_settings(args: argparse.Namespace) -> elasticd.CheckpointConfig:
     """
     base = elasticd.WorkerEnv.from_environ().checkpoint
     flags = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every_steps": args.checkpoint_every_steps,
-             "checkpoint_every_s": args.checkpoint_every_s, "checkpoint_keep": args.checkpoint_keep}
+             "checkpoint_every_s": args.checkpoint_every_s, "checkpoint_keep": args.checkpoint_keep,
+             "checkpoint_allow_new_model": args.checkpoint_allow_new_model}
     return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 

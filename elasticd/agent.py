@@ -23,6 +23,12 @@ the small executor that applies its actions through a ``Supervisor`` (processes)
 
 Every wait is bounded (``poll_interval_s``; a worker's exit and a signal wake the loop at once).
 
+Before it starts a worker the agent claims its node id: it creates ``nodes/<node>`` under its own
+lease by compare-and-set on absence (``NodePresence.claim``). While another agent's lease holds that
+record it waits, at most ``lease_ttl_s`` plus a margin (a crashed agent's record expires by then);
+if the record is still there, another live agent has this node id, and the agent exits 2
+(``node_id_taken``, naming the other agent's host, pid and since when) without touching the job.
+
 For operators (``presence.NodePresence``, on its own thread so that etcd never stalls this loop):
 the agent keeps ``nodes/<node>`` (its state and each worker's pid, restarts, last exit, memory and
 CPU) under its own lease, records ``worker_exited``, ``worker_restarted``, ``restarts_exhausted``,
@@ -52,7 +58,7 @@ from elasticd.log import bind_context
 from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode
 from elasticd.metrics import AgentMetrics
 from elasticd.oprecords import DrainRecord, EventKind, NodeRecord, WorkerRecord
-from elasticd.presence import NodePresence
+from elasticd.presence import ClaimKind, NodePresence
 from elasticd.progress import JobView, ProgressMark, advance_mark, is_hung, observe_worker, read_job_view
 from elasticd.retry import Clock
 from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
@@ -61,6 +67,7 @@ log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
 EXIT_FATAL = 1
+EXIT_CONFIG = 2  # the configuration cannot work: another live agent of the job has this node id
 
 
 class AgentState(StrEnum):
@@ -392,6 +399,7 @@ class Agent:
         self._drain_requested = False  # set by the presence thread; acted on by the loop
         self._drain_acted = False
         self._last_exit: dict[int, str] = {}
+        self._since: float | None = None  # wall clock of the node id claim
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -411,7 +419,8 @@ class Agent:
             install_signals: handle SIGTERM/SIGINT/SIGCHLD (only possible in the main thread).
 
         Returns:
-            The exit code (0 done or drained, 1 fatal) and the reason.
+            The exit code (0 done or drained, 1 fatal, 2 the node id is another live agent's) and
+            the reason.
         """
         c = self._config
         bind_context(node=c.node_id)
@@ -439,8 +448,24 @@ class Agent:
             self._store.get(self._keys.generation)  # fail fast, and clearly, on an unreachable etcd
         except EtcdUnavailable as exc:
             return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
-        self._presence = NodePresence(self._store, self._keys, c.node_id, c.timeouts, c.stats_interval_s,
-                                      c.events_keep, self._on_drain_request, self._clock)
+        presence = NodePresence(self._store, self._keys, c.node_id, c.timeouts, c.stats_interval_s,
+                                c.events_keep, self._on_drain_request, self._clock)
+        self._since = time.time()
+
+        def claim_wait(seconds: float) -> None:
+            self._notify(self._clock())  # the systemd watchdog, while lease_ttl_s passes
+            waker.wait(seconds)
+
+        try:
+            claim = presence.claim(self._node_record(), claim_wait,
+                                   lambda: bool(waker.stop_requests or self._pending_stop), c.world.job_id)
+        except EtcdUnavailable as exc:
+            return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
+        if claim.kind is ClaimKind.REFUSE:
+            return AgentOutcome(EXIT_CONFIG, claim.reason)
+        if claim.kind is not ClaimKind.CLAIMED:
+            return AgentOutcome(EXIT_OK, f"stopped while waiting for the node id: {claim.reason}")
+        self._presence = presence
         self._presence.start()
         if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
             self._reader = _JobReader(self._store, self._keys, self._clock, job_read_interval_s(
@@ -473,8 +498,11 @@ class Agent:
 
     def _publish_node(self) -> None:
         """Hand the node record as it is now to the presence thread (it writes it when it changed)."""
-        if self._presence is None:
-            return
+        if self._presence is not None:
+            self._presence.update(self._node_record())
+
+    def _node_record(self) -> NodeRecord:
+        """The node record as it is now."""
         c = self._config
         stats = self._supervisor.stats()
         workers = []
@@ -487,9 +515,9 @@ class Agent:
                 rss_bytes=st.rss_bytes if fresh and st is not None else None,
                 cpu_percent=st.cpu_percent if fresh and st is not None else None,
             ))
-        self._presence.update(NodeRecord(node=c.node_id, host=c.advertise_addr, agent_pid=os.getpid(),
-                                         state=str(self.snapshot.state), time=time.time(),
-                                         workers=tuple(workers)))
+        return NodeRecord(node=c.node_id, host=c.advertise_addr, agent_pid=os.getpid(),
+                          state=str(self.snapshot.state), time=time.time(), workers=tuple(workers),
+                          since=self._since)
 
     def _loop(self, waker: _Waker) -> AgentOutcome:
         c = self._config

@@ -10,6 +10,7 @@ Usage::
     elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] [--etcd-ca-cert FILE]
                [--etcd-cert-cert FILE --etcd-cert-key FILE] [--etcd-user NAME [--etcd-password-file FILE]]
                status [--job ID] [--json] [--watch [--interval S]] [--min-workers N] [--max-workers N]
+                      [--stall-after-s S]
     elasticctl [...] drain NODE [--job ID] [--wait [--timeout S]]
     elasticctl [...] events [--job ID] [--json] [--limit N]
 
@@ -26,11 +27,12 @@ Exit codes of ``elasticctl``:
 
 * 0: the job is healthy or finished;
 * 1: the job is degraded (running below ``--max-workers``, or with live members left out);
-* 2: the job is down or does not exist, etcd did not answer (within about 2 s), or the command
+* 2: the job is down, stalled (no step committed for ``--stall-after-s``, default
+  ``status.STALL_AFTER_S``) or does not exist, etcd did not answer (within about 2 s), or the command
   line or an ``ELASTICD_*`` variable is invalid (one line on stderr says which).
 
 With ``--watch`` the report is redrawn every ``--interval`` seconds until Ctrl-C, and the exit code
-is that of the last report.
+is that of the last report; with ``--watch --json`` each report is one JSON object on one line.
 
 Exit codes of ``elasticctl drain NODE``: 0 the request was written (with ``--wait``: and the node's
 members have left the generation, or the job finished); 2 no agent record for NODE (unknown node),
@@ -84,6 +86,8 @@ from elasticd.drain import DEFAULT_DRAIN_WAIT_S, DRAIN_POLL_S, DrainStore, drain
 from elasticd.status import (
     EXIT_DOWN,
     EXIT_OK,
+    STALL_AFTER_S,
+    STALL_STEP_FACTOR,
     PrefixReader,
     job_events,
     read_status,
@@ -116,6 +120,7 @@ class StatusQuery:
     count: int | None  # frames to draw in --watch mode (None: until Ctrl-C)
     min_workers: int | None
     max_workers: int | None
+    stall_after_s: float = STALL_AFTER_S  # 0: stalls are not checked
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,9 @@ def build_ctl_parser() -> argparse.ArgumentParser:
                         help="the job's min_workers (not stored in etcd): below it is 'down'")
     status.add_argument("--max-workers", type=_positive_int, default=None, metavar="N",
                         help="the job's max_workers (not stored in etcd): below it is 'degraded'")
+    status.add_argument("--stall-after-s", type=_non_negative_float, default=STALL_AFTER_S, metavar="S",
+                        help=f"no step committed for this long (or {STALL_STEP_FACTOR:g} step times if longer) "
+                        f"while every member is alive is 'stalled' (default: {STALL_AFTER_S:g}; 0: never)")
     drain = commands.add_parser(
         "drain", help="ask a node's agent to drain (its workers finish their step and leave)",
         description="Ask the agent of NODE to drain, as on SIGTERM: its workers finish their step and "
@@ -408,6 +416,7 @@ def status_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         count=args.count,
         min_workers=args.min_workers,
         max_workers=args.max_workers,
+        stall_after_s=args.stall_after_s,
     )
 
 
@@ -437,8 +446,8 @@ def _report(
     store: PrefixReader, keys: Keys, query: StatusQuery, out: TextIO, err: TextIO, clear: bool
 ) -> int:
     try:
-        status = read_status(store, keys, now=time.time(),
-                             min_workers=query.min_workers, max_workers=query.max_workers)
+        status = read_status(store, keys, now=time.time(), min_workers=query.min_workers,
+                             max_workers=query.max_workers, stall_after_s=query.stall_after_s)
     except EtcdUnavailable as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
@@ -518,6 +527,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}") from exc
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -533,7 +552,9 @@ def _positive_float(text: str) -> float:
 AGENT_PROG = "elasticd"
 AGENT_EXIT_OK = 0  # the workers finished, or the node was drained (SIGTERM)
 AGENT_EXIT_FATAL = 1  # restarts exhausted, etcd unreachable at start, or an internal failure
-AGENT_EXIT_BAD_CONFIG = 2  # a bad flag, variable or config file field; one line on stderr per field
+# a bad flag, variable or config file field (one line on stderr per field), or a node id that another
+# live agent of the job holds (``node_id_taken``; agent.EXIT_CONFIG)
+AGENT_EXIT_BAD_CONFIG = 2
 # torchrun's spellings of the same settings, so that a torchrun command line works with little change.
 TORCHRUN_ALIASES: dict[str, list[str]] = {
     "job_id": ["--rdzv-id", "--rdzv_id"],
@@ -557,7 +578,8 @@ def build_agent_parser() -> argparse.ArgumentParser:
         "is a flag, an ELASTICD_<NAME> variable and a key of the TOML config file (in that order of "
         "precedence).",
         epilog="Exit codes: 0 the workers finished or the node was drained; 1 restarts exhausted, etcd "
-        "unreachable, or another fatal error; 2 bad configuration (the message names the field).",
+        "unreachable, or another fatal error; 2 bad configuration (the message names the field), or the node id "
+        "is held by another live agent of the job (node_id_taken, after waiting up to lease_ttl_s + 2 s).",
     )
     parser.add_argument("--config", metavar="FILE", default=None,
                         help=f"TOML config file (default: $ELASTICD_CONFIG, else {DEFAULT_CONFIG_FILE} if it exists)")
@@ -569,7 +591,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
             continue
         if s.section not in groups:
             groups[s.section] = parser.add_argument_group(_AGENT_GROUPS[s.section])
-        metavar = {int: "N", float: "S", tuple: "HOST:PORT[,...]"}.get(s.kind, "TEXT")
+        metavar = {int: "N", float: "S", bool: "true|false", tuple: "HOST:PORT[,...]"}.get(s.kind, "TEXT")
         groups[s.section].add_argument(s.flag, *TORCHRUN_ALIASES.get(s.name, []), dest=s.name, default=None,
                                        metavar=metavar, help=f"{s.doc} [{s.variable}]".replace("%", "%%"))
     parser.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -615,7 +637,7 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
 
     Returns:
         0 the workers finished or the node was drained; 1 fatal (restarts exhausted, etcd
-        unreachable); 2 bad configuration.
+        unreachable); 2 bad configuration, or the node id is another live agent's (``node_id_taken``).
     """
     err = stderr if stderr is not None else sys.stderr
     try:

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elasticd.commit import VOTE_SLOTS
 from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
 from elasticd.process_group import Group
 from elasticd.retry import Deadline
@@ -217,12 +218,13 @@ class GradientReducer:
     communication overlaps the rest of backward. Each parameter's ``.grad`` is a view into its
     bucket (bound by ``begin``), so backward writes the bucket directly and the average lands in
     ``.grad`` without copies; one multiply per bucket applies this rank's weight. The bucket
-    launched last carries ``vote`` slots:
-    each rank writes its vote there and reads the sum once the bucket completes. An all_reduce only
-    completes on a rank after every rank contributed, so a completed vote is every member's vote.
+    launched last carries the vote slots (``commit.Vote``): each rank writes its vote there just
+    before that bucket is launched (so the vote says what the member knew as late as possible) and
+    reads the sum once the bucket completes. An all_reduce only completes on a rank after every rank
+    contributed, so a completed vote is every member's vote.
     """
 
-    VOTE_SLOTS = 3  # weighted loss, veto count, rejoin requests
+    VOTE_SLOTS = VOTE_SLOTS
 
     def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
@@ -243,6 +245,7 @@ class GradientReducer:
         self._where = {id(p): b for b in self._buckets for p in b.params}
         self._group: Group | None = None
         self._scale = 1.0
+        self._vote: Callable[[], Sequence[float]] | None = None
         self._error: BaseException | None = None
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
@@ -253,16 +256,14 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
 
-    def begin(self, group: Group, scale: float, vote: Sequence[float]) -> None:
+    def begin(self, group: Group, scale: float, vote: Callable[[], Sequence[float]]) -> None:
         """Arm for one step: zero the gradients (this replaces ``optimizer.zero_grad``); this rank's
-        gradients will be multiplied by ``scale`` before the sum."""
-        self._group, self._scale, self._error = group, scale, None
+        gradients will be multiplied by ``scale`` before the sum; ``vote`` is called (on the thread
+        that launches it) right before the vote bucket goes out, and returns its slots."""
+        self._group, self._scale, self._error, self._vote = group, scale, None, vote
         for b in self._buckets:
             b.ready, b.work = 0, None
             b.bind_grads()
-        vb = self._vote_bucket
-        for i, v in enumerate(vote):
-            vb.buffer[vb.numel + i] = v
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._group is None:
@@ -278,6 +279,11 @@ class GradientReducer:
         bucket.gather_grads()
         if self._scale != 1.0:
             bucket.grads.mul_(self._scale)
+        if bucket is self._vote_bucket and self._vote is not None:
+            slots = self._vote()
+            assert len(slots) == bucket.extra, (len(slots), bucket.extra)
+            bucket.buffer[bucket.numel :] = torch.tensor(slots, dtype=bucket.buffer.dtype,
+                                                           device=bucket.buffer.device)
         flat = bucket.buffer
         group = self._group
         opts = dist.AllreduceOptions()
@@ -307,12 +313,12 @@ class GradientReducer:
                 assert b.work is not None
                 wait(b.work, group, deadline, abandon, poll_s, "gradient all_reduce")
         finally:
-            self._group = None
+            self._group, self._vote = None, None
         vb = self._vote_bucket
         return [float(x) for x in vb.buffer[vb.numel :].tolist()]
 
     def cancel(self) -> None:
         """Forget a step whose collectives will never be waited for (its group is being retired)."""
-        self._group = None
+        self._group, self._vote = None, None
         for b in self._buckets:
             b.work = None

@@ -66,6 +66,17 @@ class Timeouts:
         "Bound on the state broadcast from rank 0 to newcomers.", 120.0
     )
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
+    etcd_outage_s: float = _seconds(
+        "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
+        "within a rendezvous, on top of join_s) before it gives up. Training with no membership "
+        "change does not need etcd and goes on meanwhile.",
+        600.0,
+    )
+    standby_s: float = _seconds(
+        "How long a worker waits as a standby (the job is at max_workers and healthy) for a place "
+        "before it gives up; this time does not count against join_s.",
+        86400.0,
+    )
     abort_poll_s: float = _seconds(
         "How often a waiting collective checks whether its generation was aborted.", 0.02
     )
@@ -98,6 +109,10 @@ class RetryPolicy:
         default=0.05, metadata={"doc": "First backoff between etcd attempts (exponential, jittered)."}
     )
     etcd_backoff_max_s: float = field(default=1.0, metadata={"doc": "Largest backoff between etcd attempts."})
+    etcd_reconnect_max_s: float = field(default=0.5, metadata={
+        "doc": "Longest wait between two attempts to reconnect to an etcd endpoint that went away "
+               "(gRPC's own default grows to 120 s, so a restarted etcd would be noticed seconds "
+               "late, after the leases it restored had expired)."})
     step_retries: int = field(
         default=8, metadata={"doc": "Times one step may fail and be retried before the worker gives up."}
     )
@@ -107,7 +122,7 @@ class RetryPolicy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        for name in ("etcd_backoff_initial_s", "etcd_backoff_max_s"):
+        for name in ("etcd_backoff_initial_s", "etcd_backoff_max_s", "etcd_reconnect_max_s"):
             value = getattr(self, name)
             if not _positive_finite(value):
                 raise ConfigError(f"{name}: must be a positive, finite number, got {value!r}")
@@ -268,6 +283,12 @@ def _check_events_keep(value: object) -> None:
         raise ConfigError(f"events_keep: must be an integer >= 1, got {value!r}")
 
 
+CHECKPOINT_ALLOW_NEW_MODEL_DOC = (
+    "Allow a job to start over from step 1 with a model whose signature differs from the "
+    "checkpoints in its directory (they are kept: retention deletes only checkpoints of the saving "
+    "model). Off: such a worker stops with CheckpointModelChanged and deletes nothing.")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Durable checkpoints (``elasticd.durable``): where, how often, how many are kept.
@@ -288,8 +309,12 @@ class CheckpointConfig:
     checkpoint_wait_s: float = field(default=60.0, metadata={
         "doc": "Longest a due save waits at a step boundary for the previous write to finish; past "
                "it, this save is skipped (checkpoint_skipped) and the next one is tried."})
+    checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
 
     def __post_init__(self) -> None:
+        if not isinstance(self.checkpoint_allow_new_model, bool):
+            raise ConfigError(f"checkpoint_allow_new_model: must be true or false, "
+                              f"got {self.checkpoint_allow_new_model!r}")
         if "\0" in self.checkpoint_dir:
             raise ConfigError(f"checkpoint_dir: not a valid path: {self.checkpoint_dir!r}")
         for name, least in (("checkpoint_every_steps", 0), ("checkpoint_keep", 1)):
@@ -470,6 +495,7 @@ class AgentConfig:
         "doc": CheckpointConfig.__dataclass_fields__["checkpoint_keep"].metadata["doc"]})
     checkpoint_wait_s: float = field(default=CheckpointConfig.checkpoint_wait_s, metadata={
         "doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]})
+    checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
     max_restarts: int = field(default=3, metadata={
         "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
                "agent (restarts_exhausted, exit 1)."})
@@ -558,7 +584,8 @@ class AgentConfig:
         return CheckpointConfig(
             checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir is not None else "",
             checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
-            checkpoint_keep=self.checkpoint_keep, checkpoint_wait_s=self.checkpoint_wait_s)
+            checkpoint_keep=self.checkpoint_keep, checkpoint_wait_s=self.checkpoint_wait_s,
+            checkpoint_allow_new_model=self.checkpoint_allow_new_model)
 
     def worker_environ(self, local_rank: int) -> dict[str, str]:
         """The ``ELASTICD_*`` variables of worker ``local_rank`` (what ``WorkerEnv.from_environ`` reads)."""
@@ -622,7 +649,7 @@ class Setting:
     name: str
     section: str  # the dataclass that holds it: world, etcd, timeouts, retry or agent
     attr: str  # its field there
-    kind: type  # int, float, str, or tuple (a list of strings)
+    kind: type  # int, float, str, bool, or tuple (a list of strings)
     doc: str
     from_env: bool = True
 
@@ -666,13 +693,17 @@ def _agent_settings() -> dict[str, Setting]:
 
 AGENT_SETTINGS: Mapping[str, Setting] = _agent_settings()
 
-_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", tuple: "a list of strings"}
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", tuple: "a list of strings",
+               bool: "true or false"}
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def _from_toml(setting: Setting, raw: object, where: str) -> object:
     kind = setting.kind
     ok = (
-        (kind is int and isinstance(raw, int) and not isinstance(raw, bool))
+        (kind is bool and isinstance(raw, bool))
+        or (kind is int and isinstance(raw, int) and not isinstance(raw, bool))
         or (kind is float and isinstance(raw, (int, float)) and not isinstance(raw, bool))
         or (kind is str and isinstance(raw, str))
         or (kind is tuple and isinstance(raw, list) and all(isinstance(x, str) for x in raw))
@@ -690,6 +721,10 @@ def _from_toml(setting: Setting, raw: object, where: str) -> object:
 def _from_text(setting: Setting, raw: str, where: str) -> object:
     text = raw.strip()
     kind = setting.kind
+    if kind is bool:
+        if text.lower() in _TRUE_WORDS + _FALSE_WORDS:
+            return text.lower() in _TRUE_WORDS
+        raise ConfigError(f"{setting.name}: expected {_KIND_WORDS[kind]}, got {raw!r} ({where})")
     try:
         if kind is int:
             return int(text)

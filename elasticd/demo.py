@@ -33,26 +33,32 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
-import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TextIO
 
 from elasticd.audit import AuditReport, check_dir
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.localcluster import EtcdServer, WorkerProcess, agent_program, log_events, python_program
+from elasticd.localcluster import (
+    AuditTail,
+    EtcdServer,
+    Terminated,
+    WorkerProcess,
+    local_agent_argv,
+    log_events,
+    python_program,
+    sigterm_raises,
+    signal_pid,
+)
 from elasticd.membership import GenerationRecord, Keys, KeyValueStore, decode_generation, parse_snapshot
 
 JOB_ID = "demo"
@@ -68,33 +74,6 @@ DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
 
 # ---------------------------------------------------------------------------------------------
 # Reading what the workers write
-
-
-class AuditTail:
-    """Follows the ``<node>.jsonl`` audit files as they grow; yields complete JSON lines only."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._offsets: dict[Path, int] = {}
-        self._partial: dict[Path, bytes] = {}
-
-    def read(self) -> Iterator[tuple[str, dict[str, object]]]:
-        """New records since the last call, as (node, record)."""
-        for path in sorted(self.directory.glob("*.jsonl")):
-            with path.open("rb") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = f.read()
-            self._offsets[path] = self._offsets.get(path, 0) + len(chunk)
-            data = self._partial.pop(path, b"") + chunk
-            *lines, rest = data.split(b"\n")
-            if rest:
-                self._partial[path] = rest
-            for line in lines:
-                if line.strip():
-                    try:
-                        yield path.stem, json.loads(line)
-                    except ValueError:
-                        continue  # a killed worker's last line may be cut short; the audit says so
 
 
 @dataclass
@@ -300,14 +279,9 @@ class Demo:
             "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(self.plan.step_sleep),
             "--audit", str(self.audit_dir / f"{node}.jsonl"),
         )
-        return agent_program(
-            "--config", str(self.config_file),  # this demo's settings only, never /etc/elasticd's
-            "--etcd", self.etcd.endpoint, "--job-id", JOB_ID, "--node-id", node,
-            "--nnodes", f"{self.plan.min_workers}:{self.plan.nodes}", "--nproc-per-node", "1",
-            "--backend", "gloo",  # every worker on this one machine's CPU, even where CUDA exists
-            "--lease-ttl-s", str(DEMO_TIMEOUTS.lease_ttl_s), "--keepalive-s", str(DEMO_TIMEOUTS.keepalive_s),
-            "--", *program,
-        )
+        return local_agent_argv(self.config_file, [self.etcd.endpoint], JOB_ID, node,
+                                f"{self.plan.min_workers}:{self.plan.nodes}", DEMO_TIMEOUTS.lease_ttl_s,
+                                DEMO_TIMEOUTS.keepalive_s, program)
 
     def start_agent(self, node: str) -> WorkerProcess:
         a = WorkerProcess(self.agent_argv(node), {}, self.workdir / f"agent-{node}.log", new_session=True).start()
@@ -518,32 +492,8 @@ class Demo:
         return passed
 
 
-def signal_pid(pid: int, sig: int) -> None:
-    """Signal a process the demo found in etcd as the victim's worker (gone already: nothing to do)."""
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 # ---------------------------------------------------------------------------------------------
 # Entry point
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived: leave through the same cleanup as Ctrl-C."""
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    def handler(_signum: int, _frame: FrameType | None) -> None:
-        raise _Terminated()
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -620,13 +570,13 @@ def main(argv: list[str] | None = None) -> int:
           f"audit, etcd.log)", file=out, flush=True)
     code = 1
     try:
-        with _sigterm_raises():
+        with sigterm_raises():
             demo.run()
             code = 0 if demo.verdict() else 1
     except ConfigError as exc:  # no etcd binary
         print(f"elasticd.demo: {exc}", file=sys.stderr)
         code = 2
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         print("\nelasticd.demo: interrupted; stopping every process it started", file=sys.stderr)
         code = 130
     finally:

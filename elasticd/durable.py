@@ -5,7 +5,10 @@ called by rank 0 at a step boundary: it copies the state's arena (``TrainingStat
 spare buffer and hands it to a writer thread, so training goes on while the bytes go to disk; a
 new save waits only while the previous write still runs (at most ``checkpoint_wait_s``, then it is
 skipped). ``load_latest`` finds the newest good checkpoint, verifies it, falls back to the previous
-good one when it is not, and loads it into a ``TrainingState``. Never decides who saves or when a
+good one when it is not, and loads it into a ``TrainingState``. Retention (``removable``) keeps the
+``checkpoint_keep`` newest of the writer's model and never deletes a checkpoint of another model;
+``new_model_refusal`` says when a worker that finds only another model's checkpoints must not
+start over (the trainer raises it). Never decides who saves or when a
 job resumes (the trainer and ``membership`` do), and never talks to etcd itself (the writer's
 ``on_saved`` callback does).
 
@@ -110,6 +113,14 @@ class LoadedCheckpoint:
     manifest: Manifest
     rejected: tuple[str, ...]  # "<file>: <why>" for each newer one that failed a check
     duration_s: float
+
+
+def describe_failure(exc: Exception) -> tuple[str | None, str]:
+    """(symbolic errno or None, message) of a failed save: ``("EROFS", "[Errno 30] ...")`` for an
+    OSError, ``(None, "<type>: <message>")`` for anything else."""
+    if isinstance(exc, OSError):
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno)), str(exc)
+    return None, f"{type(exc).__name__}: {exc}"
 
 
 def job_dir(checkpoint_dir: str | Path, job_id: str) -> Path:
@@ -353,9 +364,9 @@ class CheckpointWriter:
                 saved = self._write(job)
             except Exception as exc:  # the writer thread's top level: report it, and stay alive
                 self.failures += 1
-                code = errno.errorcode.get(exc.errno or 0, str(exc.errno)) if isinstance(exc, OSError) else None
+                code, text = describe_failure(exc)
                 log.error("checkpoint_save_failed", step=job.step, directory=str(self.directory), errno=code,
-                          error=str(exc) if code else f"{type(exc).__name__}: {exc}", exc_info=code is None,
+                          error=text, exc_info=code is None,
                           consequence="training goes on; the previous checkpoint is intact; the next save tries again")
                 if self._on_failed is not None:
                     self._on_failed(job.step, exc)
@@ -422,19 +433,10 @@ class CheckpointWriter:
         return SavedCheckpoint(self.directory / (name + ".ckpt"), manifest, time.monotonic() - started)
 
     def _retain(self) -> None:
-        """Keep the ``keep`` newest complete checkpoints; remove older ones, orphans and stale temps."""
+        """Keep the ``keep`` newest complete checkpoints of this model; remove its older ones, orphans
+        and stale temps (``removable``). Checkpoints of another model are never removed."""
         entries = scan(self.directory)
-        complete = sorted((e for e in entries if e.manifest_path is not None and e.data_path is not None),
-                          key=lambda e: e.seq, reverse=True)
-        kept = complete[: self._keep]
-        oldest_kept = min((e.seq for e in kept), default=0)
-        for e in entries:
-            if e in kept:
-                continue
-            # A data file without a manifest may be a save in progress by another writer: only
-            # files older than what we keep are surely abandoned.
-            if e.manifest_path is None and e.seq >= oldest_kept:
-                continue
+        for e in removable([(e, signature_of(e)) for e in entries], self._signature, self._keep):
             for path in (e.manifest_path, e.data_path):  # manifest first: never a manifest without data
                 if path is not None:
                     path.unlink(missing_ok=True)
@@ -446,6 +448,83 @@ class CheckpointWriter:
                     tmp.unlink(missing_ok=True)
             except FileNotFoundError:
                 pass
+
+
+def removable(entries: list[tuple[Entry, str | None]], signature: str, keep: int) -> list[Entry]:
+    """Which checkpoints retention deletes (pure): (entry, its model signature or None when no
+    file of it says) for each file group in the directory, the writer's signature, and ``keep``.
+
+    Of the writer's model (and of unknown ones: unreadable files, no checkpoint of anyone) the
+    ``keep`` newest complete checkpoints are kept, the older ones removed. A data file without a
+    manifest may be a save in progress by another writer: only one older than what is kept is
+    surely abandoned. A checkpoint whose files say another model signature is never removed: it
+    may be the only copy of another model's training (a job resumed with a changed model).
+    """
+    ours = [e for e, sig in entries if sig is None or sig == signature]
+    complete = sorted((e for e in ours if e.manifest_path is not None and e.data_path is not None),
+                      key=lambda e: e.seq, reverse=True)
+    kept = complete[:keep]
+    oldest_kept = min((e.seq for e in kept), default=0)
+    return [e for e in ours if e not in kept and not (e.manifest_path is None and e.seq >= oldest_kept)]
+
+
+def signature_of(entry: Entry) -> str | None:
+    """The model signature that a checkpoint's manifest, else its data file's header, names; None
+    when neither can be read."""
+    if entry.manifest_path is not None:
+        try:
+            return read_manifest(entry.manifest_path).signature
+        except (OSError, ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError):
+            pass
+    if entry.data_path is not None:
+        try:
+            with entry.data_path.open("rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
+                (hlen,) = _LEN.unpack(_read_exact(f, _LEN.size))
+                if hlen > 1 << 20:
+                    return None
+                head = json.loads(_read_exact(f, hlen))
+        except (OSError, ValueError, struct.error, RecursionError, UnicodeDecodeError):
+            return None
+        sig = head.get("signature") if isinstance(head, dict) else None
+        return sig if isinstance(sig, str) else None
+    return None
+
+
+def other_models(directory: Path, signature: str) -> dict[str, list[int]]:
+    """Model signature -> steps (newest save first) of the checkpoints in ``directory`` whose files
+    name a signature other than ``signature`` (an unreadable directory: none)."""
+    out: dict[str, list[int]] = {}
+    try:
+        entries = scan(directory)
+    except OSError:
+        return out
+    for e in entries:
+        sig = signature_of(e)
+        if sig is not None and sig != signature:
+            out.setdefault(sig, []).append(e.step)
+    return out
+
+
+def new_model_refusal(directory: Path, signature: str, others: dict[str, list[int]], allow: bool) -> str | None:
+    """Why a worker that found no checkpoint of its own model must not start over from step 1, or
+    None when it may (pure).
+
+    It may when nothing of another model is in the directory, or when the user allowed it
+    (``checkpoint_allow_new_model``). Otherwise the job would train a changed model from scratch
+    next to another model's training, which is almost always a mistake (a changed layer, the
+    wrong job id or directory).
+    """
+    if not others or allow:
+        return None
+    found = "; ".join(f"{sig[:12]}: {len(steps)} checkpoint(s), newest step {max(steps)}"
+                      for sig, steps in sorted(others.items()))
+    return (f"{directory} holds checkpoints of another model ({found}) and none of this worker's model "
+            f"{signature[:12]}; refusing to start over from step 1. Resume with the model that wrote them, "
+            f"or use another job id or checkpoint_dir, or set checkpoint_allow_new_model = true "
+            f"(ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL=1) to start this model from step 1 (the other "
+            f"model's checkpoints are kept)")
 
 
 # ---------------------------------------------------------------------------------------------

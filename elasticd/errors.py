@@ -62,6 +62,11 @@ class ModelMismatch(FatalError):
     """This worker's model (parameter names, shapes, dtypes) differs from the job's."""
 
 
+class CheckpointModelChanged(ModelMismatch):
+    """The job's checkpoint directory holds checkpoints of another model and none that this worker
+    can resume from; starting over from step 1 is allowed only with ``checkpoint_allow_new_model``."""
+
+
 class StateCorrupt(FatalError):
     """Training state differs between ranks after a sync, or a record is unreadable."""
 

@@ -98,7 +98,8 @@ class EtcdClient:
         try:
             client = etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
                                   ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
-                                  cert_key=c.cert_key or None, user=user, password=password)
+                                  cert_key=c.cert_key or None, user=user, password=password,
+                                  grpc_options=self._channel_options())
             if user and not c.tls:
                 # etcd3 0.12 sends the auth token twice: as call credentials, which gRPC refuses on a
                 # plaintext channel ("insufficient security level"), and as metadata, which etcd reads.
@@ -113,6 +114,14 @@ class EtcdClient:
                                       f"{details}") from exc
             raise EtcdUnavailable(f"etcd at {host}:{port} rejected the credentials of user {user!r}: "
                                   f"{code}: {details}") from exc
+
+    def _channel_options(self) -> list[tuple[str, int]]:
+        """gRPC channel options: reconnect quickly to an etcd that comes back (a restarted etcd
+        restores the leases with their whole TTL, and a member must renew within it)."""
+        max_ms = max(1, round(self._retry.etcd_reconnect_max_s * 1000))
+        return [("grpc.initial_reconnect_backoff_ms", min(100, max_ms)),
+                ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
+                ("grpc.max_reconnect_backoff_ms", max_ms)]
 
     def _failover(self, failed: etcd3.Etcd3Client) -> None:
         with self._lock:
@@ -194,8 +203,14 @@ class EtcdClient:
 
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None,
+        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
     ) -> bool:
+        """``KeyValueStore.compare_and_put``; ``lease`` (0: none) attaches ``key`` alone to a lease.
+
+        Raises:
+            LeaseLost: the compare held but ``lease`` no longer exists (nothing was written).
+            EtcdUnavailable: etcd did not answer, or refused the request.
+        """
         deletes = list(delete_keys)
         extra = dict(put_keys or {})
 
@@ -205,7 +220,8 @@ class EtcdClient:
                 if expected_mod_revision == 0
                 else c.transactions.mod(key) == expected_mod_revision
             )
-            ops = [c.transactions.put(key, value)] + [c.transactions.delete(k) for k in deletes]
+            ops = [c.transactions.put(key, value, lease=lease or None)]
+            ops += [c.transactions.delete(k) for k in deletes]
             ops += [c.transactions.put(k, v) for k, v in extra.items()]
             ok, _ = c.transaction(compare=[cmp], success=ops, failure=[])
             return bool(ok)

@@ -5,6 +5,8 @@ tests and the benchmarks): ``EtcdServer`` runs the real ``etcd`` binary on free 
 a temporary data directory; ``WorkerProcess`` runs one training program with the ``ELASTICD_*``
 environment, or (``new_session=True``, with ``agent_program``) one ``elasticd`` node agent in a
 session of its own, so that ``kill_group`` ends the agent and every worker it started at once.
+``EtcdCluster`` runs three (or more) such etcd members as one cluster on loopback, for faults that
+need quorum. ``AuditTail`` follows the workers' audit files as they grow.
 Everything it starts it stops by PID (or by the process group it created), and nothing else.
 """
 
@@ -19,9 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from elasticd.errors import ConfigError
 
@@ -63,19 +67,28 @@ class EtcdServer:
     With ``tls``, clients talk HTTPS/TLS and must present a certificate signed by ``tls.ca``.
     """
 
-    def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None, tls: EtcdTls | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None, tls: EtcdTls | None = None,
+                 name: str = "elasticd-test") -> None:
         self.host = host
         self.tls = tls
+        self.name = name
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(self.data_dir + ".log")
+        # ``name=peer_url,...`` of every member, and the cluster's token; set by ``EtcdCluster``.
+        self.initial_cluster = f"{name}={self.peer_url}"
+        self.cluster_token = ""
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     def start(self) -> EtcdServer:
         """Start etcd and wait until it answers.
@@ -83,31 +96,62 @@ class EtcdServer:
         Raises:
             RuntimeError: etcd did not answer within ``ETCD_START_TIMEOUT_S``.
         """
+        self.launch()
+        self.wait_ready(time.monotonic() + ETCD_START_TIMEOUT_S)
+        return self
+
+    def launch(self) -> None:
+        """Start the etcd process without waiting for it (a cluster member answers only once a
+        quorum of members runs)."""
         url_c = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
-        url_p = f"http://{self.host}:{self.peer_port}"
         cmd = [
-            etcd_binary(), "--name", "elasticd-test", "--data-dir", self.data_dir,
+            etcd_binary(), "--name", self.name, "--data-dir", self.data_dir,
             "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
-            "--listen-peer-urls", url_p, "--initial-advertise-peer-urls", url_p,
-            "--initial-cluster", f"elasticd-test={url_p}",
+            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster,
             "--log-level", "error",
         ]
+        if self.cluster_token:
+            cmd += ["--initial-cluster-token", self.cluster_token]
         if self.tls is not None:
             cmd += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
                     "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ETCD_START_TIMEOUT_S
+
+    def wait_ready(self, deadline: float) -> None:
+        """Wait until etcd answers its health check, until ``deadline`` (monotonic).
+
+        Raises:
+            RuntimeError: etcd exited, or did not answer in time (then it is stopped).
+        """
+        assert self.proc is not None, "launch() first"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
             if self._answers():
-                return self
+                return
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd did not answer on {self.endpoint} within {ETCD_START_TIMEOUT_S} s")
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL etcd (as a power loss would) and reap it; the data dir stays for a restart."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
     def _answers(self) -> bool:
+        answer = self._request("/health", None)
+        return answer is not None and b"true" in answer
+
+    def _request(self, path: str, body: bytes | None) -> bytes | None:
+        """GET (or, with ``body``, POST) ``path`` on the client port; None when etcd does not answer."""
         import ssl
         import urllib.request
 
@@ -117,10 +161,28 @@ class EtcdServer:
             context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
         scheme = "https" if self.tls else "http"
         try:
-            with urllib.request.urlopen(f"{scheme}://{self.endpoint}/health", timeout=0.5, context=context) as r:
-                return b"true" in r.read()
+            with urllib.request.urlopen(f"{scheme}://{self.endpoint}{path}", data=body, timeout=0.5,
+                                        context=context) as r:
+                return bytes(r.read())
         except OSError:
-            return False
+            return None
+
+    def healthy(self) -> bool:
+        """Whether etcd runs and answers its health check (for a cluster member: it sees a leader)."""
+        return self.running() and self._answers()
+
+    def leader_status(self) -> tuple[int, int] | None:
+        """(this member's id, the leader's id) from etcd's v3 status call; None when it does not
+        answer or knows no leader."""
+        raw = self._request("/v3/maintenance/status", b"{}")
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            me, leader = int(data["header"]["member_id"]), int(data.get("leader", 0))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return (me, leader) if leader else None
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -144,6 +206,91 @@ class EtcdServer:
         self.start()
 
     def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """A real etcd cluster of ``size`` members on loopback: free ports, temporary data dirs, each
+    member a separate process stopped by its PID. Members can be killed and started again on the
+    same data dir (they rejoin the cluster from it)."""
+
+    def __init__(self, size: int = 3, host: str = "127.0.0.1", data_root: str | None = None) -> None:
+        assert size >= 1
+        self._own_root = data_root is None
+        self.data_root = data_root or tempfile.mkdtemp(prefix="elasticd-etcd-cluster-")
+        os.makedirs(self.data_root, exist_ok=True)
+        self.members = [EtcdServer(host, data_dir=os.path.join(self.data_root, f"member-{i}"), name=f"member-{i}")
+                        for i in range(size)]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        token = f"elasticd-{os.getpid()}-{os.path.basename(self.data_root)}"
+        for m in self.members:
+            m.initial_cluster, m.cluster_token = initial, token
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(m.endpoint for m in self.members)
+
+    def start(self) -> EtcdCluster:
+        """Start every member and wait until each answers (a quorum elected a leader).
+
+        Raises:
+            RuntimeError: a member exited or did not answer within ``ETCD_START_TIMEOUT_S``.
+        """
+        for m in self.members:
+            m.launch()
+        deadline = time.monotonic() + ETCD_START_TIMEOUT_S
+        try:
+            for m in self.members:
+                m.wait_ready(deadline)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one member (its data dir stays)."""
+        self.members[index].kill()
+
+    def start_member(self, index: int, deadline: float) -> None:
+        """Start a killed member again on its data dir and wait (until ``deadline``) until it answers.
+
+        Raises:
+            RuntimeError: it exited or did not answer in time.
+        """
+        m = self.members[index]
+        m.launch()
+        m.wait_ready(deadline)
+
+    def leader_index(self) -> int | None:
+        """The index of the member that leads, as a running member reports it; None when no running
+        member answers with a leader."""
+        for m in self.members:
+            if not m.running():
+                continue
+            status = m.leader_status()
+            if status is None:
+                continue
+            leader = status[1]
+            for i, other in enumerate(self.members):
+                other_status = other.leader_status() if other.running() else None
+                if other_status is not None and other_status[0] == leader:
+                    return i
+        return None
+
+    def has_quorum(self) -> bool:
+        """Whether some running member answers its health check (which needs a leader)."""
+        return any(m.healthy() for m in self.members)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop(remove_data=False)
+        if self._own_root:
+            shutil.rmtree(self.data_root, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -240,6 +387,106 @@ def log_events(log_path: Path, name: str) -> list[dict[str, object]]:
         if isinstance(rec, dict) and rec.get("event") == name:
             out.append(rec)
     return out
+
+
+class AuditTail:
+    """Follows the ``<node>.jsonl`` audit files as they grow; yields complete JSON lines only."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def read(self) -> Iterator[tuple[str, dict[str, object]]]:
+        """New records since the last call, as (node, record)."""
+        for path in sorted(self.directory.glob("*.jsonl")):
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                chunk = f.read()
+            self._offsets[path] = self._offsets.get(path, 0) + len(chunk)
+            data = self._partial.pop(path, b"") + chunk
+            *lines, rest = data.split(b"\n")
+            if rest:
+                self._partial[path] = rest
+            for line in lines:
+                if line.strip():
+                    try:
+                        yield path.stem, json.loads(line)
+                    except ValueError:
+                        continue  # a killed worker's last line may be cut short; the audit says so
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    """Signal one process by PID; False when it is gone already."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name: [state, ppid, pgrp, ...]."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...);
+    None when there is no such process (Linux ``/proc``)."""
+    fields = _proc_stat(pid)
+    return fields[0] if fields else None
+
+
+def group_pids(pgids: Collection[int]) -> dict[int, list[int]]:
+    """The live processes of each process group in ``pgids`` (an agent started with ``new_session``
+    leads one, with the workers it started), zombies left out; one pass over Linux ``/proc``."""
+    wanted = {str(g): g for g in pgids}
+    out: dict[int, list[int]] = {g: [] for g in pgids}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _proc_stat(int(entry))
+        if fields and len(fields) > 2 and fields[2] in wanted and fields[0] != "Z":
+            out[wanted[fields[2]]].append(int(entry))
+    for pids in out.values():
+        pids.sort()
+    return out
+
+
+def local_agent_argv(config_file: Path, endpoints: Sequence[str], job_id: str, node: str, nnodes: str,
+                     lease_ttl_s: float, keepalive_s: float, program: Sequence[str], *flags: str) -> list[str]:
+    """The command line of a local ``elasticd`` agent that runs one gloo worker of ``program``,
+    taking its settings from these flags and ``config_file`` only (never /etc/elasticd's)."""
+    return agent_program(
+        "--config", str(config_file),
+        "--etcd", ",".join(endpoints), "--job-id", job_id, "--node-id", node,
+        "--nnodes", nnodes, "--nproc-per-node", "1",
+        "--backend", "gloo",  # every worker on this one machine's CPU, even where CUDA exists
+        "--lease-ttl-s", str(lease_ttl_s), "--keepalive-s", str(keepalive_s),
+        *flags, "--", *program,
+    )
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (inside ``sigterm_raises``): leave through the same cleanup as Ctrl-C."""
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread, so that a runner of a
+    local cluster stops every process it started on that way out too."""
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def agent_program(*args: str) -> list[str]:

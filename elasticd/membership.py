@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 
 import structlog
 
+from elasticd.commit import Fence
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import (
     EtcdUnavailable,
@@ -74,10 +75,14 @@ class KeyValueStore(Protocol):
 
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None,
+        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
     ) -> bool:
-        """Put ``key`` (and delete ``delete_keys``, and put ``put_keys``, unleased) iff its
-        mod_revision is as expected (0: absent), all in one transaction."""
+        """Put ``key`` (under ``lease``, if not 0; and delete ``delete_keys``, and put ``put_keys``,
+        unleased) iff its mod_revision is as expected (0: absent), all in one transaction.
+
+        Raises:
+            LeaseLost: ``lease`` is gone (only when the compare held).
+        """
         ...
 
     def grant_lease(self, ttl_s: float) -> int: ...
@@ -431,6 +436,7 @@ class Action:
     expected_revision: int = 0
     consumed_ready: tuple[str, ...] = ()
     error: str = ""
+    standby: bool = False  # WAIT: the job is at max_workers and healthy; I wait for a place
 
 
 def candidates_of(snap: Snapshot) -> list[ReadyRecord]:
@@ -519,6 +525,9 @@ def next_action(
     if g is not None:
         missing = [m for m in g.members if m in snap.members and m not in ids]
         if missing and not broken:
+            if me.member_id not in g.members and g.world_size >= world.max_workers:
+                return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
+                              f"max_workers {world.max_workers}", standby=True)
             return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
                           f"members {missing} to reach a step boundary")
         last_call = window.entered_at + timeouts.last_call_s
@@ -581,6 +590,59 @@ def next_action(
         expected_revision=snap.generation_revision,
         consumed_ready=tuple(record.members),
     )
+
+
+@dataclass(frozen=True)
+class Health:
+    """What a member of ``current`` makes of a snapshot (``assess_health``)."""
+
+    abandon: bool  # leave the generation at the next chance (a wait in it ends now)
+    reason: str
+    fenced: bool  # and never commit in it again (superseded, aborted, or my lease is gone)
+    join_pending: bool | None  # newcomers would be admitted by a regroup (None: this read cannot tell)
+    newcomers: tuple[str, ...] = ()
+
+
+def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldConfig) -> tuple[str, ...]:
+    """The ready candidates outside ``current`` that a regroup now would take in (pure).
+
+    None while ``current`` is at ``max_workers``: a standby beyond it waits until a member leaves
+    (the generation then breaks and the standby is chosen); forcing generations for it would only
+    slow the job down, since ``rank_order`` would leave it out again."""
+    if current.world_size >= world.max_workers:
+        return ()
+    return tuple(r.member_id for r in candidates_of(snap) if r.member_id not in current.members)
+
+
+def assess_health(snap: Snapshot, current: GenerationRecord, me: str, joined_revision: int,
+                  lease_lost: bool, world: WorldConfig) -> Health:
+    """Whether the generation ``current`` that ``me`` is in can go on, from one snapshot (pure).
+
+    ``joined_revision`` is the generation record's ``mod_revision`` when ``me`` joined it: a
+    snapshot read before that says nothing about this generation, so only ``lease_lost`` counts then.
+    """
+    if lease_lost:
+        return Health(True, "my lease expired", True, None)
+    if snap.generation_revision < joined_revision:
+        return Health(False, "", False, None)
+    if snap.generation is None and snap.generation_revision != 0:
+        # garbage written by hand: reported by snapshot(); not a reason to stop training
+        return Health(False, "", False, None)
+    if snap.generation is None or snap.generation.generation != current.generation:
+        return Health(True, "generation superseded", True, None)
+    if snap.aborted >= current.generation:
+        return Health(True, "generation aborted", True, None)
+    newcomers = newcomers_admitted(snap, current, world)
+    lost = [m for m in current.members if m not in snap.members]
+    if lost:
+        return Health(True, f"members lost their lease: {lost}", False, bool(newcomers), newcomers)
+    # A member that wrote a ready record naming this generation has left it (its step failed, and
+    # it is at the rendezvous): waiting for it in a collective could only end at collective_s.
+    left = [m for m in current.members if m != me and m in snap.ready
+            and snap.ready[m].prev_generation >= current.generation]
+    if left:
+        return Health(True, f"members left the generation: {left}", False, bool(newcomers), newcomers)
+    return Health(False, "", False, bool(newcomers), newcomers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,6 +711,12 @@ class Membership:
         self._warned_malformed: set[str] = set()
         self._progress: Mapping[str, object] | None = None
         self._renewed_at = float("-inf")
+        # The TTL etcd granted (it may raise a short one to its minimum, and rounds to whole
+        # seconds); the fence counts on this one, learned from the renewals' answers.
+        self._granted_ttl_s = timeouts.lease_ttl_s
+        self._etcd_ok = True  # the last etcd request of the background threads was answered
+        self._etcd_down_logged = False
+        self._renew = threading.Event()  # renew now (a commit waits for a renewal)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -659,10 +727,23 @@ class Membership:
     def start(self) -> None:
         """Register and start the keepalive and watcher threads.
 
+        An unreachable etcd is waited for, up to ``etcd_outage_s`` (a worker started during an
+        outage, e.g. one its agent restarted, waits for etcd instead of failing again).
+
         Raises:
-            EtcdUnavailable: etcd could not be reached within the retry bound.
+            EtcdUnavailable: etcd stayed unreachable for ``etcd_outage_s``.
         """
-        self._register()
+        deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
+        while True:
+            try:
+                self._register()
+                break
+            except EtcdUnavailable as exc:
+                if deadline.expired():
+                    raise
+                log.warning("register_waiting_for_etcd", error=str(exc)[:200],
+                            bound_s=round(deadline.remaining_s(), 1))
+                self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
         self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.membership_changes]
         for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop)):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -675,6 +756,7 @@ class Membership:
             return
         self._stop.set()
         self._changed.set()
+        self._renew.set()
         for cancel in self._cancel_watches:
             try:
                 cancel()
@@ -702,6 +784,7 @@ class Membership:
     def _register(self) -> None:
         asked_at = self._clock()
         self._lease = self._store.grant_lease(self._timeouts.lease_ttl_s)
+        self._note_granted(self._store.refresh_lease(self._lease))  # learn the TTL etcd granted
         self._renewed_at = asked_at
         self._store.put(self._keys.member(self.member_id), encode(self.record), lease=self._lease)
         with self._lock:
@@ -718,9 +801,31 @@ class Membership:
         """Hand the latest progress to the keepalive thread, which publishes it (off the hot path)."""
         self._progress = payload
 
+    def _note_granted(self, ttl: float) -> None:
+        """A renewal's answer is the TTL the lease now has: the one etcd granted."""
+        if ttl > 0:
+            self._granted_ttl_s = ttl
+
+    def _etcd_answered(self, ok: bool, error: str = "") -> None:
+        self._etcd_ok = ok
+        if not ok and not self._etcd_down_logged:
+            self._etcd_down_logged = True
+            log.warning("etcd_unreachable", error=error[:300])
+        elif ok and self._etcd_down_logged:
+            self._etcd_down_logged = False
+            log.info("etcd_reachable_again")
+
+    def renew_soon(self) -> None:
+        """Ask the keepalive thread for a renewal now (a step waits for one)."""
+        self._renew.set()
+
     def _keepalive_loop(self) -> None:
         published: Mapping[str, object] | None = None
-        while not self._stop.wait(self._timeouts.keepalive_s):
+        while not self._stop.is_set():
+            self._renew.wait(self._timeouts.keepalive_s)
+            self._renew.clear()
+            if self._stop.is_set():
+                return
             progress = self._progress
             if progress is not None and progress is not published:
                 self.publish_progress(progress)
@@ -734,9 +839,11 @@ class Membership:
             except LeaseLost:
                 ttl = 0.0
             except EtcdUnavailable as exc:
-                log.warning("lease_refresh_failed", error=str(exc))
+                self._etcd_answered(False, str(exc))
                 continue
+            self._etcd_answered(True)
             if ttl > 0 and lease == self._lease:
+                self._note_granted(ttl)
                 self._renewed_at = asked_at
             if ttl <= 0 and lease == self._lease:
                 with self._lock:
@@ -754,8 +861,10 @@ class Membership:
                 return
             try:
                 snap = self.snapshot()
-            except EtcdUnavailable:
+            except EtcdUnavailable as exc:
+                self._etcd_answered(False, str(exc))
                 continue
+            self._etcd_answered(True)
             self._update_health(snap)
 
     def snapshot(self) -> Snapshot:
@@ -776,49 +885,38 @@ class Membership:
             current = self._current
             if current is None:
                 return
-            # A snapshot read before the generation this member joined was published (the watch
-            # thread's read crossing the join) says nothing about that generation: only the
-            # member's own lease counts then.
-            stale = snap.generation_revision < self._joined_revision
-            abandon, why, fenced = False, "", False
-            malformed_generation = snap.generation is None and snap.generation_revision != 0
-            if stale:
-                pass
-            elif malformed_generation:
-                pass  # garbage written by hand: reported by snapshot(); not a reason to stop training
-            elif snap.generation is None or snap.generation.generation != current.generation:
-                abandon, why, fenced = True, "generation superseded", True
-            elif snap.aborted >= current.generation:
-                abandon, why, fenced = True, "generation aborted", True
-            else:
-                lost = [m for m in current.members if m not in snap.members]
-                if lost:
-                    abandon, why = True, f"members lost their lease: {lost}"
-            if self._lease_lost:
-                abandon, why, fenced = True, "my lease expired", True
-            self._fenced = self._fenced or fenced
-            if abandon and not self._abandon:
-                self._abandon, self._abandon_reason = True, why
-                log.warning("generation_abandon_requested", generation=current.generation, cause=why)
-            if stale:
+            h = assess_health(snap, current, self.member_id, self._joined_revision, self._lease_lost, self._world)
+            self._fenced = self._fenced or h.fenced
+            if h.abandon and not self._abandon:
+                self._abandon, self._abandon_reason = True, h.reason
+                log.warning("generation_abandon_requested", generation=current.generation, cause=h.reason)
+            if h.join_pending is None:
                 return
-            cands = candidates_of(snap)
-            pending = any(r.member_id not in current.members for r in cands)
-            if pending and not self._join_pending:
-                log.info("join_requested", generation=current.generation,
-                         newcomers=[r.member_id for r in cands if r.member_id not in current.members])
-            self._join_pending = pending
+            if h.join_pending and not self._join_pending:
+                log.info("join_requested", generation=current.generation, newcomers=list(h.newcomers))
+            self._join_pending = h.join_pending
 
     # -- hot-path flags ---------------------------------------------------------------------
 
-    def may_commit(self) -> bool:
-        """Fencing for a commit: the generation was not superseded or aborted, and this member's lease is
-        certainly still alive (renewed less than ``lease_ttl_s - keepalive_s`` ago). A member that
-        was frozen past its lease must not commit a step its peers have already given up on."""
-        fresh = self._clock() - self._renewed_at < self._timeouts.lease_ttl_s - self._timeouts.keepalive_s
-        # A peer that lost its lease after contributing does not stop this commit: the completed
-        # all_reduce proves every member voted, and refusing here would repeat the step later.
-        return fresh and not self._fenced and not self._lease_lost
+    def lease_fresh(self) -> bool:
+        """This member's lease is certainly alive: renewed less than ``TTL - keepalive_s`` ago (the
+        TTL etcd granted)."""
+        return self._clock() - self._renewed_at < self._granted_ttl_s - self._timeouts.keepalive_s
+
+    def vote(self) -> tuple[bool, bool, bool]:
+        """(veto, stale, reached_etcd) for this member's commit vote (``commit.Vote``): veto when
+        the generation was superseded or aborted or the lease is gone; stale when the lease is not
+        certainly alive (a renewal is then asked for at once); reached_etcd when the last request
+        of the background threads was answered."""
+        stale = not self.lease_fresh()
+        if stale:
+            self._renew.set()
+        return self._fenced or self._lease_lost, stale, self._etcd_ok
+
+    def fence(self) -> Fence:
+        """What this member knows of its own standing once a step's vote is summed."""
+        return Fence(fenced=self._fenced, lease_lost=self._lease_lost, renewed_at=self._renewed_at,
+                     lease_ttl_s=self._granted_ttl_s)
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
@@ -835,12 +933,39 @@ class Membership:
     # -- rendezvous -------------------------------------------------------------------------
 
     def abort(self, generation: int, reason: str) -> None:
-        """Mark ``generation`` broken so every member leaves it at once (best effort)."""
+        """Mark ``generation`` broken so every member leaves it at once.
+
+        Written off the training thread (which goes on to the rendezvous at once), and retried
+        while etcd is unreachable, up to ``etcd_outage_s``: members waiting in a collective of that
+        generation learn it as soon as etcd answers (they also leave when they see this member's
+        ready record). Written by compare-and-set, and never over an abort of a newer generation.
+        """
         rec = AbortRecord(generation=generation, member_id=self.member_id, reason=reason[:200])
-        try:
-            self._store.put(self._keys.abort, encode(rec))
-        except EtcdUnavailable as exc:
-            log.warning("abort_publish_failed", generation=generation, error=str(exc))
+        t = threading.Thread(target=self._publish_abort, args=(rec,), name="elasticd-abort", daemon=True)
+        t.start()
+
+    def _publish_abort(self, rec: AbortRecord) -> None:
+        deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
+        failures = 0
+        while not self._stop.is_set() and not deadline.expired():
+            try:
+                kv = self._store.get(self._keys.abort)
+                if kv is not None:
+                    try:
+                        if decode_abort(kv.value).generation >= rec.generation:
+                            return  # already aborted (or a newer generation is): nothing to add
+                    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                        pass  # garbage: replace it
+                if self._store.compare_and_put(self._keys.abort, kv.mod_revision if kv else 0, encode(rec)):
+                    if failures:
+                        log.info("abort_published", generation=rec.generation, after_failures=failures)
+                    return
+            except EtcdUnavailable as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("abort_publish_failed", generation=rec.generation, error=str(exc)[:300],
+                                retrying_for_s=round(deadline.remaining_s(), 1))
+                self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
 
     def join(
         self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None = None
@@ -854,10 +979,14 @@ class Membership:
                 the step now held. Called (at most once per join) when ``should_load_checkpoint``
                 says so; the ready record then carries the new step.
 
+        Time while etcd does not answer (up to ``etcd_outage_s``) and time as a standby (the job is
+        at ``max_workers`` and healthy; up to ``standby_s``) is added to ``deadline``: a member that
+        holds live state never gives up because etcd is down, and a standby waits for a place.
+
         Raises:
             RendezvousClosed: no generation could be formed before ``deadline``.
             ModelMismatch: this member's model differs from the job's.
-            EtcdUnavailable: etcd stayed unreachable past the retry bound.
+            EtcdUnavailable: etcd stayed unreachable for ``etcd_outage_s``.
         """
         started = self._clock()
         prev = self._current
@@ -873,19 +1002,40 @@ class Membership:
             prev_rank=prev.rank_of(self.member_id) if prev and self.member_id in prev.members else 0,
             signature=self.record.signature,
         )
-        if self._lease_lost:
-            self._register()
-        self._put_ready(ready)
         window = Window(entered_at=started, candidates_changed_at=started)
         last_cands: frozenset[str] = frozenset()
         last_reason = ""
+        excused = {"etcd": 0.0, "standby": 0.0}  # seconds not counted against deadline
+        bounds = {"etcd": self._timeouts.etcd_outage_s, "standby": self._timeouts.standby_s}
+        excuse, since = "", started
+        ready_written = False
         while True:
-            if deadline.expired():
+            t = self._clock()
+            if excuse:
+                excused[excuse] += t - since
+                if excused[excuse] > bounds[excuse]:
+                    raise (EtcdUnavailable if excuse == "etcd" else RendezvousClosed)(
+                        f"{last_reason} for longer than {excuse}_{'outage_' if excuse == 'etcd' else ''}s "
+                        f"({bounds[excuse]:g} s)")
+            excuse, since = "", t
+            if deadline.remaining_s() + sum(excused.values()) <= 0:
                 raise RendezvousClosed(
                     f"no generation formed within the join timeout ({last_reason})"
                 )
             self._changed.clear()
-            snap = self.snapshot()
+            try:
+                if not ready_written:
+                    if self._lease_lost:
+                        self._register()
+                    self._put_ready(ready)
+                    ready_written = True
+                snap = self.snapshot()
+            except EtcdUnavailable as exc:
+                excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
+                self._etcd_answered(False, str(exc))
+                self._stop.wait(self._timeouts.keepalive_s)
+                continue
+            self._etcd_answered(True)
             if resume is not None and should_load_checkpoint(snap, ready.committed_step):
                 held = resume(ready.committed_step)
                 resume = None
@@ -910,24 +1060,31 @@ class Membership:
             if action.kind is ActionKind.STATE_LOST:
                 self.close()
                 raise StateLost(action.error)
-            if action.kind is ActionKind.FINISHED:
-                self._store.delete(self._keys.ready(self.member_id))
-                raise JobFinished(action.reason)
-            if action.kind is ActionKind.REREGISTER:
-                log.warning("member_reregistered", member=self.member_id, cause=action.reason)
-                if self.member_id not in snap.members:
-                    self._register()
-                self._put_ready(ready)
+            try:
+                if action.kind is ActionKind.FINISHED:
+                    self._store.delete(self._keys.ready(self.member_id))
+                    raise JobFinished(action.reason)
+                if action.kind is ActionKind.REREGISTER:
+                    log.warning("member_reregistered", member=self.member_id, cause=action.reason)
+                    if self.member_id not in snap.members:
+                        self._register()
+                    self._put_ready(ready)
+                    continue
+                if action.kind is ActionKind.PUBLISH:
+                    assert action.record is not None
+                    won = self._store.compare_and_put(
+                        self._keys.generation,
+                        action.expected_revision,
+                        encode(action.record),
+                        delete_keys=[self._keys.ready(m) for m in action.consumed_ready],
+                        put_keys=dict([self._published_event(action.record)]),  # the history, same txn
+                    )
+            except EtcdUnavailable as exc:
+                excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
+                self._stop.wait(self._timeouts.keepalive_s)
                 continue
             if action.kind is ActionKind.PUBLISH:
                 assert action.record is not None
-                won = self._store.compare_and_put(
-                    self._keys.generation,
-                    action.expected_revision,
-                    encode(action.record),
-                    delete_keys=[self._keys.ready(m) for m in action.consumed_ready],
-                    put_keys=dict([self._published_event(action.record)]),  # the history, same txn
-                )
                 if won:
                     log.info(
                         "generation_published",
@@ -937,10 +1094,12 @@ class Membership:
                         cause=action.reason,
                     )
                 continue
+            if action.standby:
+                excuse = "standby"
             wait_s = self._timeouts.keepalive_s
             if action.until is not None:
                 wait_s = min(wait_s, max(0.0, action.until - now))
-            self._changed.wait(min(wait_s, deadline.remaining_s()))
+            self._changed.wait(min(wait_s, deadline.remaining_s() + sum(excused.values())))
 
     def _published_event(self, record: GenerationRecord) -> tuple[str, bytes]:
         """The ``generation_published`` event that goes into the publishing transaction."""

@@ -1,13 +1,16 @@
 """Records for operators: node records, drain requests and events (JSON in etcd), pure.
 
-Owns the shape of three kinds of keys under a job (the key names are in ``membership.Keys``):
+Owns the shape of four kinds of keys under a job (the key names are in ``membership.Keys``, but
+for ``save_failed``, named by ``save_failed_key``):
 
 * ``nodes/<node>`` (``NodeRecord``): written by the node agent under its own lease; the agent's pid
   and state, and each local worker's pid, slot state, starts, restarts, last exit, memory and CPU;
 * ``drain/<node>`` (``DrainRecord``): written by ``elasticctl drain``; who asked, and when;
 * ``events/<name>`` (``EventRecord``): one entry of the job's history. ``event_name`` makes names
   that sort by wall-clock time and never collide between writers (time in ns, then the writer's
-  id, then a per-process counter).
+  id, then a per-process counter);
+* ``save_failed`` (``SaveFailedRecord``, not leased): the last durable checkpoint save that failed,
+  written by the rank 0 whose writer thread saw it (time, step, node, directory, errno, error).
 
 Encoding and decoding only: no I/O, no clock reads (times are passed in). Decoders trust nothing
 and raise ``ValueError`` (or ``TypeError``/``UnicodeDecodeError``/``RecursionError``) on garbage,
@@ -73,6 +76,7 @@ class NodeRecord:
     state: str  # the agent's AgentState
     time: float  # wall clock of the write
     workers: tuple[WorkerRecord, ...]
+    since: float | None = None  # wall clock when the agent claimed the node id; None: not recorded
 
     @property
     def restarts(self) -> int:
@@ -86,6 +90,20 @@ class DrainRecord:
     node: str
     requested_by: str
     time: float
+
+
+@dataclass(frozen=True)
+class SaveFailedRecord:
+    """``save_failed``: the job's last failed checkpoint save (a later good save does not delete
+    it; readers compare its time with the ``checkpoint`` record's)."""
+
+    time: float  # wall clock of the failure, on the writer's host
+    step: int
+    generation: int
+    node: str
+    directory: str
+    error: str
+    errno: str | None  # the symbolic errno (ENOSPC, EROFS, ...) of an OSError; None: another error
 
 
 # -- names --------------------------------------------------------------------------------------
@@ -102,6 +120,15 @@ def event_name(time_ns: int, source: str) -> str:
     if "/" in source or not source:
         raise ValueError(f"an event source must be non-empty with no '/', got {source!r}")
     return f"{max(0, time_ns):020d}.{source}.{next(_sequence)}"
+
+
+def save_failed_key(job_key: str) -> str:
+    """The ``save_failed`` key of the job whose keys live under ``job_key`` (``membership.Keys.job``).
+
+    Not a prefix of any other key of the job, so no member's prefix read of the rendezvous keys
+    (``checkpoint`` among them) returns it.
+    """
+    return f"{job_key}/save_failed"
 
 
 def prune_plan(names: list[str], keep: int) -> list[str]:
@@ -123,13 +150,19 @@ def encode_event(record: EventRecord) -> bytes:
 def encode_node(record: NodeRecord) -> bytes:
     return json.dumps({
         "node": record.node, "host": record.host, "agent_pid": record.agent_pid, "state": record.state,
-        "time": record.time,
+        "time": record.time, "since": record.since,
         "workers": [{
             "local_rank": w.local_rank, "pid": w.pid, "state": w.state, "starts": w.starts,
             "restarts": w.restarts, "last_exit": w.last_exit, "rss_bytes": w.rss_bytes,
             "cpu_percent": w.cpu_percent,
         } for w in record.workers],
     }, sort_keys=True).encode()
+
+
+def encode_save_failed(record: SaveFailedRecord) -> bytes:
+    return json.dumps({"time": record.time, "step": record.step, "generation": record.generation,
+                       "node": record.node, "directory": record.directory, "error": record.error,
+                       "errno": record.errno}, sort_keys=True).encode()
 
 
 def encode_drain(record: DrainRecord) -> bytes:
@@ -234,7 +267,8 @@ def decode_node(raw: bytes) -> NodeRecord:
         ))
     return NodeRecord(node=_req_str(data, "node"), host=_req_str(data, "host"),
                       agent_pid=_req_int(data, "agent_pid"), state=_req_str(data, "state"),
-                      time=_req_float(data, "time"), workers=tuple(parsed))
+                      time=_req_float(data, "time"), workers=tuple(parsed),
+                      since=_float(data, "since", optional=True) if "since" in data else None)
 
 
 def decode_drain(raw: bytes) -> DrainRecord:
@@ -246,3 +280,16 @@ def decode_drain(raw: bytes) -> DrainRecord:
     data = _object(raw)
     return DrainRecord(node=_req_str(data, "node"), requested_by=_req_str(data, "requested_by"),
                        time=_req_float(data, "time"))
+
+
+def decode_save_failed(raw: bytes) -> SaveFailedRecord:
+    """Parse a ``save_failed`` record.
+
+    Raises:
+        ValueError: not JSON, not an object, or a field is missing or of the wrong type.
+    """
+    data = _object(raw)
+    return SaveFailedRecord(time=_req_float(data, "time"), step=_req_int(data, "step"),
+                            generation=_req_int(data, "generation"), node=_req_str(data, "node"),
+                            directory=_req_str(data, "directory"), error=_req_str(data, "error"),
+                            errno=_str(data, "errno", optional=True))

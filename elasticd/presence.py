@@ -3,9 +3,14 @@
 Owns one daemon thread per agent that does all of the agent's etcd I/O except lease revocations of
 dead workers, so that etcd never stalls the agent loop (worker supervision, the systemd watchdog):
 
-* it grants a lease (TTL ``lease_ttl_s``), writes ``nodes/<node>`` under it, and renews it every
-  ``keepalive_s``; a lost lease (etcd was away longer than the TTL) is granted anew and the record
-  written again;
+* before the thread starts, ``claim`` creates ``nodes/<node>`` under a new lease (TTL
+  ``lease_ttl_s``) by compare-and-set on absence, so two agents never hold one node id: while
+  another lease holds the record it retries, and refuses once the record outlived
+  ``lease_ttl_s + CLAIM_MARGIN_S`` of waiting (its agent is alive: it renews the lease); the
+  decision is the pure ``decide_claim``;
+* the thread renews the lease every ``keepalive_s``; a lost lease (etcd was away longer than the
+  TTL) is granted anew and the record created again, by the same compare-and-set (another agent
+  that claimed the node id meanwhile keeps it: ``node_record_taken``);
 * it writes the latest record the agent handed over (``update``) when it differs from the last
   one written, and at least every ``stats_interval_s`` (so its ``time`` is a heartbeat);
 * every ``keepalive_s`` it reads ``drain/<node>``; the first time one is there it calls
@@ -24,17 +29,88 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import StrEnum
 
 import structlog
 
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.events import EventLog
-from elasticd.membership import KeyValueStore, Keys
-from elasticd.oprecords import DECODE_ERRORS, DrainRecord, NodeRecord, decode_drain, encode_node
+from elasticd.membership import KeyValue, KeyValueStore, Keys
+from elasticd.oprecords import DECODE_ERRORS, DrainRecord, NodeRecord, decode_drain, decode_node, encode_node
 from elasticd.retry import Clock
 
 log = structlog.get_logger(__name__)
+
+# How much longer than lease_ttl_s a record of a dead agent may outlive its last renewal: etcd rounds
+# a TTL to whole seconds (up to 0.5 s more), grants no less than its minimum (about 2 s with the
+# default election timeout, so lease_ttl_s 1 lives 2 s), and reaps expired leases every 0.5 s.
+CLAIM_MARGIN_S = 2.0
+
+
+class ClaimKind(StrEnum):
+    CLAIM = "claim"  # nodes/<node> is absent: create it under my lease (compare-and-set on absence)
+    CLAIMED = "claimed"  # it is under my lease: mine (my own claim, whose reply was lost)
+    WAIT = "wait"  # another lease holds it: perhaps a crashed agent of this node, not expired yet
+    REFUSE = "refuse"  # another agent holds it: its lease outlived a whole TTL of waiting, or has none
+
+
+@dataclass(frozen=True)
+class ClaimDecision:
+    kind: ClaimKind
+    reason: str
+
+
+def _utc(t: float | None) -> str:
+    if t is None or t <= 0:
+        return "an unknown time"
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe_holder(held: KeyValue) -> str:
+    """Who holds a node record, for people: the agent's pid and host, and since when. Pure."""
+    try:
+        rec = decode_node(held.value)
+    except DECODE_ERRORS:
+        return f"a record that does not parse (lease {held.lease:x})"
+    since = f"since {_utc(rec.since)}" if rec.since else "since before the node record had a start time"
+    return (f"the elasticd agent pid {rec.agent_pid} on host {rec.host}, {since} (state {rec.state}, last "
+            f"written {_utc(rec.time)}, lease {held.lease:x})")
+
+
+def decide_claim(
+    held: KeyValue | None, my_lease: int, waited_s: float, lease_ttl_s: float, margin_s: float = CLAIM_MARGIN_S
+) -> ClaimDecision:
+    """Claim ``nodes/<node>``, wait for it, or refuse the node id. Pure.
+
+    Whether the agent that wrote the record is alive cannot be told from here (it may be this
+    node's own agent before a crash, or one on another host); only its lease can. A lease that is
+    not renewed ends within ``lease_ttl_s`` (plus ``margin_s``) of its last renewal, which was before
+    the waiting began; a record still there after that long is renewed, so its agent is alive.
+
+    Args:
+        held: the record as read now (None: absent).
+        my_lease: the lease this agent claims it under (0: none granted yet).
+        waited_s: seconds since this agent first tried to claim.
+    """
+    if held is None:
+        return ClaimDecision(ClaimKind.CLAIM, "the node id is free")
+    if my_lease and held.lease == my_lease:
+        return ClaimDecision(ClaimKind.CLAIMED, "the record is under my lease (my own claim)")
+    who = describe_holder(held)
+    if not held.lease:
+        return ClaimDecision(ClaimKind.REFUSE, f"it is held by {who}, in a record under no lease, which never "
+                             "expires; delete it if no agent runs this node")
+    bound = lease_ttl_s + margin_s
+    if waited_s < bound:
+        return ClaimDecision(ClaimKind.WAIT, f"it is held by {who}; waiting up to {bound:g} s (lease_ttl_s "
+                             f"{lease_ttl_s:g} + {margin_s:g} s) for that lease to expire, in case its agent is "
+                             "gone")
+    return ClaimDecision(ClaimKind.REFUSE, f"it is held by {who}, whose lease was still renewed after "
+                         f"{waited_s:.1f} s of waiting (lease_ttl_s {lease_ttl_s:g} + {margin_s:g} s): that agent "
+                         "is alive")
 
 
 def agent_source(node: str, pid: int | None = None) -> str:
@@ -74,14 +150,84 @@ class NodePresence:
         self._renewed_at = float("-inf")
         self._drain_seen = False
         self._failing = False
+        self._taken_logged = False
         self._thread: threading.Thread | None = None
 
     @property
     def drain_seen(self) -> bool:
         return self._drain_seen
 
+    def claim(self, record: NodeRecord, wait: Callable[[float], None], stopping: Callable[[], bool],
+              job: str = "") -> ClaimDecision:
+        """Create ``nodes/<node>`` holding ``record`` under a new lease of this agent, before ``start``.
+
+        The record is created by compare-and-set on its absence, so of two agents with one node id
+        at most one gets it. While another lease holds it, this retries every ``keepalive_s`` for up
+        to ``lease_ttl_s + CLAIM_MARGIN_S`` (``decide_claim``): the holder may be this node's agent
+        before a crash, whose lease has not expired yet.
+
+        Args:
+            wait: sleeps at most the seconds given (a stop request may cut it short).
+            stopping: whether the agent was asked to stop (then the waiting ends).
+            job: the job id, for the refusal's message.
+
+        Returns:
+            CLAIMED (the lease and the record are this presence's now), REFUSE (the reason names the
+            other agent), or WAIT (``stopping`` turned true while waiting).
+
+        Raises:
+            EtcdUnavailable: etcd did not answer.
+        """
+        key = self._keys.node(self._node)
+        ttl = self._timeouts.lease_ttl_s
+        started = self._clock()
+        lease = 0
+        announced = False
+        while True:
+            now = self._clock()
+            decision = decide_claim(self._store.get(key), lease, now - started, ttl)
+            if decision.kind is ClaimKind.CLAIM:
+                if not lease or self._store.refresh_lease(lease) <= 0:
+                    lease = self._store.grant_lease(ttl)
+                try:
+                    won = self._store.compare_and_put(key, 0, encode_node(record), lease=lease)
+                except LeaseLost:
+                    lease = 0
+                    continue
+                if not won:
+                    continue  # another agent created it first: read it and decide again
+                decision = ClaimDecision(ClaimKind.CLAIMED, "created the record")
+            if decision.kind is ClaimKind.CLAIMED:
+                with self._lock:
+                    self._latest = record
+                self._lease, self._renewed_at = lease, now
+                self._written, self._written_at = record, now
+                log.info("node_registered", node=self._node, lease=lease, waited_s=round(now - started, 3))
+                return decision
+            if decision.kind is ClaimKind.REFUSE or stopping():
+                self._give_back(lease)
+                if decision.kind is ClaimKind.REFUSE:
+                    decision = ClaimDecision(ClaimKind.REFUSE, f"node_id_taken: node id {self._node!r}"
+                                             f"{f' of job {job!r}' if job else ''} ({key}): {decision.reason}. "
+                                             "Give this agent another node_id (--node-id, ELASTICD_NODE_ID) or "
+                                             "stop the other agent first")
+                    log.error("node_id_taken", node=self._node, key=key, reason=decision.reason)
+                return decision
+            if not announced:
+                log.warning("node_id_held", node=self._node, key=key, reason=decision.reason)
+                announced = True
+            wait(min(self._timeouts.keepalive_s, max(0.0, started + ttl + CLAIM_MARGIN_S - now)))
+
+    def _give_back(self, lease: int) -> None:
+        if not lease:
+            return
+        try:
+            self._store.revoke_lease(lease)
+        except (EtcdUnavailable, LeaseLost) as exc:
+            log.info("node_lease_left_to_expire", node=self._node, lease=lease, error=str(exc)[:200])
+
     def start(self) -> None:
-        """Start the thread (it registers at once; nothing here blocks on etcd)."""
+        """Start the thread (it registers at once unless ``claim`` did; nothing here blocks on etcd)."""
         self._thread = threading.Thread(target=self._run, name="elasticd-node-record", daemon=True)
         self._thread.start()
 
@@ -155,13 +301,37 @@ class NodePresence:
         stale = now - self._written_at >= self._refresh_s
         if latest is not None and (self._written is None or _content(self._written) != _content(latest) or stale):
             try:
-                self._store.put(self._keys.node(self._node), encode_node(latest), lease=self._lease)
+                if self._written is None:
+                    if not self._create(latest):
+                        return
+                else:
+                    self._store.put(self._keys.node(self._node), encode_node(latest), lease=self._lease)
             except LeaseLost:
                 self._lease = 0
                 raise
             self._written, self._written_at = latest, now
         if not self._drain_seen:
             self._check_drain()
+
+    def _create(self, record: NodeRecord) -> bool:
+        """Create the record under the current lease iff it is absent (or already under that lease).
+        Another agent that claimed this node id while our lease was gone keeps it; we do not write.
+
+        Raises:
+            LeaseLost, EtcdUnavailable.
+        """
+        key = self._keys.node(self._node)
+        if self._store.compare_and_put(key, 0, encode_node(record), lease=self._lease):
+            self._taken_logged = False
+            return True
+        held = self._store.get(key)
+        if held is not None and held.lease == self._lease:  # our own create, whose reply was lost
+            self._store.put(key, encode_node(record), lease=self._lease)
+            return True
+        if held is not None and not self._taken_logged:
+            log.error("node_record_taken", node=self._node, key=key, holder=describe_holder(held))
+            self._taken_logged = True
+        return False
 
     def _check_drain(self) -> None:
         kv = self._store.get(self._keys.drain(self._node))

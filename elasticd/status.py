@@ -14,12 +14,22 @@ It never writes to etcd (the only store method it uses is ``get_prefix``), never
 Health (``classify``), first match wins:
 
 * ``finished``: a ``finished`` record exists for the current (or a later) generation.
-* ``down``: no key of the job exists; there is no (parseable) generation; a member of the generation
-  lost its lease; the generation was aborted (a re-rendezvous is under way); or its world size is
-  below ``min_workers`` (when given).
+* ``degraded`` (first): the ``generation`` record does not parse (written by hand), but live members
+  report by their progress records (written within the stall bound) that they train in a
+  generation: health comes from those live records, and they are shown as training.
+* ``down``: no key of the job exists; there is no generation (or a malformed one and no live member
+  reports training); a member of the generation lost its lease; the generation was aborted (a
+  re-rendezvous is under way); or its world size is below ``min_workers`` (when given).
+* ``stalled``: the generation's members are all alive, but none has committed a step (nor finished
+  joining) for longer than the stall bound: ``stall_after_s`` (default ``STALL_AFTER_S``; 0: never
+  stalled), or ``STALL_STEP_FACTOR`` times the slowest member's last step time if that is longer.
+  The last activity is the newest ``time`` of the members' progress records, or the
+  ``generation_published`` event of the generation when none has one yet.
 * ``degraded``: the generation runs, but below ``max_workers`` (when given); without
-  ``max_workers``, some live member is not in the generation.
-* ``healthy``: the generation runs at ``max_workers`` (when given), or holds every live member.
+  ``max_workers``, some live member is not in the generation; or the job's last checkpoint save
+  failed (a ``save_failed`` record newer than the ``checkpoint`` record).
+* ``healthy``: the generation runs at ``max_workers`` (when given), or holds every live member, and
+  no checkpoint save failed since the last good one.
 
 ``min_workers`` and ``max_workers`` are not stored in etcd, so the caller passes them (or not).
 
@@ -27,7 +37,7 @@ Exit codes of ``elasticctl status`` (``JobStatus.exit_code``; ``EXIT_*`` below):
 
 * 0: healthy or finished;
 * 1: degraded;
-* 2: down, no such job, or etcd did not answer (the last one is decided in ``cli.py``).
+* 2: down, stalled, no such job, or etcd did not answer (the last one is decided in ``cli.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from elasticd.membership import (
     AbortRecord,
     CheckpointRecord,
     FinishedRecord,
+    GenerationRecord,
     KeyValue,
     Keys,
     Snapshot,
@@ -56,15 +67,24 @@ from elasticd.oprecords import (
     EventKind,
     EventRecord,
     NodeRecord,
+    SaveFailedRecord,
     decode_drain,
     decode_event,
     decode_node,
+    decode_save_failed,
+    save_failed_key,
 )
 
 EXIT_OK = 0
 EXIT_DEGRADED = 1
 EXIT_DOWN = 2
 RECOVERIES_SHOWN = 5  # how many of the newest ``recovered`` events ``status`` reports
+# Default of ``stall_after_s`` (``elasticctl status --stall-after-s``): no committed step for this long
+# while every member of the generation is alive is a stall. Far above what a recovery takes with
+# the default timeouts (a broken collective is abandoned after ``collective_s`` = 30 s), so a job
+# that recovers is never reported stalled.
+STALL_AFTER_S = 120.0
+STALL_STEP_FACTOR = 10.0  # a job whose steps are slow gets this many step times before it is stalled
 
 
 class PrefixReader(Protocol):
@@ -77,6 +97,7 @@ class Health(StrEnum):
     HEALTHY = "healthy"
     DEGRADED = "degraded"
     DOWN = "down"
+    STALLED = "stalled"
     FINISHED = "finished"
 
     @property
@@ -89,6 +110,7 @@ _EXIT_CODES = {
     Health.FINISHED: EXIT_OK,
     Health.DEGRADED: EXIT_DEGRADED,
     Health.DOWN: EXIT_DOWN,
+    Health.STALLED: EXIT_DOWN,
 }
 
 
@@ -204,6 +226,10 @@ class JobStatus:
     checkpoint: CheckpointRecord | None = None  # the latest good durable checkpoint, if recorded
     checkpoint_age_s: float | None = None  # now - its creation time (wall clocks of two hosts)
     restart: RestartStatus | None = None  # a restart-mode job (unmodified torchrun scripts): its round
+    save_failed: SaveFailedRecord | None = None  # the job's last failed checkpoint save, if recorded
+    save_failing: bool = False  # that failure is newer than the last good checkpoint
+    stall_after_s: float = STALL_AFTER_S  # the bound given (0: stalls not checked)
+    last_activity_age_s: float | None = None  # now - the generation's last commit or join; None: unknown
 
     @property
     def exit_code(self) -> int:
@@ -221,6 +247,7 @@ def read_status(
     now: float,
     min_workers: int | None = None,
     max_workers: int | None = None,
+    stall_after_s: float = STALL_AFTER_S,
 ) -> JobStatus:
     """Read one job's keys and build its status.
 
@@ -230,12 +257,13 @@ def read_status(
         now: the wall clock (``time.time()``), to age progress records written by other hosts.
         min_workers: the job's lower bound, if known (it is not stored in etcd).
         max_workers: the job's upper bound, if known.
+        stall_after_s: how long without a committed step makes the job ``stalled`` (0: never).
 
     Raises:
         EtcdUnavailable: etcd could not be reached within the store's retry bound.
     """
-    return build_status(keys, store.get_prefix(keys.prefix), now=now,
-                        min_workers=min_workers, max_workers=max_workers)
+    return build_status(keys, store.get_prefix(keys.prefix), now=now, min_workers=min_workers,
+                        max_workers=max_workers, stall_after_s=stall_after_s)
 
 
 def build_status(
@@ -245,6 +273,7 @@ def build_status(
     now: float,
     min_workers: int | None = None,
     max_workers: int | None = None,
+    stall_after_s: float = STALL_AFTER_S,
 ) -> JobStatus:
     """The status of a job from its raw keys (pure; see ``read_status`` for the arguments)."""
     rows = list(kvs)
@@ -253,10 +282,20 @@ def build_status(
     node_records, bad_nodes = parse_nodes(keys, rows)
     events, bad_events = parse_events(keys, rows)
     drains, bad_drains = _parse_drains(keys, rows)
+    save_failed, bad_save = _parse_save_failed(keys, rows)
     slots = {(n.node, w.pid): w for n in node_records.values() for w in n.workers if w.pid}
     last_abort = _parse_abort(keys, rows)
     g = snap.generation
     in_generation = set(g.members) if g else set()
+    derived = derived_generation(snap, progress, now, stall_after_s)
+    if derived is not None:  # the record is garbage, but these members train: show them so
+        in_generation = set(derived[1])
+    published: dict[int, float] = {}
+    for _, e in events:
+        number = e.detail.get("generation")
+        if e.kind == EventKind.GENERATION_PUBLISHED and isinstance(number, int) and not isinstance(number, bool):
+            published[number] = max(e.time, published.get(number, e.time))
+    activity = last_activity(g.members, progress, published.get(g.generation)) if g else None
     members = []
     for mid, rec in snap.members.items():
         ready = snap.ready.get(mid)
@@ -279,7 +318,8 @@ def build_status(
             local_rank=rec.local_rank,
             pid=rec.pid,
             host=rec.host,
-            rank=g.rank_of(mid) if g is not None and mid in in_generation else None,
+            rank=(g.rank_of(mid) if g is not None else prog.rank if prog is not None else None)
+            if mid in in_generation else None,
             state=state,
             committed_step=step,
             step_time_s=prog.step_time_s if prog else None,
@@ -295,7 +335,10 @@ def build_status(
     root, _, job_id = keys.job.rpartition("/")
     restart_view = parse_view(RestartKeys(root, job_id), rows)
     restart = _restart_status(restart_view)
-    health, reason = classify(snap, bool(rows), keys.prefix, min_workers, max_workers)
+    failing = save_failing(save_failed, snap.checkpoint)
+    health, reason = classify(snap, bool(rows), keys.prefix, min_workers, max_workers, now=now,
+                              progress=progress, stall_after_s=stall_after_s, activity=activity,
+                              save_failed=save_failed if failing else None)
     if snap.generation is None and snap.finished is None and restart is not None:
         health, reason = classify_restart(restart, min_workers, max_workers)
     return JobStatus(
@@ -309,7 +352,8 @@ def build_status(
         missing=tuple(m for m in g.members if m not in snap.members) if g else (),
         finished=snap.finished,
         last_abort=last_abort,
-        malformed=snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events + restart_view.malformed,
+        malformed=(snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events + restart_view.malformed
+                   + bad_save),
         min_workers=min_workers,
         max_workers=max_workers,
         nodes=tuple(
@@ -323,6 +367,10 @@ def build_status(
         checkpoint=snap.checkpoint,
         restart=restart,
         checkpoint_age_s=now - snap.checkpoint.time if snap.checkpoint and snap.checkpoint.time else None,
+        save_failed=save_failed,
+        save_failing=failing,
+        stall_after_s=stall_after_s,
+        last_activity_age_s=now - activity if activity is not None else None,
     )
 
 
@@ -424,10 +472,68 @@ def classify_restart(r: RestartStatus, min_workers: int | None, max_workers: int
     return Health.HEALTHY, f"restart mode: round {r.round} runs with world size {r.world_size}"
 
 
+def stall_bound(stall_after_s: float, step_times: Iterable[float | None]) -> float:
+    """How long without activity makes a job stalled (pure): ``stall_after_s``, or
+    ``STALL_STEP_FACTOR`` times the slowest of ``step_times`` if that is longer."""
+    slowest = max((t for t in step_times if t is not None), default=0.0)
+    return max(stall_after_s, STALL_STEP_FACTOR * slowest)
+
+
+def last_activity(members: Iterable[str], progress: Mapping[str, Progress], published_at: float | None) -> float | None:
+    """The wall-clock time of a generation's last sign of life (pure): the newest progress record of
+    its members (written at each commit and when a member finished joining), else the time its
+    ``generation_published`` event says; None when neither is known."""
+    times = [progress[m].time for m in members if m in progress]
+    if published_at is not None:
+        times.append(published_at)
+    return max(times, default=None)
+
+
+def derived_generation(
+    snap: Snapshot, progress: Mapping[str, Progress], now: float, stall_after_s: float
+) -> tuple[int, tuple[str, ...]] | None:
+    """When the ``generation`` record does not parse: (number, members in rank order) of the
+    newest generation that live members report training in, by progress records younger than the
+    stall bound (pure). None when the record parses or is absent, or no live member reports."""
+    if snap.generation is not None or not snap.generation_revision:
+        return None
+    bound = stall_bound(stall_after_s or STALL_AFTER_S, (p.step_time_s for p in progress.values()))
+    fresh = {m: p for m, p in progress.items() if m in snap.members and now - p.time <= bound}
+    if not fresh:
+        return None
+    number = max(p.generation for p in fresh.values())
+    members = sorted((m for m, p in fresh.items() if p.generation == number), key=lambda m: (fresh[m].rank, m))
+    return number, tuple(members)
+
+
+def save_failing(failed: SaveFailedRecord | None, checkpoint: CheckpointRecord | None) -> bool:
+    """The job's latest checkpoint save failed (pure): a ``save_failed`` record exists and no good
+    checkpoint was recorded after it (by the records' wall-clock times; by step when the
+    ``checkpoint`` record has no time)."""
+    if failed is None:
+        return False
+    if checkpoint is None:
+        return True
+    if checkpoint.time:
+        return failed.time > checkpoint.time
+    return failed.step >= checkpoint.step
+
+
 def classify(
-    snap: Snapshot, any_keys: bool, prefix: str, min_workers: int | None, max_workers: int | None
+    snap: Snapshot, any_keys: bool, prefix: str, min_workers: int | None, max_workers: int | None, *,
+    now: float = 0.0, progress: Mapping[str, Progress] | None = None, stall_after_s: float = 0.0,
+    activity: float | None = None, save_failed: SaveFailedRecord | None = None,
 ) -> tuple[Health, str]:
-    """The health of a job and a one-line reason (pure; the rules are in the module docstring)."""
+    """The health of a job and a one-line reason (pure; the rules are in the module docstring).
+
+    Args:
+        now: the wall clock the records are aged against.
+        progress: the members' progress records, by member id.
+        stall_after_s: see ``stall_bound`` (0: stalls are not checked).
+        activity: the generation's last sign of life (``last_activity``), if known.
+        save_failed: the failed save, when it is newer than the last good checkpoint.
+    """
+    progress = progress or {}
     g = snap.generation
     if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
         return Health.FINISHED, (f"finished at step {snap.finished.step} "
@@ -435,6 +541,14 @@ def classify(
     if not any_keys:
         return Health.DOWN, f"no such job: nothing under {prefix}"
     if g is None:
+        derived = derived_generation(snap, progress, now, stall_after_s)
+        if derived is not None:
+            number, members = derived
+            newest = max(progress[m].time for m in members)
+            step = max(progress[m].step for m in members)
+            return Health.DEGRADED, (f"the generation record is malformed (see malformed), but {len(members)} "
+                                     f"live member(s) train in generation {number} by their progress records "
+                                     f"(step {step}, {now - newest:.1f}s ago)")
         if snap.generation_revision:
             return Health.DOWN, "the generation record is malformed (see malformed)"
         alive = [r for r in snap.ready.values() if r.member_id in snap.members]
@@ -449,6 +563,23 @@ def classify(
         return Health.DOWN, f"generation {g.generation} was aborted; re-rendezvous pending"
     if min_workers is not None and g.world_size < min_workers:
         return Health.DOWN, f"world size {g.world_size} < min_workers {min_workers}"
+    if stall_after_s > 0 and activity is not None:
+        bound = stall_bound(stall_after_s, (progress[m].step_time_s for m in g.members if m in progress))
+        if now - activity > bound:
+            steps = [progress[m].step for m in g.members if m in progress]
+            at = f"step {max(steps)}" if steps else "no step yet"
+            return Health.STALLED, (f"no step committed for {now - activity:.1f}s (> {bound:g}s) by the "
+                                    f"{g.world_size} live member(s) of generation {g.generation} ({at})")
+    health, reason = _size_health(snap, g, max_workers)
+    if save_failed is not None:
+        what = f"the last checkpoint save failed (step {save_failed.step}: {save_failed.errno or save_failed.error})"
+        if health is Health.HEALTHY:
+            return Health.DEGRADED, what
+        reason += f"; {what}"
+    return health, reason
+
+
+def _size_health(snap: Snapshot, g: GenerationRecord, max_workers: int | None) -> tuple[Health, str]:
     if max_workers is not None:
         if g.world_size < max_workers:
             return Health.DEGRADED, f"world size {g.world_size} < max_workers {max_workers}"
@@ -459,6 +590,17 @@ def classify(
         return Health.DEGRADED, (f"{len(outside)} live member(s) not in generation {g.generation} "
                                  f"(world size {g.world_size})")
     return Health.HEALTHY, f"all {g.world_size} live members are in generation {g.generation}"
+
+
+def _parse_save_failed(keys: Keys, rows: Sequence[KeyValue]) -> tuple[SaveFailedRecord | None, tuple[str, ...]]:
+    key = save_failed_key(keys.job)
+    for kv in rows:
+        if kv.key == key:
+            try:
+                return decode_save_failed(kv.value), ()
+            except DECODE_ERRORS as exc:
+                return None, (f"{kv.key}: {exc}",)
+    return None, ()
 
 
 def _parse_progress(keys: Keys, rows: Sequence[KeyValue]) -> tuple[dict[str, Progress], tuple[str, ...]]:
@@ -618,6 +760,18 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "bytes": status.checkpoint.bytes,
             "age_s": _round(status.checkpoint_age_s, 3),
         },
+        "save_failed": None if status.save_failed is None else {
+            "time": status.save_failed.time,
+            "step": status.save_failed.step,
+            "generation": status.save_failed.generation,
+            "node": status.save_failed.node,
+            "directory": status.save_failed.directory,
+            "errno": status.save_failed.errno,
+            "error": status.save_failed.error,
+            "failing": status.save_failing,
+        },
+        "stall_after_s": status.stall_after_s,
+        "last_activity_age_s": _round(status.last_activity_age_s, 3),
     }
 
 
@@ -651,6 +805,8 @@ def render_table(status: JobStatus) -> str:
          f"{_clean(status.last_abort.reason)}"),
         ("checkpoint", _checkpoint_line(status)),
     ]
+    if status.save_failed is not None:
+        lines.append(("save error", _save_failed_line(status)))
     r = status.restart
     if r is not None:
         lines.append(("restart", f"mode restart: round {r.round} ({_clean(r.reason)}), world size {r.world_size} = "
@@ -721,6 +877,14 @@ def _checkpoint_line(status: JobStatus) -> str:
         return "none recorded"
     age = "" if status.checkpoint_age_s is None else f", {status.checkpoint_age_s:.1f}s ago"
     return f"step {ck.step} on {_clean(ck.node)}: {_clean(ck.path)} ({ck.bytes} bytes{age})"
+
+
+def _save_failed_line(status: JobStatus) -> str:
+    f = status.save_failed
+    assert f is not None
+    when = "the latest save" if status.save_failing else "a good checkpoint was saved since"
+    return (f"{when}: step {f.step} at {_utc(f.time)} on {_clean(f.node)} into {_clean(f.directory)}: "
+            f"{_clean(f.error)}")
 
 
 def _row(m: MemberStatus) -> tuple[str, ...]:

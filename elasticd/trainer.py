@@ -23,11 +23,23 @@ import torch
 
 from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
 from elasticd.collectives import GradientReducer, barrier
+from elasticd.commit import Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.config import CheckpointConfig, WorkerEnv
-from elasticd.durable import CheckpointWriter, LoadedCheckpoint, SavedCheckpoint, job_dir, load_latest
+from elasticd.durable import (
+    CheckpointWriter,
+    LoadedCheckpoint,
+    SavedCheckpoint,
+    describe_failure,
+    job_dir,
+    load_latest,
+    new_model_refusal,
+    other_models,
+)
 from elasticd.errors import (
+    CheckpointModelChanged,
     CheckpointTransferError,
     CollectiveError,
+    EtcdUnavailable,
     JobFinished,
     RestartsExhausted,
 )
@@ -42,7 +54,7 @@ from elasticd.membership import (
     Membership,
     new_member_id,
 )
-from elasticd.oprecords import EventKind
+from elasticd.oprecords import EventKind, SaveFailedRecord, encode_save_failed, save_failed_key
 from elasticd.process_group import Group, GroupFactory, StoreServer
 from elasticd.retry import Deadline
 from elasticd.sampler import Batch, BatchMode, ElasticSampler
@@ -152,6 +164,7 @@ class ElasticTrainer:
         self._failed_at = 0.0
         self._failures_this_step = 0
         self._pending: Batch | None = None
+        self._retrying_since: float | None = None  # monotonic: the step is being deferred since then
         self._draining = False
         self._drained = False
         self._finished_together = False
@@ -318,11 +331,13 @@ class ElasticTrainer:
         started = time.monotonic()
         group = self.group
         n_local = len(batch.indices)
-        vote = [
-            float(loss.detach()) * batch.weight if n_local else 0.0,
-            0.0,
-            1.0 if self._membership.join_pending() or self._draining else 0.0,
-        ]
+        weighted_loss = float(loss.detach()) * batch.weight if n_local else 0.0
+        membership, draining = self._membership, self._draining
+
+        def vote() -> list[float]:  # called right before the last bucket goes out
+            veto, stale, reached = membership.vote()
+            return Vote(weighted_loss, veto, membership.join_pending() or draining, stale, reached).slots()
+
         timeouts = self.env.timeouts  # begin() zeroes the gradients: they are views into its buckets
         try:
             self._reducer.begin(group, batch.weight, vote)
@@ -335,12 +350,15 @@ class ElasticTrainer:
             self._reducer.cancel()
             self._fail(exc)
             return None
-        if summed[1] > 0:
-            self._fail(CollectiveError(f"{int(summed[1])} member(s) vetoed step {batch.step}"))
+        tally = Tally.from_slots(summed)
+        verdict = commit_outcome(tally, group.world_size, membership.fence(), time.monotonic())
+        if verdict.outcome is Outcome.RETRY:
+            self._retry_step(batch, verdict)
             return None
-        if not self._membership.may_commit():
-            self._fail(CollectiveError(f"step {batch.step} not committed: lease not fresh or generation abandoned"))
+        if verdict.outcome is Outcome.ABORT:
+            self._fail(CollectiveError(f"step {batch.step} not committed: {verdict.reason}"))
             return None
+        self._retrying_since = None
         self.optimizer.step()
         c = self.state.counters
         c.step = batch.step
@@ -348,12 +366,12 @@ class ElasticTrainer:
         c.epoch, c.position = self.sampler.normalize(c.epoch, c.position, group.world_size)
         self._failures_this_step = 0
         duration = time.monotonic() - started
-        result = StepResult(c.step, summed[0], group.generation, group.world_size, duration)
+        result = StepResult(c.step, tally.loss, group.generation, group.world_size, duration)
         self.last_result = result
         if self._draining:
             self._drained = True
             log.info("drained", generation=group.generation, rank=group.rank, step=c.step)
-        elif summed[2] > 0:
+        elif verdict.regroup:
             self._need_rendezvous, self._cause = True, "regroup"
             self._cause_detail = ""
             self._failed_at = time.monotonic()
@@ -366,9 +384,23 @@ class ElasticTrainer:
 
     # -- failure and recovery ---------------------------------------------------------------
 
+    def _retry_step(self, batch: Batch, verdict: Verdict) -> None:
+        """Every member agreed to apply nothing and do the step again in this group (a lease
+        renewal is pending). Bounded: a lease that neither renews nor expires within twice the
+        lease TTL makes the step fail, and the members regroup."""
+        now = time.monotonic()
+        if self._retrying_since is None:
+            self._retrying_since = now
+            log.info("step_deferred", generation=self.group.generation if self.group else 0, rank=self.rank,
+                     step=batch.step, reason=verdict.reason)
+        elif now - self._retrying_since > 2 * self.env.timeouts.lease_ttl_s:
+            self._retrying_since = None
+            self._fail(CollectiveError(f"step {batch.step} deferred for over 2 x lease_ttl_s: {verdict.reason}"))
+
     def _fail(self, exc: BaseException) -> None:
         assert self._membership is not None
         gen = self.group.generation if self.group else 0
+        self._retrying_since = None
         self._failures_this_step += 1
         log.warning("step_failed", generation=gen, rank=self.rank, step=self.state.counters.step + 1,
                     error=str(exc)[:300], attempt=self._failures_this_step)
@@ -477,7 +509,7 @@ class ElasticTrainer:
                 self._checkpoint_dir(), job_id=self.env.world.job_id, node=self.env.node_id,
                 signature=self.state.signature, every_steps=c.checkpoint_every_steps,
                 every_s=c.checkpoint_every_s, keep=c.checkpoint_keep, wait_s=c.checkpoint_wait_s,
-                on_saved=self._on_checkpoint_saved,
+                on_saved=self._on_checkpoint_saved, on_failed=self._on_checkpoint_failed,
             )
         if self._writer.due(self.state.counters.step):
             self._writer.save(self.state, generation)
@@ -490,11 +522,56 @@ class ElasticTrainer:
                 step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
                 bytes=m.file_bytes, time=m.created))
 
+    def _on_checkpoint_failed(self, step: int, exc: Exception) -> None:
+        """On the writer thread: record the failed save in etcd (``save_failed``, best effort), so
+        that ``elasticctl status`` shows it and not only the logs."""
+        if self._store is None:
+            return
+        code, text = describe_failure(exc)
+        gen = self.group.generation if self.group is not None else 0
+        record = SaveFailedRecord(time=time.time(), step=step, generation=gen, node=self.env.node_id,
+                                  directory=str(self._checkpoint_dir()), error=text[:500], errno=code)
+        key = save_failed_key(Keys(self.env.etcd.prefix, self.env.world.job_id).job)
+        try:
+            self._store.put(key, encode_save_failed(record))
+        except EtcdUnavailable as exc2:
+            log.warning("checkpoint_failure_publish_failed", step=step, error=str(exc2))
+
+    def _refuse_new_model(self, held_step: int) -> None:
+        """A worker about to start from step 1 (it holds nothing and found no checkpoint of its
+        model) stops if the directory holds another model's checkpoints, unless allowed.
+
+        Raises:
+            CheckpointModelChanged: it must not start over (nothing is deleted).
+        """
+        if held_step >= 0:
+            return  # it holds state already: it does not start over
+        directory = self._checkpoint_dir()
+        others = other_models(directory, self.state.signature)
+        why = new_model_refusal(directory, self.state.signature, others,
+                                self.checkpoint.checkpoint_allow_new_model)
+        if why is not None:
+            log.error("checkpoint_model_changed", directory=str(directory), signature=self.state.signature[:12],
+                      others={sig[:12]: len(steps) for sig, steps in others.items()},
+                      action="stopping; nothing was deleted")
+            raise CheckpointModelChanged(why)
+        if others:
+            log.warning("checkpoint_new_model_started", directory=str(directory),
+                        signature=self.state.signature[:12],
+                        others={sig[:12]: len(steps) for sig, steps in others.items()},
+                        reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept")
+
     def _resume(self, held_step: int) -> int:
         """Called by the rendezvous when no live member holds the job's state: load the newest good
-        checkpoint newer than ``held_step`` from the directory; return the step now held."""
+        checkpoint newer than ``held_step`` from the directory; return the step now held.
+
+        Raises:
+            CheckpointModelChanged: nothing of this model is there, another model's checkpoints
+                are, and ``checkpoint_allow_new_model`` is off.
+        """
         loaded = load_latest(self._checkpoint_dir(), self.state, newer_than=held_step)
         if loaded is None:
+            self._refuse_new_model(held_step)
             return held_step
         self._has_state, self._from_disk, self.resumed_from = True, True, loaded
         m = loaded.manifest

@@ -7,7 +7,8 @@ Only for what a real server would make slow: revisions, compare-and-set and leas
   a lease that ends with keys attached) advances it by exactly one, and all keys changed by that
   operation carry it as their ``mod_revision``; ``create_revision`` stays until the key is deleted;
 * ``compare_and_put`` compares the key's ``mod_revision`` (0: the key must be absent) and, on
-  success, puts the key and deletes ``delete_keys`` in the same revision;
+  success, puts the key (under ``lease``, if one is given) and deletes ``delete_keys`` in the same
+  revision;
 * leases run on a ``ManualClock``; a lease whose TTL has passed is expired (its keys deleted) at the
   start of the next call, so time only moves when a test says so;
 * a put or revoke naming a lease that no longer exists raises ``LeaseLost``, like ``EtcdClient``;
@@ -171,7 +172,7 @@ class FakeKeyValueStore:
 
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None,
+        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
     ) -> bool:
         deletes = list(delete_keys)
         extra = dict(put_keys or {})
@@ -180,9 +181,11 @@ class FakeKeyValueStore:
             current = self._data.get(key)
             actual = current.mod_revision if current is not None else 0
             ok = actual == expected_mod_revision
-            if ok:
+            # etcd checks the lease of the branch it takes only: a failed compare is no error
+            raise_lost = ok and bool(lease) and lease not in self._leases
+            if ok and not raise_lost:
                 self.revision += 1
-                self._put(key, value, 0)
+                self._put(key, value, lease)
                 changed.append(key)
                 for k in deletes:
                     if k != key and self._delete(k):
@@ -191,6 +194,8 @@ class FakeKeyValueStore:
                     self._put(k, v, 0)
                     changed.append(k)
         self._notify(changed)
+        if raise_lost:
+            raise LeaseLost(f"compare_and_put: the lease {lease} no longer exists")
         return ok
 
     def grant_lease(self, ttl_s: float) -> int:

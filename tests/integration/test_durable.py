@@ -292,3 +292,39 @@ def test_a_read_only_directory_is_reported_and_training_goes_on(local_job: Any, 
     assert max(e["step"] for e in errors) == 150 and len(errors) >= (150 - at) // 10 - 1
     assert _good(directory) == frozen
     _intact(directory, frozen[0])
+
+
+def test_a_changed_model_keeps_the_old_checkpoints_and_starts_over_only_when_allowed(
+    local_job: Any, tmp_path: Path
+) -> None:
+    """Model A trains and checkpoints; model B (a wider hidden layer) is started for the same job
+    id and directory after the etcd keys are gone (a fresh etcd prefix stands for a new cluster)."""
+    ckpt = tmp_path / "ckpt"
+    flags = ("--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "10")
+    first = local_job(min_workers=1)
+    first.spawn("--steps", "40", *flags, "--checkpoint-keep", "2")
+    assert first.wait_all(120) == [0], first.logs_tail()
+    directory = job_dir(ckpt, first.job_id)
+    files_a = sorted(os.listdir(directory))
+    assert _good(directory) == [40, 30]
+    (sig_a,) = {read_manifest(e.manifest_path).signature for e in scan(directory) if e.manifest_path}
+
+    refused = _restart(local_job, first, min_workers=1)
+    refused.spawn("--steps", "30", "--hidden", "64", *flags, "--checkpoint-keep", "1", etcd_prefix="/elasticd-b")
+    assert refused.wait_all(120) == [2], refused.logs_tail()
+    text = refused.workers[0].log_text()
+    assert "CheckpointModelChanged" in text and str(directory) in text and sig_a[:12] in text, text[-3000:]
+    assert '"checkpoint_model_changed"' in text and '"step_committed"' not in text
+    assert sorted(os.listdir(directory)) == files_a  # nothing deleted, nothing written
+
+    allowed = _restart(local_job, first, min_workers=1)
+    allowed.spawn("--steps", "30", "--hidden", "64", *flags, "--checkpoint-keep", "1", etcd_prefix="/elasticd-c",
+                  checkpoint_allow_new_model="true")
+    assert allowed.wait_all(120) == [0], allowed.logs_tail()
+    assert '"checkpoint_new_model_started"' in allowed.workers[0].log_text()
+    assert not [r for r in _records(allowed.dir) if r["event"] == "resume"]  # from step 1
+    rep = allowed.audit()
+    assert rep.ok and rep.last_step == 30, rep.violations
+    by_model = {(read_manifest(e.manifest_path).signature == sig_a, e.step) for e in scan(directory) if e.manifest_path}
+    assert by_model == {(True, 40), (True, 30), (False, 30)}  # A's two kept; B keeps its newest one
+    assert set(files_a) <= set(os.listdir(directory))

@@ -182,6 +182,8 @@ def test_a_bad_variable_is_named_when_a_flag_falls_back_on_the_environment() -> 
         (["status", "--max-workers", "0"], "argument --max-workers: expected an integer >= 1"),
         (["status", "--min-workers", "3", "--max-workers", "2"], "--min-workers (3) must be <= --max-workers (2)"),
         (["status", "--count", "2"], "--count only applies with --watch"),
+        (["status", "--stall-after-s", "-1"], "argument --stall-after-s: expected a number of seconds >= 0"),
+        (["status", "--stall-after-s", "inf"], "argument --stall-after-s: expected a number of seconds >= 0"),
         (["status", "--bogus"], "unrecognized arguments: --bogus"),
         (["drain"], "required: NODE"),
         (["drain", "a/b"], "argument NODE: a node id is non-empty"),

@@ -145,3 +145,38 @@ def test_garbage_written_into_etcd_is_reported_and_the_job_goes_on(local_job, et
     assert rep.ok, rep.violations
     assert rep.last_step == 200
     assert "malformed_record_ignored" in job.workers[0].log_text()
+
+
+def test_an_etcd_outage_without_a_membership_change_does_not_stop_training(local_job, etcd_server):
+    """With no membership change the data plane does not need etcd (issue 10): through an outage
+    of several lease TTLs (etcd SIGKILLed, restarted on the same data dir), training goes on, no
+    worker exits, nothing regroups, and when etcd is back the leases are renewed in place."""
+    job = local_job(min_workers=2)
+    for _ in range(2):
+        job.spawn("--steps", "100000", *SLOW)
+    job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
+    etcd_server.kill()
+    try:
+        at_kill = job.committed()
+        job.wait_for(lambda: job.committed() >= at_kill + 100, 60, "commits during the etcd outage")
+        outage_end = time.monotonic() + 8.0  # 4 lease TTLs in all, then etcd comes back
+        while time.monotonic() < outage_end:
+            assert all(w.alive() for w in job.workers), job.logs_tail()
+            time.sleep(0.1)
+        during = job.committed() - at_kill
+    finally:
+        etcd_server.start()
+    after_restart = job.committed()
+    job.wait_for(lambda: job.committed() >= after_restart + 100, 60, "training after etcd returned")
+    for w in job.workers:
+        w.signal(signal.SIGTERM)  # drain: finish the step and leave
+    codes = job.wait_all(60)
+    assert codes == [0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert during >= 100, during
+    assert list(rep.generations) == [1], rep.generations  # no regroup: one generation throughout
+    for w in job.workers:
+        text = w.log_text()
+        assert '"step_failed"' not in text, text[-3000:]
+        assert "etcd_unreachable" in text and "etcd_reachable_again" in text, text[-3000:]

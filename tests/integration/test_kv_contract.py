@@ -240,6 +240,35 @@ class KeyValueStoreContract:
         assert ok is False
         assert kv.store.get(kv.k("events/2")) is None
 
+    def test_cas_on_absence_under_a_lease_creates_a_key_that_dies_with_it(self, kv: Harness) -> None:
+        # how an agent claims nodes/<node>: the record is born leased, or not at all
+        lease, other = kv.store.grant_lease(5), kv.store.grant_lease(5)
+        try:
+            ok = kv.store.compare_and_put(kv.k("nodes/a"), 0, b"mine", put_keys={kv.k("events/1"): b"e"},
+                                          lease=lease)
+            assert ok is True
+            got, event = kv.store.get(kv.k("nodes/a")), kv.store.get(kv.k("events/1"))
+            assert got is not None and got.value == b"mine" and got.lease == lease
+            assert event is not None and event.lease == 0  # only the compared key is leased
+            assert kv.store.compare_and_put(kv.k("nodes/a"), 0, b"theirs", lease=other) is False
+            again = kv.store.get(kv.k("nodes/a"))
+            assert again is not None and again.value == b"mine" and again.lease == lease
+            kv.store.revoke_lease(lease)
+            assert kv.store.get(kv.k("nodes/a")) is None
+            assert kv.store.get(kv.k("events/1")) is not None
+        finally:
+            kv.store.revoke_lease(other)
+
+    def test_cas_under_a_gone_lease_is_lease_lost_only_when_the_compare_holds(self, kv: Harness) -> None:
+        lease = kv.store.grant_lease(5)
+        kv.store.revoke_lease(lease)
+        with pytest.raises(LeaseLost):
+            kv.store.compare_and_put(kv.k("nodes/a"), 0, b"mine", lease=lease)
+        assert kv.store.get(kv.k("nodes/a")) is None
+        kv.store.put(kv.k("nodes/b"), b"held")
+        # etcd checks the lease of the branch it takes only: a failed compare is no error
+        assert kv.store.compare_and_put(kv.k("nodes/b"), 0, b"mine", lease=lease) is False
+
     # -- leases -------------------------------------------------------------------------------
 
     def test_lease_grant_attach_refresh(self, kv: Harness) -> None:

@@ -268,3 +268,62 @@ def test_agent_sends_ready_watchdog_status_and_stopping_to_its_notify_socket(age
         assert agent.wait(30) == 0, agent.log_text()[-2000:]
     finally:
         sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_second_agent_with_the_same_node_id_is_refused_and_the_first_trains_on(agent_job):
+    """Issue 10: the second agent exits 2 naming the first (host, pid, since when) after waiting out
+    one lease TTL (plus the margin) for a crashed agent's record; it starts no worker, and the first
+    agent's worker goes on committing in the same generation."""
+    from elasticd.presence import CLAIM_MARGIN_S
+
+    ttl = 2.0
+    job = agent_job(lease_ttl_s=ttl, keepalive_s=0.5, min_workers=1)
+    first = job.start("a", steps=100_000)
+    job.wait_for(lambda: len(job.commits("a")) >= 3, 60, "the first agent's worker to commit")
+    generation = job.commits("a")[-1]["generation"]
+    dup_audit = job.dir / "a-duplicate.jsonl"
+    argv = ["--etcd", job.etcd.endpoint, "--job-id", job.job_id, "--node-id", "a", "--",
+            *MLP[:-1], "100000", "--audit", str(dup_audit)]
+    started = time.monotonic()
+    second = AgentProcess(argv, _env(**job.settings), job.dir / "agent-a-duplicate.log")
+    job.agents["a (duplicate)"] = second  # killed in teardown too
+    assert second.wait(30) == 2, job.logs_tail()
+    took = time.monotonic() - started
+    assert ttl + CLAIM_MARGIN_S <= took < ttl + CLAIM_MARGIN_S + 15, took
+    last = second.log_text().splitlines()[-1]  # the reason, on stderr
+    assert last.startswith(f"elasticd: node_id_taken: node id 'a' of job '{job.job_id}'"), last
+    assert f"the elasticd agent pid {first.pid} on host 127.0.0.1, since 20" in last, last
+    assert "--node-id" in last
+    assert not second.events("worker_started") and not dup_audit.exists()
+    assert second.events("node_id_held") and second.events("node_id_taken")
+    # the first agent and its worker never noticed: more commits, in the same generation
+    seen = len(job.commits("a"))
+    job.wait_for(lambda: len(job.commits("a")) >= seen + 10, 30, "the first agent's worker to commit on")
+    assert first.proc.poll() is None
+    assert {r["generation"] for r in job.commits("a")} == {generation}
+    assert not first.events("worker_exited")
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_restarted_after_a_crash_waits_out_its_old_record_and_takes_the_node_id_back(agent_job):
+    """The old record of a SIGKILLed agent still holds the node id until its lease expires; the new
+    agent (as systemd would restart it) waits that out instead of being refused."""
+    from elasticd.presence import CLAIM_MARGIN_S
+
+    ttl = 2.0
+    job = agent_job(lease_ttl_s=ttl, keepalive_s=0.5, min_workers=1)
+    old = job.start("a", steps=100_000)
+    job.wait_for(lambda: len(job.commits("a")) >= 3, 60, "the first agent's worker to commit")
+    old.kill_group()  # the agent and its worker, with no chance to revoke their leases
+    restarted_at = time.time()
+    argv = ["--etcd", job.etcd.endpoint, "--job-id", job.job_id, "--node-id", "a", "--",
+            *MLP[:-1], "100000", "--audit", str(job.audit_path("a"))]
+    new = AgentProcess(argv, _env(**job.settings), job.dir / "agent-a-restarted.log")  # a log of its own
+    job.agents["a (restarted)"] = new
+    job.wait_for(lambda: bool(new.events("node_registered")), ttl + CLAIM_MARGIN_S + 15, "the node id claim")
+    assert new.events("node_id_held"), new.log_text()[-3000:]  # the old record was still there
+    assert float(new.events("node_registered")[0]["waited_s"]) < ttl + CLAIM_MARGIN_S  # type: ignore[arg-type]
+    job.wait_for(lambda: any(float(r["t"]) > restarted_at for r in job.commits("a")), 60,  # type: ignore[arg-type]
+                 "the restarted agent's worker to commit")
+    assert new.proc.poll() is None

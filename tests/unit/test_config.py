@@ -36,11 +36,14 @@ FULL_ENV = {
     "ELASTICD_GROUP_BUILD_S": "12",
     "ELASTICD_CHECKPOINT_TRANSFER_S": "13",
     "ELASTICD_ETCD_REQUEST_S": "1.25",
+    "ELASTICD_ETCD_OUTAGE_S": "300",
+    "ELASTICD_STANDBY_S": "3600",
     "ELASTICD_ABORT_POLL_S": "0.05",
     "ELASTICD_SHUTDOWN_GRACE_S": "14",
     "ELASTICD_ETCD_ATTEMPTS": "3",
     "ELASTICD_ETCD_BACKOFF_INITIAL_S": "0.1",
     "ELASTICD_ETCD_BACKOFF_MAX_S": "2",
+    "ELASTICD_ETCD_RECONNECT_MAX_S": "0.25",
     "ELASTICD_STEP_RETRIES": "4",
     "ELASTICD_NODE_ID": "node-7",
     "ELASTICD_LOCAL_RANK": "3",
@@ -52,6 +55,7 @@ FULL_ENV = {
     "ELASTICD_CHECKPOINT_EVERY_S": "30",
     "ELASTICD_CHECKPOINT_KEEP": "5",
     "ELASTICD_CHECKPOINT_WAIT_S": "20",
+    "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL": "true",
 }
 
 
@@ -62,16 +66,17 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.world == WorldConfig(job_id="job-42", min_workers=2, max_workers=6)
     assert env.timeouts == Timeouts(
         join_s=50.0, join_window_s=0.5, last_call_s=0.6, lease_ttl_s=4.0, keepalive_s=1.5,
-        collective_s=11.0, group_build_s=12.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25,
+        collective_s=11.0, group_build_s=12.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, etcd_outage_s=300.0, standby_s=3600.0,
         abort_poll_s=0.05, shutdown_grace_s=14.0,
     )
-    assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0,
+    assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0, etcd_reconnect_max_s=0.25,
                                     step_retries=4)
     assert (env.node_id, env.local_rank, env.advertise_addr, env.backend) == ("node-7", 3, "10.1.2.3", "gloo")
     assert env.events_keep == 42
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
     assert env.checkpoint == CheckpointConfig(checkpoint_dir="/data/ckpt", checkpoint_every_steps=50,
-                                              checkpoint_every_s=30.0, checkpoint_keep=5, checkpoint_wait_s=20.0)
+                                              checkpoint_every_s=30.0, checkpoint_keep=5, checkpoint_wait_s=20.0,
+                                              checkpoint_allow_new_model=True)
 
 
 def test_every_field_has_a_variable_in_the_test() -> None:
@@ -292,3 +297,37 @@ def test_agent_passes_checkpoint_settings_to_its_workers(tmp_path) -> None:  # t
     with pytest.raises(ConfigError, match=r"^checkpoint_keep: must be an integer >= 1"):
         load_agent_config({"checkpoint_keep": "0"}, program=["/bin/true"], environ={},
                           default_config_file=tmp_path / "none.toml")
+
+
+@pytest.mark.parametrize(("source", "raw", "expected"), [
+    ("flag", "true", True), ("flag", "0", False), ("env", "yes", True), ("env", "off", False),
+    ("toml", "true", True), ("toml", "false", False), ("none", "", False),
+])
+def test_checkpoint_allow_new_model_is_one_setting_from_flag_env_or_file(  # type: ignore[no-untyped-def]
+        tmp_path, source: str, raw: str, expected: bool) -> None:
+    from elasticd.config import AGENT_SETTINGS, load_agent_config
+
+    setting = AGENT_SETTINGS["checkpoint_allow_new_model"]
+    assert (setting.variable, setting.flag, setting.kind) == (
+        "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL", "--checkpoint-allow-new-model", bool)
+    toml = tmp_path / "elasticd.toml"
+    toml.write_text(f"checkpoint_allow_new_model = {raw}\n" if source == "toml" else "")
+    cfg = load_agent_config({"checkpoint_allow_new_model": raw} if source == "flag" else {},
+                            program=["/bin/true"], config_file=toml,
+                            environ={"ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL": raw} if source == "env" else {})
+    env = WorkerEnv.from_environ(cfg.worker_environ(0))
+    assert env.checkpoint.checkpoint_allow_new_model is expected
+
+
+def test_checkpoint_allow_new_model_refuses_what_is_not_a_boolean(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from elasticd.config import load_agent_config
+
+    with pytest.raises(ConfigError, match=r"^checkpoint_allow_new_model: expected true or false, got 'maybe'"):
+        load_agent_config({"checkpoint_allow_new_model": "maybe"}, program=["/bin/true"], environ={},
+                          default_config_file=tmp_path / "none.toml")
+    toml = tmp_path / "bad.toml"
+    toml.write_text("checkpoint_allow_new_model = 1\n")
+    with pytest.raises(ConfigError, match=r"^checkpoint_allow_new_model: expected true or false, got 1"):
+        load_agent_config({}, program=["/bin/true"], environ={}, config_file=toml)
+    with pytest.raises(ConfigError, match="ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL"):
+        WorkerEnv.from_environ({"ELASTICD_NODE_ID": "n", "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL": "maybe"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -266,6 +266,12 @@ class FlakyStore(FakeKeyValueStore):
         if self.down:
             raise EtcdUnavailable("etcd is down (test)")
         super().put(key, value, lease)
+
+    def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0) -> bool:
+        if self.down:
+            raise EtcdUnavailable("etcd is down (test)")
+        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease)
 
 
 def _events_in(store: FakeKeyValueStore) -> list[EventRecord]:

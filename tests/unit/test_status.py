@@ -138,7 +138,7 @@ def test_health(name: str, job: Job, lo: int | None, hi: int | None, health: Hea
 
 
 def test_exit_codes_are_0_1_2() -> None:
-    assert [h.exit_code for h in Health] == [0, 1, 2, 0]
+    assert [h.exit_code for h in Health] == [0, 1, 2, 2, 0]  # healthy, degraded, down, stalled, finished
 
 
 # -- members ------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_read_status_reads_one_prefix_of_a_store_and_no_other_job() -> None:
 
 JSON_KEYS = ["job", "prefix", "health", "reason", "exit_code", "min_workers", "max_workers", "generation",
              "members", "nodes", "recoveries", "drains", "missing", "finished", "last_abort", "malformed",
-             "restart", "checkpoint"]
+             "restart", "checkpoint", "save_failed", "stall_after_s", "last_activity_age_s"]
 MEMBER_KEYS = ["member_id", "node", "local_rank", "pid", "host", "rank", "state", "committed_step",
                "step_time_s", "recoveries", "heartbeat_age_s", "restarts", "rss_bytes", "cpu_percent"]
 NODE_KEYS = ["node", "host", "agent_pid", "state", "workers_running", "workers", "restarts", "heartbeat_age_s",
@@ -381,3 +381,166 @@ def test_garbage_under_restart_is_listed_not_fatal() -> None:
 
 def test_an_elastic_job_has_no_restart_section() -> None:
     assert json.loads(render_json(status_of(_job_with_everyone(), 1, 4)))["restart"] is None
+
+
+# -- health from live records: a malformed generation, stalls, failed saves ----------------------
+
+from elasticd.membership import CheckpointRecord  # noqa: E402
+from elasticd.oprecords import (  # noqa: E402
+    EventRecord,
+    SaveFailedRecord,
+    encode_event,
+    encode_save_failed,
+    event_name,
+    save_failed_key,
+)
+from elasticd.status import STALL_AFTER_S, last_activity, save_failing, stall_bound  # noqa: E402
+
+SAVE_FAILED = save_failed_key(KEYS.job)
+
+
+def failed_save(step: int, age_s: float, errno: str | None = "EROFS") -> bytes:
+    return encode_save_failed(SaveFailedRecord(time=NOW - age_s, step=step, generation=1, node="n1",
+                                               directory="/ckpt/job", error="[Errno 30] Read-only file system",
+                                               errno=errno))
+
+
+def checkpoint(step: int, age_s: float) -> bytes:
+    return encode(CheckpointRecord(step=step, path=f"/ckpt/job/x-step{step}.ckpt", node="n1", generation=1,
+                                   seq=1, bytes=10, time=NOW - age_s))
+
+
+def published(number: int, age_s: float) -> tuple[str, bytes]:
+    ev = EventRecord(time=NOW - age_s, kind="generation_published", source="m0", detail={"generation": number})
+    return KEYS.event(event_name(int(ev.time * 1e9), "m0")), encode_event(ev)
+
+
+def training(*, age_s: float = 1.5, step_time_s: float | None = 0.02) -> Job:
+    """m0 and m1 train in generation 1; their progress records are ``age_s`` old."""
+    return (Job().alive("m0", "m1").generation(1, ["m0", "m1"])
+            .put(KEYS.progress("m0"), progress(50, rank=0, age_s=age_s, step_time_s=step_time_s))
+            .put(KEYS.progress("m1"), progress(50, rank=1, age_s=age_s + 0.3, step_time_s=step_time_s)))
+
+
+LIVE_CASES = [
+    # (name, job, stall_after_s, health, words in the reason)
+    ("malformed generation, live members report training",
+     Job().alive("m0", "m1").put(KEYS.generation, b"[[[[")
+     .put(KEYS.progress("m0"), progress(80, generation=3, rank=0))
+     .put(KEYS.progress("m1"), progress(79, generation=3, rank=1)),
+     STALL_AFTER_S, Health.DEGRADED, "2 live member(s) train in generation 3"),
+    ("malformed generation, progress too old to count", Job().alive("m0").put(KEYS.generation, b"[[[[")
+     .put(KEYS.progress("m0"), progress(80, generation=3, age_s=500)), STALL_AFTER_S, Health.DOWN,
+     "generation record is malformed"),
+    ("malformed generation, only a gone member's progress", Job().alive("m0").put(KEYS.generation, b"[[[[")
+     .put(KEYS.progress("m9"), progress(80, generation=3)), STALL_AFTER_S, Health.DOWN, "malformed"),
+    ("committing", training(), STALL_AFTER_S, Health.HEALTHY, "all 2 live members"),
+    ("no commit for longer than the bound", training(age_s=STALL_AFTER_S + 5), STALL_AFTER_S, Health.STALLED,
+     f"no step committed for {STALL_AFTER_S + 5:.1f}s (> {STALL_AFTER_S:g}s)"),
+    ("a smaller bound given", training(age_s=30), 10.0, Health.STALLED, "generation 1 (step 50)"),
+    ("stall checks off", training(age_s=9999), 0.0, Health.HEALTHY, "all 2 live members"),
+    ("slow steps get more time", training(age_s=150, step_time_s=20.0), STALL_AFTER_S, Health.HEALTHY,
+     "all 2 live members"),
+    ("slow steps, still too long", training(age_s=250, step_time_s=20.0), STALL_AFTER_S, Health.STALLED, "> 200s"),
+    ("joined long ago, never committed", Job().alive("m0").generation(2, ["m0"]).put(*published(2, 500)),
+     STALL_AFTER_S, Health.STALLED, "(no step yet)"),
+    ("joined just now", Job().alive("m0").generation(2, ["m0"]).put(*published(2, 3)), STALL_AFTER_S,
+     Health.HEALTHY, "all 1 live members"),
+    ("an older generation's event says nothing", Job().alive("m0").generation(2, ["m0"]).put(*published(1, 500)),
+     STALL_AFTER_S, Health.HEALTHY, "all 1 live members"),
+    ("a member lost is down, not stalled",
+     Job().alive("m0").generation(1, ["m0", "m1"]).put(KEYS.progress("m0"), progress(5, age_s=500)),
+     STALL_AFTER_S, Health.DOWN, "lost 1 of 2"),
+    ("the latest save failed", training().put(KEYS.checkpoint, checkpoint(40, 60)).put(SAVE_FAILED, failed_save(50, 5)),
+     STALL_AFTER_S, Health.DEGRADED, "the last checkpoint save failed (step 50: EROFS)"),
+    ("a failed save, and no good one ever", training().put(SAVE_FAILED, failed_save(10, 5, errno=None)),
+     STALL_AFTER_S, Health.DEGRADED, "save failed (step 10: [Errno 30]"),
+    ("a good save since the failure",
+     training().put(SAVE_FAILED, failed_save(40, 60)).put(KEYS.checkpoint, checkpoint(50, 5)),
+     STALL_AFTER_S, Health.HEALTHY, "all 2 live members"),
+    ("a failed save on top of a small world", training().put(SAVE_FAILED, failed_save(40, 5)), STALL_AFTER_S,
+     Health.DEGRADED, "2 < max_workers 3; the last checkpoint save failed"),
+    ("stalled wins over a failed save", training(age_s=500).put(SAVE_FAILED, failed_save(40, 5)), STALL_AFTER_S,
+     Health.STALLED, "no step committed"),
+]
+
+
+@pytest.mark.parametrize(("name", "job", "stall_after_s", "health", "reason"), LIVE_CASES,
+                         ids=[c[0] for c in LIVE_CASES])
+def test_health_from_live_records(name: str, job: Job, stall_after_s: float, health: Health, reason: str) -> None:
+    hi = 3 if "small world" in name else None
+    st = build_status(KEYS, job.kvs(), now=NOW, max_workers=hi, stall_after_s=stall_after_s)
+    assert st.health is health, st.reason
+    assert reason in st.reason, st.reason
+    assert st.exit_code == {Health.HEALTHY: EXIT_OK, Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN,
+                            Health.STALLED: EXIT_DOWN}[health]
+
+
+def test_a_malformed_generation_shows_the_members_that_train_by_their_progress() -> None:
+    job = (Job().alive("m0", "m1", "m2").put(KEYS.generation, b"{}")
+           .put(KEYS.progress("m0"), progress(80, generation=3, rank=1))
+           .put(KEYS.progress("m1"), progress(81, generation=3, rank=0))
+           .put(KEYS.progress("m2"), progress(20, generation=2, rank=0)))  # left behind in an older one
+    st = status_of(job)
+    assert [(m.member_id, m.rank, m.state) for m in st.members] == [
+        ("m1", 0, WorkerState.TRAINING), ("m0", 1, WorkerState.TRAINING), ("m2", None, WorkerState.REGISTERED)]
+    assert st.generation is None and any(KEYS.generation in m for m in st.malformed)
+
+
+@pytest.mark.parametrize(("stall_after_s", "step_times", "bound"), [
+    (120.0, [], 120.0), (120.0, [None, 0.5], 120.0), (120.0, [3.0, 20.0], 200.0), (0.0, [1.0], 10.0),
+])
+def test_stall_bound(stall_after_s: float, step_times: list[float | None], bound: float) -> None:
+    assert stall_bound(stall_after_s, step_times) == bound
+
+
+def test_last_activity_is_the_newest_progress_or_the_generation_published() -> None:
+    from elasticd.status import Progress
+
+    p = {"m0": Progress(5, 1, 0, 0.1, 0, 100.0), "m1": Progress(5, 1, 1, 0.1, 0, 105.0),
+         "x": Progress(9, 1, 0, 0.1, 0, 900.0)}
+    assert last_activity(["m0", "m1"], p, None) == 105.0
+    assert last_activity(["m0", "m1"], p, 110.0) == 110.0
+    assert last_activity(["m2"], p, None) is None
+    assert last_activity(["m2"], p, 50.0) == 50.0
+
+
+@pytest.mark.parametrize(("failed_at", "failed_step", "ck_time", "ck_step", "failing"), [
+    (None, 0, 100.0, 10, False),  # nothing failed
+    (200.0, 20, None, 0, True),  # failed, and no checkpoint recorded
+    (200.0, 20, 100.0, 10, True),  # failed after the last good one
+    (100.0, 10, 200.0, 20, False),  # a good one since
+    (200.0, 20, 0.0, 30, False),  # a record without time: by step, a newer step was saved
+    (200.0, 30, 0.0, 20, True),
+])
+def test_save_failing(failed_at: float | None, failed_step: int, ck_time: float | None, ck_step: int,
+                      failing: bool) -> None:
+    failed = None if failed_at is None else SaveFailedRecord(failed_at, failed_step, 1, "n", "/d", "e", None)
+    ck = None if ck_time is None else CheckpointRecord(step=ck_step, path="p", node="n", time=ck_time)
+    assert save_failing(failed, ck) is failing
+
+
+def test_a_failed_save_is_shown_in_table_and_json() -> None:
+    st = status_of(training().put(KEYS.checkpoint, checkpoint(40, 60)).put(SAVE_FAILED, failed_save(50, 5)))
+    table = render_table(st)
+    assert "health      DEGRADED: the last checkpoint save failed (step 50: EROFS)" in table
+    assert ("save error  the latest save: step 50 at 2023-11-14T22:13:15Z on n1 into /ckpt/job: "
+            "[Errno 30] Read-only file system") in table
+    data = json.loads(render_json(st))
+    assert data["save_failed"] == {"time": NOW - 5, "step": 50, "generation": 1, "node": "n1", "directory": "/ckpt/job",
+                                   "errno": "EROFS", "error": "[Errno 30] Read-only file system", "failing": True}
+    assert data["stall_after_s"] == STALL_AFTER_S and data["last_activity_age_s"] == 1.5
+    healed = status_of(training().put(SAVE_FAILED, failed_save(40, 60)).put(KEYS.checkpoint, checkpoint(50, 5)))
+    assert "save error  a good checkpoint was saved since: step 40" in render_table(healed)
+    assert json.loads(render_json(healed))["save_failed"]["failing"] is False
+    none = status_of(training())
+    assert "save error" not in render_table(none) and json.loads(render_json(none))["save_failed"] is None
+    bad = status_of(training().put(SAVE_FAILED, b"{"))
+    assert bad.save_failed is None and bad.health is Health.HEALTHY and any(SAVE_FAILED in m for m in bad.malformed)
+
+
+def test_a_stalled_job_says_so_in_the_table() -> None:
+    st = build_status(KEYS, training(age_s=300).kvs(), now=NOW, stall_after_s=60)
+    assert render_table(st).splitlines()[1] == ("health      STALLED: no step committed for 300.0s (> 60s) by the 2 "
+                                                "live member(s) of generation 1 (step 50)")
+    assert json.loads(render_json(st))["health"] == "stalled" and st.exit_code == EXIT_DOWN

@@ -1,0 +1,121 @@
+"""The commit rule: whether a step whose gradient all_reduce completed is applied. Pure.
+
+Owns ``Vote`` (what each member puts in the vote slots of its last gradient bucket), ``Tally`` (the
+slots summed by the all_reduce, so every member reads the same numbers), ``Fence`` (what this member
+knows locally once the sum arrived) and ``commit_outcome``, which turns them into a ``Verdict``.
+Imports nothing but the standard library: no torch, no etcd, no clock (``now`` is passed in).
+
+Why the fence is part of the vote. A member used to check its own lease *after* the all_reduce and
+refuse to commit alone when the lease looked stale: after an etcd restart one member's renewal
+failed while the others' succeeded, so the others committed a step that it did not (a split
+commit), and the step was done again in the next generation. Now each member votes whether it may
+commit *before* the sum, and every member decides from the same sum:
+
+* a veto (the generation was superseded or aborted, or this member's lease is gone) aborts the
+  step everywhere: nothing is applied, the members re-rendezvous;
+* a stale lease while etcd answers some member (so that member could see the stale one expire and
+  give up on it) retries the same step in the same group, nothing applied, until the renewal lands
+  or the lease expires and the generation is abandoned (bounded by the lease TTL);
+* a stale lease while etcd answers nobody is no reason to stop: no member can read etcd, so none
+  can act on the expiry, and the completed all_reduce proves that every member is alive. Training
+  goes on through an etcd outage;
+* otherwise the step is committed by every member (and the members regroup after it if one asked).
+
+What stays local: a member that learns, after the sum, that its generation was fenced, or that its
+own lease has certainly expired while etcd answered members at vote time (it was frozen past its
+lease, and its peers may have given up on the step), does not apply the step. That member is then
+behind, never ahead: it re-registers as a newcomer and rank 0 of the next generation, chosen for
+holding the newest step, sends it the state. No step is ever applied twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+VOTE_SLOTS = 6  # the extra floats carried by the last gradient bucket (Vote.slots)
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One member's vote on the step it is about to send its last gradient bucket for."""
+
+    weighted_loss: float  # its loss times its share of the global batch
+    veto: bool  # it must not commit: its generation was superseded or aborted, or its lease is gone
+    regroup: bool  # it asks the members to regroup after this step (newcomers wait, or it drains)
+    stale: bool  # its lease is not certainly alive (not renewed within lease TTL - keepalive)
+    reached_etcd: bool  # its last etcd request was answered
+
+    def slots(self) -> list[float]:
+        return [self.weighted_loss, float(self.veto), float(self.regroup), float(self.stale),
+                float(self.reached_etcd), 1.0]
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The vote slots summed over the generation (identical on every member)."""
+
+    loss: float
+    vetoes: int
+    regroups: int
+    stale: int
+    reached_etcd: int
+    voters: int
+
+    @classmethod
+    def from_slots(cls, summed: Sequence[float]) -> Tally:
+        if len(summed) != VOTE_SLOTS:
+            raise ValueError(f"expected {VOTE_SLOTS} vote slots, got {len(summed)}")
+        loss, *counts = summed
+        vetoes, regroups, stale, reached, voters = (round(x) for x in counts)
+        return cls(float(loss), vetoes, regroups, stale, reached, voters)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What this member knows locally once the sum arrived (monotonic seconds)."""
+
+    fenced: bool  # its generation was superseded or aborted (seen in etcd)
+    lease_lost: bool  # etcd said its lease is gone
+    renewed_at: float  # when it last asked for a renewal that etcd granted
+    lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum; see Membership)
+
+
+class Outcome(StrEnum):
+    COMMIT = "commit"  # apply the step (optimizer.step(), counters)
+    RETRY = "retry"  # apply nothing; do the same step again in the same group
+    ABORT = "abort"  # apply nothing; leave the generation and re-rendezvous
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    reason: str
+    regroup: bool = False  # COMMIT: re-rendezvous after this step
+    unanimous: bool = True  # False: a local refusal (this member is behind the others, never ahead)
+
+
+def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
+    """Decide what this member does with a step whose all_reduce completed. Pure.
+
+    Every branch but the last two is a function of ``tally`` alone, which is the same on every
+    member, so those decisions are unanimous.
+    """
+    if tally.voters != world_size:
+        return Verdict(Outcome.ABORT, f"{tally.voters} votes in a generation of {world_size}")
+    if tally.vetoes:
+        return Verdict(Outcome.ABORT, f"{tally.vetoes} member(s) vetoed: generation superseded or "
+                       f"aborted, or a lease is gone")
+    if tally.stale and tally.reached_etcd:
+        return Verdict(Outcome.RETRY, f"{tally.stale} member(s) wait for a lease renewal while etcd "
+                       f"answers {tally.reached_etcd}")
+    if fence.fenced or fence.lease_lost:
+        why = "my lease is gone" if fence.lease_lost else "my generation was superseded or aborted"
+        return Verdict(Outcome.ABORT, f"{why} after the vote", unanimous=False)
+    if tally.reached_etcd and now >= fence.renewed_at + fence.lease_ttl_s:
+        return Verdict(Outcome.ABORT, f"my lease expired {now - fence.renewed_at - fence.lease_ttl_s:.2f} s "
+                       f"before the sum arrived (this process was stopped)", unanimous=False)
+    if tally.regroups:
+        return Verdict(Outcome.COMMIT, f"{tally.regroups} member(s) asked to regroup", regroup=True)
+    return Verdict(Outcome.COMMIT, "every member voted")

@@ -1,0 +1,78 @@
+"""The commit rule ``commit_outcome``, on hand-built tallies and fences with a fixed ``now``.
+
+A world of 3; the lease TTL etcd granted is 2 s, last renewed at ``NOW - 0.5``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.commit import VOTE_SLOTS, Fence, Outcome, Tally, Vote, commit_outcome
+
+pytestmark = pytest.mark.timeout(30)
+
+NOW = 1000.0
+WORLD = 3
+OK = Fence(fenced=False, lease_lost=False, renewed_at=NOW - 0.5, lease_ttl_s=2.0)
+
+
+def tally(vetoes: int = 0, regroups: int = 0, stale: int = 0, reached: int = 3, voters: int = 3) -> Tally:
+    return Tally(loss=1.5, vetoes=vetoes, regroups=regroups, stale=stale, reached_etcd=reached, voters=voters)
+
+
+def fence(**kw: object) -> Fence:
+    return Fence(**{**OK.__dict__, **kw})  # type: ignore[arg-type]
+
+
+CASES = [
+    # (what, tally, fence, outcome, regroup, unanimous)
+    ("every member voted, all fresh", tally(), OK, Outcome.COMMIT, False, True),
+    ("a newcomer waits: commit, then regroup", tally(regroups=1), OK, Outcome.COMMIT, True, True),
+    ("a veto aborts everywhere", tally(vetoes=1), OK, Outcome.ABORT, False, True),
+    ("a veto wins over a regroup request", tally(vetoes=1, regroups=2), OK, Outcome.ABORT, False, True),
+    ("a missing vote aborts", tally(voters=2), OK, Outcome.ABORT, False, True),
+    # The split commit of issue 10: one member's renewal failed after an etcd restart while the
+    # others' succeeded. Now every member retries the same step; nobody commits alone.
+    ("one stale lease while etcd answers the others: retry everywhere", tally(stale=1, reached=2), OK,
+     Outcome.RETRY, False, True),
+    ("the stale member itself retries too (same tally)", tally(stale=1, reached=2),
+     fence(renewed_at=NOW - 1.9), Outcome.RETRY, False, True),
+    # etcd is down for everybody: nobody can act on an expiry, the all_reduce proved everyone alive.
+    ("etcd outage, all leases stale: commit", tally(stale=3, reached=0), fence(renewed_at=NOW - 30.0),
+     Outcome.COMMIT, False, True),
+    ("etcd outage, some stale: commit", tally(stale=1, reached=0), OK, Outcome.COMMIT, False, True),
+    ("etcd outage and a regroup request: commit, then regroup", tally(stale=3, reached=0, regroups=1),
+     fence(renewed_at=NOW - 30.0), Outcome.COMMIT, True, True),
+    # Local refusals: this member ends up behind, never ahead.
+    ("superseded after the vote: refuse locally", tally(), fence(fenced=True), Outcome.ABORT, False, False),
+    ("lease lost after the vote: refuse locally", tally(), fence(lease_lost=True), Outcome.ABORT, False, False),
+    ("frozen past my lease while etcd answered: refuse locally", tally(), fence(renewed_at=NOW - 2.0),
+     Outcome.ABORT, False, False),
+    ("just inside my lease: commit", tally(), fence(renewed_at=NOW - 1.99), Outcome.COMMIT, False, True),
+]
+
+
+@pytest.mark.parametrize(("what", "t", "f", "outcome", "regroup", "unanimous"), CASES, ids=[c[0] for c in CASES])
+def test_commit_outcome(what: str, t: Tally, f: Fence, outcome: Outcome, regroup: bool, unanimous: bool) -> None:
+    v = commit_outcome(t, WORLD, f, NOW)
+    assert (v.outcome, v.regroup, v.unanimous) == (outcome, regroup, unanimous), v.reason
+    assert v.reason
+
+
+def test_every_member_decides_alike_from_the_same_tally() -> None:
+    """The unanimous branches depend on the tally alone: members with different local fences
+    that are all in good standing reach the same verdict."""
+    fences = [OK, fence(renewed_at=NOW - 1.0), fence(renewed_at=NOW - 0.01)]
+    for t in (tally(), tally(regroups=1), tally(vetoes=1), tally(stale=1, reached=2), tally(stale=3, reached=0)):
+        verdicts = {(commit_outcome(t, WORLD, f, NOW).outcome, commit_outcome(t, WORLD, f, NOW).regroup)
+                    for f in fences}
+        assert len(verdicts) == 1, (t, verdicts)
+
+
+def test_vote_slots_round_trip_through_a_sum() -> None:
+    votes = [Vote(0.5, False, False, False, True), Vote(0.25, False, True, True, True),
+             Vote(0.25, True, False, False, False)]
+    summed = [sum(v.slots()[i] for v in votes) for i in range(VOTE_SLOTS)]
+    assert Tally.from_slots(summed) == Tally(loss=1.0, vetoes=1, regroups=1, stale=1, reached_etcd=2, voters=3)
+    with pytest.raises(ValueError):
+        Tally.from_slots(summed[:-1])

@@ -1,0 +1,66 @@
+"""``assess_health`` and ``newcomers_admitted``: what a member of a generation makes of one
+snapshot, on hand-built snapshots (builders from test_membership). Generation 3 = a, b, c;
+joined at revision 50."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.membership import ActionKind, Health, Window, assess_health, newcomers_admitted, next_action
+from tests.unit.test_membership import G3_ABC, NOW, gen, me, ready, settled, snap
+
+pytestmark = pytest.mark.timeout(30)
+
+W = WorldConfig(min_workers=1, max_workers=4)
+W3 = WorldConfig(min_workers=1, max_workers=3)
+ABC = ("a", "b", "c")
+
+CASES = [
+    # (what, snapshot, lease_lost, world, abandon, fenced, join_pending, reason contains)
+    ("healthy", snap(G3_ABC, ABC), False, W, False, False, False, ""),
+    ("my lease expired", snap(G3_ABC, ABC), True, W, True, True, None, "my lease"),
+    ("a read from before my join says nothing", snap(G3_ABC, ("a",), generation_revision=40), False, W,
+     False, False, None, ""),
+    ("garbage generation record: not a reason to stop", snap(None, ABC, generation_revision=60), False, W,
+     False, False, None, ""),
+    ("superseded", snap(gen(4, ["a", "b"]), ABC, generation_revision=70), False, W, True, True, None, "superseded"),
+    ("aborted", snap(G3_ABC, ABC, aborted=3), False, W, True, True, None, "aborted"),
+    ("an abort of an older generation is history", snap(G3_ABC, ABC, aborted=2), False, W, False, False, False, ""),
+    ("a member lost its lease", snap(G3_ABC, ("a", "b")), False, W, True, False, False, "lost their lease"),
+    # A member whose step failed is at the rendezvous (its ready record names generation 3): the
+    # others must not sit in a collective until collective_s because its abort is not in etcd yet.
+    ("a member left for the rendezvous", snap(G3_ABC, ABC, ready_recs=[ready("c", 7, 3, 2)]), False, W,
+     True, False, False, "left the generation"),
+    ("my own ready record is not a peer leaving", snap(G3_ABC, ABC, ready_recs=[ready("a", 7, 3, 0)]), False, W,
+     False, False, False, ""),
+    ("a newcomer with room: join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]), False, W,
+     False, False, True, ""),
+    # The flood of issue 10: a standby beyond max_workers forced a generation every step.
+    ("a standby beyond max_workers: no join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]),
+     False, W3, False, False, False, ""),
+]
+
+
+@pytest.mark.parametrize(("what", "s", "lease_lost", "world", "abandon", "fenced", "pending", "why"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_assess_health(what: str, s: object, lease_lost: bool, world: WorldConfig, abandon: bool, fenced: bool,
+                       pending: bool | None, why: str) -> None:
+    h = assess_health(s, G3_ABC, "a", 50, lease_lost, world)  # type: ignore[arg-type]
+    assert isinstance(h, Health)
+    assert (h.abandon, h.fenced, h.join_pending) == (abandon, fenced, pending)
+    assert why in h.reason
+
+
+def test_newcomers_admitted_only_with_room() -> None:
+    s = snap(G3_ABC, (*ABC, "d", "e"), ready_recs=[ready("d", -1), ready("e", -1)])
+    assert newcomers_admitted(s, G3_ABC, WorldConfig(min_workers=1, max_workers=5)) == ("d", "e")
+    assert newcomers_admitted(s, G3_ABC, W3) == ()
+
+
+def test_a_standby_waits_as_a_standby_and_a_newcomer_with_room_does_not() -> None:
+    s = snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)])
+    full = next_action(s, me("d"), settled(), NOW, W3, Timeouts())
+    assert (full.kind, full.standby) == (ActionKind.WAIT, True), full.reason
+    room = next_action(s, me("d"), Window(NOW - 10, NOW - 10), NOW, W, Timeouts())
+    assert (room.kind, room.standby) == (ActionKind.WAIT, False), room.reason
