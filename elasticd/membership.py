@@ -1095,6 +1095,9 @@ class Membership:
                     )
                 continue
             if action.standby:
+                if excuse != "standby" and excused["standby"] == 0.0:
+                    log.info("standby_waiting", member=self.member_id, reason=action.reason,
+                             bound_s=self._timeouts.standby_s)
                 excuse = "standby"
             wait_s = self._timeouts.keepalive_s
             if action.until is not None:

@@ -180,3 +180,55 @@ def test_an_etcd_outage_without_a_membership_change_does_not_stop_training(local
         text = w.log_text()
         assert '"step_failed"' not in text, text[-3000:]
         assert "etcd_unreachable" in text and "etcd_reachable_again" in text, text[-3000:]
+
+
+def test_a_standby_beyond_max_workers_waits_without_forcing_generations(local_job):
+    """Issue 10: a worker started while the job is at max_workers made every step vote a regroup
+    (generation 1 -> 107 in 18 s). Now it waits as a standby; when a member dies it takes its place."""
+    job = local_job(min_workers=1, max_workers=2)
+    for _ in range(2):
+        job.spawn("--steps", "100000", *SLOW)
+    job.wait_for(lambda: job.committed() >= 20, 60, "the job at max_workers")
+    standby = job.spawn("--steps", "100000", *SLOW)
+    job.wait_for(lambda: "standby_waiting" in standby.log_text(), 30, "the standby to wait")
+    at = job.committed()
+    job.wait_for(lambda: job.committed() >= at + 150, 60, "training with a standby waiting")
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert list(rep.generations) == [1], rep.generations  # no generation forced by the standby
+    assert job.committed(2) == 0  # the standby committed nothing
+    job.workers[0].signal(signal.SIGKILL)  # a member dies: the standby takes its place
+    job.wait_for(lambda: job.committed(2) > 0, 60, "the standby to be admitted")
+    for w in job.workers[1:]:
+        w.signal(signal.SIGTERM)
+    codes = job.wait_all(60)
+    assert codes[1:] == [0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert len(rep.generations) <= 3, rep.generations
+
+
+def test_etcd_restarts_mixed_with_worker_kills_repeat_no_step(local_job, etcd_server):
+    """The mix that committed steps twice in issue 10: etcd SIGKILLed and restarted, and a worker
+    SIGKILLed right after, again and again, with replacements joining. Every step is committed
+    in exactly one generation, by every member of it (the audit checks both)."""
+    job = local_job(min_workers=2)
+    for _ in range(3):
+        job.spawn("--steps", "100000", *SLOW)
+    job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
+    for round_ in range(4):
+        etcd_server.kill()
+        time.sleep(0.5 + 0.5 * round_)
+        etcd_server.start()
+        time.sleep(0.2 * round_)
+        victim = next(w for w in job.workers if w.alive())
+        victim.signal(signal.SIGKILL)
+        job.spawn("--steps", "100000", *SLOW)
+        at = job.committed()
+        job.wait_for(lambda: job.committed() >= at + 40, 90, f"training after round {round_}")
+    for w in job.workers:
+        if w.alive():
+            w.signal(signal.SIGTERM)
+    job.wait_all(60)
+    rep = job.audit()
+    assert rep.ok, rep.violations
