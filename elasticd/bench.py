@@ -1105,6 +1105,18 @@ def _run_checkpoint_cmd(args: argparse.Namespace) -> int:
     return run_cmd(args)
 
 
+def _add_outage_args(p: argparse.ArgumentParser) -> None:
+    from elasticd.bench_outage import add_args  # imports this module: load it only when asked
+
+    add_args(p)
+
+
+def _run_outage_cmd(args: argparse.Namespace) -> int:
+    from elasticd.bench_outage import run_cmd
+
+    return run_cmd(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "recovery": Subcommand(
         "fault recovery, join, step overhead vs DDP and state-transfer throughput of a 3-worker job",
@@ -1118,6 +1130,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "durable checkpoints with ~100 MB of state: step overhead, write throughput vs a plain "
         "write+fsync, resume time vs a fresh start",
         _add_checkpoint_args, _run_checkpoint_cmd,
+    ),
+    "outage": Subcommand(
+        "an etcd outage with no membership change: commit rate during it vs before, steps lost, "
+        "regroups (elasticd.bench_outage)",
+        _add_outage_args, _run_outage_cmd,
     ),
 }
 

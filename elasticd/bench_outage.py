@@ -1,0 +1,157 @@
+"""``python -m elasticd.bench outage``: what an etcd outage with no membership change costs.
+
+Owns the ``outage`` benchmark (issue 10). One job of the default workload (``agents/mlp.py``,
+``workers`` worker processes on a real local etcd) trains; the bench measures its commit rate over
+``window_s`` (the baseline, in the same run), SIGKILLs etcd, measures the rate over the outage
+(``outage_s``, from the kill to the restart), restarts etcd on the same data dir and measures the
+rate over ``window_s`` again. Then the workers drain and the audit logs are checked.
+
+Figures: ``outage_rate_ratio`` = commits/s during the outage / commits/s before (target >= 0.9),
+``after_rate_ratio`` (the same after etcd returned), ``steps_lost`` (missing or repeated, by
+``audit.check``), ``regroups`` (generations after the first: 0 means nobody left a generation) and
+``worker_failures`` (workers that did not exit 0).
+
+Every process it starts is tracked by PID and killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from elasticd.audit import check_dir, read_lines
+from elasticd.bench import DATASET_SIZE, POLL_S, WORKLOAD, BenchError, _fmt, _lost_steps
+from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
+
+PHASE_TIMEOUT_S = 120.0  # bound on every wait of a phase
+WARMUP_STEPS = 50  # committed before the baseline window starts
+OUTAGE_TARGETS = {"outage_rate_ratio": ">= 0.9", "steps_lost": "0", "regroups": "0", "worker_failures": "0"}
+
+
+@dataclass(frozen=True)
+class OutageSettings:
+    workers: int = 3
+    outage_s: float = 60.0
+    window_s: float = 20.0
+    lease_ttl_s: float = 2.0
+    keepalive_s: float = 0.5
+    step_sleep_s: float = 0.0
+
+
+def _commit_times(directory: Path) -> dict[int, float]:
+    """Each committed step's first commit time (wall clock), from the audit logs."""
+    out: dict[int, float] = {}
+    for r in read_lines(sorted(directory.glob("audit*.jsonl"))):
+        if r.get("event") == "commit":
+            step, t = int(r["step"]), float(r["t"])  # type: ignore[call-overload, arg-type]
+            out[step] = min(t, out.get(step, t))
+    return out
+
+
+def rate(times: dict[int, float], start: float, end: float) -> float:
+    """Steps first committed within [start, end), per second (pure)."""
+    if end <= start:
+        raise ValueError("empty window")
+    return sum(1 for t in times.values() if start <= t < end) / (end - start)
+
+
+def _wait(cond: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(POLL_S)
+    raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
+    etcd = EtcdServer().start()
+    workers: list[WorkerProcess] = []
+    try:
+        env = {"ELASTICD_ETCD_ENDPOINTS": etcd.endpoint, "ELASTICD_JOB_ID": "outage",
+               "ELASTICD_NODE_ID": "bench", "ELASTICD_MIN_WORKERS": str(s.workers),
+               "ELASTICD_LEASE_TTL_S": str(s.lease_ttl_s), "ELASTICD_KEEPALIVE_S": str(s.keepalive_s)}
+        for i in range(s.workers):
+            argv = python_program(WORKLOAD, "--steps", "100000000", "--step-sleep", str(s.step_sleep_s),
+                                  "--audit", str(workdir / f"audit{i}.jsonl"))
+            workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)},
+                                         workdir / f"worker{i}.log").start())
+        _wait(lambda: len(_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
+        before_start = time.time()
+        time.sleep(s.window_s)
+        killed_at = time.time()
+        etcd.kill()
+        time.sleep(s.outage_s)
+        for w in workers:
+            if not w.alive():
+                raise BenchError(f"a worker exited during the outage; see {w.log_path}")
+        etcd.start()
+        back_at = time.time()
+        time.sleep(s.window_s)
+        after_end = time.time()
+        for w in workers:
+            w.signal(signal.SIGTERM)  # drain: finish the step, leave
+        codes = [w.wait(PHASE_TIMEOUT_S) for w in workers]
+        times = _commit_times(workdir)
+        rep = check_dir(workdir, DATASET_SIZE)
+        before = rate(times, before_start, killed_at)
+        during = rate(times, killed_at, back_at)
+        after = rate(times, back_at, after_end)
+        figures = {
+            "rate_before_steps_s": round(before, 2), "rate_during_steps_s": round(during, 2),
+            "rate_after_steps_s": round(after, 2),
+            "outage_rate_ratio": round(during / before, 3) if before else None,
+            "after_rate_ratio": round(after / before, 3) if before else None,
+            "steps_lost": _lost_steps(rep), "regroups": max(0, len(rep.generations) - 1),
+            "worker_failures": sum(1 for c in codes if c != 0),
+        }
+        return {"settings": asdict(s), "figures": figures, "targets": OUTAGE_TARGETS,
+                "violations": rep.violations, "outage_measured_s": round(back_at - killed_at, 2)}
+    finally:
+        for w in workers:
+            w.stop()
+        etcd.stop()
+
+
+def render(result: dict[str, object]) -> str:
+    fig = result["figures"]
+    assert isinstance(fig, dict)
+    lines = [f"etcd outage of {result['outage_measured_s']} s with no membership change "
+             f"({result['settings']['workers']} workers)",  # type: ignore[index]
+             f"{'figure':<22} {'value':>10}  target"]
+    for name, value in fig.items():
+        lines.append(f"{name:<22} {_fmt(value):>10}  {OUTAGE_TARGETS.get(name, '')}")
+    if result["violations"]:
+        lines.append(f"audit violations: {result['violations']}")
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = OutageSettings()
+    p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--outage-s", type=float, default=d.outage_s, help="how long etcd is down")
+    p.add_argument("--window-s", type=float, default=d.window_s, help="the rate windows before and after")
+    p.add_argument("--step-sleep", type=float, default=d.step_sleep_s)
+    p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary dir, removed)")
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    s = OutageSettings(workers=args.workers, outage_s=args.outage_s, window_s=args.window_s,
+                       step_sleep_s=args.step_sleep)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elasticd-bench-outage-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_outage(s, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(result) if args.json else render(result))
+    fig = result["figures"]
+    assert isinstance(fig, dict)
+    return 0 if fig["steps_lost"] == 0 and not result["violations"] else 1
