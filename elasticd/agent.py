@@ -444,10 +444,6 @@ class Agent:
 
     def _run(self, waker: _Waker) -> AgentOutcome:
         c = self._config
-        try:
-            self._store.get(self._keys.generation)  # fail fast, and clearly, on an unreachable etcd
-        except EtcdUnavailable as exc:
-            return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
         presence = NodePresence(self._store, self._keys, c.node_id, c.timeouts, c.stats_interval_s,
                                 c.events_keep, self._on_drain_request, self._clock)
         self._since = time.time()
@@ -456,11 +452,26 @@ class Agent:
             self._notify(self._clock())  # the systemd watchdog, while lease_ttl_s passes
             waker.wait(seconds)
 
-        try:
-            claim = presence.claim(self._node_record(), claim_wait,
-                                   lambda: bool(waker.stop_requests or self._pending_stop), c.world.job_id)
-        except EtcdUnavailable as exc:
-            return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
+        def stopping() -> bool:
+            return bool(waker.stop_requests or self._pending_stop)
+
+        # An agent started during an etcd outage (a replacement node, a restart) waits for etcd,
+        # up to etcd_outage_s, rather than exiting into systemd's restart loop.
+        outage_ends = self._clock() + c.timeouts.etcd_outage_s
+        while True:
+            try:
+                self._store.get(self._keys.generation)
+                claim = presence.claim(self._node_record(), claim_wait, stopping, c.world.job_id)
+                break
+            except EtcdUnavailable as exc:
+                if self._clock() >= outage_ends:
+                    return AgentOutcome(EXIT_FATAL, f"etcd_unreachable for etcd_outage_s "
+                                        f"({c.timeouts.etcd_outage_s:g} s): {exc}")
+                if stopping():
+                    return AgentOutcome(EXIT_OK, "stopped while waiting for etcd")
+                log.warning("agent_waiting_for_etcd", error=str(exc)[:200],
+                            bound_s=round(outage_ends - self._clock(), 1))
+                claim_wait(c.timeouts.keepalive_s)
         if claim.kind is ClaimKind.REFUSE:
             return AgentOutcome(EXIT_CONFIG, claim.reason)
         if claim.kind is not ClaimKind.CLAIMED:

@@ -68,8 +68,8 @@ class Timeouts:
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
     etcd_outage_s: float = _seconds(
         "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
-        "within a rendezvous, on top of join_s) before it gives up. Training with no membership "
-        "change does not need etcd and goes on meanwhile.",
+        "within a rendezvous, on top of join_s), and an agent at its start, before giving up. "
+        "Training with no membership change does not need etcd and goes on meanwhile.",
         600.0,
     )
     standby_s: float = _seconds(

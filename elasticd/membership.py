@@ -425,6 +425,7 @@ class Window:
 
     entered_at: float
     candidates_changed_at: float
+    broken_at: float | None = None  # when this member first saw the current generation broken
 
 
 @dataclass(frozen=True)
@@ -530,7 +531,15 @@ def next_action(
                               f"max_workers {world.max_workers}", standby=True)
             return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
                           f"members {missing} to reach a step boundary")
-        last_call = window.entered_at + timeouts.last_call_s
+        if missing and not any(r.member_id in g.members for r in cands):
+            # Only members of the generation hold its state. Publishing without any of them while
+            # some live would start over from older state (a newcomer alone would train from step
+            # 0): wait for them. Bounded by their leases (and the agent's hang detection).
+            return Action(ActionKind.WAIT, f"waiting for the live members {missing} of generation "
+                          f"{g.generation}, which hold its state")
+        # The last call starts when this member saw the generation broken: a newcomer that has
+        # been waiting for long must not cut it short.
+        last_call = max(window.entered_at, window.broken_at or window.entered_at) + timeouts.last_call_s
         if missing and now < last_call:
             return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
     if len(cands) < world.min_workers:
@@ -1009,6 +1018,7 @@ class Membership:
         bounds = {"etcd": self._timeouts.etcd_outage_s, "standby": self._timeouts.standby_s}
         excuse, since = "", started
         ready_written = False
+        broken_seen = 0  # the broken generation whose break this member saw (0: none)
         while True:
             t = self._clock()
             if excuse:
@@ -1049,6 +1059,10 @@ class Membership:
             if cands != last_cands:
                 window = replace(window, candidates_changed_at=now)
                 last_cands = cands
+            broken = snap.generation.generation if snap.generation and generation_broken(snap) else 0
+            if broken != broken_seen:
+                broken_seen = broken
+                window = replace(window, broken_at=now if broken else None)
             action = next_action(snap, me, window, now, self._world, self._timeouts)
             last_reason = action.reason
             if action.kind is ActionKind.JOIN:

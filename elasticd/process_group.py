@@ -165,7 +165,46 @@ class GroupFactory:
 
     def _meet(self, store: Store, rank: int, world_size: int, deadline: Deadline,
               abandon: Callable[[], bool], what: str) -> dist.ProcessGroup:
-        """An abandonable arrival barrier on ``store``, then the backend's group over it."""
+        """An abandonable arrival barrier on ``store``, then the backend's group over it.
+
+        Both run on a helper thread while this one polls ``abandon`` and ``deadline``: a store
+        call to a rank 0 frozen mid-build blocks for the store's timeout (``group_build_s``), and
+        the backend's constructor waits for every peer's address for its own (``collective_s``),
+        and neither can be interrupted. A build left behind finishes (or fails) on its thread,
+        which then drops the group it made.
+        """
+        outcome: list[dist.ProcessGroup | BaseException] = []
+        done, cancelled = threading.Event(), threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append(self._meet_blocking(store, rank, world_size, deadline,
+                                                   lambda: cancelled.is_set() or abandon(), what))
+            except BaseException as exc:  # handed to the caller below
+                outcome.append(exc)
+            finally:
+                done.set()
+                if cancelled.is_set():
+                    outcome.clear()  # a late group is destroyed here, never on the training thread
+
+        t = threading.Thread(target=run, name="elasticd-group-build", daemon=True)
+        t.start()
+        poll_s = self._timeouts.abort_poll_s / 4
+        while not done.wait(poll_s):
+            if abandon() or deadline.expired():
+                cancelled.set()
+                self._client, self._client_addr = None, None  # a stuck call may hold its connection
+                self._retiring = [r for r in self._retiring if r.is_alive()] + [t]
+                if abandon():
+                    raise PeerLost(f"{what} abandoned while it was being built")
+                raise CollectiveTimeout(f"{what}: not built in time")
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _meet_blocking(self, store: Store, rank: int, world_size: int, deadline: Deadline,
+                       abandon: Callable[[], bool], what: str) -> dist.ProcessGroup:
         try:
             store.add("arrived", 1)
             while int(store.add("arrived", 0)) < world_size:

@@ -220,11 +220,35 @@ def test_bad_config_exits_2_with_one_line_naming_the_field(tmp_path: Path, toml:
 @pytest.mark.timeout(60)
 def test_unreachable_etcd_is_a_clear_fatal_error_before_any_worker_starts(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
-    proc = subprocess.run(AGENT + ["--etcd", endpoint, "--", "true"], env=_env(), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=40)
+    proc = subprocess.run(AGENT + ["--etcd", endpoint, "--etcd-outage-s", "1", "--", "true"], env=_env(),
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=40)
     assert proc.returncode == 1, proc
-    assert proc.stderr.startswith(f"elasticd: etcd_unreachable: etcd at {endpoint} did not answer"), proc.stderr
+    assert proc.stderr.startswith(f"elasticd: etcd_unreachable for etcd_outage_s (1 s): etcd at {endpoint} "
+                                  f"did not answer"), proc.stderr
     assert '"worker_started"' not in proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_an_agent_started_during_an_etcd_outage_waits_for_etcd_and_runs(tmp_path: Path) -> None:
+    """Issue 10: an agent started while etcd was down (a replacement node) exited 1 into systemd's
+    restart loop. It waits for etcd (up to etcd_outage_s) and then runs its workers."""
+    server = EtcdServer()  # ports chosen, not started yet: an outage
+    log_path = tmp_path / "agent.log"
+    with log_path.open("wb") as out:
+        agent = subprocess.Popen(AGENT + ["--etcd", server.endpoint, "--", "true"], env=_env(), cwd=REPO_ROOT,
+                                 stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: '"agent_waiting_for_etcd"' in log_path.read_text(), 30, "the agent to wait for etcd",
+                   lambda: log_path.read_text()[-3000:])
+        assert agent.poll() is None
+        server.start()
+        assert agent.wait(60) == 0, log_path.read_text()[-3000:]
+        assert '"worker_started"' in log_path.read_text()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        server.stop()
 
 
 @pytest.mark.timeout(90)

@@ -175,6 +175,18 @@ CASES = [
     Case("lost lease: a newcomer also waits through last call",
          snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]), me("n"),
          window=Window(NOW - 0.1, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
+    # Issue 10 (chaos): a newcomer waiting for long published a generation of itself alone when
+    # a member's lease expired, and trained from step 0 while the survivors held step 294.
+    Case("lost lease: a lone newcomer waits for the live members, who hold the state",
+         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[ready("n")]), me("n"),
+         window=settled(), kind=ActionKind.WAIT),
+    Case("lost lease: the last call runs from when the newcomer saw the break, not from its arrival",
+         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]), me("n"),
+         window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.1), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
+    Case("lost lease: after that last call, a survivor and the newcomer go on",
+         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n", -1)]), me("n"),
+         window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.31), kind=ActionKind.PUBLISH, members=("a", "n"),
+         generation=4, reason="member_lost"),
     # -- first generation, join window, min/max workers -----------------------------------------
     Case("start: join window open after the last arrival",
          snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]), me("a"),

@@ -1,0 +1,1415 @@
+"""Fault injection as a product: a real local job under random faults, judged from the outside.
+
+Owns ``python -m elasticd.chaos``. It starts a real etcd (one server, or ``--etcd-members 3`` on
+loopback) and ``--nodes`` real ``elasticd`` node agents, each running one worker of the default
+workload ``agents/mlp.py``. After a fault-free warm-up (which measures the fault-free step time), it
+injects faults at random (seeded) for ``--minutes``, never taking the job below ``--min-nodes`` ready
+nodes, and starting a replacement for every node it removes. Then it lets the job finish and checks,
+from the audit files, the agents' logs and ``elasticctl status`` samples only:
+
+- every committed step 1..N was committed exactly once across all generations (a step committed in
+  two generations is a repeat, a missing one is lost), and the job finished;
+- the final parameters (the audit ``final`` lines) are identical on every worker that finished;
+- no interval without a commit is longer than lease TTL + 2 s, except the part of it while etcd was
+  down (or had no quorum) when membership had to change;
+- ``elasticctl status --json`` lists exactly the live workers, give or take lease TTL + 1 s;
+- no Python traceback appears in any agent's or worker's log;
+- ``elasticd.audit.check`` finds no violation; every agent that was not killed exits 0; an agent
+  started with an existing node's id is refused (exits non-zero).
+
+It also reports ETTR: committed steps x fault-free step time / wall time of the faulted phase.
+
+The decisions are pure functions (``choose_fault`` picks the next fault from a ``ClusterView`` and a
+``random.Random``; ``find_stalls``, ``step_findings``, ``final_findings``, ``status_findings``,
+``traceback_hits`` and ``judge`` check the invariants over parsed records); ``ChaosRun`` does the
+I/O. It holds no training, rendezvous or supervision logic, and it ends every process it started,
+by PID or by the process group it created, on every way out.
+
+Usage::
+
+    python -m elasticd.chaos [--minutes 5] [--mean-interval-s 10] [--seed S] [--faults a,b,...]
+                             [--nodes 3] [--min-nodes 2] [--etcd-members 1|3] [--json] [--workdir DIR]
+
+Exit codes: 0 every invariant held; 1 an invariant failed (or the run could not be completed);
+2 bad arguments or no etcd binary; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import partial
+from pathlib import Path
+from typing import TextIO
+
+from elasticd.audit import check as audit_check
+from elasticd.config import Timeouts
+from elasticd.errors import ConfigError
+from elasticd.localcluster import (
+    AuditTail,
+    EtcdCluster,
+    EtcdServer,
+    Terminated,
+    WorkerProcess,
+    group_pids,
+    local_agent_argv,
+    process_state,
+    python_program,
+    sigterm_raises,
+    signal_pid,
+)
+
+JOB_ID = "chaos"
+SAMPLES = 2048  # the workload's dataset size; the audit checks every epoch against it
+GLOBAL_BATCH = 64
+# The shortest lease etcd grants with its default election settings (its minimum TTL is ~2 s).
+TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
+TICK_S = 0.1                # how often the loop polls the audit files, the processes and the clock
+STATUS_EVERY_S = 5.0        # an `elasticctl status --json` sample this often during the faults
+PROGRESS_EVERY_S = 10.0     # one progress line this often
+STARTUP_BOUND_S = 150.0     # agents started -> the job trains at full size (torch imports under load)
+STUCK_S = 60.0              # no commit for this long during the faults: stop injecting
+AGENT_EXIT_WAIT_S = 30.0    # after the last step: how long the agents get to exit
+DUPLICATE_BOUND_S = 20.0    # an agent with an existing node's id must have exited by then
+ETCD_READY_BOUND_S = 30.0   # a restarted etcd must answer by then
+TRACEBACK = "Traceback (most recent call last)"
+STEP_OVERHEAD_S = 0.015     # per-step cost besides --step-sleep on a small machine (for the step estimate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault kinds
+
+
+class FaultKind(StrEnum):
+    WORKER_KILL = "worker_kill"
+    NODE_LOSS = "node_loss"
+    WORKER_STOP = "worker_stop"
+    AGENT_STOP = "agent_stop"
+    ETCD_RESTART = "etcd_restart"
+    ETCD_OUTAGE = "etcd_outage"
+    ETCD_FOLLOWER_KILL = "etcd_follower_kill"
+    ETCD_LEADER_KILL = "etcd_leader_kill"
+    DRAIN = "drain"
+    AGENT_SIGTERM = "agent_sigterm"
+    NODE_JOIN = "node_join"
+    DUPLICATE_NODE = "duplicate_node"
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What a fault kind does and what it needs before it may be injected."""
+
+    doc: str
+    removes: bool = False      # takes one node's worker out of the job for a while
+    on_node: bool = False      # acts on one ready node, picked at random
+    etcd: bool = False         # acts on etcd: one etcd fault at a time
+    etcd_members: int = 1      # the etcd cluster size it needs
+    adds: bool = False         # starts a node (only below max_nodes)
+    needs_etcd: bool = False   # needs etcd up (it writes there, or its outcome means nothing without)
+
+
+KINDS: Mapping[FaultKind, KindSpec] = {
+    FaultKind.WORKER_KILL: KindSpec("SIGKILL one worker; its agent restarts it", removes=True, on_node=True),
+    FaultKind.NODE_LOSS: KindSpec("SIGKILL an agent's process group (the agent and its workers); the same "
+                                  "node is started again after lease TTL + 1 s", removes=True, on_node=True),
+    FaultKind.WORKER_STOP: KindSpec("SIGSTOP one worker for lease TTL + 1 s, then SIGCONT", removes=True,
+                                    on_node=True),
+    FaultKind.AGENT_STOP: KindSpec("SIGSTOP one agent for lease TTL + 1 s, then SIGCONT", removes=True,
+                                   on_node=True),
+    FaultKind.ETCD_RESTART: KindSpec("SIGKILL etcd (every member) and start it again at once on the same data",
+                                     etcd=True),
+    FaultKind.ETCD_OUTAGE: KindSpec("SIGKILL etcd (every member), start it again after --etcd-outage-s",
+                                    etcd=True),
+    FaultKind.ETCD_FOLLOWER_KILL: KindSpec("SIGKILL an etcd follower; start it again after --etcd-outage-s",
+                                           etcd=True, etcd_members=3),
+    FaultKind.ETCD_LEADER_KILL: KindSpec("SIGKILL the etcd leader; start it again after --etcd-outage-s",
+                                         etcd=True, etcd_members=3),
+    FaultKind.DRAIN: KindSpec("elasticctl drain NODE; the node is started again after its agent exited",
+                              removes=True, on_node=True, needs_etcd=True),
+    FaultKind.AGENT_SIGTERM: KindSpec("SIGTERM one agent (a drain); the node is started again after it exited",
+                                      removes=True, on_node=True),
+    FaultKind.NODE_JOIN: KindSpec("start an agent with a new node id", adds=True),
+    FaultKind.DUPLICATE_NODE: KindSpec("start a second agent with an existing node's id: it must exit non-zero",
+                                       on_node=True, needs_etcd=True),
+}
+
+
+_KIND_NAMES = frozenset(k.value for k in FaultKind)
+
+
+def kinds_possible(etcd_members: int) -> tuple[FaultKind, ...]:
+    """The fault kinds that can be injected with an etcd cluster of this size."""
+    return tuple(k for k, spec in KINDS.items() if spec.etcd_members in (1, etcd_members))
+
+
+def parse_faults(text: str | None, etcd_members: int) -> tuple[FaultKind, ...]:
+    """``--faults a,b,c`` (None: every kind possible here).
+
+    Raises:
+        ConfigError: an unknown kind, or one that needs a larger etcd cluster.
+    """
+    possible = kinds_possible(etcd_members)
+    if text is None:
+        return possible
+    out: list[FaultKind] = []
+    for name in (part.strip() for part in text.split(",")):
+        if not name:
+            continue
+        try:
+            kind = FaultKind(name)
+        except ValueError:
+            raise ConfigError(f"--faults: unknown fault kind {name!r}; "
+                              f"known: {', '.join(k.value for k in FaultKind)}") from None
+        if kind not in possible:
+            raise ConfigError(f"--faults: {name} needs --etcd-members {KINDS[kind].etcd_members}")
+        if kind not in out:
+            out.append(kind)
+    if not out:
+        raise ConfigError("--faults: no fault kind given")
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule (pure)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    ready: bool  # its agent and worker run, its worker trains, and no fault is in flight on it
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the scheduler knows of the cluster at one moment."""
+
+    nodes: tuple[NodeView, ...]  # the live agents (not counting a duplicate)
+    queued: int                  # replacements due to be started
+    min_nodes: int
+    max_nodes: int
+    etcd_busy: bool              # an etcd fault is in flight (etcd or a member down)
+    duplicate_running: bool
+    injected: Mapping[FaultKind, int]
+
+    @property
+    def ready(self) -> tuple[str, ...]:
+        return tuple(sorted(n.name for n in self.nodes if n.ready))
+
+
+@dataclass(frozen=True)
+class Choice:
+    kind: FaultKind
+    node: str | None  # the target node of an on-node kind
+
+
+def allowed(kind: FaultKind, view: ClusterView) -> bool:
+    """Whether ``kind`` may be injected now without taking the job below its minimum size."""
+    spec = KINDS[kind]
+    ready = view.ready
+    if spec.on_node and not ready:
+        return False
+    if spec.removes and len(ready) - 1 < view.min_nodes:
+        return False
+    if (spec.etcd or spec.needs_etcd) and view.etcd_busy:
+        return False
+    if spec.adds and len(view.nodes) + view.queued >= view.max_nodes:
+        return False
+    return not (kind is FaultKind.DUPLICATE_NODE and view.duplicate_running)
+
+
+def choose_fault(view: ClusterView, kinds: Sequence[FaultKind], rng: random.Random) -> Choice | None:
+    """The next fault: a kind allowed now, among those injected least so far (so a short run covers
+    every kind), picked at random; for an on-node kind, a ready node at random. None: none allowed."""
+    possible = [k for k in kinds if allowed(k, view)]
+    if not possible:
+        return None
+    least = min(view.injected.get(k, 0) for k in possible)
+    kind = rng.choice(sorted(k for k in possible if view.injected.get(k, 0) == least))
+    node = rng.choice(view.ready) if KINDS[kind].on_node else None
+    return Choice(kind, node)
+
+
+def next_delay(rng: random.Random, mean_s: float) -> float:
+    """Seconds until the next fault: exponential with mean ``mean_s``, clipped to [0.1, 4] x mean."""
+    return min(max(rng.expovariate(1.0 / mean_s), 0.1 * mean_s), 4.0 * mean_s)
+
+
+def estimate_steps(step_sleep_s: float, seconds: float) -> int:
+    """Steps a fault-free job of this workload commits in ``seconds`` on a small machine."""
+    return max(50, math.ceil(seconds / (step_sleep_s + STEP_OVERHEAD_S)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Records and invariants (pure)
+
+
+@dataclass(frozen=True)
+class Window:
+    start: float  # wall clock, as in the audit lines
+    end: float
+
+
+@dataclass(frozen=True)
+class Commit:
+    node: str
+    step: int
+    generation: int
+    rank: int
+    world_size: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Final:
+    node: str
+    step: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    t: float
+    kind: str
+    target: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Stall:
+    start: float
+    length_s: float
+    excused_s: float           # the part while etcd was down and membership had to change
+    generations: tuple[int, int]  # the generation of the commit before and after
+    faults: tuple[str, ...]    # the faults injected just before it (and during it)
+
+    @property
+    def counted_s(self) -> float:
+        return self.length_s - self.excused_s
+
+
+@dataclass(frozen=True)
+class StepFindings:
+    last_step: int
+    repeats: Mapping[int, tuple[int, ...]]  # step -> the generations that committed it
+    lost: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StatusSample:
+    t0: float  # wall clock before and after the call
+    t1: float
+    pids: tuple[int, ...]  # the members' pids it listed
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerLife:
+    pid: int
+    node: str
+    registered_t: float | None       # when its audit start line (written once registered) was seen
+    ended_t: float | None            # first seen gone
+    paused: tuple[Window, ...] = ()  # SIGSTOP -> SIGCONT (end = inf while stopped)
+
+
+@dataclass(frozen=True)
+class Invariant:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _int(value: object) -> int:
+    assert isinstance(value, (int, float, str)), value
+    return int(value)
+
+
+def _float(value: object) -> float:
+    assert isinstance(value, (int, float, str)), value
+    return float(value)
+
+
+def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Commit]:
+    """The commit lines of (node, audit record) pairs."""
+    return [Commit(node, _int(r["step"]), _int(r["generation"]), _int(r["rank"]), _int(r["world_size"]),
+                   _float(r["t"]))
+            for node, r in pairs if r.get("event") == "commit"]
+
+
+def parse_finals(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Final]:
+    return [Final(node, _int(r["step"]), str(r["checksum"])) for node, r in pairs if r.get("event") == "final"]
+
+
+def step_findings(commits: Sequence[Commit]) -> StepFindings:
+    """Every step 1..N committed exactly once across all generations: the repeats and the gaps."""
+    gens_of: dict[int, set[int]] = {}
+    for c in commits:
+        gens_of.setdefault(c.step, set()).add(c.generation)
+    last = max(gens_of, default=0)
+    repeats = {s: tuple(sorted(g)) for s, g in sorted(gens_of.items()) if len(g) > 1}
+    lost = tuple(s for s in range(1, last + 1) if s not in gens_of)
+    return StepFindings(last, repeats, lost, tuple(sorted({c.generation for c in commits})))
+
+
+def commit_times(commits: Sequence[Commit]) -> list[tuple[float, int]]:
+    """(time, generation) of each committed (step, generation), by its first line, in time order."""
+    first: dict[tuple[int, int], float] = {}
+    for c in commits:
+        key = (c.step, c.generation)
+        first[key] = min(first.get(key, c.t), c.t)
+    return sorted((t, gen) for (_, gen), t in first.items())
+
+
+def _overlap(a: float, b: float, windows: Sequence[Window]) -> float:
+    """Seconds of [a, b] covered by the windows (which may overlap each other)."""
+    cuts = sorted((max(a, w.start), min(b, w.end)) for w in windows if w.end > a and w.start < b)
+    total, reach = 0.0, a
+    for s, e in cuts:
+        s = max(s, reach)
+        if e > s:
+            total += e - s
+            reach = e
+    return total
+
+
+def find_stalls(times: Sequence[tuple[float, int]], limit_s: float, etcd_down: Sequence[Window],
+                faults: Sequence[FaultRecord], end_t: float | None = None,
+                lookback_s: float | None = None) -> list[Stall]:
+    """Every interval without a commit longer than ``limit_s``, in time order.
+
+    Args:
+        times: (time, generation) of the commits, in time order (``commit_times``).
+        limit_s: the longest interval allowed (lease TTL + 2 s).
+        etcd_down: when etcd was down or had no quorum. Such time is excused only when membership
+            had to change (the commit after the stall is in another generation than the one before).
+        faults: what was injected; each stall names those within ``lookback_s`` before it or during it.
+        end_t: the end of the run when the job did not finish: the time after the last commit counts.
+        lookback_s: default ``limit_s``.
+    """
+    back = limit_s if lookback_s is None else lookback_s
+    spans = [(a, b, ga, gb) for (a, ga), (b, gb) in zip(times, times[1:], strict=False)]
+    if end_t is not None and times and end_t > times[-1][0]:
+        spans.append((times[-1][0], end_t, times[-1][1], -1))
+    out = []
+    for a, b, ga, gb in spans:
+        if b - a <= limit_s:
+            continue
+        excused = _overlap(a, b, etcd_down) if gb != ga else 0.0
+        near = tuple(f"{f.kind}({f.target})" for f in faults if a - back <= f.t <= b)
+        out.append(Stall(a, b - a, excused, (ga, gb), near))
+    return out
+
+
+def final_findings(finals: Sequence[Final], last_step: int) -> list[str]:
+    """Problems with the final parameters: workers that left at the same step differ, or no worker
+    finished at the last step."""
+    by_step: dict[int, set[str]] = {}
+    for f in finals:
+        by_step.setdefault(f.step, set()).add(f.checksum)
+    out = [f"workers that ended at step {step} hold different parameters: {sorted(sums)}"
+           for step, sums in sorted(by_step.items()) if len(sums) > 1]
+    if last_step and last_step not in by_step:
+        out.append(f"no worker wrote a final line at the last step {last_step}")
+    return out
+
+
+def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife], slack_s: float,
+                    seen_margin_s: float = 0.5) -> list[str]:
+    """Where ``elasticctl status`` disagreed with the live workers by more than ``slack_s``.
+
+    At a sample taken over [t0, t1], a worker registered before t0 - slack, alive until after t1 and
+    not stopped since t0 - slack must be listed; one gone, or stopped the whole time, since before
+    t0 - slack must not be; every listed pid must be a worker of this run. ``seen_margin_s`` covers
+    the delay with which a death is seen (the loop polls).
+    """
+    out = []
+    known = {w.pid: w for w in lives}
+    for s in samples:
+        if s.error:
+            continue
+        listed = set(s.pids)
+        since = s.t0 - slack_s
+        for w in lives:
+            alive = w.ended_t is None or w.ended_t > s.t1 + seen_margin_s
+            paused = any(p.end >= since and p.start <= s.t1 for p in w.paused)
+            if (w.registered_t is not None and w.registered_t <= since and alive and not paused
+                    and w.pid not in listed):
+                out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is live (registered "
+                           f"{s.t0 - w.registered_t:.1f} s before) but not listed")
+            gone = (w.ended_t is not None and w.ended_t <= since) or any(
+                p.start <= since and p.end >= s.t1 for p in w.paused)
+            if gone and w.pid in listed:
+                out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is listed but gone or stopped "
+                           f"for more than {slack_s:g} s")
+        for pid in sorted(listed - set(known)):
+            out.append(f"at {s.t0:.1f}: status lists pid {pid}, which is no worker of this run")
+    return out
+
+
+def traceback_hits(name: str, text: str) -> list[str]:
+    """Each Python traceback in a log (plain, or inside a JSON line's ``exception``), as
+    ``name:line: what``."""
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if TRACEBACK not in line:
+            continue
+        what = line.strip()[:160]
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("exception"), str):
+            last = rec["exception"].strip().splitlines()[-1:]
+            what = f"event {rec.get('event')!r}: {last[0][:160] if last else ''}"
+        else:
+            for later in lines[i + 1:i + 200]:
+                if later and not later[0].isspace() and TRACEBACK not in later:
+                    what = later.strip()[:160]
+                    break
+        out.append(f"{name}:{i + 1}: {what}")
+    return out
+
+
+def fault_free_step_s(times: Sequence[tuple[float, int]], start: float, end: float) -> float | None:
+    """Mean seconds per committed step over [start, end] (the warm-up); None with fewer than 2."""
+    inside = [t for t, _ in times if start <= t <= end]
+    if len(inside) < 2:
+        return None
+    return (inside[-1] - inside[0]) / (len(inside) - 1)
+
+
+def ettr(steps: int, step_s: float | None, wall_s: float) -> float | None:
+    """Effective training time ratio: committed steps x fault-free step time / wall time."""
+    if step_s is None or wall_s <= 0:
+        return None
+    return steps * step_s / wall_s
+
+
+@dataclass(frozen=True)
+class AgentEnd:
+    """How one agent process ended, and how it was meant to."""
+
+    node: str
+    pid: int
+    expected: str          # "" finish, "killed", "drain", "sigterm", "duplicate"
+    code: int | None       # None: still running when the run ended (then it was killed)
+    message: str = ""      # the last line of its log
+
+
+def agent_findings(ends: Sequence[AgentEnd]) -> tuple[list[str], list[str]]:
+    """(agents that should have exited 0 and did not, duplicates that were not refused)."""
+    bad, dup = [], []
+    for a in ends:
+        if a.expected == "duplicate":
+            if a.code is None or a.code == 0:
+                how = "still running after its bound" if a.code is None else "exited 0"
+                dup.append(f"second agent for {a.node} (pid {a.pid}) was not refused: {how}")
+            elif a.node not in a.message:
+                dup.append(f"second agent for {a.node} (pid {a.pid}) exited {a.code} without naming the "
+                           f"node id: {a.message[:160]}")
+        elif a.expected != "killed" and a.code != 0:
+            how = "still running at the end" if a.code is None else f"exited {a.code}"
+            bad.append(f"agent {a.node} (pid {a.pid}) {how}: {a.message[:200]}")
+    return bad, dup
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything the run observed, as the judge reads it."""
+
+    target_steps: int
+    commits: tuple[Commit, ...]
+    finals: tuple[Final, ...]
+    audit_violations: tuple[str, ...]
+    faults: tuple[FaultRecord, ...]
+    etcd_down: tuple[Window, ...]
+    samples: tuple[StatusSample, ...]
+    lives: tuple[WorkerLife, ...]
+    tracebacks: tuple[str, ...]
+    agents: tuple[AgentEnd, ...]
+    warmup: Window | None
+    faulted: Window | None
+    lease_ttl_s: float
+    problems: tuple[str, ...] = ()  # what the executor could not do (a start failed, a bound passed)
+    end_t: float | None = None      # the end of the run (for a job that did not finish)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    invariants: tuple[Invariant, ...]
+    stalls: tuple[Stall, ...]
+    steps: StepFindings
+    step_s: float | None
+    ettr: float | None
+    faulted_steps: int
+
+    @property
+    def ok(self) -> bool:
+        return all(i.ok for i in self.invariants)
+
+
+def _listed(items: Sequence[object], limit: int = 10) -> str:
+    shown = ", ".join(str(i) for i in items[:limit])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+def _finals_summary(finals: Sequence[Final], last_step: int) -> str:
+    at_last = sorted({f.checksum for f in finals if f.step == last_step})
+    n = sum(1 for f in finals if f.step == last_step)
+    earlier = sum(1 for f in finals if f.step != last_step)
+    return (f"{n} worker(s) at step {last_step}: {_listed(at_last)}"
+            + (f"; {earlier} that left earlier agree per step" if earlier else ""))
+
+
+def judge(ev: Evidence) -> Verdict:
+    """Check every invariant over the evidence of one run."""
+    steps = step_findings(ev.commits)
+    times = commit_times(ev.commits)
+    limit = ev.lease_ttl_s + 2.0
+    finished = steps.last_step >= ev.target_steps
+    stalls = find_stalls(times, limit, ev.etcd_down, ev.faults, None if finished else ev.end_t)
+    counted = [s for s in stalls if s.counted_s > limit]
+    finals = final_findings(ev.finals, steps.last_step)
+    status = status_findings(ev.samples, ev.lives, ev.lease_ttl_s + 1.0)
+    bad_agents, not_refused = agent_findings(ev.agents)
+    inv = [
+        Invariant("steps exactly once", not steps.repeats and not steps.lost,
+                  f"1..{steps.last_step}, no repeat, no gap" if not steps.repeats and not steps.lost else
+                  "; ".join(filter(None, [
+                      f"repeated (step: generations) {_listed([f'{s}: {g}' for s, g in steps.repeats.items()])}"
+                      if steps.repeats else "",
+                      f"lost steps {_listed(list(steps.lost))}" if steps.lost else ""]))),
+        Invariant("job finished", finished and not ev.problems,
+                  "; ".join([f"committed {steps.last_step} of {ev.target_steps} steps", *ev.problems])),
+        Invariant("final parameters identical", not finals, "; ".join(finals) or _finals_summary(ev.finals, steps.last_step)),
+        Invariant(f"no stall > {limit:g} s", not counted,
+                  f"{len(stalls)} stall(s), {len(counted)} not excused" if stalls else "none"),
+        Invariant("status agrees with workers", not status,
+                  "; ".join(status[:5]) if status else
+                  f"{sum(1 for s in ev.samples if not s.error)} sample(s) agreed within {ev.lease_ttl_s + 1:g} s"),
+        Invariant("no traceback in logs", not ev.tracebacks, "; ".join(ev.tracebacks[:5]) or "none"),
+        Invariant("audit check", not ev.audit_violations, "; ".join(ev.audit_violations[:5]) or "no violation"),
+        Invariant("agents exit 0", not bad_agents, "; ".join(bad_agents[:5]) or
+                  f"{sum(1 for a in ev.agents if a.expected not in ('killed', 'duplicate'))} agent(s) exited 0"),
+    ]
+    dups = [a for a in ev.agents if a.expected == "duplicate"]
+    if dups:
+        inv.append(Invariant("duplicate node refused", not not_refused, "; ".join(not_refused) or "; ".join(
+            f"{a.node}: exit {a.code}: {a.message[:120]}" for a in dups[:3])))
+    step_s = fault_free_step_s(times, ev.warmup.start, ev.warmup.end) if ev.warmup else None
+    faulted_steps = 0
+    ratio = None
+    if ev.faulted is not None:
+        first_t: dict[int, float] = {}
+        for c in ev.commits:
+            first_t[c.step] = min(first_t.get(c.step, c.t), c.t)
+        faulted_steps = sum(1 for t in first_t.values() if ev.faulted.start <= t <= ev.faulted.end)
+        ratio = ettr(faulted_steps, step_s, ev.faulted.end - ev.faulted.start)
+    return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, faulted_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output (pure)
+
+
+@dataclass(frozen=True)
+class Settings:
+    minutes: float
+    mean_interval_s: float
+    seed: int
+    kinds: tuple[FaultKind, ...]
+    nodes: int
+    min_nodes: int
+    max_nodes: int
+    etcd_members: int
+    etcd_outage_s: float
+    step_sleep_s: float
+    steps: int
+    warmup_s: float
+
+
+@dataclass(frozen=True)
+class Report:
+    settings: Settings
+    evidence: Evidence
+    verdict: Verdict
+    started_t: float  # wall clock of the run's start (times are printed relative to it)
+    workdir: str
+    skipped: Mapping[str, str] = field(default_factory=dict)  # kinds not possible here -> why
+
+
+def injected_counts(report: Report) -> dict[str, int]:
+    counts = {k.value: 0 for k in report.settings.kinds}
+    for f in report.evidence.faults:
+        if f.kind in counts:
+            counts[f.kind] += 1
+    return counts
+
+
+def render_table(report: Report) -> str:
+    """The human summary: faults injected per kind, then the invariants and the figures."""
+    s, v, ev = report.settings, report.verdict, report.evidence
+    rel = report.started_t
+    lines = [f"== chaos: seed {s.seed}, {s.minutes:g} min of faults (mean interval {s.mean_interval_s:g} s), "
+             f"{s.nodes} nodes (min {s.min_nodes}, max {s.max_nodes}), etcd {s.etcd_members} member(s), "
+             f"lease TTL {ev.lease_ttl_s:g} s ==", "", f"{'FAULT':<22}INJECTED"]
+    for kind, n in injected_counts(report).items():
+        lines.append(f"{kind:<22}{n}")
+    for kind, why in report.skipped.items():
+        lines.append(f"{kind:<22}-  (skipped: {why})")
+    lines += ["", f"{'INVARIANT':<30}{'RESULT':<8}DETAIL"]
+    for i in v.invariants:
+        lines.append(f"{i.name:<30}{'PASS' if i.ok else 'FAIL':<8}{i.detail}")
+    lines.append("")
+    if v.stalls:
+        lines.append(f"stalls (no commit for > {ev.lease_ttl_s + 2:g} s; times from the start of the run)")
+        lines.append(f"  {'START':>8} {'LENGTH':>7} {'EXCUSED':>8}  GENERATIONS  FAULTS JUST BEFORE")
+        for st in v.stalls:
+            gens = f"{st.generations[0]}->{st.generations[1] if st.generations[1] >= 0 else 'end'}"
+            lines.append(f"  {st.start - rel:7.1f}s {st.length_s:6.1f}s {st.excused_s:7.1f}s  {gens:<12} "
+                         f"{', '.join(st.faults) or '-'}")
+    else:
+        lines.append("stalls            none")
+    if ev.etcd_down:
+        lines.append("etcd down         " + ", ".join(f"{w.start - rel:.1f}s+{w.end - w.start:.1f}s"
+                                                      for w in ev.etcd_down))
+    ettr_text = f"{v.ettr:.3f}" if v.ettr is not None else "-"
+    step_text = f"{v.step_s * 1000:.1f} ms" if v.step_s is not None else "-"
+    faulted = f"{ev.faulted.end - ev.faulted.start:.1f} s" if ev.faulted else "-"
+    lines += [
+        f"ETTR              {ettr_text} ({v.faulted_steps} steps x {step_text} fault-free / {faulted} faulted)",
+        f"steps             {v.steps.last_step}/{ev.target_steps}",
+        f"generations       {len(v.steps.generations)}",
+        f"status samples    {len(ev.samples)}",
+        f"result            {'PASS' if v.ok else 'FAIL'}",
+        f"work dir          {report.workdir}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def report_to_dict(report: Report) -> dict[str, object]:
+    """The ``--json`` object: every key always present."""
+    s, v, ev = report.settings, report.verdict, report.evidence
+    rel = report.started_t
+    return {
+        "ok": v.ok,
+        "seed": s.seed,
+        "settings": {"minutes": s.minutes, "mean_interval_s": s.mean_interval_s, "faults": [k.value for k in s.kinds],
+                     "nodes": s.nodes, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
+                     "etcd_members": s.etcd_members, "etcd_outage_s": s.etcd_outage_s,
+                     "step_sleep_s": s.step_sleep_s, "steps": s.steps, "warmup_s": s.warmup_s,
+                     "lease_ttl_s": ev.lease_ttl_s},
+        "injected": injected_counts(report),
+        "skipped": dict(report.skipped),
+        "invariants": [{"name": i.name, "ok": i.ok, "detail": i.detail} for i in v.invariants],
+        "stalls": [{"start_s": round(st.start - rel, 3), "length_s": round(st.length_s, 3),
+                    "excused_s": round(st.excused_s, 3), "generations": list(st.generations),
+                    "faults": list(st.faults)} for st in v.stalls],
+        "etcd_down": [{"start_s": round(w.start - rel, 3), "length_s": round(w.end - w.start, 3)}
+                      for w in ev.etcd_down],
+        "faults": [{"t_s": round(f.t - rel, 3), "kind": f.kind, "target": f.target, "detail": f.detail}
+                   for f in ev.faults],
+        "ettr": v.ettr,
+        "fault_free_step_s": v.step_s,
+        "faulted_steps": v.faulted_steps,
+        "faulted_s": None if ev.faulted is None else ev.faulted.end - ev.faulted.start,
+        "steps": v.steps.last_step,
+        "target_steps": ev.target_steps,
+        "generations": len(v.steps.generations),
+        "repeats": {str(k): list(g) for k, g in v.steps.repeats.items()},
+        "lost": list(v.steps.lost),
+        "status_samples": len(ev.samples),
+        "tracebacks": list(ev.tracebacks),
+        "problems": list(ev.problems),
+        "workdir": report.workdir,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The executor
+
+
+class Phase(StrEnum):
+    STARTING = "starting"
+    WARMUP = "warmup"
+    FAULTS = "faults"
+    FINISHING = "finishing"
+
+
+@dataclass
+class Node:
+    """One agent process (a node, or a duplicate of one) and what the run did to it."""
+
+    name: str
+    proc: WorkerProcess
+    expected: str = ""        # "" finish, "killed", "drain", "sigterm", "duplicate"
+    busy_until: float = 0.0   # monotonic: a fault is in flight on it until then
+    leaving: bool = False     # drained or SIGTERMed: it goes, and is replaced once it exited
+    code: int | None = None
+    replaced: bool = False
+    log_offset: int = 0       # where this process's lines begin in its log (a node's restarts share one)
+    message: str = ""         # its last log line when it exited
+
+    def last_line(self) -> str:
+        """The last line this agent process (or its workers) wrote to its log."""
+        try:
+            with self.proc.log_path.open("rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        return lines[-1] if lines else ""
+
+
+@dataclass
+class Timed:
+    due: float  # monotonic
+    what: str
+    action: Callable[[], None]
+
+
+@dataclass
+class Life:
+    node: str
+    registered_t: float | None = None
+    ended_t: float | None = None
+    paused: list[list[float]] = field(default_factory=list)
+
+
+class ChaosRun:
+    """One run in ``workdir``: etcd, the agents, the faults, the evidence."""
+
+    def __init__(self, settings: Settings, workdir: Path, say: Callable[[str], None]) -> None:
+        self.s = settings
+        self.workdir = workdir
+        self.audit_dir = workdir / "audit"
+        self.config_file = workdir / "elasticd.toml"
+        self._say = say
+        self.rng = random.Random(settings.seed)
+        self.started_mono = time.monotonic()
+        self.started_t = time.time()
+        self.etcd_members: list[EtcdServer] = []
+        self.cluster: EtcdCluster | None = None
+        self.nodes: list[Node] = []
+        self.timed: list[Timed] = []
+        self.faults: list[FaultRecord] = []
+        self.down: list[Window] = []
+        self.down_since: float | None = None   # wall: etcd (or quorum) lost, not back yet
+        self.etcd_busy_until: float | None = None  # monotonic; None: no etcd fault in flight
+        self.samples: list[StatusSample] = []
+        self.lives: dict[int, Life] = {}
+        self.problems: list[str] = []
+        self.tail = AuditTail(self.audit_dir)
+        self.last_step = 0
+        self.generation = self.world = 0
+        self.last_commit_mono = 0.0
+        self.full_world_t: float | None = None
+        self.node_start: dict[str, tuple[int, bool]] = {}  # audit file -> (last start pid, synced since)
+        self.phase = Phase.STARTING
+        self.warmup: Window | None = None
+        self.faulted: Window | None = None
+        self._joins = settings.nodes
+        self._dups = 0
+
+    # -- output -------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        self._say(f"[{time.monotonic() - self.started_mono:6.1f}s] {text}")
+
+    def record(self, kind: FaultKind | str, target: str, detail: str = "") -> None:
+        self.faults.append(FaultRecord(time.time(), str(kind), target, detail))
+        self.say(f"fault {kind} on {target}{': ' + detail if detail else ''}")
+
+    # -- processes ----------------------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.etcd_members]
+
+    def start_etcd(self) -> None:
+        if self.s.etcd_members == 1:
+            server = EtcdServer(data_dir=str(self.workdir / "etcd")).start()
+            self.etcd_members = [server]
+        else:
+            self.cluster = EtcdCluster(self.s.etcd_members, data_root=str(self.workdir / "etcd")).start()
+            self.etcd_members = list(self.cluster.members)
+        self.say(f"etcd {','.join(self.endpoints)} ({len(self.etcd_members)} member(s))")
+
+    def program(self, audit_name: str) -> list[str]:
+        return python_program(
+            "agents/mlp.py", "--steps", str(self.s.steps), "--samples", str(SAMPLES),
+            "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(self.s.step_sleep_s),
+            "--audit", str(self.audit_dir / f"{audit_name}.jsonl"),
+        )
+
+    def start_agent(self, name: str, duplicate: bool = False) -> Node:
+        log_name = name
+        if duplicate:
+            self._dups += 1
+            log_name = f"{name}-dup{self._dups}"
+        argv = local_agent_argv(self.config_file, self.endpoints, JOB_ID, name,
+                                f"{self.s.min_nodes}:{self.s.max_nodes}", TIMEOUTS.lease_ttl_s,
+                                TIMEOUTS.keepalive_s, self.program(log_name),
+                                "--max-restarts", "1000")  # a worker killed again and again is restarted again
+        log_path = self.workdir / f"agent-{log_name}.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        proc = WorkerProcess(argv, {}, log_path, new_session=True).start()
+        node = Node(name, proc, expected="duplicate" if duplicate else "", log_offset=offset)
+        self.nodes.append(node)
+        self.say(f"started agent {log_name} (pid {proc.pid})")
+        return node
+
+    def live_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.code is None and n.expected != "duplicate" and n.proc.alive()]
+
+    def worker_pids(self, node: Node) -> list[int]:
+        return [p for p in group_pids([node.proc.pid])[node.proc.pid] if p != node.proc.pid]
+
+    def node_ready(self, node: Node, now: float) -> bool:
+        if node.leaving or node.expected or now < node.busy_until or not node.proc.alive():
+            return False
+        if process_state(node.proc.pid) in (None, "T", "t", "Z"):
+            return False
+        pids = self.worker_pids(node)
+        if len(pids) != 1 or process_state(pids[0]) in (None, "T", "t", "Z"):
+            return False
+        start_pid, synced = self.node_start.get(node.name, (0, False))
+        return start_pid == pids[0] and synced
+
+    def view(self, now: float) -> ClusterView:
+        live = self.live_nodes()
+        counts: dict[FaultKind, int] = {}
+        for f in self.faults:
+            if f.kind in _KIND_NAMES:
+                counts[FaultKind(f.kind)] = counts.get(FaultKind(f.kind), 0) + 1
+        dup_running = any(n.expected == "duplicate" and n.code is None for n in self.nodes)
+        dup_names = {n.name for n in self.nodes if n.expected == "duplicate" and n.code is None}
+        return ClusterView(
+            nodes=tuple(NodeView(n.name, self.node_ready(n, now) and n.name not in dup_names) for n in live),
+            queued=sum(1 for t in self.timed if t.what.startswith("replace")),
+            min_nodes=self.s.min_nodes, max_nodes=self.s.max_nodes,
+            etcd_busy=self.etcd_busy_until is not None, duplicate_running=dup_running, injected=counts,
+        )
+
+    def find(self, name: str) -> Node:
+        (node,) = [n for n in self.live_nodes() if n.name == name]
+        return node
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def inject(self, choice: Choice) -> None:
+        now = time.monotonic()
+        ttl = TIMEOUTS.lease_ttl_s
+        kind = choice.kind
+        node = self.find(choice.node) if choice.node is not None else None
+        pids = self.worker_pids(node) if node is not None else []
+        if node is not None and len(pids) != 1:
+            self.say(f"skipped {kind} on {node.name}: it runs {len(pids)} workers now")
+            return
+        pid = pids[0] if pids else 0
+        if kind is FaultKind.WORKER_KILL:
+            assert node is not None
+            signal_pid(pid, signal.SIGKILL)
+            node.busy_until = now + 2.0
+            self.record(kind, node.name, f"worker pid {pid}")
+        elif kind is FaultKind.NODE_LOSS:
+            assert node is not None
+            node.expected = "killed"
+            node.proc.kill_group()
+            self.record(kind, node.name, f"agent pid {node.proc.pid} and its workers")
+            self.later(ttl + 1.0, f"replace {node.name}", partial(self.replace, node.name))
+            node.replaced = True
+        elif kind is FaultKind.WORKER_STOP:
+            assert node is not None
+            self.pause(pid, node.name)
+            node.busy_until = now + 2 * ttl + 3.0
+            self.record(kind, node.name, f"worker pid {pid} for {ttl + 1:g} s")
+            self.later(ttl + 1.0, f"SIGCONT worker {pid}", partial(self.resume, pid))
+        elif kind is FaultKind.AGENT_STOP:
+            assert node is not None
+            agent = node.proc.pid
+            signal_pid(agent, signal.SIGSTOP)
+            node.busy_until = now + 2 * ttl + 3.0
+            self.record(kind, node.name, f"agent pid {agent} for {ttl + 1:g} s")
+            self.later(ttl + 1.0, f"SIGCONT agent {agent}", partial(self.resume, agent))
+        elif kind in (FaultKind.ETCD_RESTART, FaultKind.ETCD_OUTAGE):
+            outage = 0.0 if kind is FaultKind.ETCD_RESTART else self.s.etcd_outage_s
+            for m in self.etcd_members:
+                m.kill()
+            self.down_since = time.time()
+            self.etcd_busy_until = math.inf
+            self.record(kind, "etcd", f"every member SIGKILLed; back after {outage:g} s")
+            self.later(outage, "restart etcd", self.relaunch_etcd)
+        elif kind in (FaultKind.ETCD_FOLLOWER_KILL, FaultKind.ETCD_LEADER_KILL):
+            assert self.cluster is not None
+            leader = self.cluster.leader_index()
+            if leader is None:
+                self.say(f"skipped {kind}: no etcd member names a leader")
+                return
+            if kind is FaultKind.ETCD_LEADER_KILL:
+                index = leader
+                self.down_since = time.time()  # no quorum until the others elect a leader
+            else:
+                index = self.rng.choice([i for i in range(len(self.etcd_members)) if i != leader])
+            self.etcd_members[index].kill()
+            self.etcd_busy_until = math.inf
+            self.record(kind, f"etcd member-{index}", f"back after {self.s.etcd_outage_s:g} s")
+            self.later(self.s.etcd_outage_s, f"restart etcd member-{index}", partial(self.relaunch_etcd, index))
+        elif kind is FaultKind.DRAIN:
+            assert node is not None
+            code, out = self.elasticctl("drain", node.name, "--job", JOB_ID)
+            if code == 0:
+                node.leaving, node.expected = True, "drain"
+            self.record(kind, node.name, f"elasticctl drain exit {code}: {out.strip()[:120]}")
+        elif kind is FaultKind.AGENT_SIGTERM:
+            assert node is not None
+            signal_pid(node.proc.pid, signal.SIGTERM)
+            node.leaving, node.expected = True, "sigterm"
+            self.record(kind, node.name, f"agent pid {node.proc.pid}")
+        elif kind is FaultKind.NODE_JOIN:
+            name = f"node-{self._joins}"
+            self._joins += 1
+            self.record(kind, name)
+            self.start_agent(name)
+        elif kind is FaultKind.DUPLICATE_NODE:
+            assert node is not None
+            dup = self.start_agent(node.name, duplicate=True)
+            node.busy_until = now + DUPLICATE_BOUND_S
+            self.record(kind, node.name, f"second agent pid {dup.proc.pid}")
+            self.later(DUPLICATE_BOUND_S, f"end duplicate {dup.proc.pid}", partial(self.end_duplicate, dup))
+
+    def later(self, delay_s: float, what: str, action: Callable[[], None]) -> None:
+        self.timed.append(Timed(time.monotonic() + delay_s, what, action))
+
+    def pause(self, pid: int, node: str) -> None:
+        if signal_pid(pid, signal.SIGSTOP):
+            self.lives.setdefault(pid, Life(node)).paused.append([time.time(), math.inf])
+
+    def resume(self, pid: int) -> None:
+        signal_pid(pid, signal.SIGCONT)
+        life = self.lives.get(pid)
+        if life is not None and life.paused and life.paused[-1][1] == math.inf:
+            life.paused[-1][1] = time.time()
+
+    def relaunch_etcd(self, index: int | None = None) -> None:
+        for i, m in enumerate(self.etcd_members):
+            if (index is None or i == index) and not m.running():
+                m.launch()
+        self.etcd_busy_until = time.monotonic() + ETCD_READY_BOUND_S  # closed once every member answers
+
+    def replace(self, name: str) -> None:
+        if self.phase is Phase.FINISHING and self.last_step >= self.s.steps:
+            return
+        self.say(f"replacing {name}")
+        self.start_agent(name)
+
+    def end_duplicate(self, dup: Node) -> None:
+        if dup.proc.alive():
+            self.say(f"the second agent for {dup.name} (pid {dup.proc.pid}) still runs after "
+                     f"{DUPLICATE_BOUND_S:g} s: not refused; killing its process group")
+            dup.proc.kill_group()
+
+    def elasticctl(self, *args: str) -> tuple[int, str]:
+        """Run ``elasticctl`` as an operator would (in this process); (exit code, what it printed)."""
+        from elasticd.cli import ctl_main  # an entry point's wiring
+
+        out, err = io.StringIO(), io.StringIO()
+        code = ctl_main(["--etcd", ",".join(self.endpoints), *args], stdout=out, stderr=err)
+        return code, out.getvalue() + err.getvalue()
+
+    def sample_status(self) -> None:
+        t0 = time.time()
+        code, out = self.elasticctl("status", "--job", JOB_ID, "--json")
+        t1 = time.time()
+        try:
+            data = json.loads(out.splitlines()[0])
+            pids = tuple(int(m["pid"]) for m in data["members"])
+            self.samples.append(StatusSample(t0, t1, pids))
+        except (ValueError, KeyError, TypeError, IndexError):
+            self.samples.append(StatusSample(t0, t1, (), error=f"exit {code}: {out.strip()[:200]}"))
+            self.say(f"elasticctl status --json failed (exit {code}): {out.strip()[:200]}")
+
+    # -- polling ------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        now_t = time.time()
+        for audit_name, rec in self.tail.read():
+            event = rec.get("event")
+            if event == "start":
+                member = str(rec.get("member", ""))
+                pid = int(member.rsplit(".", 1)[-1]) if member.rsplit(".", 1)[-1].isdigit() else 0
+                self.node_start[audit_name] = (pid, False)
+                node = member.split(".", 1)[0]
+                life = self.lives.setdefault(pid, Life(node))
+                # The line is written once the member is registered, but its "t" is when the worker
+                # began to register (which may wait out an etcd outage): when it was seen is later.
+                life.registered_t = now_t
+            elif event == "sync":
+                pid, _ = self.node_start.get(audit_name, (0, False))
+                self.node_start[audit_name] = (pid, True)
+                if self.full_world_t is None and _int(rec["world_size"]) >= self.s.nodes:
+                    self.full_world_t = _float(rec["t"])
+            elif event == "commit":
+                step = _int(rec["step"])
+                if step > self.last_step:
+                    self.last_step = step
+                    self.generation, self.world = _int(rec["generation"]), _int(rec["world_size"])
+                    self.last_commit_mono = time.monotonic()
+        groups = group_pids([n.proc.pid for n in self.nodes])
+        alive: set[int] = set()
+        for n in self.nodes:
+            for pid in groups[n.proc.pid]:
+                if pid != n.proc.pid:
+                    alive.add(pid)
+                    self.lives.setdefault(pid, Life(n.name))
+        for pid, life in self.lives.items():
+            if life.ended_t is None and pid not in alive and process_state(pid) in (None, "Z"):
+                life.ended_t = now_t
+        for n in self.nodes:
+            if n.code is None and n.proc.proc is not None and n.proc.proc.poll() is not None:
+                n.code = n.proc.proc.returncode
+                self.on_agent_exit(n)
+        if self.etcd_busy_until is not None or self.down_since is not None:
+            self.poll_etcd()
+
+    def on_agent_exit(self, n: Node) -> None:
+        message = n.message = n.last_line()
+        self.say(f"agent {n.name} (pid {n.proc.pid}) exited {n.code}"
+                 f"{' as expected (' + n.expected + ')' if n.expected else ''}")
+        if n.expected == "duplicate":
+            verdict = "refused" if n.code not in (0, None) else "NOT refused"
+            self.say(f"  duplicate {verdict}: {message[:200]}")
+            return
+        if n.expected in ("", "drain", "sigterm") and n.code != 0:
+            self.say(f"  unexpected exit: {message[:200]}")
+        finished = self.last_step >= self.s.steps
+        if not n.replaced and not finished and n.expected != "killed":
+            n.replaced = True
+            self.later(TIMEOUTS.lease_ttl_s + 1.0, f"replace {n.name}", partial(self.replace, n.name))
+
+    def poll_etcd(self) -> None:
+        """While an etcd fault is in flight: close the down window once a quorum answers, and the
+        fault once every member answers again."""
+        now = time.monotonic()
+        health = [m.healthy() for m in self.etcd_members]  # once: a member may come up between two looks
+        if self.down_since is not None and any(health):
+            self.down.append(Window(self.down_since, time.time()))
+            self.say(f"etcd answers again after {self.down[-1].end - self.down[-1].start:.1f} s")
+            self.down_since = None
+        if all(health):
+            self.etcd_busy_until = None
+        elif self.etcd_busy_until is not None and now > self.etcd_busy_until:
+            self.problems.append(f"etcd did not answer within {ETCD_READY_BOUND_S:g} s of its restart")
+            self.say(self.problems[-1])
+            self.etcd_busy_until = None
+
+    def run_due(self) -> None:
+        now = time.monotonic()
+        due = [t for t in self.timed if t.due <= now]
+        self.timed = [t for t in self.timed if t.due > now]
+        for t in due:
+            t.action()
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.audit_dir.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text("# the chaos run's agents take every setting from their flags\n")
+        self.start_etcd()
+        for i in range(self.s.nodes):
+            self.start_agent(f"node-{i}")
+        start_deadline = time.monotonic() + STARTUP_BOUND_S
+        next_fault = next_status = 0.0
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
+        finish_deadline = math.inf
+        finished_at: float | None = None
+        while True:
+            self.poll()
+            self.run_due()
+            now = time.monotonic()
+            if now >= next_progress:
+                next_progress = now + PROGRESS_EVERY_S
+                v = self.view(now)
+                self.say(f"step {self.last_step}/{self.s.steps}  generation {self.generation}  world {self.world}  "
+                         f"nodes ready {len(v.ready)}/{len(v.nodes)}  ({self.phase})")
+            if self.phase is Phase.STARTING:
+                if self.full_world_t is not None:
+                    self.phase = Phase.WARMUP
+                    self.warmup = Window(time.time(), time.time() + self.s.warmup_s)
+                    self.say(f"the job trains at world size {self.s.nodes}; {self.s.warmup_s:g} s fault-free warm-up")
+                elif now > start_deadline:
+                    self.problems.append(f"the job did not train at world size {self.s.nodes} within "
+                                         f"{STARTUP_BOUND_S:g} s")
+                    self.say(self.problems[-1])
+                    break
+            elif self.phase is Phase.WARMUP:
+                assert self.warmup is not None
+                if time.time() >= self.warmup.end:
+                    self.phase = Phase.FAULTS
+                    self.faulted = Window(time.time(), time.time() + self.s.minutes * 60.0)
+                    next_fault = now + next_delay(self.rng, self.s.mean_interval_s)
+                    next_status = now + STATUS_EVERY_S
+                    self.say(f"faults begin at step {self.last_step} (target {self.s.steps})")
+            elif self.phase is Phase.FAULTS:
+                assert self.faulted is not None
+                tail_steps = max(10, int(5.0 / max(self.step_estimate(), 1e-3)))
+                reason = ""
+                if time.time() >= self.faulted.end:
+                    reason = "time is up"
+                elif self.last_step >= self.s.steps - tail_steps:
+                    reason = f"step {self.last_step} is near the last step {self.s.steps}"
+                elif now - self.last_commit_mono > STUCK_S:
+                    reason = f"no commit for {STUCK_S:g} s"
+                    self.problems.append(f"the job stopped committing at step {self.last_step} for {STUCK_S:g} s")
+                if reason:
+                    self.phase = Phase.FINISHING
+                    self.faulted = Window(self.faulted.start, time.time())
+                    remaining = max(0, self.s.steps - self.last_step)
+                    finish_deadline = now + remaining * self.step_estimate() * 3 + 90.0
+                    self.say(f"faults end ({reason}); waiting (at most {finish_deadline - now:.0f} s) for the "
+                             f"job to finish")
+                else:
+                    if now >= next_fault:
+                        choice = choose_fault(self.view(now), self.s.kinds, self.rng)
+                        if choice is not None:
+                            self.inject(choice)
+                        next_fault = now + next_delay(self.rng, self.s.mean_interval_s)
+                    if now >= next_status:
+                        next_status = now + STATUS_EVERY_S
+                        if self.etcd_busy_until is None:
+                            self.sample_status()
+            elif self.phase is Phase.FINISHING:
+                if self.last_step >= self.s.steps:
+                    finished_at = finished_at or now
+                    if not self.live_nodes() and not self.timed:
+                        break
+                    if now - finished_at > AGENT_EXIT_WAIT_S:
+                        self.problems.append(f"agents still running {AGENT_EXIT_WAIT_S:g} s after the last step")
+                        self.say(self.problems[-1])
+                        break
+                elif now > finish_deadline:
+                    self.problems.append(f"the job did not finish within {finish_deadline - now:.0f} s after "
+                                         f"the faults ended")
+                    self.say(self.problems[-1])
+                    break
+            if self.phase is not Phase.FAULTS and self.phase is not Phase.STARTING and not self.alive_anything():
+                if self.last_step < self.s.steps and not self.timed:
+                    self.problems.append("every agent exited before the job finished")
+                    self.say(self.problems[-1])
+                    break
+            time.sleep(TICK_S)
+        if self.faulted is not None and self.faulted.end > time.time():
+            self.faulted = Window(self.faulted.start, time.time())
+
+    def alive_anything(self) -> bool:
+        return any(n.proc.alive() for n in self.nodes if n.expected != "duplicate")
+
+    def step_estimate(self) -> float:
+        return self.s.step_sleep_s + STEP_OVERHEAD_S
+
+    def stop_all(self) -> None:
+        """Stop every process this run started: each agent with its workers (by process group; a
+        stopped one is continued first so that it dies), and etcd (idempotent)."""
+        for t in self.timed:
+            if t.what.startswith("SIGCONT"):
+                t.action()
+        self.timed.clear()
+        for n in self.nodes:
+            if n.proc.proc is not None and n.code is None and n.proc.alive():
+                n.proc.kill_group()
+        for pid, life in self.lives.items():
+            if life.paused and life.paused[-1][1] == math.inf:
+                self.resume(pid)
+        if self.cluster is not None:
+            self.cluster.stop()
+        else:
+            for m in self.etcd_members:
+                m.stop(remove_data=False)
+
+    # -- the evidence -------------------------------------------------------------------------
+
+    def evidence(self) -> Evidence:
+        pairs: list[tuple[str, dict[str, object]]] = []
+        for path in sorted(self.audit_dir.glob("*.jsonl")):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a killed worker's last line may be cut short
+                if isinstance(rec, dict):
+                    pairs.append((path.stem, rec))
+        try:
+            violations = tuple(audit_check([r for _, r in pairs], SAMPLES).violations)
+        except (KeyError, TypeError, ValueError) as exc:
+            violations = (f"audit check could not read the records: {exc!r}",)
+        tracebacks: list[str] = []
+        for log in sorted(self.workdir.glob("agent-*.log")):
+            tracebacks += traceback_hits(log.name, log.read_text(errors="replace"))
+        agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line())
+                       for n in self.nodes)
+        lives = tuple(WorkerLife(pid, life.node, life.registered_t, life.ended_t,
+                                 tuple(Window(a, b) for a, b in life.paused))
+                      for pid, life in sorted(self.lives.items()) if pid)
+        down = list(self.down)
+        if self.down_since is not None:
+            down.append(Window(self.down_since, time.time()))
+        return Evidence(
+            target_steps=self.s.steps, commits=tuple(parse_commits(pairs)), finals=tuple(parse_finals(pairs)),
+            audit_violations=violations, faults=tuple(self.faults), etcd_down=tuple(down),
+            samples=tuple(self.samples), lives=lives, tracebacks=tuple(tracebacks), agents=agents,
+            warmup=self.warmup, faulted=self.faulted, lease_ttl_s=TIMEOUTS.lease_ttl_s,
+            problems=tuple(self.problems), end_t=time.time(),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m elasticd.chaos",
+        description="Fault injection: a local job run by real elasticd agents under random, seeded faults; "
+        "the invariants are checked from the outside at the end.",
+    )
+    p.add_argument("--minutes", type=float, default=5.0, help="how long to inject faults (default 5)")
+    p.add_argument("--mean-interval-s", type=float, default=10.0, help="mean seconds between faults (default 10)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the schedule (default: from the clock; printed)")
+    p.add_argument("--faults", default=None, metavar="KIND[,KIND]",
+                   help=f"fault kinds to inject (default: every kind possible here): {', '.join(k.value for k in FaultKind)}")
+    p.add_argument("--nodes", type=int, default=3, help="agents at the start (default 3)")
+    p.add_argument("--min-nodes", type=int, default=2, help="the job's min size; never taken below (default 2)")
+    p.add_argument("--max-nodes", type=int, default=None, help="the job's max size (default --nodes + 1)")
+    p.add_argument("--etcd-members", type=int, choices=(1, 3), default=1,
+                   help="1: one etcd server; 3: a 3-member etcd cluster on loopback (default 1)")
+    p.add_argument("--etcd-outage-s", type=float, default=5.0,
+                   help="how long etcd (or a member) stays down in an outage (default 5)")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step in each worker (default 0.05)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of the job (default: about what a fault-free job commits in the warm-up and --minutes)")
+    p.add_argument("--warmup-s", type=float, default=10.0,
+                   help="fault-free seconds at full size before the faults (measures the step time; default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
+                   "directory, removed at the end unless --keep or the run failed")
+    p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    return p.parse_args(argv)
+
+
+def make_settings(args: argparse.Namespace) -> Settings:
+    """Validate the arguments.
+
+    Raises:
+        ConfigError: an argument is out of range; the message names it.
+    """
+    if args.minutes <= 0:
+        raise ConfigError(f"--minutes: must be > 0, got {args.minutes}")
+    if args.mean_interval_s <= 0:
+        raise ConfigError(f"--mean-interval-s: must be > 0, got {args.mean_interval_s}")
+    if args.nodes < 2:
+        raise ConfigError(f"--nodes: at least 2, got {args.nodes}")
+    if not 1 <= args.min_nodes < args.nodes:
+        raise ConfigError(f"--min-nodes: must be in 1..{args.nodes - 1} (below --nodes), got {args.min_nodes}")
+    max_nodes = args.nodes + 1 if args.max_nodes is None else args.max_nodes
+    if max_nodes < args.nodes:
+        raise ConfigError(f"--max-nodes: must be >= --nodes ({args.nodes}), got {max_nodes}")
+    if args.etcd_outage_s < 0 or args.step_sleep < 0 or args.warmup_s < 1:
+        raise ConfigError("--etcd-outage-s and --step-sleep must be >= 0, --warmup-s >= 1")
+    steps = args.steps if args.steps is not None else estimate_steps(
+        args.step_sleep, args.warmup_s + args.minutes * 60.0 + 10.0)
+    if steps < 20:
+        raise ConfigError(f"--steps: at least 20, got {steps}")
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    return Settings(
+        minutes=args.minutes, mean_interval_s=args.mean_interval_s, seed=seed,
+        kinds=parse_faults(args.faults, args.etcd_members), nodes=args.nodes, min_nodes=args.min_nodes,
+        max_nodes=max_nodes, etcd_members=args.etcd_members, etcd_outage_s=args.etcd_outage_s,
+        step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s,
+    )
+
+
+def skipped_kinds(etcd_members: int) -> dict[str, str]:
+    """Kinds not possible here, with the reason (printed in the table)."""
+    return {k.value: f"needs --etcd-members {KINDS[k].etcd_members}"
+            for k in FaultKind if k not in kinds_possible(etcd_members)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = make_settings(args)
+    except ConfigError as exc:
+        print(f"elasticd.chaos: {exc}", file=sys.stderr)
+        return 2
+    if args.workdir is not None:
+        workdir: Path = args.workdir.resolve()
+        if workdir.exists() and any(workdir.iterdir()):
+            print(f"elasticd.chaos: --workdir: {workdir} is not empty", file=sys.stderr)
+            return 2
+        workdir.mkdir(parents=True, exist_ok=True)
+        remove = False
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="elasticd-chaos-"))
+        remove = not args.keep
+    progress: TextIO = sys.stderr if args.json else sys.stdout
+    log_path = workdir / "chaos.log"
+
+    def say(text: str) -> None:
+        print(text, file=progress, flush=True)
+        with log_path.open("a") as f:  # kept with the work dir, for a post-mortem
+            f.write(text + "\n")
+
+    say(f"elasticd chaos: seed {settings.seed}; faults {', '.join(k.value for k in settings.kinds)}; "
+        f"{settings.steps} steps; work dir {workdir}")
+    run = ChaosRun(settings, workdir, say)
+    code = 1
+    try:
+        with sigterm_raises():
+            try:
+                run.run()
+            finally:
+                run.stop_all()
+            evidence = run.evidence()
+            report = Report(settings, evidence, judge(evidence), run.started_t, str(workdir),
+                            skipped_kinds(settings.etcd_members))
+            (workdir / "report.json").write_text(json.dumps(report_to_dict(report), indent=1) + "\n")
+            (workdir / "report.txt").write_text(render_table(report))
+            if args.json:
+                print(json.dumps(report_to_dict(report)), flush=True)
+            else:
+                print("\n" + render_table(report), end="", flush=True)
+            code = 0 if report.verdict.ok else 1
+    except ConfigError as exc:  # no etcd binary
+        print(f"elasticd.chaos: {exc}", file=sys.stderr)
+        code = 2
+    except RuntimeError as exc:  # etcd did not start
+        print(f"elasticd.chaos: {exc}", file=sys.stderr)
+        code = 1
+    except (KeyboardInterrupt, Terminated):
+        print("\nelasticd.chaos: interrupted; stopping every process it started", file=sys.stderr)
+        code = 130
+    finally:
+        run.stop_all()
+        if remove and code == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            say(f"work dir kept: {workdir}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""The chaos suite's pure parts: the schedule, and the invariant checks over hand-made records
+(a repeat, a gap, a stall, differing finals, status disagreeing with the workers, a traceback)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from elasticd.chaos import (
+    AgentEnd,
+    ClusterView,
+    Commit,
+    Evidence,
+    FaultKind,
+    FaultRecord,
+    Final,
+    NodeView,
+    Report,
+    Settings,
+    StatusSample,
+    Window,
+    WorkerLife,
+    agent_findings,
+    allowed,
+    choose_fault,
+    commit_times,
+    ettr,
+    fault_free_step_s,
+    final_findings,
+    find_stalls,
+    judge,
+    kinds_possible,
+    next_delay,
+    parse_faults,
+    render_table,
+    report_to_dict,
+    status_findings,
+    step_findings,
+    traceback_hits,
+)
+from elasticd.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(30)
+
+T0 = 1_000_000.0  # a wall-clock origin for hand-made records
+
+
+def commits(*rows: tuple[int, int, float], world: int = 2) -> list[Commit]:
+    """(step, generation, t) -> one commit line per rank of a world of ``world``."""
+    return [Commit(f"node-{r}", step, gen, r, world, T0 + t) for step, gen, t in rows for r in range(world)]
+
+
+def steady(n: int, gen: int = 1, dt: float = 0.1, start: float = 0.0) -> list[tuple[int, int, float]]:
+    return [(s, gen, start + (s - 1) * dt) for s in range(1, n + 1)]
+
+
+# -- steps ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, repeats, lost, last", [
+    (steady(5), {}, (), 5),
+    ([(1, 1, 0.0), (2, 1, 0.1), (3, 1, 0.2), (3, 2, 0.5), (4, 2, 0.6)], {3: (1, 2)}, (), 4),  # repeat
+    ([(1, 1, 0.0), (2, 1, 0.1), (4, 2, 0.5)], {}, (3,), 4),                                    # gap
+    ([(2, 1, 0.0), (2, 3, 0.1)], {2: (1, 3)}, (1,), 2),                                        # both
+    ([], {}, (), 0),
+])
+def test_step_findings_finds_repeats_across_generations_and_gaps(rows, repeats, lost, last) -> None:
+    f = step_findings(commits(*rows))
+    assert dict(f.repeats) == repeats
+    assert f.lost == lost
+    assert f.last_step == last
+
+
+def test_commit_times_take_the_first_line_of_each_step_and_generation() -> None:
+    rows = [Commit("a", 1, 1, 0, 2, T0 + 0.2), Commit("b", 1, 1, 1, 2, T0 + 0.1), Commit("a", 1, 2, 0, 1, T0 + 3)]
+    assert commit_times(rows) == [(T0 + 0.1, 1), (T0 + 3, 2)]
+
+
+# -- stalls -----------------------------------------------------------------------------------
+
+LIMIT = 4.0  # lease TTL 2 s + 2 s
+
+
+def times(*rows: tuple[float, int]) -> list[tuple[float, int]]:
+    return [(T0 + t, g) for t, g in rows]
+
+
+@pytest.mark.parametrize("rows, down, end, want", [
+    # no interval over the limit
+    ([(0, 1), (3.9, 1), (7.8, 1)], [], None, []),
+    # a 10 s stall, no etcd trouble: counted in full
+    ([(0, 1), (10, 2)], [], None, [(0.0, 10.0, 0.0)]),
+    # etcd down for 8 of those 10 s and membership changed: 8 s excused
+    ([(0, 1), (10, 2)], [(1, 9)], None, [(0.0, 10.0, 8.0)]),
+    # etcd down but membership did not change: nothing excused
+    ([(0, 1), (10, 1)], [(1, 9)], None, [(0.0, 10.0, 0.0)]),
+    # overlapping windows count once; a window outside the stall counts not at all
+    ([(0, 1), (10, 2), (10.1, 2)], [(1, 5), (3, 6), (20, 30)], None, [(0.0, 10.0, 5.0)]),
+    # the job did not finish: the time after the last commit is a stall
+    ([(0, 1), (1, 1)], [], 30.0, [(1.0, 29.0, 0.0)]),
+])
+def test_find_stalls_excuses_only_etcd_downtime_with_a_membership_change(rows, down, end, want) -> None:
+    got = find_stalls(times(*rows), LIMIT, [Window(T0 + a, T0 + b) for a, b in down], [],
+                      end_t=None if end is None else T0 + end)
+    assert [(round(s.start - T0, 3), round(s.length_s, 3), round(s.excused_s, 3)) for s in got] == want
+
+
+def test_a_stall_names_the_faults_just_before_and_during_it() -> None:
+    faults = [FaultRecord(T0 - 10, "worker_kill", "node-0"), FaultRecord(T0 - 1, "etcd_restart", "etcd"),
+              FaultRecord(T0 + 5, "drain", "node-2"), FaultRecord(T0 + 20, "node_join", "node-4")]
+    (stall,) = find_stalls(times((0, 1), (10, 2)), LIMIT, [], faults)
+    assert stall.faults == ("etcd_restart(etcd)", "drain(node-2)")
+    assert stall.generations == (1, 2)
+    assert stall.counted_s == 10.0
+
+
+# -- finals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("finals, last, problems", [
+    ([Final("a", 100, "x"), Final("b", 100, "x"), Final("c", 40, "y")], 100, 0),
+    ([Final("a", 100, "x"), Final("b", 100, "z")], 100, 1),                    # differ at the end
+    ([Final("a", 40, "y"), Final("c", 40, "w"), Final("b", 100, "x")], 100, 1),  # differ at a drain
+    ([Final("a", 40, "y")], 100, 1),                                           # nobody finished
+])
+def test_final_findings(finals, last, problems) -> None:
+    assert len(final_findings(finals, last)) == problems
+
+
+# -- status -----------------------------------------------------------------------------------
+
+SLACK = 3.0
+
+
+def sample(at: float, *pids: int) -> StatusSample:
+    return StatusSample(T0 + at, T0 + at + 0.05, tuple(pids))
+
+
+@pytest.mark.parametrize("life, listed, problems", [
+    # live and registered long ago: must be listed
+    (WorkerLife(11, "n0", T0, None), True, 0),
+    (WorkerLife(11, "n0", T0, None), False, 1),
+    # registered 1 s before the sample: may or may not be listed
+    (WorkerLife(11, "n0", T0 + 9, None), False, 0),
+    (WorkerLife(11, "n0", T0 + 9, None), True, 0),
+    # died long before: must not be listed; died just before: either way
+    (WorkerLife(11, "n0", T0, T0 + 2), True, 1),
+    (WorkerLife(11, "n0", T0, T0 + 2), False, 0),
+    (WorkerLife(11, "n0", T0, T0 + 9), True, 0),
+    # stopped since long before (its lease expired): must not be listed
+    (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, math.inf),)), True, 1),
+    # continued 1 s before the sample: either way
+    (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), False, 0),
+    (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), True, 0),
+])
+def test_status_must_list_the_live_workers_within_the_slack(life, listed, problems) -> None:
+    s = sample(10.0, 11) if listed else sample(10.0)
+    assert len(status_findings([s], [life], SLACK)) == problems
+
+
+def test_status_listing_an_unknown_pid_is_a_finding_and_failed_samples_are_skipped() -> None:
+    lives = [WorkerLife(11, "n0", T0, None)]
+    (problem,) = status_findings([sample(10.0, 11, 99)], lives, SLACK)
+    assert "pid 99" in problem
+    assert status_findings([StatusSample(T0 + 10, T0 + 11, (), error="exit 2")], lives, SLACK) == []
+
+
+# -- logs -------------------------------------------------------------------------------------
+
+
+def test_traceback_hits_in_plain_text_and_in_json_lines() -> None:
+    plain = ("starting\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+             "    boom()\nZeroDivisionError: division by zero\nafter\n")
+    (hit,) = traceback_hits("agent-node-0.log", plain)
+    assert hit == "agent-node-0.log:2: ZeroDivisionError: division by zero"
+    line = json.dumps({"event": "agent_crashed", "exception": "Traceback (most recent call last):\n"
+                       "  File \"a.py\", line 3\nRuntimeError: bad"})
+    (hit,) = traceback_hits("agent-node-1.log", "ok\n" + line + "\n")
+    assert hit == "agent-node-1.log:2: event 'agent_crashed': RuntimeError: bad"
+    assert traceback_hits("x.log", '{"event": "step_committed"}\n') == []
+
+
+# -- agents -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("end, bad, dup", [
+    (AgentEnd("n0", 1, "", 0), 0, 0),
+    (AgentEnd("n0", 1, "", 1, "etcd_unreachable"), 1, 0),
+    (AgentEnd("n0", 1, "", None), 1, 0),
+    (AgentEnd("n0", 1, "killed", -9), 0, 0),
+    (AgentEnd("n0", 1, "drain", 0), 0, 0),
+    (AgentEnd("n0", 1, "sigterm", 1), 1, 0),
+    (AgentEnd("n0", 1, "duplicate", 2, "elasticd: node_id_taken: node id 'n0' of job 'j' is held by ..."), 0, 0),
+    (AgentEnd("n0", 1, "duplicate", 1, "elasticd: etcd_unreachable: ..."), 0, 1),  # refused, not for the id
+    (AgentEnd("n0", 1, "duplicate", 0), 0, 1),
+    (AgentEnd("n0", 1, "duplicate", None), 0, 1),
+])
+def test_agent_findings(end, bad, dup) -> None:
+    b, d = agent_findings([end])
+    assert (len(b), len(d)) == (bad, dup)
+
+
+# -- ETTR -------------------------------------------------------------------------------------
+
+
+def test_fault_free_step_time_and_ettr() -> None:
+    ts = times(*[(0.1 * i, 1) for i in range(11)])  # 11 commits, 0.1 s apart
+    assert fault_free_step_s(ts, T0, T0 + 1.0) == pytest.approx(0.1)
+    assert fault_free_step_s(ts, T0 + 5, T0 + 6) is None
+    assert ettr(80, 0.1, 10.0) == pytest.approx(0.8)
+    assert ettr(80, None, 10.0) is None
+
+
+# -- the schedule -----------------------------------------------------------------------------
+
+
+def view(ready: int, *, busy: int = 0, queued: int = 0, min_nodes: int = 2, max_nodes: int = 4,
+         etcd_busy: bool = False, dup: bool = False, injected: dict[FaultKind, int] | None = None) -> ClusterView:
+    nodes = tuple(NodeView(f"node-{i}", i < ready) for i in range(ready + busy))
+    return ClusterView(nodes, queued, min_nodes, max_nodes, etcd_busy, dup, injected or {})
+
+
+@pytest.mark.parametrize("kind, v, ok", [
+    (FaultKind.WORKER_KILL, view(3), True),
+    (FaultKind.WORKER_KILL, view(2), False),                 # would leave 1 < min 2
+    (FaultKind.NODE_LOSS, view(2, busy=1), False),           # a busy node does not count as ready
+    (FaultKind.DRAIN, view(3, min_nodes=1), True),
+    (FaultKind.ETCD_OUTAGE, view(2), True),                  # etcd faults take no node away
+    (FaultKind.ETCD_OUTAGE, view(3, etcd_busy=True), False),  # one etcd fault at a time
+    (FaultKind.NODE_JOIN, view(3), True),
+    (FaultKind.NODE_JOIN, view(4), False),                   # at max_nodes
+    (FaultKind.NODE_JOIN, view(3, queued=1), False),         # a replacement will take the last place
+    (FaultKind.DUPLICATE_NODE, view(1), True),
+    (FaultKind.DUPLICATE_NODE, view(3, dup=True), False),
+    (FaultKind.DUPLICATE_NODE, view(3, etcd_busy=True), False),  # a refusal for want of etcd proves nothing
+    (FaultKind.DRAIN, view(3, etcd_busy=True), False),           # the request is written to etcd
+    (FaultKind.DUPLICATE_NODE, view(0, busy=3), False),      # no ready node to copy
+])
+def test_allowed(kind, v, ok) -> None:
+    assert allowed(kind, v) is ok
+
+
+def test_choose_fault_covers_the_least_injected_kinds_first_and_is_seeded() -> None:
+    kinds = [FaultKind.WORKER_KILL, FaultKind.ETCD_RESTART, FaultKind.NODE_JOIN]
+    v = view(3, injected={FaultKind.WORKER_KILL: 2, FaultKind.ETCD_RESTART: 1, FaultKind.NODE_JOIN: 1})
+    picks = {choose_fault(v, kinds, random.Random(seed)).kind for seed in range(20)}  # type: ignore[union-attr]
+    assert picks == {FaultKind.ETCD_RESTART, FaultKind.NODE_JOIN}
+    a = [choose_fault(view(3), kinds, random.Random(7)) for _ in range(3)]
+    assert len(set(a)) == 1  # the same seed, the same choice
+    choice = choose_fault(view(3), [FaultKind.WORKER_KILL], random.Random(1))
+    assert choice is not None and choice.node in {"node-0", "node-1", "node-2"}
+
+
+def test_choose_fault_returns_none_when_nothing_is_allowed() -> None:
+    assert choose_fault(view(2), [FaultKind.WORKER_KILL, FaultKind.DRAIN], random.Random(0)) is None
+
+
+def test_next_delay_is_clipped_around_the_mean() -> None:
+    rng = random.Random(3)
+    delays = [next_delay(rng, 10.0) for _ in range(500)]
+    assert min(delays) >= 1.0 and max(delays) <= 40.0
+    assert 7.0 < sum(delays) / len(delays) < 13.0
+
+
+def test_parse_faults() -> None:
+    assert parse_faults(None, 1) == kinds_possible(1)
+    assert FaultKind.ETCD_LEADER_KILL not in kinds_possible(1)
+    assert FaultKind.ETCD_LEADER_KILL in kinds_possible(3)
+    assert parse_faults("drain, worker_kill,drain", 1) == (FaultKind.DRAIN, FaultKind.WORKER_KILL)
+    with pytest.raises(ConfigError, match="unknown fault kind 'meteor'"):
+        parse_faults("meteor", 1)
+    with pytest.raises(ConfigError, match="needs --etcd-members 3"):
+        parse_faults("etcd_leader_kill", 1)
+
+
+# -- the verdict ------------------------------------------------------------------------------
+
+
+def evidence(rows: list[tuple[int, int, float]], finals: list[Final], **kw: object) -> Evidence:
+    base: dict[str, object] = dict(
+        target_steps=max((s for s, _, _ in rows), default=0), commits=tuple(commits(*rows)),
+        finals=tuple(finals), audit_violations=(), faults=(), etcd_down=(), samples=(), lives=(),
+        tracebacks=(), agents=(AgentEnd("node-0", 1, "", 0),), warmup=Window(T0, T0 + 1.0),
+        faulted=Window(T0 + 1.0, T0 + 2.0), lease_ttl_s=2.0)
+    base.update(kw)
+    return Evidence(**base)  # type: ignore[arg-type]
+
+
+def failed(ev: Evidence) -> set[str]:
+    return {i.name for i in judge(ev).invariants if not i.ok}
+
+
+def test_a_clean_run_passes_every_invariant_and_reports_ettr() -> None:
+    ev = evidence(steady(20), [Final("node-0", 20, "x"), Final("node-1", 20, "x")])
+    v = judge(ev)
+    assert v.ok, v.invariants
+    assert v.step_s == pytest.approx(0.1)
+    assert v.faulted_steps == 10 and v.ettr == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("rows, finals, kw, name", [
+    (steady(10) + [(10, 2, 1.5)] + steady(12, gen=2, start=1.6)[10:], [Final("a", 12, "x")], {},
+     "steps exactly once"),
+    ([r for r in steady(12) if r[0] != 7], [Final("a", 12, "x")], {}, "steps exactly once"),
+    (steady(10) + [(11, 2, 30.0)], [Final("a", 11, "x")], {}, "no stall > 4 s"),
+    (steady(10), [Final("a", 10, "x"), Final("b", 10, "y")], {}, "final parameters identical"),
+    (steady(10), [Final("a", 10, "x")], {"target_steps": 50}, "job finished"),
+    (steady(10), [Final("a", 10, "x")], {"tracebacks": ("agent-a.log:3: KeyError: 'x'",)}, "no traceback in logs"),
+    (steady(10), [Final("a", 10, "x")], {"audit_violations": ("epoch 0: 3 samples used more than once",)},
+     "audit check"),
+    (steady(10), [Final("a", 10, "x")], {"agents": (AgentEnd("b", 2, "duplicate", 0),)}, "duplicate node refused"),
+    (steady(10), [Final("a", 10, "x")], {"samples": (StatusSample(T0 + 0.5, T0 + 0.6, (1234,)),)},
+     "status agrees with workers"),
+])
+def test_the_checker_detects_each_violation(rows, finals, kw, name) -> None:
+    assert failed(evidence(rows, finals, **kw)) == {name}
+
+
+def test_a_stall_during_an_etcd_outage_with_a_membership_change_is_excused() -> None:
+    rows = steady(10) + [(11, 2, 10.0)]
+    ev = evidence(rows, [Final("a", 11, "x")], etcd_down=(Window(T0 + 1.5, T0 + 9.0),))
+    v = judge(ev)
+    assert v.ok, v.invariants
+    (stall,) = v.stalls
+    assert stall.excused_s == pytest.approx(7.5)
+
+
+def test_the_table_and_the_json_object() -> None:
+    ev = evidence(steady(10) + [(10, 2, 1.5)], [Final("a", 10, "x")],
+                  faults=(FaultRecord(T0 + 1.2, "worker_kill", "node-1"),))
+    settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL, FaultKind.DRAIN), 3, 2, 4, 1, 5.0, 0.05, 10, 5.0)
+    report = Report(settings, ev, judge(ev), T0, "/tmp/x", {"etcd_leader_kill": "needs --etcd-members 3"})
+    table = render_table(report)
+    assert "worker_kill           1" in table and "drain                 0" in table
+    assert "steps exactly once            FAIL    repeated (step: generations) 10: (1, 2)" in table
+    assert "etcd_leader_kill      -  (skipped: needs --etcd-members 3)" in table
+    assert "result            FAIL" in table
+    data = json.loads(json.dumps(report_to_dict(report)))
+    assert data["ok"] is False and data["seed"] == 7
+    assert data["injected"] == {"worker_kill": 1, "drain": 0}
+    assert data["repeats"] == {"10": [1, 2]}
+    assert {i["name"] for i in data["invariants"] if not i["ok"]} == {"steps exactly once"}
