@@ -724,6 +724,7 @@ class Membership:
         # seconds); the fence counts on this one, learned from the renewals' answers.
         self._granted_ttl_s = timeouts.lease_ttl_s
         self._etcd_ok = True  # the last etcd request of the background threads was answered
+        self._etcd_ok_at = clock()  # ... and when the last answer came
         self._etcd_down_logged = False
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
 
@@ -817,6 +818,8 @@ class Membership:
 
     def _etcd_answered(self, ok: bool, error: str = "") -> None:
         self._etcd_ok = ok
+        if ok:
+            self._etcd_ok_at = self._clock()
         if not ok and not self._etcd_down_logged:
             self._etcd_down_logged = True
             log.warning("etcd_unreachable", error=error[:300])
@@ -916,11 +919,14 @@ class Membership:
         """(veto, stale, reached_etcd) for this member's commit vote (``commit.Vote``): veto when
         the generation was superseded or aborted or the lease is gone; stale when the lease is not
         certainly alive (a renewal is then asked for at once); reached_etcd when the last request
-        of the background threads was answered."""
+        of the background threads was answered, within the last two keepalive intervals."""
         stale = not self.lease_fresh()
         if stale:
             self._renew.set()
-        return self._fenced or self._lease_lost, stale, self._etcd_ok
+        # Answered lately: the background threads ask every keepalive_s, so two intervals without
+        # an answer mean etcd is not answering, before the client's retries have given up.
+        reached = self._etcd_ok and self._clock() - self._etcd_ok_at < 2 * self._timeouts.keepalive_s
+        return self._fenced or self._lease_lost, stale, reached
 
     def fence(self) -> Fence:
         """What this member knows of its own standing once a step's vote is summed."""

@@ -1,7 +1,7 @@
 """``python -m elasticd.chaos`` run as a user runs it: a short run that injects every fault kind
 possible on loopback (a 3-member etcd cluster included) and must pass every invariant, and the
 30-minute soak (``-m soak``). The checker's own detection of violations is tested in
-``tests/unit/test_chaos.py`` on hand-made records."""
+``tests/unit/test_chaos_logic.py`` on hand-made records."""
 
 from __future__ import annotations
 
