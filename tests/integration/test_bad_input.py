@@ -11,13 +11,16 @@ from elasticd.localcluster import free_port
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_unreachable_etcd_at_start_fails_clearly_after_the_retry_bound(local_job):
+def test_unreachable_etcd_at_start_fails_clearly_after_etcd_outage_s(local_job):
+    """A worker that starts while etcd is down waits for it (a restarted worker during an outage
+    must not burn its agent's restart budget), up to etcd_outage_s; then it fails clearly."""
     job = local_job()
     job.etcd_endpoint_override = f"127.0.0.1:{free_port()}"
-    w = job.spawn("--steps", "5", etcd_endpoints=job.etcd_endpoint_override, etcd_attempts=3)
+    w = job.spawn("--steps", "5", etcd_endpoints=job.etcd_endpoint_override, etcd_attempts=3, etcd_outage_s=3)
     assert w.wait(60) == 2, w.log_text()[-2000:]
     text = w.log_text()
     assert "EtcdUnavailable" in text and job.etcd_endpoint_override in text and "3 attempts" in text, text[-2000:]
+    assert "register_waiting_for_etcd" in text, text[-2000:]
 
 
 @pytest.mark.parametrize(
