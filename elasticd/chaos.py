@@ -4,14 +4,20 @@ Owns ``python -m elasticd.chaos``. It starts a real etcd (one server, or ``--etc
 loopback) and ``--nodes`` real ``elasticd`` node agents, each running one worker of the default
 workload ``agents/mlp.py``. After a fault-free warm-up (which measures the fault-free step time), it
 injects faults at random (seeded) for ``--minutes``, never taking the job below ``--min-nodes`` ready
-nodes, and starting a replacement for every node it removes. Then it lets the job finish and checks,
-from the audit files, the agents' logs and ``elasticctl status`` samples only:
+nodes, and starting a replacement for every node it removes. Run as root where ``ip netns`` works,
+every node is a host of its own: a network namespace on a bridge of a private /24 that the run
+creates (and deletes, by name), so that a host's link can be taken down (``link_down``). Then it
+lets the job finish and checks, from the audit files, the agents' logs and ``elasticctl status``
+samples only:
 
 - every committed step 1..N was committed exactly once across all generations (a step committed in
   two generations is a repeat, a missing one is lost), and the job finished;
 - the final parameters (the audit ``final`` lines) are identical on every worker that finished;
 - no interval without a commit is longer than lease TTL + 2 s, except the part of it while etcd was
-  down (or had no quorum) when membership had to change;
+  down (or had no quorum) when membership had to change (a link down excuses nothing: the other
+  hosts must go on without the isolated one within the bound);
+- a host whose link was down was dropped (the others committed in a newer generation while it was
+  cut off) and its workers rejoined after the link came back;
 - ``elasticctl status --json`` lists exactly the live workers, give or take lease TTL + 1 s;
 - no Python traceback appears in any agent's or worker's log;
 - ``elasticd.audit.check`` finds no violation; every agent that was not killed exits 0; an agent
@@ -28,21 +34,26 @@ by PID or by the process group it created, on every way out.
 Usage::
 
     python -m elasticd.chaos [--minutes 5] [--mean-interval-s 10] [--seed S] [--faults a,b,...]
-                             [--nodes 3] [--min-nodes 2] [--etcd-members 1|3] [--json] [--workdir DIR]
+                             [--nodes 3] [--min-nodes 2] [--etcd-members 1|3] [--netns|--no-netns]
+                             [--link-down-s S] [--json] [--workdir DIR]
 
 Exit codes: 0 every invariant held; 1 an invariant failed (or the run could not be completed);
-2 bad arguments or no etcd binary; 130 interrupted.
+2 bad arguments, no etcd binary, or ``--netns`` where netns hosts cannot be had; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import json
 import math
+import os
 import random
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +96,11 @@ DUPLICATE_BOUND_S = 20.0    # an agent with an existing node's id must have exit
 ETCD_READY_BOUND_S = 30.0   # a restarted etcd must answer by then
 TRACEBACK = "Traceback (most recent call last)"
 STEP_OVERHEAD_S = 0.015     # per-step cost besides --step-sleep on a small machine (for the step estimate)
+REJOIN_BOUND_S = 60.0       # after its link came back, an isolated host's worker must commit again by then
+IP_TIMEOUT_S = 10.0         # bound on one `ip` command
+NETNS_NET = "10.213"        # the private /16 whose /24s the run's bridges use (only addresses it creates)
+NETNS_HOST_BASE = 10        # host i of a run has address <subnet>.<10 + i>
+NETNS_MAX_HOSTS = 240       # so host addresses stay within .10-.249
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +120,7 @@ class FaultKind(StrEnum):
     AGENT_SIGTERM = "agent_sigterm"
     NODE_JOIN = "node_join"
     DUPLICATE_NODE = "duplicate_node"
+    LINK_DOWN = "link_down"
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ class KindSpec:
     etcd_members: int = 1      # the etcd cluster size it needs
     adds: bool = False         # starts a node (only below max_nodes)
     needs_etcd: bool = False   # needs etcd up (it writes there, or its outcome means nothing without)
+    netns: bool = False        # needs every node on a network-namespace host (--netns)
 
 
 KINDS: Mapping[FaultKind, KindSpec] = {
@@ -142,24 +160,30 @@ KINDS: Mapping[FaultKind, KindSpec] = {
     FaultKind.NODE_JOIN: KindSpec("start an agent with a new node id", adds=True),
     FaultKind.DUPLICATE_NODE: KindSpec("start a second agent with an existing node's id: it must exit non-zero",
                                        on_node=True, needs_etcd=True),
+    # needs_etcd: with etcd down, nobody could notice the lost host, so the fault would test nothing.
+    FaultKind.LINK_DOWN: KindSpec("take a network-namespace host's link down (`ip link set VETH down`) for "
+                                  "--link-down-s (> lease TTL), then up; its workers are dropped and rejoin",
+                                  removes=True, on_node=True, needs_etcd=True, netns=True),
 }
 
 
 _KIND_NAMES = frozenset(k.value for k in FaultKind)
 
 
-def kinds_possible(etcd_members: int) -> tuple[FaultKind, ...]:
-    """The fault kinds that can be injected with an etcd cluster of this size."""
-    return tuple(k for k, spec in KINDS.items() if spec.etcd_members in (1, etcd_members))
+def kinds_possible(etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
+    """The fault kinds that can be injected with an etcd cluster of this size, with (or without)
+    network-namespace hosts."""
+    return tuple(k for k, spec in KINDS.items()
+                 if spec.etcd_members in (1, etcd_members) and (netns or not spec.netns))
 
 
-def parse_faults(text: str | None, etcd_members: int) -> tuple[FaultKind, ...]:
+def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
     """``--faults a,b,c`` (None: every kind possible here).
 
     Raises:
-        ConfigError: an unknown kind, or one that needs a larger etcd cluster.
+        ConfigError: an unknown kind, or one that needs a larger etcd cluster or network namespaces.
     """
-    possible = kinds_possible(etcd_members)
+    possible = kinds_possible(etcd_members, netns)
     if text is None:
         return possible
     out: list[FaultKind] = []
@@ -171,6 +195,9 @@ def parse_faults(text: str | None, etcd_members: int) -> tuple[FaultKind, ...]:
         except ValueError:
             raise ConfigError(f"--faults: unknown fault kind {name!r}; "
                               f"known: {', '.join(k.value for k in FaultKind)}") from None
+        if kind not in possible and KINDS[kind].netns and not netns:
+            raise ConfigError(f"--faults: {name} needs network-namespace hosts (--netns: root, and `ip netns` "
+                              f"works)")
         if kind not in possible:
             raise ConfigError(f"--faults: {name} needs --etcd-members {KINDS[kind].etcd_members}")
         if kind not in out:
@@ -251,12 +278,127 @@ def estimate_steps(step_sleep_s: float, seconds: float) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Network-namespace hosts: the plan (pure)
+
+
+@dataclass(frozen=True)
+class NetnsHost:
+    """One host: a namespace, joined to the run's bridge by a veth pair."""
+
+    index: int
+    ns: str         # the namespace (`ip netns`)
+    root_veth: str  # the end enslaved to the bridge, in the root namespace: `link_down` takes it down
+    ns_veth: str    # the end moved into the namespace, holding ``addr``
+    addr: str
+
+
+@dataclass(frozen=True)
+class NetnsPlan:
+    """The names and addresses of one run: every name starts with ``prefix`` (``ecd<pid>``), so
+    that two runs never collide and cleanup deletes by name only what this run created. Interface
+    names stay within Linux's 15 characters."""
+
+    prefix: str
+    subnet: int  # the third octet: the bridge is NETNS_NET.<subnet>.1/24
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}b"
+
+    @property
+    def bridge_addr(self) -> str:
+        return f"{NETNS_NET}.{self.subnet}.1"
+
+    def host(self, index: int) -> NetnsHost:
+        """Host ``index`` (node-<index>).
+
+        Raises:
+            ValueError: the index is outside 0..NETNS_MAX_HOSTS - 1.
+        """
+        if not 0 <= index < NETNS_MAX_HOSTS:
+            raise ValueError(f"host index {index} outside 0..{NETNS_MAX_HOSTS - 1}")
+        return NetnsHost(index, f"{self.prefix}h{index}", f"{self.prefix}r{index}", f"{self.prefix}n{index}",
+                         f"{NETNS_NET}.{self.subnet}.{NETNS_HOST_BASE + index}")
+
+
+def subnets_in_use(ip_output: str) -> set[int]:
+    """The /24s of NETNS_NET that addresses or routes already use (``ip -o -4 addr`` and ``ip -4
+    route`` output), as their third octets."""
+    return {int(m) for m in re.findall(rf"\b{re.escape(NETNS_NET)}\.(\d{{1,3}})\.", ip_output) if int(m) < 256}
+
+
+def netns_plan(pid: int, in_use: Iterable[int]) -> NetnsPlan:
+    """The plan of the run with this pid: the first /24 not in use, starting from one picked by the
+    pid (so that concurrent runs start apart).
+
+    Raises:
+        ConfigError: every /24 of NETNS_NET is in use.
+    """
+    used = set(in_use)
+    for offset in range(254):
+        subnet = 1 + (pid + offset) % 254
+        if subnet not in used:
+            return NetnsPlan(f"ecd{pid}", subnet)
+    raise ConfigError(f"--netns: every {NETNS_NET}.X.0/24 is in use on this machine")
+
+
+def host_index(node: str) -> int:
+    """The host index of a node id ``node-<i>``.
+
+    Raises:
+        ValueError: not a node id of this run.
+    """
+    prefix, _, number = node.rpartition("-")
+    if prefix != "node" or not number.isdigit():
+        raise ValueError(f"not a node id of a chaos run: {node!r}")
+    return int(number)
+
+
+def netns_unusable(euid: int, ip_binary: str | None, probe_error: str) -> str:
+    """Why network-namespace hosts cannot be made here ("" when they can)."""
+    if euid != 0:
+        return "not root"
+    if ip_binary is None:
+        return "no `ip` binary (apt-get install iproute2)"
+    if probe_error:
+        return f"`ip netns` does not work here: {probe_error}"
+    return ""
+
+
+def use_netns(flag: bool | None, unusable: str) -> bool:
+    """``--netns`` / ``--no-netns`` / neither (None: on when possible) against why it is not possible.
+
+    Raises:
+        ConfigError: ``--netns`` was asked for and cannot be had.
+    """
+    if flag is True and unusable:
+        raise ConfigError(f"--netns: {unusable}")
+    return flag is not False and not unusable
+
+
+def link_down_s_default(lease_ttl_s: float) -> float:
+    """How long a link stays down by default: past the lease TTL (so that the host's workers are
+    lost to the job) and past the stall bound (TTL + 2 s), so that the others must have gone on
+    without it while it is still cut off."""
+    return lease_ttl_s + 3.0
+
+
+# ---------------------------------------------------------------------------------------------
 # Records and invariants (pure)
 
 
 @dataclass(frozen=True)
 class Window:
     start: float  # wall clock, as in the audit lines
+    end: float
+
+
+@dataclass(frozen=True)
+class LinkDown:
+    """A host's link was down over [start, end] (wall clock; end = inf while still down)."""
+
+    node: str
+    start: float
     end: float
 
 
@@ -321,6 +463,12 @@ class WorkerLife:
     registered_t: float | None       # when its audit start line (written once registered) was seen
     ended_t: float | None            # first seen gone
     paused: tuple[Window, ...] = ()  # SIGSTOP -> SIGCONT (end = inf while stopped)
+    # Its host's link down -> up (end = inf while down): its lease expires meanwhile, so status may
+    # leave it out, and must once its lease is surely gone.
+    cut_off: tuple[Window, ...] = ()
+    # Link up -> its next sync line (it re-registers in place and joins a generation): status may
+    # list it or not.
+    rejoining: tuple[Window, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -429,9 +577,10 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
     """Where ``elasticctl status`` disagreed with the live workers by more than ``slack_s``.
 
     At a sample taken over [t0, t1], a worker registered before t0 - slack, alive until after t1 and
-    not stopped since t0 - slack must be listed; one gone, or stopped the whole time, since before
-    t0 - slack must not be; every listed pid must be a worker of this run. ``seen_margin_s`` covers
-    the delay with which a death is seen (the loop polls).
+    not stopped (or cut off by a link down) since t0 - slack must be listed; one gone, or stopped
+    (or cut off) the whole time, since before t0 - slack must not be; every listed pid must be a
+    worker of this run. ``seen_margin_s`` covers the delay with which a death is seen (the loop
+    polls).
     """
     out = []
     known = {w.pid: w for w in lives}
@@ -442,18 +591,47 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
         since = s.t0 - slack_s
         for w in lives:
             alive = w.ended_t is None or w.ended_t > s.t1 + seen_margin_s
-            paused = any(p.end >= since and p.start <= s.t1 for p in w.paused)
+            out_of_reach = (*w.paused, *w.cut_off)
+            paused = any(p.end >= since and p.start <= s.t1 for p in (*out_of_reach, *w.rejoining))
             if (w.registered_t is not None and w.registered_t <= since and alive and not paused
                     and w.pid not in listed):
                 out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is live (registered "
                            f"{s.t0 - w.registered_t:.1f} s before) but not listed")
             gone = (w.ended_t is not None and w.ended_t <= since) or any(
-                p.start <= since and p.end >= s.t1 for p in w.paused)
+                p.start <= since and p.end >= s.t1 for p in out_of_reach)
             if gone and w.pid in listed:
                 out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is listed but gone or stopped "
                            f"for more than {slack_s:g} s")
         for pid in sorted(listed - set(known)):
             out.append(f"at {s.t0:.1f}: status lists pid {pid}, which is no worker of this run")
+    return out
+
+
+def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rejoin_bound_s: float) -> list[str]:
+    """Problems with each link down: the isolated host must be dropped (the other hosts commit, in a
+    newer generation than its last one before the cut, while its link is still down) and must rejoin
+    (a commit of its own after the link came back, within ``rejoin_bound_s`` unless the job ended
+    sooner). A stall on the isolated host itself is expected and not looked for."""
+    out = []
+    last_t = max((c.t for c in commits), default=0.0)
+    for d in downs:
+        if d.end == math.inf:
+            out.append(f"{d.node}: its link was still down at the end")
+            continue
+        before = [c.generation for c in commits if c.node == d.node and c.t <= d.start]
+        newer_than = max(before, default=-1)
+        went_on = any(c.node != d.node and d.start < c.t <= d.end and c.generation > newer_than for c in commits)
+        if not went_on and last_t > d.end:
+            out.append(f"{d.node}: the other hosts did not go on without it while its link was down "
+                       f"({d.end - d.start:.1f} s)")
+        back = [c.t for c in commits if c.node == d.node and c.t > d.end]
+        if back:
+            if back[0] - d.end > rejoin_bound_s:
+                out.append(f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back "
+                           f"(bound {rejoin_bound_s:g} s)")
+        elif last_t > d.end + rejoin_bound_s:
+            out.append(f"{d.node}: did not rejoin after its link came back (the job went on for "
+                       f"{last_t - d.end:.1f} s)")
     return out
 
 
@@ -544,6 +722,7 @@ class Evidence:
     lease_ttl_s: float
     problems: tuple[str, ...] = ()  # what the executor could not do (a start failed, a bound passed)
     end_t: float | None = None      # the end of the run (for a job that did not finish)
+    link_down: tuple[LinkDown, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -604,6 +783,10 @@ def judge(ev: Evidence) -> Verdict:
         Invariant("agents exit 0", not bad_agents, "; ".join(bad_agents[:5]) or
                   f"{sum(1 for a in ev.agents if a.expected not in ('killed', 'duplicate'))} agent(s) exited 0"),
     ]
+    if ev.link_down:
+        isolated = link_down_findings(ev.link_down, ev.commits, REJOIN_BOUND_S)
+        inv.append(Invariant("link down: dropped, rejoined", not isolated, "; ".join(isolated[:5]) or
+                             f"{len(ev.link_down)} link down(s): the others went on, the host rejoined"))
     dups = [a for a in ev.agents if a.expected == "duplicate"]
     if dups:
         inv.append(Invariant("duplicate node refused", not not_refused, "; ".join(not_refused) or "; ".join(
@@ -638,6 +821,8 @@ class Settings:
     step_sleep_s: float
     steps: int
     warmup_s: float
+    netns: bool = False       # every node a network-namespace host (else: loopback)
+    link_down_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -664,7 +849,8 @@ def render_table(report: Report) -> str:
     rel = report.started_t
     lines = [f"== chaos: seed {s.seed}, {s.minutes:g} min of faults (mean interval {s.mean_interval_s:g} s), "
              f"{s.nodes} nodes (min {s.min_nodes}, max {s.max_nodes}), etcd {s.etcd_members} member(s), "
-             f"lease TTL {ev.lease_ttl_s:g} s ==", "", f"{'FAULT':<22}INJECTED"]
+             f"lease TTL {ev.lease_ttl_s:g} s, hosts {'netns' if s.netns else 'loopback'} ==", "",
+             f"{'FAULT':<22}INJECTED"]
     for kind, n in injected_counts(report).items():
         lines.append(f"{kind:<22}{n}")
     for kind, why in report.skipped.items():
@@ -685,6 +871,9 @@ def render_table(report: Report) -> str:
     if ev.etcd_down:
         lines.append("etcd down         " + ", ".join(f"{w.start - rel:.1f}s+{w.end - w.start:.1f}s"
                                                       for w in ev.etcd_down))
+    if ev.link_down:
+        lines.append("link down         " + ", ".join(f"{d.node} {d.start - rel:.1f}s+{d.end - d.start:.1f}s"
+                                                      for d in ev.link_down))
     ettr_text = f"{v.ettr:.3f}" if v.ettr is not None else "-"
     step_text = f"{v.step_s * 1000:.1f} ms" if v.step_s is not None else "-"
     faulted = f"{ev.faulted.end - ev.faulted.start:.1f} s" if ev.faulted else "-"
@@ -710,7 +899,7 @@ def report_to_dict(report: Report) -> dict[str, object]:
                      "nodes": s.nodes, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
                      "etcd_members": s.etcd_members, "etcd_outage_s": s.etcd_outage_s,
                      "step_sleep_s": s.step_sleep_s, "steps": s.steps, "warmup_s": s.warmup_s,
-                     "lease_ttl_s": ev.lease_ttl_s},
+                     "lease_ttl_s": ev.lease_ttl_s, "netns": s.netns, "link_down_s": s.link_down_s},
         "injected": injected_counts(report),
         "skipped": dict(report.skipped),
         "invariants": [{"name": i.name, "ok": i.ok, "detail": i.detail} for i in v.invariants],
@@ -719,6 +908,8 @@ def report_to_dict(report: Report) -> dict[str, object]:
                     "faults": list(st.faults)} for st in v.stalls],
         "etcd_down": [{"start_s": round(w.start - rel, 3), "length_s": round(w.end - w.start, 3)}
                       for w in ev.etcd_down],
+        "link_down": [{"node": d.node, "start_s": round(d.start - rel, 3),
+                       "length_s": None if d.end == math.inf else round(d.end - d.start, 3)} for d in ev.link_down],
         "faults": [{"t_s": round(f.t - rel, 3), "kind": f.kind, "target": f.target, "detail": f.detail}
                    for f in ev.faults],
         "ettr": v.ettr,
@@ -787,13 +978,140 @@ class Life:
     registered_t: float | None = None
     ended_t: float | None = None
     paused: list[list[float]] = field(default_factory=list)
+    cut_off: list[list[float]] = field(default_factory=list)    # [link down, link up]
+    rejoining: list[list[float]] = field(default_factory=list)  # [link up, next sync line seen]
+
+    def close_open(self, windows: list[list[float]], t: float) -> None:
+        if windows and windows[-1][1] == math.inf:
+            windows[-1][1] = t
+
+
+def _ip(ip: str, *args: str) -> None:
+    """Run one ``ip`` command.
+
+    Raises:
+        RuntimeError: it failed or ran past IP_TIMEOUT_S (the message holds its stderr).
+    """
+    try:
+        done = subprocess.run([ip, *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"ip {' '.join(args)}: {exc}") from exc
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()[:200]}")
+
+
+def probe_netns(ip: str, pid: int) -> str:
+    """Try what a run does (a namespace, a bridge, a veth pair), then delete them: "" when it
+    works, else what failed."""
+    ns, bridge, veth = f"ecd{pid}p", f"ecd{pid}pb", f"ecd{pid}pv"
+    try:
+        _ip(ip, "netns", "add", ns)
+        _ip(ip, "link", "add", bridge, "type", "bridge")
+        _ip(ip, "link", "add", veth, "type", "veth", "peer", "name", f"{veth}n")
+        _ip(ip, "link", "set", f"{veth}n", "netns", ns)
+        _ip(ip, "netns", "exec", ns, ip, "link", "set", "lo", "up")
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        for args in (("link", "del", veth), ("link", "del", bridge), ("netns", "del", ns)):
+            try:
+                _ip(ip, *args)
+            except RuntimeError:
+                pass  # never made, or gone with its peer
+    return ""
+
+
+def ip_addresses_and_routes(ip: str) -> str:
+    """``ip -o -4 addr`` and ``ip -4 route`` of the root namespace ("" when they fail)."""
+    out = []
+    for args in (("-o", "-4", "addr"), ("-4", "route")):
+        try:
+            done = subprocess.run([ip, *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        out.append(done.stdout)
+    return "\n".join(out)
+
+
+class NetnsHosts:
+    """The run's network: a bridge with ``plan.bridge_addr``/24 in the root namespace, and one
+    namespace per host (made on first use), joined to the bridge by a veth pair. Everything is
+    deleted by the names it was made under (``remove``, idempotent; also registered with atexit)."""
+
+    def __init__(self, plan: NetnsPlan, ip: str, say: Callable[[str], None]) -> None:
+        self.plan = plan
+        self.ip = ip
+        self.say = say
+        self.hosts: dict[int, NetnsHost] = {}
+        self._made: list[tuple[str, ...]] = []  # the delete command of each thing made, in order
+
+    def setup(self) -> None:
+        """Make the bridge (etcd listens on its address, so before etcd starts).
+
+        Raises:
+            RuntimeError: an ``ip`` command failed.
+        """
+        p = self.plan
+        _ip(self.ip, "link", "add", p.bridge, "type", "bridge")
+        self._made.append(("link", "del", p.bridge))
+        _ip(self.ip, "addr", "add", f"{p.bridge_addr}/24", "dev", p.bridge)
+        _ip(self.ip, "link", "set", p.bridge, "up")
+
+    def host(self, index: int) -> NetnsHost:
+        """Host ``index``, made now if it is new.
+
+        Raises:
+            ValueError: the index is out of the plan's range.
+            RuntimeError: an ``ip`` command failed.
+        """
+        if index in self.hosts:
+            return self.hosts[index]
+        h = self.plan.host(index)
+        _ip(self.ip, "netns", "add", h.ns)
+        self._made.append(("netns", "del", h.ns))
+        _ip(self.ip, "link", "add", h.root_veth, "type", "veth", "peer", "name", h.ns_veth)
+        self._made.append(("link", "del", h.root_veth))  # takes its peer along
+        _ip(self.ip, "link", "set", h.root_veth, "master", self.plan.bridge)
+        _ip(self.ip, "link", "set", h.root_veth, "up")
+        _ip(self.ip, "link", "set", h.ns_veth, "netns", h.ns)
+        for args in (("addr", "add", f"{h.addr}/24", "dev", h.ns_veth), ("link", "set", h.ns_veth, "up"),
+                     ("link", "set", "lo", "up")):
+            _ip(self.ip, "netns", "exec", h.ns, self.ip, *args)
+        self.hosts[index] = h
+        self.say(f"host {h.ns}: {h.addr} (veth {h.root_veth} on {self.plan.bridge})")
+        return h
+
+    def set_link(self, host: NetnsHost, up: bool) -> None:
+        """``ip link set <root-side veth> up|down``.
+
+        Raises:
+            RuntimeError: the command failed.
+        """
+        _ip(self.ip, "link", "set", host.root_veth, "up" if up else "down")
+
+    def exec_prefix(self, host: NetnsHost) -> list[str]:
+        """The command prefix that runs a program on ``host`` (``ip netns exec`` execs it in place,
+        so the pid Popen returns is the program's)."""
+        return [self.ip, "netns", "exec", host.ns]
+
+    def remove(self) -> None:
+        """Delete what was made, newest first, by name (run after the processes in it ended)."""
+        while self._made:
+            args = self._made.pop()
+            try:
+                _ip(self.ip, *args)
+            except RuntimeError as exc:
+                print(f"elasticd.chaos: cleanup: {exc}", file=sys.stderr, flush=True)
 
 
 class ChaosRun:
     """One run in ``workdir``: etcd, the agents, the faults, the evidence."""
 
-    def __init__(self, settings: Settings, workdir: Path, say: Callable[[str], None]) -> None:
+    def __init__(self, settings: Settings, workdir: Path, say: Callable[[str], None],
+                 net: NetnsHosts | None = None) -> None:
         self.s = settings
+        self.net = net
+        self.link_downs: list[list[object]] = []  # [node, start, end (inf while down)], wall clock
         self.workdir = workdir
         self.audit_dir = workdir / "audit"
         self.config_file = workdir / "elasticd.toml"
@@ -839,14 +1157,23 @@ class ChaosRun:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.etcd_members]
 
+    @property
+    def agent_endpoints(self) -> list[str]:
+        """Where the agents reach etcd: loopback, or on netns hosts the bridge address."""
+        if self.net is None:
+            return self.endpoints
+        return [m.endpoint_on(self.net.plan.bridge_addr) for m in self.etcd_members]
+
     def start_etcd(self) -> None:
+        extra = (self.net.plan.bridge_addr,) if self.net is not None else ()
         if self.s.etcd_members == 1:
-            server = EtcdServer(data_dir=str(self.workdir / "etcd")).start()
+            server = EtcdServer(data_dir=str(self.workdir / "etcd"), extra_hosts=extra).start()
             self.etcd_members = [server]
         else:
-            self.cluster = EtcdCluster(self.s.etcd_members, data_root=str(self.workdir / "etcd")).start()
+            self.cluster = EtcdCluster(self.s.etcd_members, data_root=str(self.workdir / "etcd"),
+                                       extra_hosts=extra).start()
             self.etcd_members = list(self.cluster.members)
-        self.say(f"etcd {','.join(self.endpoints)} ({len(self.etcd_members)} member(s))")
+        self.say(f"etcd {','.join(self.agent_endpoints)} ({len(self.etcd_members)} member(s))")
 
     def program(self, audit_name: str) -> list[str]:
         return python_program(
@@ -860,10 +1187,15 @@ class ChaosRun:
         if duplicate:
             self._dups += 1
             log_name = f"{name}-dup{self._dups}"
-        argv = local_agent_argv(self.config_file, self.endpoints, JOB_ID, name,
-                                f"{self.s.min_nodes}:{self.s.max_nodes}", TIMEOUTS.lease_ttl_s,
-                                TIMEOUTS.keepalive_s, self.program(log_name),
-                                "--max-restarts", "1000")  # a worker killed again and again is restarted again
+        flags = ["--max-restarts", "1000"]  # a worker killed again and again is restarted again
+        prefix: list[str] = []
+        if self.net is not None:
+            host = self.net.host(host_index(name))
+            flags += ["--advertise-addr", host.addr]
+            prefix = self.net.exec_prefix(host)
+        argv = prefix + local_agent_argv(self.config_file, self.agent_endpoints, JOB_ID, name,
+                                         f"{self.s.min_nodes}:{self.s.max_nodes}", TIMEOUTS.lease_ttl_s,
+                                         TIMEOUTS.keepalive_s, self.program(log_name), *flags)
         log_path = self.workdir / f"agent-{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         proc = WorkerProcess(argv, {}, log_path, new_session=True).start()
@@ -981,6 +1313,9 @@ class ChaosRun:
             self.record(kind, node.name, f"agent pid {node.proc.pid}")
         elif kind is FaultKind.NODE_JOIN:
             name = f"node-{self._joins}"
+            if self.net is not None and self._joins >= NETNS_MAX_HOSTS:
+                self.say(f"skipped {kind}: no host address left for {name}")
+                return
             self._joins += 1
             self.record(kind, name)
             self.start_agent(name)
@@ -990,6 +1325,40 @@ class ChaosRun:
             node.busy_until = now + DUPLICATE_BOUND_S
             self.record(kind, node.name, f"second agent pid {dup.proc.pid}")
             self.later(DUPLICATE_BOUND_S, f"end duplicate {dup.proc.pid}", partial(self.end_duplicate, dup))
+
+        elif kind is FaultKind.LINK_DOWN:
+            assert node is not None and self.net is not None
+            host = self.net.host(host_index(node.name))
+            self.net.set_link(host, up=False)
+            t = time.time()
+            self.link_downs.append([node.name, t, math.inf])
+            for p in self.worker_pids(node):
+                self.lives.setdefault(p, Life(node.name)).cut_off.append([t, math.inf])
+            self.node_start[node.name] = (pid, False)  # ready again once it synced in a new generation
+            # Busy until it was dropped, the link came back and it rejoined (node_ready then also
+            # waits for its worker's new start and sync lines).
+            node.busy_until = now + self.s.link_down_s + 2 * ttl + 3.0
+            self.record(kind, node.name, f"{host.root_veth} down for {self.s.link_down_s:g} s (worker pid {pid})")
+            self.later(self.s.link_down_s, f"link up {node.name}", partial(self.link_up, node.name, host))
+
+    def link_up(self, name: str, host: NetnsHost) -> None:
+        assert self.net is not None
+        try:
+            self.net.set_link(host, up=True)
+        except RuntimeError as exc:
+            self.problems.append(f"could not bring {name}'s link up again: {exc}")
+            self.say(self.problems[-1])
+            return
+        t = time.time()
+        for d in self.link_downs:
+            if d[0] == name and d[2] == math.inf:
+                d[2] = t
+        for life in self.lives.values():
+            if life.node == name and life.cut_off and life.cut_off[-1][1] == math.inf:
+                life.close_open(life.cut_off, t)
+                if life.ended_t is None:
+                    life.rejoining.append([t, math.inf])
+        self.say(f"link of {name} up again")
 
     def later(self, delay_s: float, what: str, action: Callable[[], None]) -> None:
         self.timed.append(Timed(time.monotonic() + delay_s, what, action))
@@ -1060,6 +1429,8 @@ class ChaosRun:
             elif event == "sync":
                 pid, _ = self.node_start.get(audit_name, (0, False))
                 self.node_start[audit_name] = (pid, True)
+                if pid in self.lives:
+                    self.lives[pid].close_open(self.lives[pid].rejoining, now_t)
                 if self.full_world_t is None and _int(rec["world_size"]) >= self.s.nodes:
                     self.full_world_t = _float(rec["t"])
             elif event == "commit":
@@ -1078,6 +1449,8 @@ class ChaosRun:
         for pid, life in self.lives.items():
             if life.ended_t is None and pid not in alive and process_state(pid) in (None, "Z"):
                 life.ended_t = now_t
+                life.close_open(life.cut_off, now_t)
+                life.close_open(life.rejoining, now_t)
         for n in self.nodes:
             if n.code is None and n.proc.proc is not None and n.proc.proc.poll() is not None:
                 n.code = n.proc.proc.returncode
@@ -1128,6 +1501,8 @@ class ChaosRun:
     def run(self) -> None:
         self.audit_dir.mkdir(parents=True, exist_ok=True)
         self.config_file.write_text("# the chaos run's agents take every setting from their flags\n")
+        if self.net is not None:
+            self.net.setup()
         self.start_etcd()
         for i in range(self.s.nodes):
             self.start_agent(f"node-{i}")
@@ -1238,6 +1613,11 @@ class ChaosRun:
         else:
             for m in self.etcd_members:
                 m.stop(remove_data=False)
+        for d in self.link_downs:
+            if d[2] == math.inf:
+                d[2] = time.time()  # the link goes with the network below
+        if self.net is not None:
+            self.net.remove()
 
     # -- the evidence -------------------------------------------------------------------------
 
@@ -1261,7 +1641,9 @@ class ChaosRun:
         agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line())
                        for n in self.nodes)
         lives = tuple(WorkerLife(pid, life.node, life.registered_t, life.ended_t,
-                                 tuple(Window(a, b) for a, b in life.paused))
+                                 tuple(Window(a, b) for a, b in life.paused),
+                                 tuple(Window(a, b) for a, b in life.cut_off),
+                                 tuple(Window(a, b) for a, b in life.rejoining))
                       for pid, life in sorted(self.lives.items()) if pid)
         down = list(self.down)
         if self.down_since is not None:
@@ -1272,6 +1654,7 @@ class ChaosRun:
             samples=tuple(self.samples), lives=lives, tracebacks=tuple(tracebacks), agents=agents,
             warmup=self.warmup, faulted=self.faulted, lease_ttl_s=TIMEOUTS.lease_ttl_s,
             problems=tuple(self.problems), end_t=time.time(),
+            link_down=tuple(LinkDown(str(d[0]), _float(d[1]), _float(d[2])) for d in self.link_downs),
         )
 
 
@@ -1295,6 +1678,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-nodes", type=int, default=None, help="the job's max size (default --nodes + 1)")
     p.add_argument("--etcd-members", type=int, choices=(1, 3), default=1,
                    help="1: one etcd server; 3: a 3-member etcd cluster on loopback (default 1)")
+    p.add_argument("--netns", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every node on a network-namespace host of its own, on a bridge the run creates "
+                   "(needed by link_down; needs root and `ip netns`). Default: on when possible; --no-netns: "
+                   "every node on loopback")
+    p.add_argument("--link-down-s", type=float, default=None,
+                   help=f"how long link_down keeps a host's link down; more than the lease TTL (default "
+                   f"{link_down_s_default(TIMEOUTS.lease_ttl_s):g})")
     p.add_argument("--etcd-outage-s", type=float, default=5.0,
                    help="how long etcd (or a member) stays down in an outage (default 5)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step in each worker (default 0.05)")
@@ -1310,8 +1700,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_settings(args: argparse.Namespace) -> Settings:
-    """Validate the arguments.
+def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
+    """Validate the arguments (``netns``: whether the nodes run on network-namespace hosts).
 
     Raises:
         ConfigError: an argument is out of range; the message names it.
@@ -1333,25 +1723,41 @@ def make_settings(args: argparse.Namespace) -> Settings:
         args.step_sleep, args.warmup_s + args.minutes * 60.0 + 10.0)
     if steps < 20:
         raise ConfigError(f"--steps: at least 20, got {steps}")
+    link_down_s = link_down_s_default(TIMEOUTS.lease_ttl_s) if args.link_down_s is None else args.link_down_s
+    if link_down_s <= TIMEOUTS.lease_ttl_s:
+        raise ConfigError(f"--link-down-s: must be more than the lease TTL ({TIMEOUTS.lease_ttl_s:g} s), "
+                          f"got {link_down_s}")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     return Settings(
         minutes=args.minutes, mean_interval_s=args.mean_interval_s, seed=seed,
-        kinds=parse_faults(args.faults, args.etcd_members), nodes=args.nodes, min_nodes=args.min_nodes,
+        kinds=parse_faults(args.faults, args.etcd_members, netns), nodes=args.nodes, min_nodes=args.min_nodes,
         max_nodes=max_nodes, etcd_members=args.etcd_members, etcd_outage_s=args.etcd_outage_s,
-        step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s,
+        step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s, netns=netns, link_down_s=link_down_s,
     )
 
 
-def skipped_kinds(etcd_members: int) -> dict[str, str]:
-    """Kinds not possible here, with the reason (printed in the table)."""
-    return {k.value: f"needs --etcd-members {KINDS[k].etcd_members}"
-            for k in FaultKind if k not in kinds_possible(etcd_members)}
+def skipped_kinds(etcd_members: int, no_netns: str = "") -> dict[str, str]:
+    """Kinds not possible here, with the reason (printed in the table); ``no_netns``: why the nodes
+    run on loopback ("" when they run on network-namespace hosts)."""
+    return {k.value: (f"needs network-namespace hosts: {no_netns}" if KINDS[k].netns and no_netns
+                      else f"needs --etcd-members {KINDS[k].etcd_members}")
+            for k in FaultKind if k not in kinds_possible(etcd_members, not no_netns)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    ip = shutil.which("ip")
+    pid = os.getpid()
+    if args.netns is False:
+        no_netns = "--no-netns"
+    else:
+        euid = os.geteuid()
+        probed = probe_netns(ip, pid) if euid == 0 and ip is not None else ""
+        no_netns = netns_unusable(euid, ip, probed)
     try:
-        settings = make_settings(args)
+        netns = use_netns(args.netns, no_netns)
+        settings = make_settings(args, netns)
+        plan = netns_plan(pid, subnets_in_use(ip_addresses_and_routes(ip))) if netns and ip else None
     except ConfigError as exc:
         print(f"elasticd.chaos: {exc}", file=sys.stderr)
         return 2
@@ -1375,7 +1781,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     say(f"elasticd chaos: seed {settings.seed}; faults {', '.join(k.value for k in settings.kinds)}; "
         f"{settings.steps} steps; work dir {workdir}")
-    run = ChaosRun(settings, workdir, say)
+    net = None
+    if plan is not None:
+        assert ip is not None
+        net = NetnsHosts(plan, ip, say)
+        atexit.register(net.remove)  # also on a way out that skips the finally below
+        say(f"hosts: network namespaces {plan.prefix}h<i> at {NETNS_NET}.{plan.subnet}.<{NETNS_HOST_BASE}+i>, "
+            f"bridge {plan.bridge} {plan.bridge_addr}/24")
+    else:
+        say(f"hosts: every node on loopback ({no_netns}); link_down is left out")
+    run = ChaosRun(settings, workdir, say, net)
     code = 1
     try:
         with sigterm_raises():
@@ -1385,7 +1800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run.stop_all()
             evidence = run.evidence()
             report = Report(settings, evidence, judge(evidence), run.started_t, str(workdir),
-                            skipped_kinds(settings.etcd_members))
+                            skipped_kinds(settings.etcd_members, "" if netns else no_netns))
             (workdir / "report.json").write_text(json.dumps(report_to_dict(report), indent=1) + "\n")
             (workdir / "report.txt").write_text(render_table(report))
             if args.json:
@@ -1396,7 +1811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # no etcd binary
         print(f"elasticd.chaos: {exc}", file=sys.stderr)
         code = 2
-    except RuntimeError as exc:  # etcd did not start
+    except RuntimeError as exc:  # etcd did not start, or an `ip` command failed
         print(f"elasticd.chaos: {exc}", file=sys.stderr)
         code = 1
     except (KeyboardInterrupt, Terminated):

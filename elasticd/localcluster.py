@@ -65,11 +65,14 @@ class EtcdServer:
     """A real single-node etcd on loopback, on free ports, with a temporary data dir.
 
     With ``tls``, clients talk HTTPS/TLS and must present a certificate signed by ``tls.ca``.
+    ``extra_hosts``: further local addresses the client port also listens on (and advertises), on
+    the same port, for clients that cannot reach loopback (a network namespace's host on a bridge).
     """
 
     def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None, tls: EtcdTls | None = None,
-                 name: str = "elasticd-test") -> None:
+                 name: str = "elasticd-test", extra_hosts: Sequence[str] = ()) -> None:
         self.host = host
+        self.extra_hosts = tuple(extra_hosts)
         self.tls = tls
         self.name = name
         self.client_port = free_port(host)
@@ -85,6 +88,11 @@ class EtcdServer:
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
+
+    def endpoint_on(self, host: str) -> str:
+        """The client endpoint on ``host``: ``host`` itself or one of ``extra_hosts``."""
+        assert host == self.host or host in self.extra_hosts, host
+        return f"{host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -103,7 +111,8 @@ class EtcdServer:
     def launch(self) -> None:
         """Start the etcd process without waiting for it (a cluster member answers only once a
         quorum of members runs)."""
-        url_c = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        url_c = ",".join(f"{scheme}://{h}:{self.client_port}" for h in (self.host, *self.extra_hosts))
         cmd = [
             etcd_binary(), "--name", self.name, "--data-dir", self.data_dir,
             "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
@@ -215,14 +224,17 @@ class EtcdServer:
 class EtcdCluster:
     """A real etcd cluster of ``size`` members on loopback: free ports, temporary data dirs, each
     member a separate process stopped by its PID. Members can be killed and started again on the
-    same data dir (they rejoin the cluster from it)."""
+    same data dir (they rejoin the cluster from it). ``extra_hosts``: as for ``EtcdServer`` (client
+    ports only; the members talk to each other on loopback)."""
 
-    def __init__(self, size: int = 3, host: str = "127.0.0.1", data_root: str | None = None) -> None:
+    def __init__(self, size: int = 3, host: str = "127.0.0.1", data_root: str | None = None,
+                 extra_hosts: Sequence[str] = ()) -> None:
         assert size >= 1
         self._own_root = data_root is None
         self.data_root = data_root or tempfile.mkdtemp(prefix="elasticd-etcd-cluster-")
         os.makedirs(self.data_root, exist_ok=True)
-        self.members = [EtcdServer(host, data_dir=os.path.join(self.data_root, f"member-{i}"), name=f"member-{i}")
+        self.members = [EtcdServer(host, data_dir=os.path.join(self.data_root, f"member-{i}"), name=f"member-{i}",
+                                   extra_hosts=extra_hosts)
                         for i in range(size)]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         token = f"elasticd-{os.getpid()}-{os.path.basename(self.data_root)}"

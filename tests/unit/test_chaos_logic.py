@@ -17,6 +17,9 @@ from elasticd.chaos import (
     FaultKind,
     FaultRecord,
     Final,
+    LinkDown,
+    NetnsHost,
+    NetnsPlan,
     NodeView,
     Report,
     Settings,
@@ -31,15 +34,23 @@ from elasticd.chaos import (
     fault_free_step_s,
     final_findings,
     find_stalls,
+    host_index,
     judge,
     kinds_possible,
+    link_down_findings,
+    link_down_s_default,
+    netns_plan,
+    netns_unusable,
     next_delay,
     parse_faults,
     render_table,
     report_to_dict,
+    skipped_kinds,
     status_findings,
     step_findings,
+    subnets_in_use,
     traceback_hits,
+    use_netns,
 )
 from elasticd.errors import ConfigError
 
@@ -343,3 +354,186 @@ def test_the_table_and_the_json_object() -> None:
     assert data["injected"] == {"worker_kill": 1, "drain": 0}
     assert data["repeats"] == {"10": [1, 2]}
     assert {i["name"] for i in data["invariants"] if not i["ok"]} == {"steps exactly once"}
+
+
+# -- network-namespace hosts and link_down ------------------------------------------------------
+
+
+def test_the_netns_plan_names_every_interface_within_15_characters_and_addresses_hosts_from_10() -> None:
+    plan = NetnsPlan("ecd4194304", 37)
+    assert (plan.bridge, plan.bridge_addr) == ("ecd4194304b", "10.213.37.1")
+    assert plan.host(0) == NetnsHost(0, "ecd4194304h0", "ecd4194304r0", "ecd4194304n0", "10.213.37.10")
+    last = plan.host(239)
+    assert last.addr == "10.213.37.249"
+    assert max(len(n) for n in (plan.bridge, last.ns, last.root_veth, last.ns_veth)) <= 15
+    for bad in (-1, 240):
+        with pytest.raises(ValueError, match="outside 0..239"):
+            plan.host(bad)
+
+
+@pytest.mark.parametrize("pid, used, subnet", [
+    (1, set(), 2),              # 1 + pid % 254
+    (253, set(), 254),
+    (254, set(), 1),            # never .0 or .255
+    (1, {2, 3}, 4),             # skips the /24s in use
+    (253, {254}, 1),            # wraps around
+])
+def test_netns_plan_picks_a_free_subnet_from_the_pid(pid, used, subnet) -> None:
+    plan = netns_plan(pid, used)
+    assert (plan.prefix, plan.subnet) == (f"ecd{pid}", subnet)
+
+
+def test_netns_plan_fails_when_every_subnet_is_in_use() -> None:
+    with pytest.raises(ConfigError, match="every 10.213.X.0/24 is in use"):
+        netns_plan(7, range(1, 255))
+
+
+@pytest.mark.parametrize("text, used", [
+    ("", set()),
+    ("2: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0", set()),
+    ("9: ecd1b    inet 10.213.44.1/24 scope global ecd1b\n10.213.7.0/24 dev ecd2b proto kernel", {44, 7}),
+    ("10.2130.1.0/24 dev x\n110.213.5.0/24 dev y", set()),   # other networks that look alike
+])
+def test_subnets_in_use(text, used) -> None:
+    assert subnets_in_use(text) == used
+
+
+@pytest.mark.parametrize("name, index", [("node-0", 0), ("node-12", 12)])
+def test_host_index(name, index) -> None:
+    assert host_index(name) == index
+
+
+@pytest.mark.parametrize("name", ["node-", "node-x", "worker-1", "node-1-dup1", "3"])
+def test_host_index_rejects_other_names(name) -> None:
+    with pytest.raises(ValueError):
+        host_index(name)
+
+
+@pytest.mark.parametrize("euid, ip, probe, why", [
+    (0, "/usr/sbin/ip", "", ""),
+    (1000, "/usr/sbin/ip", "", "not root"),
+    (0, None, "", "no `ip` binary (apt-get install iproute2)"),
+    (0, "/usr/sbin/ip", "ip netns add x: exit 1: Operation not permitted",
+     "`ip netns` does not work here: ip netns add x: exit 1: Operation not permitted"),
+])
+def test_netns_unusable(euid, ip, probe, why) -> None:
+    assert netns_unusable(euid, ip, probe) == why
+
+
+@pytest.mark.parametrize("flag, unusable, on", [
+    (None, "", True), (None, "not root", False),
+    (True, "", True),
+    (False, "", False), (False, "not root", False),
+])
+def test_use_netns(flag, unusable, on) -> None:
+    assert use_netns(flag, unusable) is on
+
+
+def test_asking_for_netns_where_it_cannot_be_had_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--netns: not root"):
+        use_netns(True, "not root")
+
+
+def test_link_down_needs_netns_hosts() -> None:
+    assert FaultKind.LINK_DOWN not in kinds_possible(3)
+    assert FaultKind.LINK_DOWN in kinds_possible(1, netns=True)
+    assert parse_faults("link_down,worker_kill", 1, netns=True) == (FaultKind.LINK_DOWN, FaultKind.WORKER_KILL)
+    with pytest.raises(ConfigError, match="link_down needs network-namespace hosts"):
+        parse_faults("link_down", 3)
+    assert skipped_kinds(3, "not root") == {"link_down": "needs network-namespace hosts: not root"}
+    assert skipped_kinds(1, "") == {"etcd_follower_kill": "needs --etcd-members 3",
+                                    "etcd_leader_kill": "needs --etcd-members 3"}
+    assert link_down_s_default(2.0) > 2.0 + 2.0  # past the lease and the stall bound
+
+
+@pytest.mark.parametrize("v, ok", [
+    (view(3), True),
+    (view(2), False),                    # the cut-off host would leave 1 < min 2
+    (view(2, min_nodes=1), True),
+    (view(2, busy=1), False),            # a host already cut off (busy) does not count as ready
+    (view(3, etcd_busy=True), False),    # with etcd down, nobody could notice the lost host
+])
+def test_link_down_never_takes_the_job_below_its_minimum(v, ok) -> None:
+    assert allowed(FaultKind.LINK_DOWN, v) is ok
+
+
+def rows_of(node: str, gen: int, *ts: float, world: int = 3) -> list[Commit]:
+    return [Commit(node, int(t * 10), gen, 0, world, T0 + t) for t in ts]
+
+
+HEALTHY = (rows_of("node-0", 1, 1.0, 2.0) + rows_of("node-1", 1, 1.0, 2.0)
+           + rows_of("node-0", 2, 6.0, 9.0) + rows_of("node-1", 3, 14.0, 20.0))
+
+
+@pytest.mark.parametrize("downs, commits_, problem", [
+    # dropped (node-0 committed in generation 2 > 1 while node-1 was cut off), rejoined at 14
+    ([LinkDown("node-1", T0 + 3, T0 + 8)], HEALTHY, ""),
+    # the others committed nothing newer while it was cut off
+    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.generation != 2] + rows_of("node-0", 3, 14.0),
+     "did not go on without it"),
+    # never rejoined, and the job went on for long after
+    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"] + rows_of("node-0", 2, 100.0),
+     "did not rejoin"),
+    # never rejoined, but the job ended soon after the link came back: nothing to rejoin
+    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"], ""),
+    # rejoined, but late
+    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"] + rows_of("node-1", 4, 80.0),
+     "rejoined 72.0 s after"),
+    # still down at the end
+    ([LinkDown("node-1", T0 + 3, math.inf)], HEALTHY, "still down at the end"),
+])
+def test_link_down_findings(downs, commits_, problem) -> None:
+    got = link_down_findings(downs, commits_, 60.0)
+    if problem:
+        (finding,) = got
+        assert problem in finding and finding.startswith("node-1")
+    else:
+        assert got == []
+
+
+def cut(down: float, up: float, synced: float | None = None) -> WorkerLife:
+    """A worker registered at T0 whose link went down at ``down`` and came up at ``up`` (inf: not
+    yet), that synced in a new generation at ``synced`` (None: not yet)."""
+    rejoining = () if up == math.inf else (Window(T0 + up, math.inf if synced is None else T0 + synced),)
+    return WorkerLife(11, "n0", T0, None, (), (Window(T0 + down, T0 + up),), rejoining)
+
+
+@pytest.mark.parametrize("life, listed, problems", [
+    # cut off since 1 s before the sample: either way
+    (cut(9, math.inf), True, 0),
+    (cut(9, math.inf), False, 0),
+    # cut off since long before: its lease is surely gone, it must not be listed
+    (cut(1, math.inf), True, 1),
+    (cut(1, math.inf), False, 0),
+    # its link came back, and it has not synced yet: either way (it re-registers meanwhile)
+    (cut(1, 6), True, 0),
+    (cut(1, 6), False, 0),
+    # synced again long before the sample: it must be listed again
+    (cut(1, 2, 4), False, 1),
+    (cut(1, 2, 4), True, 0),
+])
+def test_status_may_leave_out_a_worker_cut_off_by_a_link_down(life, listed, problems) -> None:
+    s = sample(10.0, 11) if listed else sample(10.0)
+    assert len(status_findings([s], [life], SLACK)) == problems
+
+
+def test_a_stall_while_a_link_is_down_is_not_excused_and_the_link_is_judged() -> None:
+    rows = steady(10) + [(11, 2, 10.0)]  # the survivors stalled 9 s after node-1's link went down
+    ev = evidence(rows, [Final("a", 11, "x")], link_down=(LinkDown("node-1", T0 + 1.0, T0 + 6.0),),
+                  faults=(FaultRecord(T0 + 1.0, "link_down", "node-1"),))
+    v = judge(ev)
+    (stall,) = v.stalls
+    assert stall.excused_s == 0.0 and stall.faults == ("link_down(node-1)",)
+    assert failed(ev) == {"no stall > 4 s", "link down: dropped, rejoined"}
+
+
+def test_the_table_and_the_json_object_show_the_netns_hosts_and_link_downs() -> None:
+    ev = evidence(steady(10), [Final("a", 10, "x")], link_down=(LinkDown("node-0", T0 + 0.2, T0 + 0.7),))
+    settings = Settings(1.0, 5.0, 7, (FaultKind.LINK_DOWN,), 3, 2, 4, 1, 5.0, 0.05, 10, 5.0, True, 5.0)
+    report = Report(settings, ev, judge(ev), T0, "/tmp/x")
+    table = render_table(report)
+    assert "hosts netns ==" in table
+    assert "link down         node-0 0.2s+0.5s" in table
+    data = json.loads(json.dumps(report_to_dict(report)))
+    assert data["link_down"] == [{"node": "node-0", "start_s": 0.2, "length_s": 0.5}]
+    assert data["settings"]["netns"] is True and data["settings"]["link_down_s"] == 5.0
