@@ -16,6 +16,7 @@ os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import threading  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
@@ -105,6 +106,8 @@ class EtcdClient:
                 # plaintext channel ("insufficient security level"), and as metadata, which etcd reads.
                 client.call_credentials = None
                 client.watcher._credentials = None
+            client.watcher._watch_stub = _PacedWatchStub(client.watcher._watch_stub,
+                                                         self._retry.etcd_reconnect_max_s)
             return client
         except grpc.RpcError as exc:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
@@ -242,19 +245,57 @@ class EtcdClient:
         self._call("revoke_lease", lambda c: c.revoke_lease(lease))
 
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        client = self._client
+        """Call ``callback`` after any change under ``prefix``; return a canceller.
 
-        def on_event(_response: object) -> None:
+        When the watch stream breaks (etcd restarted or went away), etcd3 0.12 drops the watch: it
+        is armed again on a thread, every ``etcd_reconnect_max_s`` until etcd answers (for at most
+        ``etcd_outage_s``), and ``callback`` is called on the break and once armed again, so the
+        watcher re-reads what it may have missed.
+
+        Raises:
+            EtcdUnavailable: the first watch could not be armed.
+        """
+        lock = threading.Lock()
+        current: list[tuple[etcd3.Etcd3Client, int]] = []  # the armed watch, if any
+        cancelled = threading.Event()
+
+        def on_event(response: object) -> None:
             callback()
+            if isinstance(response, Exception):  # the stream died and etcd3 forgot this watch
+                with lock:
+                    current.clear()
+                if not cancelled.is_set():
+                    threading.Thread(target=rearm, name="elasticd-rewatch", daemon=True).start()
 
-        watch_id = self._call("watch", lambda c: c.add_watch_prefix_callback(prefix, on_event))
+        def arm() -> None:
+            found = self._call("watch", lambda c: (c, c.add_watch_prefix_callback(prefix, on_event)))
+            with lock:
+                current[:] = [found]
+            if cancelled.is_set():
+                cancel()
+
+        def rearm() -> None:
+            deadline = time.monotonic() + self._timeouts.etcd_outage_s
+            while not cancelled.is_set() and time.monotonic() < deadline:
+                try:
+                    arm()
+                    callback()
+                    return
+                except EtcdUnavailable:
+                    cancelled.wait(self._retry.etcd_reconnect_max_s)
+            log.warning("watch_not_rearmed", prefix=prefix)
 
         def cancel() -> None:
-            try:
-                client.cancel_watch(watch_id)
-            except (*_TRANSIENT, grpc.RpcError) as exc:
-                raise EtcdUnavailable(f"cancel_watch failed: {exc}") from exc
+            cancelled.set()
+            with lock:
+                armed, current[:] = list(current), []
+            for client, watch_id in armed:
+                try:
+                    client.cancel_watch(watch_id)
+                except (*_TRANSIENT, grpc.RpcError) as exc:
+                    raise EtcdUnavailable(f"cancel_watch failed: {exc}") from exc
 
+        arm()
         return cancel
 
     def close(self) -> None:
@@ -265,6 +306,26 @@ class EtcdClient:
             self._client.close()
         except (*_TRANSIENT, grpc.RpcError):
             pass
+
+
+class _PacedWatchStub:
+    """Wraps etcd3's watch stub so that its watcher opens a new stream at most once per
+    ``interval_s``.
+
+    etcd3 0.12's watcher thread re-opens its stream at once, in an endless loop, whenever it
+    breaks; while etcd is down every attempt fails at once, and the loop spun a core (measured: a
+    fifth of a core per worker, half the training rate through an etcd outage on 2 cores).
+    """
+
+    def __init__(self, inner: Any, interval_s: float) -> None:
+        self._inner, self._interval_s, self._last = inner, interval_s, float("-inf")
+
+    def Watch(self, *args: object, **kwargs: object) -> Any:  # noqa: N802 (gRPC stub method name)
+        wait = self._last + self._interval_s - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        self._last = time.monotonic()
+        return self._inner.Watch(*args, **kwargs)
 
 
 class _ClosedWatchStub:

@@ -459,3 +459,33 @@ def test_refused_endpoint_raises_etcd_unavailable_after_retry_bound() -> None:
     retries = [e for e in logs if e["event"] == "etcd_call_retried"]
     assert len(retries) == 1, logs  # two attempts: one retry in between
     assert elapsed < 2 * 1.0 + 2.0, f"took {elapsed:.1f}s; the retry bound is 2 attempts of <= 1 s"
+
+
+def test_a_watch_survives_an_etcd_restart_and_the_client_does_not_spin_while_etcd_is_down(tmp_path) -> None:
+    """etcd3 0.12 forgets a watch when its stream breaks, and re-opens the stream in a loop with no
+    pause: through an etcd outage that spun a core. The watch is armed again once etcd is back,
+    and the client's threads stay idle while it is down."""
+    import resource
+
+    server = EtcdServer().start()
+    client = EtcdClient(EtcdConfig(endpoints=(server.endpoint,)), Timeouts(), RetryPolicy())
+    seen = Counter()
+    try:
+        client.watch_prefix("/elasticd/w/", seen)
+        server.kill()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(3.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        assert cpu_s < 0.5, f"{cpu_s:.2f} s of CPU in 3 s while etcd was down"
+        server.start()
+        deadline, in_a_row = time.monotonic() + 15, 0
+        while time.monotonic() < deadline and in_a_row < 3:  # armed again: every put is seen
+            n = seen.n
+            client.put("/elasticd/w/x", str(n).encode())
+            time.sleep(0.3)
+            in_a_row = in_a_row + 1 if seen.n > n else 0
+        assert in_a_row == 3, "the watch was not armed again after etcd came back"
+    finally:
+        client.close()
+        server.stop()
