@@ -55,7 +55,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +74,7 @@ from elasticd.localcluster import (
     WorkerProcess,
     group_pids,
     local_agent_argv,
+    make_workdir,
     process_state,
     python_program,
     sigterm_raises,
@@ -1761,16 +1761,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"elasticd.chaos: {exc}", file=sys.stderr)
         return 2
-    if args.workdir is not None:
-        workdir: Path = args.workdir.resolve()
-        if workdir.exists() and any(workdir.iterdir()):
-            print(f"elasticd.chaos: --workdir: {workdir} is not empty", file=sys.stderr)
-            return 2
-        workdir.mkdir(parents=True, exist_ok=True)
-        remove = False
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="elasticd-chaos-"))
-        remove = not args.keep
+    try:
+        workdir, remove = make_workdir(args.workdir, args.keep, "elasticd-chaos-")
+    except ConfigError as exc:
+        print(f"elasticd.chaos: {exc}", file=sys.stderr)
+        return 2
     progress: TextIO = sys.stderr if args.json else sys.stdout
     log_path = workdir / "chaos.log"
 

@@ -37,7 +37,6 @@ import math
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from elasticd.localcluster import (
     Terminated,
     WorkerProcess,
     local_agent_argv,
+    make_workdir,
     log_events,
     python_program,
     sigterm_raises,
@@ -550,16 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"elasticd.demo: {exc}", file=sys.stderr)
         return 2
-    if args.workdir is not None:
-        workdir: Path = args.workdir.resolve()
-        if workdir.exists() and any(workdir.iterdir()):
-            print(f"elasticd.demo: --workdir: {workdir} is not empty", file=sys.stderr)
-            return 2
-        workdir.mkdir(parents=True, exist_ok=True)
-        remove = False
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="elasticd-demo-"))
-        remove = not args.keep
+    try:
+        workdir, remove = make_workdir(args.workdir, args.keep, "elasticd-demo-")
+    except ConfigError as exc:
+        print(f"elasticd.demo: {exc}", file=sys.stderr)
+        return 2
     out = sys.stdout
     demo = Demo(plan, workdir, out)
     print(f"elasticd demo: {plan.nodes} node agents (1 worker each), {plan.steps} steps, world "

@@ -483,6 +483,22 @@ def local_agent_argv(config_file: Path, endpoints: Sequence[str], job_id: str, n
     )
 
 
+def make_workdir(workdir: Path | None, keep: bool, prefix: str) -> tuple[Path, bool]:
+    """The work directory of a demo or chaos run: ``workdir`` (created; it must be empty), or a new
+    temporary one. Returns it and whether to remove it at the end (a temporary one, unless ``keep``).
+
+    Raises:
+        ConfigError: ``workdir`` is not empty.
+    """
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix=prefix)), not keep
+    workdir = workdir.resolve()
+    if workdir.exists() and any(workdir.iterdir()):
+        raise ConfigError(f"--workdir: {workdir} is not empty")
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir, False
+
+
 class Terminated(Exception):
     """SIGTERM arrived (inside ``sigterm_raises``): leave through the same cleanup as Ctrl-C."""
 

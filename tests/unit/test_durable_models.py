@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,13 +36,7 @@ pytestmark = pytest.mark.timeout(60)
 A, B = "a" * 64, "b" * 64
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rng() -> Iterator[None]:
-    saved = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved)
+from tests.unit.test_checkpoint import _keep_global_rng  # noqa: E402, F401 (autouse fixture: the global RNG is restored)
 
 
 # -- retention, pure ----------------------------------------------------------------------------
