@@ -58,6 +58,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
@@ -469,6 +470,25 @@ class WorkerLife:
     # Link up -> its next sync line (it re-registers in place and joins a generation): status may
     # list it or not.
     rejoining: tuple[Window, ...] = ()
+    # It left the job (drained, finished, or gave up: its membership closed and its lease was
+    # revoked) while its process still ran, e.g. waiting for abandoned groups to close.
+    left_t: float | None = None
+
+
+def membership_closed_times(log_text: str) -> dict[int, float]:
+    """pid -> wall time of the worker's first ``membership_closed`` line in an agent's log (pure)."""
+    out: dict[int, float] = {}
+    for line in log_text.splitlines():
+        if '"membership_closed"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+            pid = int(str(rec["member"]).split(".")[2])
+            t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        out[pid] = min(t, out.get(pid, t))
+    return out
 
 
 @dataclass(frozen=True)
@@ -590,7 +610,8 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
         listed = set(s.pids)
         since = s.t0 - slack_s
         for w in lives:
-            alive = w.ended_t is None or w.ended_t > s.t1 + seen_margin_s
+            alive = ((w.ended_t is None or w.ended_t > s.t1 + seen_margin_s)
+                     and (w.left_t is None or w.left_t > s.t1 + seen_margin_s))
             out_of_reach = (*w.paused, *w.cut_off)
             paused = any(p.end >= since and p.start <= s.t1 for p in (*out_of_reach, *w.rejoining))
             if (w.registered_t is not None and w.registered_t <= since and alive and not paused
@@ -1640,10 +1661,14 @@ class ChaosRun:
             tracebacks += traceback_hits(log.name, log.read_text(errors="replace"))
         agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line())
                        for n in self.nodes)
+        left: dict[int, float] = {}
+        for log in sorted(self.workdir.glob("agent-*.log")):
+            for pid, t in membership_closed_times(log.read_text(errors="replace")).items():
+                left[pid] = min(t, left.get(pid, t))
         lives = tuple(WorkerLife(pid, life.node, life.registered_t, life.ended_t,
                                  tuple(Window(a, b) for a, b in life.paused),
                                  tuple(Window(a, b) for a, b in life.cut_off),
-                                 tuple(Window(a, b) for a, b in life.rejoining))
+                                 tuple(Window(a, b) for a, b in life.rejoining), left.get(pid))
                       for pid, life in sorted(self.lives.items()) if pid)
         down = list(self.down)
         if self.down_since is not None:

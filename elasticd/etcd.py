@@ -40,6 +40,7 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     etcd3.exceptions.ConnectionFailedError,
     etcd3.exceptions.ConnectionTimeoutError,
     etcd3.exceptions.InternalServerError,
+    etcd3.exceptions.WatchTimedOut,  # a watch's creation got no answer (its stream broke meanwhile)
 )
 # gRPC status codes that a retry (or another endpoint) may cure; anything else is an answer.
 _TRANSIENT_CODES = {

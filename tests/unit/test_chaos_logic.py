@@ -166,6 +166,9 @@ def sample(at: float, *pids: int) -> StatusSample:
     # continued 1 s before the sample: either way
     (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), False, 0),
     (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), True, 0),
+    # left the job (drained: lease revoked) while its process lingers: need not be listed
+    (WorkerLife(11, "n0", T0, None, left_t=T0 + 9), False, 0),
+    (WorkerLife(11, "n0", T0, None, left_t=T0 + 11), False, 1),  # left after the sample: must be listed
 ])
 def test_status_must_list_the_live_workers_within_the_slack(life, listed, problems) -> None:
     s = sample(10.0, 11) if listed else sample(10.0)
@@ -537,3 +540,16 @@ def test_the_table_and_the_json_object_show_the_netns_hosts_and_link_downs() -> 
     data = json.loads(json.dumps(report_to_dict(report)))
     assert data["link_down"] == [{"node": "node-0", "start_s": 0.2, "length_s": 0.5}]
     assert data["settings"]["netns"] is True and data["settings"]["link_down_s"] == 5.0
+
+
+def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> None:
+    from elasticd.chaos import membership_closed_times
+
+    log = "\n".join([
+        '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21.876257Z"}',
+        '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:35:00Z"}',
+        '{"event": "step_committed", "member": "node-0.0.17"}',
+        'not json "membership_closed"',
+        '{"member": "odd", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21Z"}',
+    ])
+    assert membership_closed_times(log) == {2994: 1795484061.876257}
