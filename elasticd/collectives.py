@@ -176,19 +176,25 @@ def _wait_in_order(works: list[dist.Work], done: queue.SimpleQueue[int | Runtime
 class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter], extra: int, device: torch.device) -> None:
         self.params = params
-        dtype = params[0].dtype
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        self.buffer = torch.zeros(self.numel + extra, dtype=dtype, device=device)
-        self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p, n in zip(params, self.sizes, strict=True):
-            self.views.append(self.buffer[offset : offset + n].view_as(p))
-            offset += n
         self.extra = extra
         self.ready = 0
         self.work: dist.Work | None = None
+        self.renew(device)
+
+    def renew(self, device: torch.device) -> None:
+        """A new buffer (and new ``.grad`` views at the next ``bind_grads``). The old one is left
+        to a collective that was abandoned, not ended: a peer that was frozen or cut off can still
+        complete it later through the retired group, and it would then write its sum into the
+        gradients of a step in the next generation (seen under chaos: ranks' parameters diverged)."""
+        self.buffer = torch.zeros(self.numel + self.extra, dtype=self.params[0].dtype, device=device)
+        self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
+        self.views = []
+        offset = 0
+        for p, n in zip(self.params, self.sizes, strict=True):
+            self.views.append(self.buffer[offset : offset + n].view_as(p))
+            offset += n
 
     def bind_grads(self) -> None:
         """Zero the bucket and make each parameter's ``.grad`` its view into it (DDP's
@@ -318,7 +324,10 @@ class GradientReducer:
         return [float(x) for x in vb.buffer[vb.numel :].tolist()]
 
     def cancel(self) -> None:
-        """Forget a step whose collectives will never be waited for (its group is being retired)."""
+        """Forget a step whose collectives will never be waited for (its group is being retired).
+        Every bucket that went out gets a new buffer (``_Bucket.renew``)."""
         self._group, self._vote = None, None
         for b in self._buckets:
+            if b.work is not None:
+                b.renew(b.buffer.device)
             b.work = None

@@ -232,3 +232,4 @@ def test_etcd_restarts_mixed_with_worker_kills_repeat_no_step(local_job, etcd_se
     job.wait_all(60)
     rep = job.audit()
     assert rep.ok, rep.violations
+
