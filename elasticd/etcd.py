@@ -66,6 +66,10 @@ class EtcdClient:
         self._endpoints = [parse_endpoint(e) for e in config.endpoints]
         self._index = 0
         self._lock = threading.Lock()
+        # One client per endpoint, made once: a failover moves between them. (Making a new one at
+        # each failover left the old channels and their watcher threads behind: through etcd
+        # outages under chaos a worker grew to 400 threads.)
+        self._clients: dict[int, etcd3.Etcd3Client] = {}
         self._client = self._first_client()
 
     def _first_client(self) -> etcd3.Etcd3Client:
@@ -82,6 +86,7 @@ class EtcdClient:
                 failure = exc
                 continue
             self._index = index
+            self._clients[index] = client
             return client
         assert failure is not None
         raise failure
@@ -133,8 +138,12 @@ class EtcdClient:
                 return
             self._index = (self._index + 1) % len(self._endpoints)
             log.warning("etcd_endpoint_failover", endpoint="%s:%d" % self._endpoints[self._index])
+            known = self._clients.get(self._index)
+            if known is not None:
+                self._client = known
+                return
             try:
-                self._client = self._connect(self._index)
+                self._client = self._clients[self._index] = self._connect(self._index)
             except EtcdUnavailable as exc:  # it would not authenticate us: the next failure moves on
                 log.warning("etcd_endpoint_failover_failed", error=str(exc))
 
@@ -144,7 +153,7 @@ class EtcdClient:
                 return
             log.info("etcd_reauthenticated", endpoint="%s:%d" % self._endpoints[self._index])
             try:
-                self._client = self._connect(self._index)
+                self._client = self._clients[self._index] = self._connect(self._index)
             except EtcdUnavailable as exc:
                 log.warning("etcd_reauthenticate_failed", error=str(exc))
 
@@ -258,33 +267,55 @@ class EtcdClient:
         """
         lock = threading.Lock()
         current: list[tuple[etcd3.Etcd3Client, int]] = []  # the armed watch, if any
+        state = {"token": 0, "rearming": False}  # token: the newest arming attempt
         cancelled = threading.Event()
 
-        def on_event(response: object) -> None:
-            callback()
-            if isinstance(response, Exception):  # the stream died and etcd3 forgot this watch
+        def handler(token: int) -> Callable[[object], None]:
+            def on_event(response: object) -> None:
+                callback()
+                if not isinstance(response, Exception):
+                    return
+                # The stream died and etcd3 forgot this watch. Only the newest attempt's break
+                # counts (a failed attempt's registration breaks too), and one thread re-arms.
                 with lock:
+                    if token != state["token"] or cancelled.is_set():
+                        return
                     current.clear()
-                if not cancelled.is_set():
-                    threading.Thread(target=rearm, name="elasticd-rewatch", daemon=True).start()
+                    if state["rearming"]:
+                        return
+                    state["rearming"] = True
+                threading.Thread(target=rearm, name="elasticd-rewatch", daemon=True).start()
+            return on_event
 
         def arm() -> None:
-            found = self._call("watch", lambda c: (c, c.add_watch_prefix_callback(prefix, on_event)))
             with lock:
-                current[:] = [found]
+                state["token"] += 1
+                token = state["token"]
+            found = self._call("watch", lambda c: (c, c.add_watch_prefix_callback(prefix, handler(token))))
+            with lock:
+                if token == state["token"]:
+                    current[:] = [found]
             if cancelled.is_set():
                 cancel()
 
         def rearm() -> None:
             deadline = time.monotonic() + self._timeouts.etcd_outage_s
-            while not cancelled.is_set() and time.monotonic() < deadline:
-                try:
-                    arm()
+            try:
+                while not cancelled.is_set() and time.monotonic() < deadline:
+                    try:
+                        arm()
+                    except EtcdUnavailable:
+                        cancelled.wait(self._retry.etcd_reconnect_max_s)
+                        continue
                     callback()
-                    return
-                except EtcdUnavailable:
-                    cancelled.wait(self._retry.etcd_reconnect_max_s)
-            log.warning("watch_not_rearmed", prefix=prefix)
+                    with lock:
+                        if current or cancelled.is_set():  # armed, and not broken again meanwhile
+                            state["rearming"] = False
+                            return
+                log.warning("watch_not_rearmed", prefix=prefix)
+            finally:
+                with lock:
+                    state["rearming"] = False
 
         def cancel() -> None:
             cancelled.set()
@@ -300,13 +331,14 @@ class EtcdClient:
         return cancel
 
     def close(self) -> None:
-        watcher = getattr(self._client, "watcher", None)
-        if watcher is not None:
-            watcher._watch_stub = _ClosedWatchStub()
-        try:
-            self._client.close()
-        except (*_TRANSIENT, grpc.RpcError):
-            pass
+        for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
+            watcher = getattr(client, "watcher", None)
+            if watcher is not None:
+                watcher._watch_stub = _ClosedWatchStub()
+            try:
+                client.close()
+            except (*_TRANSIENT, grpc.RpcError):
+                pass
 
 
 class _PacedWatchStub:
