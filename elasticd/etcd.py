@@ -358,7 +358,10 @@ class _PacedWatchStub:
         if wait > 0:
             time.sleep(wait)
         self._last = time.monotonic()
-        return self._inner.Watch(*args, **kwargs)
+        try:
+            return self._inner.Watch(*args, **kwargs)
+        except ValueError as exc:  # "Channel closed!": the client was closed while this one waited
+            raise SystemExit from exc  # ends etcd3's watcher thread quietly, as _ClosedWatchStub does
 
 
 class _ClosedWatchStub:
