@@ -154,6 +154,7 @@ class EtcdClient:
             log.info("etcd_reauthenticated", endpoint="%s:%d" % self._endpoints[self._index])
             try:
                 self._client = self._clients[self._index] = self._connect(self._index)
+                _close_client(failed)  # its watches break, and are armed again on the new one
             except EtcdUnavailable as exc:
                 log.warning("etcd_reauthenticate_failed", error=str(exc))
 
@@ -332,13 +333,18 @@ class EtcdClient:
 
     def close(self) -> None:
         for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
-            watcher = getattr(client, "watcher", None)
-            if watcher is not None:
-                watcher._watch_stub = _ClosedWatchStub()
-            try:
-                client.close()
-            except (*_TRANSIENT, grpc.RpcError):
-                pass
+            _close_client(client)
+
+
+def _close_client(client: etcd3.Etcd3Client) -> None:
+    """Close an etcd3 client, ending its watcher thread quietly (``_ClosedWatchStub``)."""
+    watcher = getattr(client, "watcher", None)
+    if watcher is not None:
+        watcher._watch_stub = _ClosedWatchStub()
+    try:
+        client.close()
+    except (*_TRANSIENT, grpc.RpcError):
+        pass
 
 
 class _PacedWatchStub:

@@ -665,6 +665,7 @@ class Joined:
     record: GenerationRecord
     rank: int
     duration_s: float
+    excused_s: float = 0.0  # time not counted against the join deadline (etcd down, standby)
 
     @property
     def generation(self) -> int:
@@ -838,12 +839,8 @@ class Membership:
             self._renew.clear()
             if self._stop.is_set():
                 return
-            progress = self._progress
-            if progress is not None and progress is not published:
-                self.publish_progress(progress)
-                published = progress
-                if progress.get("rank") == 0:
-                    self._publish_committed(progress)
+            # The renewal first: a step may be waiting for it (a vote of "stale"); the progress
+            # writes after it, and only while etcd answers (each could spend the retry budget).
             lease = self._lease
             asked_at = self._clock()
             try:
@@ -857,6 +854,12 @@ class Membership:
             if ttl > 0 and lease == self._lease:
                 self._note_granted(ttl)
                 self._renewed_at = asked_at
+            progress = self._progress
+            if progress is not None and progress is not published:
+                self.publish_progress(progress)
+                published = progress
+                if progress.get("rank") == 0:
+                    self._publish_committed(progress)
             if ttl <= 0 and lease == self._lease:
                 with self._lock:
                     if not self._lease_lost:
@@ -1034,7 +1037,7 @@ class Membership:
                         f"{last_reason} for longer than {excuse}_{'outage_' if excuse == 'etcd' else ''}s "
                         f"({bounds[excuse]:g} s)")
             excuse, since = "", t
-            if deadline.remaining_s() + sum(excused.values()) <= 0:
+            if deadline.at - deadline.clock() + sum(excused.values()) <= 0:
                 raise RendezvousClosed(
                     f"no generation formed within the join timeout ({last_reason})"
                 )
@@ -1073,7 +1076,7 @@ class Membership:
             last_reason = action.reason
             if action.kind is ActionKind.JOIN:
                 assert action.record is not None
-                return self._joined(action.record, started, snap)
+                return self._joined(action.record, started, snap, sum(excused.values()))
             if action.kind is ActionKind.FAIL:
                 self.close()
                 raise ModelMismatch(action.error)
@@ -1122,7 +1125,7 @@ class Membership:
             wait_s = self._timeouts.keepalive_s
             if action.until is not None:
                 wait_s = min(wait_s, max(0.0, action.until - now))
-            self._changed.wait(min(wait_s, deadline.remaining_s() + sum(excused.values())))
+            self._changed.wait(max(0.0, min(wait_s, deadline.at - deadline.clock() + sum(excused.values()))))
 
     def _published_event(self, record: GenerationRecord) -> tuple[str, bytes]:
         """The ``generation_published`` event that goes into the publishing transaction."""
@@ -1133,7 +1136,7 @@ class Membership:
                                     "committed_step": record.committed_step})
         return self._keys.event(event_name(now_ns, self.member_id)), encode_event(event)
 
-    def _joined(self, record: GenerationRecord, started: float, snap: Snapshot) -> Joined:
+    def _joined(self, record: GenerationRecord, started: float, snap: Snapshot, excused_s: float = 0.0) -> Joined:
         with self._lock:
             self._current = record
             self._joined_revision = snap.generation_revision
@@ -1141,7 +1144,7 @@ class Membership:
             self._fenced = False
             self._abandon_reason = ""
         self._update_health(snap)
-        return Joined(record, record.rank_of(self.member_id), self._clock() - started)
+        return Joined(record, record.rank_of(self.member_id), self._clock() - started, excused_s)
 
     def _publish_committed(self, progress: Mapping[str, object]) -> None:
         step, generation = progress.get("step"), progress.get("generation")

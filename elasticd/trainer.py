@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -166,6 +167,9 @@ class ElasticTrainer:
         self._pending: Batch | None = None
         self._retrying_since: float | None = None  # monotonic: the step is being deferred since then
         self._draining = False
+        # drain() sets both; the vote closure holds only the event (a closure holding the trainer
+        # kept retired groups alive until a garbage collection: fds grew by one per generation).
+        self._drain_requested = threading.Event()
         self._drained = False
         self._finished_together = False
         self.recoveries = 0
@@ -307,6 +311,7 @@ class ElasticTrainer:
         generation without this member at once, losing nothing. Safe to call from a signal handler.
         """
         self._draining = True
+        self._drain_requested.set()
 
     @property
     def drained(self) -> bool:
@@ -332,11 +337,12 @@ class ElasticTrainer:
         group = self.group
         n_local = len(batch.indices)
         weighted_loss = float(loss.detach()) * batch.weight if n_local else 0.0
-        membership, draining = self._membership, self._draining
+        membership, draining = self._membership, self._drain_requested  # not self (see _drain_requested)
 
         def vote() -> list[float]:  # called right before the last bucket goes out
             veto, stale, reached = membership.vote()
-            return Vote(weighted_loss, veto, membership.join_pending() or draining, stale, reached).slots()
+            regroup = membership.join_pending() or draining.is_set()
+            return Vote(weighted_loss, veto, regroup, stale, reached).slots()
 
         timeouts = self.env.timeouts  # begin() zeroes the gradients: they are views into its buckets
         try:
@@ -437,6 +443,8 @@ class ElasticTrainer:
             committed = self.state.counters.step if self._has_state else -1
             joined = self._membership.join(committed, deadline,
                                            resume=self._resume if self.checkpoint.enabled else None)
+            # Time the rendezvous spent waiting for etcd or as a standby did not count against it.
+            deadline = Deadline(deadline.at + joined.excused_s, deadline.clock)
             rec = joined.record
             bind_context(generation=rec.generation, rank=joined.rank)
             try:
