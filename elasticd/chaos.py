@@ -551,6 +551,18 @@ def _overlap(a: float, b: float, windows: Sequence[Window]) -> float:
     return total
 
 
+# Faults that take a member out of the job: a stall after one needs a membership change.
+MEMBER_REMOVING = frozenset({FaultKind.WORKER_KILL, FaultKind.NODE_LOSS, FaultKind.WORKER_STOP, FaultKind.DRAIN,
+                             FaultKind.AGENT_SIGTERM, FaultKind.LINK_DOWN})
+
+
+def after_etcd_returns(etcd_down: Sequence[Window], lease_ttl_s: float) -> list[Window]:
+    """The etcd-down windows, each extended by a lease TTL past its end (pure): an etcd that comes
+    back (restart, new leader) gives every lease its whole TTL again, so a member that died meanwhile
+    is seen gone only a TTL after etcd's return, whatever anybody does."""
+    return [Window(w.start, w.end + lease_ttl_s) for w in etcd_down]
+
+
 def find_stalls(times: Sequence[tuple[float, int]], limit_s: float, etcd_down: Sequence[Window],
                 faults: Sequence[FaultRecord], end_t: float | None = None,
                 lookback_s: float | None = None) -> list[Stall]:
@@ -559,8 +571,10 @@ def find_stalls(times: Sequence[tuple[float, int]], limit_s: float, etcd_down: S
     Args:
         times: (time, generation) of the commits, in time order (``commit_times``).
         limit_s: the longest interval allowed (lease TTL + 2 s).
-        etcd_down: when etcd was down or had no quorum. Such time is excused only when membership
-            had to change (the commit after the stall is in another generation than the one before).
+        etcd_down: when etcd was down or had no quorum (pass ``after_etcd_returns`` of them to
+            count the lease TTL etcd gives back at its return). Such time is excused only when
+            membership had to change: the commit after the stall is in another generation than the
+            one before, or a fault that takes a member out came just before or during the stall.
         faults: what was injected; each stall names those within ``lookback_s`` before it or during it.
         end_t: the end of the run when the job did not finish: the time after the last commit counts.
         lookback_s: default ``limit_s``.
@@ -573,7 +587,8 @@ def find_stalls(times: Sequence[tuple[float, int]], limit_s: float, etcd_down: S
     for a, b, ga, gb in spans:
         if b - a <= limit_s:
             continue
-        excused = _overlap(a, b, etcd_down) if gb != ga else 0.0
+        removing = any(f.kind in MEMBER_REMOVING and a - back <= f.t <= b for f in faults)
+        excused = _overlap(a, b, etcd_down) if gb != ga or removing else 0.0
         near = tuple(f"{f.kind}({f.target})" for f in faults if a - back <= f.t <= b)
         out.append(Stall(a, b - a, excused, (ga, gb), near))
     return out
@@ -593,7 +608,7 @@ def final_findings(finals: Sequence[Final], last_step: int) -> list[str]:
 
 
 def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife], slack_s: float,
-                    seen_margin_s: float = 0.5) -> list[str]:
+                    seen_margin_s: float = 0.5, etcd_down: Sequence[Window] = ()) -> list[str]:
     """Where ``elasticctl status`` disagreed with the live workers by more than ``slack_s``.
 
     At a sample taken over [t0, t1], a worker registered before t0 - slack, alive until after t1 and
@@ -618,8 +633,11 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
                     and w.pid not in listed):
                 out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is live (registered "
                            f"{s.t0 - w.registered_t:.1f} s before) but not listed")
-            gone = (w.ended_t is not None and w.ended_t <= since) or any(
-                p.start <= since and p.end >= s.t1 for p in out_of_reach)
+            # A worker that left while etcd was down keeps its lease (no revoke could land) until a
+            # TTL after etcd's return: listing it meanwhile is right (``etcd_down`` is extended so).
+            lease_kept = any(d.start <= s.t1 and d.end + slack_s >= s.t0 for d in etcd_down)
+            gone = not lease_kept and ((w.ended_t is not None and w.ended_t <= since) or any(
+                p.start <= since and p.end >= s.t1 for p in out_of_reach))
             if gone and w.pid in listed:
                 out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is listed but gone or stopped "
                            f"for more than {slack_s:g} s")
@@ -628,11 +646,14 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
     return out
 
 
-def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rejoin_bound_s: float) -> list[str]:
+def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rejoin_bound_s: float,
+                       etcd_down: Sequence[Window] = ()) -> list[str]:
     """Problems with each link down: the isolated host must be dropped (the other hosts commit, in a
     newer generation than its last one before the cut, while its link is still down) and must rejoin
     (a commit of its own after the link came back, within ``rejoin_bound_s`` unless the job ended
-    sooner). A stall on the isolated host itself is expected and not looked for."""
+    sooner). A stall on the isolated host itself is expected and not looked for. The host cannot be
+    dropped while etcd is down, nor before a TTL after etcd's return (``after_etcd_returns``): a
+    link down that overlaps such a window need not see the others go on."""
     out = []
     last_t = max((c.t for c in commits), default=0.0)
     for d in downs:
@@ -642,7 +663,8 @@ def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rej
         before = [c.generation for c in commits if c.node == d.node and c.t <= d.start]
         newer_than = max(before, default=-1)
         went_on = any(c.node != d.node and d.start < c.t <= d.end and c.generation > newer_than for c in commits)
-        if not went_on and last_t > d.end:
+        etcd_bound = any(w.start <= d.end and w.end >= d.start for w in etcd_down)
+        if not went_on and not etcd_bound and last_t > d.end:
             out.append(f"{d.node}: the other hosts did not go on without it while its link was down "
                        f"({d.end - d.start:.1f} s)")
         back = [c.t for c in commits if c.node == d.node and c.t > d.end]
@@ -779,10 +801,12 @@ def judge(ev: Evidence) -> Verdict:
     times = commit_times(ev.commits)
     limit = ev.lease_ttl_s + 2.0
     finished = steps.last_step >= ev.target_steps
-    stalls = find_stalls(times, limit, ev.etcd_down, ev.faults, None if finished else ev.end_t)
+    stalls = find_stalls(times, limit, after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.faults,
+                         None if finished else ev.end_t)
     counted = [s for s in stalls if s.counted_s > limit]
     finals = final_findings(ev.finals, steps.last_step)
-    status = status_findings(ev.samples, ev.lives, ev.lease_ttl_s + 1.0)
+    status = status_findings(ev.samples, ev.lives, ev.lease_ttl_s + 1.0,
+                             etcd_down=after_etcd_returns(ev.etcd_down, ev.lease_ttl_s))
     bad_agents, not_refused = agent_findings(ev.agents)
     inv = [
         Invariant("steps exactly once", not steps.repeats and not steps.lost,
@@ -805,7 +829,8 @@ def judge(ev: Evidence) -> Verdict:
                   f"{sum(1 for a in ev.agents if a.expected not in ('killed', 'duplicate'))} agent(s) exited 0"),
     ]
     if ev.link_down:
-        isolated = link_down_findings(ev.link_down, ev.commits, REJOIN_BOUND_S)
+        isolated = link_down_findings(ev.link_down, ev.commits, REJOIN_BOUND_S,
+                                      after_etcd_returns(ev.etcd_down, ev.lease_ttl_s))
         inv.append(Invariant("link down: dropped, rejoined", not isolated, "; ".join(isolated[:5]) or
                              f"{len(ev.link_down)} link down(s): the others went on, the host rejoined"))
     dups = [a for a in ev.agents if a.expected == "duplicate"]

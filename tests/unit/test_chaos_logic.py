@@ -339,7 +339,7 @@ def test_a_stall_during_an_etcd_outage_with_a_membership_change_is_excused() -> 
     v = judge(ev)
     assert v.ok, v.invariants
     (stall,) = v.stalls
-    assert stall.excused_s == pytest.approx(7.5)
+    assert stall.excused_s == pytest.approx(8.5)  # the outage, then the lease TTL it gives back (to the stall's end)
 
 
 def test_the_table_and_the_json_object() -> None:
@@ -553,3 +553,41 @@ def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> No
         '{"member": "odd", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21Z"}',
     ])
     assert membership_closed_times(log) == {2994: 1795484061.876257}
+
+
+def test_a_stall_after_etcd_returns_is_excused_for_a_lease_ttl_when_a_member_had_to_leave() -> None:
+    """The 30-minute soak (seed 4): a link down, then the etcd leader killed. At its return etcd
+    gives every lease its whole TTL again, so the cut host was seen gone a TTL after that."""
+    from elasticd.chaos import after_etcd_returns
+
+    times = [(T0, 51), (T0 + 6.1, 52)]
+    down = [Window(T0 + 1.3, T0 + 2.5)]
+    faults = [FaultRecord(T0, "link_down", "node-3"), FaultRecord(T0 + 1.3, "etcd_leader_kill", "etcd")]
+    (raw,) = find_stalls(times, 4.0, down, faults)
+    assert raw.length_s - raw.excused_s > 4.0  # the etcd-down window alone does not cover it
+    (stall,) = find_stalls(times, 4.0, after_etcd_returns(down, 2.0), faults)
+    assert stall.length_s - stall.excused_s <= 4.0
+    # the same generation before and after (the cut host came back in time): still excused,
+    # because a member-removing fault came just before
+    (same,) = find_stalls([(T0, 82), (T0 + 6.8, 82)], 4.0, after_etcd_returns([Window(T0 + 1.1, T0 + 6.6)], 2.0),
+                          [FaultRecord(T0, "link_down", "node-0")])
+    assert same.length_s - same.excused_s <= 4.0
+    # no fault that removes a member, same generation: not excused
+    (plain,) = find_stalls([(T0, 82), (T0 + 6.8, 82)], 4.0, after_etcd_returns([Window(T0 + 1.1, T0 + 6.6)], 2.0), [])
+    assert plain.excused_s == 0.0
+
+
+def test_a_worker_that_left_while_etcd_was_down_may_be_listed_until_a_ttl_after_etcd_returned() -> None:
+    life = WorkerLife(11, "n0", T0, T0 + 2)  # gone at T0 + 2, during an outage
+    s = sample(10.0, 11)
+    assert len(status_findings([s], [life], SLACK)) == 1
+    assert status_findings([s], [life], SLACK, etcd_down=[Window(T0 + 1, T0 + 8 + 2.0)]) == []
+
+
+def test_a_cut_host_need_not_be_dropped_while_etcd_cannot_expire_its_lease() -> None:
+    from elasticd.chaos import Commit, LinkDown, link_down_findings
+
+    commits = [Commit("node-0", step, 5, 0, 2, T0 + t) for step, t in enumerate((0.0, 9.0, 12.0), start=1)]
+    down = [LinkDown("node-0", T0 + 1.0, T0 + 6.0)]
+    assert len(link_down_findings(down, commits, 60.0)) == 1  # the others did not go on
+    assert link_down_findings(down, commits, 60.0, etcd_down=[Window(T0 + 2.0, T0 + 9.0)]) == []
