@@ -134,6 +134,17 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
     return rep
 
 
+def first_commit_times(directory: Path) -> dict[int, float]:
+    """Each committed step's first commit time (the wall clock ``t`` of its earliest ``commit``
+    line), over every ``audit*.jsonl`` in ``directory``."""
+    out: dict[int, float] = {}
+    for r in read_lines(sorted(directory.glob("audit*.jsonl"))):
+        if r.get("event") == "commit":
+            step, t = int(r["step"]), float(r["t"])  # type: ignore[call-overload, arg-type]
+            out[step] = min(t, out.get(step, t))
+    return out
+
+
 def check_dir(directory: Path, dataset_size: int) -> AuditReport:
     """Check every ``*.jsonl`` audit log in ``directory``."""
     return check(read_lines(sorted(directory.glob("*.jsonl"))), dataset_size)

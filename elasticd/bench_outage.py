@@ -22,10 +22,11 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elasticd.audit import check_dir, read_lines
+from elasticd.audit import check_dir, first_commit_times
 from elasticd.bench import DATASET_SIZE, POLL_S, WORKLOAD, BenchError, _fmt, _lost_steps
 from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
 
@@ -44,16 +45,6 @@ class OutageSettings:
     step_sleep_s: float = 0.0
 
 
-def _commit_times(directory: Path) -> dict[int, float]:
-    """Each committed step's first commit time (wall clock), from the audit logs."""
-    out: dict[int, float] = {}
-    for r in read_lines(sorted(directory.glob("audit*.jsonl"))):
-        if r.get("event") == "commit":
-            step, t = int(r["step"]), float(r["t"])  # type: ignore[call-overload, arg-type]
-            out[step] = min(t, out.get(step, t))
-    return out
-
-
 def rate(times: dict[int, float], start: float, end: float) -> float:
     """Steps first committed within [start, end), per second (pure)."""
     if end <= start:
@@ -61,10 +52,10 @@ def rate(times: dict[int, float], start: float, end: float) -> float:
     return sum(1 for t in times.values() if start <= t < end) / (end - start)
 
 
-def _wait(cond: object, timeout: float, what: str) -> None:
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
+        if cond():
             return
         time.sleep(POLL_S)
     raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
@@ -82,7 +73,7 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
                                   "--audit", str(workdir / f"audit{i}.jsonl"))
             workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)},
                                          workdir / f"worker{i}.log").start())
-        _wait(lambda: len(_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
+        _wait(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
         before_start = time.time()
         time.sleep(s.window_s)
         killed_at = time.time()
@@ -98,7 +89,7 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
         for w in workers:
             w.signal(signal.SIGTERM)  # drain: finish the step, leave
         codes = [w.wait(PHASE_TIMEOUT_S) for w in workers]
-        times = _commit_times(workdir)
+        times = first_commit_times(workdir)
         rep = check_dir(workdir, DATASET_SIZE)
         before = rate(times, before_start, killed_at)
         during = rate(times, killed_at, back_at)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.audit import read_lines
+from elasticd.audit import first_commit_times
 from elasticd.localcluster import ETCD_START_TIMEOUT_S, EtcdCluster
 from tests.conftest import LocalJob
 
@@ -34,16 +34,6 @@ def cluster() -> Iterator[EtcdCluster]:
         yield c
     finally:
         c.stop()
-
-
-def _commit_times(directory: Path) -> list[float]:
-    """Wall-clock times of the first commit of each step, in step order."""
-    first: dict[int, float] = {}
-    for r in read_lines(sorted(directory.glob("audit*.jsonl"))):
-        if r["event"] == "commit":
-            step, t = int(r["step"]), float(r["t"])  # type: ignore[call-overload, arg-type]
-            first[step] = min(t, first.get(step, t))
-    return [first[s] for s in sorted(first)]
 
 
 def _leader(cluster: EtcdCluster) -> int:
@@ -78,7 +68,8 @@ def test_follower_and_leader_loss_lose_nothing_and_stall_nothing(cluster: EtcdCl
         rep = job.audit()
         assert rep.ok, rep.violations
         assert list(rep.generations) == [1], rep.generations
-        times = _commit_times(job.dir)
+        first = first_commit_times(job.dir)
+        times = [first[step] for step in sorted(first)]
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         assert max(gaps) < LEASE_TTL_S + 2.0, (max(gaps), json.dumps(sorted(gaps)[-5:]))
     finally:
