@@ -98,6 +98,8 @@ class Slot:
     starts: int = 0
     mark: ProgressMark | None = None  # RUNNING: when its progress in etcd last advanced (hang test)
     hang_killed: bool = False  # RUNNING: SIGKILLed as hung; its exit is on the way
+    stopped_at: float | None = None  # RUNNING: first seen stopped (state T) at (monotonic); None: not stopped
+    stop_revoked: bool = False  # RUNNING: stopped past stopped_worker_s, and its lease was revoked
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class ActionKind(StrEnum):
     TERMINATE = "terminate"  # SIGTERM to every running worker; kill after `until`
     KILL = "kill"  # SIGKILL to every running worker (and its children); give up after `until`
     KILL_HUNG = "kill_hung"  # SIGKILL the hung worker of local_rank (and its children); its exit restarts it
+    REVOKE_STOPPED = "revoke_stopped"  # revoke the lease of local_rank's stopped worker (it is not killed)
     WAIT = "wait"  # nothing to do until `until` (None: until something happens)
     EXIT = "exit"  # the agent is done: exit with exit_code
 
@@ -195,6 +198,13 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
                       f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
                       f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
                       local_rank=hung.local_rank)
+    frozen = next((s for s in running if stopped_past(s, now, config.stopped_worker_s)), None)
+    if frozen is not None:
+        assert frozen.stopped_at is not None
+        return Action(ActionKind.REVOKE_STOPPED, f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for "
+                      f"{now - frozen.stopped_at:.2f} s (stopped_worker_s {config.stopped_worker_s:g}): its lease "
+                      f"is revoked so that the others regroup without it now; it rejoins when it continues",
+                      local_rank=frozen.local_rank)
     pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
     if pending is not None:
         return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
@@ -204,7 +214,17 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
         return Action(ActionKind.SPAWN, "restart", local_rank=ready.local_rank, next_state=AgentState.RUNNING)
     if all(s.state is SlotState.DONE for s in snap.slots):
         return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
-    return Action(ActionKind.WAIT, "supervising", until=min((s.restart_at for s in due), default=None))
+    stops = [s.stopped_at + config.stopped_worker_s for s in running
+             if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0]
+    return Action(ActionKind.WAIT, "supervising",
+                  until=min([*(s.restart_at for s in due), *stops], default=None))
+
+
+def stopped_past(slot: Slot, now: float, stopped_worker_s: float) -> bool:
+    """The running worker of ``slot`` has been stopped (SIGSTOP) for ``stopped_worker_s`` or longer
+    and its lease is not revoked yet (0: never)."""
+    return (stopped_worker_s > 0 and slot.state is SlotState.RUNNING and slot.stopped_at is not None
+            and not slot.stop_revoked and now - slot.stopped_at >= stopped_worker_s)
 
 
 def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -> Action:
@@ -596,9 +616,25 @@ class Agent:
         for e in self._supervisor.poll():
             self._log_exit(e)
             self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e)
+        if self._config.stopped_worker_s > 0:
+            self._observe_stopped(now)
         view = self._reader.latest() if self._reader is not None else None
         if view is not None and view is not self.snapshot.view:
             self._take_view(view)
+
+    def _observe_stopped(self, now: float) -> None:
+        """Note when each running worker was first seen stopped (state T), and when it continued."""
+        stopped = self._supervisor.stopped()
+        for s in self.snapshot.slots:
+            if s.state is not SlotState.RUNNING:
+                continue
+            if s.local_rank in stopped and s.stopped_at is None:
+                self._set_slot(s.local_rank, stopped_at=now)
+            elif s.local_rank not in stopped and s.stopped_at is not None:
+                if s.stop_revoked:
+                    log.info("worker_continued", local_rank=s.local_rank, pid=s.pid,
+                             stopped_s=round(now - s.stopped_at, 3))
+                self._set_slot(s.local_rank, stopped_at=None, stop_revoked=False)
 
     def _take_view(self, view: JobView) -> None:
         """A new read of the job: move each running worker's progress mark; update the metrics."""
@@ -681,6 +717,12 @@ class Agent:
             self._set_slot(action.local_rank, hang_killed=True)
             if self._metrics is not None:
                 self._metrics.worker_hung(action.local_rank)
+        elif action.kind is ActionKind.REVOKE_STOPPED:
+            slot = self._set_slot(action.local_rank, stop_revoked=True)
+            log.warning("worker_stopped", local_rank=action.local_rank, pid=slot.pid,
+                        stopped_worker_s=c.stopped_worker_s, reason=action.reason)
+            self._event(EventKind.WORKER_STOPPED, local_rank=action.local_rank, pid=slot.pid)
+            self._revoke_leases(action.local_rank, slot.pid, self._supervisor.pids(action.local_rank))
         if action.next_state is not None:
             self.snapshot = replace(self.snapshot, state=action.next_state)
 
@@ -696,36 +738,39 @@ class Agent:
             self._set_slot(local_rank, state=SlotState.EXITED, exit=e, starts=slot.starts + 1)
             return
         self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1, mark=None,
-                       hang_killed=False)
+                       hang_killed=False, stopped_at=None, stop_revoked=False)
         log.info("worker_started", local_rank=local_rank, pid=pid, start=slot.starts + 1,
                  restart=slot.starts > 0)
         if slot.starts > 0:
             self._event(EventKind.WORKER_RESTARTED, local_rank=local_rank, pid=pid, start=slot.starts + 1)
 
     def _revoke(self, e: WorkerExit) -> None:
-        """Mark the ended worker gone in etcd now: revoke the lease of its member record, which also
+        """Mark the ended worker gone in etcd now."""
+        self._revoke_leases(e.local_rank, e.pid, {e.pid, *e.descendants})
+
+    def _revoke_leases(self, local_rank: int, pid: int, pids: Collection[int]) -> None:
+        """Revoke the lease of each member record of ``pids`` (a worker and its children), which also
         drops its ready record. Best effort: if etcd does not answer, the lease TTL does it later."""
         started = self._clock()
         node = self._config.node_id
         try:
-            found = member_leases(self._store.get_prefix(self._keys.member("")), self._keys, node,
-                                  {e.pid, *e.descendants})
+            found = member_leases(self._store.get_prefix(self._keys.member("")), self._keys, node, pids)
         except EtcdUnavailable as exc:
-            log.warning("worker_lease_revoke_failed", local_rank=e.local_rank, pid=e.pid, error=str(exc))
+            log.warning("worker_lease_revoke_failed", local_rank=local_rank, pid=pid, error=str(exc))
             return
         if not found:
             # Normal after a clean exit (the worker revoked its own lease) or a death before joining.
-            log.info("worker_record_not_found", local_rank=e.local_rank, pid=e.pid)
+            log.info("worker_record_not_found", local_rank=local_rank, pid=pid)
             return
         for member, lease in found:
             try:
                 self._store.revoke_lease(lease)
             except LeaseLost:
-                log.info("worker_lease_vanished", local_rank=e.local_rank, pid=e.pid, member=member)
+                log.info("worker_lease_vanished", local_rank=local_rank, pid=pid, member=member)
                 continue
             except EtcdUnavailable as exc:
-                log.warning("worker_lease_revoke_failed", local_rank=e.local_rank, pid=e.pid, member=member,
+                log.warning("worker_lease_revoke_failed", local_rank=local_rank, pid=pid, member=member,
                             error=str(exc))
                 continue
-            log.info("worker_lease_revoked", local_rank=e.local_rank, pid=e.pid, member=member, lease=lease,
+            log.info("worker_lease_revoked", local_rank=local_rank, pid=pid, member=member, lease=lease,
                      took_s=round(self._clock() - started, 4))

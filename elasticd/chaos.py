@@ -2,13 +2,15 @@
 
 Owns ``python -m elasticd.chaos``. It starts a real etcd (one server, or ``--etcd-members 3`` on
 loopback) and ``--nodes`` real ``elasticd`` node agents, each running one worker of the default
-workload ``agents/mlp.py``. After a fault-free warm-up (which measures the fault-free step time), it
-injects faults at random (seeded) for ``--minutes``, never taking the job below ``--min-nodes`` ready
-nodes, and starting a replacement for every node it removes. Run as root where ``ip netns`` works,
-every node is a host of its own: a network namespace on a bridge of a private /24 that the run
-creates (and deletes, by name), so that a host's link can be taken down (``link_down``). Then it
-lets the job finish and checks, from the audit files, the agents' logs and ``elasticctl status``
-samples only:
+workload ``agents/mlp.py``. A fault-free warm-up measures the fault-free step time at each world size
+from ``--nodes`` to ``--max-nodes``: a window of ``--warmup-s`` at each, and between two windows one
+more agent, started as ``node_join`` starts one. Then, at ``--max-nodes``, it injects faults at
+random (seeded) for ``--minutes``, never taking the job below ``--min-nodes`` ready nodes, and
+starting a replacement for every node it removes (a ``node_join`` at ``--max-nodes`` is a standby
+beyond ``max_workers``). Run as root where ``ip netns`` works, every node is a host of its own: a
+network namespace on a bridge of a private /24 that the run creates (and deletes, by name), so that
+a host's link can be taken down (``link_down``). Then it lets the job finish and checks, from the
+audit files, the agents' logs and ``elasticctl status`` samples only:
 
 - every committed step 1..N was committed exactly once across all generations (a step committed in
   two generations is a repeat, a missing one is lost), and the job finished;
@@ -23,19 +25,27 @@ samples only:
 - ``elasticd.audit.check`` finds no violation; every agent that was not killed exits 0; an agent
   started with an existing node's id is refused (exits non-zero).
 
-It also reports ETTR: committed steps x fault-free step time / wall time of the faulted phase.
+It also reports ETTR: the sum, over the steps committed in the faulted phase, of the fault-free step
+time at the world size each was committed at, divided by the wall time of that phase. The baseline
+is per world size because every node here shares the same few cores: a bigger world is slower per
+step on this machine (on a real fleet each node brings its own hardware), and that is not time lost
+to faults. A size the warm-up did not measure (below ``--nodes``, after losses) takes the nearest
+measured size's time, and the report says so. The old figure, every step at the step time at
+``--nodes``, is reported beside it (``ettr_single_baseline``).
 
 The decisions are pure functions (``choose_fault`` picks the next fault from a ``ClusterView`` and a
 ``random.Random``; ``find_stalls``, ``step_findings``, ``final_findings``, ``status_findings``,
-``traceback_hits`` and ``judge`` check the invariants over parsed records); ``ChaosRun`` does the
+``traceback_hits`` and ``judge`` check the invariants over parsed records;
+``fault_free_step_by_world`` and ``ettr_by_world`` make the ETTR figure); ``ChaosRun`` does the
 I/O. It holds no training, rendezvous or supervision logic, and it ends every process it started,
 by PID or by the process group it created, on every way out.
 
 Usage::
 
     python -m elasticd.chaos [--minutes 5] [--mean-interval-s 10] [--seed S] [--faults a,b,...]
-                             [--nodes 3] [--min-nodes 2] [--etcd-members 1|3] [--netns|--no-netns]
-                             [--link-down-s S] [--json] [--workdir DIR]
+                             [--nodes 3] [--min-nodes 2] [--max-nodes N] [--etcd-members 1|3]
+                             [--netns|--no-netns] [--link-down-s S] [--warmup-s 10] [--json]
+                             [--workdir DIR]
 
 Exit codes: 0 every invariant held; 1 an invariant failed (or the run could not be completed);
 2 bad arguments, no etcd binary, or ``--netns`` where netns hosts cannot be had; 130 interrupted.
@@ -98,6 +108,9 @@ ETCD_READY_BOUND_S = 30.0   # a restarted etcd must answer by then
 TRACEBACK = "Traceback (most recent call last)"
 STEP_OVERHEAD_S = 0.015     # per-step cost besides --step-sleep on a small machine (for the step estimate)
 REJOIN_BOUND_S = 60.0       # after its link came back, an isolated host's worker must commit again by then
+GROW_BOUND_S = 90.0         # warm-up: one more agent started -> a commit at the bigger world size by then
+GROW_ESTIMATE_S = 10.0      # about how long that takes on a small machine (for the step estimate)
+STANDBY_NODES = 1           # node_join may start this many agents beyond max_nodes: standbys waiting for a place
 IP_TIMEOUT_S = 10.0         # bound on one `ip` command
 NETNS_NET = "10.213"        # the private /16 whose /24s the run's bridges use (only addresses it creates)
 NETNS_HOST_BASE = 10        # host i of a run has address <subnet>.<10 + i>
@@ -133,7 +146,7 @@ class KindSpec:
     on_node: bool = False      # acts on one ready node, picked at random
     etcd: bool = False         # acts on etcd: one etcd fault at a time
     etcd_members: int = 1      # the etcd cluster size it needs
-    adds: bool = False         # starts a node (only below max_nodes)
+    adds: bool = False         # starts a node (below max_nodes, or up to STANDBY_NODES beyond it)
     needs_etcd: bool = False   # needs etcd up (it writes there, or its outcome means nothing without)
     netns: bool = False        # needs every node on a network-namespace host (--netns)
 
@@ -158,7 +171,8 @@ KINDS: Mapping[FaultKind, KindSpec] = {
                               removes=True, on_node=True, needs_etcd=True),
     FaultKind.AGENT_SIGTERM: KindSpec("SIGTERM one agent (a drain); the node is started again after it exited",
                                       removes=True, on_node=True),
-    FaultKind.NODE_JOIN: KindSpec("start an agent with a new node id", adds=True),
+    FaultKind.NODE_JOIN: KindSpec("start an agent with a new node id (at max_nodes: a standby that waits for a "
+                                  "place)", adds=True),
     FaultKind.DUPLICATE_NODE: KindSpec("start a second agent with an existing node's id: it must exit non-zero",
                                        on_node=True, needs_etcd=True),
     # needs_etcd: with etcd down, nobody could notice the lost host, so the fault would test nothing.
@@ -251,7 +265,9 @@ def allowed(kind: FaultKind, view: ClusterView) -> bool:
         return False
     if (spec.etcd or spec.needs_etcd) and view.etcd_busy:
         return False
-    if spec.adds and len(view.nodes) + view.queued >= view.max_nodes:
+    # The faults begin at max_nodes (the warm-up measured every size up to it), so a join there is a
+    # standby beyond max_workers: it forces no generation and takes the place of a member that leaves.
+    if spec.adds and len(view.nodes) + view.queued >= view.max_nodes + STANDBY_NODES:
         return False
     return not (kind is FaultKind.DUPLICATE_NODE and view.duplicate_running)
 
@@ -271,6 +287,13 @@ def choose_fault(view: ClusterView, kinds: Sequence[FaultKind], rng: random.Rand
 def next_delay(rng: random.Random, mean_s: float) -> float:
     """Seconds until the next fault: exponential with mean ``mean_s``, clipped to [0.1, 4] x mean."""
     return min(max(rng.expovariate(1.0 / mean_s), 0.1 * mean_s), 4.0 * mean_s)
+
+
+def warmup_estimate_s(warmup_s: float, nodes: int, max_nodes: int) -> float:
+    """About how long the warm-up lasts: a window at each world size from ``nodes`` to
+    ``max_nodes``, and the growth by one node between two."""
+    sizes = max_nodes - nodes + 1
+    return warmup_s * sizes + GROW_ESTIMATE_S * (sizes - 1)
 
 
 def estimate_steps(step_sleep_s: float, seconds: float) -> int:
@@ -718,6 +741,65 @@ def ettr(steps: int, step_s: float | None, wall_s: float) -> float | None:
     return steps * step_s / wall_s
 
 
+def first_commits(commits: Sequence[Commit]) -> dict[int, Commit]:
+    """step -> its first commit line (the earliest: a step committed again, by another rank or in
+    another generation, counts once, at the generation and world size it was first committed in)."""
+    out: dict[int, Commit] = {}
+    for c in commits:
+        if c.step not in out or c.t < out[c.step].t:
+            out[c.step] = c
+    return out
+
+
+def fault_free_step_by_world(commits: Sequence[Commit], windows: Sequence[Window]) -> dict[int, float]:
+    """world size -> mean seconds per step in the warm-up ``windows``, by the commit lines' world size.
+
+    Each pair of consecutive steps whose first commits both fall in one window, in one generation
+    at one world size, gives one step time of that size (a regroup between two generations is no
+    step time). A world size with no such pair is absent.
+    """
+    first = first_commits(commits)
+    sums: dict[int, tuple[float, int]] = {}
+    for step, c in first.items():
+        prev = first.get(step - 1)
+        if prev is None or (prev.generation, prev.world_size) != (c.generation, c.world_size):
+            continue
+        if any(w.start <= prev.t and c.t <= w.end for w in windows):
+            total, n = sums.get(c.world_size, (0.0, 0))
+            sums[c.world_size] = (total + c.t - prev.t, n + 1)
+    return {world: total / n for world, (total, n) in sorted(sums.items())}
+
+
+def baseline_world(world: int, measured: Iterable[int]) -> int | None:
+    """The measured world size whose fault-free step time stands for ``world``: itself, else the
+    nearest (the smaller on a tie; below ``--nodes`` nothing is measured, so the smallest measured
+    size stands for it). None: nothing was measured."""
+    return min(measured, key=lambda m: (abs(m - world), m), default=None)
+
+
+def steps_by_world(commits: Sequence[Commit], window: Window) -> dict[int, int]:
+    """world size -> the steps first committed within ``window`` at that size (each step once)."""
+    out: dict[int, int] = {}
+    for c in first_commits(commits).values():
+        if window.start <= c.t <= window.end:
+            out[c.world_size] = out.get(c.world_size, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def ettr_by_world(steps: Mapping[int, int], step_s: Mapping[int, float], wall_s: float) -> float | None:
+    """ETTR with a fault-free step time per world size: the sum, over the committed steps, of the
+    fault-free step time at each one's world size (``baseline_world`` for a size not measured),
+    divided by the wall time. None: nothing was measured, or no wall time."""
+    if not step_s or wall_s <= 0:
+        return None
+    total = 0.0
+    for world, n in steps.items():
+        used = baseline_world(world, step_s)
+        assert used is not None  # step_s is not empty
+        total += n * step_s[used]
+    return total / wall_s
+
+
 @dataclass(frozen=True)
 class AgentEnd:
     """How one agent process ended, and how it was meant to."""
@@ -760,12 +842,13 @@ class Evidence:
     lives: tuple[WorkerLife, ...]
     tracebacks: tuple[str, ...]
     agents: tuple[AgentEnd, ...]
-    warmup: Window | None
+    warmup: Window | None           # the warm-up window at --nodes (the single baseline's)
     faulted: Window | None
     lease_ttl_s: float
     problems: tuple[str, ...] = ()  # what the executor could not do (a start failed, a bound passed)
     end_t: float | None = None      # the end of the run (for a job that did not finish)
     link_down: tuple[LinkDown, ...] = ()
+    warmups: tuple[Window, ...] = ()  # every warm-up window, one per world size (``warmup`` first)
 
 
 @dataclass(frozen=True)
@@ -773,13 +856,26 @@ class Verdict:
     invariants: tuple[Invariant, ...]
     stalls: tuple[Stall, ...]
     steps: StepFindings
-    step_s: float | None
-    ettr: float | None
+    step_s: float | None            # the fault-free step time at --nodes (the single baseline)
+    ettr: float | None              # by the fault-free step time at each step's world size
     faulted_steps: int
+    step_s_by_world: Mapping[int, float] = field(default_factory=dict)  # measured in the warm-up
+    faulted_steps_by_world: Mapping[int, int] = field(default_factory=dict)
+    ettr_single: float | None = None  # every step at the fault-free step time at --nodes
 
     @property
     def ok(self) -> bool:
         return all(i.ok for i in self.invariants)
+
+    @property
+    def substituted(self) -> dict[int, int]:
+        """world size of faulted steps with no fault-free measurement -> the measured size used."""
+        out = {}
+        for world in self.faulted_steps_by_world:
+            used = baseline_world(world, self.step_s_by_world)
+            if used is not None and used != world:
+                out[world] = used
+        return out
 
 
 def _listed(items: Sequence[object], limit: int = 10) -> str:
@@ -838,15 +934,16 @@ def judge(ev: Evidence) -> Verdict:
         inv.append(Invariant("duplicate node refused", not not_refused, "; ".join(not_refused) or "; ".join(
             f"{a.node}: exit {a.code}: {a.message[:120]}" for a in dups[:3])))
     step_s = fault_free_step_s(times, ev.warmup.start, ev.warmup.end) if ev.warmup else None
-    faulted_steps = 0
-    ratio = None
+    by_world = fault_free_step_by_world(ev.commits, ev.warmups)
+    faulted_by_world: dict[int, int] = {}
+    ratio = single = None
     if ev.faulted is not None:
-        first_t: dict[int, float] = {}
-        for c in ev.commits:
-            first_t[c.step] = min(first_t.get(c.step, c.t), c.t)
-        faulted_steps = sum(1 for t in first_t.values() if ev.faulted.start <= t <= ev.faulted.end)
-        ratio = ettr(faulted_steps, step_s, ev.faulted.end - ev.faulted.start)
-    return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, faulted_steps)
+        wall_s = ev.faulted.end - ev.faulted.start
+        faulted_by_world = steps_by_world(ev.commits, ev.faulted)
+        ratio = ettr_by_world(faulted_by_world, by_world, wall_s)
+        single = ettr(sum(faulted_by_world.values()), step_s, wall_s)
+    return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, sum(faulted_by_world.values()),
+                   by_world, faulted_by_world, single)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -921,10 +1018,19 @@ def render_table(report: Report) -> str:
         lines.append("link down         " + ", ".join(f"{d.node} {d.start - rel:.1f}s+{d.end - d.start:.1f}s"
                                                       for d in ev.link_down))
     ettr_text = f"{v.ettr:.3f}" if v.ettr is not None else "-"
+    single_text = f"{v.ettr_single:.3f}" if v.ettr_single is not None else "-"
     step_text = f"{v.step_s * 1000:.1f} ms" if v.step_s is not None else "-"
     faulted = f"{ev.faulted.end - ev.faulted.start:.1f} s" if ev.faulted else "-"
+    per_world = ", ".join(f"world {w}: {t * 1000:.1f} ms" for w, t in v.step_s_by_world.items()) or "-"
+    at_world = ", ".join(f"{n} at world {w}" for w, n in v.faulted_steps_by_world.items()) or "no steps"
+    unmeasured = "".join(f"; world {w}: no fault-free measurement, used world {u}'s"
+                         for w, u in v.substituted.items())
     lines += [
-        f"ETTR              {ettr_text} ({v.faulted_steps} steps x {step_text} fault-free / {faulted} faulted)",
+        f"fault-free step   {per_world} (warm-up, {s.warmup_s:g} s per world size)",
+        f"ETTR              {ettr_text} ({at_world}, each x its world size's fault-free step time / {faulted} "
+        f"faulted{unmeasured})",
+        f"ETTR 1 baseline   {single_text} ({v.faulted_steps} steps x {step_text} fault-free at world {s.nodes} / "
+        f"{faulted} faulted)",
         f"steps             {v.steps.last_step}/{ev.target_steps}",
         f"generations       {len(v.steps.generations)}",
         f"status samples    {len(ev.samples)}",
@@ -959,8 +1065,12 @@ def report_to_dict(report: Report) -> dict[str, object]:
         "faults": [{"t_s": round(f.t - rel, 3), "kind": f.kind, "target": f.target, "detail": f.detail}
                    for f in ev.faults],
         "ettr": v.ettr,
+        "ettr_single_baseline": v.ettr_single,
         "fault_free_step_s": v.step_s,
+        "fault_free_step_s_by_world": {str(w): t for w, t in v.step_s_by_world.items()},
         "faulted_steps": v.faulted_steps,
+        "faulted_steps_by_world": {str(w): n for w, n in v.faulted_steps_by_world.items()},
+        "ettr_baseline_substituted": {str(w): u for w, u in v.substituted.items()},
         "faulted_s": None if ev.faulted is None else ev.faulted.end - ev.faulted.start,
         "steps": v.steps.last_step,
         "target_steps": ev.target_steps,
@@ -980,7 +1090,8 @@ def report_to_dict(report: Report) -> dict[str, object]:
 
 class Phase(StrEnum):
     STARTING = "starting"
-    WARMUP = "warmup"
+    WARMUP = "warmup"      # measuring the fault-free step time at one world size
+    GROWING = "growing"    # warm-up: one more agent started, waiting for commits at the next size
     FAULTS = "faults"
     FINISHING = "finishing"
 
@@ -1184,6 +1295,9 @@ class ChaosRun:
         self.node_start: dict[str, tuple[int, bool]] = {}  # audit file -> (last start pid, synced since)
         self.phase = Phase.STARTING
         self.warmup: Window | None = None
+        self.warmups: list[Window] = []  # one per world size, from nodes to max_nodes
+        self.warm_world = 0              # the world size of the newest warm-up window
+        self.grow_deadline = math.inf    # monotonic: GROWING must see the next size by then
         self.faulted: Window | None = None
         self._joins = settings.nodes
         self._dups = 0
@@ -1358,11 +1472,10 @@ class ChaosRun:
             node.leaving, node.expected = True, "sigterm"
             self.record(kind, node.name, f"agent pid {node.proc.pid}")
         elif kind is FaultKind.NODE_JOIN:
-            name = f"node-{self._joins}"
-            if self.net is not None and self._joins >= NETNS_MAX_HOSTS:
-                self.say(f"skipped {kind}: no host address left for {name}")
+            name = self.new_node_name()
+            if name is None:
+                self.say(f"skipped {kind}: no host address left for node-{self._joins}")
                 return
-            self._joins += 1
             self.record(kind, name)
             self.start_agent(name)
         elif kind is FaultKind.DUPLICATE_NODE:
@@ -1405,6 +1518,14 @@ class ChaosRun:
                 if life.ended_t is None:
                     life.rejoining.append([t, math.inf])
         self.say(f"link of {name} up again")
+
+    def new_node_name(self) -> str | None:
+        """The id of the next new node (node_join, and the warm-up's growth); None when no host
+        address is left for it."""
+        if self.net is not None and self._joins >= NETNS_MAX_HOSTS:
+            return None
+        self._joins += 1
+        return f"node-{self._joins - 1}"
 
     def later(self, delay_s: float, what: str, action: Callable[[], None]) -> None:
         self.timed.append(Timed(time.monotonic() + delay_s, what, action))
@@ -1568,17 +1689,14 @@ class ChaosRun:
                          f"nodes ready {len(v.ready)}/{len(v.nodes)}  ({self.phase})")
             if self.phase is Phase.STARTING:
                 if self.full_world_t is not None:
-                    self.phase = Phase.WARMUP
-                    self.warmup = Window(time.time(), time.time() + self.s.warmup_s)
-                    self.say(f"the job trains at world size {self.s.nodes}; {self.s.warmup_s:g} s fault-free warm-up")
+                    self.begin_warmup_window(self.s.nodes)
                 elif now > start_deadline:
                     self.problems.append(f"the job did not train at world size {self.s.nodes} within "
                                          f"{STARTUP_BOUND_S:g} s")
                     self.say(self.problems[-1])
                     break
-            elif self.phase is Phase.WARMUP:
-                assert self.warmup is not None
-                if time.time() >= self.warmup.end:
+            elif self.phase in (Phase.WARMUP, Phase.GROWING):
+                if self.advance_warmup(now):
                     self.phase = Phase.FAULTS
                     self.faulted = Window(time.time(), time.time() + self.s.minutes * 60.0)
                     next_fault = now + next_delay(self.rng, self.s.mean_interval_s)
@@ -1634,6 +1752,45 @@ class ChaosRun:
             time.sleep(TICK_S)
         if self.faulted is not None and self.faulted.end > time.time():
             self.faulted = Window(self.faulted.start, time.time())
+
+    def begin_warmup_window(self, world: int) -> None:
+        t = time.time()
+        self.warmups.append(Window(t, t + self.s.warmup_s))
+        self.warmup = self.warmups[0]
+        self.warm_world = world
+        self.phase = Phase.WARMUP
+        self.say(f"the job trains at world size {world}; {self.s.warmup_s:g} s fault-free warm-up at this size")
+
+    def advance_warmup(self, now: float) -> bool:
+        """One tick of the warm-up (WARMUP or GROWING): a window at each world size from nodes to
+        max_nodes, and between two windows one more agent, started as node_join starts one (but part
+        of the warm-up, not a fault). True once the warm-up is over: every size measured, or the job
+        did not grow within GROW_BOUND_S (a problem; the faults begin at the size it has)."""
+        if self.phase is Phase.WARMUP:
+            if time.time() < self.warmups[-1].end:
+                return False
+            if self.warm_world >= self.s.max_nodes:
+                return True
+            name = self.new_node_name()
+            if name is None:
+                self.problems.append(f"warm-up: no host address left for a node to grow to world size "
+                                     f"{self.warm_world + 1}")
+                self.say(self.problems[-1])
+                return True
+            self.phase = Phase.GROWING
+            self.grow_deadline = now + GROW_BOUND_S
+            self.say(f"warm-up: starting {name} to measure world size {self.warm_world + 1}")
+            self.start_agent(name)
+            return False
+        if self.world > self.warm_world:  # the newest commit is at the bigger size
+            self.begin_warmup_window(self.warm_world + 1)
+            return False
+        if now > self.grow_deadline:
+            self.problems.append(f"warm-up: the job did not commit at world size {self.warm_world + 1} within "
+                                 f"{GROW_BOUND_S:g} s of starting one more agent")
+            self.say(self.problems[-1])
+            return True
+        return False
 
     def alive_anything(self) -> bool:
         return any(n.proc.alive() for n in self.nodes if n.expected != "duplicate")
@@ -1703,7 +1860,7 @@ class ChaosRun:
             audit_violations=violations, faults=tuple(self.faults), etcd_down=tuple(down),
             samples=tuple(self.samples), lives=lives, tracebacks=tuple(tracebacks), agents=agents,
             warmup=self.warmup, faulted=self.faulted, lease_ttl_s=TIMEOUTS.lease_ttl_s,
-            problems=tuple(self.problems), end_t=time.time(),
+            problems=tuple(self.problems), end_t=time.time(), warmups=tuple(self.warmups),
             link_down=tuple(LinkDown(str(d[0]), _float(d[1]), _float(d[2])) for d in self.link_downs),
         )
 
@@ -1741,7 +1898,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="steps of the job (default: about what a fault-free job commits in the warm-up and --minutes)")
     p.add_argument("--warmup-s", type=float, default=10.0,
-                   help="fault-free seconds at full size before the faults (measures the step time; default 10)")
+                   help="fault-free seconds at each world size from --nodes to --max-nodes before the faults "
+                   "(measures the step time at each size; default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
@@ -1770,7 +1928,7 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
     if args.etcd_outage_s < 0 or args.step_sleep < 0 or args.warmup_s < 1:
         raise ConfigError("--etcd-outage-s and --step-sleep must be >= 0, --warmup-s >= 1")
     steps = args.steps if args.steps is not None else estimate_steps(
-        args.step_sleep, args.warmup_s + args.minutes * 60.0 + 10.0)
+        args.step_sleep, warmup_estimate_s(args.warmup_s, args.nodes, max_nodes) + args.minutes * 60.0 + 10.0)
     if steps < 20:
         raise ConfigError(f"--steps: at least 20, got {steps}")
     link_down_s = link_down_s_default(TIMEOUTS.lease_ttl_s) if args.link_down_s is None else args.link_down_s

@@ -21,9 +21,12 @@ commit *before* the sum, and every member decides from the same sum:
   goes on through an etcd outage;
 * otherwise the step is committed by every member (and the members regroup after it if one asked).
 
-What stays local: a member that learns, after the sum, that its generation was fenced, or that its
+What stays local: a member that learns, after the sum, that its generation was fenced, that its
 own lease has certainly expired while etcd answered members at vote time (it was frozen past its
-lease, and its peers may have given up on the step), does not apply the step. That member is then
+lease, and its peers may have given up on the step), or that it was stopped and continued since
+it last renewed its lease (its agent may have revoked the lease: ``continued.py``), does not apply
+the step. A member continued from a stop also votes "stale" until a renewal asked after the
+continue succeeds (or fails with the lease gone, a veto), so every member retries the step. That member is then
 behind, never ahead: it re-registers as a newcomer and rank 0 of the next generation, chosen for
 holding the newest step, sends it the state. No step is ever applied twice.
 """
@@ -80,6 +83,7 @@ class Fence:
     lease_lost: bool  # etcd said its lease is gone
     renewed_at: float  # when it last asked for a renewal that etcd granted
     lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum; see Membership)
+    continued: bool = False  # stopped and continued since its last renewal was asked (continued.py)
 
 
 class Outcome(StrEnum):
@@ -110,6 +114,9 @@ def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> V
     if tally.stale and tally.reached_etcd:
         return Verdict(Outcome.RETRY, f"{tally.stale} member(s) wait for a lease renewal while etcd "
                        f"answers {tally.reached_etcd}")
+    if fence.continued:
+        return Verdict(Outcome.ABORT, "this process was stopped and continued since its last lease renewal: its "
+                       "agent may have revoked the lease and its peers given up on the step", unanimous=False)
     if fence.fenced or fence.lease_lost:
         why = "my lease is gone" if fence.lease_lost else "my generation was superseded or aborted"
         return Verdict(Outcome.ABORT, f"{why} after the vote", unanimous=False)

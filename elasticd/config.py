@@ -519,6 +519,11 @@ class AgentConfig:
     hang_timeout_s: float = field(default=60.0, metadata={
         "doc": "A worker whose progress in etcd has not advanced for this long while the job's committed "
                "step grew is killed and restarted like a crashed one (0: never)."})
+    stopped_worker_s: float = field(default=0.5, metadata={
+        "doc": "A worker process seen stopped (SIGSTOP or SIGTSTP: state T; a debugger's tracing stop "
+               "is not counted) for this long has its lease revoked by its agent, so that the others "
+               "regroup without it now rather than after lease_ttl_s; it is not killed, and rejoins as a "
+               "newcomer when it continues (0: never)."})
     metrics_port: int = field(default=0, metadata={
         "doc": "TCP port of the Prometheus metrics endpoint (/metrics); 0: no endpoint."})
     metrics_addr: str = field(default="127.0.0.1", metadata={
@@ -548,6 +553,10 @@ class AgentConfig:
             raise ConfigError(f"hang_timeout_s: must be 0 (off) or at least twice keepalive_s "
                               f"({self.timeouts.keepalive_s}), the interval of progress records, "
                               f"got {self.hang_timeout_s}")
+        if not (isinstance(self.stopped_worker_s, (int, float)) and not isinstance(self.stopped_worker_s, bool)
+                and math.isfinite(self.stopped_worker_s) and self.stopped_worker_s >= 0):
+            raise ConfigError(f"stopped_worker_s: must be a finite number of seconds >= 0 (0: off), "
+                              f"got {self.stopped_worker_s!r}")
         if (not isinstance(self.metrics_port, int) or isinstance(self.metrics_port, bool)
                 or not 0 <= self.metrics_port < 65536):
             raise ConfigError(f"metrics_port: must be an integer in 0..65535 (0: off), got {self.metrics_port!r}")

@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 
 import structlog
 
+from elasticd import continued
 from elasticd.commit import Fence
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import (
@@ -721,6 +722,7 @@ class Membership:
         self._warned_malformed: set[str] = set()
         self._progress: Mapping[str, object] | None = None
         self._renewed_at = float("-inf")
+        self._renewed_continues = 0  # continued.count() when the last granted renewal was asked
         # The TTL etcd granted (it may raise a short one to its minimum, and rounds to whole
         # seconds); the fence counts on this one, learned from the renewals' answers.
         self._granted_ttl_s = timeouts.lease_ttl_s
@@ -793,10 +795,10 @@ class Membership:
             self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
 
     def _register(self) -> None:
-        asked_at = self._clock()
+        asked_at, continues = self._clock(), continued.count()
         self._lease = self._store.grant_lease(self._timeouts.lease_ttl_s)
         self._note_granted(self._store.refresh_lease(self._lease))  # learn the TTL etcd granted
-        self._renewed_at = asked_at
+        self._renewed_at, self._renewed_continues = asked_at, continues
         self._store.put(self._keys.member(self.member_id), encode(self.record), lease=self._lease)
         with self._lock:
             self._lease_lost = False
@@ -842,7 +844,7 @@ class Membership:
             # The renewal first: a step may be waiting for it (a vote of "stale"); the progress
             # writes after it, and only while etcd answers (each could spend the retry budget).
             lease = self._lease
-            asked_at = self._clock()
+            asked_at, continues = self._clock(), continued.count()
             try:
                 ttl = self._store.refresh_lease(lease)
             except LeaseLost:
@@ -853,7 +855,7 @@ class Membership:
             self._etcd_answered(True)
             if ttl > 0 and lease == self._lease:
                 self._note_granted(ttl)
-                self._renewed_at = asked_at
+                self._renewed_at, self._renewed_continues = asked_at, continues
             progress = self._progress
             if progress is not None and progress is not published:
                 self.publish_progress(progress)
@@ -915,8 +917,14 @@ class Membership:
 
     def lease_fresh(self) -> bool:
         """This member's lease is certainly alive: renewed less than ``TTL - keepalive_s`` ago (the
-        TTL etcd granted)."""
-        return self._clock() - self._renewed_at < self._granted_ttl_s - self._timeouts.keepalive_s
+        TTL etcd granted), by a renewal asked after this process last continued from a stop (its
+        agent revokes the lease of a worker stopped for ``stopped_worker_s``: see continued.py)."""
+        return (self._clock() - self._renewed_at < self._granted_ttl_s - self._timeouts.keepalive_s
+                and not self.continued_since_renewal())
+
+    def continued_since_renewal(self) -> bool:
+        """This process was stopped and continued since it asked for its last granted renewal."""
+        return continued.count() != self._renewed_continues
 
     def vote(self) -> tuple[bool, bool, bool]:
         """(veto, stale, reached_etcd) for this member's commit vote (``commit.Vote``): veto when
@@ -934,6 +942,7 @@ class Membership:
     def fence(self) -> Fence:
         """What this member knows of its own standing once a step's vote is summed."""
         return Fence(fenced=self._fenced, lease_lost=self._lease_lost, renewed_at=self._renewed_at,
+                     continued=self.continued_since_renewal(),
                      lease_ttl_s=self._granted_ttl_s)
 
     def must_abandon(self) -> bool:

@@ -37,6 +37,7 @@ class EventKind(StrEnum):
     RECOVERED = "recovered"  # by rank 0, at its first commit in a generation that was a recovery
     WORKER_EXITED = "worker_exited"  # by the agent
     WORKER_RESTARTED = "worker_restarted"  # by the agent
+    WORKER_STOPPED = "worker_stopped"  # by the agent: a stopped worker's lease revoked (stopped_worker_s)
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # by the agent
     NODE_DRAINING = "node_draining"  # by the agent (SIGTERM or elasticctl drain)
     NODE_DRAINED = "node_drained"  # by the agent, before it exits 0

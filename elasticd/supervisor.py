@@ -159,6 +159,18 @@ class Supervisor:
                 pass  # it ended meanwhile: the next poll() reports it
         return sent
 
+    def stopped(self) -> frozenset[int]:
+        """The local ranks whose worker process is stopped now (SIGSTOP, SIGTSTP: state T). A tracing
+        stop (a debugger, py-spy) is not counted; a worker that ended meanwhile is skipped."""
+        found = set()
+        for lr, w in self._workers.items():
+            try:
+                if w.proc.status() == psutil.STATUS_STOPPED:
+                    found.add(lr)
+            except psutil.Error:
+                continue
+        return frozenset(found)
+
     def pids(self, local_rank: int) -> frozenset[int]:
         """The pid of worker ``local_rank`` and of its children last seen (empty: not running)."""
         w = self._workers.get(local_rank)

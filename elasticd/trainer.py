@@ -22,6 +22,7 @@ from typing import IO
 import structlog
 import torch
 
+from elasticd import continued
 from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
 from elasticd.collectives import GradientReducer, barrier
 from elasticd.commit import Outcome, Tally, Verdict, Vote, commit_outcome
@@ -137,6 +138,7 @@ class ElasticTrainer:
                 background; a member that finds no live state resumes from the directory.
         """
         self.env = env or WorkerEnv.from_environ()
+        continued.install()  # the commit rule must know of a SIGSTOP during a step (see continued.py)
         self.checkpoint = checkpoint if checkpoint is not None else self.env.checkpoint
         self._writer: CheckpointWriter | None = None
         self._from_disk = False

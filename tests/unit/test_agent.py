@@ -566,6 +566,44 @@ def test_no_hang_kill_without_evidence(view: JobView | None, state: AgentState, 
     assert decide(s, NOW, HANG_CFG).kind is not ActionKind.KILL_HUNG, why
 
 
+# -- a stopped worker (SIGSTOP) ------------------------------------------------------------------
+
+STOP_CFG = replace(CFG, stopped_worker_s=0.5)
+
+
+@pytest.mark.parametrize(
+    ("slot", "cfg", "expected", "why"),
+    [
+        (replace(running(0), stopped_at=NOW - 0.5), STOP_CFG, ActionKind.REVOKE_STOPPED, "stopped for the bound"),
+        (replace(running(0), stopped_at=NOW - 3.0), STOP_CFG, ActionKind.REVOKE_STOPPED, "stopped long ago"),
+        (replace(running(0), stopped_at=NOW - 0.4), STOP_CFG, ActionKind.WAIT, "not yet stopped long enough"),
+        (replace(running(0), stopped_at=NOW - 3.0, stop_revoked=True), STOP_CFG, ActionKind.WAIT,
+         "already revoked: once per stop"),
+        (replace(running(0), stopped_at=NOW - 3.0), replace(CFG, stopped_worker_s=0.0), ActionKind.WAIT,
+         "0: off"),
+        (running(0), STOP_CFG, ActionKind.WAIT, "not stopped"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_a_worker_stopped_past_stopped_worker_s_has_its_lease_revoked(
+        slot: Slot, cfg: AgentConfig, expected: ActionKind, why: str) -> None:
+    a = decide(snap(R, slot, running(1)), NOW, cfg)
+    assert a.kind is expected, why
+    if expected is ActionKind.REVOKE_STOPPED:
+        assert a.local_rank == 0 and "stopped for" in a.reason and "stopped_worker_s 0.5" in a.reason
+
+
+def test_the_agent_wakes_when_a_stopped_worker_reaches_the_bound() -> None:
+    a = decide(snap(R, replace(running(0), stopped_at=NOW - 0.2), running(1)), NOW, STOP_CFG)
+    assert a.kind is ActionKind.WAIT and a.until == pytest.approx(NOW + 0.3)
+
+
+def test_stopped_worker_s_must_be_a_finite_number_at_least_0() -> None:
+    for bad in (-1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ConfigError, match="stopped_worker_s"):
+            replace(CFG, stopped_worker_s=bad)
+
+
 def test_a_worker_killed_as_hung_is_restarted_like_a_crashed_one() -> None:
     slot = replace(ended(0, ExitKind.SIGNALED, sig=9), hang_killed=True)
     a = decide(snap(R, slot, running(1)), NOW, HANG_CFG)

@@ -28,9 +28,12 @@ from elasticd.chaos import (
     WorkerLife,
     agent_findings,
     allowed,
+    baseline_world,
     choose_fault,
     commit_times,
     ettr,
+    ettr_by_world,
+    fault_free_step_by_world,
     fault_free_step_s,
     final_findings,
     find_stalls,
@@ -48,6 +51,7 @@ from elasticd.chaos import (
     skipped_kinds,
     status_findings,
     step_findings,
+    steps_by_world,
     subnets_in_use,
     traceback_hits,
     use_netns,
@@ -228,6 +232,71 @@ def test_fault_free_step_time_and_ettr() -> None:
     assert ettr(80, None, 10.0) is None
 
 
+def run_of(world: int, gen: int, first: int, n: int, start: float, dt: float) -> list[Commit]:
+    """Steps first..first+n-1 of generation ``gen`` at ``world``, ``dt`` apart from T0 + start, one
+    line per rank (rank 0 first; the others 1 ms later)."""
+    return [Commit(f"node-{r}", first + i, gen, r, world, T0 + start + i * dt + (0.001 if r else 0.0))
+            for i in range(n) for r in range(world)]
+
+
+# Warm-up: world 3 at 0.1 s a step over [0, 1], a regroup, world 4 at 0.12 s over [3, 4.2].
+WARM = run_of(3, 1, 1, 11, 0.0, 0.1) + run_of(4, 2, 12, 11, 3.0, 0.12)
+WARM_WINDOWS = (Window(T0, T0 + 1.0), Window(T0 + 3.0, T0 + 4.2))
+
+
+@pytest.mark.parametrize("rows, windows, want", [
+    (WARM, WARM_WINDOWS, {3: 0.1, 4: 0.12}),                                  # every size measured
+    (WARM, WARM_WINDOWS[:1], {3: 0.1}),                                       # world 4 not in a window
+    (WARM, (Window(T0, T0 + 4.2),), {3: 0.1, 4: 0.12}),  # the regroup 1.0 -> 3.0 s is no step time
+    (WARM, (Window(T0 + 0.55, T0 + 0.75),), {3: 0.1}),   # steps before and after the window left out
+    (WARM, (Window(T0 + 0.55, T0 + 0.65),), {}),         # one step in the window: no pair
+    (WARM, (), {}),
+    # step 6 committed again in generation 2 (a repeat) after a regroup: counted once, at its first line
+    (run_of(3, 1, 1, 6, 0.0, 0.1) + run_of(2, 2, 6, 5, 2.0, 0.2), (Window(T0, T0 + 3.0),), {3: 0.1, 2: 0.2}),
+])
+def test_fault_free_step_by_world(rows, windows, want) -> None:
+    got = fault_free_step_by_world(rows, windows)
+    assert got == {w: pytest.approx(t) for w, t in want.items()}
+
+
+@pytest.mark.parametrize("world, measured, want", [
+    (3, (3, 4), 3),
+    (4, (3, 4), 4),
+    (2, (3, 4), 3),    # below --nodes nothing is measured: the smallest measured size
+    (1, (3, 4), 3),
+    (5, (3, 4), 4),    # beyond: the largest
+    (4, (3, 5), 3),    # a tie: the smaller
+    (3, (), None),
+])
+def test_baseline_world_is_the_size_itself_else_the_nearest_measured(world, measured, want) -> None:
+    assert baseline_world(world, measured) == want
+
+
+@pytest.mark.parametrize("rows, window, want", [
+    (WARM, Window(T0 + 3.0, T0 + 4.2), {4: 11}),
+    (WARM, Window(T0 + 0.45, T0 + 3.15), {3: 6, 4: 2}),    # steps before and after the window left out
+    (WARM, Window(T0 + 10, T0 + 20), {}),
+    # step 6 repeated in generation 2 at world 2: counted once, at world 3 where it was first committed
+    (run_of(3, 1, 1, 6, 0.0, 0.1) + run_of(2, 2, 6, 5, 2.0, 0.2), Window(T0, T0 + 3.0), {3: 6, 2: 4}),
+])
+def test_steps_by_world_counts_each_step_once_within_the_window(rows, window, want) -> None:
+    assert steps_by_world(rows, window) == want
+
+
+@pytest.mark.parametrize("steps, step_s, wall_s, want", [
+    ({3: 10, 4: 10}, {3: 0.1, 4: 0.12}, 2.2, 1.0),   # each step at its own world size's time
+    ({4: 10}, {3: 0.1, 4: 0.12}, 2.4, 0.5),
+    ({2: 10, 4: 10}, {3: 0.1, 4: 0.12}, 2.2, 1.0),   # world 2 unmeasured: world 3's time
+    ({5: 10}, {3: 0.1, 4: 0.12}, 1.2, 1.0),          # world 5 (beyond max) unmeasured: world 4's
+    ({}, {3: 0.1}, 2.0, 0.0),                         # no step committed
+    ({3: 10}, {}, 2.0, None),                         # nothing measured
+    ({3: 10}, {3: 0.1}, 0.0, None),
+])
+def test_ettr_by_world(steps, step_s, wall_s, want) -> None:
+    got = ettr_by_world(steps, step_s, wall_s)
+    assert got == (None if want is None else pytest.approx(want))
+
+
 # -- the schedule -----------------------------------------------------------------------------
 
 
@@ -245,8 +314,9 @@ def view(ready: int, *, busy: int = 0, queued: int = 0, min_nodes: int = 2, max_
     (FaultKind.ETCD_OUTAGE, view(2), True),                  # etcd faults take no node away
     (FaultKind.ETCD_OUTAGE, view(3, etcd_busy=True), False),  # one etcd fault at a time
     (FaultKind.NODE_JOIN, view(3), True),
-    (FaultKind.NODE_JOIN, view(4), False),                   # at max_nodes
-    (FaultKind.NODE_JOIN, view(3, queued=1), False),         # a replacement will take the last place
+    (FaultKind.NODE_JOIN, view(4), True),                    # at max_nodes: a standby beyond max_workers
+    (FaultKind.NODE_JOIN, view(5), False),                   # one standby already
+    (FaultKind.NODE_JOIN, view(4, queued=1), False),         # a replacement will take the standby's place
     (FaultKind.DUPLICATE_NODE, view(1), True),
     (FaultKind.DUPLICATE_NODE, view(3, dup=True), False),
     (FaultKind.DUPLICATE_NODE, view(3, etcd_busy=True), False),  # a refusal for want of etcd proves nothing
@@ -298,7 +368,7 @@ def evidence(rows: list[tuple[int, int, float]], finals: list[Final], **kw: obje
         target_steps=max((s for s, _, _ in rows), default=0), commits=tuple(commits(*rows)),
         finals=tuple(finals), audit_violations=(), faults=(), etcd_down=(), samples=(), lives=(),
         tracebacks=(), agents=(AgentEnd("node-0", 1, "", 0),), warmup=Window(T0, T0 + 1.0),
-        faulted=Window(T0 + 1.0, T0 + 2.0), lease_ttl_s=2.0)
+        warmups=(Window(T0, T0 + 1.0),), faulted=Window(T0 + 1.0, T0 + 2.0), lease_ttl_s=2.0)
     base.update(kw)
     return Evidence(**base)  # type: ignore[arg-type]
 
@@ -312,7 +382,39 @@ def test_a_clean_run_passes_every_invariant_and_reports_ettr() -> None:
     v = judge(ev)
     assert v.ok, v.invariants
     assert v.step_s == pytest.approx(0.1)
-    assert v.faulted_steps == 10 and v.ettr == pytest.approx(1.0)
+    assert v.faulted_steps == 10 and v.ettr == pytest.approx(1.0) and v.ettr_single == pytest.approx(1.0)
+    assert dict(v.step_s_by_world) == {2: pytest.approx(0.1)} and dict(v.faulted_steps_by_world) == {2: 10}
+
+
+def test_ettr_takes_each_steps_world_size_and_the_report_shows_both_figures() -> None:
+    # Warm-up at 3 (0.1 s a step) and 4 (0.12 s); the faults: 10 steps at world 4, a loss, 5 at world 2,
+    # over 3.0 s. Per world size: (10 x 0.12 + 5 x 0.1) / 3 = 0.567; single baseline: 15 x 0.1 / 3 = 0.5.
+    faulted = run_of(4, 2, 23, 10, 5.0, 0.12) + run_of(2, 3, 33, 5, 6.5, 0.1)
+    ev = Evidence(
+        target_steps=37, commits=tuple(WARM + faulted), finals=(Final("node-0", 37, "x"),), audit_violations=(),
+        faults=(), etcd_down=(), samples=(), lives=(), tracebacks=(), agents=(), warmup=WARM_WINDOWS[0],
+        warmups=WARM_WINDOWS, faulted=Window(T0 + 4.9, T0 + 7.9), lease_ttl_s=2.0)
+    v = judge(ev)
+    assert v.faulted_steps == 15 and dict(v.faulted_steps_by_world) == {2: 5, 4: 10}
+    assert v.ettr == pytest.approx(1.7 / 3.0) and v.ettr_single == pytest.approx(0.5)
+    assert v.substituted == {2: 3}
+    settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 37, 5.0)
+    report = Report(settings, ev, v, T0, "/tmp/x")
+    table = render_table(report)
+    assert "fault-free step   world 3: 100.0 ms, world 4: 120.0 ms (warm-up, 5 s per world size)" in table
+    assert "ETTR              0.567 (5 at world 2, 10 at world 4" in table
+    assert "world 2: no fault-free measurement, used world 3's" in table
+    assert "ETTR 1 baseline   0.500 (15 steps x 100.0 ms fault-free at world 3 / 3.0 s faulted)" in table
+    data = json.loads(json.dumps(report_to_dict(report)))
+    assert data["ettr"] == pytest.approx(1.7 / 3.0) and data["ettr_single_baseline"] == pytest.approx(0.5)
+    assert data["fault_free_step_s"] == pytest.approx(0.1)
+    assert data["fault_free_step_s_by_world"] == {"3": pytest.approx(0.1), "4": pytest.approx(0.12)}
+    assert data["faulted_steps_by_world"] == {"2": 5, "4": 10}
+    assert data["ettr_baseline_substituted"] == {"2": 3}
+    empty = json.loads(json.dumps(report_to_dict(Report(settings, evidence([], []), judge(evidence([], [])),
+                                                        T0, "/tmp/x"))))
+    assert (empty["ettr"], empty["ettr_single_baseline"], empty["fault_free_step_s_by_world"],
+            empty["faulted_steps_by_world"], empty["ettr_baseline_substituted"]) == (None, None, {}, {}, {})
 
 
 @pytest.mark.parametrize("rows, finals, kw, name", [

@@ -49,6 +49,14 @@ CASES = [
     ("frozen past my lease while etcd answered: refuse locally", tally(), fence(renewed_at=NOW - 2.0),
      Outcome.ABORT, False, False),
     ("just inside my lease: commit", tally(), fence(renewed_at=NOW - 1.99), Outcome.COMMIT, False, True),
+    # Stopped and continued since the vote: the agent may have revoked the lease (stopped_worker_s)
+    # however fresh it looks, and the peers may have given up on the step.
+    ("stopped and continued since my vote: refuse locally", tally(), fence(continued=True), Outcome.ABORT,
+     False, False),
+    ("continued during an etcd outage: refuse locally too", tally(stale=3, reached=0),
+     fence(renewed_at=NOW - 30.0, continued=True), Outcome.ABORT, False, False),
+    ("continued, but everyone retries anyway", tally(stale=1, reached=2), fence(continued=True), Outcome.RETRY,
+     False, True),
 ]
 
 
