@@ -52,16 +52,25 @@ from types import FrameType
 import structlog
 
 from elasticd.config import AgentConfig, child_environ
-from elasticd.sdnotify import Notifier
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
-from elasticd.membership import KeyValue, KeyValueStore, Keys, MemberRecord, decode
 from elasticd.metrics import AgentMetrics
 from elasticd.oprecords import DrainRecord, EventKind, NodeRecord, WorkerRecord
 from elasticd.presence import ClaimKind, NodePresence
-from elasticd.progress import JobView, ProgressMark, advance_mark, is_hung, observe_worker, read_job_view
+from elasticd.progress import (
+    JobView,
+    ProgressMark,
+    advance_mark,
+    is_hung,
+    observe_worker,
+    read_job_view,
+)
 from elasticd.retry import Clock
+from elasticd.sdnotify import Notifier
+from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import MemberRecord, decode
 
 log = structlog.get_logger(__name__)
 

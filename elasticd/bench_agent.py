@@ -51,8 +51,15 @@ from elasticd.bench import (
 )
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ElasticdError
-from elasticd.localcluster import EtcdServer, WorkerProcess, agent_program, python_program
-from elasticd.membership import Keys, decode_generation, parse_snapshot
+from elasticd.localcluster import (
+    EtcdServer,
+    WorkerProcess,
+    agent_program,
+    python_program,
+)
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import decode_generation
+from elasticd.wire.snapshot import parse_snapshot
 
 PHASE_TIMEOUT_S = 90.0   # bound on every wait of a phase
 SETTLE_STEPS = 15        # steps committed at a world size before the next fault
@@ -130,7 +137,7 @@ class _AgentJob:
     """One job under ``nodes`` agents; each node's worker appends to ``<node>.jsonl``."""
 
     def __init__(self, etcd: EtcdServer, workdir: Path, job_id: str, s: AgentBenchSettings) -> None:
-        from elasticd.etcd import EtcdClient  # the bench is an entry point: it wires the client here
+        from elasticd.store.etcd import EtcdClient
 
         self.etcd, self.dir, self.job_id, self.s = etcd, workdir, job_id, s
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -74,15 +74,20 @@ from elasticd.config import (
     WorldConfig,
     etcd_security_environ,
     load_agent_config,
-    without_etcd_security,
     parse_endpoint,
     systemd_notify_environ,
+    without_etcd_security,
+)
+from elasticd.drain import (
+    DEFAULT_DRAIN_WAIT_S,
+    DRAIN_POLL_S,
+    DrainStore,
+    drain_progress,
+    request_drain,
 )
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.log import configure_logging
-from elasticd.membership import Keys
 from elasticd.sdnotify import Notifier, watchdog_interval
-from elasticd.drain import DEFAULT_DRAIN_WAIT_S, DRAIN_POLL_S, DrainStore, drain_progress, request_drain
 from elasticd.status import (
     EXIT_DOWN,
     EXIT_OK,
@@ -96,9 +101,10 @@ from elasticd.status import (
     render_json,
     render_table,
 )
+from elasticd.wire.keys import Keys
 
 if TYPE_CHECKING:  # the client is imported where it is wired (etcd3 and grpc slow the start)
-    from elasticd.etcd import EtcdClient
+    from elasticd.store.etcd import EtcdClient
 
 PROG = "elasticctl"
 # A status query is one idempotent read: answer fast or say etcd is not there. Each attempt is
@@ -307,7 +313,7 @@ def events_query(args: argparse.Namespace) -> EventsQuery:
 def _ctl_client(etcd: EtcdConfig, err: TextIO) -> EtcdClient | None:
     """A client for one elasticctl command, or None after printing why there is none (etcd did not
     answer, or refused the credentials: with a user, connecting authenticates)."""
-    from elasticd.etcd import EtcdClient  # the entry point wires the concrete client
+    from elasticd.store.etcd import EtcdClient
 
     # One attempt per endpoint plus one, so that failover can reach every endpoint once.
     retry = RetryPolicy(etcd_attempts=len(etcd.endpoints) + 1,
@@ -648,9 +654,8 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
         return AGENT_EXIT_BAD_CONFIG
     configure_logging()
     from elasticd.agent import Agent  # the entry point wires the concrete objects
-    from elasticd.etcd import EtcdClient
-
     from elasticd.metrics import AgentMetrics, MetricsServer, serve
+    from elasticd.store.etcd import EtcdClient
 
     try:
         client = EtcdClient(config.etcd, config.timeouts, config.retry)

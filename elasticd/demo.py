@@ -53,13 +53,16 @@ from elasticd.localcluster import (
     Terminated,
     WorkerProcess,
     local_agent_argv,
-    make_workdir,
     log_events,
+    make_workdir,
     python_program,
-    sigterm_raises,
     signal_pid,
+    sigterm_raises,
 )
-from elasticd.membership import GenerationRecord, Keys, KeyValueStore, decode_generation, parse_snapshot
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import GenerationRecord, decode_generation
+from elasticd.wire.snapshot import parse_snapshot
 
 JOB_ID = "demo"
 SAMPLES = 2048        # the workload's dataset size; the audit checks every epoch against it
@@ -267,7 +270,7 @@ class Demo:
         self.etcd.start()
         self.say(f"etcd {self.etcd.endpoint} (pid {self.etcd.proc.pid if self.etcd.proc else '?'}), "
                  f"log {self.etcd.log_path}")
-        from elasticd.etcd import EtcdClient  # the demo is an entry point: it wires the client here
+        from elasticd.store.etcd import EtcdClient
 
         client = EtcdClient(EtcdConfig(endpoints=(self.etcd.endpoint,)), DEMO_TIMEOUTS, RetryPolicy(etcd_attempts=2))
         self.store, self._close_store = client, client.close

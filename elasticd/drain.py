@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Protocol
 from dataclasses import dataclass
+from typing import Protocol
 
 from elasticd.errors import LeaseLost
-from elasticd.membership import KeyValue, Keys, parse_snapshot
 from elasticd.oprecords import DrainRecord, encode_drain
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.snapshot import parse_snapshot
 
 # How often ``elasticctl drain --wait`` looks at the generation again.
 DRAIN_POLL_S = 0.25

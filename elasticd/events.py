@@ -27,8 +27,9 @@ from collections.abc import Callable
 import structlog
 
 from elasticd.errors import EtcdUnavailable
-from elasticd.membership import KeyValueStore, Keys
 from elasticd.oprecords import EventRecord, encode_event, event_name, prune_plan
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
 
 log = structlog.get_logger(__name__)
 

@@ -46,14 +46,20 @@ from enum import StrEnum
 
 import structlog
 
-from elasticd.agent import EXIT_FATAL, EXIT_OK, AgentOutcome, Waker, restart_backoff_s, restarts_in_window
+from elasticd.agent import (
+    EXIT_FATAL,
+    EXIT_OK,
+    AgentOutcome,
+    Waker,
+    restart_backoff_s,
+    restarts_in_window,
+)
 from elasticd.config import AgentConfig, child_environ
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
-from elasticd.membership import KeyValue, KeyValueStore, encode
 from elasticd.restart_records import (
-    AgentRecord,
     COUNTED_CAUSES,
+    AgentRecord,
     Cause,
     DoneRecord,
     FailedRecord,
@@ -66,7 +72,9 @@ from elasticd.restart_records import (
 )
 from elasticd.retry import Clock
 from elasticd.sdnotify import Notifier
+from elasticd.store.kv import KeyValueStore
 from elasticd.supervisor import ExitKind, Supervisor, WorkerExit
+from elasticd.wire.records import encode
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """Records for operators: node records, drain requests and events (JSON in etcd), pure.
 
-Owns the shape of four kinds of keys under a job (the key names are in ``membership.Keys``, but
+Owns the shape of four kinds of keys under a job (the key names are in ``wire.keys.Keys``, but
 for ``save_failed``, named by ``save_failed_key``):
 
 * ``nodes/<node>`` (``NodeRecord``): written by the node agent under its own lease; the agent's pid
@@ -124,7 +124,7 @@ def event_name(time_ns: int, source: str) -> str:
 
 
 def save_failed_key(job_key: str) -> str:
-    """The ``save_failed`` key of the job whose keys live under ``job_key`` (``membership.Keys.job``).
+    """The ``save_failed`` key of the job whose keys live under ``job_key`` (``wire.keys.Keys.job``).
 
     Not a prefix of any other key of the job, so no member's prefix read of the rendezvous keys
     (``checkpoint`` among them) returns it.

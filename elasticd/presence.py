@@ -38,9 +38,17 @@ import structlog
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.events import EventLog
-from elasticd.membership import KeyValue, KeyValueStore, Keys
-from elasticd.oprecords import DECODE_ERRORS, DrainRecord, NodeRecord, decode_drain, decode_node, encode_node
+from elasticd.oprecords import (
+    DECODE_ERRORS,
+    DrainRecord,
+    NodeRecord,
+    decode_drain,
+    decode_node,
+    encode_node,
+)
 from elasticd.retry import Clock
+from elasticd.store.kv import KeyValue, KeyValueStore
+from elasticd.wire.keys import Keys
 
 log = structlog.get_logger(__name__)
 

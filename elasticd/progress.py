@@ -24,7 +24,10 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from elasticd.membership import KeyValue, Keys, MemberRecord, parse_snapshot
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import MemberRecord
+from elasticd.wire.snapshot import parse_snapshot
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from elasticd.membership import KeyValue, decode
+from elasticd.store.kv import KeyValue
+from elasticd.wire.records import decode
 
 # ---------------------------------------------------------------------------------------------
 # Records (JSON in etcd; parsing never trusts them)

@@ -50,18 +50,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from elasticd.restart_records import RestartKeys, RoundView, parse_view
-from elasticd.membership import (
-    AbortRecord,
-    CheckpointRecord,
-    FinishedRecord,
-    GenerationRecord,
-    KeyValue,
-    Keys,
-    Snapshot,
-    decode_abort,
-    parse_snapshot,
-)
 from elasticd.oprecords import (
     DECODE_ERRORS,
     EventKind,
@@ -74,6 +62,17 @@ from elasticd.oprecords import (
     decode_save_failed,
     save_failed_key,
 )
+from elasticd.restart_records import RestartKeys, RoundView, parse_view
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import (
+    AbortRecord,
+    CheckpointRecord,
+    FinishedRecord,
+    GenerationRecord,
+    decode_abort,
+)
+from elasticd.wire.snapshot import Snapshot, parse_snapshot
 
 EXIT_OK = 0
 EXIT_DEGRADED = 1

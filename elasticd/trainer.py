@@ -25,7 +25,7 @@ import torch
 from elasticd import continued
 from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
 from elasticd.collectives import GradientReducer, barrier
-from elasticd.commit import Outcome, Tally, Verdict, Vote, commit_outcome
+from elasticd.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.durable import (
     CheckpointWriter,
@@ -47,19 +47,19 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.log import bind_context
-from elasticd.membership import (
-    CheckpointRecord,
-    Joined,
-    KeyValueStore,
-    Keys,
-    MemberRecord,
-    Membership,
-    new_member_id,
+from elasticd.oprecords import (
+    EventKind,
+    SaveFailedRecord,
+    encode_save_failed,
+    save_failed_key,
 )
-from elasticd.oprecords import EventKind, SaveFailedRecord, encode_save_failed, save_failed_key
 from elasticd.process_group import Group, GroupFactory, StoreServer
+from elasticd.rendezvous.membership import Joined, Membership, new_member_id
 from elasticd.retry import Deadline
 from elasticd.sampler import Batch, BatchMode, ElasticSampler
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import CheckpointRecord, MemberRecord
 
 log = structlog.get_logger(__name__)
 
@@ -203,7 +203,7 @@ class ElasticTrainer:
         if env.backend != "nccl":
             torch.set_num_threads(1)  # workers share the node's cores; see README
         if self._store is None:
-            from elasticd.etcd import EtcdClient  # the worker's wiring point
+            from elasticd.store.etcd import EtcdClient
 
             self._store = EtcdClient(env.etcd, env.timeouts, env.retry)
         self._server = StoreServer(env.advertise_addr, env.timeouts)
@@ -359,7 +359,10 @@ class ElasticTrainer:
             self._fail(exc)
             return None
         tally = Tally.from_slots(summed)
-        verdict = commit_outcome(tally, group.world_size, membership.fence(), time.monotonic())
+        st = membership.standing()
+        fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
+                      lease_ttl_s=st.lease_ttl_s, continued=st.continued)
+        verdict = commit_outcome(tally, group.world_size, fence, time.monotonic())
         if verdict.outcome is Outcome.RETRY:
             self._retry_step(batch, verdict)
             return None

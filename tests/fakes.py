@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import LeaseLost
-from elasticd.membership import KeyValue
+from elasticd.store.kv import KeyValue
 
 
 class ManualClock:

@@ -26,10 +26,10 @@ import torch
 from elasticd.audit import check, read_lines
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.durable import job_dir, load_latest, read_manifest, scan
-from elasticd.etcd import EtcdClient
 from elasticd.localcluster import REPO_ROOT
-from elasticd.membership import Keys
 from elasticd.status import read_status
+from elasticd.store.etcd import EtcdClient
+from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,10 +19,10 @@ import pytest
 
 from elasticd.cli import agent_main, ctl_main
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.etcd import EtcdClient
 from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port
-from elasticd.membership import Keys
 from elasticd.status import WorkerState, read_status
+from elasticd.store.etcd import EtcdClient
+from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -128,7 +128,7 @@ def test_etcd_restart_and_freezes_are_ridden_out(local_job, etcd_server):
 
 def test_garbage_written_into_etcd_is_reported_and_the_job_goes_on(local_job, etcd_server):
     from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-    from elasticd.etcd import EtcdClient
+    from elasticd.store.etcd import EtcdClient
 
     job = local_job(min_workers=2)
     for _ in range(2):

@@ -18,9 +18,9 @@ from structlog.testing import capture_logs
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.etcd import EtcdClient
 from elasticd.localcluster import EtcdServer, free_port
-from elasticd.membership import KeyValueStore
+from elasticd.store.etcd import EtcdClient
+from elasticd.store.kv import KeyValueStore
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 pytestmark = [

@@ -20,10 +20,15 @@ import pytest
 
 from elasticd.audit import check_dir
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.etcd import EtcdClient
 from elasticd.localcluster import REPO_ROOT
-from elasticd.membership import Keys
-from tests.integration.test_node_agent import MLP, AgentJob, _worker_pid, agent_job  # noqa: F401
+from elasticd.store.etcd import EtcdClient
+from elasticd.wire.keys import Keys
+from tests.integration.test_node_agent import (  # noqa: F401
+    MLP,
+    AgentJob,
+    _worker_pid,
+    agent_job,
+)
 
 CLI_TIMEOUT_S = 60
 

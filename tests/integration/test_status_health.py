@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.etcd import EtcdClient
 from elasticd.localcluster import REPO_ROOT, EtcdServer
-from elasticd.membership import Keys
 from elasticd.status import Health, JobStatus, WorkerState, read_status
+from elasticd.store.etcd import EtcdClient
+from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(180)
 

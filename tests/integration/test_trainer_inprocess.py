@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from elasticd import BatchMode, ElasticTrainer, WorkerEnv
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import StateLost
-from elasticd.etcd import EtcdClient
-from elasticd.membership import Keys
+from elasticd.store.etcd import EtcdClient
+from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -43,9 +43,11 @@ from elasticd.config import (
     parse_nnodes,
 )
 from elasticd.errors import ConfigError, EtcdUnavailable
-from elasticd.membership import KeyValue, Keys, MemberRecord, encode
 from elasticd.progress import JobView, ProgressMark
+from elasticd.store.kv import KeyValue
 from elasticd.supervisor import ExitKind, WorkerExit
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import MemberRecord, encode
 from tests.fakes import FakeKeyValueStore
 
 pytestmark = pytest.mark.timeout(60)

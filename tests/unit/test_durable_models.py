@@ -25,9 +25,9 @@ from elasticd.durable import (
     signature_of,
 )
 from elasticd.errors import CheckpointModelChanged, ModelMismatch
-from elasticd.membership import Keys
 from elasticd.oprecords import decode_save_failed, save_failed_key
 from elasticd.trainer import ElasticTrainer
+from elasticd.wire.keys import Keys
 from tests.fakes import FakeKeyValueStore
 from tests.unit.test_checkpoint import make_model, make_state, train
 
@@ -36,8 +36,9 @@ pytestmark = pytest.mark.timeout(60)
 A, B = "a" * 64, "b" * 64
 
 
-from tests.unit.test_checkpoint import _keep_global_rng  # noqa: E402, F401 (autouse fixture: the global RNG is restored)
-
+from tests.unit.test_checkpoint import (
+    _keep_global_rng,  # noqa: E402, F401 (autouse fixture: the global RNG is restored)
+)
 
 # -- retention, pure ----------------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ from elasticd.group_restart import (
     parse_view,
     worker_environ,
 )
-from elasticd.membership import KeyValue, encode
+from elasticd.store.kv import KeyValue
+from elasticd.wire.records import encode
 from tests.fakes import FakeKeyValueStore
 
 pytestmark = pytest.mark.timeout(60)

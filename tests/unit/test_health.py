@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from elasticd.config import Timeouts, WorldConfig
-from elasticd.membership import ActionKind, Health, Window, assess_health, newcomers_admitted, next_action
+from elasticd.rendezvous.decide import (
+    ActionKind,
+    Health,
+    Window,
+    assess_health,
+    newcomers_admitted,
+    next_action,
+)
 from tests.unit.test_membership import G3_ABC, NOW, gen, me, ready, settled, snap
 
 pytestmark = pytest.mark.timeout(30)

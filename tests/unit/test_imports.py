@@ -17,7 +17,8 @@ from elasticd.localcluster import REPO_ROOT, free_port
 pytestmark = pytest.mark.timeout(60)
 
 LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log",
-                 "elasticd.membership", "elasticd.etcd", "elasticd.status", "elasticd.cli",
+                 "elasticd.rendezvous.membership", "elasticd.rendezvous.decide", "elasticd.store.etcd", "elasticd.store.kv",
+                 "elasticd.wire.records", "elasticd.wire.snapshot", "elasticd.wire.keys", "elasticd.status", "elasticd.cli",
                  "elasticd.supervisor", "elasticd.agent", "elasticd.group_restart", "elasticd.restart_records", "elasticd.oprecords",
                  "elasticd.events", "elasticd.presence", "elasticd.drain", "elasticd.progress", "elasticd.metrics"]
 # A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.

@@ -14,22 +14,17 @@ from dataclasses import asdict, dataclass, field
 import pytest
 
 from elasticd.config import Timeouts, WorldConfig
-from elasticd.membership import (
+from elasticd.rendezvous.decide import Action, ActionKind, Me, Window, next_action
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import (
     AbortRecord,
-    Action,
-    ActionKind,
     GenerationRecord,
-    KeyValue,
-    Keys,
-    Me,
     MemberRecord,
     ReadyRecord,
-    Snapshot,
-    Window,
     encode,
-    next_action,
-    parse_snapshot,
 )
+from elasticd.wire.snapshot import Snapshot, parse_snapshot
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,17 +9,15 @@ import json
 
 import pytest
 
-from elasticd.membership import (
-    ActionKind,
+from elasticd.rendezvous.decide import ActionKind, should_load_checkpoint
+from elasticd.store.kv import KeyValue
+from elasticd.wire.records import (
     CheckpointRecord,
     FinishedRecord,
-    KeyValue,
-    Snapshot,
     decode_checkpoint,
     encode,
-    parse_snapshot,
-    should_load_checkpoint,
 )
+from elasticd.wire.snapshot import Snapshot, parse_snapshot
 from tests.unit.test_membership import KEYS, decide, gen, me, ready, settled, snap
 
 pytestmark = pytest.mark.timeout(60)

@@ -4,7 +4,9 @@ started): a read that crossed the join must not abandon the generation just join
 from __future__ import annotations
 
 from elasticd.config import Timeouts, WorldConfig
-from elasticd.membership import GenerationRecord, Keys, MemberRecord, Membership, encode
+from elasticd.rendezvous.membership import Membership
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import GenerationRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 KEYS = Keys("/elasticd", "j")

@@ -18,7 +18,6 @@ from elasticd.config import Timeouts
 from elasticd.drain import drain_progress, request_drain
 from elasticd.errors import EtcdUnavailable
 from elasticd.events import MAX_PENDING_EVENTS, EventLog
-from elasticd.membership import GenerationRecord, KeyValue, Keys, MemberRecord, encode
 from elasticd.oprecords import (
     DrainRecord,
     EventRecord,
@@ -34,7 +33,17 @@ from elasticd.oprecords import (
     prune_plan,
 )
 from elasticd.presence import NodePresence
-from elasticd.status import build_status, job_events, render_events_json, render_events_table, render_json, render_table
+from elasticd.status import (
+    build_status,
+    job_events,
+    render_events_json,
+    render_events_table,
+    render_json,
+    render_table,
+)
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import GenerationRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore
 
 pytestmark = pytest.mark.timeout(60)

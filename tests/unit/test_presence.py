@@ -13,9 +13,16 @@ import pytest
 from structlog.testing import capture_logs
 
 from elasticd.config import Timeouts
-from elasticd.membership import KeyValue, Keys
 from elasticd.oprecords import NodeRecord, decode_node, encode_node
-from elasticd.presence import CLAIM_MARGIN_S, ClaimKind, NodePresence, decide_claim, describe_holder
+from elasticd.presence import (
+    CLAIM_MARGIN_S,
+    ClaimKind,
+    NodePresence,
+    decide_claim,
+    describe_holder,
+)
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from elasticd.membership import GenerationRecord, KeyValue, Keys, MemberRecord, ReadyRecord, encode
 from elasticd.progress import (
     JobView,
     MemberProgress,
@@ -21,6 +20,9 @@ from elasticd.progress import (
     parse_progress,
     read_job_view,
 )
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import GenerationRecord, MemberRecord, ReadyRecord, encode
 
 pytestmark = pytest.mark.timeout(30)
 

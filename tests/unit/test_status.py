@@ -12,16 +12,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from elasticd.membership import (
-    AbortRecord,
-    FinishedRecord,
-    GenerationRecord,
-    KeyValue,
-    Keys,
-    MemberRecord,
-    ReadyRecord,
-    encode,
-)
 from elasticd.status import (
     EXIT_DEGRADED,
     EXIT_DOWN,
@@ -33,6 +23,16 @@ from elasticd.status import (
     read_status,
     render_json,
     render_table,
+)
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import (
+    AbortRecord,
+    FinishedRecord,
+    GenerationRecord,
+    MemberRecord,
+    ReadyRecord,
+    encode,
 )
 from tests.fakes import FakeKeyValueStore
 
@@ -315,7 +315,7 @@ def test_table_escapes_control_characters_from_records() -> None:
 
 
 def test_checkpoint_record_is_shown_in_table_and_json() -> None:
-    from elasticd.membership import CheckpointRecord
+    from elasticd.wire.records import CheckpointRecord
 
     ck = CheckpointRecord(step=120, path="/ckpt/job/00000012-step000000000120.ckpt", node="n2", generation=3,
                           seq=12, bytes=104857664, time=NOW - 4.0)
@@ -337,8 +337,14 @@ def test_checkpoint_record_is_shown_in_table_and_json() -> None:
 
 def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] = ("a", "b"),
                   garbage: bool = False) -> list[KeyValue]:
-    from elasticd.membership import encode
-    from elasticd.restart_records import AgentRecord, FailedRecord, FinishedRecord, RestartKeys, RoundRecord
+    from elasticd.restart_records import (
+        AgentRecord,
+        FailedRecord,
+        FinishedRecord,
+        RestartKeys,
+        RoundRecord,
+    )
+    from elasticd.wire.records import encode
 
     root, _, job = KEYS.job.rpartition("/")
     rk = RestartKeys(root, job)
@@ -385,7 +391,6 @@ def test_an_elastic_job_has_no_restart_section() -> None:
 
 # -- health from live records: a malformed generation, stalls, failed saves ----------------------
 
-from elasticd.membership import CheckpointRecord  # noqa: E402
 from elasticd.oprecords import (  # noqa: E402
     EventRecord,
     SaveFailedRecord,
@@ -394,7 +399,13 @@ from elasticd.oprecords import (  # noqa: E402
     event_name,
     save_failed_key,
 )
-from elasticd.status import STALL_AFTER_S, last_activity, save_failing, stall_bound  # noqa: E402
+from elasticd.status import (  # noqa: E402
+    STALL_AFTER_S,
+    last_activity,
+    save_failing,
+    stall_bound,
+)
+from elasticd.wire.records import CheckpointRecord
 
 SAVE_FAILED = save_failed_key(KEYS.job)
 

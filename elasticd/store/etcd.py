@@ -26,10 +26,15 @@ import etcd3.utils  # noqa: E402
 import grpc  # noqa: E402
 import structlog  # noqa: E402
 
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, parse_endpoint  # noqa: E402
+from elasticd.config import (  # noqa: E402
+    EtcdConfig,
+    RetryPolicy,
+    Timeouts,
+    parse_endpoint,
+)
 from elasticd.errors import EtcdUnavailable, LeaseLost  # noqa: E402
-from elasticd.membership import KeyValue  # noqa: E402
 from elasticd.retry import call_with_retry  # noqa: E402
+from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
 

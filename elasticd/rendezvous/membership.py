@@ -1,6 +1,6 @@
-"""The rendezvous: members, generations, the pure decision ``next_action`` and its executor.
+"""The rendezvous executor: members, leases, generations; the decision is ``rendezvous.decide``.
 
-Owns the membership protocol over a ``KeyValueStore`` (defined here, satisfied by ``etcd.py``):
+Owns the membership protocol over a ``store.kv.KeyValueStore`` (satisfied by ``store.etcd``):
 
 * every member registers ``members/<id>`` under its own lease, renewed in the background;
 * a member that wants into the next generation writes ``ready/<id>`` under the same lease;
@@ -19,15 +19,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Protocol, TypeVar
 
 import structlog
 
 from elasticd import continued
-from elasticd.commit import Fence
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import (
     EtcdUnavailable,
@@ -38,625 +36,36 @@ from elasticd.errors import (
     StateLost,
 )
 from elasticd.oprecords import EventKind, EventRecord, encode_event, event_name
+from elasticd.rendezvous.decide import (
+    ActionKind,
+    Me,
+    Window,
+    assess_health,
+    candidates_of,
+    generation_broken,
+    next_action,
+    should_load_checkpoint,
+)
 from elasticd.retry import Clock, Deadline
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import (
+    AbortRecord,
+    CheckpointRecord,
+    CommittedRecord,
+    FinishedRecord,
+    GenerationRecord,
+    MemberRecord,
+    ReadyRecord,
+    decode_abort,
+    decode_checkpoint,
+    encode,
+)
+from elasticd.wire.snapshot import Snapshot, parse_snapshot
 
 log = structlog.get_logger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# The store this module consumes
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from the store."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int = 0
-
-
-class KeyValueStore(Protocol):
-    """What the rendezvous needs from etcd. ``etcd.EtcdClient`` satisfies it structurally."""
-
-    def get(self, key: str) -> KeyValue | None: ...
-
-    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
-
-    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
-        """The keys under each of ``prefixes`` (a whole key is a prefix too), read in one
-        transaction, so all of them are from one revision; in the order of ``prefixes``."""
-        ...
-
-    def put(self, key: str, value: bytes, lease: int = 0) -> None: ...
-
-    def delete(self, key: str) -> None: ...
-
-    def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
-    ) -> bool:
-        """Put ``key`` (under ``lease``, if not 0; and delete ``delete_keys``, and put ``put_keys``,
-        unleased) iff its mod_revision is as expected (0: absent), all in one transaction.
-
-        Raises:
-            LeaseLost: ``lease`` is gone (only when the compare held).
-        """
-        ...
-
-    def grant_lease(self, ttl_s: float) -> int: ...
-
-    def refresh_lease(self, lease: int) -> float:
-        """Renew; return the remaining TTL in seconds (<= 0: the lease is gone)."""
-        ...
-
-    def revoke_lease(self, lease: int) -> None: ...
-
-    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call ``callback`` (no arguments) after any change under ``prefix``; return a canceller."""
-        ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Records (JSON in etcd; parsing never trusts them)
-
-
-class Keys:
-    """The etcd key layout of one job (documented in README)."""
-
-    def __init__(self, root: str, job_id: str) -> None:
-        self.job = f"{root}/{job_id}"
-
-    @property
-    def prefix(self) -> str:
-        return self.job + "/"
-
-    @property
-    def generation(self) -> str:
-        return f"{self.job}/generation"
-
-    @property
-    def abort(self) -> str:
-        return f"{self.job}/abort"
-
-    @property
-    def finished(self) -> str:
-        return f"{self.job}/finished"
-
-    @property
-    def committed(self) -> str:
-        return f"{self.job}/committed"
-
-    @property
-    def checkpoint(self) -> str:
-        return f"{self.job}/checkpoint"
-
-    def member(self, member_id: str) -> str:
-        return f"{self.job}/members/{member_id}"
-
-    def ready(self, member_id: str) -> str:
-        return f"{self.job}/ready/{member_id}"
-
-    def progress(self, member_id: str) -> str:
-        return f"{self.job}/progress/{member_id}"
-
-    def event(self, name: str) -> str:
-        """``events/<name>``; writers take ``name`` from ``oprecords.event_name`` (sorts by time)."""
-        return f"{self.job}/events/{name}"
-
-    @property
-    def events(self) -> str:
-        return f"{self.job}/events/"
-
-    def node(self, node: str) -> str:
-        """``nodes/<node>``: the node agent's record, under the agent's lease."""
-        return f"{self.job}/nodes/{node}"
-
-    def drain(self, node: str) -> str:
-        """``drain/<node>``: an operator's request that this node drain (``elasticctl drain``)."""
-        return f"{self.job}/drain/{node}"
-
-    @property
-    def rendezvous(self) -> tuple[str, ...]:
-        """What a member reads for the rendezvous and its health checks: everything but the
-        records written all the time or kept by the hundred (progress, events, nodes, drain)."""
-        return (self.generation, self.abort, self.finished, self.committed, self.checkpoint,
-                self.member(""), self.ready(""))
-
-    @property
-    def membership_changes(self) -> tuple[str, ...]:
-        """What a member watches: the keys whose change can end a generation or start the next.
-        The rest of ``rendezvous`` (committed step, checkpoint) is read by the periodic poll."""
-        return (self.generation, self.abort, self.finished, self.member(""), self.ready(""))
-
-
-@dataclass(frozen=True)
-class MemberRecord:
-    """A live member (``members/<id>``, leased)."""
-
-    member_id: str
-    node: str
-    local_rank: int
-    pid: int
-    host: str
-    store_port: int
-    signature: str
-
-
-@dataclass(frozen=True)
-class ReadyRecord:
-    """A member waiting for the next generation (``ready/<id>``, leased)."""
-
-    member_id: str
-    committed_step: int
-    prev_generation: int
-    prev_rank: int
-    signature: str
-
-
-@dataclass(frozen=True)
-class GenerationRecord:
-    """A published generation (``generation``): dense rank order and where its store lives."""
-
-    generation: int
-    members: tuple[str, ...]
-    store_host: str
-    store_port: int
-    signature: str
-    committed_step: int
-    reason: str
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    def rank_of(self, member_id: str) -> int:
-        return self.members.index(member_id)
-
-
-@dataclass(frozen=True)
-class AbortRecord:
-    """``abort``: the named generation is broken; its members must re-rendezvous."""
-
-    generation: int
-    member_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class CommittedRecord:
-    """``committed`` (not leased): the job's newest committed step as last published by a rank 0.
-    It outlives the members, so a newcomer can tell a fresh job from one whose state is gone."""
-
-    generation: int
-    step: int
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """``checkpoint`` (not leased): the job's latest good durable checkpoint, written by the member
-    that saved it (or that loaded it, when the record was missing or older). Decoded tolerantly
-    (``decode_checkpoint``): fields may be added, and only these are read."""
-
-    step: int
-    path: str
-    node: str
-    generation: int = 0
-    seq: int = 0
-    bytes: int = 0
-    time: float = 0.0
-
-
-def decode_checkpoint(raw: bytes) -> CheckpointRecord:
-    """Parse a ``checkpoint`` record: ``step``, ``path`` and ``node`` are required; the other known
-    fields are optional; unknown fields are ignored.
-
-    Raises:
-        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
-    """
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    out: dict[str, object] = {}
-    for name, f in CheckpointRecord.__dataclass_fields__.items():
-        if name not in data:
-            if f.default is MISSING:
-                raise ValueError(f"field {name} is missing")
-            continue
-        value = data[name]
-        kind = str(f.type)
-        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
-              "float": isinstance(value, (int, float))}[kind]
-        if not ok or isinstance(value, bool):
-            raise ValueError(f"field {name} is not {kind}")
-        out[name] = float(value) if kind == "float" else value
-    rec = CheckpointRecord(**out)  # type: ignore[arg-type]
-    if rec.step < 0:
-        raise ValueError("step must be >= 0")
-    return rec
-
-
-@dataclass(frozen=True)
-class FinishedRecord:
-    """``finished``: every member reached the target step together; the job is done."""
-
-    generation: int
-    step: int
-
-
-_R = TypeVar("_R")
-
-
-def encode(record: object) -> bytes:
-    return json.dumps(asdict(record), sort_keys=True).encode()  # type: ignore[call-overload]
-
-
-def _decode(cls: type, raw: bytes) -> object:
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
-    if set(data) != set(fields):
-        raise ValueError(f"fields {sorted(data)} != {sorted(fields)}")
-    for name, f in fields.items():
-        want = {"int": int, "str": str, "tuple[str, ...]": list}[str(f.type)]
-        if not isinstance(data[name], want) or isinstance(data[name], bool):
-            raise ValueError(f"field {name} is not {f.type}")
-    if "members" in data:
-        if not all(isinstance(m, str) for m in data["members"]):
-            raise ValueError("members must be strings")
-        data["members"] = tuple(data["members"])
-    return cls(**data)
-
-
-def decode(cls: type[_R], raw: bytes) -> _R:
-    """Parse one record of type ``cls``, trusting nothing.
-
-    Raises:
-        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
-    """
-    rec = _decode(cls, raw)
-    assert isinstance(rec, cls)
-    return rec
-
-
-def decode_generation(raw: bytes) -> GenerationRecord:
-    rec = decode(GenerationRecord, raw)
-    if rec.generation < 1 or len(set(rec.members)) != len(rec.members) or not rec.members:
-        raise ValueError("generation must be >= 1 with distinct, non-empty members")
-    return rec
-
-
-def decode_abort(raw: bytes) -> AbortRecord:
-    return decode(AbortRecord, raw)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Everything under the job prefix, parsed; malformed records are listed, not fatal."""
-
-    generation: GenerationRecord | None = None
-    generation_revision: int = 0
-    members: Mapping[str, MemberRecord] = field(default_factory=dict)
-    ready: Mapping[str, ReadyRecord] = field(default_factory=dict)
-    ready_order: Mapping[str, int] = field(default_factory=dict)
-    aborted: int = 0
-    malformed: tuple[str, ...] = ()
-    finished: FinishedRecord | None = None
-    committed_step: int = -1
-    checkpoint: CheckpointRecord | None = None
-
-    @property
-    def highest_generation_seen(self) -> int:
-        seen = [self.generation.generation if self.generation else 0, self.aborted]
-        seen += [r.prev_generation for r in self.ready.values()]
-        return max(seen)
-
-
-def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
-    """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``."""
-    generation: GenerationRecord | None = None
-    generation_revision = 0
-    members: dict[str, MemberRecord] = {}
-    ready: dict[str, ReadyRecord] = {}
-    ready_order: dict[str, int] = {}
-    aborted = 0
-    finished: FinishedRecord | None = None
-    committed_step = -1
-    checkpoint: CheckpointRecord | None = None
-    malformed: list[str] = []
-    for kv in kvs:
-        try:
-            if kv.key == keys.generation:
-                generation_revision = kv.mod_revision
-                generation = decode_generation(kv.value)
-            elif kv.key == keys.abort:
-                aborted = decode_abort(kv.value).generation
-            elif kv.key == keys.finished:
-                finished = decode(FinishedRecord, kv.value)
-            elif kv.key == keys.committed:
-                committed_step = decode(CommittedRecord, kv.value).step
-            elif kv.key == keys.checkpoint:
-                checkpoint = decode_checkpoint(kv.value)
-            elif kv.key.startswith(keys.member("")):
-                m = decode(MemberRecord, kv.value)
-                if kv.key != keys.member(m.member_id):
-                    raise ValueError("member id does not match its key")
-                members[m.member_id] = m
-            elif kv.key.startswith(keys.ready("")):
-                r = decode(ReadyRecord, kv.value)
-                if kv.key != keys.ready(r.member_id):
-                    raise ValueError("member id does not match its key")
-                ready[r.member_id] = r
-                ready_order[r.member_id] = kv.create_revision
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
-            malformed.append(f"{kv.key}: {exc}")
-    return Snapshot(
-        generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
-        committed_step, checkpoint=checkpoint,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The pure decision
-
-
-class ActionKind(StrEnum):
-    WAIT = "wait"
-    PUBLISH = "publish"
-    JOIN = "join"
-    REREGISTER = "reregister"
-    FAIL = "fail"
-    FINISHED = "finished"
-    STATE_LOST = "state_lost"
-
-
-@dataclass(frozen=True)
-class Me:
-    member_id: str
-    signature: str
-    last_generation: int
-
-
-@dataclass(frozen=True)
-class Window:
-    """What this process saw of the current round, on its own monotonic clock."""
-
-    entered_at: float
-    candidates_changed_at: float
-    broken_at: float | None = None  # when this member first saw the current generation broken
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: ActionKind
-    reason: str
-    until: float | None = None
-    record: GenerationRecord | None = None
-    expected_revision: int = 0
-    consumed_ready: tuple[str, ...] = ()
-    error: str = ""
-    standby: bool = False  # WAIT: the job is at max_workers and healthy; I wait for a place
-
-
-def candidates_of(snap: Snapshot) -> list[ReadyRecord]:
-    """Ready members that are alive and whose model matches the job's signature."""
-    job_sig = snap.generation.signature if snap.generation else _first_signature(snap)
-    return [
-        r
-        for r in snap.ready.values()
-        if r.member_id in snap.members and r.signature == job_sig
-    ]
-
-
-def _first_signature(snap: Snapshot) -> str:
-    alive = [r for r in snap.ready.values() if r.member_id in snap.members]
-    if not alive:
-        return ""
-    return min(alive, key=lambda r: (snap.ready_order.get(r.member_id, 0), r.member_id)).signature
-
-
-def generation_broken(snap: Snapshot) -> bool:
-    """The current generation can no longer make progress: aborted, or a member's lease is gone."""
-    g = snap.generation
-    if g is None:
-        return True
-    return snap.aborted >= g.generation or any(m not in snap.members for m in g.members)
-
-
-def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecord]:
-    """Newest committed step first (so rank 0 holds it), then survivors in their old rank order,
-    then newcomers in arrival order."""
-    old = snap.generation.members if snap.generation else ()
-
-    def key(r: ReadyRecord) -> tuple[int, int, int, int, str]:
-        survivor = r.member_id in old and r.prev_generation == (snap.generation.generation if snap.generation else -1)
-        return (
-            -r.committed_step,
-            0 if survivor else 1,
-            r.prev_rank if survivor else 0,
-            snap.ready_order.get(r.member_id, 0),
-            r.member_id,
-        )
-
-    return sorted(chosen, key=key)
-
-
-def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
-    """Whether a member about to rendezvous should look for a durable checkpoint (pure).
-
-    Yes when no member of the current generation is alive (or there is none), the job has not
-    finished, and this member holds nothing, or less than the newest step the job is known to have
-    reached (``generation``, ``committed`` or ``checkpoint`` record). While a generation has live
-    members they hold its newest state, and a newcomer gets it from rank 0.
-    """
-    g = snap.generation
-    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
-        return False
-    if g is not None and any(m in snap.members for m in g.members):
-        return False
-    newest = max(g.committed_step if g else -1, snap.committed_step,
-                 snap.checkpoint.step if snap.checkpoint else -1)
-    return held_step < 0 or held_step < newest
-
-
-def next_action(
-    snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
-) -> Action:
-    """Decide what this member does next in a rendezvous. Pure: no I/O, no clock reads."""
-    g = snap.generation
-    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
-        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
-    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
-        return Action(ActionKind.FINISHED, f"the job finished at step {snap.finished.step}")
-    if me.member_id not in snap.members or me.member_id not in snap.ready:
-        return Action(ActionKind.REREGISTER, "my member or ready record is gone (lease expired?)")
-    job_sig = g.signature if g else _first_signature(snap)
-    if job_sig and me.signature != job_sig:
-        return Action(
-            ActionKind.FAIL,
-            "model mismatch",
-            error=f"this worker's model signature {me.signature[:12]} differs from the job's "
-            f"{job_sig[:12]} (parameter names, shapes or dtypes differ)",
-        )
-    cands = candidates_of(snap)
-    ids = {r.member_id for r in cands}
-    broken = generation_broken(snap)
-    if g is not None:
-        missing = [m for m in g.members if m in snap.members and m not in ids]
-        if missing and not broken:
-            if me.member_id not in g.members and g.world_size >= world.max_workers:
-                return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
-                              f"max_workers {world.max_workers}", standby=True)
-            return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
-                          f"members {missing} to reach a step boundary")
-        if missing and not any(r.member_id in g.members for r in cands):
-            # Only members of the generation hold its state. Publishing without any of them while
-            # some live would start over from older state (a newcomer alone would train from step
-            # 0): wait for them. Bounded by their leases (and the agent's hang detection).
-            return Action(ActionKind.WAIT, f"waiting for the live members {missing} of generation "
-                          f"{g.generation}, which hold its state")
-        # The last call starts when this member saw the generation broken: a newcomer that has
-        # been waiting for long must not cut it short.
-        last_call = max(window.entered_at, window.broken_at or window.entered_at) + timeouts.last_call_s
-        if missing and now < last_call:
-            return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
-    if len(cands) < world.min_workers:
-        return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
-    best = max(r.committed_step for r in cands)
-    resume = g is None and best > 0  # a first generation from state loaded from disk
-    if g is not None and not any(m in snap.members for m in g.members):
-        newest = max(g.committed_step, snap.committed_step)
-        ck = snap.checkpoint
-        if best < newest and ck is None:
-            return Action(
-                ActionKind.STATE_LOST,
-                "state lost",
-                error=f"every member of generation {g.generation} is gone and no waiting member holds "
-                f"the job's state (step {newest}; the best here: {best}), and no durable checkpoint is "
-                f"recorded for this job (set checkpoint_dir to save them); restart from a checkpoint",
-            )
-        if best < newest and best < 0:
-            assert ck is not None
-            return Action(ActionKind.WAIT, f"every member of generation {g.generation} is gone and no waiting "
-                          f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
-                          f"{ck.node}); waiting for one that can")
-        resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
-    old = set(g.members) if g else set()
-    newcomers = ids - old
-    settle = window.candidates_changed_at + timeouts.join_window_s
-    if newcomers and len(cands) < world.max_workers and now < settle:
-        return Action(ActionKind.WAIT, "join window open", until=settle)
-    chosen = rank_order(snap, cands)[: world.max_workers]
-    rank0 = snap.members[chosen[0].member_id]
-    number = snap.highest_generation_seen + 1
-    if resume:
-        reason = "resume"
-    elif g is None:
-        reason = "start"
-    elif snap.aborted >= g.generation:
-        reason = "aborted"
-    elif any(m not in snap.members for m in g.members):
-        reason = "member_lost"
-    elif newcomers:
-        reason = "join"
-    else:
-        reason = "regroup"
-    record = GenerationRecord(
-        generation=number,
-        members=tuple(r.member_id for r in chosen),
-        store_host=rank0.host,
-        store_port=rank0.store_port,
-        signature=job_sig,
-        committed_step=chosen[0].committed_step,
-        reason=reason,
-    )
-    return Action(
-        ActionKind.PUBLISH,
-        reason,
-        record=record,
-        expected_revision=snap.generation_revision,
-        consumed_ready=tuple(record.members),
-    )
-
-
-@dataclass(frozen=True)
-class Health:
-    """What a member of ``current`` makes of a snapshot (``assess_health``)."""
-
-    abandon: bool  # leave the generation at the next chance (a wait in it ends now)
-    reason: str
-    fenced: bool  # and never commit in it again (superseded, aborted, or my lease is gone)
-    join_pending: bool | None  # newcomers would be admitted by a regroup (None: this read cannot tell)
-    newcomers: tuple[str, ...] = ()
-
-
-def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldConfig) -> tuple[str, ...]:
-    """The ready candidates outside ``current`` that a regroup now would take in (pure).
-
-    None while ``current`` is at ``max_workers``: a standby beyond it waits until a member leaves
-    (the generation then breaks and the standby is chosen); forcing generations for it would only
-    slow the job down, since ``rank_order`` would leave it out again."""
-    if current.world_size >= world.max_workers:
-        return ()
-    return tuple(r.member_id for r in candidates_of(snap) if r.member_id not in current.members)
-
-
-def assess_health(snap: Snapshot, current: GenerationRecord, me: str, joined_revision: int,
-                  lease_lost: bool, world: WorldConfig) -> Health:
-    """Whether the generation ``current`` that ``me`` is in can go on, from one snapshot (pure).
-
-    ``joined_revision`` is the generation record's ``mod_revision`` when ``me`` joined it: a
-    snapshot read before that says nothing about this generation, so only ``lease_lost`` counts then.
-    """
-    if lease_lost:
-        return Health(True, "my lease expired", True, None)
-    if snap.generation_revision < joined_revision:
-        return Health(False, "", False, None)
-    if snap.generation is None and snap.generation_revision != 0:
-        # garbage written by hand: reported by snapshot(); not a reason to stop training
-        return Health(False, "", False, None)
-    if snap.generation is None or snap.generation.generation != current.generation:
-        return Health(True, "generation superseded", True, None)
-    if snap.aborted >= current.generation:
-        return Health(True, "generation aborted", True, None)
-    newcomers = newcomers_admitted(snap, current, world)
-    lost = [m for m in current.members if m not in snap.members]
-    if lost:
-        return Health(True, f"members lost their lease: {lost}", False, bool(newcomers), newcomers)
-    # A member that wrote a ready record naming this generation has left it (its step failed, and
-    # it is at the rendezvous): waiting for it in a collective could only end at collective_s.
-    left = [m for m in current.members if m != me and m in snap.ready
-            and snap.ready[m].prev_generation >= current.generation]
-    if left:
-        return Health(True, f"members left the generation: {left}", False, bool(newcomers), newcomers)
-    return Health(False, "", False, bool(newcomers), newcomers)
-
-
-# ---------------------------------------------------------------------------------------------
-# The executor
 
 
 @dataclass(frozen=True)
@@ -675,6 +84,17 @@ class Joined:
     @property
     def world_size(self) -> int:
         return self.record.world_size
+
+
+@dataclass(frozen=True)
+class Standing:
+    """One member's own standing (monotonic seconds)."""
+
+    fenced: bool  # its generation was superseded or aborted (seen in etcd)
+    lease_lost: bool  # etcd said its lease is gone
+    renewed_at: float  # when it last asked for a renewal that etcd granted
+    lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum)
+    continued: bool  # stopped and continued since that renewal was asked (continued.py)
 
 
 class MemberState(StrEnum):
@@ -939,11 +359,11 @@ class Membership:
         reached = self._etcd_ok and self._clock() - self._etcd_ok_at < 2 * self._timeouts.keepalive_s
         return self._fenced or self._lease_lost, stale, reached
 
-    def fence(self) -> Fence:
-        """What this member knows of its own standing once a step's vote is summed."""
-        return Fence(fenced=self._fenced, lease_lost=self._lease_lost, renewed_at=self._renewed_at,
-                     continued=self.continued_since_renewal(),
-                     lease_ttl_s=self._granted_ttl_s)
+    def standing(self) -> Standing:
+        """What this member knows of its own standing now (the commit rule's ``Fence`` is built
+        from it once a step's vote is summed)."""
+        return Standing(fenced=self._fenced, lease_lost=self._lease_lost, renewed_at=self._renewed_at,
+                        lease_ttl_s=self._granted_ttl_s, continued=self.continued_since_renewal())
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""

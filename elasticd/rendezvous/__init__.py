@@ -1,0 +1,1 @@
+"""Membership and generations: the pure decision (``decide``) and its executor (``membership``)."""

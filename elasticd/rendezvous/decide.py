@@ -1,0 +1,268 @@
+"""The rendezvous decision, pure: ``next_action(snapshot, me, window, now)``, the rank order,
+the resume rule, and ``assess_health`` (whether a generation can go on, from one snapshot).
+
+No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membership``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.wire.records import GenerationRecord, ReadyRecord
+from elasticd.wire.snapshot import Snapshot
+
+
+class ActionKind(StrEnum):
+    WAIT = "wait"
+    PUBLISH = "publish"
+    JOIN = "join"
+    REREGISTER = "reregister"
+    FAIL = "fail"
+    FINISHED = "finished"
+    STATE_LOST = "state_lost"
+
+
+@dataclass(frozen=True)
+class Me:
+    member_id: str
+    signature: str
+    last_generation: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """What this process saw of the current round, on its own monotonic clock."""
+
+    entered_at: float
+    candidates_changed_at: float
+    broken_at: float | None = None  # when this member first saw the current generation broken
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str
+    until: float | None = None
+    record: GenerationRecord | None = None
+    expected_revision: int = 0
+    consumed_ready: tuple[str, ...] = ()
+    error: str = ""
+    standby: bool = False  # WAIT: the job is at max_workers and healthy; I wait for a place
+
+
+def candidates_of(snap: Snapshot) -> list[ReadyRecord]:
+    """Ready members that are alive and whose model matches the job's signature."""
+    job_sig = snap.generation.signature if snap.generation else _first_signature(snap)
+    return [
+        r
+        for r in snap.ready.values()
+        if r.member_id in snap.members and r.signature == job_sig
+    ]
+
+
+def _first_signature(snap: Snapshot) -> str:
+    alive = [r for r in snap.ready.values() if r.member_id in snap.members]
+    if not alive:
+        return ""
+    return min(alive, key=lambda r: (snap.ready_order.get(r.member_id, 0), r.member_id)).signature
+
+
+def generation_broken(snap: Snapshot) -> bool:
+    """The current generation can no longer make progress: aborted, or a member's lease is gone."""
+    g = snap.generation
+    if g is None:
+        return True
+    return snap.aborted >= g.generation or any(m not in snap.members for m in g.members)
+
+
+def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecord]:
+    """Newest committed step first (so rank 0 holds it), then survivors in their old rank order,
+    then newcomers in arrival order."""
+    old = snap.generation.members if snap.generation else ()
+
+    def key(r: ReadyRecord) -> tuple[int, int, int, int, str]:
+        survivor = r.member_id in old and r.prev_generation == (snap.generation.generation if snap.generation else -1)
+        return (
+            -r.committed_step,
+            0 if survivor else 1,
+            r.prev_rank if survivor else 0,
+            snap.ready_order.get(r.member_id, 0),
+            r.member_id,
+        )
+
+    return sorted(chosen, key=key)
+
+
+def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
+    """Whether a member about to rendezvous should look for a durable checkpoint (pure).
+
+    Yes when no member of the current generation is alive (or there is none), the job has not
+    finished, and this member holds nothing, or less than the newest step the job is known to have
+    reached (``generation``, ``committed`` or ``checkpoint`` record). While a generation has live
+    members they hold its newest state, and a newcomer gets it from rank 0.
+    """
+    g = snap.generation
+    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
+        return False
+    if g is not None and any(m in snap.members for m in g.members):
+        return False
+    newest = max(g.committed_step if g else -1, snap.committed_step,
+                 snap.checkpoint.step if snap.checkpoint else -1)
+    return held_step < 0 or held_step < newest
+
+
+def next_action(
+    snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
+) -> Action:
+    """Decide what this member does next in a rendezvous. Pure: no I/O, no clock reads."""
+    g = snap.generation
+    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
+        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
+    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
+        return Action(ActionKind.FINISHED, f"the job finished at step {snap.finished.step}")
+    if me.member_id not in snap.members or me.member_id not in snap.ready:
+        return Action(ActionKind.REREGISTER, "my member or ready record is gone (lease expired?)")
+    job_sig = g.signature if g else _first_signature(snap)
+    if job_sig and me.signature != job_sig:
+        return Action(
+            ActionKind.FAIL,
+            "model mismatch",
+            error=f"this worker's model signature {me.signature[:12]} differs from the job's "
+            f"{job_sig[:12]} (parameter names, shapes or dtypes differ)",
+        )
+    cands = candidates_of(snap)
+    ids = {r.member_id for r in cands}
+    broken = generation_broken(snap)
+    if g is not None:
+        missing = [m for m in g.members if m in snap.members and m not in ids]
+        if missing and not broken:
+            if me.member_id not in g.members and g.world_size >= world.max_workers:
+                return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
+                              f"max_workers {world.max_workers}", standby=True)
+            return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
+                          f"members {missing} to reach a step boundary")
+        if missing and not any(r.member_id in g.members for r in cands):
+            # Only members of the generation hold its state. Publishing without any of them while
+            # some live would start over from older state (a newcomer alone would train from step
+            # 0): wait for them. Bounded by their leases (and the agent's hang detection).
+            return Action(ActionKind.WAIT, f"waiting for the live members {missing} of generation "
+                          f"{g.generation}, which hold its state")
+        # The last call starts when this member saw the generation broken: a newcomer that has
+        # been waiting for long must not cut it short.
+        last_call = max(window.entered_at, window.broken_at or window.entered_at) + timeouts.last_call_s
+        if missing and now < last_call:
+            return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
+    if len(cands) < world.min_workers:
+        return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
+    best = max(r.committed_step for r in cands)
+    resume = g is None and best > 0  # a first generation from state loaded from disk
+    if g is not None and not any(m in snap.members for m in g.members):
+        newest = max(g.committed_step, snap.committed_step)
+        ck = snap.checkpoint
+        if best < newest and ck is None:
+            return Action(
+                ActionKind.STATE_LOST,
+                "state lost",
+                error=f"every member of generation {g.generation} is gone and no waiting member holds "
+                f"the job's state (step {newest}; the best here: {best}), and no durable checkpoint is "
+                f"recorded for this job (set checkpoint_dir to save them); restart from a checkpoint",
+            )
+        if best < newest and best < 0:
+            assert ck is not None
+            return Action(ActionKind.WAIT, f"every member of generation {g.generation} is gone and no waiting "
+                          f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
+                          f"{ck.node}); waiting for one that can")
+        resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
+    old = set(g.members) if g else set()
+    newcomers = ids - old
+    settle = window.candidates_changed_at + timeouts.join_window_s
+    if newcomers and len(cands) < world.max_workers and now < settle:
+        return Action(ActionKind.WAIT, "join window open", until=settle)
+    chosen = rank_order(snap, cands)[: world.max_workers]
+    rank0 = snap.members[chosen[0].member_id]
+    number = snap.highest_generation_seen + 1
+    if resume:
+        reason = "resume"
+    elif g is None:
+        reason = "start"
+    elif snap.aborted >= g.generation:
+        reason = "aborted"
+    elif any(m not in snap.members for m in g.members):
+        reason = "member_lost"
+    elif newcomers:
+        reason = "join"
+    else:
+        reason = "regroup"
+    record = GenerationRecord(
+        generation=number,
+        members=tuple(r.member_id for r in chosen),
+        store_host=rank0.host,
+        store_port=rank0.store_port,
+        signature=job_sig,
+        committed_step=chosen[0].committed_step,
+        reason=reason,
+    )
+    return Action(
+        ActionKind.PUBLISH,
+        reason,
+        record=record,
+        expected_revision=snap.generation_revision,
+        consumed_ready=tuple(record.members),
+    )
+
+
+@dataclass(frozen=True)
+class Health:
+    """What a member of ``current`` makes of a snapshot (``assess_health``)."""
+
+    abandon: bool  # leave the generation at the next chance (a wait in it ends now)
+    reason: str
+    fenced: bool  # and never commit in it again (superseded, aborted, or my lease is gone)
+    join_pending: bool | None  # newcomers would be admitted by a regroup (None: this read cannot tell)
+    newcomers: tuple[str, ...] = ()
+
+
+def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldConfig) -> tuple[str, ...]:
+    """The ready candidates outside ``current`` that a regroup now would take in (pure).
+
+    None while ``current`` is at ``max_workers``: a standby beyond it waits until a member leaves
+    (the generation then breaks and the standby is chosen); forcing generations for it would only
+    slow the job down, since ``rank_order`` would leave it out again."""
+    if current.world_size >= world.max_workers:
+        return ()
+    return tuple(r.member_id for r in candidates_of(snap) if r.member_id not in current.members)
+
+
+def assess_health(snap: Snapshot, current: GenerationRecord, me: str, joined_revision: int,
+                  lease_lost: bool, world: WorldConfig) -> Health:
+    """Whether the generation ``current`` that ``me`` is in can go on, from one snapshot (pure).
+
+    ``joined_revision`` is the generation record's ``mod_revision`` when ``me`` joined it: a
+    snapshot read before that says nothing about this generation, so only ``lease_lost`` counts then.
+    """
+    if lease_lost:
+        return Health(True, "my lease expired", True, None)
+    if snap.generation_revision < joined_revision:
+        return Health(False, "", False, None)
+    if snap.generation is None and snap.generation_revision != 0:
+        # garbage written by hand: reported by snapshot(); not a reason to stop training
+        return Health(False, "", False, None)
+    if snap.generation is None or snap.generation.generation != current.generation:
+        return Health(True, "generation superseded", True, None)
+    if snap.aborted >= current.generation:
+        return Health(True, "generation aborted", True, None)
+    newcomers = newcomers_admitted(snap, current, world)
+    lost = [m for m in current.members if m not in snap.members]
+    if lost:
+        return Health(True, f"members lost their lease: {lost}", False, bool(newcomers), newcomers)
+    # A member that wrote a ready record naming this generation has left it (its step failed, and
+    # it is at the rendezvous): waiting for it in a collective could only end at collective_s.
+    left = [m for m in current.members if m != me and m in snap.ready
+            and snap.ready[m].prev_generation >= current.generation]
+    if left:
+        return Health(True, f"members left the generation: {left}", False, bool(newcomers), newcomers)
+    return Health(False, "", False, bool(newcomers), newcomers)
+

@@ -1,0 +1,64 @@
+"""The key-value store port: what elasticd needs from etcd, and the key as read.
+
+Owns ``KeyValue`` and the ``KeyValueStore`` protocol. ``store.etcd.EtcdClient`` satisfies it
+structurally; the unit tests' fake does too. Imports nothing of elasticd but the base modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from the store."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int = 0
+
+
+class KeyValueStore(Protocol):
+    """What the rendezvous needs from etcd. ``etcd.EtcdClient`` satisfies it structurally."""
+
+    def get(self, key: str) -> KeyValue | None: ...
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        """The keys under each of ``prefixes`` (a whole key is a prefix too), read in one
+        transaction, so all of them are from one revision; in the order of ``prefixes``."""
+        ...
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def compare_and_put(
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+    ) -> bool:
+        """Put ``key`` (under ``lease``, if not 0; and delete ``delete_keys``, and put ``put_keys``,
+        unleased) iff its mod_revision is as expected (0: absent), all in one transaction.
+
+        Raises:
+            LeaseLost: ``lease`` is gone (only when the compare held).
+        """
+        ...
+
+    def grant_lease(self, ttl_s: float) -> int: ...
+
+    def refresh_lease(self, lease: int) -> float:
+        """Renew; return the remaining TTL in seconds (<= 0: the lease is gone)."""
+        ...
+
+    def revoke_lease(self, lease: int) -> None: ...
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (no arguments) after any change under ``prefix``; return a canceller."""
+        ...
+

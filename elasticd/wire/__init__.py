@@ -1,0 +1,1 @@
+"""The job's etcd contract: key layout, records, codec and parsed snapshots. Pure, torch-free."""

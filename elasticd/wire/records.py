@@ -1,0 +1,173 @@
+"""The rendezvous records as JSON in etcd, and the one codec (``encode``, ``decode``). Pure.
+
+Parsing never trusts a record: ``decode`` raises ``ValueError`` (or ``TypeError``) on anything that
+is not exactly the dataclass it expects, and the readers list such a record as malformed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass
+from typing import TypeVar
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """A live member (``members/<id>``, leased)."""
+
+    member_id: str
+    node: str
+    local_rank: int
+    pid: int
+    host: str
+    store_port: int
+    signature: str
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """A member waiting for the next generation (``ready/<id>``, leased)."""
+
+    member_id: str
+    committed_step: int
+    prev_generation: int
+    prev_rank: int
+    signature: str
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """A published generation (``generation``): dense rank order and where its store lives."""
+
+    generation: int
+    members: tuple[str, ...]
+    store_host: str
+    store_port: int
+    signature: str
+    committed_step: int
+    reason: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member_id: str) -> int:
+        return self.members.index(member_id)
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    """``abort``: the named generation is broken; its members must re-rendezvous."""
+
+    generation: int
+    member_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CommittedRecord:
+    """``committed`` (not leased): the job's newest committed step as last published by a rank 0.
+    It outlives the members, so a newcomer can tell a fresh job from one whose state is gone."""
+
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """``checkpoint`` (not leased): the job's latest good durable checkpoint, written by the member
+    that saved it (or that loaded it, when the record was missing or older). Decoded tolerantly
+    (``decode_checkpoint``): fields may be added, and only these are read."""
+
+    step: int
+    path: str
+    node: str
+    generation: int = 0
+    seq: int = 0
+    bytes: int = 0
+    time: float = 0.0
+
+
+def decode_checkpoint(raw: bytes) -> CheckpointRecord:
+    """Parse a ``checkpoint`` record: ``step``, ``path`` and ``node`` are required; the other known
+    fields are optional; unknown fields are ignored.
+
+    Raises:
+        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
+    """
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    out: dict[str, object] = {}
+    for name, f in CheckpointRecord.__dataclass_fields__.items():
+        if name not in data:
+            if f.default is MISSING:
+                raise ValueError(f"field {name} is missing")
+            continue
+        value = data[name]
+        kind = str(f.type)
+        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
+              "float": isinstance(value, (int, float))}[kind]
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"field {name} is not {kind}")
+        out[name] = float(value) if kind == "float" else value
+    rec = CheckpointRecord(**out)  # type: ignore[arg-type]
+    if rec.step < 0:
+        raise ValueError("step must be >= 0")
+    return rec
+
+
+@dataclass(frozen=True)
+class FinishedRecord:
+    """``finished``: every member reached the target step together; the job is done."""
+
+    generation: int
+    step: int
+
+
+_R = TypeVar("_R")
+
+
+def encode(record: object) -> bytes:
+    return json.dumps(asdict(record), sort_keys=True).encode()  # type: ignore[call-overload]
+
+
+def _decode(cls: type, raw: bytes) -> object:
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    if set(data) != set(fields):
+        raise ValueError(f"fields {sorted(data)} != {sorted(fields)}")
+    for name, f in fields.items():
+        want = {"int": int, "str": str, "tuple[str, ...]": list}[str(f.type)]
+        if not isinstance(data[name], want) or isinstance(data[name], bool):
+            raise ValueError(f"field {name} is not {f.type}")
+    if "members" in data:
+        if not all(isinstance(m, str) for m in data["members"]):
+            raise ValueError("members must be strings")
+        data["members"] = tuple(data["members"])
+    return cls(**data)
+
+
+def decode(cls: type[_R], raw: bytes) -> _R:
+    """Parse one record of type ``cls``, trusting nothing.
+
+    Raises:
+        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
+    """
+    rec = _decode(cls, raw)
+    assert isinstance(rec, cls)
+    return rec
+
+
+def decode_generation(raw: bytes) -> GenerationRecord:
+    rec = decode(GenerationRecord, raw)
+    if rec.generation < 1 or len(set(rec.members)) != len(rec.members) or not rec.members:
+        raise ValueError("generation must be >= 1 with distinct, non-empty members")
+    return rec
+
+
+def decode_abort(raw: bytes) -> AbortRecord:
+    return decode(AbortRecord, raw)
+

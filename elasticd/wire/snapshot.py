@@ -1,0 +1,88 @@
+"""One parsed read of a job's rendezvous keys (``Snapshot``, ``parse_snapshot``). Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import (
+    CheckpointRecord,
+    CommittedRecord,
+    FinishedRecord,
+    GenerationRecord,
+    MemberRecord,
+    ReadyRecord,
+    decode,
+    decode_abort,
+    decode_checkpoint,
+    decode_generation,
+)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything under the job prefix, parsed; malformed records are listed, not fatal."""
+
+    generation: GenerationRecord | None = None
+    generation_revision: int = 0
+    members: Mapping[str, MemberRecord] = field(default_factory=dict)
+    ready: Mapping[str, ReadyRecord] = field(default_factory=dict)
+    ready_order: Mapping[str, int] = field(default_factory=dict)
+    aborted: int = 0
+    malformed: tuple[str, ...] = ()
+    finished: FinishedRecord | None = None
+    committed_step: int = -1
+    checkpoint: CheckpointRecord | None = None
+
+    @property
+    def highest_generation_seen(self) -> int:
+        seen = [self.generation.generation if self.generation else 0, self.aborted]
+        seen += [r.prev_generation for r in self.ready.values()]
+        return max(seen)
+
+
+def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
+    """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``."""
+    generation: GenerationRecord | None = None
+    generation_revision = 0
+    members: dict[str, MemberRecord] = {}
+    ready: dict[str, ReadyRecord] = {}
+    ready_order: dict[str, int] = {}
+    aborted = 0
+    finished: FinishedRecord | None = None
+    committed_step = -1
+    checkpoint: CheckpointRecord | None = None
+    malformed: list[str] = []
+    for kv in kvs:
+        try:
+            if kv.key == keys.generation:
+                generation_revision = kv.mod_revision
+                generation = decode_generation(kv.value)
+            elif kv.key == keys.abort:
+                aborted = decode_abort(kv.value).generation
+            elif kv.key == keys.finished:
+                finished = decode(FinishedRecord, kv.value)
+            elif kv.key == keys.committed:
+                committed_step = decode(CommittedRecord, kv.value).step
+            elif kv.key == keys.checkpoint:
+                checkpoint = decode_checkpoint(kv.value)
+            elif kv.key.startswith(keys.member("")):
+                m = decode(MemberRecord, kv.value)
+                if kv.key != keys.member(m.member_id):
+                    raise ValueError("member id does not match its key")
+                members[m.member_id] = m
+            elif kv.key.startswith(keys.ready("")):
+                r = decode(ReadyRecord, kv.value)
+                if kv.key != keys.ready(r.member_id):
+                    raise ValueError("member id does not match its key")
+                ready[r.member_id] = r
+                ready_order[r.member_id] = kv.create_revision
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
+            malformed.append(f"{kv.key}: {exc}")
+    return Snapshot(
+        generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
+        committed_step, checkpoint=checkpoint,
+    )
+
