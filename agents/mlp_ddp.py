@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the agents dir: make
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
 from mlp import add_workload_arguments, make_dataset, make_model  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

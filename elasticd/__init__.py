@@ -14,11 +14,11 @@ __all__ = ["Batch", "BatchMode", "CheckpointConfig", "ElasticTrainer", "Elasticd
 def __getattr__(name: str) -> object:
     # The trainer and sampler import torch; keep `import elasticd` light for elasticctl.
     if name in ("ElasticTrainer", "StepResult"):
-        from elasticd import trainer
+        from elasticd.worker import trainer
 
         return getattr(trainer, name)
     if name in ("Batch", "BatchMode"):
-        from elasticd import sampler
+        from elasticd.worker import sampler
 
         return getattr(sampler, name)
     raise AttributeError(name)

@@ -74,10 +74,10 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO
 
-from elasticd.audit import check as audit_check
 from elasticd.config import Timeouts
 from elasticd.errors import ConfigError
-from elasticd.localcluster import (
+from elasticd.testing.audit import check as audit_check
+from elasticd.testing.localcluster import (
     AuditTail,
     EtcdCluster,
     EtcdServer,
@@ -88,8 +88,8 @@ from elasticd.localcluster import (
     make_workdir,
     process_state,
     python_program,
-    sigterm_raises,
     signal_pid,
+    sigterm_raises,
 )
 
 JOB_ID = "chaos"

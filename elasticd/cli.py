@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from elasticd.agent.sdnotify import Notifier, watchdog_interval
 from elasticd.config import (
     AGENT_SETTINGS,
     DEFAULT_CONFIG_FILE,
@@ -78,17 +79,16 @@ from elasticd.config import (
     systemd_notify_environ,
     without_etcd_security,
 )
-from elasticd.drain import (
+from elasticd.errors import ConfigError, EtcdUnavailable
+from elasticd.log import configure_logging
+from elasticd.ops.drain import (
     DEFAULT_DRAIN_WAIT_S,
     DRAIN_POLL_S,
     DrainStore,
     drain_progress,
     request_drain,
 )
-from elasticd.errors import ConfigError, EtcdUnavailable
-from elasticd.log import configure_logging
-from elasticd.sdnotify import Notifier, watchdog_interval
-from elasticd.status import (
+from elasticd.ops.status import (
     EXIT_DOWN,
     EXIT_OK,
     STALL_AFTER_S,
@@ -653,8 +653,10 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
             print(f"{AGENT_PROG}: {line}", file=err)
         return AGENT_EXIT_BAD_CONFIG
     configure_logging()
-    from elasticd.agent import Agent  # the entry point wires the concrete objects
-    from elasticd.metrics import AgentMetrics, MetricsServer, serve
+    from elasticd.agent.elastic import (
+        Agent,  # the entry point wires the concrete objects
+    )
+    from elasticd.agent.metrics import AgentMetrics, MetricsServer, serve
     from elasticd.store.etcd import EtcdClient
 
     try:
@@ -678,7 +680,7 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
     watchdog_s = watchdog_interval(systemd["WATCHDOG_USEC"], systemd["WATCHDOG_PID"])
     try:
         if config.mode == "restart":  # unmodified torchrun scripts: any failure restarts the whole group
-            from elasticd.group_restart import GroupRestartAgent
+            from elasticd.agent.restart import GroupRestartAgent
 
             outcome = GroupRestartAgent(config, client, notifier=notifier, watchdog_s=watchdog_s).run()
         else:

@@ -19,12 +19,13 @@ import re
 import shutil
 import socket
 import sys
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
+
+import tomllib
 
 from elasticd.errors import ConfigError
 

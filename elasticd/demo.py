@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from elasticd.audit import AuditReport, check_dir
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.localcluster import (
+from elasticd.store.kv import KeyValueStore
+from elasticd.testing.audit import AuditReport, check_dir
+from elasticd.testing.localcluster import (
     AuditTail,
     EtcdServer,
     Terminated,
@@ -59,7 +60,6 @@ from elasticd.localcluster import (
     signal_pid,
     sigterm_raises,
 )
-from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import GenerationRecord, decode_generation
 from elasticd.wire.snapshot import parse_snapshot

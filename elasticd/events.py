@@ -27,9 +27,9 @@ from collections.abc import Callable
 import structlog
 
 from elasticd.errors import EtcdUnavailable
-from elasticd.oprecords import EventRecord, encode_event, event_name, prune_plan
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
+from elasticd.wire.ops import EventRecord, encode_event, event_name, prune_plan
 
 log = structlog.get_logger(__name__)
 

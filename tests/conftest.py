@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from elasticd.audit import AuditReport, check_dir
-from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
+from elasticd.testing.audit import AuditReport, check_dir
+from elasticd.testing.localcluster import EtcdServer, WorkerProcess, python_program
 from tests.jobs import job_factory, wait_until
 
 _job_ids = itertools.count()

@@ -25,7 +25,6 @@ from enum import StrEnum
 
 import structlog
 
-from elasticd import continued
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import (
     EtcdUnavailable,
@@ -35,7 +34,7 @@ from elasticd.errors import (
     RendezvousClosed,
     StateLost,
 )
-from elasticd.oprecords import EventKind, EventRecord, encode_event, event_name
+from elasticd.rendezvous import continued
 from elasticd.rendezvous.decide import (
     ActionKind,
     Me,
@@ -49,6 +48,7 @@ from elasticd.rendezvous.decide import (
 from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
+from elasticd.wire.ops import EventKind, EventRecord, encode_event, event_name
 from elasticd.wire.records import (
     AbortRecord,
     CheckpointRecord,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from elasticd.localcluster import REPO_ROOT, free_port
+from elasticd.testing.localcluster import REPO_ROOT, free_port
 
 
 @pytest.mark.timeout(60)

@@ -12,8 +12,12 @@ import time
 import psutil
 import pytest
 
-from elasticd.audit import check_dir, read_lines
-from tests.integration.test_node_agent import AgentJob, _worker_pid, agent_job  # noqa: F401 (fixture)
+from elasticd.testing.audit import check_dir, read_lines
+from tests.integration.test_node_agent import (  # noqa: F401 (fixture)
+    AgentJob,
+    _worker_pid,
+    agent_job,
+)
 
 STEPS = 700  # long enough that a replacement started under load (torch import ~10 s) joins before the end
 SLOW_MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", str(STEPS)]

@@ -10,8 +10,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elasticd.localcluster import free_port
-from tests.integration.test_node_agent import AgentJob, _worker_pid, agent_job  # noqa: F401 (fixture)
+from elasticd.testing.localcluster import free_port
+from tests.integration.test_node_agent import (  # noqa: F401 (fixture)
+    AgentJob,
+    _worker_pid,
+    agent_job,
+)
 
 SCRAPE_TIMEOUT_S = 2.0
 

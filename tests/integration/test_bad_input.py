@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from elasticd.localcluster import free_port
+from elasticd.testing.localcluster import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.localcluster import REPO_ROOT
+from elasticd.testing.localcluster import REPO_ROOT
 
 
 @pytest.mark.timeout(180)

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from elasticd.bench_outage import rate
-from elasticd.localcluster import REPO_ROOT
+from elasticd.bench.outage import rate
+from elasticd.testing.localcluster import REPO_ROOT
 
 
 def test_rate_counts_steps_in_the_window() -> None:

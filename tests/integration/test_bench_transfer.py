@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.bench import RecoverySettings, run_transfer
+from elasticd.bench.recovery import RecoverySettings, run_transfer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.chaos import kinds_possible
-from elasticd.localcluster import REPO_ROOT
+from elasticd.testing.localcluster import REPO_ROOT
 
 
 def _run_chaos(workdir: Path, timeout_s: float, *args: str) -> tuple[int, dict[str, object], str]:

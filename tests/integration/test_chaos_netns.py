@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.chaos import netns_unusable, probe_netns
-from elasticd.localcluster import REPO_ROOT
+from elasticd.testing.localcluster import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)
 

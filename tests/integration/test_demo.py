@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.localcluster import REPO_ROOT
+from elasticd.testing.localcluster import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(200)
 

@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import torch
 
-from elasticd.audit import check, read_lines
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.durable import job_dir, load_latest, read_manifest, scan
-from elasticd.localcluster import REPO_ROOT
-from elasticd.status import read_status
+from elasticd.ops.status import read_status
 from elasticd.store.etcd import EtcdClient
+from elasticd.testing.audit import check, read_lines
+from elasticd.testing.localcluster import REPO_ROOT
 from elasticd.wire.keys import Keys
+from elasticd.worker.durable import job_dir, load_latest, read_manifest, scan
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -238,7 +238,7 @@ def _intact(directory: Path, step: int) -> None:
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_model
 
-    from elasticd.checkpoint import TrainingState
+    from elasticd.worker.checkpoint import TrainingState
 
     saved = torch.get_rng_state()
     try:

@@ -19,9 +19,9 @@ import pytest
 
 from elasticd.cli import agent_main, ctl_main
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port
-from elasticd.status import WorkerState, read_status
+from elasticd.ops.status import WorkerState, read_status
 from elasticd.store.etcd import EtcdClient
+from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, free_port
 from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(180)

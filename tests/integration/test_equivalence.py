@@ -78,8 +78,8 @@ def test_a_skipped_batch_would_be_caught():
     """The tolerance above is tight enough to see one lost batch (single process, same model)."""
     import sys
 
-    from elasticd.localcluster import REPO_ROOT
-    from elasticd.sampler import ElasticSampler
+    from elasticd.testing.localcluster import REPO_ROOT
+    from elasticd.worker.sampler import ElasticSampler
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_dataset, make_model

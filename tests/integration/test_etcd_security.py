@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.localcluster import REPO_ROOT, EtcdServer, EtcdTls
+from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, EtcdTls
 from tests.integration.test_node_agent import AgentJob
 
 OPENSSL = shutil.which("openssl")

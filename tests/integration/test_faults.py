@@ -76,7 +76,7 @@ def test_fds_and_threads_stay_bounded_over_50_generation_changes(local_job):
     churn = job.spawn("--cycles", "26", "--audit-dir", str(job.dir), program="tests/programs/churn.py", audit=False)
     assert churn.wait(150) == 0, job.logs_tail()
     survivor.stop()
-    syncs = [r for r in __import__("elasticd.audit", fromlist=["x"]).read_lines([job.dir / "audit0.jsonl"])
+    syncs = [r for r in __import__("elasticd.testing.audit", fromlist=["x"]).read_lines([job.dir / "audit0.jsonl"])
              if r["event"] == "sync"]
     assert len(syncs) >= 50, len(syncs)
     early, late = syncs[5], syncs[-1]

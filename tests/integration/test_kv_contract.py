@@ -18,9 +18,9 @@ from structlog.testing import capture_logs
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.localcluster import EtcdServer, free_port
 from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValueStore
+from elasticd.testing.localcluster import EtcdServer, free_port
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 pytestmark = [

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.audit import check_dir, read_lines
-from elasticd.localcluster import REPO_ROOT, EtcdServer, free_port, log_events
+from elasticd.testing.audit import check_dir, read_lines
+from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, free_port, log_events
 from tests.jobs import job_factory, wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
@@ -334,7 +334,7 @@ def test_a_second_agent_with_the_same_node_id_is_refused_and_the_first_trains_on
     """Issue 10: the second agent exits 2 naming the first (host, pid, since when) after waiting out
     one lease TTL (plus the margin) for a crashed agent's record; it starts no worker, and the first
     agent's worker goes on committing in the same generation."""
-    from elasticd.presence import CLAIM_MARGIN_S
+    from elasticd.agent.presence import CLAIM_MARGIN_S
 
     ttl = 2.0
     job = agent_job(lease_ttl_s=ttl, keepalive_s=0.5, min_workers=1)
@@ -368,7 +368,7 @@ def test_a_second_agent_with_the_same_node_id_is_refused_and_the_first_trains_on
 def test_an_agent_restarted_after_a_crash_waits_out_its_old_record_and_takes_the_node_id_back(agent_job):
     """The old record of a SIGKILLed agent still holds the node id until its lease expires; the new
     agent (as systemd would restart it) waits that out instead of being refused."""
-    from elasticd.presence import CLAIM_MARGIN_S
+    from elasticd.agent.presence import CLAIM_MARGIN_S
 
     ttl = 2.0
     job = agent_job(lease_ttl_s=ttl, keepalive_s=0.5, min_workers=1)

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from elasticd.audit import check_dir
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.localcluster import REPO_ROOT
 from elasticd.store.etcd import EtcdClient
+from elasticd.testing.audit import check_dir
+from elasticd.testing.localcluster import REPO_ROOT
 from elasticd.wire.keys import Keys
 from tests.integration.test_node_agent import (  # noqa: F401
     MLP,

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.localcluster import REPO_ROOT, EtcdServer
-from elasticd.status import Health, JobStatus, WorkerState, read_status
+from elasticd.ops.status import Health, JobStatus, WorkerState, read_status
 from elasticd.store.etcd import EtcdClient
+from elasticd.testing.localcluster import REPO_ROOT, EtcdServer
 from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(180)

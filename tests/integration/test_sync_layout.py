@@ -34,8 +34,8 @@ def _setup(rank: int, world: int, port_q: Queue[int]):  # type: ignore[no-untype
 
     from elasticd.config import Timeouts
     from elasticd.log import configure_logging
-    from elasticd.process_group import GroupFactory, StoreServer
     from elasticd.retry import Deadline
+    from elasticd.worker.process_group import GroupFactory, StoreServer
 
     configure_logging(json=True, level=40)
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ig
     model of its own seed."""
     import torch
 
-    from elasticd.checkpoint import TrainingState
+    from elasticd.worker.checkpoint import TrainingState
 
     model = _model(layers, width, seed=0 if holds else seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -72,8 +72,8 @@ def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ig
 
 def _worker(rank: int, world: int, layers: int, holders: list[int], port_q: Queue[int],
             res_q: Queue[dict[str, object]]) -> None:
-    from elasticd.checkpoint import plan_transfer, sync_state
     from elasticd.retry import Deadline
+    from elasticd.worker.checkpoint import plan_transfer, sync_state
 
     timeouts, factory, group = _setup(rank, world, port_q)
     holds = rank in holders
@@ -138,9 +138,9 @@ _BIG_WIDTH = 2048  # ~34 MB of state with momentum: more than the sockets buffer
 
 
 def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
-    from elasticd.checkpoint import _UNSET, _max_reduce, sync_state
     from elasticd.errors import CollectiveError
     from elasticd.retry import Deadline
+    from elasticd.worker.checkpoint import _UNSET, _max_reduce, sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
     state = _trained_state(2, _BIG_WIDTH, rank == 0, seed=rank)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.localcluster import REPO_ROOT
+from elasticd.testing.localcluster import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,10 +12,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "agents")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from mlp import make_dataset, make_model  # noqa: E402
 
 import elasticd  # noqa: E402
 from elasticd.log import configure_logging  # noqa: E402
-from mlp import make_dataset, make_model  # noqa: E402
 
 
 def main() -> int:

@@ -20,11 +20,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # noqa: E402
 
-from elasticd.collectives import GradientReducer  # noqa: E402
-from elasticd.commit import Vote  # noqa: E402
 from elasticd.errors import CollectiveError  # noqa: E402
-from elasticd.process_group import Group  # noqa: E402
 from elasticd.retry import Deadline  # noqa: E402
+from elasticd.worker.collectives import GradientReducer  # noqa: E402
+from elasticd.worker.commit import Vote  # noqa: E402
+from elasticd.worker.process_group import Group  # noqa: E402
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from elasticd.localcluster import REPO_ROOT, EtcdServer, log_events
+from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, log_events
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
 

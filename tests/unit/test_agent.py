@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from elasticd.agent import (
+from elasticd.agent.elastic import (
     Action,
     ActionKind,
     Agent,
@@ -31,6 +31,8 @@ from elasticd.agent import (
     restart_backoff_s,
     restarts_in_window,
 )
+from elasticd.agent.jobview import JobView, ProgressMark
+from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.cli import TORCHRUN_ALIASES, build_agent_parser, parse_agent_command_line
 from elasticd.config import (
     AGENT_SETTINGS,
@@ -43,9 +45,7 @@ from elasticd.config import (
     parse_nnodes,
 )
 from elasticd.errors import ConfigError, EtcdUnavailable
-from elasticd.progress import JobView, ProgressMark
 from elasticd.store.kv import KeyValue
-from elasticd.supervisor import ExitKind, WorkerExit
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord, encode
 from tests.fakes import FakeKeyValueStore

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.audit import check, check_dir
-from elasticd.sampler import ElasticSampler
+from elasticd.testing.audit import check, check_dir
+from elasticd.worker.sampler import ElasticSampler
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.commit import VOTE_SLOTS, Fence, Outcome, Tally, Vote, commit_outcome
+from elasticd.worker.commit import (
+    VOTE_SLOTS,
+    Fence,
+    Outcome,
+    Tally,
+    Vote,
+    commit_outcome,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

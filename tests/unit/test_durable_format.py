@@ -15,8 +15,15 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elasticd.checkpoint import TrainingState
-from elasticd.durable import DIRECT_ALIGN, MAGIC, CheckpointWriter, load_latest, read_manifest, scan
+from elasticd.worker.checkpoint import TrainingState
+from elasticd.worker.durable import (
+    DIRECT_ALIGN,
+    MAGIC,
+    CheckpointWriter,
+    load_latest,
+    read_manifest,
+    scan,
+)
 from tests.unit.test_checkpoint import make_state, train
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,7 +13,10 @@ import torch
 from structlog.testing import capture_logs
 
 from elasticd.config import CheckpointConfig, WorkerEnv, WorldConfig
-from elasticd.durable import (
+from elasticd.errors import CheckpointModelChanged, ModelMismatch
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import decode_save_failed, save_failed_key
+from elasticd.worker.durable import (
     CheckpointWriter,
     Entry,
     job_dir,
@@ -24,10 +27,7 @@ from elasticd.durable import (
     scan,
     signature_of,
 )
-from elasticd.errors import CheckpointModelChanged, ModelMismatch
-from elasticd.oprecords import decode_save_failed, save_failed_key
-from elasticd.trainer import ElasticTrainer
-from elasticd.wire.keys import Keys
+from elasticd.worker.trainer import ElasticTrainer
 from tests.fakes import FakeKeyValueStore
 from tests.unit.test_checkpoint import make_model, make_state, train
 

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.config import AgentConfig, Timeouts, WorldConfig, load_agent_config
-from elasticd.errors import ConfigError
-from elasticd.group_restart import (
+from elasticd.agent.restart import (
     Action,
     ActionKind,
     AgentRecord,
@@ -32,6 +30,8 @@ from elasticd.group_restart import (
     parse_view,
     worker_environ,
 )
+from elasticd.config import AgentConfig, Timeouts, WorldConfig, load_agent_config
+from elasticd.errors import ConfigError
 from elasticd.store.kv import KeyValue
 from elasticd.wire.records import encode
 from tests.fakes import FakeKeyValueStore

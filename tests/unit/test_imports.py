@@ -12,15 +12,17 @@ import time
 
 import pytest
 
-from elasticd.localcluster import REPO_ROOT, free_port
+from elasticd.testing.localcluster import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log",
-                 "elasticd.rendezvous.membership", "elasticd.rendezvous.decide", "elasticd.store.etcd", "elasticd.store.kv",
-                 "elasticd.wire.records", "elasticd.wire.snapshot", "elasticd.wire.keys", "elasticd.status", "elasticd.cli",
-                 "elasticd.supervisor", "elasticd.agent", "elasticd.group_restart", "elasticd.restart_records", "elasticd.oprecords",
-                 "elasticd.events", "elasticd.presence", "elasticd.drain", "elasticd.progress", "elasticd.metrics"]
+LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log", "elasticd.events",
+                 "elasticd.store.kv", "elasticd.store.etcd", "elasticd.wire.keys", "elasticd.wire.records",
+                 "elasticd.wire.snapshot", "elasticd.wire.ops", "elasticd.wire.restart", "elasticd.rendezvous.decide",
+                 "elasticd.rendezvous.membership", "elasticd.rendezvous.continued", "elasticd.agent.elastic",
+                 "elasticd.agent.restart", "elasticd.agent.supervisor", "elasticd.agent.presence",
+                 "elasticd.agent.jobview", "elasticd.agent.metrics", "elasticd.agent.sdnotify", "elasticd.ops.status",
+                 "elasticd.ops.drain", "elasticd.cli"]
 # A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.
 STARTUP_BOUND_S = 3.0
 

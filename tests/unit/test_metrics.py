@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.metrics import AgentMetrics
-from elasticd.progress import JobView, MemberProgress, WorkerObservation, WorkerPhase
-from elasticd.supervisor import WorkerStats
+from elasticd.agent.jobview import (
+    JobView,
+    MemberProgress,
+    WorkerObservation,
+    WorkerPhase,
+)
+from elasticd.agent.metrics import AgentMetrics
+from elasticd.agent.supervisor import WorkerStats
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,11 +14,22 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.agent.presence import NodePresence
 from elasticd.config import Timeouts
-from elasticd.drain import drain_progress, request_drain
 from elasticd.errors import EtcdUnavailable
 from elasticd.events import MAX_PENDING_EVENTS, EventLog
-from elasticd.oprecords import (
+from elasticd.ops.drain import drain_progress, request_drain
+from elasticd.ops.status import (
+    build_status,
+    job_events,
+    render_events_json,
+    render_events_table,
+    render_json,
+    render_table,
+)
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import (
     DrainRecord,
     EventRecord,
     NodeRecord,
@@ -32,17 +43,6 @@ from elasticd.oprecords import (
     event_name,
     prune_plan,
 )
-from elasticd.presence import NodePresence
-from elasticd.status import (
-    build_status,
-    job_events,
-    render_events_json,
-    render_events_table,
-    render_json,
-    render_table,
-)
-from elasticd.store.kv import KeyValue
-from elasticd.wire.keys import Keys
 from elasticd.wire.records import GenerationRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore
 
@@ -407,7 +407,7 @@ def test_agent_publishes_its_node_record_and_drains_on_a_drain_request() -> None
     import sys
     import threading
 
-    from elasticd.agent import Agent
+    from elasticd.agent.elastic import Agent
     from elasticd.config import AgentConfig, WorldConfig
 
     code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
@@ -493,7 +493,7 @@ def test_an_etcd_outage_does_not_stop_the_agent_or_its_workers(tmp_path: Path) -
     import sys
     import threading
 
-    from elasticd.agent import Agent
+    from elasticd.agent.elastic import Agent
     from elasticd.config import AgentConfig, WorldConfig
 
     store = DownStore()

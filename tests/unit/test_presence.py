@@ -12,17 +12,17 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from elasticd.config import Timeouts
-from elasticd.oprecords import NodeRecord, decode_node, encode_node
-from elasticd.presence import (
+from elasticd.agent.presence import (
     CLAIM_MARGIN_S,
     ClaimKind,
     NodePresence,
     decide_claim,
     describe_holder,
 )
+from elasticd.config import Timeouts
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
+from elasticd.wire.ops import NodeRecord, decode_node, encode_node
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from elasticd.progress import (
+from elasticd.agent.jobview import (
     JobView,
     MemberProgress,
     ProgressMark,

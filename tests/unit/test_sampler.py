@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from elasticd.errors import ConfigError
-from elasticd.sampler import Batch, BatchMode, ElasticSampler
+from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from elasticd.sdnotify import Notifier, watchdog_interval
+from elasticd.agent.sdnotify import Notifier, watchdog_interval
 
 pytestmark = pytest.mark.timeout(30)
 

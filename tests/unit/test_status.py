@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from elasticd.status import (
+from elasticd.ops.status import (
     EXIT_DEGRADED,
     EXIT_DOWN,
     EXIT_OK,
@@ -337,14 +337,14 @@ def test_checkpoint_record_is_shown_in_table_and_json() -> None:
 
 def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] = ("a", "b"),
                   garbage: bool = False) -> list[KeyValue]:
-    from elasticd.restart_records import (
+    from elasticd.wire.records import encode
+    from elasticd.wire.restart import (
         AgentRecord,
         FailedRecord,
         FinishedRecord,
         RestartKeys,
         RoundRecord,
     )
-    from elasticd.wire.records import encode
 
     root, _, job = KEYS.job.rpartition("/")
     rk = RestartKeys(root, job)
@@ -391,19 +391,19 @@ def test_an_elastic_job_has_no_restart_section() -> None:
 
 # -- health from live records: a malformed generation, stalls, failed saves ----------------------
 
-from elasticd.oprecords import (  # noqa: E402
+from elasticd.ops.status import (  # noqa: E402
+    STALL_AFTER_S,
+    last_activity,
+    save_failing,
+    stall_bound,
+)
+from elasticd.wire.ops import (  # noqa: E402
     EventRecord,
     SaveFailedRecord,
     encode_event,
     encode_save_failed,
     event_name,
     save_failed_key,
-)
-from elasticd.status import (  # noqa: E402
-    STALL_AFTER_S,
-    last_activity,
-    save_failing,
-    stall_bound,
 )
 from elasticd.wire.records import CheckpointRecord
 
@@ -506,7 +506,7 @@ def test_stall_bound(stall_after_s: float, step_times: list[float | None], bound
 
 
 def test_last_activity_is_the_newest_progress_or_the_generation_published() -> None:
-    from elasticd.status import Progress
+    from elasticd.ops.status import Progress
 
     p = {"m0": Progress(5, 1, 0, 0.1, 0, 100.0), "m1": Progress(5, 1, 1, 0.1, 0, 105.0),
          "x": Progress(9, 1, 0, 0.1, 0, 900.0)}

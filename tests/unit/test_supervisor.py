@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, classify_exit, signal_name
+from elasticd.agent.supervisor import (
+    ExitKind,
+    Supervisor,
+    WorkerExit,
+    classify_exit,
+    signal_name,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from elasticd.config import ENV_PREFIX, EtcdConfig, Timeouts, WorkerEnv, WorldConfig
 

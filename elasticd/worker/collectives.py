@@ -18,10 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elasticd.commit import VOTE_SLOTS
 from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
-from elasticd.process_group import Group
 from elasticd.retry import Deadline
+from elasticd.worker.commit import VOTE_SLOTS
+from elasticd.worker.process_group import Group
 
 Abandon = Callable[[], bool]
 

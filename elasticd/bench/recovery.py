@@ -45,9 +45,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elasticd.audit import AuditReport, check_dir
 from elasticd.config import Timeouts
-from elasticd.localcluster import REPO_ROOT, EtcdServer, WorkerProcess, free_port, python_program
+from elasticd.testing.audit import AuditReport, check_dir
+from elasticd.testing.localcluster import (
+    REPO_ROOT,
+    EtcdServer,
+    WorkerProcess,
+    free_port,
+    python_program,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -696,11 +702,11 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
     import torch
     import torch.distributed as dist  # the raw baseline must bypass elasticd's collectives
 
-    from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
-    from elasticd.collectives import barrier as collective_barrier
     from elasticd.log import configure_logging
-    from elasticd.process_group import Group, GroupFactory, StoreServer
     from elasticd.retry import Deadline
+    from elasticd.worker.checkpoint import ChecksumAhead, TrainingState, sync_state
+    from elasticd.worker.collectives import barrier as collective_barrier
+    from elasticd.worker.process_group import Group, GroupFactory, StoreServer
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_model  # type: ignore[import-not-found, unused-ignore]
@@ -1082,37 +1088,41 @@ class Subcommand:
 
 
 def _add_agent_args(p: argparse.ArgumentParser) -> None:
-    from elasticd import bench_agent  # it builds on this module's helpers, so it is imported late
+    from elasticd.bench import agent as bench_agent
 
     bench_agent.add_agent_args(p)
 
 
 def _run_agent_cmd(args: argparse.Namespace) -> int:
-    from elasticd import bench_agent
+    from elasticd.bench import agent as bench_agent
 
     return bench_agent.run_agent_cmd(args)
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    from elasticd.bench_checkpoint import add_args  # imports this module: load it only when asked
+    from elasticd.bench.checkpoint import (
+        add_args,  # imports this module: load it only when asked
+    )
 
     add_args(p)
 
 
 def _run_checkpoint_cmd(args: argparse.Namespace) -> int:
-    from elasticd.bench_checkpoint import run_cmd
+    from elasticd.bench.checkpoint import run_cmd
 
     return run_cmd(args)
 
 
 def _add_outage_args(p: argparse.ArgumentParser) -> None:
-    from elasticd.bench_outage import add_args  # imports this module: load it only when asked
+    from elasticd.bench.outage import (
+        add_args,  # imports this module: load it only when asked
+    )
 
     add_args(p)
 
 
 def _run_outage_cmd(args: argparse.Namespace) -> int:
-    from elasticd.bench_outage import run_cmd
+    from elasticd.bench.outage import run_cmd
 
     return run_cmd(args)
 

@@ -30,10 +30,16 @@ from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
-from elasticd.progress import JobView, WorkerObservation
-from elasticd.supervisor import WorkerStats
+from elasticd.agent.jobview import JobView, WorkerObservation
+from elasticd.agent.supervisor import WorkerStats
 
 log = structlog.get_logger(__name__)
 

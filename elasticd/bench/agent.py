@@ -36,8 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from elasticd.audit import check_dir
-from elasticd.bench import (
+from elasticd.bench.recovery import (
     DATASET_SIZE,
     POLL_S,
     WORKLOAD,
@@ -51,7 +50,8 @@ from elasticd.bench import (
 )
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ElasticdError
-from elasticd.localcluster import (
+from elasticd.testing.audit import check_dir
+from elasticd.testing.localcluster import (
     EtcdServer,
     WorkerProcess,
     agent_program,

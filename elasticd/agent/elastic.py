@@ -51,13 +51,7 @@ from types import FrameType
 
 import structlog
 
-from elasticd.config import AgentConfig, child_environ
-from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.log import bind_context
-from elasticd.metrics import AgentMetrics
-from elasticd.oprecords import DrainRecord, EventKind, NodeRecord, WorkerRecord
-from elasticd.presence import ClaimKind, NodePresence
-from elasticd.progress import (
+from elasticd.agent.jobview import (
     JobView,
     ProgressMark,
     advance_mark,
@@ -65,11 +59,17 @@ from elasticd.progress import (
     observe_worker,
     read_job_view,
 )
+from elasticd.agent.metrics import AgentMetrics
+from elasticd.agent.presence import ClaimKind, NodePresence
+from elasticd.agent.sdnotify import Notifier
+from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
+from elasticd.config import AgentConfig, child_environ
+from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.log import bind_context
 from elasticd.retry import Clock
-from elasticd.sdnotify import Notifier
 from elasticd.store.kv import KeyValue, KeyValueStore
-from elasticd.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 from elasticd.wire.keys import Keys
+from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord
 from elasticd.wire.records import MemberRecord, decode
 
 log = structlog.get_logger(__name__)

@@ -29,9 +29,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elasticd.bench import PHASE_TIMEOUT_S, BenchError, _fmt, _int, _Job, _num, _version, read_json_lines
-from elasticd.localcluster import EtcdServer
+from elasticd.bench.recovery import (
+    PHASE_TIMEOUT_S,
+    BenchError,
+    _fmt,
+    _int,
+    _Job,
+    _num,
+    _version,
+    read_json_lines,
+)
 from elasticd.log import configure_logging
+from elasticd.testing.localcluster import EtcdServer
 
 CKPT_EVERY = 10
 
@@ -114,10 +123,10 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
     """The writer vs a plain write+fsync of the same bytes, alternating, in one directory."""
     import torch
 
-    from elasticd.checkpoint import TrainingState
-    from elasticd.durable import CheckpointWriter, SavedCheckpoint
+    from elasticd.worker.checkpoint import TrainingState
+    from elasticd.worker.durable import CheckpointWriter, SavedCheckpoint
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agents"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "agents"))
     from mlp import make_model
 
     torch.set_num_threads(1)

@@ -18,7 +18,11 @@ from datetime import timedelta
 import structlog
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore  # typed here, unlike torch.distributed
+from torch._C._distributed_c10d import (  # typed here, unlike torch.distributed
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost

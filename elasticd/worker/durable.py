@@ -54,8 +54,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from elasticd.checkpoint import TrainingState, state_checksum
 from elasticd.errors import ModelMismatch, StateCorrupt
+from elasticd.worker.checkpoint import TrainingState, state_checksum
 
 log = structlog.get_logger(__name__)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from elasticd.errors import LeaseLost
-from elasticd.oprecords import DrainRecord, encode_drain
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
+from elasticd.wire.ops import DrainRecord, encode_drain
 from elasticd.wire.snapshot import parse_snapshot
 
 # How often ``elasticctl drain --wait`` looks at the generation again.

@@ -22,21 +22,7 @@ from typing import IO
 import structlog
 import torch
 
-from elasticd import continued
-from elasticd.checkpoint import ChecksumAhead, TrainingState, sync_state
-from elasticd.collectives import GradientReducer, barrier
-from elasticd.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.config import CheckpointConfig, WorkerEnv
-from elasticd.durable import (
-    CheckpointWriter,
-    LoadedCheckpoint,
-    SavedCheckpoint,
-    describe_failure,
-    job_dir,
-    load_latest,
-    new_model_refusal,
-    other_models,
-)
 from elasticd.errors import (
     CheckpointModelChanged,
     CheckpointTransferError,
@@ -47,19 +33,33 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.log import bind_context
-from elasticd.oprecords import (
+from elasticd.rendezvous import continued
+from elasticd.rendezvous.membership import Joined, Membership, new_member_id
+from elasticd.retry import Deadline
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import (
     EventKind,
     SaveFailedRecord,
     encode_save_failed,
     save_failed_key,
 )
-from elasticd.process_group import Group, GroupFactory, StoreServer
-from elasticd.rendezvous.membership import Joined, Membership, new_member_id
-from elasticd.retry import Deadline
-from elasticd.sampler import Batch, BatchMode, ElasticSampler
-from elasticd.store.kv import KeyValueStore
-from elasticd.wire.keys import Keys
 from elasticd.wire.records import CheckpointRecord, MemberRecord
+from elasticd.worker.checkpoint import ChecksumAhead, TrainingState, sync_state
+from elasticd.worker.collectives import GradientReducer, barrier
+from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
+from elasticd.worker.durable import (
+    CheckpointWriter,
+    LoadedCheckpoint,
+    SavedCheckpoint,
+    describe_failure,
+    job_dir,
+    load_latest,
+    new_model_refusal,
+    other_models,
+)
+from elasticd.worker.process_group import Group, GroupFactory, StoreServer
+from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler
 
 log = structlog.get_logger(__name__)
 

@@ -50,7 +50,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from elasticd.oprecords import (
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import (
     DECODE_ERRORS,
     EventKind,
     EventRecord,
@@ -62,9 +64,6 @@ from elasticd.oprecords import (
     decode_save_failed,
     save_failed_key,
 )
-from elasticd.restart_records import RestartKeys, RoundView, parse_view
-from elasticd.store.kv import KeyValue
-from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
     AbortRecord,
     CheckpointRecord,
@@ -72,6 +71,7 @@ from elasticd.wire.records import (
     GenerationRecord,
     decode_abort,
 )
+from elasticd.wire.restart import RestartKeys, RoundView, parse_view
 from elasticd.wire.snapshot import Snapshot, parse_snapshot
 
 EXIT_OK = 0

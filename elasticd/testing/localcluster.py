@@ -29,7 +29,7 @@ from types import FrameType
 
 from elasticd.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ETCD_START_TIMEOUT_S = 20.0  # etcd usually answers in well under a second
 
 

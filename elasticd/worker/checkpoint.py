@@ -21,13 +21,21 @@ from typing import Protocol
 
 import structlog
 import torch
-import xxhash
 import torch.distributed as dist
+import xxhash
 
-from elasticd.collectives import Abandon, all_reduce, start_broadcast, start_recv, start_send, wait, wait_each
 from elasticd.errors import CheckpointTransferError, ModelMismatch, StateCorrupt
-from elasticd.process_group import Group
 from elasticd.retry import Deadline
+from elasticd.worker.collectives import (
+    Abandon,
+    all_reduce,
+    start_broadcast,
+    start_recv,
+    start_send,
+    wait,
+    wait_each,
+)
+from elasticd.worker.process_group import Group
 
 log = structlog.get_logger(__name__)
 

@@ -38,7 +38,10 @@ import structlog
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.events import EventLog
-from elasticd.oprecords import (
+from elasticd.retry import Clock
+from elasticd.store.kv import KeyValue, KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import (
     DECODE_ERRORS,
     DrainRecord,
     NodeRecord,
@@ -46,9 +49,6 @@ from elasticd.oprecords import (
     decode_node,
     encode_node,
 )
-from elasticd.retry import Clock
-from elasticd.store.kv import KeyValue, KeyValueStore
-from elasticd.wire.keys import Keys
 
 log = structlog.get_logger(__name__)
 

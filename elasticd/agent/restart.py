@@ -46,7 +46,7 @@ from enum import StrEnum
 
 import structlog
 
-from elasticd.agent import (
+from elasticd.agent.elastic import (
     EXIT_FATAL,
     EXIT_OK,
     AgentOutcome,
@@ -54,10 +54,15 @@ from elasticd.agent import (
     restart_backoff_s,
     restarts_in_window,
 )
+from elasticd.agent.sdnotify import Notifier
+from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit
 from elasticd.config import AgentConfig, child_environ
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
-from elasticd.restart_records import (
+from elasticd.retry import Clock
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.records import encode
+from elasticd.wire.restart import (
     COUNTED_CAUSES,
     AgentRecord,
     Cause,
@@ -70,11 +75,6 @@ from elasticd.restart_records import (
     WaitingRecord,
     parse_view,
 )
-from elasticd.retry import Clock
-from elasticd.sdnotify import Notifier
-from elasticd.store.kv import KeyValueStore
-from elasticd.supervisor import ExitKind, Supervisor, WorkerExit
-from elasticd.wire.records import encode
 
 log = structlog.get_logger(__name__)
 

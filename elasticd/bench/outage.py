@@ -26,9 +26,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elasticd.audit import check_dir, first_commit_times
-from elasticd.bench import DATASET_SIZE, POLL_S, WORKLOAD, BenchError, _fmt, _lost_steps
-from elasticd.localcluster import EtcdServer, WorkerProcess, python_program
+from elasticd.bench.recovery import (
+    DATASET_SIZE,
+    POLL_S,
+    WORKLOAD,
+    BenchError,
+    _fmt,
+    _lost_steps,
+)
+from elasticd.testing.audit import check_dir, first_commit_times
+from elasticd.testing.localcluster import EtcdServer, WorkerProcess, python_program
 
 PHASE_TIMEOUT_S = 120.0  # bound on every wait of a phase
 WARMUP_STEPS = 50  # committed before the baseline window starts

@@ -1,0 +1,1 @@
+"""The benchmarks behind ``python -m elasticd.bench recovery|agent|checkpoint|outage``."""
