@@ -70,7 +70,7 @@ from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord
-from elasticd.wire.records import MemberRecord, decode
+from elasticd.wire.records import DECODE_ERRORS, MemberRecord, decode
 
 log = structlog.get_logger(__name__)
 
@@ -271,7 +271,7 @@ def member_leases(kvs: Iterable[KeyValue], keys: Keys, node: str, pids: Collecti
             continue
         try:
             rec = decode(MemberRecord, kv.value)
-        except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        except DECODE_ERRORS:
             continue
         if rec.node == node and rec.pid in pids:
             found.append((rec.member_id, kv.lease))

@@ -26,7 +26,7 @@ from enum import StrEnum
 
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import MemberRecord
+from elasticd.wire.records import DECODE_ERRORS, MemberRecord
 from elasticd.wire.snapshot import parse_snapshot
 
 
@@ -94,7 +94,7 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
         if kv.key.startswith(under):
             try:
                 progress[kv.key[len(under):]] = parse_progress(kv.value)
-            except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+            except DECODE_ERRORS:
                 continue
     g = snap.generation
     steps = [snap.committed_step, g.committed_step if g else -1, *(p.step for p in progress.values())]

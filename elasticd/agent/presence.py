@@ -42,13 +42,13 @@ from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import (
-    DECODE_ERRORS,
     DrainRecord,
     NodeRecord,
     decode_drain,
     decode_node,
     encode_node,
 )
+from elasticd.wire.records import DECODE_ERRORS
 
 log = structlog.get_logger(__name__)
 

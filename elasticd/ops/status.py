@@ -53,7 +53,6 @@ from typing import Protocol
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import (
-    DECODE_ERRORS,
     EventKind,
     EventRecord,
     NodeRecord,
@@ -65,6 +64,7 @@ from elasticd.wire.ops import (
     save_failed_key,
 )
 from elasticd.wire.records import (
+    DECODE_ERRORS,
     AbortRecord,
     CheckpointRecord,
     FinishedRecord,
@@ -615,7 +615,7 @@ def _parse_progress(keys: Keys, rows: Sequence[KeyValue]) -> tuple[dict[str, Pro
             if not mid or "/" in mid:
                 raise ValueError("not progress/<member id>")
             out[mid] = decode_progress(kv.value)
-        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        except DECODE_ERRORS as exc:
             bad.append(f"{kv.key}: {exc}")
     return out, tuple(bad)
 
@@ -663,7 +663,7 @@ def _parse_abort(keys: Keys, rows: Sequence[KeyValue]) -> AbortRecord | None:
         if kv.key == keys.abort:
             try:
                 return decode_abort(kv.value)
-            except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError):
+            except DECODE_ERRORS:
                 return None  # parse_snapshot already listed it as malformed
     return None
 

@@ -50,6 +50,7 @@ from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import EventKind, EventRecord, encode_event, event_name
 from elasticd.wire.records import (
+    DECODE_ERRORS,
     AbortRecord,
     CheckpointRecord,
     CommittedRecord,
@@ -401,7 +402,7 @@ class Membership:
                     try:
                         if decode_abort(kv.value).generation >= rec.generation:
                             return  # already aborted (or a newer generation is): nothing to add
-                    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                    except DECODE_ERRORS:
                         pass  # garbage: replace it
                 if self._store.compare_and_put(self._keys.abort, kv.mod_revision if kv else 0, encode(rec)):
                     if failures:
@@ -600,7 +601,7 @@ class Membership:
                 try:
                     if decode_checkpoint(kv.value).step >= record.step:
                         return
-                except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                except DECODE_ERRORS:
                     pass  # garbage: replace it
             self._store.compare_and_put(self._keys.checkpoint, kv.mod_revision if kv else 0, encode(record))
         except EtcdUnavailable as exc:

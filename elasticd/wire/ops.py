@@ -26,9 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-# What a reader catches around the decoders below.
-DECODE_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError)
-
 
 class EventKind(StrEnum):
     """The kinds of events elasticd writes (readers accept other kinds too: forward compatible)."""

@@ -125,6 +125,10 @@ class FinishedRecord:
     step: int
 
 
+# What a reader catches around any decoder of a record from etcd (the one set; a record is never
+# trusted: bad JSON, a wrong shape, bad UTF-8, absurd nesting).
+DECODE_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError)
+
 _R = TypeVar("_R")
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from elasticd.store.kv import KeyValue
-from elasticd.wire.records import decode
+from elasticd.wire.records import DECODE_ERRORS, decode
 
 # ---------------------------------------------------------------------------------------------
 # Records (JSON in etcd; parsing never trusts them)
@@ -189,7 +189,7 @@ def parse_view(keys: RestartKeys, kvs: Iterable[KeyValue]) -> RoundView:
                 if kv.key != keys.done(d.node):
                     raise ValueError("node does not match its key")
                 done[d.node] = d.round
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
+        except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
     return RoundView(rnd, round_revision, agents, waiting, order, failed, failed_revision, done, finished,
                      tuple(malformed))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
+    DECODE_ERRORS,
     CheckpointRecord,
     CommittedRecord,
     FinishedRecord,
@@ -79,7 +80,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                     raise ValueError("member id does not match its key")
                 ready[r.member_id] = r
                 ready_order[r.member_id] = kv.create_revision
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
+        except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
