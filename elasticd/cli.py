@@ -88,19 +88,14 @@ from elasticd.ops.drain import (
     drain_progress,
     request_drain,
 )
-from elasticd.ops.status import (
-    EXIT_DOWN,
-    EXIT_OK,
-    STALL_AFTER_S,
-    STALL_STEP_FACTOR,
-    PrefixReader,
-    job_events,
-    read_status,
+from elasticd.ops.health import EXIT_DOWN, EXIT_OK, STALL_AFTER_S, STALL_STEP_FACTOR
+from elasticd.ops.render import (
     render_events_json,
     render_events_table,
     render_json,
     render_table,
 )
+from elasticd.ops.status import PrefixReader, job_events, read_status
 from elasticd.wire.keys import Keys
 
 if TYPE_CHECKING:  # the client is imported where it is wired (etcd3 and grpc slow the start)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import io
 import math
-import shutil
 import signal
 import sys
 import time
@@ -47,19 +46,17 @@ from typing import TextIO
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.store.kv import KeyValueStore
-from elasticd.testing.audit import AuditReport, check_dir
+from elasticd.testing.audit import AuditReport, as_float, as_int, check_dir
+from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import (
     AuditTail,
-    EtcdServer,
-    Terminated,
     WorkerProcess,
     local_agent_argv,
     log_events,
-    make_workdir,
     python_program,
     signal_pid,
-    sigterm_raises,
 )
+from elasticd.testing.runner import make_workdir, run_to_exit
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import GenerationRecord, decode_generation
 from elasticd.wire.snapshot import parse_snapshot
@@ -112,7 +109,7 @@ class Progress:
         """Fold one audit record in; announce generations and joins through ``say``."""
         event = rec.get("event")
         if event == "sync":
-            gen, rank, world = _int(rec["generation"]), _int(rec["rank"]), _int(rec["world_size"])
+            gen, rank, world = as_int(rec["generation"]), as_int(rec["rank"]), as_int(rec["world_size"])
             if gen not in self.generations:
                 seen = GenerationSeen(gen, world, str(rec.get("cause", "")))
                 known = self.reasons.get(gen)
@@ -123,13 +120,13 @@ class Progress:
                 say(f"generation {gen}: world {world}{who} ({seen.reason or seen.cause})")
             history = self.syncs.setdefault(node, [])
             if gen > 1 and (not history or history[-1][1] != gen - 1):
-                say(f"{node}'s worker joined as a newcomer: generation {gen}, rank {rank}, step {_int(rec['step'])}")
-            history.append((_float(rec["t"]), gen, rank))
+                say(f"{node}'s worker joined as a newcomer: generation {gen}, rank {rank}, step {as_int(rec['step'])}")
+            history.append((as_float(rec["t"]), gen, rank))
         elif event == "final":
-            self.finals.append(_int(rec["step"]))
+            self.finals.append(as_int(rec["step"]))
         elif event == "commit":
-            step, gen = _int(rec["step"]), _int(rec["generation"])
-            t = _float(rec["t"])
+            step, gen = as_int(rec["step"]), as_int(rec["generation"])
+            t = as_float(rec["t"])
             current = self.generations.get(gen)
             if current is not None:
                 if not current.first_step or step < current.first_step:
@@ -138,8 +135,8 @@ class Progress:
                         self.pauses[gen] = max(0.0, t - self.last_commit_t)
                 current.last_step = max(current.last_step, step)
             if step > self.step:
-                self.step, self.generation, self.world_size = step, gen, _int(rec["world_size"])
-                self.loss = _float(rec["loss"])
+                self.step, self.generation, self.world_size = step, gen, as_int(rec["world_size"])
+                self.loss = as_float(rec["loss"])
                 self.last_commit_t = max(self.last_commit_t, t)
 
     def note_record(self, record: GenerationRecord) -> None:
@@ -152,16 +149,6 @@ class Progress:
     def synced_after(self, node: str, t: float) -> bool:
         """Whether ``node``'s worker joined a generation after wall-clock time ``t``."""
         return any(when > t for when, _, _ in self.syncs.get(node, ()))
-
-
-def _int(value: object) -> int:
-    assert isinstance(value, (int, str, float)), value
-    return int(value)
-
-
-def _float(value: object) -> float:
-    assert isinstance(value, (int, str, float)), value
-    return float(value)
 
 
 def _node_of(member_id: str) -> str:
@@ -550,10 +537,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         plan = make_plan(args)
-    except ConfigError as exc:
-        print(f"elasticd.demo: {exc}", file=sys.stderr)
-        return 2
-    try:
         workdir, remove = make_workdir(args.workdir, args.keep, "elasticd-demo-")
     except ConfigError as exc:
         print(f"elasticd.demo: {exc}", file=sys.stderr)
@@ -566,24 +549,15 @@ def main(argv: list[str] | None = None) -> int:
           f"near step {plan.join_at}", file=out)
     print(f"work dir {workdir} (agent-<node>.log: each agent's and its workers' logs, audit/<node>.jsonl: "
           f"audit, etcd.log)", file=out, flush=True)
-    code = 1
-    try:
-        with sigterm_raises():
-            demo.run()
-            code = 0 if demo.verdict() else 1
-    except ConfigError as exc:  # no etcd binary
-        print(f"elasticd.demo: {exc}", file=sys.stderr)
-        code = 2
-    except (KeyboardInterrupt, Terminated):
-        print("\nelasticd.demo: interrupted; stopping every process it started", file=sys.stderr)
-        code = 130
-    finally:
-        demo.stop_all()
-        if remove and code == 0:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"work dir kept: {workdir}", file=out, flush=True)
-    return code
+
+    def body() -> int:
+        demo.run()
+        return 0 if demo.verdict() else 1
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    return run_to_exit("elasticd.demo", body, demo.stop_all, workdir, remove, say)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import pytest
 import structlog
 
 from elasticd.testing.audit import AuditReport, check_dir
-from elasticd.testing.localcluster import EtcdServer, WorkerProcess, python_program
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import WorkerProcess, python_program
 from tests.jobs import job_factory, wait_until
 
 _job_ids = itertools.count()

@@ -4,8 +4,10 @@ Owns ``JobView`` (one read of a job's keys, parsed: generation, world size, the 
 step, each member's record and progress record), how one local worker looks in it
 (``observe_worker``, found by node and pid as the agent's lease lookup does), and the pure
 bookkeeping of the hang test: a worker's ``ProgressMark`` (when its progress last advanced, and
-where the job stood then) and ``is_hung``. Never writes to etcd, never reads a clock: the caller
-passes the time of the read. Imports no torch.
+where the job stood then) and ``is_hung``; and ``JobReader``, the thread that reads the job's keys
+for the agent (at ``job_read_interval_s``) so that etcd never stalls the agent's loop. Never writes
+to etcd; apart from ``JobReader``, no I/O and no clock (the caller passes the time of the read).
+Imports no torch.
 
 A worker *advances* when, in a read, it is waiting for a generation (a ready record: waiting is
 legitimate, e.g. at ``max_workers``), or when its (phase, generation, step) differs from the
@@ -20,14 +22,22 @@ worker that reached the last step between two reads looks, until it exits, like 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from elasticd.store.kv import KeyValue
+import structlog
+
+from elasticd.config import AgentConfig
+from elasticd.errors import EtcdUnavailable
+from elasticd.retry import Clock
+from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import DECODE_ERRORS, MemberRecord
 from elasticd.wire.snapshot import parse_snapshot
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,3 +191,56 @@ def is_hung(mark: ProgressMark | None, view: JobView | None, hang_timeout_s: flo
     if mark is None or view is None or hang_timeout_s <= 0 or view.finished:
         return False
     return view.read_at - mark.at >= hang_timeout_s and view.job_step > mark.job_step
+
+
+HANG_READS_PER_TIMEOUT = 10  # reads of the job per hang_timeout_s when only hang detection needs them
+
+
+def job_read_interval_s(config: AgentConfig, live_consumers: bool) -> float:
+    """How often the agent reads the job's keys: every ``keepalive_s`` for metrics and systemd
+    STATUS (``live_consumers``); for hang detection alone, ``HANG_READS_PER_TIMEOUT`` times per
+    ``hang_timeout_s`` but never more often than every ``keepalive_s`` (each read holds every
+    member's records, so many nodes reading a large job often would load etcd)."""
+    k = config.timeouts.keepalive_s
+    if live_consumers or config.hang_timeout_s <= 0:
+        return k
+    return max(k, config.hang_timeout_s / HANG_READS_PER_TIMEOUT)
+
+
+class JobReader:
+    """A thread that reads the job's keys every ``interval_s`` and keeps the newest ``JobView``.
+
+    It keeps etcd off the agent's loop: a slow or absent etcd delays only the next view (each
+    read is bounded by the store's own request timeout and retries), and a failed read leaves the
+    previous view in place, so nothing is decided on evidence that was not read.
+    """
+
+    def __init__(self, store: KeyValueStore, keys: Keys, clock: Clock, interval_s: float) -> None:
+        self._store, self._keys, self._clock, self._interval_s = store, keys, clock, interval_s
+        self._latest: JobView | None = None
+        self._stop = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="elasticd-job-reader", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> JobView | None:
+        return self._latest
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self._interval_s + 1.0)  # a read under way may outlast this; it is a daemon
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rows = self._store.get_prefixes((*self._keys.rendezvous, self._keys.progress("")))
+            except EtcdUnavailable as exc:
+                if not self._failing:
+                    log.warning("job_read_failed", error=str(exc)[:300])
+                self._failing = True
+            else:
+                if self._failing:
+                    log.info("job_read_recovered")
+                self._failing = False
+                self._latest = read_job_view(self._keys, rows, self._clock())
+            self._stop.wait(self._interval_s)

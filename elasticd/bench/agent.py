@@ -23,45 +23,40 @@ It never changes how elasticd behaves: the agents get their settings as flags.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import signal
 import statistics
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from elasticd.bench.recovery import (
+from elasticd.bench.common import (
     DATASET_SIZE,
+    PHASE_TIMEOUT_S,
     POLL_S,
     WORKLOAD,
     BenchError,
+    LeaseSettings,
     Record,
-    _fmt,
-    _lost_steps,
-    _median,
-    _Tail,
-    _version,
+    Tail,
+    dist_version,
+    fmt,
+    lost_steps,
+    median_of,
+    progress,
+    run_subcommand,
 )
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.config import EtcdConfig, RetryPolicy
 from elasticd.errors import ElasticdError
 from elasticd.testing.audit import check_dir
-from elasticd.testing.localcluster import (
-    EtcdServer,
-    WorkerProcess,
-    agent_program,
-    python_program,
-)
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import WorkerProcess, agent_program, python_program
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import decode_generation
 from elasticd.wire.snapshot import parse_snapshot
 
-PHASE_TIMEOUT_S = 90.0   # bound on every wait of a phase
 SETTLE_STEPS = 15        # steps committed at a world size before the next fault
 AGENT_TARGETS = {
     "crash_detect_s": "<= 0.2 s",
@@ -72,15 +67,12 @@ AGENT_TARGETS = {
 
 
 @dataclass(frozen=True)
-class AgentBenchSettings:
+class AgentBenchSettings(LeaseSettings):
+    """What ``agent`` runs (the lease is passed to the agents as flags)."""
+
     reps: int = 5
     nodes: int = 3
-    lease_ttl_s: float = 2.0
-    keepalive_s: float = 0.5
     step_sleep_s: float = 0.02
-
-    def timeouts(self) -> Timeouts:
-        return Timeouts(lease_ttl_s=self.lease_ttl_s, keepalive_s=self.keepalive_s)
 
 
 @dataclass
@@ -147,7 +139,7 @@ class _AgentJob:
         self.store = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)), s.timeouts(), RetryPolicy(etcd_attempts=2))
         self.watch = _GenerationWatch(self.store, self.keys)
         self.agents: dict[str, WorkerProcess] = {}
-        self.tails: dict[str, _Tail] = {}
+        self.tails: dict[str, Tail] = {}
         self.commits: list[Record] = []   # every node's commit lines, in the order read
         self.expected_gone: set[str] = set()  # nodes whose agent the bench stopped on purpose
 
@@ -163,7 +155,7 @@ class _AgentJob:
         )
         agent = WorkerProcess(argv, {}, self.dir / f"agent-{node}.log", new_session=True).start()
         self.agents[node] = agent
-        self.tails[node] = _Tail(audit)
+        self.tails[node] = Tail(audit)
         return agent
 
     def poll(self) -> None:
@@ -267,7 +259,7 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
     finally:
         job.stop()
     audit = check_dir(job.dir, DATASET_SIZE)
-    out.steps_lost = _lost_steps(audit)
+    out.steps_lost = lost_steps(audit)
     out.violations = list(audit.violations)
     return out
 
@@ -277,8 +269,8 @@ def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[st
     with EtcdServer(data_dir=str(workdir / "etcd")) as etcd:
         for i in range(s.reps):
             r = run_agent_rep(etcd, workdir, i, s)
-            progress(f"rep {i + 1}/{s.reps}: crash_detect {_fmt(r.crash_detect_s)} s, drain {_fmt(r.drain_s)} s "
-                     f"(step {_fmt(r.drain_step_time_s, 4)} s), node_loss {_fmt(r.node_loss_recovery_s)} s, "
+            progress(f"rep {i + 1}/{s.reps}: crash_detect {fmt(r.crash_detect_s)} s, drain {fmt(r.drain_s)} s "
+                     f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
                      f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else ""))
             reps.append(r)
 
@@ -286,15 +278,15 @@ def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[st
         return sorted(v for v in (getattr(r, name) for r in reps) if v is not None)
 
     figures = {
-        "crash_detect_s": _median(r.crash_detect_s for r in reps),
-        "node_loss_recovery_s": _median(r.node_loss_recovery_s for r in reps),
-        "drain_s": _median(r.drain_s for r in reps),
-        "drain_step_time_s": _median(r.drain_step_time_s for r in reps),
+        "crash_detect_s": median_of(r.crash_detect_s for r in reps),
+        "node_loss_recovery_s": median_of(r.node_loss_recovery_s for r in reps),
+        "drain_s": median_of(r.drain_s for r in reps),
+        "drain_step_time_s": median_of(r.drain_step_time_s for r in reps),
         "steps_lost": sum(r.steps_lost for r in reps),
     }
     return {
         "benchmark": "agent",
-        "settings": {**asdict(s), "workload": f"{WORKLOAD} (one worker per agent)", "torch": _version("torch")},
+        "settings": {**asdict(s), "workload": f"{WORKLOAD} (one worker per agent)", "torch": dist_version("torch")},
         "figures": figures,
         "targets": AGENT_TARGETS,
         "spread": {k: spread(k) for k in ("crash_detect_s", "node_loss_recovery_s", "drain_s")},
@@ -321,8 +313,8 @@ def render_agent(result: Mapping[str, object]) -> str:
     for name, what, target in rows:
         values = spread.get(name) or []
         rng = f"{values[0]:.3f}..{values[-1]:.3f}" if values else "-"
-        lines.append(f"{name:<22} {_fmt(fig[name]):>8}  {rng:<17} {target:<10} {what}")
-    lines.append(f"{'drain_step_time_s':<22} {_fmt(step, 4):>8}  {'':<17} {'':<10} median step time before the drain")
+        lines.append(f"{name:<22} {fmt(fig[name]):>8}  {rng:<17} {target:<10} {what}")
+    lines.append(f"{'drain_step_time_s':<22} {fmt(step, 4):>8}  {'':<17} {'':<10} median step time before the drain")
     lines.append(f"{'steps_lost':<22} {fig['steps_lost']!s:>8}  {'':<17} {'0':<10} by the audit checker, over every fault")
     errors, violations = result["errors"], result["violations"]
     assert isinstance(errors, list) and isinstance(violations, list)
@@ -330,28 +322,19 @@ def render_agent(result: Mapping[str, object]) -> str:
     return "\n".join(lines)
 
 
-def add_agent_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
+    """``agent``'s flags."""
     d = AgentBenchSettings()
     p.add_argument("--reps", type=int, default=d.reps, help="repetitions (default %(default)s)")
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s, help="the agents' --lease-ttl-s (default %(default)s)")
     p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="the agents' --keepalive-s (default %(default)s)")
     p.add_argument("--step-sleep", type=float, default=d.step_sleep_s, help="the workers' --step-sleep (default %(default)s)")
-    p.add_argument("--workdir", default=None, help="keep the logs and audit files here (default: a temp dir, removed)")
 
 
-def run_agent_cmd(args: argparse.Namespace) -> int:
+def run_cmd(args: argparse.Namespace) -> int:
+    """``agent``: run it, print the figures; 1 when a repetition failed or a step was lost."""
     s = AgentBenchSettings(reps=args.reps, lease_ttl_s=args.lease_ttl, keepalive_s=args.keepalive,
                            step_sleep_s=args.step_sleep)
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
-    keep = args.workdir is not None
-    workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="elasticd-bench-agent-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run_agent_bench(s, workdir, lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(result) if args.json else render_agent(result))
-    fig = result["figures"]
-    assert isinstance(fig, dict)
-    return 1 if result["errors"] or result["violations"] or fig["steps_lost"] else 0
+    return run_subcommand(args, "elasticd-bench-agent-", lambda workdir: run_agent_bench(s, workdir, progress),
+                          render_agent)

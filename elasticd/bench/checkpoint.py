@@ -17,36 +17,40 @@ Every process it starts is tracked by PID and killed in ``finally`` blocks.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elasticd.bench.recovery import (
+from elasticd.bench.common import (
     PHASE_TIMEOUT_S,
     BenchError,
-    _fmt,
-    _int,
-    _Job,
-    _num,
-    _version,
+    BenchJob,
+    LeaseSettings,
+    dist_version,
+    field_float,
+    field_int,
+    fmt,
+    progress,
     read_json_lines,
+    run_subcommand,
 )
 from elasticd.log import configure_logging
-from elasticd.testing.localcluster import EtcdServer
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT
 
 CKPT_EVERY = 10
 
 
 @dataclass(frozen=True)
-class CheckpointBenchSettings:
+class CheckpointBenchSettings(LeaseSettings):
+    """What ``checkpoint`` runs; printed next to the figures."""
+
     reps: int = 4
     workers: int = 2
     hidden: int = 3500            # agents/mlp.py --hidden: ~100 MB of parameters + momentum
@@ -58,17 +62,11 @@ class CheckpointBenchSettings:
     every_steps: int = CKPT_EVERY
     write_reps: int = 7
     resume_steps: int = 5         # steps the resume/fresh jobs commit after starting
-    lease_ttl_s: float = 2.0
-    keepalive_s: float = 0.5
-
-    def env(self) -> dict[str, str]:
-        return {"ELASTICD_LEASE_TTL_S": str(self.lease_ttl_s), "ELASTICD_KEEPALIVE_S": str(self.keepalive_s),
-                "ELASTICD_MIN_WORKERS": str(self.workers), "ELASTICD_MAX_WORKERS": str(self.workers)}
 
 
-def _mean_step_s(job: _Job, lo: int) -> float:
+def _mean_step_s(job: BenchJob, lo: int) -> float:
     """Mean step time over steps lo..last on rank 0 (checkpoint steps included, unlike a median)."""
-    rows: list[tuple[int, float]] = sorted((_int(c, "step"), _num(c, "t")) for w in job.workers
+    rows: list[tuple[int, float]] = sorted((field_int(c, "step"), field_float(c, "t")) for w in job.workers
                                            for c in w.commits if c.get("rank") == 0)
     rows = [r for r in rows if r[0] >= lo]
     if len(rows) < 2:
@@ -78,9 +76,9 @@ def _mean_step_s(job: _Job, lo: int) -> float:
 
 
 def _run_job(etcd: EtcdServer, workdir: Path, job_id: str, s: CheckpointBenchSettings, steps: int,
-             extra: tuple[str, ...]) -> tuple[_Job, float]:
+             extra: tuple[str, ...]) -> tuple[BenchJob, float]:
     """Run ``s.workers`` workers to ``steps``; return the job and the wall time its workers were spawned."""
-    job = _Job(etcd, workdir, job_id, s.env())
+    job = BenchJob(etcd, workdir, job_id, s.worker_env(s.workers, s.workers))
     spawned = time.time()
     try:
         for _ in range(s.workers):
@@ -111,7 +109,7 @@ def run_overhead(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
             (ckpt if kind == "ckpt" else plain).append(step_s)
             if kind == "ckpt":
                 for w in job.workers:
-                    saves += [_num(r, "duration_s") for r in read_json_lines(w.proc.log_path)
+                    saves += [field_float(r, "duration_s") for r in read_json_lines(w.proc.log_path)
                               if r.get("event") == "checkpoint_saved"]
             progress(f"overhead rep {rep} {kind}: mean step {step_s * 1000:.1f} ms")
     ratio = statistics.median(ckpt) / statistics.median(plain)
@@ -123,11 +121,11 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
     """The writer vs a plain write+fsync of the same bytes, alternating, in one directory."""
     import torch
 
-    from elasticd.worker.checkpoint import TrainingState
     from elasticd.worker.durable import CheckpointWriter, SavedCheckpoint
+    from elasticd.worker.state import TrainingState
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "agents"))
-    from mlp import make_model
+    sys.path.insert(0, str(REPO_ROOT / "agents"))
+    from mlp import make_model  # type: ignore[import-not-found, unused-ignore]
 
     torch.set_num_threads(1)
     model = make_model(32, s.hidden, 10, 0)
@@ -192,10 +190,10 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
             "snapshot_copy_s": statistics.median(snapshot_s), "state_bytes": nbytes}
 
 
-def _first_commit_s(job: _Job, spawned: float) -> tuple[float, float]:
+def _first_commit_s(job: BenchJob, spawned: float) -> tuple[float, float]:
     """Seconds from spawning the workers, and from the first trainer start (after Python and torch
     are imported), to the job's first commit."""
-    first = min((_num(c, "t") for w in job.workers for c in w.commits), default=None)
+    first = min((field_float(c, "t") for w in job.workers for c in w.commits), default=None)
     started = min((w.start_t for w in job.workers if w.start_t is not None), default=None)
     if first is None or started is None:
         raise BenchError("no commit")
@@ -225,14 +223,14 @@ def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
             steps = 20 + s.resume_steps if kind == "resume" else s.resume_steps
             job, spawned = _run_job(etcd, d, job_id, s, steps, ("--checkpoint-dir", str(target)))
             first, joined = _first_commit_s(job, spawned)
-            first_step = min(_int(c, "step") for w in job.workers for c in w.commits)
+            first_step = min(field_int(c, "step") for w in job.workers for c in w.commits)
             if kind == "resume":
                 if first_step != 21:
                     raise BenchError(f"the resumed job's first commit is step {first_step}, not 21")
                 resume_s.append(first)
                 resume_join.append(joined)
                 for w in job.workers:
-                    load_s += [_num(r, "duration_s") for r in read_json_lines(w.proc.log_path)
+                    load_s += [field_float(r, "duration_s") for r in read_json_lines(w.proc.log_path)
                                if r.get("event") == "checkpoint_loaded"]
             else:
                 fresh_s.append(first)
@@ -261,7 +259,7 @@ def run_checkpoint_bench(s: CheckpointBenchSettings, workdir: Path,
             except BenchError as exc:
                 errors.append(f"{name}: {exc}")
     return {"figures": figures, "targets": {"ckpt_overhead_ratio": "<= 1.05", "save_throughput_ratio": ">= 0.8"},
-            "settings": {**asdict(s), "cpus": os.cpu_count(), "torch": _version("torch"),
+            "settings": {**asdict(s), "cpus": os.cpu_count(), "torch": dist_version("torch"),
                          "workload": f"agents/mlp.py --hidden {s.hidden}", "directory": str(workdir)},
             "errors": errors}
 
@@ -271,19 +269,19 @@ def render(result: Mapping[str, object]) -> str:
     assert isinstance(f, dict)
     lines = [
         "durable checkpoints (python -m elasticd.bench checkpoint)",
-        f"  ckpt_overhead_ratio    {_fmt(f.get('ckpt_overhead_ratio'))}   target <= 1.05 "
+        f"  ckpt_overhead_ratio    {fmt(f.get('ckpt_overhead_ratio'))}   target <= 1.05 "
         f"(mean step, checkpoint every {CKPT_EVERY} steps / none)",
-        f"  save_throughput_ratio  {_fmt(f.get('save_throughput_ratio'))}   target >= 0.8 "
-        f"({_fmt(f.get('checkpoint_MBps'), 0)} MB/s vs plain write+fsync {_fmt(f.get('plain_MBps'), 0)} MB/s; "
-        f"median of pairwise ratios {_fmt(f.get('pairwise_ratio_median'))})",
-        f"  resume_s               {_fmt(f.get('resume_s'))}   spawn -> first commit from a "
-        f"{_fmt((f.get('state_bytes') or 0) / 1e6, 0)} MB checkpoint",
-        f"  fresh_start_s          {_fmt(f.get('fresh_start_s'))}   spawn -> first commit, nothing on disk",
-        f"  (from trainer start)   {_fmt(f.get('resume_from_trainer_start_s'))} vs "
-        f"{_fmt(f.get('fresh_from_trainer_start_s'))}   after Python and torch are imported",
-        f"  checkpoint_load_s      {_fmt(f.get('checkpoint_load_s'))}   verify + load, per worker",
-        f"  snapshot_copy_s        {_fmt(f.get('snapshot_copy_s'), 4)}   the copy on the training thread",
-        f"  background_write_s     {_fmt(f.get('background_write_s'))}   the writer thread, per save",
+        f"  save_throughput_ratio  {fmt(f.get('save_throughput_ratio'))}   target >= 0.8 "
+        f"({fmt(f.get('checkpoint_MBps'), 0)} MB/s vs plain write+fsync {fmt(f.get('plain_MBps'), 0)} MB/s; "
+        f"median of pairwise ratios {fmt(f.get('pairwise_ratio_median'))})",
+        f"  resume_s               {fmt(f.get('resume_s'))}   spawn -> first commit from a "
+        f"{fmt((f.get('state_bytes') or 0) / 1e6, 0)} MB checkpoint",
+        f"  fresh_start_s          {fmt(f.get('fresh_start_s'))}   spawn -> first commit, nothing on disk",
+        f"  (from trainer start)   {fmt(f.get('resume_from_trainer_start_s'))} vs "
+        f"{fmt(f.get('fresh_from_trainer_start_s'))}   after Python and torch are imported",
+        f"  checkpoint_load_s      {fmt(f.get('checkpoint_load_s'))}   verify + load, per worker",
+        f"  snapshot_copy_s        {fmt(f.get('snapshot_copy_s'), 4)}   the copy on the training thread",
+        f"  background_write_s     {fmt(f.get('background_write_s'))}   the writer thread, per save",
     ]
     errs = result.get("errors")
     if isinstance(errs, list) and errs:
@@ -292,28 +290,16 @@ def render(result: Mapping[str, object]) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    """``checkpoint``'s flags."""
     d = CheckpointBenchSettings()
     p.add_argument("--reps", type=int, default=d.reps, help="repetitions of the job phases (default %(default)s)")
     p.add_argument("--hidden", type=int, default=d.hidden, help="MLP width (default %(default)s: ~100 MB state)")
     p.add_argument("--steps", type=int, default=d.steps, help="steps per overhead job (default %(default)s)")
-    p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir, removed); "
-                   "its filesystem is the one measured")
 
 
 def run_cmd(args: argparse.Namespace) -> int:
+    """``checkpoint``: run it (in ``--workdir``: its filesystem is the one measured), print the figures."""
     s = CheckpointBenchSettings(reps=args.reps, hidden=args.hidden, steps=args.steps)
-    keep = args.workdir is not None
-    workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="elasticd-bench-ckpt-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-
-    def progress(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
     configure_logging(level=logging.WARNING)  # this process saves too; its info lines would mix with --json
-    try:
-        result = run_checkpoint_bench(s, workdir, progress)
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(result) if args.json else render(result))
-    return 1 if result["errors"] else 0
+    return run_subcommand(args, "elasticd-bench-ckpt-", lambda workdir: run_checkpoint_bench(s, workdir, progress),
+                          render)

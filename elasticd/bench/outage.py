@@ -17,25 +17,25 @@ Every process it starts is tracked by PID and killed in ``finally``.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import signal
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elasticd.bench.recovery import (
+from elasticd.bench.common import (
     DATASET_SIZE,
     POLL_S,
     WORKLOAD,
     BenchError,
-    _fmt,
-    _lost_steps,
+    LeaseSettings,
+    fmt,
+    lost_steps,
+    run_subcommand,
 )
 from elasticd.testing.audit import check_dir, first_commit_times
-from elasticd.testing.localcluster import EtcdServer, WorkerProcess, python_program
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import WorkerProcess, python_program
 
 PHASE_TIMEOUT_S = 120.0  # bound on every wait of a phase
 WARMUP_STEPS = 50  # committed before the baseline window starts
@@ -43,12 +43,12 @@ OUTAGE_TARGETS = {"outage_rate_ratio": ">= 0.9", "steps_lost": "0", "regroups": 
 
 
 @dataclass(frozen=True)
-class OutageSettings:
+class OutageSettings(LeaseSettings):
+    """What ``outage`` runs; printed next to the figures."""
+
     workers: int = 3
     outage_s: float = 60.0
     window_s: float = 20.0
-    lease_ttl_s: float = 2.0
-    keepalive_s: float = 0.5
     step_sleep_s: float = 0.0
 
 
@@ -73,8 +73,7 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
     workers: list[WorkerProcess] = []
     try:
         env = {"ELASTICD_ETCD_ENDPOINTS": etcd.endpoint, "ELASTICD_JOB_ID": "outage",
-               "ELASTICD_NODE_ID": "bench", "ELASTICD_MIN_WORKERS": str(s.workers),
-               "ELASTICD_LEASE_TTL_S": str(s.lease_ttl_s), "ELASTICD_KEEPALIVE_S": str(s.keepalive_s)}
+               "ELASTICD_NODE_ID": "bench", **s.worker_env(s.workers)}
         for i in range(s.workers):
             argv = python_program(WORKLOAD, "--steps", "100000000", "--step-sleep", str(s.step_sleep_s),
                                   "--audit", str(workdir / f"audit{i}.jsonl"))
@@ -106,7 +105,7 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
             "rate_after_steps_s": round(after, 2),
             "outage_rate_ratio": round(during / before, 3) if before else None,
             "after_rate_ratio": round(after / before, 3) if before else None,
-            "steps_lost": _lost_steps(rep), "regroups": max(0, len(rep.generations) - 1),
+            "steps_lost": lost_steps(rep), "regroups": max(0, len(rep.generations) - 1),
             "worker_failures": sum(1 for c in codes if c != 0),
         }
         return {"settings": asdict(s), "figures": figures, "targets": OUTAGE_TARGETS,
@@ -117,39 +116,30 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
         etcd.stop()
 
 
-def render(result: dict[str, object]) -> str:
+def render(result: Mapping[str, object]) -> str:
     fig = result["figures"]
     assert isinstance(fig, dict)
     lines = [f"etcd outage of {result['outage_measured_s']} s with no membership change "
              f"({result['settings']['workers']} workers)",  # type: ignore[index]
              f"{'figure':<22} {'value':>10}  target"]
     for name, value in fig.items():
-        lines.append(f"{name:<22} {_fmt(value):>10}  {OUTAGE_TARGETS.get(name, '')}")
+        lines.append(f"{name:<22} {fmt(value):>10}  {OUTAGE_TARGETS.get(name, '')}")
     if result["violations"]:
         lines.append(f"audit violations: {result['violations']}")
     return "\n".join(lines)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    """``outage``'s flags."""
     d = OutageSettings()
     p.add_argument("--workers", type=int, default=d.workers)
     p.add_argument("--outage-s", type=float, default=d.outage_s, help="how long etcd is down")
     p.add_argument("--window-s", type=float, default=d.window_s, help="the rate windows before and after")
     p.add_argument("--step-sleep", type=float, default=d.step_sleep_s)
-    p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary dir, removed)")
 
 
 def run_cmd(args: argparse.Namespace) -> int:
+    """``outage``: run it, print the figures; 1 when a step was lost or the audit found a violation."""
     s = OutageSettings(workers=args.workers, outage_s=args.outage_s, window_s=args.window_s,
                        step_sleep_s=args.step_sleep)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elasticd-bench-outage-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run_outage(s, workdir)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(result) if args.json else render(result))
-    fig = result["figures"]
-    assert isinstance(fig, dict)
-    return 0 if fig["steps_lost"] == 0 and not result["violations"] else 1
+    return run_subcommand(args, "elasticd-bench-outage-", lambda workdir: run_outage(s, workdir), render)

@@ -1,8 +1,8 @@
-"""Benchmarks of elasticd on this machine: ``python -m elasticd.bench <subcommand>``.
+"""``python -m elasticd.bench recovery``: how fast elasticd recovers, joins and syncs, and what it costs.
 
-Owns measuring elasticd end to end, against real processes, and printing the figures (a table, or
-one JSON object with ``--json``). ``recovery`` runs local jobs of the default workload
-(``agents/mlp.py``) on a real etcd (``localcluster``) and measures, each as a median over
+Owns the ``recovery`` benchmark, measured end to end against real processes, and its figures (a
+table, or one JSON object with ``--json``). It runs local jobs of the default workload
+(``agents/mlp.py``) on a real etcd (``testing.etcd``) and measures, each as a median over
 ``--reps`` repetitions (the elastic/DDP job pair of ``overhead_ratio``: ``--overhead-reps``):
 
 * ``recovery_sigkill_s`` / ``recovery_sigstop_s``: fault injected into a worker -> the survivors'
@@ -20,9 +20,9 @@ one JSON object with ``--json``). ``recovery`` runs local jobs of the default wo
 * ``steps_lost``: missing or repeated committed steps found by ``audit.check`` over every job.
 
 Every process it starts (etcd, workers, transfer processes) is tracked by PID and killed in
-``finally`` blocks. Never holds daemon logic and never changes how elasticd behaves: settings reach
-the workers only through their ``ELASTICD_*`` environment. ``agent`` lives in
-``elasticd.bench_agent``; every subcommand registers in ``SUBCOMMANDS``.
+``finally`` blocks. It never holds daemon logic and never changes how elasticd behaves: settings
+reach the workers only through their ``ELASTICD_*`` environment. The shared job and record helpers
+are ``bench.common``'s; the command line is ``bench.__main__``'s.
 """
 
 from __future__ import annotations
@@ -32,24 +32,39 @@ import json
 import multiprocessing
 import os
 import queue
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from elasticd.bench.common import (
+    DATASET_SIZE,
+    PHASE_TIMEOUT_S,
+    POLL_S,
+    WORKLOAD,
+    BenchError,
+    BenchJob,
+    LeaseSettings,
+    Record,
+    dist_version,
+    field_float,
+    field_int,
+    fmt,
+    lost_steps,
+    median_of,
+    progress,
+    read_json_lines,
+    run_subcommand,
+)
 from elasticd.config import Timeouts
 from elasticd.testing.audit import AuditReport, check_dir
+from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import (
     REPO_ROOT,
-    EtcdServer,
     WorkerProcess,
     free_port,
     python_program,
@@ -58,23 +73,13 @@ from elasticd.testing.localcluster import (
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
-Record = dict[str, object]
-
-WORKLOAD = "agents/mlp.py"
 DDP_WORKLOAD = "agents/mlp_ddp.py"
-DATASET_SIZE = 2048           # agents/mlp.py --samples default; the audit checks each epoch with it
-POLL_S = 0.05                 # how often the bench reads the audit logs (it shares the 2 cores)
 KILL_AT_STEP = 30             # the SIGKILL lands this far into training
 SETTLE_STEPS = 10             # steps at the new world size before the next fault
 JOIN_SETTLE_STEPS = 20        # steps after the newcomer's first commit before the SIGSTOP
-PHASE_TIMEOUT_S = 90.0        # bound on every wait of a phase
 EXIT_GRACE_S = 1.0            # a finished worker still running after this is killed (its final GC
                               # at interpreter exit takes seconds on 2 shared cores)
 TRANSFER_FEATURES, TRANSFER_CLASSES = 32, 10
-
-
-class BenchError(RuntimeError):
-    """A repetition could not be measured (a phase timed out, or a worker died unexpectedly)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +87,7 @@ class BenchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class RecoverySettings:
+class RecoverySettings(LeaseSettings):
     """What ``recovery`` runs; printed next to the figures."""
 
     reps: int = 5
@@ -91,8 +96,6 @@ class RecoverySettings:
     # target's margin, and more pairs keep one burst from moving the median.
     overhead_reps: int = 9
     workers: int = 3
-    lease_ttl_s: float = 2.0
-    keepalive_s: float = 0.5
     step_sleep_s: float = 0.02        # fault jobs only; the overhead jobs run without it
     fault_steps: int = 450
     overhead_steps: int = 1000
@@ -100,10 +103,6 @@ class RecoverySettings:
     transfer_hidden: int = 2048       # width of the MLP whose state the transfer phase moves
     transfer_rounds: int = 15         # sync and raw broadcast rounds of the transfer phase (~0.1 s each)
     min_workers_faults: int = 2
-
-    def timeouts(self) -> Timeouts:
-        """The worker timeouts these settings give (defaults for everything not set here)."""
-        return Timeouts(lease_ttl_s=self.lease_ttl_s, keepalive_s=self.keepalive_s)
 
     def describe(self) -> dict[str, object]:
         t = self.timeouts()
@@ -119,7 +118,7 @@ class RecoverySettings:
             "OMP_NUM_THREADS": "1",
             "workload": f"{WORKLOAD} defaults (global batch 64, {DATASET_SIZE} samples, hidden 128)",
             "cpus": os.cpu_count(),
-            "torch": _version("torch"),
+            "torch": dist_version("torch"),
             "python": sys.version.split()[0],
         }
 
@@ -166,263 +165,6 @@ class TransferResult:
     pack_s: float | None = None
     error: str | None = None
 
-
-# ---------------------------------------------------------------------------------------------
-# Small helpers over JSON records
-
-
-def _num(rec: Mapping[str, object], key: str) -> float:
-    value = rec[key]
-    assert isinstance(value, (int, float)), f"{key}={value!r} is not a number"
-    return float(value)
-
-
-def _int(rec: Mapping[str, object], key: str) -> int:
-    return int(_num(rec, key))
-
-
-def _median(values: Iterable[float | None]) -> float | None:
-    got = [v for v in values if v is not None]
-    return statistics.median(got) if got else None
-
-
-def _version(dist_name: str) -> str:
-    try:
-        return metadata.version(dist_name)
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _log_time(rec: Mapping[str, object]) -> float | None:
-    ts = rec.get("timestamp")
-    if not isinstance(ts, str):
-        return None
-    try:
-        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def read_json_lines(path: Path) -> list[Record]:
-    """Every JSON-object line of ``path`` (tracebacks and partial lines are skipped)."""
-    out: list[Record] = []
-    if not path.exists():
-        return out
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
-class _Tail:
-    """Reads only what was appended to a file since the last call (the bench polls every 50 ms)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-        self._partial = ""
-
-    def read_new(self) -> list[Record]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        self._offset += len(data)
-        lines = (self._partial + data.decode(errors="replace")).split("\n")
-        self._partial = lines.pop()
-        out: list[Record] = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
-
-
-def _lost_steps(rep: AuditReport) -> int:
-    """Committed steps that are missing (gaps) or were committed twice (rolled back after commit)."""
-    missing = set(range(1, rep.last_step + 1)) - set(rep.steps)
-    repeated = sum(1 for v in rep.violations if "committed in several generations" in v)
-    return len(missing) + repeated
-
-
-# ---------------------------------------------------------------------------------------------
-# A local job whose audit logs are followed while it runs
-
-
-class _Worker:
-    def __init__(self, index: int, proc: WorkerProcess, audit: Path) -> None:
-        self.index = index
-        self.proc = proc
-        self.audit = audit
-        self.tail = _Tail(audit)
-        self.start_t: float | None = None
-        self.final_seen: float | None = None   # when the bench read the "final" line (bench clock)
-        self.commits: list[Record] = []
-        self.expected_dead = False
-
-    @property
-    def last(self) -> Record | None:
-        return self.commits[-1] if self.commits else None
-
-
-class _Job:
-    """Workers of one elastic job, all tracked by PID; their audit logs are tailed by ``poll``."""
-
-    def __init__(self, etcd: EtcdServer, workdir: Path, job_id: str, env: Mapping[str, str]) -> None:
-        self.etcd = etcd
-        self.dir = workdir
-        self.job_id = job_id
-        self.env = dict(env)
-        self.workers: list[_Worker] = []
-        workdir.mkdir(parents=True, exist_ok=True)
-
-    def spawn(self, *args: str) -> _Worker:
-        i = len(self.workers)
-        audit = self.dir / f"audit{i}.jsonl"
-        env = {
-            **self.env,
-            "ELASTICD_ETCD_ENDPOINTS": self.etcd.endpoint,
-            "ELASTICD_JOB_ID": self.job_id,
-            "ELASTICD_NODE_ID": "bench",
-            "ELASTICD_LOCAL_RANK": str(i),
-            "OMP_NUM_THREADS": "1",
-        }
-        proc = WorkerProcess(python_program(WORKLOAD, *args, "--audit", str(audit)), env, self.dir / f"worker{i}.log")
-        w = _Worker(i, proc, audit)
-        self.workers.append(w)
-        proc.start()
-        return w
-
-    def poll(self) -> None:
-        for w in self.workers:
-            for rec in w.tail.read_new():
-                if rec.get("event") == "commit":
-                    w.commits.append(rec)
-                elif rec.get("event") == "start":
-                    w.start_t = _num(rec, "t")
-                elif rec.get("event") == "final":
-                    w.final_seen = time.time()
-
-    def max_step(self) -> int:
-        return max((_int(w.last, "step") for w in self.workers if w.last), default=0)
-
-    def generation(self) -> int:
-        return max((_int(w.last, "generation") for w in self.workers if w.last), default=0)
-
-    def world_size(self) -> int:
-        """The world size of the newest committed step."""
-        last = max((w.last for w in self.workers if w.last), key=lambda c: _int(c, "step"), default=None)
-        return _int(last, "world_size") if last else 0
-
-    def worker_at_rank(self, rank: int) -> _Worker:
-        gen = self.generation()
-        for w in self.workers:
-            if w.proc.alive() and w.last and _int(w.last, "generation") == gen and _int(w.last, "rank") == rank:
-                return w
-        raise BenchError(f"no live worker holds rank {rank} of generation {gen}")
-
-    def wait_until(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self.poll()
-            if cond():
-                return
-            for w in self.workers:
-                if not w.expected_dead and not w.proc.alive():
-                    raise BenchError(f"worker {w.index} exited with {w.proc.wait(0)} while waiting for "
-                                     f"{what}\n{self.logs_tail()}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs_tail()}")
-            time.sleep(POLL_S)
-
-    def first_commit_after(self, t: float, generation: int, timeout: float, what: str) -> Record:
-        """The earliest commit with ``t`` later than ``t`` in a generation newer than ``generation``."""
-
-        def found() -> list[Record]:
-            return [c for w in self.workers for c in w.commits
-                    if _num(c, "t") > t and _int(c, "generation") > generation]
-
-        self.wait_until(lambda: bool(found()), timeout, what)
-        time.sleep(0.2)  # let the other survivors write their line of the same step
-        self.poll()
-        return min(found(), key=lambda c: _num(c, "t"))
-
-    def kill(self, w: _Worker) -> None:
-        """SIGKILL a worker (also a stopped one) by PID and reap it."""
-        w.expected_dead = True
-        if w.proc.alive():
-            os.kill(w.proc.pid, signal.SIGKILL)
-            w.proc.wait(10)
-
-    def wait_exit(self, timeout: float) -> list[int | None]:
-        deadline = time.monotonic() + timeout
-        codes = []
-        for w in self.workers:
-            if w.expected_dead:
-                continue
-            codes.append(w.proc.wait(max(0.1, deadline - time.monotonic())))
-        return codes
-
-    def wait_exit_after_final(self, grace_s: float) -> float:
-        """Give the finished workers ``grace_s`` to exit; return the slowest exit after its final line.
-
-        A worker still running after that is killed by ``stop`` (the figure is then ``grace_s``).
-
-        Raises:
-            BenchError: a worker exited with a non-zero code.
-        """
-        deadline = time.monotonic() + grace_s
-        pending = {w.index: w for w in self.workers if not w.expected_dead and w.final_seen is not None}
-        lag = 0.0
-        while pending and time.monotonic() < deadline:
-            for i, w in list(pending.items()):
-                code = w.proc.wait(0)
-                if code is None:
-                    continue
-                if code != 0:
-                    raise BenchError(f"worker {w.index} exited with {code}\n{self.logs_tail()}")
-                assert w.final_seen is not None
-                lag = max(lag, time.time() - w.final_seen)
-                del pending[i]
-            time.sleep(0.02)
-        return grace_s if pending else lag
-
-    def stop(self) -> None:
-        for w in self.workers:
-            w.proc.stop()  # SIGCONT + SIGKILL by PID, if still alive
-
-    def logs_tail(self, n: int = 8) -> str:
-        return "\n".join(f"--- worker {w.index}\n" + "\n".join(w.proc.log_text().splitlines()[-n:])
-                         for w in self.workers)
-
-    def log_events(self) -> list[Record]:
-        out: list[Record] = []
-        for w in self.workers:
-            for rec in read_json_lines(w.proc.log_path):
-                rec["_worker"] = w.index
-                rec["_t"] = _log_time(rec)
-                out.append(rec)
-        return out
-
-
-def _job_env(s: RecoverySettings, min_workers: int) -> dict[str, str]:
-    return {
-        "ELASTICD_LEASE_TTL_S": str(s.lease_ttl_s),
-        "ELASTICD_KEEPALIVE_S": str(s.keepalive_s),
-        "ELASTICD_MIN_WORKERS": str(min_workers),
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # Where the time of a recovery goes (from the workers' JSON logs)
 
@@ -457,19 +199,28 @@ def _max_field(evs: Sequence[Record], key: str) -> float | None:
     return max(vals) if vals else None
 
 
+def _regroup_marks(evs: Sequence[Record], origin: float, gen: int, commit_t: float,
+                   own: Sequence[Record]) -> dict[str, float | None]:
+    """Seconds after ``origin`` at which generation ``gen`` was published, built, recovered into and
+    first committed in, and how long its parts took (``own``: the events whose rendezvous counts)."""
+    return {
+        "generation_published": _first_t(_events(evs, "generation_published", gen), origin),
+        "group_built": _last_t(_events(evs, "process_group_rebuilt", gen), origin),
+        "recovered": _last_t(_events(evs, "recovered", gen), origin),
+        "first_commit": commit_t - origin,
+        "rendezvous_s": _max_field(_events(own, "recovered", gen), "rendezvous_s"),
+        "build_s": _max_field(_events(evs, "process_group_rebuilt", gen), "duration_s"),
+        "sync_s": _max_field(_events(evs, "state_synced", gen), "duration_s"),
+    }
+
+
 def fault_timeline(evs: Sequence[Record], fault_t: float, old_gen: int, new_gen: int,
                    commit_t: float) -> dict[str, float | None]:
     """Seconds after the fault at which the survivors noticed, re-formed and committed again."""
     return {
         "step_failed": _first_t(_events(evs, "step_failed", after=fault_t), fault_t),
         "abandon_requested": _first_t(_events(evs, "generation_abandon_requested", old_gen, after=fault_t), fault_t),
-        "generation_published": _first_t(_events(evs, "generation_published", new_gen), fault_t),
-        "group_built": _last_t(_events(evs, "process_group_rebuilt", new_gen), fault_t),
-        "recovered": _last_t(_events(evs, "recovered", new_gen), fault_t),
-        "first_commit": commit_t - fault_t,
-        "rendezvous_s": _max_field(_events(evs, "recovered", new_gen), "rendezvous_s"),
-        "build_s": _max_field(_events(evs, "process_group_rebuilt", new_gen), "duration_s"),
-        "sync_s": _max_field(_events(evs, "state_synced", new_gen), "duration_s"),
+        **_regroup_marks(evs, fault_t, new_gen, commit_t, evs),
         "generations_formed": float(new_gen - old_gen),
     }
 
@@ -482,13 +233,7 @@ def join_timeline(evs: Sequence[Record], newcomer: int, start_t: float, gen: int
     return {
         "member_registered": _first_t(_events(mine, "member_registered"), start_t),
         "join_requested": _first_t(_events(others, "join_requested", after=start_t), start_t),
-        "generation_published": _first_t(_events(evs, "generation_published", gen), start_t),
-        "group_built": _last_t(_events(evs, "process_group_rebuilt", gen), start_t),
-        "recovered": _last_t(_events(evs, "recovered", gen), start_t),
-        "first_commit": commit_t - start_t,
-        "rendezvous_s": _max_field(_events(mine, "recovered", gen), "rendezvous_s"),
-        "build_s": _max_field(_events(evs, "process_group_rebuilt", gen), "duration_s"),
-        "sync_s": _max_field(_events(evs, "state_synced", gen), "duration_s"),
+        **_regroup_marks(evs, start_t, gen, commit_t, mine),
     }
 
 
@@ -503,7 +248,7 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
     among them.
     """
     out = FaultRep()
-    job = _Job(etcd, workdir, f"bench{os.getpid()}f{rep}", _job_env(s, s.min_workers_faults))
+    job = BenchJob(etcd, workdir, f"bench{os.getpid()}f{rep}", s.worker_env(s.min_workers_faults))
     args = ("--steps", str(s.fault_steps), "--step-sleep", str(s.step_sleep_s))
     try:
         for _ in range(s.workers):
@@ -520,22 +265,22 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(10)
         first = job.first_commit_after(kill_t, old_gen, PHASE_TIMEOUT_S, "the first commit after SIGKILL")
-        out.sigkill_s = _num(first, "t") - kill_t
-        sigkill_marks = (kill_t, old_gen, _int(first, "generation"), _num(first, "t"))
+        out.sigkill_s = field_float(first, "t") - kill_t
+        sigkill_marks = (kill_t, old_gen, field_int(first, "generation"), field_float(first, "t"))
 
         # Join: a newcomer at world 2; measured from its own start line (torch already imported).
-        target = _int(first, "step") + SETTLE_STEPS
+        target = field_int(first, "step") + SETTLE_STEPS
         job.wait_until(lambda: job.max_step() >= target, PHASE_TIMEOUT_S, f"step {target}")
         newcomer = job.spawn(*args)
         job.wait_until(lambda: bool(newcomer.commits), PHASE_TIMEOUT_S, "the newcomer's first commit")
         assert newcomer.start_t is not None
         joined = newcomer.commits[0]
-        out.join_s = _num(joined, "t") - newcomer.start_t
-        join_marks = (newcomer.index, newcomer.start_t, _int(joined, "generation"), _num(joined, "t"))
+        out.join_s = field_float(joined, "t") - newcomer.start_t
+        join_marks = (newcomer.index, newcomer.start_t, field_int(joined, "generation"), field_float(joined, "t"))
 
         # SIGSTOP: nothing breaks until the victim's lease expires; then the survivors move on.
-        target = _int(joined, "step") + JOIN_SETTLE_STEPS
-        job.wait_until(lambda: job.max_step() >= target and job.generation() == _int(joined, "generation"),
+        target = field_int(joined, "step") + JOIN_SETTLE_STEPS
+        job.wait_until(lambda: job.max_step() >= target and job.generation() == field_int(joined, "generation"),
                        PHASE_TIMEOUT_S, f"step {target}")
         if job.max_step() > s.fault_steps - 50:
             raise BenchError(f"the job reached step {job.max_step()} of {s.fault_steps} before the SIGSTOP "
@@ -551,8 +296,8 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
             first = job.first_commit_after(stop_t, old_gen, PHASE_TIMEOUT_S, "the first commit after SIGSTOP")
         finally:
             job.kill(victim)  # SIGKILL reaches a stopped process; it never runs again
-        out.sigstop_s = _num(first, "t") - stop_t
-        sigstop_marks = (stop_t, old_gen, _int(first, "generation"), _num(first, "t"))
+        out.sigstop_s = field_float(first, "t") - stop_t
+        sigstop_marks = (stop_t, old_gen, field_int(first, "generation"), field_float(first, "t"))
 
         # The survivors finish the job; each writes its audit "final" line once it has left.
         live = [w for w in job.workers if not w.expected_dead]
@@ -567,14 +312,14 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
         }
         syncs = [r for r in read_json_lines(newcomer.audit) if r.get("event") == "sync"]
         if syncs:
-            out.join_transferred_bytes = _int(syncs[0], "transferred_bytes")
+            out.join_transferred_bytes = field_int(syncs[0], "transferred_bytes")
     except BenchError as exc:
         out.error = str(exc)
     finally:
         job.stop()
     report = check_dir(workdir, DATASET_SIZE)
     out.last_step = report.last_step
-    out.steps_lost = _lost_steps(report)
+    out.steps_lost = lost_steps(report)
     out.violations = list(report.violations)
     if out.error is None and report.last_step != s.fault_steps:
         out.error = f"the job ended at step {report.last_step}, not {s.fault_steps}"
@@ -622,7 +367,7 @@ def window_step_times(series: Iterable[Sequence[tuple[int, float, int]]], lo: in
 
 
 def _run_elastic(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> tuple[StepTimes, dict[int, float], AuditReport]:
-    job = _Job(etcd, workdir, f"bench{os.getpid()}o{rep}", _job_env(s, s.workers))
+    job = BenchJob(etcd, workdir, f"bench{os.getpid()}o{rep}", s.worker_env(s.workers))
     try:
         for _ in range(s.workers):
             job.spawn("--steps", str(s.overhead_steps), "--audit-in-memory")  # as DDP keeps its records
@@ -631,9 +376,9 @@ def _run_elastic(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings)
         job.wait_exit_after_final(EXIT_GRACE_S)  # then killed: the next job must not share the cores
     finally:
         job.stop()
-    series = [[(_int(c, "step"), _num(c, "t"), _int(c, "generation")) for c in w.commits] for w in job.workers]
+    series = [[(field_int(c, "step"), field_float(c, "t"), field_int(c, "generation")) for c in w.commits] for w in job.workers]
     times = window_step_times(series, s.window_from)
-    losses = {_int(c, "step"): _num(c, "loss") for c in job.workers[0].commits}
+    losses = {field_int(c, "step"): field_float(c, "loss") for c in job.workers[0].commits}
     return times, losses, check_dir(workdir, DATASET_SIZE)
 
 
@@ -685,7 +430,7 @@ def run_overhead_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySetti
         out.median_ratio = el.median_s / ddp.median_s
         common = sorted(set(el_losses) & set(ddp_losses))
         out.max_loss_diff = max((abs(el_losses[k] - ddp_losses[k]) for k in common), default=None)
-        out.steps_lost = _lost_steps(report)
+        out.steps_lost = lost_steps(report)
         out.violations = list(report.violations)
     except BenchError as exc:
         out.error = str(exc)
@@ -704,9 +449,10 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
 
     from elasticd.log import configure_logging
     from elasticd.retry import Deadline
-    from elasticd.worker.checkpoint import ChecksumAhead, TrainingState, sync_state
     from elasticd.worker.collectives import barrier as collective_barrier
     from elasticd.worker.process_group import Group, GroupFactory, StoreServer
+    from elasticd.worker.state import ChecksumAhead, TrainingState
+    from elasticd.worker.sync import sync_state
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_model  # type: ignore[import-not-found, unused-ignore]
@@ -818,7 +564,7 @@ def run_transfer(s: RecoverySettings) -> TransferResult:
         while len(results) < s.workers:
             try:
                 res = res_q.get(timeout=1.0)
-                results[_int(res, "rank")] = res
+                results[field_int(res, "rank")] = res
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise BenchError(f"a transfer process died: {[p.exitcode for p in procs]}") from None
@@ -836,8 +582,8 @@ def run_transfer(s: RecoverySettings) -> TransferResult:
         if len(set(nbytes)) != 1:
             raise BenchError(f"the synced state changed size between rounds: {nbytes}")
         rank0 = results[0]
-        out.checksum_s = _num(rank0, "checksum_s")
-        out.pack_s = _num(rank0, "pack_s")
+        out.checksum_s = field_float(rank0, "checksum_s")
+        out.pack_s = field_float(rank0, "pack_s")
     except BenchError as exc:
         out.error = str(exc)
     finally:
@@ -863,15 +609,15 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
             t0 = time.monotonic()
             faults.append(run_fault_rep(etcd, workdir / f"faults{rep}", rep, s))
             f = faults[-1]
-            progress(f"faults rep {rep + 1}/{s.reps}: sigkill {_fmt(f.sigkill_s)} s, join {_fmt(f.join_s)} s, "
-                     f"sigstop {_fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
+            progress(f"faults rep {rep + 1}/{s.reps}: sigkill {fmt(f.sigkill_s)} s, join {fmt(f.join_s)} s, "
+                     f"sigstop {fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
                      + (f" ERROR {f.error.splitlines()[0]}" if f.error else ""))
         for rep in range(s.overhead_reps):
             t0 = time.monotonic()
             overheads.append(run_overhead_rep(etcd, workdir / f"overhead{rep}", rep, s))
             o = overheads[-1]
-            progress(f"overhead rep {rep + 1}/{s.overhead_reps}: elastic {_fmt(o.elastic_step_s, 5)} s, "
-                     f"ddp {_fmt(o.ddp_step_s, 5)} s, ratio {_fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
+            progress(f"overhead rep {rep + 1}/{s.overhead_reps}: elastic {fmt(o.elastic_step_s, 5)} s, "
+                     f"ddp {fmt(o.ddp_step_s, 5)} s, ratio {fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
                      + (f" ERROR {o.error.splitlines()[0]}" if o.error else ""))
     t0 = time.monotonic()
     transfer = run_transfer(s)
@@ -895,39 +641,39 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
         return [None if x is None else round(x, 6) for x in xs]
 
     figures = {
-        "recovery_sigkill_s": _median(f.sigkill_s for f in faults),
-        "recovery_sigstop_s": _median(f.sigstop_s for f in faults),
+        "recovery_sigkill_s": median_of(f.sigkill_s for f in faults),
+        "recovery_sigstop_s": median_of(f.sigstop_s for f in faults),
         "lease_ttl_s": s.lease_ttl_s,
-        "join_s": _median(f.join_s for f in faults),
-        "overhead_ratio": _median(o.ratio for o in overheads),
-        "transfer_ratio": _median(ratios),
-        "transfer_vs_send_ratio": _median(send_ratios),
+        "join_s": median_of(f.join_s for f in faults),
+        "overhead_ratio": median_of(o.ratio for o in overheads),
+        "transfer_ratio": median_of(ratios),
+        "transfer_vs_send_ratio": median_of(send_ratios),
         "transfer_bytes": transfer.bytes,
         "steps_lost": steps_lost,
     }
     baselines = {
-        "ddp_step_s": _median(o.ddp_step_s for o in overheads),
-        "elastic_step_s": _median(o.elastic_step_s for o in overheads),
-        "overhead_ratio_of_median_steps": _median(o.median_ratio for o in overheads),
-        "ddp_median_step_s": _median(o.ddp_median_step_s for o in overheads),
-        "elastic_median_step_s": _median(o.elastic_median_step_s for o in overheads),
-        "raw_broadcast_MBps": _median(raw_mbps),
-        "raw_send_MBps": _median(send_mbps),
-        "sync_MBps": _median(sync_mbps),
-        "raw_broadcast_s": _median(transfer.raw_s),
-        "raw_send_s": _median(transfer.send_s),
-        "sync_s": _median(transfer.sync_s),
+        "ddp_step_s": median_of(o.ddp_step_s for o in overheads),
+        "elastic_step_s": median_of(o.elastic_step_s for o in overheads),
+        "overhead_ratio_of_median_steps": median_of(o.median_ratio for o in overheads),
+        "ddp_median_step_s": median_of(o.ddp_median_step_s for o in overheads),
+        "elastic_median_step_s": median_of(o.elastic_median_step_s for o in overheads),
+        "raw_broadcast_MBps": median_of(raw_mbps),
+        "raw_send_MBps": median_of(send_mbps),
+        "sync_MBps": median_of(sync_mbps),
+        "raw_broadcast_s": median_of(transfer.raw_s),
+        "raw_send_s": median_of(transfer.send_s),
+        "sync_s": median_of(transfer.sync_s),
         "sync_checksum_s_once": transfer.checksum_s,
         "sync_pack_s_once": transfer.pack_s,
         "max_loss_diff_elastic_vs_ddp": max((o.max_loss_diff for o in overheads if o.max_loss_diff is not None),
                                             default=None),
-        "join_transferred_bytes": _median(float(f.join_transferred_bytes) for f in faults
+        "join_transferred_bytes": median_of(float(f.join_transferred_bytes) for f in faults
                                           if f.join_transferred_bytes is not None),
     }
     breakdown: dict[str, dict[str, float | None]] = {}
     for phase in ("sigkill", "join", "sigstop"):
         keys = sorted({k for f in faults for k in f.timeline.get(phase, {})})
-        breakdown[phase] = {k: _median(f.timeline.get(phase, {}).get(k) for f in faults) for k in keys}
+        breakdown[phase] = {k: median_of(f.timeline.get(phase, {}).get(k) for f in faults) for k in keys}
     return {
         "figures": figures,
         "baselines": baselines,
@@ -960,13 +706,6 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
     }
 
 
-def _fmt(x: float | int | None, digits: int = 3) -> str:
-    if x is None:
-        return "n/a"
-    if isinstance(x, int):
-        return str(x)
-    return f"{x:.{digits}f}"
-
 
 def render_recovery(result: Mapping[str, object]) -> str:
     """The human-readable table of a ``run_recovery`` result."""
@@ -989,40 +728,40 @@ def render_recovery(result: Mapping[str, object]) -> str:
         f"transfer_ratio: of {st['transfer_rounds']} rounds",
         "",
         f"{'figure':<22}{'median':>10}   {'spread':<26}note",
-        f"{'recovery_sigkill_s':<22}{_fmt(fig['recovery_sigkill_s']):>10}   {spread('recovery_sigkill_s'):<26}"
+        f"{'recovery_sigkill_s':<22}{fmt(fig['recovery_sigkill_s']):>10}   {spread('recovery_sigkill_s'):<26}"
         "SIGKILL -> survivors' next commit",
-        f"{'recovery_sigstop_s':<22}{_fmt(fig['recovery_sigstop_s']):>10}   {spread('recovery_sigstop_s'):<26}"
+        f"{'recovery_sigstop_s':<22}{fmt(fig['recovery_sigstop_s']):>10}   {spread('recovery_sigstop_s'):<26}"
         f"lease TTL {ttl:g} s; target <= {ttl + 1:g} s",
-        f"{'join_s':<22}{_fmt(fig['join_s']):>10}   {spread('join_s'):<26}newcomer start -> its first commit",
-        f"{'overhead_ratio':<22}{_fmt(fig['overhead_ratio']):>10}   {spread('overhead_ratio'):<26}"
+        f"{'join_s':<22}{fmt(fig['join_s']):>10}   {spread('join_s'):<26}newcomer start -> its first commit",
+        f"{'overhead_ratio':<22}{fmt(fig['overhead_ratio']):>10}   {spread('overhead_ratio'):<26}"
         "elastic / DDP mean step time; target <= 1.03",
-        f"{'transfer_ratio':<22}{_fmt(fig['transfer_ratio']):>10}   {spread('transfer_ratio'):<26}"
+        f"{'transfer_ratio':<22}{fmt(fig['transfer_ratio']):>10}   {spread('transfer_ratio'):<26}"
         f"sync_state / raw broadcast, {fig['transfer_bytes']} bytes; target >= 0.7",
-        f"{'transfer_vs_send_ratio':<22}{_fmt(fig['transfer_vs_send_ratio']):>10}   {spread('transfer_vs_send_ratio'):<26}"
+        f"{'transfer_vs_send_ratio':<22}{fmt(fig['transfer_vs_send_ratio']):>10}   {spread('transfer_vs_send_ratio'):<26}"
         "sync_state / raw send of the same bytes to the newcomer alone",
-        f"{'steps_lost':<22}{_fmt(fig['steps_lost']):>10}   {'':<26}audit.check over every job; must be 0",
+        f"{'steps_lost':<22}{fmt(fig['steps_lost']):>10}   {'':<26}audit.check over every job; must be 0",
         "",
         "baselines",
-        f"  ddp_step_s          {_fmt(base['ddp_step_s'], 5):>10}   plain torch DDP (gloo): wall time / steps over "
+        f"  ddp_step_s          {fmt(base['ddp_step_s'], 5):>10}   plain torch DDP (gloo): wall time / steps over "
         f"steps {st['window_from']}..{st['overhead_steps']}",
-        f"  elastic_step_s      {_fmt(base['elastic_step_s'], 5):>10}   ElasticTrainer, same window",
-        f"  median steps ratio  {_fmt(base['overhead_ratio_of_median_steps']):>10}   "
-        f"elastic / DDP median single-step time ({_fmt(base['elastic_median_step_s'], 5)} / "
-        f"{_fmt(base['ddp_median_step_s'], 5)} s)",
-        f"  raw_broadcast_MBps  {_fmt(base['raw_broadcast_MBps'], 1):>10}   ProcessGroupGloo.broadcast, timed on the newcomer",
-        f"  raw_send_MBps       {_fmt(base['raw_send_MBps'], 1):>10}   ProcessGroupGloo.send rank 0 -> newcomer, timed on the newcomer",
-        f"  sync_MBps           {_fmt(base['sync_MBps'], 1):>10}   checkpoint.sync_state to a fresh newcomer",
-        f"  sync_s / raw_s      {_fmt(base['sync_s'], 4):>10} / {_fmt(base['raw_broadcast_s'], 4)}"
-        f"   (one checksum {_fmt(base['sync_checksum_s_once'], 4)} s, one pack {_fmt(base['sync_pack_s_once'], 4)} s)",
-        f"  max |loss diff|     {_fmt(base['max_loss_diff_elastic_vs_ddp'], 6):>10}   elastic vs DDP, same steps",
+        f"  elastic_step_s      {fmt(base['elastic_step_s'], 5):>10}   ElasticTrainer, same window",
+        f"  median steps ratio  {fmt(base['overhead_ratio_of_median_steps']):>10}   "
+        f"elastic / DDP median single-step time ({fmt(base['elastic_median_step_s'], 5)} / "
+        f"{fmt(base['ddp_median_step_s'], 5)} s)",
+        f"  raw_broadcast_MBps  {fmt(base['raw_broadcast_MBps'], 1):>10}   ProcessGroupGloo.broadcast, timed on the newcomer",
+        f"  raw_send_MBps       {fmt(base['raw_send_MBps'], 1):>10}   ProcessGroupGloo.send rank 0 -> newcomer, timed on the newcomer",
+        f"  sync_MBps           {fmt(base['sync_MBps'], 1):>10}   checkpoint.sync_state to a fresh newcomer",
+        f"  sync_s / raw_s      {fmt(base['sync_s'], 4):>10} / {fmt(base['raw_broadcast_s'], 4)}"
+        f"   (one checksum {fmt(base['sync_checksum_s_once'], 4)} s, one pack {fmt(base['sync_pack_s_once'], 4)} s)",
+        f"  max |loss diff|     {fmt(base['max_loss_diff_elastic_vs_ddp'], 6):>10}   elastic vs DDP, same steps",
         "",
         "where the time goes (median seconds after the fault / the newcomer's start line)",
     ]
     for phase, marks in bd.items():
         assert isinstance(marks, dict)
         order = ["step_failed", "abandon_requested", "member_registered", "join_requested", "generation_published", "group_built", "recovered", "first_commit"]
-        seq = ", ".join(f"{k} +{_fmt(marks[k])}" for k in order if k in marks and marks[k] is not None)
-        parts = ", ".join(f"{k} {_fmt(marks[k])}" for k in ("rendezvous_s", "build_s", "sync_s") if k in marks)
+        seq = ", ".join(f"{k} +{fmt(marks[k])}" for k in order if k in marks and marks[k] is not None)
+        parts = ", ".join(f"{k} {fmt(marks[k])}" for k in ("rendezvous_s", "build_s", "sync_s") if k in marks)
         lines.append(f"  {phase:<8} {seq}")
         lines.append(f"  {'':<8} (durations: {parts})")
     lines += ["", "settings"]
@@ -1042,7 +781,8 @@ def render_recovery(result: Mapping[str, object]) -> str:
     return "\n".join(lines)
 
 
-def _add_recovery_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
+    """``recovery``'s flags."""
     d = RecoverySettings()
     p.add_argument("--reps", type=int, default=d.reps,
                    help="repetitions of the fault jobs (default %(default)s)")
@@ -1054,119 +794,13 @@ def _add_recovery_args(p: argparse.ArgumentParser) -> None:
                    help="--step-sleep of the fault jobs' workers (default %(default)s; none in the overhead jobs)")
     p.add_argument("--transfer-hidden", type=int, default=d.transfer_hidden,
                    help="hidden width of the MLP whose state the transfer phase moves (default %(default)s)")
-    p.add_argument("--workdir", default=None, help="keep the logs and audit files here (default: a temp dir, removed)")
 
 
-def _run_recovery_cmd(args: argparse.Namespace) -> int:
+def run_cmd(args: argparse.Namespace) -> int:
+    """``recovery``: run it, print the figures; 1 when a phase failed or a step was lost."""
     s = RecoverySettings(reps=args.reps, overhead_reps=args.overhead_reps, lease_ttl_s=args.lease_ttl,
                          keepalive_s=args.keepalive, step_sleep_s=args.step_sleep,
                          transfer_hidden=args.transfer_hidden)
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
-    keep = args.workdir is not None
-    workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="elasticd-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-
-    def progress(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-    try:
-        result = run_recovery(s, workdir, progress)
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(result) if args.json else render_recovery(result))
-    fig = result["figures"]
-    assert isinstance(fig, dict)
-    return 1 if result["errors"] or result["violations"] or fig["steps_lost"] else 0
-
-
-@dataclass(frozen=True)
-class Subcommand:
-    help: str
-    add_args: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-def _add_agent_args(p: argparse.ArgumentParser) -> None:
-    from elasticd.bench import agent as bench_agent
-
-    bench_agent.add_agent_args(p)
-
-
-def _run_agent_cmd(args: argparse.Namespace) -> int:
-    from elasticd.bench import agent as bench_agent
-
-    return bench_agent.run_agent_cmd(args)
-
-
-def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    from elasticd.bench.checkpoint import (
-        add_args,  # imports this module: load it only when asked
-    )
-
-    add_args(p)
-
-
-def _run_checkpoint_cmd(args: argparse.Namespace) -> int:
-    from elasticd.bench.checkpoint import run_cmd
-
-    return run_cmd(args)
-
-
-def _add_outage_args(p: argparse.ArgumentParser) -> None:
-    from elasticd.bench.outage import (
-        add_args,  # imports this module: load it only when asked
-    )
-
-    add_args(p)
-
-
-def _run_outage_cmd(args: argparse.Namespace) -> int:
-    from elasticd.bench.outage import run_cmd
-
-    return run_cmd(args)
-
-
-SUBCOMMANDS: dict[str, Subcommand] = {
-    "recovery": Subcommand(
-        "fault recovery, join, step overhead vs DDP and state-transfer throughput of a 3-worker job",
-        _add_recovery_args, _run_recovery_cmd,
-    ),
-    "agent": Subcommand(
-        "under real node agents: crash detection, drain and node-loss recovery (elasticd.bench_agent)",
-        _add_agent_args, _run_agent_cmd,
-    ),
-    "checkpoint": Subcommand(
-        "durable checkpoints with ~100 MB of state: step overhead, write throughput vs a plain "
-        "write+fsync, resume time vs a fresh start",
-        _add_checkpoint_args, _run_checkpoint_cmd,
-    ),
-    "outage": Subcommand(
-        "an etcd outage with no membership change: commit rate during it vs before, steps lost, "
-        "regroups (elasticd.bench_outage)",
-        _add_outage_args, _run_outage_cmd,
-    ),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m elasticd.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    for name, cmd in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-        p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-        cmd.add_args(p)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Set before any worker or transfer process starts: they inherit it (one thread per process,
-    # as the workers run on a shared node).
-    os.environ["OMP_NUM_THREADS"] = "1"
-    return SUBCOMMANDS[args.command].run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_subcommand(args, "elasticd-bench-", lambda workdir: run_recovery(s, workdir, progress),
+                          render_recovery)

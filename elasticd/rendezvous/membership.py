@@ -9,19 +9,23 @@ Owns the membership protocol over a ``store.kv.KeyValueStore`` (satisfied by ``s
 * a watcher keeps two flags fresh for the hot path: the current generation must be abandoned
   (a member lost its lease, the generation was aborted or superseded), or newcomers wait to join.
 
+It runs the keepalive and watcher threads and the join loop; what they keep lives beside it: the
+lease and whether etcd answers (``rendezvous.lease``), the hot-path flags (``rendezvous.watch``),
+and the job records a member writes besides its presence (``rendezvous.publish``).
+
 Never imports etcd3 or torch.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TypeVar
 
 import structlog
 
@@ -34,39 +38,33 @@ from elasticd.errors import (
     RendezvousClosed,
     StateLost,
 )
-from elasticd.rendezvous import continued
 from elasticd.rendezvous.decide import (
     ActionKind,
     Me,
     Window,
-    assess_health,
     candidates_of,
     generation_broken,
     next_action,
     should_load_checkpoint,
 )
+from elasticd.rendezvous.lease import Lease, Reachability, Renewal
+from elasticd.rendezvous.publish import Publisher
+from elasticd.rendezvous.watch import GenerationWatch
 from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
-from elasticd.wire.ops import EventKind, EventRecord, encode_event, event_name
 from elasticd.wire.records import (
-    DECODE_ERRORS,
-    AbortRecord,
     CheckpointRecord,
-    CommittedRecord,
-    FinishedRecord,
     GenerationRecord,
     MemberRecord,
     ReadyRecord,
-    decode_abort,
-    decode_checkpoint,
     encode,
 )
 from elasticd.wire.snapshot import Snapshot, parse_snapshot
 
 log = structlog.get_logger(__name__)
 
-
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -126,30 +124,16 @@ class Membership:
         self._world = world
         self._timeouts = timeouts
         self._clock = clock
-        self._lease = 0
+        self._lease = Lease(store, timeouts.lease_ttl_s, clock)
         self._state = MemberState.UNREGISTERED
-        self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self._current: GenerationRecord | None = None
-        self._joined_revision = 0  # mod_revision of the generation record this member joined
-        self._abandon = False
-        self._fenced = False
-        self._abandon_reason = ""
-        self._join_pending = False
-        self._lease_lost = False
+        self._publish = Publisher(store, keys, member.member_id, timeouts, clock, self._stop)
+        self._watch = GenerationWatch(member.member_id, world)  # the hot-path flags
         self._cancel_watches: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
         self._warned_malformed: set[str] = set()
-        self._progress: Mapping[str, object] | None = None
-        self._renewed_at = float("-inf")
-        self._renewed_continues = 0  # continued.count() when the last granted renewal was asked
-        # The TTL etcd granted (it may raise a short one to its minimum, and rounds to whole
-        # seconds); the fence counts on this one, learned from the renewals' answers.
-        self._granted_ttl_s = timeouts.lease_ttl_s
-        self._etcd_ok = True  # the last etcd request of the background threads was answered
-        self._etcd_ok_at = clock()  # ... and when the last answer came
-        self._etcd_down_logged = False
+        self._etcd = Reachability(clock)  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -197,8 +181,7 @@ class Membership:
             except EtcdUnavailable:
                 pass
         try:
-            if self._lease:
-                self._store.revoke_lease(self._lease)
+            self._lease.revoke()
         except (EtcdUnavailable, LeaseLost) as exc:
             log.warning("lease_revoke_failed", error=str(exc))
         for t in self._threads:
@@ -209,22 +192,18 @@ class Membership:
     def _put_ready(self, ready: ReadyRecord) -> None:
         """Write my ready record, re-registering first if my lease is gone."""
         try:
-            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
         except LeaseLost:
             log.warning("member_reregistered", member=self.member_id, cause="lease expired")
             self._register()
-            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease)
+            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
 
     def _register(self) -> None:
-        asked_at, continues = self._clock(), continued.count()
-        self._lease = self._store.grant_lease(self._timeouts.lease_ttl_s)
-        self._note_granted(self._store.refresh_lease(self._lease))  # learn the TTL etcd granted
-        self._renewed_at, self._renewed_continues = asked_at, continues
-        self._store.put(self._keys.member(self.member_id), encode(self.record), lease=self._lease)
-        with self._lock:
-            self._lease_lost = False
+        lease = self._lease.grant()
+        self._store.put(self._keys.member(self.member_id), encode(self.record), lease=lease)
+        self._watch.regain_lease()
         self._state = MemberState.REGISTERED
-        log.info("member_registered", member=self.member_id, lease=self._lease)
+        log.info("member_registered", member=self.member_id, lease=lease)
 
     # -- background threads -----------------------------------------------------------------
 
@@ -233,77 +212,43 @@ class Membership:
 
     def set_progress(self, payload: Mapping[str, object]) -> None:
         """Hand the latest progress to the keepalive thread, which publishes it (off the hot path)."""
-        self._progress = payload
-
-    def _note_granted(self, ttl: float) -> None:
-        """A renewal's answer is the TTL the lease now has: the one etcd granted."""
-        if ttl > 0:
-            self._granted_ttl_s = ttl
-
-    def _etcd_answered(self, ok: bool, error: str = "") -> None:
-        self._etcd_ok = ok
-        if ok:
-            self._etcd_ok_at = self._clock()
-        if not ok and not self._etcd_down_logged:
-            self._etcd_down_logged = True
-            log.warning("etcd_unreachable", error=error[:300])
-        elif ok and self._etcd_down_logged:
-            self._etcd_down_logged = False
-            log.info("etcd_reachable_again")
+        self._publish.set_progress(payload)
 
     def renew_soon(self) -> None:
         """Ask the keepalive thread for a renewal now (a step waits for one)."""
         self._renew.set()
 
-    def _keepalive_loop(self) -> None:
-        published: Mapping[str, object] | None = None
+    def _background(self, wake: threading.Event, ask: Callable[[], T], then: Callable[[T], None]) -> None:
+        """A background thread: on ``wake`` (or every keepalive interval) ``ask`` etcd, note whether
+        it answered, and ``then`` act on the answer."""
         while not self._stop.is_set():
-            self._renew.wait(self._timeouts.keepalive_s)
-            self._renew.clear()
+            wake.wait(self._timeouts.keepalive_s)
+            wake.clear()
             if self._stop.is_set():
                 return
-            # The renewal first: a step may be waiting for it (a vote of "stale"); the progress
-            # writes after it, and only while etcd answers (each could spend the retry budget).
-            lease = self._lease
-            asked_at, continues = self._clock(), continued.count()
             try:
-                ttl = self._store.refresh_lease(lease)
-            except LeaseLost:
-                ttl = 0.0
+                answer = ask()
             except EtcdUnavailable as exc:
-                self._etcd_answered(False, str(exc))
+                self._etcd.answered(False, str(exc))
                 continue
-            self._etcd_answered(True)
-            if ttl > 0 and lease == self._lease:
-                self._note_granted(ttl)
-                self._renewed_at, self._renewed_continues = asked_at, continues
-            progress = self._progress
-            if progress is not None and progress is not published:
-                self.publish_progress(progress)
-                published = progress
-                if progress.get("rank") == 0:
-                    self._publish_committed(progress)
-            if ttl <= 0 and lease == self._lease:
-                with self._lock:
-                    if not self._lease_lost:
-                        log.warning("lease_expired", member=self.member_id, lease=lease)
-                    self._lease_lost = True
-                self._changed.set()
+            self._etcd.answered(True)
+            then(answer)
+
+    def _keepalive_loop(self) -> None:
+        # The renewal first: a step may be waiting for it (a vote of "stale"); the progress writes
+        # after it, and only while etcd answers (each could spend the retry budget).
+        self._background(self._renew, self._lease.renew, self._renewed)
+
+    def _renewed(self, renewal: Renewal) -> None:
+        self._lease.keep(renewal)
+        self._publish.flush_progress(self._lease.id)
+        if renewal.ttl_s <= 0 and renewal.lease == self._lease.id:
+            self._watch.lose_lease(renewal.lease)
+            self._changed.set()
 
     def _watch_loop(self) -> None:
         # Watches can break (etcd restarts); polling every keepalive interval covers that.
-        while not self._stop.is_set():
-            self._changed.wait(self._timeouts.keepalive_s)
-            self._changed.clear()
-            if self._stop.is_set():
-                return
-            try:
-                snap = self.snapshot()
-            except EtcdUnavailable as exc:
-                self._etcd_answered(False, str(exc))
-                continue
-            self._etcd_answered(True)
-            self._update_health(snap)
+        self._background(self._changed, self.snapshot, self._update_health)
 
     def snapshot(self) -> Snapshot:
         """Read and parse the job's rendezvous keys (``Keys.rendezvous``), in one transaction.
@@ -319,20 +264,7 @@ class Membership:
         return snap
 
     def _update_health(self, snap: Snapshot) -> None:
-        with self._lock:
-            current = self._current
-            if current is None:
-                return
-            h = assess_health(snap, current, self.member_id, self._joined_revision, self._lease_lost, self._world)
-            self._fenced = self._fenced or h.fenced
-            if h.abandon and not self._abandon:
-                self._abandon, self._abandon_reason = True, h.reason
-                log.warning("generation_abandon_requested", generation=current.generation, cause=h.reason)
-            if h.join_pending is None:
-                return
-            if h.join_pending and not self._join_pending:
-                log.info("join_requested", generation=current.generation, newcomers=list(h.newcomers))
-            self._join_pending = h.join_pending
+        self._watch.assess(snap)
 
     # -- hot-path flags ---------------------------------------------------------------------
 
@@ -340,12 +272,11 @@ class Membership:
         """This member's lease is certainly alive: renewed less than ``TTL - keepalive_s`` ago (the
         TTL etcd granted), by a renewal asked after this process last continued from a stop (its
         agent revokes the lease of a worker stopped for ``stopped_worker_s``: see continued.py)."""
-        return (self._clock() - self._renewed_at < self._granted_ttl_s - self._timeouts.keepalive_s
-                and not self.continued_since_renewal())
+        return self._lease.fresh(self._timeouts.keepalive_s)
 
     def continued_since_renewal(self) -> bool:
         """This process was stopped and continued since it asked for its last granted renewal."""
-        return continued.count() != self._renewed_continues
+        return self._lease.continued_since_renewal()
 
     def vote(self) -> tuple[bool, bool, bool]:
         """(veto, stale, reached_etcd) for this member's commit vote (``commit.Vote``): veto when
@@ -357,26 +288,26 @@ class Membership:
             self._renew.set()
         # Answered lately: the background threads ask every keepalive_s, so two intervals without
         # an answer mean etcd is not answering, before the client's retries have given up.
-        reached = self._etcd_ok and self._clock() - self._etcd_ok_at < 2 * self._timeouts.keepalive_s
-        return self._fenced or self._lease_lost, stale, reached
+        reached = self._etcd.lately(2 * self._timeouts.keepalive_s)
+        return self._watch.fenced or self._watch.lease_lost, stale, reached
 
     def standing(self) -> Standing:
         """What this member knows of its own standing now (the commit rule's ``Fence`` is built
         from it once a step's vote is summed)."""
-        return Standing(fenced=self._fenced, lease_lost=self._lease_lost, renewed_at=self._renewed_at,
-                        lease_ttl_s=self._granted_ttl_s, continued=self.continued_since_renewal())
+        return Standing(fenced=self._watch.fenced, lease_lost=self._watch.lease_lost, renewed_at=self._lease.renewed_at,
+                        lease_ttl_s=self._lease.granted_ttl_s, continued=self.continued_since_renewal())
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
-        return self._abandon
+        return self._watch.abandon
 
     @property
     def abandon_reason(self) -> str:
-        return self._abandon_reason
+        return self._watch.abandon_reason
 
     def join_pending(self) -> bool:
         """Newcomers wait to join: re-rendezvous at the next step boundary."""
-        return self._join_pending
+        return self._watch.join_pending
 
     # -- rendezvous -------------------------------------------------------------------------
 
@@ -388,32 +319,7 @@ class Membership:
         generation learn it as soon as etcd answers (they also leave when they see this member's
         ready record). Written by compare-and-set, and never over an abort of a newer generation.
         """
-        rec = AbortRecord(generation=generation, member_id=self.member_id, reason=reason[:200])
-        t = threading.Thread(target=self._publish_abort, args=(rec,), name="elasticd-abort", daemon=True)
-        t.start()
-
-    def _publish_abort(self, rec: AbortRecord) -> None:
-        deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
-        failures = 0
-        while not self._stop.is_set() and not deadline.expired():
-            try:
-                kv = self._store.get(self._keys.abort)
-                if kv is not None:
-                    try:
-                        if decode_abort(kv.value).generation >= rec.generation:
-                            return  # already aborted (or a newer generation is): nothing to add
-                    except DECODE_ERRORS:
-                        pass  # garbage: replace it
-                if self._store.compare_and_put(self._keys.abort, kv.mod_revision if kv else 0, encode(rec)):
-                    if failures:
-                        log.info("abort_published", generation=rec.generation, after_failures=failures)
-                    return
-            except EtcdUnavailable as exc:
-                failures += 1
-                if failures == 1:
-                    log.warning("abort_publish_failed", generation=rec.generation, error=str(exc)[:300],
-                                retrying_for_s=round(deadline.remaining_s(), 1))
-                self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
+        self._publish.abort(generation, reason)
 
     def join(
         self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None = None
@@ -437,11 +343,8 @@ class Membership:
             EtcdUnavailable: etcd stayed unreachable for ``etcd_outage_s``.
         """
         started = self._clock()
-        prev = self._current
-        with self._lock:
-            self._current = None
-            self._abandon = False
-            self._join_pending = False
+        prev = self._watch.current
+        self._watch.leave()
         me = Me(self.member_id, self.record.signature, prev.generation if prev else 0)
         ready = ReadyRecord(
             member_id=self.member_id,
@@ -474,17 +377,17 @@ class Membership:
             self._changed.clear()
             try:
                 if not ready_written:
-                    if self._lease_lost:
+                    if self._watch.lease_lost:
                         self._register()
                     self._put_ready(ready)
                     ready_written = True
                 snap = self.snapshot()
             except EtcdUnavailable as exc:
                 excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
-                self._etcd_answered(False, str(exc))
+                self._etcd.answered(False, str(exc))
                 self._stop.wait(self._timeouts.keepalive_s)
                 continue
-            self._etcd_answered(True)
+            self._etcd.answered(True)
             if resume is not None and should_load_checkpoint(snap, ready.committed_step):
                 held = resume(ready.committed_step)
                 resume = None
@@ -530,7 +433,7 @@ class Membership:
                         action.expected_revision,
                         encode(action.record),
                         delete_keys=[self._keys.ready(m) for m in action.consumed_ready],
-                        put_keys=dict([self._published_event(action.record)]),  # the history, same txn
+                        put_keys=dict([self._publish.published_event(action.record)]),  # the history, same txn
                     )
             except EtcdUnavailable as exc:
                 excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
@@ -557,33 +460,10 @@ class Membership:
                 wait_s = min(wait_s, max(0.0, action.until - now))
             self._changed.wait(max(0.0, min(wait_s, deadline.at - deadline.clock() + sum(excused.values()))))
 
-    def _published_event(self, record: GenerationRecord) -> tuple[str, bytes]:
-        """The ``generation_published`` event that goes into the publishing transaction."""
-        now_ns = time.time_ns()  # wall clock: events from many hosts are ordered by it
-        event = EventRecord(time=now_ns / 1e9, kind=EventKind.GENERATION_PUBLISHED, source=self.member_id,
-                            detail={"generation": record.generation, "reason": record.reason,
-                                    "world_size": record.world_size, "members": list(record.members),
-                                    "committed_step": record.committed_step})
-        return self._keys.event(event_name(now_ns, self.member_id)), encode_event(event)
-
     def _joined(self, record: GenerationRecord, started: float, snap: Snapshot, excused_s: float = 0.0) -> Joined:
-        with self._lock:
-            self._current = record
-            self._joined_revision = snap.generation_revision
-            self._abandon = False
-            self._fenced = False
-            self._abandon_reason = ""
+        self._watch.enter(record, snap.generation_revision)
         self._update_health(snap)
         return Joined(record, record.rank_of(self.member_id), self._clock() - started, excused_s)
-
-    def _publish_committed(self, progress: Mapping[str, object]) -> None:
-        step, generation = progress.get("step"), progress.get("generation")
-        if not isinstance(step, int) or not isinstance(generation, int):
-            return
-        try:
-            self._store.put(self._keys.committed, encode(CommittedRecord(generation=generation, step=step)))
-        except EtcdUnavailable as exc:
-            log.warning("committed_publish_failed", error=str(exc))
 
     def publish_checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
         """Record the job's latest good durable checkpoint (best effort).
@@ -592,36 +472,15 @@ class Membership:
             only_if_newer: write only if the key is absent or names an older step (by
                 compare-and-set, so a concurrent save is never overwritten by an older record).
         """
-        try:
-            if not only_if_newer:
-                self._store.put(self._keys.checkpoint, encode(record))
-                return
-            kv = self._store.get(self._keys.checkpoint)
-            if kv is not None:
-                try:
-                    if decode_checkpoint(kv.value).step >= record.step:
-                        return
-                except DECODE_ERRORS:
-                    pass  # garbage: replace it
-            self._store.compare_and_put(self._keys.checkpoint, kv.mod_revision if kv else 0, encode(record))
-        except EtcdUnavailable as exc:
-            log.warning("checkpoint_publish_failed", step=record.step, error=str(exc))
+        self._publish.checkpoint(record, only_if_newer)
 
     def mark_finished(self, generation: int, step: int) -> None:
         """Record that every member reached the target step together (late joiners stop)."""
-        try:
-            self._store.put(self._keys.finished, encode(FinishedRecord(generation=generation, step=step)))
-        except EtcdUnavailable as exc:
-            log.warning("finished_publish_failed", error=str(exc))
+        self._publish.finished(generation, step)
 
     def publish_progress(self, payload: Mapping[str, object]) -> None:
         """Best-effort progress record for ``elasticctl`` (leased: it vanishes with the member)."""
-        try:
-            self._store.put(
-                self._keys.progress(self.member_id), json.dumps(dict(payload)).encode(), lease=self._lease
-            )
-        except (EtcdUnavailable, LeaseLost) as exc:
-            log.warning("progress_publish_failed", error=str(exc))
+        self._publish.progress(payload, self._lease.id)
 
 
 _incarnations = itertools.count()

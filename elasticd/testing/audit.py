@@ -3,7 +3,8 @@
 Owns the proof that nothing was lost: committed steps go up by exactly one with no gap or repeat,
 each committed step was committed by every member of one generation with the same global loss, the
 ranks of every generation hold identical state after its sync, and each sample of an epoch is used
-exactly once. Pure logic over parsed lines: used by the tests, the demo and the benchmarks.
+exactly once. Pure logic over parsed lines (and ``as_int``/``as_float``, their fields' readers): used
+by the tests, the demo, chaos and the benchmarks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def read_lines(paths: Iterable[Path]) -> list[dict[str, object]]:
             if line.strip():
                 out.append(json.loads(line))
     return out
+
+
+def as_int(value: object) -> int:
+    """An audit field as an int (the lines hold numbers; a string of one is taken too)."""
+    assert isinstance(value, (int, float, str)), value
+    return int(value)
+
+
+def as_float(value: object) -> float:
+    """An audit field as a float (the lines hold numbers; a string of one is taken too)."""
+    assert isinstance(value, (int, float, str)), value
+    return float(value)
 
 
 def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float = 1e-4) -> AuditReport:

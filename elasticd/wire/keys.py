@@ -1,10 +1,15 @@
-"""The etcd key layout of one job (documented in README, "etcd key layout"). Pure."""
+"""The etcd key layout of one job (documented in README, "etcd key layout"), both modes. Pure.
+
+Owns every key name under ``<prefix>/<job>/``: elastic mode's rendezvous, progress, nodes, drain
+and events, and restart mode's keys under ``restart/``. Never holds a record's shape (``records``,
+``ops``, ``restart`` do) and never does I/O.
+"""
 
 from __future__ import annotations
 
 
 class Keys:
-    """The etcd key layout of one job (documented in README)."""
+    """The etcd key layout of one job (documented in README); ``restart_*`` are restart mode's."""
 
     def __init__(self, root: str, job_id: str) -> None:
         self.job = f"{root}/{job_id}"
@@ -71,4 +76,31 @@ class Keys:
         The rest of ``rendezvous`` (committed step, checkpoint) is read by the periodic poll."""
         return (self.generation, self.abort, self.finished, self.member(""), self.ready(""))
 
+    # Restart mode (unmodified torchrun scripts): the agents' own rendezvous, under ``restart/``.
 
+    @property
+    def restart_prefix(self) -> str:
+        return f"{self.job}/restart/"
+
+    @property
+    def restart_round(self) -> str:
+        return self.restart_prefix + "round"
+
+    @property
+    def restart_failed(self) -> str:
+        return self.restart_prefix + "failed"
+
+    @property
+    def restart_finished(self) -> str:
+        return self.restart_prefix + "finished"
+
+    def restart_agent(self, node: str) -> str:
+        """``restart/agents/<node>``: the node's agent is alive (under its lease)."""
+        return self.restart_prefix + "agents/" + node
+
+    def restart_waiting(self, node: str) -> str:
+        """``restart/waiting/<node>``: the node wants into the next round (under its lease)."""
+        return self.restart_prefix + "waiting/" + node
+
+    def restart_done(self, node: str) -> str:
+        return self.restart_prefix + "done/" + node

@@ -1,10 +1,11 @@
-"""The records restart mode keeps in etcd, and their tolerant parsing (``group_restart.py``).
+"""The records restart mode keeps in etcd, and their tolerant parsing (``agent/restart.py``).
 
-Owns the key layout under ``<prefix>/<job>/restart/`` and the JSON records there: the agents
-(leased), the nodes waiting for a round (leased), the current round, the failed and finished marks
-and each node's done mark. ``parse_view`` turns the raw keys into a ``RoundView`` and lists
-malformed records instead of failing. Pure: no I/O, no torch; read by the restart-mode agent and by
-``status.py`` (so ``elasticctl status`` shows restart-mode jobs).
+Owns the JSON records under ``<prefix>/<job>/restart/`` (their key names are ``keys.Keys``'s
+``restart_*``): the agents (leased), the nodes waiting for a round (leased), the current round, the
+failed and finished marks and each node's done mark. ``parse_view`` turns the raw keys into a
+``RoundView`` and lists malformed records instead of failing. Pure: no I/O, no torch, never names a
+key itself; read by the restart-mode agent and by ``ops/status.py`` (so ``elasticctl status`` shows
+restart-mode jobs).
 """
 
 from __future__ import annotations
@@ -14,38 +15,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
 from elasticd.wire.records import DECODE_ERRORS, decode
 
 # ---------------------------------------------------------------------------------------------
 # Records (JSON in etcd; parsing never trusts them)
-
-
-class RestartKeys:
-    """The etcd key layout of restart mode, under ``<prefix>/<job>/restart/`` (documented in README)."""
-
-    def __init__(self, root: str, job_id: str) -> None:
-        self.prefix = f"{root}/{job_id}/restart/"
-
-    @property
-    def round(self) -> str:
-        return self.prefix + "round"
-
-    @property
-    def failed(self) -> str:
-        return self.prefix + "failed"
-
-    @property
-    def finished(self) -> str:
-        return self.prefix + "finished"
-
-    def agent(self, node: str) -> str:
-        return self.prefix + "agents/" + node
-
-    def waiting(self, node: str) -> str:
-        return self.prefix + "waiting/" + node
-
-    def done(self, node: str) -> str:
-        return self.prefix + "done/" + node
 
 
 @dataclass(frozen=True)
@@ -148,7 +122,7 @@ class RoundView:
         return max(self.round.round if self.round else 0, self.failed_round, self.finished)
 
 
-def parse_view(keys: RestartKeys, kvs: Iterable[KeyValue]) -> RoundView:
+def parse_view(keys: Keys, kvs: Iterable[KeyValue]) -> RoundView:
     """Turn the raw keys under the restart prefix into a ``RoundView``; garbage goes to ``malformed``."""
     rnd: RoundRecord | None = None
     round_revision = 0
@@ -162,31 +136,31 @@ def parse_view(keys: RestartKeys, kvs: Iterable[KeyValue]) -> RoundView:
     malformed: list[str] = []
     for kv in kvs:
         try:
-            if kv.key == keys.round:
+            if kv.key == keys.restart_round:
                 round_revision = kv.mod_revision
                 rnd = decode(RoundRecord, kv.value)
                 if rnd.round < 1 or not rnd.nodes or len(set(rnd.nodes)) != len(rnd.nodes) or rnd.nproc_per_node < 1:
                     rnd = None
                     raise ValueError("round must be >= 1 with distinct, non-empty nodes and nproc_per_node >= 1")
-            elif kv.key == keys.failed:
+            elif kv.key == keys.restart_failed:
                 failed_revision = kv.mod_revision
                 failed = decode(FailedRecord, kv.value)
-            elif kv.key == keys.finished:
+            elif kv.key == keys.restart_finished:
                 finished = decode(FinishedRecord, kv.value).round
-            elif kv.key.startswith(keys.agent("")):
+            elif kv.key.startswith(keys.restart_agent("")):
                 a = decode(AgentRecord, kv.value)
-                if kv.key != keys.agent(a.node):
+                if kv.key != keys.restart_agent(a.node):
                     raise ValueError("node does not match its key")
                 agents[a.node] = a
-            elif kv.key.startswith(keys.waiting("")):
+            elif kv.key.startswith(keys.restart_waiting("")):
                 w = decode(WaitingRecord, kv.value)
-                if kv.key != keys.waiting(w.node):
+                if kv.key != keys.restart_waiting(w.node):
                     raise ValueError("node does not match its key")
                 waiting[w.node] = w
                 order[w.node] = kv.create_revision
-            elif kv.key.startswith(keys.done("")):
+            elif kv.key.startswith(keys.restart_done("")):
                 d = decode(DoneRecord, kv.value)
-                if kv.key != keys.done(d.node):
+                if kv.key != keys.restart_done(d.node):
                     raise ValueError("node does not match its key")
                 done[d.node] = d.round
         except DECODE_ERRORS as exc:

@@ -1,6 +1,8 @@
 """The worker side: ``ElasticTrainer`` and what it is built from. The only package that imports torch.
 
-``trainer`` (the step loop and recovery), ``commit`` (the commit rule, pure), ``collectives`` (the
-bucketed gradient all_reduce), ``process_group`` (groups rebuilt in-process), ``checkpoint`` (the
-training state and its transfer to newcomers), ``durable`` (checkpoints on disk), ``sampler``.
+``trainer`` (the step loop and recovery), ``journal`` (its records: audit, progress, events),
+``commit`` (the commit rule, pure), ``collectives`` (the bucketed gradient all_reduce),
+``process_group`` (groups rebuilt in-process), ``state`` (the training state, its arena and
+checksum), ``sync`` (its transfer to newcomers), ``durable_format`` and ``durable`` (checkpoints on
+disk: the file format; the writer, retention and loading), ``sampler``.
 """

@@ -1,38 +1,17 @@
-"""Durable checkpoints on disk: the file format, the background writer, retention, verified loading.
+"""Durable checkpoints on disk: the background writer, retention, verified loading.
 
-Owns the on-disk store of one job (``<checkpoint_dir>/<job_id>/``). ``CheckpointWriter.save`` is
-called by rank 0 at a step boundary: it copies the state's arena (``TrainingState.pack``) into a
-spare buffer and hands it to a writer thread, so training goes on while the bytes go to disk; a
-new save waits only while the previous write still runs (at most ``checkpoint_wait_s``, then it is
-skipped). ``load_latest`` finds the newest good checkpoint, verifies it, falls back to the previous
-good one when it is not, and loads it into a ``TrainingState``. Retention (``removable``) keeps the
-``checkpoint_keep`` newest of the writer's model and never deletes a checkpoint of another model;
-``new_model_refusal`` says when a worker that finds only another model's checkpoints must not
-start over (the trainer raises it). Never decides who saves or when a
-job resumes (the trainer and ``membership`` do), and never talks to etcd itself (the writer's
-``on_saved`` callback does).
-
-Files of one checkpoint, ``<name> = <seq:08d>-step<step:012d>``:
-
-* ``<name>.ckpt``: the 16-byte ``MAGIC``; an 8-byte little-endian length H; H bytes of a JSON
-  header (format, version, job, step, generation, node, model signature, sizes, and the state
-  layout of ``TrainingState.pack``: tensor names, dtypes, shapes, offsets, optimizer param
-  groups); zero padding to a 4096-byte boundary (64 in files of earlier versions); the payload:
-  the flat arena (model and optimizer tensors, the counters ``step, epoch, position``, then the
-  torch RNG state). The writer writes it with O_DIRECT where the filesystem allows it.
-* ``<name>.json``: the manifest, written after the data file is durable: step, seq, sizes, the
-  state checksum (``checkpoint.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded with
-  their layout) and a CRC-32 of every other byte of the file; together they cover the whole file,
-  in one pass (computed on a helper thread while the bytes are written).
-
-A save writes ``.<name>.ckpt.tmp.<pid>``, fsyncs it and renames it; then the same for the
-manifest; then it fsyncs the directory. A checkpoint exists only once its manifest and its data
-file both do (a manifest that survived a crash without its data file is rejected as incomplete),
-so a crash at any point leaves the previous checkpoints intact and no half file that looks complete. ``seq`` grows
-with every save into the directory, so the newest save wins even when a job was resumed from an
-older step (its later checkpoints supersede the abandoned ones). Loading parses JSON and raw bytes
-only: nothing in a file is executed (no pickle, no ``torch.load``), and a file that does not start
-with ``MAGIC`` is refused before anything else is read from it.
+Owns the on-disk store of one job (``<checkpoint_dir>/<job_id>/``, files in the ``durable_format``).
+``CheckpointWriter.save`` is called by rank 0 at a step boundary: it copies the state's arena into a
+spare buffer and hands it to a writer thread (O_DIRECT where the filesystem allows it; checksums on a
+helper thread while the bytes are written), so training goes on; a new save waits only while the
+previous write runs (at most ``checkpoint_wait_s``, then it is skipped). A save writes a temp file,
+fsyncs and renames it, then the manifest, then fsyncs the directory: a crash at any point leaves the
+previous checkpoints intact and no half file that looks complete. ``load_latest`` loads the newest
+checkpoint that passes ``verify``, falling back to older ones. Retention (``removable``) keeps the
+``checkpoint_keep`` newest of the writer's model and never deletes another model's;
+``refuse_new_model`` stops a worker that finds only another model's checkpoints from starting over.
+Never decides who saves or when a job resumes (the trainer and ``membership`` do), never defines
+what a file holds (``durable_format`` does), and never talks to etcd (the callbacks do).
 """
 
 from __future__ import annotations
@@ -42,8 +21,6 @@ import json
 import mmap
 import os
 import queue
-import re
-import struct
 import threading
 import time
 import zlib
@@ -54,46 +31,27 @@ from pathlib import Path
 import structlog
 import torch
 
-from elasticd.errors import ModelMismatch, StateCorrupt
-from elasticd.worker.checkpoint import TrainingState, state_checksum
+from elasticd.errors import CheckpointModelChanged, ModelMismatch, StateCorrupt
+from elasticd.worker.durable_format import (
+    CHUNK_BYTES,
+    FORMAT,
+    VERSION,
+    Entry,
+    Manifest,
+    checkpoint_name,
+    encode_prefix,
+    other_models,
+    scan,
+    signature_of,
+    verify,
+)
+from elasticd.worker.state import TrainingState, state_checksum
 
 log = structlog.get_logger(__name__)
 
-FORMAT = "elasticd-checkpoint"
-VERSION = 2  # 2: the state checksum is XXH3 (1 was CRC-32)
-MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
-_LEN = struct.Struct("<Q")
 DIRECT_ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of this
-CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
-MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
 WRITER_NICE = 10  # niceness of the writer and checksum threads: training threads win a contended core
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died; retention removes it
-_NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|json)$")
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a checkpoint's ``.json`` says about its ``.ckpt`` (the loader trusts none of it blindly)."""
-
-    format: str
-    version: int
-    job: str
-    seq: int
-    step: int
-    generation: int
-    node: str
-    signature: str
-    file: str  # the data file's name, in the same directory
-    file_bytes: int
-    header_bytes: int
-    payload_offset: int
-    payload_bytes: int
-    state_bytes: int  # the payload's first state_bytes are the state tensors; the RNG state follows
-    state_checksum: int  # checkpoint.state_checksum of those bytes, as the trainer's audit shows it
-    crc32: int  # CRC-32 of every other byte of the file (magic, header, padding, RNG state)
-    epoch: int
-    position: int
-    created: float  # wall clock
 
 
 @dataclass(frozen=True)
@@ -121,15 +79,6 @@ def describe_failure(exc: Exception) -> tuple[str | None, str]:
     if isinstance(exc, OSError):
         return errno.errorcode.get(exc.errno or 0, str(exc.errno)), str(exc)
     return None, f"{type(exc).__name__}: {exc}"
-
-
-def job_dir(checkpoint_dir: str | Path, job_id: str) -> Path:
-    """Where the checkpoints of ``job_id`` live."""
-    return Path(checkpoint_dir) / job_id
-
-
-def _name(seq: int, step: int) -> str:
-    return f"{seq:08d}-step{step:012d}"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -393,20 +342,15 @@ class CheckpointWriter:
         started = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
         seq = self._next_seq()
-        name = _name(seq, job.step)
+        name = checkpoint_name(seq, job.step)
         layout = json.loads(job.layout)
         total = int(layout["total"])
         payload = job.payload
         payload_bytes = payload.numel()
-        header_obj = {
-            "format": FORMAT, "version": VERSION, "job": self._job_id, "step": job.step,
-            "generation": job.generation, "node": self._node, "signature": self._signature,
-            "payload_bytes": payload_bytes, "layout": layout,
-        }
-        header = json.dumps(header_obj).encode()
-        prefix_len = len(MAGIC) + _LEN.size + len(header)
-        payload_offset = _round_up(prefix_len)
-        prefix = MAGIC + _LEN.pack(len(header)) + header + bytes(payload_offset - prefix_len)
+        prefix, header_bytes = encode_prefix(job=self._job_id, step=job.step, generation=job.generation,
+                                             node=self._node, signature=self._signature,
+                                             payload_bytes=payload_bytes, layout=layout, align=DIRECT_ALIGN)
+        payload_offset = len(prefix)
         prefix_map = aligned_bytes(payload_offset)
         prefix_map[:payload_offset] = prefix
         data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
@@ -424,7 +368,7 @@ class CheckpointWriter:
         manifest = Manifest(
             format=FORMAT, version=VERSION, job=self._job_id, seq=seq, step=job.step,
             generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",
-            file_bytes=payload_offset + payload_bytes, header_bytes=len(header), payload_offset=payload_offset,
+            file_bytes=payload_offset + payload_bytes, header_bytes=header_bytes, payload_offset=payload_offset,
             payload_bytes=payload_bytes, state_bytes=total, state_checksum=sums["state"], crc32=sums["rest"],
             epoch=job.epoch,
             position=job.position, created=time.time(),
@@ -468,45 +412,6 @@ def removable(entries: list[tuple[Entry, str | None]], signature: str, keep: int
     return [e for e in ours if e not in kept and not (e.manifest_path is None and e.seq >= oldest_kept)]
 
 
-def signature_of(entry: Entry) -> str | None:
-    """The model signature that a checkpoint's manifest, else its data file's header, names; None
-    when neither can be read."""
-    if entry.manifest_path is not None:
-        try:
-            return read_manifest(entry.manifest_path).signature
-        except (OSError, ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError):
-            pass
-    if entry.data_path is not None:
-        try:
-            with entry.data_path.open("rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return None
-                (hlen,) = _LEN.unpack(_read_exact(f, _LEN.size))
-                if hlen > 1 << 20:
-                    return None
-                head = json.loads(_read_exact(f, hlen))
-        except (OSError, ValueError, struct.error, RecursionError, UnicodeDecodeError):
-            return None
-        sig = head.get("signature") if isinstance(head, dict) else None
-        return sig if isinstance(sig, str) else None
-    return None
-
-
-def other_models(directory: Path, signature: str) -> dict[str, list[int]]:
-    """Model signature -> steps (newest save first) of the checkpoints in ``directory`` whose files
-    name a signature other than ``signature`` (an unreadable directory: none)."""
-    out: dict[str, list[int]] = {}
-    try:
-        entries = scan(directory)
-    except OSError:
-        return out
-    for e in entries:
-        sig = signature_of(e)
-        if sig is not None and sig != signature:
-            out.setdefault(sig, []).append(e.step)
-    return out
-
-
 def new_model_refusal(directory: Path, signature: str, others: dict[str, list[int]], allow: bool) -> str | None:
     """Why a worker that found no checkpoint of its own model must not start over from step 1, or
     None when it may (pure).
@@ -527,133 +432,24 @@ def new_model_refusal(directory: Path, signature: str, others: dict[str, list[in
             f"model's checkpoints are kept)")
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading
-
-
-@dataclass(frozen=True)
-class Entry:
-    """The files of one checkpoint found in a directory (the manifest not yet trusted)."""
-
-    seq: int
-    step: int
-    data_path: Path | None
-    manifest_path: Path | None
-
-
-def scan(directory: Path) -> list[Entry]:
-    """Every checkpoint-named file group in ``directory``, newest (highest seq) first."""
-    found: dict[tuple[int, int], dict[str, Path]] = {}
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    for n in names:
-        m = _NAME.match(n)
-        if m:
-            found.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = directory / n
-    out = [Entry(seq, step, files.get("ckpt"), files.get("json")) for (seq, step), files in found.items()]
-    return sorted(out, key=lambda e: (e.seq, e.step), reverse=True)
-
-
-def read_manifest(path: Path) -> Manifest:
-    """Parse and type-check a manifest.
+def refuse_new_model(directory: Path, signature: str, allow: bool) -> None:
+    """A worker about to start from step 1 (it holds nothing and found no checkpoint of its model)
+    stops if ``directory`` holds another model's checkpoints, unless ``allow`` (``new_model_refusal``).
 
     Raises:
-        ValueError: it is not a manifest of this format and version.
-        OSError: it cannot be read.
+        CheckpointModelChanged: it must not start over (nothing is deleted).
     """
-    raw = path.read_bytes()
-    if len(raw) > 1 << 20:
-        raise ValueError(f"manifest of {len(raw)} bytes")
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("manifest is not a JSON object")
-    kwargs: dict[str, object] = {}
-    for name, f in Manifest.__dataclass_fields__.items():
-        if name not in data:
-            raise ValueError(f"manifest lacks {name}")
-        value = data[name]
-        kind = str(f.type)
-        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
-              "float": isinstance(value, (int, float))}[kind]
-        if not ok or isinstance(value, bool):
-            raise ValueError(f"manifest field {name} is not {kind}")
-        kwargs[name] = float(value) if kind == "float" else value
-    man = Manifest(**kwargs)  # type: ignore[arg-type]
-    if man.format != FORMAT or man.version != VERSION:
-        raise ValueError(f"format {man.format!r} version {man.version} is not {FORMAT!r} version {VERSION}")
-    if "/" in man.file or man.file.startswith("."):
-        raise ValueError(f"manifest names a file outside its directory: {man.file!r}")
-    return man
-
-
-def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
-    """Check one checkpoint completely and read it: (manifest, layout JSON bytes, payload).
-
-    The payload is a fresh 64-byte-aligned tensor, so ``TrainingState.unpack`` adopts it as the
-    state's arena without a copy.
-
-    Raises:
-        ValueError: a check failed; the message says which (the caller logs it and falls back).
-        OSError: a file cannot be read.
-    """
-    if entry.manifest_path is None:
-        raise ValueError("no manifest (an incomplete save)")
-    if entry.data_path is None:
-        raise ValueError("the manifest's data file is missing")
-    man = read_manifest(entry.manifest_path)
-    if man.file != entry.data_path.name or man.seq != entry.seq or man.step != entry.step:
-        raise ValueError(f"manifest names {man.file} (seq {man.seq}, step {man.step}), not this file")
-    size = entry.data_path.stat().st_size
-    if size != man.file_bytes:
-        raise ValueError(f"size {size} bytes, the manifest says {man.file_bytes} (truncated or overwritten)")
-    if (not 0 <= man.header_bytes <= MAX_HEADER_BYTES or man.payload_offset + man.payload_bytes != size
-            or not 0 <= man.state_bytes <= man.payload_bytes):
-        raise ValueError("manifest sizes are inconsistent")
-    payload = torch.empty(man.payload_bytes, dtype=torch.uint8)
-    with entry.data_path.open("rb", buffering=0) as f:
-        magic = f.read(len(MAGIC))
-        if magic != MAGIC:
-            raise ValueError(f"not an elasticd checkpoint: the file starts with {magic[:8]!r}, not the "
-                             f"format's magic (nothing of it was loaded or executed)")
-        (hlen,) = _LEN.unpack(_read_exact(f, _LEN.size))
-        if hlen != man.header_bytes:
-            raise ValueError(f"header length {hlen}, the manifest says {man.header_bytes}")
-        header = _read_exact(f, hlen)
-        pad = _read_exact(f, man.payload_offset - len(MAGIC) - _LEN.size - hlen)
-        view = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done : done + CHUNK_BYTES])
-            if not n:
-                raise ValueError(f"file ended after {done} payload bytes")
-            done += n
-    total = man.state_bytes
-    crc = zlib.crc32(view[total:], zlib.crc32(pad, zlib.crc32(header, zlib.crc32(magic + _LEN.pack(hlen)))))
-    if crc != man.crc32:
-        raise ValueError(f"CRC-32 {crc:08x} of the header and RNG state does not match the manifest's "
-                         f"{man.crc32:08x} (corrupt bytes)")
-    head = json.loads(header)  # its bytes are verified now
-    if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("step") != man.step:
-        raise ValueError("the header does not match the manifest")
-    if head.get("signature") != man.signature or head.get("payload_bytes") != man.payload_bytes:
-        raise ValueError("the header's signature or sizes do not match the manifest")
-    layout = head.get("layout")
-    if not isinstance(layout, dict) or layout.get("total") != total or not isinstance(layout.get("tensors"), list):
-        raise ValueError("the header holds no state layout of the manifest's size")
-    checksum = state_checksum(json.dumps(layout["tensors"]).encode(), view[:total], total)
-    if checksum != man.state_checksum:
-        raise ValueError(f"checksum of the state tensors ({checksum:016x}) does not match the manifest's "
-                         f"{man.state_checksum:016x} (corrupt bytes)")
-    return man, json.dumps(layout).encode(), payload
-
-
-def _read_exact(f: object, n: int) -> bytes:
-    data = f.read(n)  # type: ignore[attr-defined]
-    if not isinstance(data, bytes) or len(data) != n:
-        raise ValueError(f"file ended inside its header (wanted {n} bytes)")
-    return data
+    others = other_models(directory, signature)
+    why = new_model_refusal(directory, signature, others, allow)
+    if why is not None:
+        log.error("checkpoint_model_changed", directory=str(directory), signature=signature[:12],
+                  others={sig[:12]: len(steps) for sig, steps in others.items()},
+                  action="stopping; nothing was deleted")
+        raise CheckpointModelChanged(why)
+    if others:
+        log.warning("checkpoint_new_model_started", directory=str(directory), signature=signature[:12],
+                    others={sig[:12]: len(steps) for sig, steps in others.items()},
+                    reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept")
 
 
 def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> LoadedCheckpoint | None:

@@ -5,61 +5,50 @@ of the global batch is computed from the synced data position; ``step(loss)`` ru
 bucketed gradient all_reduce (with the commit vote in its last bucket) and, only if every member's
 vote arrived, ``optimizer.step()`` and the counters. A failed or abandoned collective commits
 nothing on this rank: the generation is aborted, the members re-rendezvous, rank 0 syncs the newest
-state, and the same batch position is retried in the new group. Never spawns processes.
+state, and the same batch position is retried in the new group. Never spawns processes, and
+keeps no records itself (``journal`` does).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import structlog
 import torch
 
 from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.errors import (
-    CheckpointModelChanged,
     CheckpointTransferError,
     CollectiveError,
-    EtcdUnavailable,
     JobFinished,
     RestartsExhausted,
 )
-from elasticd.events import EventLog
 from elasticd.log import bind_context
 from elasticd.rendezvous import continued
 from elasticd.rendezvous.membership import Joined, Membership, new_member_id
 from elasticd.retry import Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
-from elasticd.wire.ops import (
-    EventKind,
-    SaveFailedRecord,
-    encode_save_failed,
-    save_failed_key,
-)
-from elasticd.wire.records import CheckpointRecord, MemberRecord
-from elasticd.worker.checkpoint import ChecksumAhead, TrainingState, sync_state
+from elasticd.wire.records import MemberRecord
 from elasticd.worker.collectives import GradientReducer, barrier
 from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.durable import (
     CheckpointWriter,
     LoadedCheckpoint,
-    SavedCheckpoint,
-    describe_failure,
-    job_dir,
     load_latest,
-    new_model_refusal,
-    other_models,
+    refuse_new_model,
 )
+from elasticd.worker.durable_format import job_dir
+from elasticd.worker.journal import Journal
 from elasticd.worker.process_group import Group, GroupFactory, StoreServer
 from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler
+from elasticd.worker.state import ChecksumAhead, TrainingState
+from elasticd.worker.sync import sync_state
 
 log = structlog.get_logger(__name__)
 
@@ -123,16 +112,12 @@ class ElasticTrainer:
             reference_world_size: the world size the learning rate was tuned for (linear scaling).
             env: settings; by default read from ``ELASTICD_*`` variables.
             store: the key-value store; by default an etcd client for ``env.etcd``.
-            audit_path: if set, one JSON line per committed step and per sync is appended here,
-                each written (to the OS) as it happens, so a worker killed with SIGKILL keeps
-                every line it wrote.
-            audit_in_memory: keep the audit lines in memory and write them at ``close()``
-                instead: for fault-free measurements only (a killed worker loses its lines). It
-                takes the file write out of the step, as a plain training loop that keeps its
-                own records would.
+            audit_path: if set, one JSON line per committed step and per sync is appended here, as
+                it happens (a worker killed with SIGKILL keeps every line it wrote; see ``Journal``).
+            audit_in_memory: keep the audit lines in memory and write them at ``close()`` instead:
+                for fault-free measurements only (a killed worker loses its lines).
             log_interval_s: log a ``step_committed`` line at most this often (0: every step; the
-                audit file, when set, has every step). A JSON log line costs about a fifth of a
-                whole step of a small model on a busy 2-core machine.
+                audit file, when set, has every step).
             checkpoint: durable checkpoints (directory, schedule, retention); by default
                 ``env.checkpoint`` (the ``ELASTICD_CHECKPOINT_*`` variables). Rank 0 saves in the
                 background; a member that finds no live state resumes from the directory.
@@ -150,11 +135,7 @@ class ElasticTrainer:
         self._reference_world = reference_world_size
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self._store = store
-        self._audit_path = Path(audit_path) if audit_path else None
-        self._audit: IO[str] | None = None
-        self._audit_memory: list[dict[str, object]] | None = [] if audit_in_memory and audit_path else None
-        self._log_interval_s = max(0.0, log_interval_s)
-        self._logged_at = float("-inf")
+        self._journal = Journal(self.env, store, audit_path, audit_in_memory, log_interval_s)
         self._membership: Membership | None = None
         self._factory: GroupFactory | None = None
         self._server: StoreServer | None = None
@@ -174,14 +155,8 @@ class ElasticTrainer:
         self._drain_requested = threading.Event()
         self._drained = False
         self._finished_together = False
-        self.recoveries = 0
-        self._last_recovery_s: float | None = None  # how long the last recovery took (progress record)
-        self._last_recovery_cause: str | None = None
         self.last_result: StepResult | None = None
-        self._events: EventLog | None = None
         self._cause_detail = ""
-        # Rank 0 of a generation that was a recovery: what to record at its first commit.
-        self._unrecorded_recovery: dict[str, object] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -219,15 +194,10 @@ class ElasticTrainer:
         )
         keys = Keys(env.etcd.prefix, env.world.job_id)
         self._membership = Membership(self._store, keys, record, env.world, env.timeouts)
-        # Its thread starts with the first event (only a rank 0 after a recovery writes any).
-        self._events = EventLog(self._store, keys, record.member_id, env.events_keep)
         bind_context(node=env.node_id, member=record.member_id)
         self._membership.start()
         self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
-        if self._audit_path:
-            self._audit_path.parent.mkdir(parents=True, exist_ok=True)
-            self._audit = self._audit_path.open("a", buffering=1)
-            self._audit_line({"event": "start", "member": record.member_id, "t": started_wall})
+        self._journal.open(self._membership, self._store, record.member_id, started_wall)
         self._failed_at = time.monotonic()
 
     def close(self, clean: bool = True) -> None:
@@ -247,22 +217,14 @@ class ElasticTrainer:
             self._writer.close()  # the write in flight finishes (bounded) and is published
         if self._membership is not None:
             self._membership.close()
-        if self._events is not None:
-            self._events.close(self.env.timeouts.etcd_request_s)
+        self._journal.close_events(self.env.timeouts.etcd_request_s)
         if self._reducer is not None:
             self._reducer.close()
         if self._factory is not None:
             self._factory.retire(self.group)
             self._factory.drain(Deadline.after(self.env.timeouts.collective_s + 1.0))
         self.group = None
-        if self._audit is not None:
-            self._audit_line({"event": "final", "step": self.state.counters.step,
-                              "checksum": f"{self.state.checksum():016x}"})
-            if self._audit_memory:
-                self._audit.writelines(json.dumps(r) + "\n" for r in self._audit_memory)
-                self._audit_memory.clear()
-            self._audit.close()
-            self._audit = None
+        self._journal.close(self.state.counters.step, self.state.checksum)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -270,6 +232,11 @@ class ElasticTrainer:
     def step_count(self) -> int:
         """Committed steps so far (the job's step counter, synced from rank 0)."""
         return self.state.counters.step
+
+    @property
+    def recoveries(self) -> int:
+        """Recoveries of this member so far (its first join is not one)."""
+        return self._journal.recoveries
 
     @property
     def rank(self) -> int:
@@ -386,9 +353,8 @@ class ElasticTrainer:
             self._need_rendezvous, self._cause = True, "regroup"
             self._cause_detail = ""
             self._failed_at = time.monotonic()
-        self._record_commit(batch, result)
-        if self._unrecorded_recovery is not None:
-            self._record_recovery(result)
+        self._journal.committed(batch, result.step, result.loss, result.generation, result.world_size,
+                                result.duration_s)
         if group.rank == 0 and self.checkpoint.saves:
             self._maybe_save(group.generation)
         return result
@@ -484,31 +450,13 @@ class ElasticTrainer:
         self.joined = joined
         self._has_state = True
         self._need_rendezvous = False
-        self._unrecorded_recovery = None
-        if self._cause != "start":  # a worker's first join is not a recovery
-            self.recoveries += 1
-            self._last_recovery_s = round(time.monotonic() - self._failed_at, 4)
-            self._last_recovery_cause = self._cause
-            if group.rank == 0:
-                self._unrecorded_recovery = {
-                    "generation": group.generation, "cause": self._cause, "error": self._cause_detail,
-                    "generation_reason": rec.reason, "world_size": group.world_size,
-                    "failed_at": self._failed_at,
-                }
         if self.sampler.mode is BatchMode.LINEAR_SCALING:
             for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
                 g["lr"] = base * group.world_size / self._reference_world
-        c = self.state.counters
-        bind_context(step=c.step)
-        log.info("recovered", generation=group.generation, rank=group.rank, world_size=group.world_size,
-                 step=c.step, cause=self._cause, members=list(rec.members),
-                 duration_s=round(time.monotonic() - self._failed_at, 4), rendezvous_s=round(joined.duration_s, 4))
-        self._audit_line({"event": "sync", "generation": group.generation, "rank": group.rank,
-                          "world_size": group.world_size, "step": c.step, "epoch": c.epoch,
-                          "position": c.position, "checksum": f"{report.checksum:016x}",
-                          "transferred_bytes": report.transferred_bytes, "cause": self._cause,
-                          "t": time.time(), **_resource_counts()})
-        self._publish_progress()
+        self._journal.recovered(group=group, record=rec, rendezvous_s=joined.duration_s, cause=self._cause,
+                                cause_detail=self._cause_detail, failed_at=self._failed_at,
+                                counters=self.state.counters, report=report,
+                                step_time_s=self.last_result.duration_s if self.last_result else None)
 
     # -- durable checkpoints ----------------------------------------------------------------
 
@@ -522,57 +470,15 @@ class ElasticTrainer:
                 self._checkpoint_dir(), job_id=self.env.world.job_id, node=self.env.node_id,
                 signature=self.state.signature, every_steps=c.checkpoint_every_steps,
                 every_s=c.checkpoint_every_s, keep=c.checkpoint_keep, wait_s=c.checkpoint_wait_s,
-                on_saved=self._on_checkpoint_saved, on_failed=self._on_checkpoint_failed,
+                on_saved=self._journal.checkpoint_saved, on_failed=self._on_checkpoint_failed,
             )
         if self._writer.due(self.state.counters.step):
             self._writer.save(self.state, generation)
 
-    def _on_checkpoint_saved(self, saved: SavedCheckpoint) -> None:
-        """On the writer thread: publish the new checkpoint in etcd (best effort)."""
-        m = saved.manifest
-        if self._membership is not None:
-            self._membership.publish_checkpoint(CheckpointRecord(
-                step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created))
-
     def _on_checkpoint_failed(self, step: int, exc: Exception) -> None:
-        """On the writer thread: record the failed save in etcd (``save_failed``, best effort), so
-        that ``elasticctl status`` shows it and not only the logs."""
-        if self._store is None:
-            return
-        code, text = describe_failure(exc)
+        """On the writer thread: record the failed save (``Journal.save_failed``)."""
         gen = self.group.generation if self.group is not None else 0
-        record = SaveFailedRecord(time=time.time(), step=step, generation=gen, node=self.env.node_id,
-                                  directory=str(self._checkpoint_dir()), error=text[:500], errno=code)
-        key = save_failed_key(Keys(self.env.etcd.prefix, self.env.world.job_id).job)
-        try:
-            self._store.put(key, encode_save_failed(record))
-        except EtcdUnavailable as exc2:
-            log.warning("checkpoint_failure_publish_failed", step=step, error=str(exc2))
-
-    def _refuse_new_model(self, held_step: int) -> None:
-        """A worker about to start from step 1 (it holds nothing and found no checkpoint of its
-        model) stops if the directory holds another model's checkpoints, unless allowed.
-
-        Raises:
-            CheckpointModelChanged: it must not start over (nothing is deleted).
-        """
-        if held_step >= 0:
-            return  # it holds state already: it does not start over
-        directory = self._checkpoint_dir()
-        others = other_models(directory, self.state.signature)
-        why = new_model_refusal(directory, self.state.signature, others,
-                                self.checkpoint.checkpoint_allow_new_model)
-        if why is not None:
-            log.error("checkpoint_model_changed", directory=str(directory), signature=self.state.signature[:12],
-                      others={sig[:12]: len(steps) for sig, steps in others.items()},
-                      action="stopping; nothing was deleted")
-            raise CheckpointModelChanged(why)
-        if others:
-            log.warning("checkpoint_new_model_started", directory=str(directory),
-                        signature=self.state.signature[:12],
-                        others={sig[:12]: len(steps) for sig, steps in others.items()},
-                        reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept")
+        self._journal.save_failed(step, exc, gen, self._checkpoint_dir())
 
     def _resume(self, held_step: int) -> int:
         """Called by the rendezvous when no live member holds the job's state: load the newest good
@@ -584,73 +490,10 @@ class ElasticTrainer:
         """
         loaded = load_latest(self._checkpoint_dir(), self.state, newer_than=held_step)
         if loaded is None:
-            self._refuse_new_model(held_step)
+            if held_step < 0:  # it would start over from step 1 (holding state, it would not)
+                refuse_new_model(self._checkpoint_dir(), self.state.signature,
+                                 self.checkpoint.checkpoint_allow_new_model)
             return held_step
         self._has_state, self._from_disk, self.resumed_from = True, True, loaded
-        m = loaded.manifest
-        self._audit_line({"event": "resume", "step": m.step, "epoch": m.epoch, "position": m.position,
-                          "path": str(loaded.path), "seq": m.seq, "checksum": f"{m.state_checksum:016x}",
-                          "rejected": list(loaded.rejected), "t": time.time()})
-        if self._membership is not None:
-            self._membership.publish_checkpoint(CheckpointRecord(
-                step=m.step, path=str(loaded.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created), only_if_newer=True)
-        return m.step
-
-    # -- bookkeeping ------------------------------------------------------------------------
-
-    def _record_recovery(self, result: StepResult) -> None:
-        """Rank 0's first commit in a recovery generation: record ``recovered`` (fault noticed ->
-        this commit) in the job's events. Queues it only; the write happens off this thread."""
-        pending, self._unrecorded_recovery = self._unrecorded_recovery, None
-        assert pending is not None and self._events is not None
-        if pending["generation"] != result.generation:
-            return  # that generation broke before its first commit; the next one records
-        failed_at = pending.pop("failed_at")
-        assert isinstance(failed_at, float)
-        self._events.record(EventKind.RECOVERED, **pending, step=result.step,
-                            duration_s=round(time.monotonic() - failed_at, 4))
-
-    def _record_commit(self, batch: Batch, result: StepResult) -> None:
-        now = time.monotonic()
-        if now - self._logged_at >= self._log_interval_s:
-            self._logged_at = now
-            bind_context(step=result.step)
-            log.info("step_committed", generation=result.generation, rank=batch.rank, step=result.step,
-                     loss=round(result.loss, 6), world_size=result.world_size,
-                     duration_s=round(result.duration_s, 5))
-        if self._audit is not None:
-            self._audit_line({"event": "commit", "step": result.step, "generation": result.generation,
-                              "rank": batch.rank, "world_size": batch.world_size, "epoch": batch.epoch,
-                              "position": batch.position, "global_size": batch.global_size,
-                              "indices": batch.indices, "loss": result.loss,
-                              "t": time.time()})
-        self._publish_progress()
-
-    def _publish_progress(self) -> None:
-        assert self._membership is not None
-        r = self.last_result
-        self._membership.set_progress({
-            "step": self.state.counters.step,
-            "generation": self.group.generation if self.group else 0,
-            "rank": self.rank,
-            "step_time_s": r.duration_s if r else None,
-            "recoveries": self.recoveries,
-            "last_recovery_s": self._last_recovery_s,
-            "last_recovery_cause": self._last_recovery_cause,
-            "time": time.time(),
-        })
-
-    def _audit_line(self, record: dict[str, object]) -> None:
-        if self._audit_memory is not None:
-            self._audit_memory.append(record)
-        elif self._audit is not None:
-            self._audit.write(json.dumps(record) + "\n")
-
-
-def _resource_counts() -> dict[str, int]:
-    """Open file descriptors and OS threads of this process (Linux; empty elsewhere)."""
-    try:
-        return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task"))}
-    except OSError:
-        return {}
+        self._journal.resumed(loaded)
+        return loaded.manifest.step

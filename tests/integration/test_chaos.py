@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.chaos import kinds_possible
+from elasticd.chaos.schedule import kinds_possible
 from elasticd.testing.localcluster import REPO_ROOT
 
 

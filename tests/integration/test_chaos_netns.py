@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.chaos import netns_unusable, probe_netns
+from elasticd.chaos.netns import netns_unusable, probe_netns
 from elasticd.testing.localcluster import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,7 +21,8 @@ from elasticd.cli import agent_main, ctl_main
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.ops.status import WorkerState, read_status
 from elasticd.store.etcd import EtcdClient
-from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, free_port
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT, free_port
 from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(180)

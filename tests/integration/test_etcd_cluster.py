@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.testing.audit import first_commit_times
-from elasticd.testing.localcluster import ETCD_START_TIMEOUT_S, EtcdCluster
+from elasticd.testing.etcd import ETCD_START_TIMEOUT_S, EtcdCluster
 from tests.conftest import LocalJob
 
 pytestmark = pytest.mark.timeout(240)

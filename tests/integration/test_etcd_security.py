@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, EtcdTls
+from elasticd.testing.etcd import EtcdServer, EtcdTls
+from elasticd.testing.localcluster import REPO_ROOT
 from tests.integration.test_node_agent import AgentJob
 
 OPENSSL = shutil.which("openssl")

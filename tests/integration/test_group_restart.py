@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from elasticd.cli import ctl_main
-from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, log_events
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT, log_events
 from tests.jobs import wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]

@@ -20,7 +20,8 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValueStore
-from elasticd.testing.localcluster import EtcdServer, free_port
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import free_port
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 pytestmark = [

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from elasticd.testing.audit import check_dir, read_lines
-from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, free_port, log_events
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT, free_port, log_events
 from tests.jobs import job_factory, wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]

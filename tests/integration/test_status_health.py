@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.ops.status import Health, JobStatus, WorkerState, read_status
+from elasticd.ops.health import Health
+from elasticd.ops.status import JobStatus, WorkerState, read_status
 from elasticd.store.etcd import EtcdClient
-from elasticd.testing.localcluster import REPO_ROOT, EtcdServer
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT
 from elasticd.wire.keys import Keys
 
 pytestmark = pytest.mark.timeout(180)

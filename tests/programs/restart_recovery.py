@@ -23,7 +23,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from elasticd.testing.localcluster import REPO_ROOT, EtcdServer, log_events
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT, log_events
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
 

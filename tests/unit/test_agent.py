@@ -17,21 +17,19 @@ from pathlib import Path
 import pytest
 import structlog
 
-from elasticd.agent.elastic import (
+from elasticd.agent.daemon import restart_backoff_s, restarts_in_window
+from elasticd.agent.elastic import Agent
+from elasticd.agent.elastic_decide import (
     Action,
     ActionKind,
-    Agent,
     AgentSnapshot,
     AgentState,
     Slot,
     SlotState,
     decide,
-    job_read_interval_s,
     member_leases,
-    restart_backoff_s,
-    restarts_in_window,
 )
-from elasticd.agent.jobview import JobView, ProgressMark
+from elasticd.agent.jobview import JobView, ProgressMark, job_read_interval_s
 from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.cli import TORCHRUN_ALIASES, build_agent_parser, parse_agent_command_line
 from elasticd.config import (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.bench.recovery import BenchError, window_step_times
+from elasticd.bench.common import BenchError
+from elasticd.bench.recovery import window_step_times
 
 
 def test_mean_is_window_wall_time_over_steps_and_median_is_of_single_steps() -> None:

@@ -9,52 +9,58 @@ import random
 
 import pytest
 
-from elasticd.chaos import (
-    AgentEnd,
-    ClusterView,
-    Commit,
-    Evidence,
-    FaultKind,
-    FaultRecord,
-    Final,
-    LinkDown,
-    NetnsHost,
-    NetnsPlan,
-    NodeView,
-    Report,
-    Settings,
-    StatusSample,
-    Window,
-    WorkerLife,
-    agent_findings,
-    allowed,
+from elasticd.chaos.ettr import (
     baseline_world,
-    choose_fault,
-    commit_times,
     ettr,
     ettr_by_world,
     fault_free_step_by_world,
     fault_free_step_s,
+    steps_by_world,
+)
+from elasticd.chaos.evidence import (
+    AgentEnd,
+    Commit,
+    Evidence,
+    FaultRecord,
+    Final,
+    LinkDown,
+    StatusSample,
+    Window,
+    WorkerLife,
+    traceback_hits,
+)
+from elasticd.chaos.judge import (
+    agent_findings,
+    commit_times,
     final_findings,
     find_stalls,
-    host_index,
     judge,
-    kinds_possible,
     link_down_findings,
-    link_down_s_default,
-    netns_plan,
-    netns_unusable,
-    next_delay,
-    parse_faults,
-    render_table,
-    report_to_dict,
-    skipped_kinds,
     status_findings,
     step_findings,
-    steps_by_world,
+)
+from elasticd.chaos.netns import (
+    NetnsHost,
+    NetnsPlan,
+    host_index,
+    netns_plan,
+    netns_unusable,
     subnets_in_use,
-    traceback_hits,
     use_netns,
+)
+from elasticd.chaos.report import Report, render_table, report_to_dict
+from elasticd.chaos.schedule import (
+    ClusterView,
+    FaultKind,
+    NodeView,
+    Settings,
+    allowed,
+    choose_fault,
+    kinds_possible,
+    link_down_s_default,
+    next_delay,
+    parse_faults,
+    skipped_kinds,
 )
 from elasticd.errors import ConfigError
 
@@ -645,7 +651,7 @@ def test_the_table_and_the_json_object_show_the_netns_hosts_and_link_downs() -> 
 
 
 def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> None:
-    from elasticd.chaos import membership_closed_times
+    from elasticd.chaos.evidence import membership_closed_times
 
     log = "\n".join([
         '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21.876257Z"}',
@@ -660,7 +666,7 @@ def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> No
 def test_a_stall_after_etcd_returns_is_excused_for_a_lease_ttl_when_a_member_had_to_leave() -> None:
     """The 30-minute soak (seed 4): a link down, then the etcd leader killed. At its return etcd
     gives every lease its whole TTL again, so the cut host was seen gone a TTL after that."""
-    from elasticd.chaos import after_etcd_returns
+    from elasticd.chaos.judge import after_etcd_returns
 
     times = [(T0, 51), (T0 + 6.1, 52)]
     down = [Window(T0 + 1.3, T0 + 2.5)]
@@ -687,7 +693,8 @@ def test_a_worker_that_left_while_etcd_was_down_may_be_listed_until_a_ttl_after_
 
 
 def test_a_cut_host_need_not_be_dropped_while_etcd_cannot_expire_its_lease() -> None:
-    from elasticd.chaos import Commit, LinkDown, link_down_findings
+    from elasticd.chaos.evidence import Commit, LinkDown
+    from elasticd.chaos.judge import link_down_findings
 
     commits = [Commit("node-0", step, 5, 0, 2, T0 + t) for step, t in enumerate((0.0, 9.0, 12.0), start=1)]
     down = [LinkDown("node-0", T0 + 1.0, T0 + 6.0)]

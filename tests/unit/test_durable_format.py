@@ -15,15 +15,9 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elasticd.worker.checkpoint import TrainingState
-from elasticd.worker.durable import (
-    DIRECT_ALIGN,
-    MAGIC,
-    CheckpointWriter,
-    load_latest,
-    read_manifest,
-    scan,
-)
+from elasticd.worker.durable import DIRECT_ALIGN, CheckpointWriter, load_latest
+from elasticd.worker.durable_format import MAGIC, read_manifest, scan
+from elasticd.worker.state import TrainingState
 from tests.unit.test_checkpoint import make_state, train
 
 pytestmark = pytest.mark.timeout(60)

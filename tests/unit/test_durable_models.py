@@ -18,12 +18,14 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.ops import decode_save_failed, save_failed_key
 from elasticd.worker.durable import (
     CheckpointWriter,
-    Entry,
-    job_dir,
     load_latest,
     new_model_refusal,
-    other_models,
     removable,
+)
+from elasticd.worker.durable_format import (
+    Entry,
+    job_dir,
+    other_models,
     scan,
     signature_of,
 )

@@ -12,28 +12,30 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.agent.restart import (
+from elasticd.agent.restart import GroupRestartAgent
+from elasticd.agent.restart_decide import (
     Action,
     ActionKind,
-    AgentRecord,
-    Cause,
-    FailedRecord,
-    GroupRestartAgent,
     Local,
     Phase,
-    RestartKeys,
-    RoundRecord,
-    RoundView,
-    WaitingRecord,
     decide,
     node_bounds,
-    parse_view,
     worker_environ,
 )
 from elasticd.config import AgentConfig, Timeouts, WorldConfig, load_agent_config
 from elasticd.errors import ConfigError
 from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
 from elasticd.wire.records import encode
+from elasticd.wire.restart import (
+    AgentRecord,
+    Cause,
+    FailedRecord,
+    RoundRecord,
+    RoundView,
+    WaitingRecord,
+    parse_view,
+)
 from tests.fakes import FakeKeyValueStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -325,13 +327,13 @@ def test_worker_environ_is_what_torchrun_sets() -> None:
 
 
 def test_parse_view_reports_garbage_and_keeps_the_rest() -> None:
-    keys = RestartKeys("/e", "j")
+    keys = Keys("/e", "j")
     kvs = [
-        KeyValue(keys.round, b"{not json", 5, 5),
-        KeyValue(keys.agent("a"), encode(agent("a")), 6, 6, lease=1),
-        KeyValue(keys.agent("b"), encode(agent("a")), 7, 7, lease=1),  # names another node
-        KeyValue(keys.waiting("a"), encode(waiting("a")), 8, 8, lease=1),
-        KeyValue(keys.failed, json.dumps({"round": "1"}).encode(), 9, 9),
+        KeyValue(keys.restart_round, b"{not json", 5, 5),
+        KeyValue(keys.restart_agent("a"), encode(agent("a")), 6, 6, lease=1),
+        KeyValue(keys.restart_agent("b"), encode(agent("a")), 7, 7, lease=1),  # names another node
+        KeyValue(keys.restart_waiting("a"), encode(waiting("a")), 8, 8, lease=1),
+        KeyValue(keys.restart_failed, json.dumps({"round": "1"}).encode(), 9, 9),
     ]
     v = parse_view(keys, kvs)
     assert v.round is None and v.round_revision == 5
@@ -401,8 +403,8 @@ def test_two_agents_restart_the_whole_group_once_and_finish(tmp_path: Path) -> N
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in second} == {"1"}
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in first}) == 1  # one master per round
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in second}) == 1
-    keys = RestartKeys(cfg.etcd.prefix, "j")
-    assert store.get(keys.agent("a")) is None and store.get(keys.agent("b")) is None  # leases revoked
+    keys = Keys(cfg.etcd.prefix, "j")
+    assert store.get(keys.restart_agent("a")) is None and store.get(keys.restart_agent("b")) is None  # leases revoked
 
 
 # A script that "trains" until stopped while the world has 2 workers, and finishes at once alone.
@@ -423,10 +425,10 @@ def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_pat
     threads = {n: threading.Thread(target=lambda n=n: outcomes.__setitem__(n, agents[n].run(False))) for n in "ab"}
     for t in threads.values():
         t.start()
-    keys = RestartKeys(cfg.etcd.prefix, "j")
+    keys = Keys(cfg.etcd.prefix, "j")
 
     def world() -> int:
-        kv = store.get(keys.round)
+        kv = store.get(keys.restart_round)
         return len(json.loads(kv.value)["nodes"]) if kv else 0
 
     deadline = time.monotonic() + 20
@@ -440,6 +442,6 @@ def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_pat
     assert outcomes["b"].exit_code == 0 and outcomes["b"].reason == "left the job (stop requested)"
     # the leave used none of a's restart budget (max_restarts 0): a finished alone
     assert outcomes["a"].exit_code == 0 and outcomes["a"].reason == "workers_finished"
-    failed = json.loads(store.get(keys.failed).value)
+    failed = json.loads(store.get(keys.restart_failed).value)
     assert (failed["cause"], failed["node"]) == ("node_left", "b")
-    assert json.loads(store.get(keys.round).value)["nodes"] == ["a"]
+    assert json.loads(store.get(keys.restart_round).value)["nodes"] == ["a"]

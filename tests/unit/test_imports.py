@@ -19,10 +19,13 @@ pytestmark = pytest.mark.timeout(60)
 LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log", "elasticd.events",
                  "elasticd.store.kv", "elasticd.store.etcd", "elasticd.wire.keys", "elasticd.wire.records",
                  "elasticd.wire.snapshot", "elasticd.wire.ops", "elasticd.wire.restart", "elasticd.rendezvous.decide",
-                 "elasticd.rendezvous.membership", "elasticd.rendezvous.continued", "elasticd.agent.elastic",
-                 "elasticd.agent.restart", "elasticd.agent.supervisor", "elasticd.agent.presence",
+                 "elasticd.rendezvous.membership", "elasticd.rendezvous.continued", "elasticd.rendezvous.lease",
+                 "elasticd.rendezvous.publish", "elasticd.rendezvous.watch", "elasticd.agent.elastic",
+                 "elasticd.agent.restart", "elasticd.agent.daemon", "elasticd.agent.elastic_decide",
+                 "elasticd.agent.restart_decide", "elasticd.agent.supervisor", "elasticd.agent.presence",
                  "elasticd.agent.jobview", "elasticd.agent.metrics", "elasticd.agent.sdnotify", "elasticd.ops.status",
-                 "elasticd.ops.drain", "elasticd.cli"]
+                 "elasticd.ops.health", "elasticd.ops.parse", "elasticd.ops.render", "elasticd.ops.drain",
+                 "elasticd.cli"]
 # A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.
 STARTUP_BOUND_S = 3.0
 

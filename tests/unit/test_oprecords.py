@@ -19,14 +19,13 @@ from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable
 from elasticd.events import MAX_PENDING_EVENTS, EventLog
 from elasticd.ops.drain import drain_progress, request_drain
-from elasticd.ops.status import (
-    build_status,
-    job_events,
+from elasticd.ops.render import (
     render_events_json,
     render_events_table,
     render_json,
     render_table,
 )
+from elasticd.ops.status import build_status, job_events
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import (

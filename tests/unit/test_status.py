@@ -12,18 +12,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from elasticd.ops.status import (
-    EXIT_DEGRADED,
-    EXIT_DOWN,
-    EXIT_OK,
-    Health,
-    WorkerState,
-    build_status,
-    decode_progress,
-    read_status,
-    render_json,
-    render_table,
-)
+from elasticd.ops.health import EXIT_DEGRADED, EXIT_DOWN, EXIT_OK, Health
+from elasticd.ops.parse import decode_progress
+from elasticd.ops.render import render_json, render_table
+from elasticd.ops.status import WorkerState, build_status, read_status
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
@@ -342,22 +334,20 @@ def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] =
         AgentRecord,
         FailedRecord,
         FinishedRecord,
-        RestartKeys,
         RoundRecord,
     )
 
-    root, _, job = KEYS.job.rpartition("/")
-    rk = RestartKeys(root, job)
-    rows = [KeyValue(rk.round, encode(RoundRecord(round=3, nodes=("a", "b"), nproc_per_node=2, master_addr="10.0.0.1",
-                                                  master_port=29500, restart_count=1, reason="worker_failed")), 5, 5)]
-    rows += [KeyValue(rk.agent(n), encode(AgentRecord(node=n, host="h", pid=1)), 2, 2) for n in agents]
+    rows = [KeyValue(KEYS.restart_round, encode(RoundRecord(round=3, nodes=("a", "b"), nproc_per_node=2,
+                                                            master_addr="10.0.0.1", master_port=29500,
+                                                            restart_count=1, reason="worker_failed")), 5, 5)]
+    rows += [KeyValue(KEYS.restart_agent(n), encode(AgentRecord(node=n, host="h", pid=1)), 2, 2) for n in agents]
     if failed:
-        rows.append(KeyValue(rk.failed, encode(FailedRecord(round=failed, node="a", cause="worker_failed",
-                                                            detail="x")), 6, 6))
+        rows.append(KeyValue(KEYS.restart_failed, encode(FailedRecord(round=failed, node="a", cause="worker_failed",
+                                                                      detail="x")), 6, 6))
     if finished:
-        rows.append(KeyValue(rk.finished, encode(FinishedRecord(round=finished)), 7, 7))
+        rows.append(KeyValue(KEYS.restart_finished, encode(FinishedRecord(round=finished)), 7, 7))
     if garbage:
-        rows.append(KeyValue(rk.agent("zz"), b"{not json", 8, 8))
+        rows.append(KeyValue(KEYS.restart_agent("zz"), b"{not json", 8, 8))
     return rows
 
 
@@ -391,7 +381,7 @@ def test_an_elastic_job_has_no_restart_section() -> None:
 
 # -- health from live records: a malformed generation, stalls, failed saves ----------------------
 
-from elasticd.ops.status import (  # noqa: E402
+from elasticd.ops.health import (  # noqa: E402
     STALL_AFTER_S,
     last_activity,
     save_failing,
@@ -506,7 +496,7 @@ def test_stall_bound(stall_after_s: float, step_times: list[float | None], bound
 
 
 def test_last_activity_is_the_newest_progress_or_the_generation_published() -> None:
-    from elasticd.ops.status import Progress
+    from elasticd.ops.parse import Progress
 
     p = {"m0": Progress(5, 1, 0, 0.1, 0, 100.0), "m1": Progress(5, 1, 1, 0.1, 0, 105.0),
          "x": Progress(9, 1, 0, 0.1, 0, 900.0)}

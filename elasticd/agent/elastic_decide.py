@@ -1,0 +1,227 @@
+"""Elastic mode's node agent, its pure half: the states, the snapshot, the actions and ``decide``.
+
+Owns ``AgentState`` (the agent's) and ``SlotState`` (each local rank's worker), with their allowed
+transitions written on the enums; the ``AgentSnapshot`` that ``decide(snapshot, now, config)``
+reads; the ``Action`` it returns (one at a time, with its reason); ``stopped_past`` (the stopped
+worker rule) and ``member_leases`` (which member records in etcd belong to a local worker). The
+restart budget and the stop ladder it applies are the daemon skeleton's (``daemon``).
+
+Never does I/O, never reads a clock (``now`` is passed in), never imports torch: ``elastic.Agent``
+is the executor that applies the actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from elasticd.agent.daemon import (
+    EXIT_FATAL,
+    EXIT_OK,
+    Rung,
+    restart_backoff_s,
+    restarts_in_window,
+    stop_ladder,
+)
+from elasticd.agent.jobview import JobView, ProgressMark, is_hung
+from elasticd.agent.supervisor import WorkerExit
+from elasticd.config import AgentConfig
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import DECODE_ERRORS, MemberRecord, decode
+
+
+class AgentState(StrEnum):
+    """The agent's state. The transitions (``decide`` takes no other edge):
+
+    * STARTING -> RUNNING: the first worker is started.
+    * STARTING, RUNNING -> DRAINING: a stop request (SIGTERM/SIGINT, ``request_stop``, ``drain/<node>``).
+    * RUNNING -> STOPPING: a worker failed with the restart budget spent (``restarts_exhausted``).
+    * DRAINING, STOPPING -> exit: once no worker runs (0 drained, 1 stopping), or 1 when killed
+      workers are not reaped within ``kill_wait_s``. RUNNING -> exit 0 when every worker is DONE.
+    """
+
+    STARTING = "starting"  # no worker started yet
+    RUNNING = "running"  # supervising: restarting failed workers within the budget
+    DRAINING = "draining"  # asked to stop (SIGTERM): workers finish their step and leave; exit 0
+    STOPPING = "stopping"  # a fatal condition (restarts exhausted): workers are stopped; exit 1
+
+
+class SlotState(StrEnum):
+    """One local rank's worker. The transitions:
+
+    * PENDING -> RUNNING: started; PENDING, BACKOFF -> EXITED: it could not be started.
+    * RUNNING -> EXITED: its process ended (seen by the executor, not yet acted on).
+    * EXITED -> DONE: it exited 0 (never restarted).
+    * EXITED -> BACKOFF: it failed and the budget allows a restart; BACKOFF -> RUNNING after the backoff.
+    * EXITED -> STOPPED: it failed while the agent stops, or with the budget spent.
+    * DONE and STOPPED are final; PENDING and BACKOFF slots stay so while the agent drains.
+    """
+
+    PENDING = "pending"  # not started yet
+    RUNNING = "running"
+    EXITED = "exited"  # its process ended; the agent has not acted on that yet
+    BACKOFF = "backoff"  # waiting to be restarted
+    DONE = "done"  # exited 0: finished, never restarted
+    STOPPED = "stopped"  # ended and will not be restarted (the agent is stopping)
+
+
+@dataclass(frozen=True)
+class Slot:
+    local_rank: int
+    state: SlotState = SlotState.PENDING
+    pid: int = 0
+    exit: WorkerExit | None = None
+    restart_at: float = 0.0  # BACKOFF: when to restart (monotonic)
+    starts: int = 0
+    mark: ProgressMark | None = None  # RUNNING: when its progress in etcd last advanced (hang test)
+    hang_killed: bool = False  # RUNNING: SIGKILLed as hung; its exit is on the way
+    stopped_at: float | None = None  # RUNNING: first seen stopped (state T) at (monotonic); None: not stopped
+    stop_revoked: bool = False  # RUNNING: stopped past stopped_worker_s, and its lease was revoked
+
+
+@dataclass(frozen=True)
+class AgentSnapshot:
+    """Everything ``decide`` looks at."""
+
+    state: AgentState
+    slots: tuple[Slot, ...]
+    restarts: tuple[float, ...] = ()  # when each restart was decided (monotonic)
+    stop_requests: int = 0  # SIGTERM/SIGINT received
+    terminate_deadline: float | None = None  # SIGTERM forwarded: kill after this
+    kill_deadline: float | None = None  # SIGKILL sent: stop waiting after this
+    reason: str = ""  # why the agent is stopping (STOPPING)
+    view: JobView | None = None  # the newest read of the job's keys (None: none succeeded yet)
+
+    @classmethod
+    def initial(cls, nproc: int) -> AgentSnapshot:
+        return cls(AgentState.STARTING, tuple(Slot(lr) for lr in range(nproc)))
+
+
+class ActionKind(StrEnum):
+    SPAWN = "spawn"  # start (or restart) the worker of local_rank
+    RELEASE = "release"  # a worker ended: revoke its lease, then put its slot in slot_state
+    TERMINATE = "terminate"  # SIGTERM to every running worker; kill after `until`
+    KILL = "kill"  # SIGKILL to every running worker (and its children); give up after `until`
+    KILL_HUNG = "kill_hung"  # SIGKILL the hung worker of local_rank (and its children); its exit restarts it
+    REVOKE_STOPPED = "revoke_stopped"  # revoke the lease of local_rank's stopped worker (it is not killed)
+    WAIT = "wait"  # nothing to do until `until` (None: until something happens)
+    EXIT = "exit"  # the agent is done: exit with exit_code
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str
+    local_rank: int = -1
+    slot_state: SlotState | None = None
+    restart_at: float = 0.0
+    next_state: AgentState | None = None
+    until: float | None = None
+    exit_code: int = EXIT_OK
+
+
+def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
+    """What the agent does next. Pure: no I/O, no clock reads."""
+    ended = next((s for s in snap.slots if s.state is SlotState.EXITED), None)
+    if ended is not None:
+        return _release(snap, ended, now, config)
+    running = [s for s in snap.slots if s.state is SlotState.RUNNING]
+    stopping = snap.state in (AgentState.DRAINING, AgentState.STOPPING)
+    if snap.stop_requests and not stopping:
+        return Action(ActionKind.TERMINATE, "stop requested: the workers finish their step and leave",
+                      next_state=AgentState.DRAINING, until=now + config.timeouts.shutdown_grace_s)
+    if stopping:
+        draining = snap.state is AgentState.DRAINING
+        code = EXIT_OK if draining else EXIT_FATAL
+        reason = "drained" if draining else snap.reason
+        if not running:
+            return Action(ActionKind.EXIT, reason, exit_code=code)
+        if snap.terminate_deadline is None:
+            return Action(ActionKind.TERMINATE, "stopping the other workers",
+                          until=now + config.timeouts.shutdown_grace_s)
+        step = stop_ladder(now, terminate_deadline=snap.terminate_deadline, kill_deadline=snap.kill_deadline,
+                           stop_requests=snap.stop_requests, grace_s=config.timeouts.shutdown_grace_s,
+                           kill_wait_s=config.kill_wait_s, workers=f"pids {[s.pid for s in running]}")
+        if step.rung is Rung.GIVE_UP:
+            return Action(ActionKind.EXIT, f"{step.reason}; {reason}", exit_code=EXIT_FATAL)
+        kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
+        return Action(kind, step.reason, until=step.until)
+    hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)),
+                None)
+    if hung is not None:
+        assert hung.mark is not None and snap.view is not None
+        return Action(ActionKind.KILL_HUNG, f"worker {hung.local_rank} (pid {hung.pid}) made no progress for "
+                      f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
+                      f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
+                      local_rank=hung.local_rank)
+    frozen = next((s for s in running if stopped_past(s, now, config.stopped_worker_s)), None)
+    if frozen is not None:
+        assert frozen.stopped_at is not None
+        return Action(ActionKind.REVOKE_STOPPED, f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for "
+                      f"{now - frozen.stopped_at:.2f} s (stopped_worker_s {config.stopped_worker_s:g}): its lease "
+                      f"is revoked so that the others regroup without it now; it rejoins when it continues",
+                      local_rank=frozen.local_rank)
+    pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
+    if pending is not None:
+        return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
+    due = [s for s in snap.slots if s.state is SlotState.BACKOFF]
+    ready = next((s for s in due if s.restart_at <= now), None)
+    if ready is not None:
+        return Action(ActionKind.SPAWN, "restart", local_rank=ready.local_rank, next_state=AgentState.RUNNING)
+    if all(s.state is SlotState.DONE for s in snap.slots):
+        return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
+    stops = [s.stopped_at + config.stopped_worker_s for s in running
+             if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0]
+    return Action(ActionKind.WAIT, "supervising",
+                  until=min([*(s.restart_at for s in due), *stops], default=None))
+
+
+def stopped_past(slot: Slot, now: float, stopped_worker_s: float) -> bool:
+    """The running worker of ``slot`` has been stopped (SIGSTOP) for ``stopped_worker_s`` or longer
+    and its lease is not revoked yet (0: never)."""
+    return (stopped_worker_s > 0 and slot.state is SlotState.RUNNING and slot.stopped_at is not None
+            and not slot.stop_revoked and now - slot.stopped_at >= stopped_worker_s)
+
+
+def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -> Action:
+    e = slot.exit
+    assert e is not None, "an EXITED slot carries its exit"
+    what = f"worker {slot.local_rank} (pid {e.pid}) {e.describe()}"
+    if slot.hang_killed:
+        what += " as hung"
+    if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
+        return Action(ActionKind.RELEASE, f"{what}; the agent is stopping", local_rank=slot.local_rank,
+                      slot_state=SlotState.DONE if e.ok else SlotState.STOPPED)
+    if e.ok:
+        return Action(ActionKind.RELEASE, f"{what}: done", local_rank=slot.local_rank, slot_state=SlotState.DONE)
+    recent = restarts_in_window(snap.restarts, now, config.restart_window_s)
+    if recent >= config.max_restarts:
+        return Action(
+            ActionKind.RELEASE,
+            f"restarts_exhausted: {what}; {recent} restarts in the last {config.restart_window_s:g} s "
+            f"(max_restarts {config.max_restarts})",
+            local_rank=slot.local_rank, slot_state=SlotState.STOPPED, next_state=AgentState.STOPPING,
+        )
+    delay = restart_backoff_s(recent, config.restart_backoff_initial_s, config.restart_backoff_max_s)
+    return Action(ActionKind.RELEASE, f"{what}: restart in {delay:g} s", local_rank=slot.local_rank,
+                  slot_state=SlotState.BACKOFF, restart_at=now + delay)
+
+
+def member_leases(kvs: Iterable[KeyValue], keys: Keys, node: str, pids: Collection[int]) -> list[tuple[str, int]]:
+    """(member id, lease) of each leased member record of ``node`` whose pid is in ``pids``.
+
+    Pure; a record that does not parse is skipped (it is not ours to judge).
+    """
+    found: list[tuple[str, int]] = []
+    for kv in kvs:
+        if not kv.key.startswith(keys.member("")) or not kv.lease:
+            continue
+        try:
+            rec = decode(MemberRecord, kv.value)
+        except DECODE_ERRORS:
+            continue
+        if rec.node == node and rec.pid in pids:
+            found.append((rec.member_id, kv.lease))
+    return found

@@ -1,0 +1,87 @@
+"""A chaos run's ETTR (effective training time ratio), from its commits (pure).
+
+Owns the fault-free step time (measured in the warm-up windows, per world size), the steps committed
+in the faulted window per world size, and ETTR: the sum, over those steps, of the fault-free step
+time at each one's world size, divided by the faulted wall time (and the old figure, every step at
+one fault-free step time). It never judges a run: a low ETTR is reported, not failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from elasticd.chaos.evidence import Commit, Window
+
+
+def fault_free_step_s(times: Sequence[tuple[float, int]], start: float, end: float) -> float | None:
+    """Mean seconds per committed step over [start, end] (the warm-up); None with fewer than 2."""
+    inside = [t for t, _ in times if start <= t <= end]
+    if len(inside) < 2:
+        return None
+    return (inside[-1] - inside[0]) / (len(inside) - 1)
+
+
+def ettr(steps: int, step_s: float | None, wall_s: float) -> float | None:
+    """Effective training time ratio: committed steps x fault-free step time / wall time."""
+    if step_s is None or wall_s <= 0:
+        return None
+    return steps * step_s / wall_s
+
+
+def first_commits(commits: Sequence[Commit]) -> dict[int, Commit]:
+    """step -> its first commit line (the earliest: a step committed again, by another rank or in
+    another generation, counts once, at the generation and world size it was first committed in)."""
+    out: dict[int, Commit] = {}
+    for c in commits:
+        if c.step not in out or c.t < out[c.step].t:
+            out[c.step] = c
+    return out
+
+
+def fault_free_step_by_world(commits: Sequence[Commit], windows: Sequence[Window]) -> dict[int, float]:
+    """world size -> mean seconds per step in the warm-up ``windows``, by the commit lines' world size.
+
+    Each pair of consecutive steps whose first commits both fall in one window, in one generation
+    at one world size, gives one step time of that size (a regroup between two generations is no
+    step time). A world size with no such pair is absent.
+    """
+    first = first_commits(commits)
+    sums: dict[int, tuple[float, int]] = {}
+    for step, c in first.items():
+        prev = first.get(step - 1)
+        if prev is None or (prev.generation, prev.world_size) != (c.generation, c.world_size):
+            continue
+        if any(w.start <= prev.t and c.t <= w.end for w in windows):
+            total, n = sums.get(c.world_size, (0.0, 0))
+            sums[c.world_size] = (total + c.t - prev.t, n + 1)
+    return {world: total / n for world, (total, n) in sorted(sums.items())}
+
+
+def baseline_world(world: int, measured: Iterable[int]) -> int | None:
+    """The measured world size whose fault-free step time stands for ``world``: itself, else the
+    nearest (the smaller on a tie; below ``--nodes`` nothing is measured, so the smallest measured
+    size stands for it). None: nothing was measured."""
+    return min(measured, key=lambda m: (abs(m - world), m), default=None)
+
+
+def steps_by_world(commits: Sequence[Commit], window: Window) -> dict[int, int]:
+    """world size -> the steps first committed within ``window`` at that size (each step once)."""
+    out: dict[int, int] = {}
+    for c in first_commits(commits).values():
+        if window.start <= c.t <= window.end:
+            out[c.world_size] = out.get(c.world_size, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def ettr_by_world(steps: Mapping[int, int], step_s: Mapping[int, float], wall_s: float) -> float | None:
+    """ETTR with a fault-free step time per world size: the sum, over the committed steps, of the
+    fault-free step time at each one's world size (``baseline_world`` for a size not measured),
+    divided by the wall time. None: nothing was measured, or no wall time."""
+    if not step_s or wall_s <= 0:
+        return None
+    total = 0.0
+    for world, n in steps.items():
+        used = baseline_world(world, step_s)
+        assert used is not None  # step_s is not empty
+        total += n * step_s[used]
+    return total / wall_s

@@ -1,0 +1,176 @@
+"""What a chaos run observed, as records the judge reads (pure).
+
+Owns the records (``Commit``, ``Final``, ``FaultRecord``, ``StatusSample``, ``WorkerLife``,
+``AgentEnd``, the ``Window`` of an etcd outage or a warm-up, ``LinkDown``) gathered into one
+``Evidence``, and the parsers that make them from the audit lines and the agents' logs
+(``parse_commits``, ``parse_finals``, ``membership_closed_times``, ``traceback_hits``). It reads
+text it is given, never a file or a process, and never judges.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from elasticd.testing.audit import as_float, as_int
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+@dataclass(frozen=True)
+class Window:
+    start: float  # wall clock, as in the audit lines
+    end: float
+
+
+@dataclass(frozen=True)
+class LinkDown:
+    """A host's link was down over [start, end] (wall clock; end = inf while still down)."""
+
+    node: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Commit:
+    node: str
+    step: int
+    generation: int
+    rank: int
+    world_size: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Final:
+    node: str
+    step: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    t: float
+    kind: str
+    target: str
+    detail: str = ""
+
+
+
+
+@dataclass(frozen=True)
+class StatusSample:
+    t0: float  # wall clock before and after the call
+    t1: float
+    pids: tuple[int, ...]  # the members' pids it listed
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerLife:
+    pid: int
+    node: str
+    registered_t: float | None       # when its audit start line (written once registered) was seen
+    ended_t: float | None            # first seen gone
+    paused: tuple[Window, ...] = ()  # SIGSTOP -> SIGCONT (end = inf while stopped)
+    # Its host's link down -> up (end = inf while down): its lease expires meanwhile, so status may
+    # leave it out, and must once its lease is surely gone.
+    cut_off: tuple[Window, ...] = ()
+    # Link up -> its next sync line (it re-registers in place and joins a generation): status may
+    # list it or not.
+    rejoining: tuple[Window, ...] = ()
+    # It left the job (drained, finished, or gave up: its membership closed and its lease was
+    # revoked) while its process still ran, e.g. waiting for abandoned groups to close.
+    left_t: float | None = None
+
+
+def membership_closed_times(log_text: str) -> dict[int, float]:
+    """pid -> wall time of the worker's first ``membership_closed`` line in an agent's log (pure)."""
+    out: dict[int, float] = {}
+    for line in log_text.splitlines():
+        if '"membership_closed"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+            pid = int(str(rec["member"]).split(".")[2])
+            t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        out[pid] = min(t, out.get(pid, t))
+    return out
+
+
+def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Commit]:
+    """The commit lines of (node, audit record) pairs."""
+    return [Commit(node, as_int(r["step"]), as_int(r["generation"]), as_int(r["rank"]), as_int(r["world_size"]),
+                   as_float(r["t"]))
+            for node, r in pairs if r.get("event") == "commit"]
+
+
+def parse_finals(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Final]:
+    return [Final(node, as_int(r["step"]), str(r["checksum"])) for node, r in pairs if r.get("event") == "final"]
+
+
+
+def traceback_hits(name: str, text: str) -> list[str]:
+    """Each Python traceback in a log (plain, or inside a JSON line's ``exception``), as
+    ``name:line: what``."""
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if TRACEBACK not in line:
+            continue
+        what = line.strip()[:160]
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("exception"), str):
+            last = rec["exception"].strip().splitlines()[-1:]
+            what = f"event {rec.get('event')!r}: {last[0][:160] if last else ''}"
+        else:
+            for later in lines[i + 1:i + 200]:
+                if later and not later[0].isspace() and TRACEBACK not in later:
+                    what = later.strip()[:160]
+                    break
+        out.append(f"{name}:{i + 1}: {what}")
+    return out
+
+
+
+@dataclass(frozen=True)
+class AgentEnd:
+    """How one agent process ended, and how it was meant to."""
+
+    node: str
+    pid: int
+    expected: str          # "" finish, "killed", "drain", "sigterm", "duplicate"
+    code: int | None       # None: still running when the run ended (then it was killed)
+    message: str = ""      # the last line of its log
+
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything the run observed, as the judge reads it."""
+
+    target_steps: int
+    commits: tuple[Commit, ...]
+    finals: tuple[Final, ...]
+    audit_violations: tuple[str, ...]
+    faults: tuple[FaultRecord, ...]
+    etcd_down: tuple[Window, ...]
+    samples: tuple[StatusSample, ...]
+    lives: tuple[WorkerLife, ...]
+    tracebacks: tuple[str, ...]
+    agents: tuple[AgentEnd, ...]
+    warmup: Window | None           # the warm-up window at --nodes (the single baseline's)
+    faulted: Window | None
+    lease_ttl_s: float
+    problems: tuple[str, ...] = ()  # what the executor could not do (a start failed, a bound passed)
+    end_t: float | None = None      # the end of the run (for a job that did not finish)
+    link_down: tuple[LinkDown, ...] = ()
+    warmups: tuple[Window, ...] = ()  # every warm-up window, one per world size (``warmup`` first)

@@ -1,0 +1,329 @@
+"""What a chaos run injects, and when: the fault kinds, the pure choice of the next fault, and the
+run's settings.
+
+Owns ``FaultKind`` and what each kind needs (``KINDS``), ``--faults`` parsing, ``choose_fault`` (the
+next fault from a ``ClusterView`` and a seeded ``random.Random``), the delay between faults, the
+step estimate, and ``Settings`` from the command line (``parse_args``, ``make_settings``: the flags
+and their validation). Pure but for the default seed, which ``make_settings`` takes from the clock:
+it never touches a process or a file, and never injects anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from elasticd.config import Timeouts
+from elasticd.errors import ConfigError
+
+# The shortest lease etcd grants with its default election settings (its minimum TTL is ~2 s).
+TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
+STEP_OVERHEAD_S = 0.015     # per-step cost besides --step-sleep on a small machine (for the step estimate)
+GROW_ESTIMATE_S = 10.0      # warm-up: about how long one more agent takes to join (for the step estimate)
+STANDBY_NODES = 1           # node_join may start this many agents beyond max_nodes: standbys waiting for a place
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault kinds
+
+
+class FaultKind(StrEnum):
+    WORKER_KILL = "worker_kill"
+    NODE_LOSS = "node_loss"
+    WORKER_STOP = "worker_stop"
+    AGENT_STOP = "agent_stop"
+    ETCD_RESTART = "etcd_restart"
+    ETCD_OUTAGE = "etcd_outage"
+    ETCD_FOLLOWER_KILL = "etcd_follower_kill"
+    ETCD_LEADER_KILL = "etcd_leader_kill"
+    DRAIN = "drain"
+    AGENT_SIGTERM = "agent_sigterm"
+    NODE_JOIN = "node_join"
+    DUPLICATE_NODE = "duplicate_node"
+    LINK_DOWN = "link_down"
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What a fault kind does and what it needs before it may be injected."""
+
+    doc: str
+    removes: bool = False      # takes one node's worker out of the job for a while
+    on_node: bool = False      # acts on one ready node, picked at random
+    etcd: bool = False         # acts on etcd: one etcd fault at a time
+    etcd_members: int = 1      # the etcd cluster size it needs
+    adds: bool = False         # starts a node (below max_nodes, or up to STANDBY_NODES beyond it)
+    needs_etcd: bool = False   # needs etcd up (it writes there, or its outcome means nothing without)
+    netns: bool = False        # needs every node on a network-namespace host (--netns)
+
+
+KINDS: Mapping[FaultKind, KindSpec] = {
+    FaultKind.WORKER_KILL: KindSpec("SIGKILL one worker; its agent restarts it", removes=True, on_node=True),
+    FaultKind.NODE_LOSS: KindSpec("SIGKILL an agent's process group (the agent and its workers); the same "
+                                  "node is started again after lease TTL + 1 s", removes=True, on_node=True),
+    FaultKind.WORKER_STOP: KindSpec("SIGSTOP one worker for lease TTL + 1 s, then SIGCONT", removes=True,
+                                    on_node=True),
+    FaultKind.AGENT_STOP: KindSpec("SIGSTOP one agent for lease TTL + 1 s, then SIGCONT", removes=True,
+                                   on_node=True),
+    FaultKind.ETCD_RESTART: KindSpec("SIGKILL etcd (every member) and start it again at once on the same data",
+                                     etcd=True),
+    FaultKind.ETCD_OUTAGE: KindSpec("SIGKILL etcd (every member), start it again after --etcd-outage-s",
+                                    etcd=True),
+    FaultKind.ETCD_FOLLOWER_KILL: KindSpec("SIGKILL an etcd follower; start it again after --etcd-outage-s",
+                                           etcd=True, etcd_members=3),
+    FaultKind.ETCD_LEADER_KILL: KindSpec("SIGKILL the etcd leader; start it again after --etcd-outage-s",
+                                         etcd=True, etcd_members=3),
+    FaultKind.DRAIN: KindSpec("elasticctl drain NODE; the node is started again after its agent exited",
+                              removes=True, on_node=True, needs_etcd=True),
+    FaultKind.AGENT_SIGTERM: KindSpec("SIGTERM one agent (a drain); the node is started again after it exited",
+                                      removes=True, on_node=True),
+    FaultKind.NODE_JOIN: KindSpec("start an agent with a new node id (at max_nodes: a standby that waits for a "
+                                  "place)", adds=True),
+    FaultKind.DUPLICATE_NODE: KindSpec("start a second agent with an existing node's id: it must exit non-zero",
+                                       on_node=True, needs_etcd=True),
+    # needs_etcd: with etcd down, nobody could notice the lost host, so the fault would test nothing.
+    FaultKind.LINK_DOWN: KindSpec("take a network-namespace host's link down (`ip link set VETH down`) for "
+                                  "--link-down-s (> lease TTL), then up; its workers are dropped and rejoin",
+                                  removes=True, on_node=True, needs_etcd=True, netns=True),
+}
+
+
+KIND_NAMES = frozenset(k.value for k in FaultKind)
+
+
+def kinds_possible(etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
+    """The fault kinds that can be injected with an etcd cluster of this size, with (or without)
+    network-namespace hosts."""
+    return tuple(k for k, spec in KINDS.items()
+                 if spec.etcd_members in (1, etcd_members) and (netns or not spec.netns))
+
+
+def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
+    """``--faults a,b,c`` (None: every kind possible here).
+
+    Raises:
+        ConfigError: an unknown kind, or one that needs a larger etcd cluster or network namespaces.
+    """
+    possible = kinds_possible(etcd_members, netns)
+    if text is None:
+        return possible
+    out: list[FaultKind] = []
+    for name in (part.strip() for part in text.split(",")):
+        if not name:
+            continue
+        try:
+            kind = FaultKind(name)
+        except ValueError:
+            raise ConfigError(f"--faults: unknown fault kind {name!r}; "
+                              f"known: {', '.join(k.value for k in FaultKind)}") from None
+        if kind not in possible and KINDS[kind].netns and not netns:
+            raise ConfigError(f"--faults: {name} needs network-namespace hosts (--netns: root, and `ip netns` "
+                              f"works)")
+        if kind not in possible:
+            raise ConfigError(f"--faults: {name} needs --etcd-members {KINDS[kind].etcd_members}")
+        if kind not in out:
+            out.append(kind)
+    if not out:
+        raise ConfigError("--faults: no fault kind given")
+    return tuple(out)
+
+
+
+def skipped_kinds(etcd_members: int, no_netns: str = "") -> dict[str, str]:
+    """Kinds not possible here, with the reason (printed in the table); ``no_netns``: why the nodes
+    run on loopback ("" when they run on network-namespace hosts)."""
+    return {k.value: (f"needs network-namespace hosts: {no_netns}" if KINDS[k].netns and no_netns
+                      else f"needs --etcd-members {KINDS[k].etcd_members}")
+            for k in FaultKind if k not in kinds_possible(etcd_members, not no_netns)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule (pure)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    ready: bool  # its agent and worker run, its worker trains, and no fault is in flight on it
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the scheduler knows of the cluster at one moment."""
+
+    nodes: tuple[NodeView, ...]  # the live agents (not counting a duplicate)
+    queued: int                  # replacements due to be started
+    min_nodes: int
+    max_nodes: int
+    etcd_busy: bool              # an etcd fault is in flight (etcd or a member down)
+    duplicate_running: bool
+    injected: Mapping[FaultKind, int]
+
+    @property
+    def ready(self) -> tuple[str, ...]:
+        return tuple(sorted(n.name for n in self.nodes if n.ready))
+
+
+@dataclass(frozen=True)
+class Choice:
+    kind: FaultKind
+    node: str | None  # the target node of an on-node kind
+
+
+def allowed(kind: FaultKind, view: ClusterView) -> bool:
+    """Whether ``kind`` may be injected now without taking the job below its minimum size."""
+    spec = KINDS[kind]
+    ready = view.ready
+    if spec.on_node and not ready:
+        return False
+    if spec.removes and len(ready) - 1 < view.min_nodes:
+        return False
+    if (spec.etcd or spec.needs_etcd) and view.etcd_busy:
+        return False
+    # The faults begin at max_nodes (the warm-up measured every size up to it), so a join there is a
+    # standby beyond max_workers: it forces no generation and takes the place of a member that leaves.
+    if spec.adds and len(view.nodes) + view.queued >= view.max_nodes + STANDBY_NODES:
+        return False
+    return not (kind is FaultKind.DUPLICATE_NODE and view.duplicate_running)
+
+
+def choose_fault(view: ClusterView, kinds: Sequence[FaultKind], rng: random.Random) -> Choice | None:
+    """The next fault: a kind allowed now, among those injected least so far (so a short run covers
+    every kind), picked at random; for an on-node kind, a ready node at random. None: none allowed."""
+    possible = [k for k in kinds if allowed(k, view)]
+    if not possible:
+        return None
+    least = min(view.injected.get(k, 0) for k in possible)
+    kind = rng.choice(sorted(k for k in possible if view.injected.get(k, 0) == least))
+    node = rng.choice(view.ready) if KINDS[kind].on_node else None
+    return Choice(kind, node)
+
+
+def next_delay(rng: random.Random, mean_s: float) -> float:
+    """Seconds until the next fault: exponential with mean ``mean_s``, clipped to [0.1, 4] x mean."""
+    return min(max(rng.expovariate(1.0 / mean_s), 0.1 * mean_s), 4.0 * mean_s)
+
+
+def warmup_estimate_s(warmup_s: float, nodes: int, max_nodes: int) -> float:
+    """About how long the warm-up lasts: a window at each world size from ``nodes`` to
+    ``max_nodes``, and the growth by one node between two."""
+    sizes = max_nodes - nodes + 1
+    return warmup_s * sizes + GROW_ESTIMATE_S * (sizes - 1)
+
+
+def estimate_steps(step_sleep_s: float, seconds: float) -> int:
+    """Steps a fault-free job of this workload commits in ``seconds`` on a small machine."""
+    return max(50, math.ceil(seconds / (step_sleep_s + STEP_OVERHEAD_S)))
+
+
+
+def link_down_s_default(lease_ttl_s: float) -> float:
+    """How long a link stays down by default: past the lease TTL (so that the host's workers are
+    lost to the job) and past the stall bound (TTL + 2 s), so that the others must have gone on
+    without it while it is still cut off."""
+    return lease_ttl_s + 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    minutes: float
+    mean_interval_s: float
+    seed: int
+    kinds: tuple[FaultKind, ...]
+    nodes: int
+    min_nodes: int
+    max_nodes: int
+    etcd_members: int
+    etcd_outage_s: float
+    step_sleep_s: float
+    steps: int
+    warmup_s: float
+    netns: bool = False       # every node a network-namespace host (else: loopback)
+    link_down_s: float = 0.0
+
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m elasticd.chaos",
+        description="Fault injection: a local job run by real elasticd agents under random, seeded faults; "
+        "the invariants are checked from the outside at the end.",
+    )
+    p.add_argument("--minutes", type=float, default=5.0, help="how long to inject faults (default 5)")
+    p.add_argument("--mean-interval-s", type=float, default=10.0, help="mean seconds between faults (default 10)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the schedule (default: from the clock; printed)")
+    p.add_argument("--faults", default=None, metavar="KIND[,KIND]",
+                   help=f"fault kinds to inject (default: every kind possible here): {', '.join(k.value for k in FaultKind)}")
+    p.add_argument("--nodes", type=int, default=3, help="agents at the start (default 3)")
+    p.add_argument("--min-nodes", type=int, default=2, help="the job's min size; never taken below (default 2)")
+    p.add_argument("--max-nodes", type=int, default=None, help="the job's max size (default --nodes + 1)")
+    p.add_argument("--etcd-members", type=int, choices=(1, 3), default=1,
+                   help="1: one etcd server; 3: a 3-member etcd cluster on loopback (default 1)")
+    p.add_argument("--netns", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every node on a network-namespace host of its own, on a bridge the run creates "
+                   "(needed by link_down; needs root and `ip netns`). Default: on when possible; --no-netns: "
+                   "every node on loopback")
+    p.add_argument("--link-down-s", type=float, default=None,
+                   help=f"how long link_down keeps a host's link down; more than the lease TTL (default "
+                   f"{link_down_s_default(TIMEOUTS.lease_ttl_s):g})")
+    p.add_argument("--etcd-outage-s", type=float, default=5.0,
+                   help="how long etcd (or a member) stays down in an outage (default 5)")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step in each worker (default 0.05)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of the job (default: about what a fault-free job commits in the warm-up and --minutes)")
+    p.add_argument("--warmup-s", type=float, default=10.0,
+                   help="fault-free seconds at each world size from --nodes to --max-nodes before the faults "
+                   "(measures the step time at each size; default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
+                   "directory, removed at the end unless --keep or the run failed")
+    p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    return p.parse_args(argv)
+
+
+
+def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
+    """Validate the arguments (``netns``: whether the nodes run on network-namespace hosts).
+
+    Raises:
+        ConfigError: an argument is out of range; the message names it.
+    """
+    if args.minutes <= 0:
+        raise ConfigError(f"--minutes: must be > 0, got {args.minutes}")
+    if args.mean_interval_s <= 0:
+        raise ConfigError(f"--mean-interval-s: must be > 0, got {args.mean_interval_s}")
+    if args.nodes < 2:
+        raise ConfigError(f"--nodes: at least 2, got {args.nodes}")
+    if not 1 <= args.min_nodes < args.nodes:
+        raise ConfigError(f"--min-nodes: must be in 1..{args.nodes - 1} (below --nodes), got {args.min_nodes}")
+    max_nodes = args.nodes + 1 if args.max_nodes is None else args.max_nodes
+    if max_nodes < args.nodes:
+        raise ConfigError(f"--max-nodes: must be >= --nodes ({args.nodes}), got {max_nodes}")
+    if args.etcd_outage_s < 0 or args.step_sleep < 0 or args.warmup_s < 1:
+        raise ConfigError("--etcd-outage-s and --step-sleep must be >= 0, --warmup-s >= 1")
+    steps = args.steps if args.steps is not None else estimate_steps(
+        args.step_sleep, warmup_estimate_s(args.warmup_s, args.nodes, max_nodes) + args.minutes * 60.0 + 10.0)
+    if steps < 20:
+        raise ConfigError(f"--steps: at least 20, got {steps}")
+    link_down_s = link_down_s_default(TIMEOUTS.lease_ttl_s) if args.link_down_s is None else args.link_down_s
+    if link_down_s <= TIMEOUTS.lease_ttl_s:
+        raise ConfigError(f"--link-down-s: must be more than the lease TTL ({TIMEOUTS.lease_ttl_s:g} s), "
+                          f"got {link_down_s}")
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    return Settings(
+        minutes=args.minutes, mean_interval_s=args.mean_interval_s, seed=seed,
+        kinds=parse_faults(args.faults, args.etcd_members, netns), nodes=args.nodes, min_nodes=args.min_nodes,
+        max_nodes=max_nodes, etcd_members=args.etcd_members, etcd_outage_s=args.etcd_outage_s,
+        step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s, netns=netns, link_down_s=link_down_s,
+    )

@@ -1,0 +1,195 @@
+"""A job's raw rows parsed into what ``elasticctl``'s read model is built from. Pure.
+
+Owns turning the rows of one job (one ``get_prefix``) into values: the members' progress records
+(``Progress``, ``decode_progress``), the node agents' records, the events in time order, the
+pending drain requests, the last failed checkpoint save, the abort record, and a restart-mode
+job's round (``RestartStatus``, from ``wire.restart``'s ``RoundView``). Every parser returns the
+rows it could not parse as ``"<key>: <why>"`` beside what it parsed.
+
+Never does I/O, never raises on a malformed record (it lists it), and never judges the job's
+health (``ops.health``) or assembles the status (``ops.status``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import (
+    EventRecord,
+    NodeRecord,
+    SaveFailedRecord,
+    decode_drain,
+    decode_event,
+    decode_node,
+    decode_save_failed,
+    save_failed_key,
+)
+from elasticd.wire.records import DECODE_ERRORS, AbortRecord, decode_abort
+from elasticd.wire.restart import RoundView
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A member's last progress record (``progress/<id>``, written after commits)."""
+
+    step: int
+    generation: int
+    rank: int
+    step_time_s: float | None
+    recoveries: int
+    time: float  # wall clock (time.time()) of the writer
+
+
+@dataclass(frozen=True)
+class RestartStatus:
+    """A restart-mode job (``group_restart.py``): the agents' current round, from ``restart/``."""
+
+    round: int
+    world_size: int
+    nodes: tuple[str, ...]  # node rank order
+    nproc_per_node: int
+    master: str
+    restart_count: int
+    reason: str
+    agents: tuple[str, ...]  # nodes whose agent is alive (leased record)
+    failed_round: int  # the last round marked failed (0: none)
+    finished_round: int  # the round that finished (0: none)
+
+
+def _parse_under(
+    rows: Iterable[KeyValue], under: str, parse: Callable[[KeyValue], T]
+) -> tuple[list[T], tuple[str, ...]]:
+    """``parse`` of each row whose key starts with ``under``, in row order; the rows it rejects as
+    ``"<key>: <why>"``."""
+    out: list[T] = []
+    bad: list[str] = []
+    for kv in rows:
+        if not kv.key.startswith(under):
+            continue
+        try:
+            out.append(parse(kv))
+        except DECODE_ERRORS as exc:
+            bad.append(f"{kv.key}: {exc}")
+    return out, tuple(bad)
+
+
+def parse_nodes(keys: Keys, rows: Iterable[KeyValue]) -> tuple[dict[str, NodeRecord], tuple[str, ...]]:
+    """Node records by node; unparseable ones (or one whose node differs from its key) as
+    ``"<key>: <why>"``."""
+
+    def node(kv: KeyValue) -> NodeRecord:
+        rec = decode_node(kv.value)
+        if kv.key != keys.node(rec.node):
+            raise ValueError("node does not match its key")
+        return rec
+
+    records, bad = _parse_under(rows, keys.node(""), node)
+    return {rec.node: rec for rec in records}, bad
+
+
+def parse_events(keys: Keys, rows: Iterable[KeyValue]) -> tuple[list[tuple[str, EventRecord]], tuple[str, ...]]:
+    """(key, event) in key order, which is time order; unparseable ones as ``"<key>: <why>"``."""
+    return _parse_under(sorted(rows, key=lambda kv: kv.key), keys.events, lambda kv: (kv.key, decode_event(kv.value)))
+
+
+def parse_drains(keys: Keys, rows: Sequence[KeyValue]) -> tuple[set[str], tuple[str, ...]]:
+    """Nodes with a drain request. A value that does not parse is still a request (the agent
+    drains on the key) but is listed as malformed too."""
+    under = keys.drain("")
+    _, bad = _parse_under(rows, under, lambda kv: decode_drain(kv.value))
+    return {kv.key[len(under):] for kv in rows if kv.key.startswith(under)}, bad
+
+
+def parse_progress(keys: Keys, rows: Sequence[KeyValue]) -> tuple[dict[str, Progress], tuple[str, ...]]:
+    """Progress records by member id; unparseable ones as ``"<key>: <why>"``."""
+    under = keys.progress("")
+
+    def progress(kv: KeyValue) -> tuple[str, Progress]:
+        mid = kv.key[len(under):]
+        if not mid or "/" in mid:
+            raise ValueError("not progress/<member id>")
+        return mid, decode_progress(kv.value)
+
+    records, bad = _parse_under(rows, under, progress)
+    return dict(records), bad
+
+
+def decode_progress(raw: bytes) -> Progress:
+    """Parse a progress record written by the trainer; extra fields are allowed, wrong types not.
+
+    Raises:
+        ValueError: not JSON, not an object, or a field is missing or of the wrong type.
+    """
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    step_time = _number(data, "step_time_s", optional=True)
+    moment = _number(data, "time")
+    assert moment is not None
+    return Progress(
+        step=_integer(data, "step"),
+        generation=_integer(data, "generation"),
+        rank=_integer(data, "rank"),
+        step_time_s=step_time,
+        recoveries=_integer(data, "recoveries"),
+        time=moment,
+    )
+
+
+def _integer(data: Mapping[str, object], name: str) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"field {name} is not an integer")
+    return value
+
+
+def _number(data: Mapping[str, object], name: str, optional: bool = False) -> float | None:
+    value = data.get(name)
+    if value is None and optional and name in data:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"field {name} is not a finite number")
+    return float(value)
+
+
+def parse_save_failed(keys: Keys, rows: Sequence[KeyValue]) -> tuple[SaveFailedRecord | None, tuple[str, ...]]:
+    """The job's last failed checkpoint save, if recorded (and parseable)."""
+    key = save_failed_key(keys.job)
+    for kv in rows:
+        if kv.key == key:
+            try:
+                return decode_save_failed(kv.value), ()
+            except DECODE_ERRORS as exc:
+                return None, (f"{kv.key}: {exc}",)
+    return None, ()
+
+
+def parse_abort(keys: Keys, rows: Sequence[KeyValue]) -> AbortRecord | None:
+    """The abort record, if there is one that parses (``parse_snapshot`` lists one that does not)."""
+    for kv in rows:
+        if kv.key == keys.abort:
+            try:
+                return decode_abort(kv.value)
+            except DECODE_ERRORS:
+                return None  # parse_snapshot already listed it as malformed
+    return None
+
+
+def restart_status(view: RoundView) -> RestartStatus | None:
+    """A restart-mode job's round, flat; None when the job has no restart records."""
+    r = view.round
+    if r is None and not view.finished and not view.failed_round:
+        return None
+    return RestartStatus(
+        round=r.round if r else 0, world_size=r.world_size if r else 0, nodes=r.nodes if r else (),
+        nproc_per_node=r.nproc_per_node if r else 0, master=f"{r.master_addr}:{r.master_port}" if r else "",
+        restart_count=r.restart_count if r else 0, reason=r.reason if r else "", agents=tuple(sorted(view.agents)),
+        failed_round=view.failed_round, finished_round=view.finished)

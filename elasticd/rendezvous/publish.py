@@ -1,0 +1,164 @@
+"""The job records one member writes besides its own presence (``Publisher``).
+
+Owns writing: the ``abort`` of a broken generation (off the training thread, retried through an
+etcd outage, by compare-and-set and never over an abort of a newer generation); the job's
+``committed`` step (from rank 0's progress); the latest good durable ``checkpoint`` (optionally by
+compare-and-set, never over a newer one); the ``finished`` record; this member's leased
+``progress`` record for ``elasticctl`` (the newest handed over, written from the keepalive
+thread); and the ``generation_published`` event that goes into the transaction publishing a
+generation.
+
+Never decides anything (the membership and the trainer say what to write and when), never writes
+the rendezvous keys (``members/``, ``ready/``, ``generation``), and never fails its caller: etcd
+being unreachable is logged (the abort is retried up to ``etcd_outage_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from elasticd.config import Timeouts
+from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.retry import Clock, Deadline
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import EventKind, EventRecord, encode_event, event_name
+from elasticd.wire.records import (
+    DECODE_ERRORS,
+    AbortRecord,
+    CheckpointRecord,
+    CommittedRecord,
+    FinishedRecord,
+    GenerationRecord,
+    decode_abort,
+    decode_checkpoint,
+    encode,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class Publisher:
+    """Writes one member's job records. Thread-safe: its only state is the progress handed over
+    (set by the training thread, written by the keepalive thread)."""
+
+    def __init__(
+        self, store: KeyValueStore, keys: Keys, member_id: str, timeouts: Timeouts, clock: Clock,
+        stop: threading.Event,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._member_id = member_id
+        self._timeouts = timeouts
+        self._clock = clock
+        self._stop = stop  # the member left: stop retrying
+        self._progress: Mapping[str, object] | None = None  # the newest handed over
+        self._published: Mapping[str, object] | None = None  # the newest written
+
+    def abort(self, generation: int, reason: str) -> None:
+        """Mark ``generation`` broken, from a thread of its own (see ``Membership.abort``)."""
+        rec = AbortRecord(generation=generation, member_id=self._member_id, reason=reason[:200])
+        t = threading.Thread(target=self._publish_abort, args=(rec,), name="elasticd-abort", daemon=True)
+        t.start()
+
+    def _publish_abort(self, rec: AbortRecord) -> None:
+        deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
+        failures = 0
+        while not self._stop.is_set() and not deadline.expired():
+            try:
+                written = self._put_unless_newer(self._keys.abort, encode(rec),
+                                                 lambda raw: decode_abort(raw).generation, rec.generation)
+                if written is None:
+                    return  # already aborted (or a newer generation is): nothing to add
+                if written:
+                    if failures:
+                        log.info("abort_published", generation=rec.generation, after_failures=failures)
+                    return
+            except EtcdUnavailable as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("abort_publish_failed", generation=rec.generation, error=str(exc)[:300],
+                                retrying_for_s=round(deadline.remaining_s(), 1))
+                self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
+
+    def _put_unless_newer(self, key: str, value: bytes, order: Callable[[bytes], int], mine: int) -> bool | None:
+        """Write ``value`` by compare-and-set unless ``key`` holds a record whose ``order`` is at
+        least ``mine`` (a value that does not decode is replaced).
+
+        Returns:
+            True: written; False: lost the race to another writer; None: a record as new is there.
+
+        Raises:
+            EtcdUnavailable: etcd could not be reached within the store's retry bound.
+        """
+        kv = self._store.get(key)
+        if kv is not None:
+            try:
+                if order(kv.value) >= mine:
+                    return None
+            except DECODE_ERRORS:
+                pass  # garbage: replace it
+        return self._store.compare_and_put(key, kv.mod_revision if kv else 0, value)
+
+    def published_event(self, record: GenerationRecord) -> tuple[str, bytes]:
+        """The ``generation_published`` event (key, value) that goes into the publishing transaction."""
+        now_ns = time.time_ns()  # wall clock: events from many hosts are ordered by it
+        event = EventRecord(time=now_ns / 1e9, kind=EventKind.GENERATION_PUBLISHED, source=self._member_id,
+                            detail={"generation": record.generation, "reason": record.reason,
+                                    "world_size": record.world_size, "members": list(record.members),
+                                    "committed_step": record.committed_step})
+        return self._keys.event(event_name(now_ns, self._member_id)), encode_event(event)
+
+    def committed(self, progress: Mapping[str, object]) -> None:
+        """Record the job's committed step from rank 0's progress (best effort)."""
+        step, generation = progress.get("step"), progress.get("generation")
+        if not isinstance(step, int) or not isinstance(generation, int):
+            return
+        try:
+            self._store.put(self._keys.committed, encode(CommittedRecord(generation=generation, step=step)))
+        except EtcdUnavailable as exc:
+            log.warning("committed_publish_failed", error=str(exc))
+
+    def checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
+        """Record the job's latest good durable checkpoint (see ``Membership.publish_checkpoint``)."""
+        try:
+            if not only_if_newer:
+                self._store.put(self._keys.checkpoint, encode(record))
+                return
+            self._put_unless_newer(self._keys.checkpoint, encode(record),
+                                   lambda raw: decode_checkpoint(raw).step, record.step)
+        except EtcdUnavailable as exc:
+            log.warning("checkpoint_publish_failed", step=record.step, error=str(exc))
+
+    def finished(self, generation: int, step: int) -> None:
+        """Record that every member reached the target step together (best effort)."""
+        try:
+            self._store.put(self._keys.finished, encode(FinishedRecord(generation=generation, step=step)))
+        except EtcdUnavailable as exc:
+            log.warning("finished_publish_failed", error=str(exc))
+
+    def set_progress(self, payload: Mapping[str, object]) -> None:
+        """Hand over the newest progress; the next ``flush_progress`` writes it."""
+        self._progress = payload
+
+    def flush_progress(self, lease: int) -> None:
+        """Write the progress handed over since the last flush, if any (and, from rank 0, the
+        committed step)."""
+        progress = self._progress
+        if progress is not None and progress is not self._published:
+            self.progress(progress, lease)
+            self._published = progress
+            if progress.get("rank") == 0:
+                self.committed(progress)
+
+    def progress(self, payload: Mapping[str, object], lease: int) -> None:
+        """This member's progress record for ``elasticctl``, under ``lease`` (best effort)."""
+        try:
+            self._store.put(self._keys.progress(self._member_id), json.dumps(dict(payload)).encode(), lease=lease)
+        except (EtcdUnavailable, LeaseLost) as exc:
+            log.warning("progress_publish_failed", error=str(exc))

@@ -1,0 +1,262 @@
+"""The durable checkpoint's file format: magic, header, manifest, the directory scan, verification.
+
+Owns what a checkpoint on disk is, and the checks a file must pass before anything of it is loaded;
+also which models' checkpoints a directory holds (``signature_of``, ``other_models``).
+Never writes a file (``durable.CheckpointWriter`` does), never decides which checkpoint to load or
+to delete (``durable.load_latest`` and ``durable.removable`` do), and never loads bytes into a
+``TrainingState``: ``verify`` returns the layout and the payload, and the caller unpacks them.
+
+Files of one checkpoint, in the directory of its job (``job_dir``: ``<checkpoint_dir>/<job_id>/``),
+``<name> = <seq:08d>-step<step:012d>`` (``checkpoint_name``):
+
+* ``<name>.ckpt``: the 16-byte ``MAGIC``; an 8-byte little-endian length H (``HEADER_LEN``); H
+  bytes of a JSON header (format, version, job, step, generation, node, model signature, sizes,
+  and the state layout of ``TrainingState.pack``: tensor names, dtypes, shapes, offsets, optimizer
+  param groups); zero padding to a 4096-byte boundary (64 in files of earlier versions); the
+  payload: the flat arena (model and optimizer tensors, the counters ``step, epoch, position``,
+  then the torch RNG state).
+* ``<name>.json``: the ``Manifest``, written after the data file is durable: step, seq, sizes, the
+  state checksum (``state.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded with
+  their layout) and a CRC-32 of every other byte of the file; together they cover the whole file.
+
+A checkpoint exists only once its manifest and its data file both do (a manifest without its data
+file is rejected as incomplete). ``seq`` grows with every save into the directory, so the newest
+save wins even when a job was resumed from an older step. Reading parses JSON and raw bytes only:
+nothing in a file is executed (no pickle, no ``torch.load``), and a file that does not start with
+``MAGIC`` is refused before anything else is read from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from elasticd.worker.state import state_checksum
+
+FORMAT = "elasticd-checkpoint"
+VERSION = 2  # 2: the state checksum is XXH3 (1 was CRC-32)
+MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
+HEADER_LEN = struct.Struct("<Q")
+CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
+MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
+_NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|json)$")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint's ``.json`` says about its ``.ckpt`` (the loader trusts none of it blindly)."""
+
+    format: str
+    version: int
+    job: str
+    seq: int
+    step: int
+    generation: int
+    node: str
+    signature: str
+    file: str  # the data file's name, in the same directory
+    file_bytes: int
+    header_bytes: int
+    payload_offset: int
+    payload_bytes: int
+    state_bytes: int  # the payload's first state_bytes are the state tensors; the RNG state follows
+    state_checksum: int  # state.state_checksum of those bytes, as the trainer's audit shows it
+    crc32: int  # CRC-32 of every other byte of the file (magic, header, padding, RNG state)
+    epoch: int
+    position: int
+    created: float  # wall clock
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The files of one checkpoint found in a directory (the manifest not yet trusted)."""
+
+    seq: int
+    step: int
+    data_path: Path | None
+    manifest_path: Path | None
+
+
+def job_dir(checkpoint_dir: str | Path, job_id: str) -> Path:
+    """Where the checkpoints of ``job_id`` live."""
+    return Path(checkpoint_dir) / job_id
+
+
+def checkpoint_name(seq: int, step: int) -> str:
+    """The name of a checkpoint's files, without their suffix (``.ckpt``, ``.json``)."""
+    return f"{seq:08d}-step{step:012d}"
+
+
+def encode_prefix(*, job: str, step: int, generation: int, node: str, signature: str, payload_bytes: int,
+                  layout: dict[str, object], align: int) -> tuple[bytes, int]:
+    """The bytes of a data file before its payload: ``MAGIC``, the header's length, the JSON header,
+    and zeros up to the next multiple of ``align`` (where the payload starts). Returns (those bytes,
+    the header's length)."""
+    header = json.dumps({
+        "format": FORMAT, "version": VERSION, "job": job, "step": step, "generation": generation,
+        "node": node, "signature": signature, "payload_bytes": payload_bytes, "layout": layout,
+    }).encode()
+    prefix_len = len(MAGIC) + HEADER_LEN.size + len(header)
+    payload_offset = -(-prefix_len // align) * align
+    return MAGIC + HEADER_LEN.pack(len(header)) + header + bytes(payload_offset - prefix_len), len(header)
+
+
+def scan(directory: Path) -> list[Entry]:
+    """Every checkpoint-named file group in ``directory``, newest (highest seq) first."""
+    found: dict[tuple[int, int], dict[str, Path]] = {}
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for n in names:
+        m = _NAME.match(n)
+        if m:
+            found.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = directory / n
+    out = [Entry(seq, step, files.get("ckpt"), files.get("json")) for (seq, step), files in found.items()]
+    return sorted(out, key=lambda e: (e.seq, e.step), reverse=True)
+
+
+def read_manifest(path: Path) -> Manifest:
+    """Parse and type-check a manifest.
+
+    Raises:
+        ValueError: it is not a manifest of this format and version.
+        OSError: it cannot be read.
+    """
+    raw = path.read_bytes()
+    if len(raw) > 1 << 20:
+        raise ValueError(f"manifest of {len(raw)} bytes")
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("manifest is not a JSON object")
+    kwargs: dict[str, object] = {}
+    for name, f in Manifest.__dataclass_fields__.items():
+        if name not in data:
+            raise ValueError(f"manifest lacks {name}")
+        value = data[name]
+        kind = str(f.type)
+        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
+              "float": isinstance(value, (int, float))}[kind]
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"manifest field {name} is not {kind}")
+        kwargs[name] = float(value) if kind == "float" else value
+    man = Manifest(**kwargs)  # type: ignore[arg-type]
+    if man.format != FORMAT or man.version != VERSION:
+        raise ValueError(f"format {man.format!r} version {man.version} is not {FORMAT!r} version {VERSION}")
+    if "/" in man.file or man.file.startswith("."):
+        raise ValueError(f"manifest names a file outside its directory: {man.file!r}")
+    return man
+
+
+def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
+    """Check one checkpoint completely and read it: (manifest, layout JSON bytes, payload).
+
+    The payload is a fresh 64-byte-aligned tensor, so ``TrainingState.unpack`` adopts it as the
+    state's arena without a copy.
+
+    Raises:
+        ValueError: a check failed; the message says which (the caller logs it and falls back).
+        OSError: a file cannot be read.
+    """
+    if entry.manifest_path is None:
+        raise ValueError("no manifest (an incomplete save)")
+    if entry.data_path is None:
+        raise ValueError("the manifest's data file is missing")
+    man = read_manifest(entry.manifest_path)
+    if man.file != entry.data_path.name or man.seq != entry.seq or man.step != entry.step:
+        raise ValueError(f"manifest names {man.file} (seq {man.seq}, step {man.step}), not this file")
+    size = entry.data_path.stat().st_size
+    if size != man.file_bytes:
+        raise ValueError(f"size {size} bytes, the manifest says {man.file_bytes} (truncated or overwritten)")
+    if (not 0 <= man.header_bytes <= MAX_HEADER_BYTES or man.payload_offset + man.payload_bytes != size
+            or not 0 <= man.state_bytes <= man.payload_bytes):
+        raise ValueError("manifest sizes are inconsistent")
+    payload = torch.empty(man.payload_bytes, dtype=torch.uint8)
+    with entry.data_path.open("rb", buffering=0) as f:
+        magic = f.read(len(MAGIC))
+        if magic != MAGIC:
+            raise ValueError(f"not an elasticd checkpoint: the file starts with {magic[:8]!r}, not the "
+                             f"format's magic (nothing of it was loaded or executed)")
+        (hlen,) = HEADER_LEN.unpack(_read_exact(f, HEADER_LEN.size))
+        if hlen != man.header_bytes:
+            raise ValueError(f"header length {hlen}, the manifest says {man.header_bytes}")
+        header = _read_exact(f, hlen)
+        pad = _read_exact(f, man.payload_offset - len(MAGIC) - HEADER_LEN.size - hlen)
+        view = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done : done + CHUNK_BYTES])
+            if not n:
+                raise ValueError(f"file ended after {done} payload bytes")
+            done += n
+    total = man.state_bytes
+    crc = zlib.crc32(view[total:], zlib.crc32(pad, zlib.crc32(header, zlib.crc32(magic + HEADER_LEN.pack(hlen)))))
+    if crc != man.crc32:
+        raise ValueError(f"CRC-32 {crc:08x} of the header and RNG state does not match the manifest's "
+                         f"{man.crc32:08x} (corrupt bytes)")
+    head = json.loads(header)  # its bytes are verified now
+    if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("step") != man.step:
+        raise ValueError("the header does not match the manifest")
+    if head.get("signature") != man.signature or head.get("payload_bytes") != man.payload_bytes:
+        raise ValueError("the header's signature or sizes do not match the manifest")
+    layout = head.get("layout")
+    if not isinstance(layout, dict) or layout.get("total") != total or not isinstance(layout.get("tensors"), list):
+        raise ValueError("the header holds no state layout of the manifest's size")
+    checksum = state_checksum(json.dumps(layout["tensors"]).encode(), view[:total], total)
+    if checksum != man.state_checksum:
+        raise ValueError(f"checksum of the state tensors ({checksum:016x}) does not match the manifest's "
+                         f"{man.state_checksum:016x} (corrupt bytes)")
+    return man, json.dumps(layout).encode(), payload
+
+
+def _read_exact(f: object, n: int) -> bytes:
+    data = f.read(n)  # type: ignore[attr-defined]
+    if not isinstance(data, bytes) or len(data) != n:
+        raise ValueError(f"file ended inside its header (wanted {n} bytes)")
+    return data
+
+
+def signature_of(entry: Entry) -> str | None:
+    """The model signature that a checkpoint's manifest, else its data file's header, names; None
+    when neither can be read."""
+    if entry.manifest_path is not None:
+        try:
+            return read_manifest(entry.manifest_path).signature
+        except (OSError, ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError):
+            pass
+    if entry.data_path is not None:
+        try:
+            with entry.data_path.open("rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
+                (hlen,) = HEADER_LEN.unpack(_read_exact(f, HEADER_LEN.size))
+                if hlen > 1 << 20:
+                    return None
+                head = json.loads(_read_exact(f, hlen))
+        except (OSError, ValueError, struct.error, RecursionError, UnicodeDecodeError):
+            return None
+        sig = head.get("signature") if isinstance(head, dict) else None
+        return sig if isinstance(sig, str) else None
+    return None
+
+
+def other_models(directory: Path, signature: str) -> dict[str, list[int]]:
+    """Model signature -> steps (newest save first) of the checkpoints in ``directory`` whose files
+    name a signature other than ``signature`` (an unreadable directory: none)."""
+    out: dict[str, list[int]] = {}
+    try:
+        entries = scan(directory)
+    except OSError:
+        return out
+    for e in entries:
+        sig = signature_of(e)
+        if sig is not None and sig != signature:
+            out.setdefault(sig, []).append(e.step)
+    return out
