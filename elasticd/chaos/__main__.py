@@ -761,6 +761,7 @@ class ChaosRun:
             warmup=self.warmup, faulted=self.faulted, lease_ttl_s=TIMEOUTS.lease_ttl_s,
             problems=tuple(self.problems), end_t=time.time(), warmups=tuple(self.warmups),
             link_down=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_downs),
+            max_world=self.s.max_nodes,  # one worker per node
         )
 
 

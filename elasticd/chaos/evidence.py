@@ -174,3 +174,4 @@ class Evidence:
     end_t: float | None = None      # the end of the run (for a job that did not finish)
     link_down: tuple[LinkDown, ...] = ()
     warmups: tuple[Window, ...] = ()  # every warm-up window, one per world size (``warmup`` first)
+    max_world: int = 0  # the job's max_workers (a host beyond it is a standby); 0: unknown

@@ -196,14 +196,25 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
     return out
 
 
+def standby_s(commits: Sequence[Commit], node: str, start: float, end: float, max_world: int) -> float:
+    """Seconds of [start, end] in which the job, without ``node``, was at ``max_world`` workers
+    (read from the other nodes' commits: from each commit at that size to the next commit): a host
+    that comes back then is a standby beyond max_workers and waits, rightly, for a member to leave."""
+    if max_world <= 0:
+        return 0.0
+    times = sorted((c.t, c.world_size) for c in commits if c.node != node and start <= c.t <= end)
+    return sum(b[0] - a[0] for a, b in zip(times, times[1:]) if a[1] >= max_world)
+
+
 def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rejoin_bound_s: float,
-                       etcd_down: Sequence[Window] = ()) -> list[str]:
+                       etcd_down: Sequence[Window] = (), max_world: int = 0) -> list[str]:
     """Problems with each link down: the isolated host must be dropped (the other hosts commit, in a
     newer generation than its last one before the cut, while its link is still down) and must rejoin
     (a commit of its own after the link came back, within ``rejoin_bound_s`` unless the job ended
-    sooner). A stall on the isolated host itself is expected and not looked for. The host cannot be
-    dropped while etcd is down, nor before a TTL after etcd's return (``after_etcd_returns``): a
-    link down that overlaps such a window need not see the others go on."""
+    sooner; time the job spent at ``max_world`` without it does not count: it was a standby then).
+    A stall on the isolated host itself is expected and not looked for. The host cannot be dropped
+    while etcd is down, nor before a TTL after etcd's return (``after_etcd_returns``): a link down
+    that overlaps such a window need not see the others go on."""
     out = []
     last_t = max((c.t for c in commits), default=0.0)
     for d in downs:
@@ -218,15 +229,16 @@ def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rej
             out.append(f"{d.node}: the other hosts did not go on without it while its link was down "
                        f"({d.end - d.start:.1f} s)")
         back = [c.t for c in commits if c.node == d.node and c.t > d.end]
+        until = back[0] if back else last_t
+        waited = until - d.end - standby_s(commits, d.node, d.end, until, max_world)
         if back:
-            if back[0] - d.end > rejoin_bound_s:
-                out.append(f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back "
-                           f"(bound {rejoin_bound_s:g} s)")
-        elif last_t > d.end + rejoin_bound_s:
+            if waited > rejoin_bound_s:
+                out.append(f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back, "
+                           f"{waited:.1f} s of it not as a standby (bound {rejoin_bound_s:g} s)")
+        elif waited > rejoin_bound_s:
             out.append(f"{d.node}: did not rejoin after its link came back (the job went on for "
-                       f"{last_t - d.end:.1f} s)")
+                       f"{last_t - d.end:.1f} s, {waited:.1f} s of it below max_workers)")
     return out
-
 
 
 def agent_findings(ends: Sequence[AgentEnd]) -> tuple[list[str], list[str]]:
@@ -321,7 +333,7 @@ def judge(ev: Evidence) -> Verdict:
     ]
     if ev.link_down:
         isolated = link_down_findings(ev.link_down, ev.commits, REJOIN_BOUND_S,
-                                      after_etcd_returns(ev.etcd_down, ev.lease_ttl_s))
+                                      after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.max_world)
         inv.append(Invariant("link down: dropped, rejoined", not isolated, "; ".join(isolated[:5]) or
                              f"{len(ev.link_down)} link down(s): the others went on, the host rejoined"))
     dups = [a for a in ev.agents if a.expected == "duplicate"]

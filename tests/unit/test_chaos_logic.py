@@ -576,6 +576,22 @@ HEALTHY = (rows_of("node-0", 1, 1.0, 2.0) + rows_of("node-1", 1, 1.0, 2.0)
            + rows_of("node-0", 2, 6.0, 9.0) + rows_of("node-1", 3, 14.0, 20.0))
 
 
+def test_a_host_back_while_the_job_is_at_max_workers_is_a_standby_not_late() -> None:
+    # node-1's link is down 3..8; the others then run at world 4 = max_workers until 90, and
+    # node-1 commits again at 95: 87 s after its link came back, but only ~5 s of it below max.
+    at_max = rows_of("node-0", 2, 6.0, 30.0, 60.0, 90.0, world=4)
+    below = rows_of("node-0", 3, 92.0, world=3)
+    commits = [c for c in HEALTHY if c.node == "node-0" and c.generation == 1] + at_max + below
+    back = rows_of("node-1", 3, 95.0, world=3)
+    down = [LinkDown("node-1", T0 + 3, T0 + 8)]
+    assert link_down_findings(down, commits + back, 60.0, max_world=4) == []
+    # without knowing max_workers, it is late; and at a max of 5, world 4 was no reason to wait
+    assert "rejoined 87.0 s after" in link_down_findings(down, commits + back, 60.0)[0]
+    assert "rejoined 87.0 s after" in link_down_findings(down, commits + back, 60.0, max_world=5)[0]
+    # never back, but the job was at max all along: nothing to rejoin
+    assert link_down_findings(down, commits, 60.0, max_world=4) == []
+
+
 @pytest.mark.parametrize("downs, commits_, problem", [
     # dropped (node-0 committed in generation 2 > 1 while node-1 was cut off), rejoined at 14
     ([LinkDown("node-1", T0 + 3, T0 + 8)], HEALTHY, ""),
