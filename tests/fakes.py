@@ -1,4 +1,4 @@
-"""An in-memory ``membership.KeyValueStore`` with etcd's semantics, and a manual clock.
+"""An in-memory ``store.kv.KeyValueStore`` with etcd's semantics, and a manual clock.
 
 Only for what a real server would make slow: revisions, compare-and-set and leases behave like etcd
 (``tests/integration/test_kv_contract.py`` runs the same suite against both, so this cannot drift):
