@@ -79,7 +79,7 @@ def checkpoint_settings(args: argparse.Namespace) -> elasticd.CheckpointConfig:
     Raises:
         ConfigError: a value is invalid.
     """
-    base = elasticd.WorkerEnv.from_environ().checkpoint
+    base = elasticd.worker_env_from_environ().checkpoint
     flags = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every_steps": args.checkpoint_every_steps,
              "checkpoint_every_s": args.checkpoint_every_s, "checkpoint_keep": args.checkpoint_keep,
              "checkpoint_allow_new_model": args.checkpoint_allow_new_model}

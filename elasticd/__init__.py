@@ -6,9 +6,10 @@ batches from it. See README.md for a complete example.
 
 from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.errors import ElasticdError, FatalError, TransientError
+from elasticd.settings import worker_env_from_environ
 
 __all__ = ["Batch", "BatchMode", "CheckpointConfig", "ElasticTrainer", "ElasticdError", "FatalError", "StepResult",
-           "TransientError", "WorkerEnv"]
+           "TransientError", "WorkerEnv", "worker_env_from_environ"]
 
 
 def __getattr__(name: str) -> object:

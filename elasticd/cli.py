@@ -19,7 +19,7 @@ The etcd TLS and auth flags default to ``ELASTICD_ETCD_CA_CERT``, ``..._CERT_CER
 ``ELASTICD_ETCD_PASSWORD`` (there is no password flag: a command line is visible to every user).
 
 ``--etcd``, ``--prefix`` and ``--job`` default to ``ELASTICD_ETCD_ENDPOINTS``,
-``ELASTICD_ETCD_PREFIX`` and ``ELASTICD_JOB_ID`` (read by ``config.WorkerEnv.from_environ``, only
+``ELASTICD_ETCD_PREFIX`` and ``ELASTICD_JOB_ID`` (read by ``settings.worker_env_from_environ``, only
 when a flag is not given), and then to the library defaults (``127.0.0.1:2379``, ``/elasticd``,
 ``default``: the job a worker joins when ``ELASTICD_JOB_ID`` is unset).
 
@@ -65,19 +65,12 @@ from typing import TYPE_CHECKING, TextIO
 
 from elasticd.agent.sdnotify import Notifier, watchdog_interval
 from elasticd.config import (
-    AGENT_SETTINGS,
-    DEFAULT_CONFIG_FILE,
     AgentConfig,
     EtcdConfig,
     RetryPolicy,
     Timeouts,
-    WorkerEnv,
     WorldConfig,
-    etcd_security_environ,
-    load_agent_config,
     parse_endpoint,
-    systemd_notify_environ,
-    without_etcd_security,
 )
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.log import configure_logging
@@ -96,6 +89,16 @@ from elasticd.ops.render import (
     render_table,
 )
 from elasticd.ops.status import PrefixReader, job_events, read_status
+from elasticd.settings import (
+    AGENT_SETTINGS,
+    DEFAULT_CONFIG_FILE,
+    etcd_config,
+    etcd_security_environ,
+    load_agent_config,
+    systemd_notify_environ,
+    without_etcd_security,
+    worker_env_from_environ,
+)
 from elasticd.wire.keys import Keys
 
 if TYPE_CHECKING:  # the client is imported where it is wired (etcd3 and grpc slow the start)
@@ -265,7 +268,7 @@ def _target(args: argparse.Namespace) -> tuple[EtcdConfig, str]:
     job_id: str | None = args.job
     if endpoints is None or prefix is None or job_id is None:
         # only when a flag is missing: a bad variable cannot block flags; TLS/auth are taken below
-        env = WorkerEnv.from_environ(without_etcd_security())
+        env = worker_env_from_environ(without_etcd_security())
         endpoints = endpoints or env.etcd.endpoints
         prefix = prefix or env.etcd.prefix
         job_id = job_id or env.world.job_id
@@ -276,10 +279,7 @@ def _target(args: argparse.Namespace) -> tuple[EtcdConfig, str]:
             security[name] = given
             if name == "password_file":
                 security.pop("password", None)  # the flag wins over the variable
-    try:
-        return EtcdConfig(endpoints=endpoints, prefix=prefix, **security), job_id  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise ConfigError(f"etcd: {exc}") from exc
+    return etcd_config({"endpoints": endpoints, "prefix": prefix, **security}, "etcd"), job_id
 
 
 def drain_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DrainQuery:

@@ -7,7 +7,7 @@ daemon skeleton it shares with restart mode (``daemon.AgentDaemon``). It never d
 snapshot goes to ``decide``) and never reads etcd on its loop. What it does:
 
 * starts ``nproc_per_node`` workers of the configured program, each with the worker environment
-  (``AgentConfig.worker_environ``: job, etcd, timeouts, node id, local rank);
+  (``settings.worker_env_to_environ``: job, etcd, timeouts, node id, local rank);
 * when a worker ends, it revokes the lease of that worker's member record at once (found by node
   and pid under ``members/``), so the survivors re-rendezvous now instead of after the lease TTL;
 * it restarts a failed worker after an exponential backoff, within the restart budget
@@ -76,9 +76,10 @@ from elasticd.agent.metrics import AgentMetrics
 from elasticd.agent.presence import ClaimKind, NodePresence
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
-from elasticd.config import AgentConfig, child_environ
+from elasticd.config import AgentConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.retry import Clock
+from elasticd.settings import child_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord
@@ -384,7 +385,7 @@ class Agent(AgentDaemon):
     def _spawn(self, local_rank: int, now: float) -> None:
         c = self._config
         slot = self.snapshot.slots[local_rank]
-        pid = self._spawn_worker(local_rank, child_environ(c.worker_environ(local_rank)))
+        pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(c.worker_env(local_rank))))
         if isinstance(pid, WorkerExit):
             e = pid
             self._log_exit(e)

@@ -57,10 +57,11 @@ from elasticd.agent.restart_decide import (
 )
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import Supervisor, WorkerExit
-from elasticd.config import AgentConfig, child_environ
+from elasticd.config import AgentConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.log import bind_context
 from elasticd.retry import Clock
+from elasticd.settings import child_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import encode

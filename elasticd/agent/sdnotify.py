@@ -2,7 +2,7 @@
 
 Owns the sd_notify wire protocol: ``KEY=VALUE\\n`` lines in one datagram over an ``AF_UNIX`` /
 ``SOCK_DGRAM`` socket, including abstract-namespace addresses (``@name``), and the arithmetic of
-``WATCHDOG_USEC``. It does not read ``os.environ`` (``config.py`` does; the entry point passes the
+``WATCHDOG_USEC``. It does not read ``os.environ`` (``settings.py`` does; the entry point passes the
 values of ``NOTIFY_SOCKET``, ``WATCHDOG_USEC`` and ``WATCHDOG_PID`` in), does not decide when to
 send what (the agent does), and imports nothing from elasticd, so it stays torch-free.
 

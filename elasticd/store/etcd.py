@@ -1,7 +1,8 @@
 """A thin wrapper over python-etcd3 that satisfies ``membership.KeyValueStore``.
 
-Owns the etcd3/gRPC imports, the retry of idempotent calls, endpoint failover, and the translation
-of etcd3/gRPC errors into ``EtcdUnavailable``. Holds no protocol logic.
+Owns the etcd3/gRPC imports, the retry of idempotent calls, endpoint failover, the translation of
+etcd3/gRPC errors into ``EtcdUnavailable``, and reading the certificate and password files that an
+``EtcdConfig`` names, when it connects. Holds no protocol logic.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
 import etcd3  # noqa: E402
@@ -32,7 +34,7 @@ from elasticd.config import (  # noqa: E402
     Timeouts,
     parse_endpoint,
 )
-from elasticd.errors import EtcdUnavailable, LeaseLost  # noqa: E402
+from elasticd.errors import ConfigError, EtcdUnavailable, LeaseLost  # noqa: E402
 from elasticd.retry import call_with_retry  # noqa: E402
 from elasticd.store.kv import KeyValue
 
@@ -101,12 +103,12 @@ class EtcdClient:
 
         Raises:
             EtcdUnavailable: authentication failed, or the endpoint did not answer it.
-            ConfigError: the password file cannot be read.
+            ConfigError: the password file or a certificate file cannot be read.
         """
         host, port = self._endpoints[index]
         c = self._config
         user = c.user or None
-        password = c.resolved_password() if user else None
+        password = read_password(c) if user else None
         try:
             client = etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
                                   ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
@@ -120,6 +122,8 @@ class EtcdClient:
             client.watcher._watch_stub = _PacedWatchStub(client.watcher._watch_stub,
                                                          self._retry.etcd_reconnect_max_s)
             return client
+        except OSError as exc:  # settings checked that the files exist; a value built in code was not
+            raise ConfigError(f"etcd: cannot read a certificate file: {exc}") from exc
         except grpc.RpcError as exc:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
             details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
@@ -339,6 +343,24 @@ class EtcdClient:
     def close(self) -> None:
         for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
             _close_client(client)
+
+
+def read_password(config: EtcdConfig) -> str:
+    """The password: ``password``, else the first line of ``password_file`` ("" without a user).
+
+    Raises:
+        ConfigError: the password file cannot be read or is empty.
+    """
+    if not config.password_file:
+        return config.password
+    try:
+        text = Path(config.password_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"etcd_password_file: cannot read {config.password_file!r}: {exc}") from exc
+    lines = text.splitlines()
+    if not lines or not lines[0]:
+        raise ConfigError(f"etcd_password_file: {config.password_file!r} is empty")
+    return lines[0]
 
 
 def _close_client(client: etcd3.Etcd3Client) -> None:

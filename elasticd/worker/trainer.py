@@ -32,6 +32,7 @@ from elasticd.log import bind_context
 from elasticd.rendezvous import continued
 from elasticd.rendezvous.membership import Joined, Membership, new_member_id
 from elasticd.retry import Deadline
+from elasticd.settings import worker_env_from_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
@@ -122,7 +123,7 @@ class ElasticTrainer:
                 ``env.checkpoint`` (the ``ELASTICD_CHECKPOINT_*`` variables). Rank 0 saves in the
                 background; a member that finds no live state resumes from the directory.
         """
-        self.env = env or WorkerEnv.from_environ()
+        self.env = env or worker_env_from_environ()
         continued.install()  # the commit rule must know of a SIGSTOP during a step (see continued.py)
         self.checkpoint = checkpoint if checkpoint is not None else self.env.checkpoint
         self._writer: CheckpointWriter | None = None

@@ -1,6 +1,6 @@
 """The node agent: its pure transition function, the restart budget and backoff, lease lookup, the
-executor on real (tiny) processes, and the agent's configuration (precedence, validation, torchrun
-flags)."""
+executor on real (tiny) processes, and the hang and stop detection. Its configuration is tested in
+test_settings.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import structlog
@@ -31,17 +30,7 @@ from elasticd.agent.elastic_decide import (
 )
 from elasticd.agent.jobview import JobView, ProgressMark, job_read_interval_s
 from elasticd.agent.supervisor import ExitKind, WorkerExit
-from elasticd.cli import TORCHRUN_ALIASES, build_agent_parser, parse_agent_command_line
-from elasticd.config import (
-    AGENT_SETTINGS,
-    AgentConfig,
-    Timeouts,
-    WorkerEnv,
-    WorldConfig,
-    default_nproc_per_node,
-    load_agent_config,
-    parse_nnodes,
-)
+from elasticd.config import AgentConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
@@ -307,230 +296,9 @@ def test_the_lease_of_a_dead_workers_record_is_revoked() -> None:
     assert store.get(keys.member("n.0.x")) is None
 
 
-# -- configuration --------------------------------------------------------------------------------
-
-
-def _load(tmp_path: Path, toml: str | None = None, environ: dict[str, str] | None = None,
-          flags: dict[str, str | None] | None = None, **kw: object) -> AgentConfig:
-    config_file = None
-    if toml is not None:
-        config_file = tmp_path / "elasticd.toml"
-        config_file.write_text(toml)
-    kw.setdefault("program", ["true"])
-    return load_agent_config(flags, config_file=config_file, environ=environ or {},  # type: ignore[arg-type]
-                             default_config_file=tmp_path / "absent.toml", **kw)
-
-
-@pytest.mark.parametrize(
-    ("toml", "env", "flag", "ttl"),
-    [(False, False, False, 3.0), (True, False, False, 5.0), (True, True, False, 6.0), (True, True, True, 7.0),
-     (False, True, False, 6.0), (False, False, True, 7.0), (True, False, True, 7.0)],
-)
-def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path, toml: bool, env: bool, flag: bool,
-                                                         ttl: float) -> None:
-    cfg = _load(tmp_path, "lease_ttl_s = 5\njob_id = 'from-file'\n" if toml else None,
-                {"ELASTICD_LEASE_TTL_S": "6"} if env else None, {"lease_ttl_s": "7"} if flag else None)
-    assert cfg.timeouts.lease_ttl_s == ttl
-    assert cfg.world.job_id == ("from-file" if toml else "default")
-
-
-def test_every_setting_from_a_file(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    cfg = _load(tmp_path, f"""
-job_id = "j1"
-min_workers = 2
-max_workers = 8
-etcd_endpoints = ["10.0.0.1:2379", "10.0.0.2:2379"]
-etcd_prefix = "/x"
-lease_ttl_s = 4
-keepalive_s = 1.5
-shutdown_grace_s = 20.5
-etcd_attempts = 3
-program = ["true", "--flag"]
-nproc_per_node = 2
-node_id = "gpu-7"
-advertise_addr = "10.1.1.1"
-backend = "gloo"
-checkpoint_dir = "{ckpt}"
-max_restarts = 5
-restart_window_s = 600
-restart_backoff_initial_s = 0.25
-restart_backoff_max_s = 10
-""", program=[])
-    assert cfg.world == WorldConfig(job_id="j1", min_workers=2, max_workers=8)
-    assert cfg.etcd.endpoints == ("10.0.0.1:2379", "10.0.0.2:2379") and cfg.etcd.prefix == "/x"
-    assert (cfg.timeouts.lease_ttl_s, cfg.timeouts.keepalive_s, cfg.timeouts.shutdown_grace_s) == (4.0, 1.5, 20.5)
-    assert isinstance(cfg.timeouts.lease_ttl_s, float) and cfg.retry.etcd_attempts == 3
-    assert cfg.program == ("true", "--flag")
-    assert (cfg.nproc_per_node, cfg.node_id, cfg.advertise_addr, cfg.backend) == (2, "gpu-7", "10.1.1.1", "gloo")
-    assert cfg.checkpoint_dir == ckpt
-    assert (cfg.max_restarts, cfg.restart_window_s, cfg.restart_backoff_initial_s, cfg.restart_backoff_max_s) == (
-        5, 600.0, 0.25, 10.0)
-
-
-def test_the_default_file_is_read_only_if_it_exists(tmp_path: Path) -> None:
-    default = tmp_path / "default.toml"
-    assert load_agent_config(program=["true"], environ={}, default_config_file=default).max_restarts == 3
-    default.write_text("max_restarts = 9\n")
-    assert load_agent_config(program=["true"], environ={}, default_config_file=default).max_restarts == 9
-    via_env = tmp_path / "env.toml"
-    via_env.write_text("max_restarts = 4\n")
-    cfg = load_agent_config(program=["true"], environ={"ELASTICD_CONFIG": str(via_env)}, default_config_file=default)
-    assert cfg.max_restarts == 4
-
-
-@pytest.mark.parametrize(
-    ("toml", "named"),
-    [
-        ("lease_tll_s = 5", "lease_tll_s: unknown setting in "),
-        ("lease_tll_s = 5", "(did you mean lease_ttl_s?)"),
-        ("[timeouts]\nlease_ttl_s = 5", "timeouts: unknown setting"),
-        ("lease_ttl_s = 'ten'", "lease_ttl_s: expected a number, got 'ten' (str) in "),
-        ("nproc_per_node = 1.5", "nproc_per_node: expected an integer, got 1.5 (float)"),
-        ("max_restarts = true", "max_restarts: expected an integer, got True (bool)"),
-        ("program = 'python train.py'", "program: expected a list of strings"),
-        ("program = ['python', 3]", "program: expected a list of strings"),
-        ("etcd_endpoints = 'h:1'", "etcd_endpoints: expected a list of strings"),
-        ("node_id = 3", "node_id: expected a string, got 3 (int)"),
-        ("lease_ttl_s = ", "is not valid TOML"),
-        ("lease_ttl_s = 0.5\nkeepalive_s = 0.2", "lease_ttl_s: etcd grants leases of at least 1 s, got 0.5 (in "),
-        ("lease_ttl_s = 1", "keepalive_s: must be at most half of lease_ttl_s (1.0), got 0.75 (lease_ttl_s in "),
-        ("max_restarts = -1", "max_restarts: must be an integer >= 0, got -1 (in "),
-        ("restart_backoff_initial_s = 5\nrestart_backoff_max_s = 1", "restart_backoff_max_s: must be >= "),
-        ("min_workers = 4\nmax_workers = 2", "min_workers: must be <= max_workers"),
-        ("nproc_per_node = 4\nmax_workers = 2", "nproc_per_node: must be <= max_workers (2)"),
-        ("backend = 'mpi'", "backend: must be one of auto, gloo, nccl"),
-        ("etcd_endpoints = ['nohost']", "etcd_endpoints: expected host:port"),
-    ],
-)
-def test_bad_file_fields_name_the_field(tmp_path: Path, toml: str, named: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        _load(tmp_path, toml)
-    assert named in str(info.value), str(info.value)
-    assert len(str(info.value).splitlines()) == 1
-
-
-def test_each_bad_field_gets_its_own_line(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError) as info:
-        _load(tmp_path, "bogus = 1\nlease_ttl_s = 'x'", {"ELASTICD_MAX_RESTARTS": "many"},
-              {"restart_window_s": "soon"})
-    lines = str(info.value).splitlines()
-    assert len(lines) == 4, lines
-    assert lines[0].startswith("bogus: unknown setting")
-    assert lines[1].startswith("lease_ttl_s: expected a number")
-    assert lines[2] == "max_restarts: expected an integer, got 'many' (from ELASTICD_MAX_RESTARTS)"
-    assert lines[3] == "restart_window_s: expected a number, got 'soon' (from --restart-window-s)"
-
-
-def test_a_validation_error_says_where_the_value_came_from(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"keepalive_s: must be at most half .* \(from ELASTICD_KEEPALIVE_S\)"):
-        _load(tmp_path, environ={"ELASTICD_KEEPALIVE_S": "2"})
-
-
-def test_missing_config_file_and_checkpoint_dir_that_is_a_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^config: no such file: .*nope.toml.* \(from --config\)"):
-        load_agent_config(program=["true"], config_file=tmp_path / "nope.toml", environ={})
-    afile = tmp_path / "file"
-    afile.write_text("")
-    with pytest.raises(ConfigError, match=r"^checkpoint_dir: .* exists and is not a directory"):
-        _load(tmp_path, flags={"checkpoint_dir": str(afile)})
-
-
-def test_missing_or_unrunnable_program(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^program: no training program given"):
-        _load(tmp_path, program=[])
-    with pytest.raises(ConfigError, match=r"^program: 'no-such-program-x' is not an executable"):
-        _load(tmp_path, program=["no-such-program-x"])
-    assert _load(tmp_path, program=["agents/mlp.py", "--steps", "3"]).program == (
-        sys.executable, "agents/mlp.py", "--steps", "3")
-
-
-@pytest.mark.parametrize(
-    ("visible", "nproc"), [(None, 1), ("", 1), ("0", 1), ("0,1,2", 3), ("GPU-a,GPU-b", 2)]
-)
-def test_nproc_per_node_defaults_to_the_visible_devices(tmp_path: Path, visible: str | None, nproc: int) -> None:
-    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    assert default_nproc_per_node(env) == nproc
-    assert _load(tmp_path, environ=env).nproc_per_node == nproc
-    assert _load(tmp_path, environ=env, flags={"nproc_per_node": "1"}).nproc_per_node == 1
-
-
-@pytest.mark.parametrize(("text", "bounds"), [("2", (2, 2)), ("1:4", (1, 4)), (" 3:3 ", (3, 3))])
-def test_parse_nnodes(text: str, bounds: tuple[int, int]) -> None:
-    assert parse_nnodes(text) == bounds
-
-
-@pytest.mark.parametrize("text", ["0", "2:1", "a", "1:b", "", "1:2:3", "-1:2"])
-def test_parse_nnodes_rejects(text: str) -> None:
-    with pytest.raises(ConfigError, match="^nnodes: "):
-        parse_nnodes(text)
-
-
-def _cli(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None) -> AgentConfig:
-    return parse_agent_command_line(list(argv), environ=environ or {}, default_config_file=tmp_path / "absent.toml")
-
-
-def test_torchrun_flags(tmp_path: Path) -> None:
-    cfg = _cli(tmp_path, "--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-endpoint", "10.0.0.9:2379",
-               "--rdzv-id", "run-1", "--max-restarts", "7", "--", "true", "--lr", "0.1")
-    assert (cfg.world.min_workers, cfg.world.max_workers) == (2, 6)
-    assert cfg.nproc_per_node == 2 and cfg.etcd.endpoints == ("10.0.0.9:2379",)
-    assert cfg.world.job_id == "run-1" and cfg.max_restarts == 7
-    assert cfg.program == ("true", "--lr", "0.1")
-    # torchrun's underscore spellings, and the program as the first non-flag argument (no --)
-    cfg = _cli(tmp_path, "--nproc_per_node", "3", "--rdzv_id", "r", "--max_restarts", "0", "--nnodes", "2",
-               "true", "--steps", "5")
-    assert (cfg.nproc_per_node, cfg.world.job_id, cfg.max_restarts) == (3, "r", 0)
-    assert (cfg.world.min_workers, cfg.world.max_workers) == (6, 6)
-    assert cfg.program == ("true", "--steps", "5")
-
-
-def test_nnodes_uses_the_nproc_from_any_source_and_conflicts_with_explicit_bounds(tmp_path: Path) -> None:
-    cfg = _cli(tmp_path, "--nnodes", "1:2", "--", "true", environ={"ELASTICD_NPROC_PER_NODE": "4"})
-    assert (cfg.world.min_workers, cfg.world.max_workers) == (4, 8)
-    cfg = _cli(tmp_path, "--nnodes", "2", "--", "true", environ={"ELASTICD_MIN_WORKERS": "1"})
-    assert cfg.world.min_workers == 2  # a flag beats a variable
-    with pytest.raises(ConfigError, match="^nnodes: give either"):
-        _cli(tmp_path, "--nnodes", "1:2", "--min-workers", "1", "--", "true")
-
-
-def test_every_setting_has_a_flag_and_unknown_flags_are_usage_errors(tmp_path: Path) -> None:
-    parser = build_agent_parser()
-    flags = {opt for action in parser._actions for opt in action.option_strings}
-    for s in AGENT_SETTINGS.values():
-        if s.name != "program":
-            assert s.flag in flags, s.name
-    assert {a for aliases in TORCHRUN_ALIASES.values() for a in aliases} <= flags
-    with pytest.raises(SystemExit) as info:
-        _cli(tmp_path, "--lease-ttl", "3", "--", "true")  # no abbreviations: a typo must not guess
-    assert info.value.code == 2
-
-
-def test_worker_environ_is_the_worker_contract(tmp_path: Path) -> None:
-    cfg = _cli(tmp_path, "--node-id", "gpu-3", "--job-id", "jj", "--lease-ttl-s", "9", "--nproc-per-node", "2",
-               "--", "true")
-    variables = cfg.worker_environ(1)
-    env = WorkerEnv.from_environ(variables)
-    assert env == cfg.worker_env(1)
-    assert (env.node_id, env.local_rank, env.world.job_id, env.timeouts.lease_ttl_s) == ("gpu-3", 1, "jj", 9.0)
-    assert variables["ELASTICD_LOCAL_RANK"] == "1" and variables["ELASTICD_NODE_ID"] == "gpu-3"
-
-
 def test_action_defaults_are_inert() -> None:
     a = Action(ActionKind.WAIT, "x")
     assert (a.next_state, a.slot_state, a.until, a.exit_code) == (None, None, None, 0)
-
-
-def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elasticd.config import child_environ
-
-    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
-    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
-    monkeypatch.setenv("WATCHDOG_PID", "1")
-    env = child_environ({"ELASTICD_LOCAL_RANK": "0"})
-    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
-    assert env["ELASTICD_LOCAL_RANK"] == "0"
 
 
 # -- hang detection -------------------------------------------------------------------------------

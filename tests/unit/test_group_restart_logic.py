@@ -22,8 +22,9 @@ from elasticd.agent.restart_decide import (
     node_bounds,
     worker_environ,
 )
-from elasticd.config import AgentConfig, Timeouts, WorldConfig, load_agent_config
+from elasticd.config import AgentConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError
+from elasticd.settings import load_agent_config
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import encode

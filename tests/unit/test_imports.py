@@ -16,7 +16,7 @@ from elasticd.testing.localcluster import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.retry", "elasticd.log", "elasticd.events",
+LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.settings", "elasticd.retry", "elasticd.log", "elasticd.events",
                  "elasticd.store.kv", "elasticd.store.etcd", "elasticd.wire.keys", "elasticd.wire.records",
                  "elasticd.wire.snapshot", "elasticd.wire.ops", "elasticd.wire.restart", "elasticd.rendezvous.decide",
                  "elasticd.rendezvous.membership", "elasticd.rendezvous.continued", "elasticd.rendezvous.lease",

@@ -1,5 +1,5 @@
 """``systemd/``: the unit passes ``systemd-analyze verify``, every directive says why, and the
-example configuration agrees with the unit and with ``elasticd.config``.
+example configuration agrees with the unit and with ``elasticd.config`` and ``elasticd.settings``.
 
 STYLE: Type=notify, Restart=on-failure, KillMode=mixed with TimeoutStopSec > shutdown_grace,
 PYTHONUNBUFFERED=1, and every directive carries a comment saying why.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from elasticd.config import ENV_PREFIX, EtcdConfig, Timeouts, WorkerEnv, WorldConfig
+from elasticd.config import EtcdConfig, Timeouts, WorldConfig
+from elasticd.settings import ENV_PREFIX, load_agent_config, worker_env_from_environ
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -255,13 +256,11 @@ def test_env_example_names_match_toml_keys_and_values_are_valid() -> None:
     unknown = sorted(n for n in ours if n.removeprefix(ENV_PREFIX).lower() not in toml_keys)
     assert unknown == [], f"ELASTICD_* variables with no key in {TOML_EXAMPLE.name}: {unknown}"
     # What the worker contract already parses, it accepts (the rest belongs to the agent).
-    WorkerEnv.from_environ(ours)
+    worker_env_from_environ(ours)
 
 
 def test_toml_example_loads_as_the_agent_configuration(tmp_path: Path) -> None:
     """The example is what an operator copies: the agent itself must accept every key in it."""
-    from elasticd.config import load_agent_config
-
     program = tmp_path / "train"
     program.write_text("#!/bin/sh\nexit 0\n")
     program.chmod(0o755)
