@@ -60,7 +60,6 @@ from elasticd.bench.common import (
     read_json_lines,
     run_subcommand,
 )
-from elasticd.config import Timeouts
 from elasticd.testing.audit import AuditReport, check_dir
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import (
@@ -449,8 +448,9 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
 
     from elasticd.log import configure_logging
     from elasticd.retry import Deadline
+    from elasticd.testing.groups import fixed_gloo_group, never
     from elasticd.worker.collectives import barrier as collective_barrier
-    from elasticd.worker.process_group import Group, GroupFactory, StoreServer
+    from elasticd.worker.process_group import Group
     from elasticd.worker.state import ChecksumAhead, TrainingState
     from elasticd.worker.sync import sync_state
 
@@ -459,17 +459,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
 
     configure_logging(json=True, level=40)  # errors only: the parent prints the figures
     torch.set_num_threads(1)
-    timeouts = Timeouts()
-    never = lambda: False  # noqa: E731 - nothing aborts this fixed group
-    server = StoreServer("127.0.0.1", timeouts)
-    if rank == 0:
-        for _ in range(world - 1):
-            port_q.put(server.port)
-        port = server.port
-    else:
-        port = port_q.get(timeout=60)
-    factory = GroupFactory(server, "127.0.0.1", "gloo", rank, timeouts)
-    group = factory.build(1, rank, world, "127.0.0.1", port, Deadline.after(60), never)
+    timeouts, factory, group = fixed_gloo_group(rank, world, port_q)
     newcomer = rank == world - 1
 
     def fresh() -> TrainingState:

@@ -32,24 +32,12 @@ def _model(layers: int, width: int, seed: int):  # type: ignore[no-untyped-def]
 def _setup(rank: int, world: int, port_q: Queue[int]):  # type: ignore[no-untyped-def]
     import torch
 
-    from elasticd.config import Timeouts
     from elasticd.log import configure_logging
-    from elasticd.retry import Deadline
-    from elasticd.worker.process_group import GroupFactory, StoreServer
+    from elasticd.testing.groups import fixed_gloo_group
 
     configure_logging(json=True, level=40)
     torch.set_num_threads(1)
-    timeouts = Timeouts()
-    server = StoreServer("127.0.0.1", timeouts)
-    if rank == 0:
-        for _ in range(world - 1):
-            port_q.put(server.port)
-        port = server.port
-    else:
-        port = port_q.get(timeout=60)
-    factory = GroupFactory(server, "127.0.0.1", "gloo", rank, timeouts)
-    group = factory.build(1, rank, world, "127.0.0.1", port, Deadline.after(60), lambda: False)
-    return timeouts, factory, group
+    return fixed_gloo_group(rank, world, port_q)
 
 
 def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ignore[no-untyped-def]
