@@ -107,21 +107,33 @@ def run(tmp_path: Path) -> Iterator[Run]:
         r.stop()
 
 
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Plain torchrun, 2 workers, no fault: the proof that the script is an unmodified torchrun
     script, and the parameters every restart-mode run of it at world 2 must end with."""
-    r = Run(tmp_path_factory.mktemp("torchrun"))
-    try:
-        proc = r.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        *r.script()], "torchrun.log", _env())
-        assert proc.wait(120) == 0, r.tail()
-        finals = r.finals(2)
-        assert [f["step"] for f in finals] == [STEPS, STEPS], finals
-        assert finals[0]["checksum"] == finals[1]["checksum"], finals
-        return str(finals[0]["checksum"])
-    finally:
-        r.stop()
+    # Plain torch, no elasticd in it: a worker of torch 2.13 has once aborted at its exit on this
+    # machine ("terminate called without an active exception", SIGABRT). That is torch's, and this
+    # is only the baseline, so such a run is made once more in a fresh directory; any other
+    # failure, or a second one, fails the module.
+    for attempt in range(2):
+        r = Run(tmp_path_factory.mktemp("torchrun"))
+        try:
+            proc = r.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            *r.script()], "torchrun.log", _env())
+            code = proc.wait(120)
+            if code != 0 and attempt == 0 and TORCH_EXIT_ABORT in r.tail(1000):
+                continue
+            assert code == 0, r.tail()
+            finals = r.finals(2)
+            assert [f["step"] for f in finals] == [STEPS, STEPS], finals
+            assert finals[0]["checksum"] == finals[1]["checksum"], finals
+            return str(finals[0]["checksum"])
+        finally:
+            r.stop()
+    raise AssertionError("unreachable: the second attempt returns or fails")
 
 
 def _kill_worker_midway(run: Run, node: str, local_rank: int) -> tuple[float, int]:
