@@ -26,6 +26,7 @@ from elasticd.errors import EtcdUnavailable
 from elasticd.events import EventLog
 from elasticd.log import bind_context
 from elasticd.rendezvous.membership import Membership
+from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import (
@@ -49,7 +50,7 @@ class Journal:
     ``start``); ``close`` writes the audit file's last line and closes it."""
 
     def __init__(self, env: WorkerEnv, store: KeyValueStore | None, audit_path: str | Path | None,
-                 audit_in_memory: bool, log_interval_s: float) -> None:
+                 audit_in_memory: bool, log_interval_s: float, clock: Clock = time.monotonic) -> None:
         """
         Args:
             env: this worker's settings (its node, the job's keys, ``events_keep``).
@@ -66,6 +67,7 @@ class Journal:
         self._audit: IO[str] | None = None
         self._audit_memory: list[dict[str, object]] | None = [] if audit_in_memory and audit_path else None
         self._log_interval_s = max(0.0, log_interval_s)
+        self._clock = clock  # monotonic: recovery and step durations, the log pacing
         self._logged_at = float("-inf")
         self._membership: Membership | None = None
         self._events: EventLog | None = None
@@ -115,7 +117,7 @@ class Journal:
         self._unrecorded_recovery = None
         if cause != "start":
             self.recoveries += 1
-            self._last_recovery_s = round(time.monotonic() - failed_at, 4)
+            self._last_recovery_s = round(self._clock() - failed_at, 4)
             self._last_recovery_cause = cause
             if group.rank == 0:
                 self._unrecorded_recovery = {
@@ -127,7 +129,7 @@ class Journal:
         bind_context(step=c.step)
         log.info("recovered", generation=group.generation, rank=group.rank, world_size=group.world_size,
                  step=c.step, cause=cause, members=list(record.members),
-                 duration_s=round(time.monotonic() - failed_at, 4), rendezvous_s=round(rendezvous_s, 4))
+                 duration_s=round(self._clock() - failed_at, 4), rendezvous_s=round(rendezvous_s, 4))
         self._audit_line({"event": "sync", "generation": group.generation, "rank": group.rank,
                          "world_size": group.world_size, "step": c.step, "epoch": c.epoch,
                          "position": c.position, "checksum": f"{report.checksum:016x}",
@@ -174,7 +176,7 @@ class Journal:
         progress record, and (rank 0, first commit of a recovery generation) the ``recovered``
         event, from the fault noticed to this commit. Queues the event only; the write happens off
         this thread."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._logged_at >= self._log_interval_s:
             self._logged_at = now
             bind_context(step=step)
@@ -193,7 +195,7 @@ class Journal:
         failed_at = pending.pop("failed_at")
         assert isinstance(failed_at, float)
         self._events.record(EventKind.RECOVERED, **pending, step=step,
-                            duration_s=round(time.monotonic() - failed_at, 4))
+                            duration_s=round(self._clock() - failed_at, 4))
 
     def _publish_progress(self, step: int, generation: int, rank: int, step_time_s: float | None) -> None:
         """Hand the progress record to the membership's keepalive thread."""

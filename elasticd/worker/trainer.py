@@ -31,7 +31,7 @@ from elasticd.errors import (
 from elasticd.log import bind_context
 from elasticd.rendezvous import continued
 from elasticd.rendezvous.membership import Joined, Membership, new_member_id
-from elasticd.retry import Deadline
+from elasticd.retry import Clock, Deadline
 from elasticd.settings import worker_env_from_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -99,6 +99,7 @@ class ElasticTrainer:
         audit_in_memory: bool = False,
         log_interval_s: float = LOG_INTERVAL_S,
         checkpoint: CheckpointConfig | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         """
         Args:
@@ -122,8 +123,9 @@ class ElasticTrainer:
             checkpoint: durable checkpoints (directory, schedule, retention); by default
                 ``env.checkpoint`` (the ``ELASTICD_CHECKPOINT_*`` variables). Rank 0 saves in the
                 background; a member that finds no live state resumes from the directory.
+            clock: the monotonic clock of the commit rule, step times and recovery bounds.
         """
-        self.env = env or worker_env_from_environ()
+        self.env, self._clock = env or worker_env_from_environ(), clock
         continued.install()  # the commit rule must know of a SIGSTOP during a step (see continued.py)
         self.checkpoint = checkpoint if checkpoint is not None else self.env.checkpoint
         self._writer: CheckpointWriter | None = None
@@ -136,7 +138,7 @@ class ElasticTrainer:
         self._reference_world = reference_world_size
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self._store = store
-        self._journal = Journal(self.env, store, audit_path, audit_in_memory, log_interval_s)
+        self._journal = Journal(self.env, store, audit_path, audit_in_memory, log_interval_s, clock)
         self._membership: Membership | None = None
         self._factory: GroupFactory | None = None
         self._server: StoreServer | None = None
@@ -144,10 +146,8 @@ class ElasticTrainer:
         self.group: Group | None = None
         self.joined: Joined | None = None
         self._has_state = False
-        self._need_rendezvous = True
-        self._cause = "start"
-        self._failed_at = 0.0
-        self._failures_this_step = 0
+        self._need_rendezvous, self._cause, self._cause_detail = True, "start", ""
+        self._failed_at, self._failures_this_step = 0.0, 0
         self._pending: Batch | None = None
         self._retrying_since: float | None = None  # monotonic: the step is being deferred since then
         self._draining = False
@@ -157,7 +157,6 @@ class ElasticTrainer:
         self._drained = False
         self._finished_together = False
         self.last_result: StepResult | None = None
-        self._cause_detail = ""
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -199,7 +198,7 @@ class ElasticTrainer:
         self._membership.start()
         self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
         self._journal.open(self._membership, self._store, record.member_id, started_wall)
-        self._failed_at = time.monotonic()
+        self._failed_at = self._clock()
 
     def close(self, clean: bool = True) -> None:
         """Leave the job: a short goodbye barrier (so no peer mistakes a finished member for a lost
@@ -303,7 +302,7 @@ class ElasticTrainer:
         batch, self._pending = self._pending, None
         assert batch is not None, "step() called without a batch from batches()"
         assert self.group is not None and self._reducer is not None and self._membership is not None
-        started = time.monotonic()
+        started = self._clock()
         group = self.group
         n_local = len(batch.indices)
         weighted_loss = float(loss.detach()) * batch.weight if n_local else 0.0
@@ -330,7 +329,7 @@ class ElasticTrainer:
         st = membership.standing()
         fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
                       lease_ttl_s=st.lease_ttl_s, continued=st.continued)
-        verdict = commit_outcome(tally, group.world_size, fence, time.monotonic())
+        verdict = commit_outcome(tally, group.world_size, fence, self._clock())
         if verdict.outcome is Outcome.RETRY:
             self._retry_step(batch, verdict)
             return None
@@ -344,7 +343,7 @@ class ElasticTrainer:
         c.epoch, c.position = self.sampler.after(batch)
         c.epoch, c.position = self.sampler.normalize(c.epoch, c.position, group.world_size)
         self._failures_this_step = 0
-        duration = time.monotonic() - started
+        duration = self._clock() - started
         result = StepResult(c.step, tally.loss, group.generation, group.world_size, duration)
         self.last_result = result
         if self._draining:
@@ -353,7 +352,7 @@ class ElasticTrainer:
         elif verdict.regroup:
             self._need_rendezvous, self._cause = True, "regroup"
             self._cause_detail = ""
-            self._failed_at = time.monotonic()
+            self._failed_at = self._clock()
         self._journal.committed(batch, result.step, result.loss, result.generation, result.world_size,
                                 result.duration_s)
         if group.rank == 0 and self.checkpoint.saves:
@@ -366,7 +365,7 @@ class ElasticTrainer:
         """Every member agreed to apply nothing and do the step again in this group (a lease
         renewal is pending). Bounded: a lease that neither renews nor expires within twice the
         lease TTL makes the step fail, and the members regroup."""
-        now = time.monotonic()
+        now = self._clock()
         if self._retrying_since is None:
             self._retrying_since = now
             log.info("step_deferred", generation=self.group.generation if self.group else 0, rank=self.rank,
@@ -385,7 +384,7 @@ class ElasticTrainer:
         if self.group is not None:
             self._membership.abort(gen, str(exc))
         if not self._need_rendezvous:
-            self._failed_at = time.monotonic()
+            self._failed_at = self._clock()
         self._need_rendezvous, self._cause = True, type(exc).__name__
         self._cause_detail = str(exc)[:200]
         if self._failures_this_step > self.env.retry.step_retries:
