@@ -54,6 +54,12 @@ class Timeouts:
     keepalive_s: float = _seconds("Interval between lease renewals (must be < lease_ttl_s / 2).", 0.75)
     collective_s: float = _seconds("Bound on one collective (gradient all_reduce, vote).", 30.0)
     group_build_s: float = _seconds("Bound on building the process group of a generation.", 15.0)
+    group_abort_s: float = _seconds(
+        "Bound on aborting a NCCL group (one retired, or one whose build was given up); past it the "
+        "worker exits with code 75 so that its agent restarts it, since a hung abort would hang "
+        "training. NCCL's own non-blocking waits are bounded by at most half of it.",
+        30.0,
+    )
     checkpoint_transfer_s: float = _seconds(
         "Bound on the state broadcast from rank 0 to newcomers.", 120.0
     )

@@ -286,8 +286,9 @@ def systemd_notify_environ(environ: Mapping[str, str] | None = None) -> dict[str
     return {name: env.get(name) for name in SYSTEMD_NOTIFY_VARIABLES}
 
 
-def child_environ(extra: Mapping[str, str]) -> dict[str, str]:
-    """The environment of a process the agent starts: its own, with ``extra`` on top.
+def child_environ(extra: Mapping[str, str], defaults: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process the agent starts: its own, with ``extra`` on top, and
+    ``defaults`` (such as ``nccl_environ``) wherever the agent's own environment leaves them unset.
 
     Output is unbuffered unless the caller says otherwise, so a worker's last lines before a crash
     reach the agent's log. systemd's notify variables are the agent's alone: a worker must not
@@ -295,8 +296,32 @@ def child_environ(extra: Mapping[str, str]) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_NOTIFY_VARIABLES}
     env.setdefault("PYTHONUNBUFFERED", "1")
+    for name, value in (defaults or {}).items():
+        env.setdefault(name, value)
     env.update(extra)
     return env
+
+
+# -- NCCL's environment (why each value: ``worker/nccl.py``) --------------------------------------
+
+
+def nccl_environ(timeouts: Timeouts) -> dict[str, str]:
+    """What torch's ``ProcessGroupNCCL`` must read for a group that can fail without taking the
+    survivors down. The worker sets these as defaults before its first NCCL group; the elastic
+    agent passes them to its workers. ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (whole seconds) is at most
+    ``group_build_s`` and half of ``group_abort_s``."""
+    nonblocking_s = max(1, int(min(timeouts.group_build_s, timeouts.group_abort_s / 2)))
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(nonblocking_s)}
+
+
+def environ_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
+    """Set each of ``defaults`` in this process's environment where it is unset (a value the
+    operator set wins); returns the values now in effect."""
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in defaults}
 
 
 def default_nproc_per_node(environ: Mapping[str, str] | None = None) -> int:

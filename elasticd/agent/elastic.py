@@ -79,7 +79,7 @@ from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerSt
 from elasticd.config import AgentConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.retry import Clock
-from elasticd.settings import child_environ, worker_env_to_environ
+from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord
@@ -385,7 +385,8 @@ class Agent(AgentDaemon):
     def _spawn(self, local_rank: int, now: float) -> None:
         c = self._config
         slot = self.snapshot.slots[local_rank]
-        pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(c.worker_env(local_rank))))
+        env = c.worker_env(local_rank)  # NCCL's watchdog settings are defaults: the agent's own environment wins
+        pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(env), nccl_environ(env.timeouts)))
         if isinstance(pid, WorkerExit):
             e = pid
             self._log_exit(e)

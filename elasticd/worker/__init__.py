@@ -2,7 +2,9 @@
 
 ``trainer`` (the step loop and recovery), ``journal`` (its records: audit, progress, events),
 ``commit`` (the commit rule, pure), ``collectives`` (the bucketed gradient all_reduce),
-``process_group`` (groups rebuilt in-process), ``state`` (the training state, its arena and
-checksum), ``sync`` (its transfer to newcomers), ``durable_format`` and ``durable`` (checkpoints on
-disk: the file format; the writer, retention and loading), ``sampler``.
+``process_group`` (groups rebuilt in-process), ``state`` (the training state and its arena),
+``extras`` (the JSON encoding of registered objects' state dicts, pure), ``checksum`` (the state
+checksum), ``rng`` (the RNG states that travel with the state), ``sync`` (its transfer to
+newcomers), ``durable_format`` and ``durable`` (checkpoints on disk: the file format; the writer,
+retention and loading), ``sampler``.
 """

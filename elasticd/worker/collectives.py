@@ -252,6 +252,7 @@ class GradientReducer:
         self._group: Group | None = None
         self._scale = 1.0
         self._vote: Callable[[], Sequence[float]] | None = None
+        self._syncing = True  # False while micro-batches before the last accumulate (begin(sync=False))
         self._error: BaseException | None = None
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
@@ -262,17 +263,24 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
 
-    def begin(self, group: Group, scale: float, vote: Callable[[], Sequence[float]]) -> None:
+    def begin(self, group: Group, scale: float, vote: Callable[[], Sequence[float]], sync: bool = True) -> None:
         """Arm for one step: zero the gradients (this replaces ``optimizer.zero_grad``); this rank's
         gradients will be multiplied by ``scale`` before the sum; ``vote`` is called (on the thread
-        that launches it) right before the vote bucket goes out, and returns its slots."""
+        that launches it) right before the vote bucket goes out, and returns its slots. With
+        ``sync=False`` (gradient accumulation, like DDP's ``no_sync``) backward only accumulates
+        into the buckets until ``sync_next``: the all_reduce runs once per step."""
         self._group, self._scale, self._error, self._vote = group, scale, None, vote
+        self._syncing = sync
         for b in self._buckets:
             b.ready, b.work = 0, None
             b.bind_grads()
 
+    def sync_next(self) -> None:
+        """The next backward is the step's last micro-batch: launch each bucket as it completes."""
+        self._syncing = True
+
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._group is None:
+        if self._group is None or not self._syncing:
             return
         bucket = self._where[id(param)]
         bucket.ready += 1

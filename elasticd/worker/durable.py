@@ -45,7 +45,8 @@ from elasticd.worker.durable_format import (
     signature_of,
     verify,
 )
-from elasticd.worker.state import TrainingState, state_checksum
+from elasticd.worker.checksum import checksum_key, state_checksum
+from elasticd.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
 
@@ -354,7 +355,7 @@ class CheckpointWriter:
         prefix_map = aligned_bytes(payload_offset)
         prefix_map[:payload_offset] = prefix
         data = memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
-        key = json.dumps(layout["tensors"]).encode()
+        key = checksum_key(layout)
         sums: dict[str, int] = {}
 
         def crc_job() -> None:  # on a helper thread, while the bytes are written

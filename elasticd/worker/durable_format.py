@@ -12,12 +12,15 @@ Files of one checkpoint, in the directory of its job (``job_dir``: ``<checkpoint
 * ``<name>.ckpt``: the 16-byte ``MAGIC``; an 8-byte little-endian length H (``HEADER_LEN``); H
   bytes of a JSON header (format, version, job, step, generation, node, model signature, sizes,
   and the state layout of ``TrainingState.pack``: tensor names, dtypes, shapes, offsets, optimizer
-  param groups); zero padding to a 4096-byte boundary (64 in files of earlier versions); the
-  payload: the flat arena (model and optimizer tensors, the counters ``step, epoch, position``,
-  then the torch RNG state).
+  param groups and scalars, the registered objects' state); zero padding to a 4096-byte boundary
+  (64 in files of earlier versions); the payload: the flat arena (model, optimizer and registered
+  objects' tensors, the counters ``step, epoch, position``, then the CPU RNG state and each CUDA
+  device's).
 * ``<name>.json``: the ``Manifest``, written after the data file is durable: step, seq, sizes, the
-  state checksum (``state.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded with
-  their layout) and a CRC-32 of every other byte of the file; together they cover the whole file.
+  state checksum (``checksum.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded
+  with ``checksum.checksum_key`` of the layout; in version 2 files, seeded with the tensor entries
+  only, ``legacy_checksum_key``) and a CRC-32 of every other byte of the file; together they cover
+  the whole file.
 
 A checkpoint exists only once its manifest and its data file both do (a manifest without its data
 file is rejected as incomplete). ``seq`` grows with every save into the directory, so the newest
@@ -38,10 +41,13 @@ from pathlib import Path
 
 import torch
 
-from elasticd.worker.state import state_checksum
+from elasticd.worker.checksum import checksum_key, state_checksum
 
 FORMAT = "elasticd-checkpoint"
-VERSION = 2  # 2: the state checksum is XXH3 (1 was CRC-32)
+# 3: the checksum's seed covers the whole layout (param groups, optimizer scalars, registered
+# objects), not only the tensor entries; 2: the state checksum is XXH3 (1 was CRC-32)
+VERSION = 3
+READABLE_VERSIONS = (2, 3)  # what this reader verifies and loads (2 with legacy_checksum_key)
 MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or text never starts so
 HEADER_LEN = struct.Struct("<Q")
 CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
@@ -148,8 +154,9 @@ def read_manifest(path: Path) -> Manifest:
             raise ValueError(f"manifest field {name} is not {kind}")
         kwargs[name] = float(value) if kind == "float" else value
     man = Manifest(**kwargs)  # type: ignore[arg-type]
-    if man.format != FORMAT or man.version != VERSION:
-        raise ValueError(f"format {man.format!r} version {man.version} is not {FORMAT!r} version {VERSION}")
+    if man.format != FORMAT or man.version not in READABLE_VERSIONS:
+        raise ValueError(f"format {man.format!r} version {man.version} is not {FORMAT!r} version "
+                         f"{' or '.join(map(str, READABLE_VERSIONS))}")
     if "/" in man.file or man.file.startswith("."):
         raise ValueError(f"manifest names a file outside its directory: {man.file!r}")
     return man
@@ -204,16 +211,24 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
     head = json.loads(header)  # its bytes are verified now
     if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("step") != man.step:
         raise ValueError("the header does not match the manifest")
+    if head.get("version") != man.version:
+        raise ValueError(f"the header says version {head.get('version')!r}, the manifest {man.version}")
     if head.get("signature") != man.signature or head.get("payload_bytes") != man.payload_bytes:
         raise ValueError("the header's signature or sizes do not match the manifest")
     layout = head.get("layout")
     if not isinstance(layout, dict) or layout.get("total") != total or not isinstance(layout.get("tensors"), list):
         raise ValueError("the header holds no state layout of the manifest's size")
-    checksum = state_checksum(json.dumps(layout["tensors"]).encode(), view[:total], total)
+    key = checksum_key(layout) if man.version >= 3 else legacy_checksum_key(layout)
+    checksum = state_checksum(key, view[:total], total)
     if checksum != man.state_checksum:
         raise ValueError(f"checksum of the state tensors ({checksum:016x}) does not match the manifest's "
                          f"{man.state_checksum:016x} (corrupt bytes)")
     return man, json.dumps(layout).encode(), payload
+
+
+def legacy_checksum_key(layout: dict[str, object]) -> bytes:
+    """The checksum's seed in version 2 files: the JSON of the layout's tensor entries only."""
+    return json.dumps(layout["tensors"]).encode()
 
 
 def _read_exact(f: object, n: int) -> bytes:

@@ -4,7 +4,8 @@ Owns the c10d store and the gloo/NCCL group objects. Every worker hosts a ``TCPS
 its start; generation g uses the server of its rank 0 (always a live member) under the key prefix
 ``gen/<g>/``, so stores of different generations never collide. The build is preceded by an
 arrival barrier that can be abandoned, so a member that dies between publication and build does
-not hold the others for the whole build timeout. Never retries and never decides membership.
+not hold the others for the whole build timeout. NCCL groups are built and aborted by ``nccl.py``
+(device bound, non-blocking init, bounded abort). Never retries and never decides membership.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch._C._distributed_c10d import (  # typed here, unlike torch.distributed
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
 from elasticd.retry import Deadline
+from elasticd.worker.nccl import NcclGroups, TorchNccl
 
 log = structlog.get_logger(__name__)
 
@@ -71,8 +73,11 @@ class GroupFactory:
     """Builds the group of a generation and retires the groups of old ones."""
 
     def __init__(
-        self, server: StoreServer, advertise_addr: str, backend: str, local_rank: int, timeouts: Timeouts
+        self, server: StoreServer, advertise_addr: str, backend: str, local_rank: int, timeouts: Timeouts,
+        nccl: NcclGroups | None = None,
     ) -> None:
+        """``nccl``: the NCCL sequence on this worker's device (default: ``NcclGroups(TorchNccl(), ...)``,
+        made only for the NCCL backend; it sets NCCL's environment and the CUDA device)."""
         self._server = server
         self._addr = advertise_addr
         self.backend = resolve_backend(backend)
@@ -82,8 +87,7 @@ class GroupFactory:
             if self.backend == "nccl"
             else torch.device("cpu")
         )
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
+        self._nccl = (nccl or NcclGroups(TorchNccl(), self.device, timeouts)) if self.backend == "nccl" else None
         self._client: Store | None = None
         self._client_addr: tuple[str, int] | None = None
         self._retiring: list[threading.Thread] = []
@@ -175,7 +179,7 @@ class GroupFactory:
         call to a rank 0 frozen mid-build blocks for the store's timeout (``group_build_s``), and
         the backend's constructor waits for every peer's address for its own (``collective_s``),
         and neither can be interrupted. A build left behind finishes (or fails) on its thread,
-        which then drops the group it made.
+        which then drops the group it made (a NCCL one aborted first).
         """
         outcome: list[dist.ProcessGroup | BaseException] = []
         done, cancelled = threading.Event(), threading.Event()
@@ -189,7 +193,10 @@ class GroupFactory:
             finally:
                 done.set()
                 if cancelled.is_set():
+                    late = outcome[0] if outcome and not isinstance(outcome[0], BaseException) else None
                     outcome.clear()  # a late group is destroyed here, never on the training thread
+                    if late is not None and self._nccl is not None:
+                        self._nccl.abort(late, what)  # a NCCL one is aborted first, never destroyed
 
         t = threading.Thread(target=run, name="elasticd-group-build", daemon=True)
         t.start()
@@ -217,15 +224,13 @@ class GroupFactory:
                 if deadline.expired():
                     raise CollectiveTimeout(f"{what}: peers did not arrive in time")
                 time.sleep(self._timeouts.abort_poll_s / 4)
+            if self._nccl is not None:
+                return self._nccl.build(store, rank, world_size, deadline, abandon, what)
             return self._make(store, rank, world_size)
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"building {what} failed: {exc}") from exc
 
     def _make(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        if self.backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self._timeouts.td("collective")
-            return dist.ProcessGroupNCCL(store, rank, world_size, opts)  # type: ignore[return-value]
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = self._timeouts.td("collective")
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._addr)]
@@ -234,7 +239,8 @@ class GroupFactory:
     def retire(self, group: Group | None) -> None:
         """Let go of an old group without waiting on collectives stuck in it.
 
-        NCCL groups are aborted; gloo groups are dropped on a short-lived thread so that a
+        NCCL groups are aborted first (``NcclGroups.abort``: bounded by ``group_abort_s``, past
+        which the worker exits); every group is dropped on a short-lived thread so that a
         destructor joining a stuck worker thread never blocks training.
         """
         if group is None or group.pg is None:
@@ -244,11 +250,8 @@ class GroupFactory:
         holder = [group.pg]
         group.pg = None  # type: ignore[assignment]
         pg = holder[0]
-        if self.backend == "nccl":
-            try:
-                pg.abort()
-            except RuntimeError as exc:
-                log.warning("process_group_abort_failed", error=str(exc))
+        if self._nccl is not None:
+            self._nccl.abort(pg, f"generation {group.generation}")
         del pg
         t = threading.Thread(target=_drop, args=(holder,), name="elasticd-retire", daemon=True)
         t.start()

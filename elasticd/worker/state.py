@@ -1,12 +1,14 @@
 """Training state: what a member holds, its arena and its checksum.
 
-Owns ``TrainingState`` (model and optimizer state dicts, the step counter, the data position, the
-RNG state) and the flat "arena" its CPU tensors live in: the JSON layout that describes the arena,
-``pack`` (the layout and the arena, as sent to newcomers and written to disk) and ``unpack`` (a
-peer's or a file's layout and buffer, decoded and checked before anything is loaded; data only,
-never pickled objects). Owns the state checksum (``state_checksum``, ``state_hasher``,
-``ChecksumAhead``) and the model signature. Never moves the state between ranks (``sync`` does),
-never touches the disk (``durable`` does), and never decides who rank 0 is.
+Owns ``TrainingState`` (the model's and the optimizer's state dicts, the state of the objects
+registered beside them, the step counter, the data position, the CPU and CUDA RNG states) and the
+flat "arena" its CPU tensors live in: the JSON layout that describes the arena, ``pack`` (the layout
+and the arena, as sent to newcomers and written to disk) and ``unpack`` (a peer's or a file's layout
+and buffer, decoded and checked before anything is loaded; data only, never pickled objects). Owns
+``ChecksumAhead`` and the model signature. Never encodes a state dict's values itself (``extras``
+does), never defines the checksum (``checksum`` does) or where the RNG states sit (``rng`` does),
+never moves the state between ranks (``sync`` does), never touches the disk (``durable`` does), and
+never decides who rank 0 is.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import structlog
 import torch
-import xxhash
 
-from elasticd.errors import ModelMismatch, StateCorrupt
+from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
 from elasticd.retry import Deadline
+from elasticd.worker.checksum import MASK63, StateHasher, checksum_key, state_checksum
+from elasticd.worker.extras import JsonValue, decode, encode
+from elasticd.worker.rng import CudaRng, DeviceRng, rng_states, split_rng_states
 
 log = structlog.get_logger(__name__)
 
@@ -31,7 +37,9 @@ _DTYPES = {str(d): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}
 _ALIGN = 64  # cache-line aligned: parameters live in the arena, and vector kernels like it
-_MASK63 = (1 << 63) - 1
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")  # no ".": it ends the name in "extra.<name>.<path>"
+_ADOPTED = ("model.", "optim.")  # tensors that come to live in the arena; a registered object's are copied
+_LOAD_ERRORS = (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError)
 
 
 @dataclass
@@ -41,36 +49,128 @@ class Counters:
     step: int = 0          # committed steps so far
     epoch: int = 0         # current epoch of the data order
     position: int = 0      # global sample offset within the epoch
+    reference_world: int = 0  # the first generation's size (DataPlan.reference); 0: not set (older files)
 
     def as_list(self) -> list[int]:
-        return [self.step, self.epoch, self.position]
+        return [self.step, self.epoch, self.position, self.reference_world]
+
+
+class _Stateful(Protocol):
+    def state_dict(self) -> object: ...
+
+    def load_state_dict(self, state_dict: object) -> object: ...
+
+
+@dataclass
+class _Decoded:
+    """A peer's state, decoded and checked, not yet loaded."""
+
+    model_sd: dict[str, torch.Tensor]
+    optim_sd: dict[str, object]
+    extras: dict[str, object]
+    counters: Counters
+    rng: torch.Tensor
+    device_rngs: list[torch.Tensor]
+    entries: list[list[object]]
+    arena_key: str
+    key: bytes
 
 
 class TrainingState:
-    """The model, the optimizer and the counters of one worker.
+    """The model, the optimizer, the registered objects and the counters of one worker.
 
     The state's CPU tensors live in one flat "arena" buffer once it has been packed or received:
     parameters, buffers and optimizer tensors become views into it, so rank 0 broadcasts the arena
     without copying, a newcomer adopts the buffer it received without copying, and the checksum is
     one pass over contiguous memory. A tensor that has moved out (an optimizer creating its state
-    at its first step) is copied back in at the next pack.
+    at its first step) is copied back in at the next pack. The tensors of registered objects are
+    copied in at every pack and never adopted: those objects keep tensors of their own.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device_rng: DeviceRng | None = None) -> None:
+        """``device_rng``: the accelerators' generators (default: ``CudaRng``)."""
         self.model = model
         self.optimizer = optimizer
         self.counters = Counters()
         self.signature = model_signature(model)
+        self.device_rng: DeviceRng = device_rng if device_rng is not None else CudaRng()
+        self._extras: dict[str, _Stateful] = {}
         self._arena: torch.Tensor | None = None
-        self._arena_key: str = ""
+        self._arena_key: str = ""  # the arena's entries and RNG sizes: it is reused while they stay
+        self._arena_entries: list[list[object]] = []
+        self._received_key: bytes | None = None  # checksum_key of the layout whose bytes the arena holds
+
+    # -- registered objects ------------------------------------------------------------------
+
+    def register(self, name: str, obj: object) -> None:
+        """Make ``obj``'s state part of the training state under ``name``: it travels to newcomers,
+        is saved to and loaded from checkpoints, and is checksummed, like the model's.
+
+        ``obj`` is anything with ``state_dict()`` and ``load_state_dict(state_dict)``: an LR
+        scheduler, a second optimizer, a ``torch.amp.GradScaler``, an EMA of the weights, a token
+        counter. Its ``state_dict()`` is read at every pack (``extras.encode``): its tensors are
+        copied into the arena, every other value goes into the layout as JSON. Every worker must
+        register the same objects under the same names before it syncs or loads a checkpoint; a
+        scheduler after the registered optimizer it drives.
+
+        Raises:
+            ConfigError: ``name`` is empty, not letters, digits, "_" and "-", or taken; ``obj`` lacks
+                ``state_dict``/``load_state_dict``, is this state's model or optimizer, or is
+                registered already; it is an LR scheduler bound to an optimizer that is neither
+                this state's nor a registered one; or its state dict holds a value that is neither
+                a tensor nor plain data (the message names the path of that value).
+        """
+        label = f"registered object {name!r} ({type(obj).__qualname__})"
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError(f"register: the name {name!r} must be a non-empty string of letters, digits, "
+                              f"'_' and '-' (not starting with '-')")
+        if name in self._extras:
+            raise ConfigError(f"register: the name {name!r} is taken by a "
+                              f"{type(self._extras[name]).__qualname__}; each object needs its own name")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise ConfigError(f"{label} has no {method}() method: only objects with state_dict() and "
+                                  f"load_state_dict(state_dict) can be registered")
+        if obj is self.model or obj is self.optimizer:
+            raise ConfigError(f"{label} is the trainer's {'model' if obj is self.model else 'optimizer'}, "
+                              f"whose state is part of the training state already")
+        for other, known in self._extras.items():
+            if known is obj:
+                raise ConfigError(f"{label} is registered already, as {other!r}")
+        schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if isinstance(obj, schedulers):
+            bound = getattr(obj, "optimizer", None)
+            if bound is not self.optimizer and not any(bound is o for o in self._extras.values()):
+                raise ConfigError(f"{label}: scheduler bound to another optimizer (a "
+                                  f"{type(bound).__qualname__} that is neither the trainer's optimizer nor a "
+                                  f"registered one); register that optimizer first, or build the scheduler "
+                                  f"on the trainer's optimizer")
+        stateful = cast(_Stateful, obj)
+        _encode_checked(stateful.state_dict(), label)
+        self._extras[name] = stateful
+
+    def registered(self) -> dict[str, object]:
+        """The registered objects by name, in the order of registration."""
+        return dict(self._extras)
+
+    def _encode_extras(self) -> tuple[dict[str, JsonValue], list[tuple[str, torch.Tensor]]]:
+        trees: dict[str, JsonValue] = {}
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for name, obj in self._extras.items():
+            tree, found = _encode_checked(obj.state_dict(), f"registered object {name!r} ({type(obj).__qualname__})")
+            trees[name] = tree
+            tensors += [(f"extra.{name}.{path}", t) for path, t in found]
+        return trees, tensors
 
     # -- flat layout -------------------------------------------------------------------------
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the state, in a canonical order (checksummed and broadcast)."""
-        return self._tensors(self.optimizer.state_dict())
+        return self._tensors(self.optimizer.state_dict(), self._encode_extras()[1])
 
-    def _tensors(self, optim_sd: dict[str, object]) -> list[tuple[str, torch.Tensor]]:
+    def _tensors(self, optim_sd: dict[str, object],
+                 extra: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         out = [(f"model.{k}", v) for k, v in self.model.state_dict().items()]
         state: dict[int, dict[str, object]] = optim_sd["state"]  # type: ignore[assignment]
         for idx in sorted(state):
@@ -78,89 +178,120 @@ class TrainingState:
                 value = state[idx][key]
                 if isinstance(value, torch.Tensor):
                     out.append((f"optim.{idx}.{key}", value))
+        out += extra
         out.append(("counters", torch.tensor(self.counters.as_list(), dtype=torch.int64)))
         return out
 
     def checksum(self) -> int:
-        """A 63-bit XXH3 hash of the packed state bytes, the layout of names, dtypes and shapes
-        included (``state_checksum``). It catches divergence and corrupt transfers between our own
-        ranks (a random change escapes it with p ~ 2^-63); it is no defence against an adversary, and
-        it is one pass over contiguous memory (~3 ms for 34 MB here; CRC-32 took ~12 ms)."""
-        layout, tensors = self._layout_and_tensors()
-        arena = self._refresh_arena(layout, tensors)
+        """A 63-bit XXH3 hash of the packed state bytes, seeded with ``checksum_key`` of the layout
+        (the tensors' names, dtypes and shapes, the optimizer's param groups and scalars, the
+        registered objects' state) (``state_checksum``). It catches divergence and corrupt
+        transfers between our own ranks (a random change escapes it with p ~ 2^-63); it is no
+        defence against an adversary, and it is one pass over contiguous memory (~3 ms for 34 MB
+        here; CRC-32 took ~12 ms). The RNG states are not part of it."""
+        layout, tensors, rngs = self._layout_and_tensors()
+        arena = self._refresh_arena(layout, tensors, rngs)
         total = int(layout["total"])  # type: ignore[call-overload]
-        return state_checksum(self._arena_key.encode(), arena[:total].numpy().data, total)
+        return state_checksum(checksum_key(layout), arena[:total].numpy().data, total)
 
     def streamed_checksum(self, hasher: StateHasher) -> int | None:
-        """``checksum()`` from a ``state_hasher`` fed the arena's state bytes as they arrived, valid
-        only if every state tensor lives in the arena (it does after ``unpack`` on CPU); else None."""
+        """``checksum()`` from a ``state_hasher`` seeded with the received layout's ``checksum_key``
+        and fed the arena's state bytes as they arrived; valid only right after ``unpack`` on CPU,
+        if the state's layout is still the one received and every state tensor still holds the
+        received bytes (the model's and optimizer's live in the arena; a registered object's
+        equal their bytes there); else None."""
         arena = self._arena
-        if arena is None:
+        if arena is None or self._received_key is None:
             return None
+        layout, tensors, _ = self._layout_and_tensors()
+        if checksum_key(layout) != self._received_key:
+            return None  # e.g. a registered object that normalized the state it was given
         base = arena.data_ptr()
-        for (name, t), entry in zip(self.tensors(), json.loads(self._arena_key), strict=True):
-            if name == "counters" or not entry[4]:
+        for (name, t), entry in zip(tensors, self._arena_entries, strict=True):
+            offset, nbytes = cast(int, entry[3]), cast(int, entry[4])
+            if name == "counters" or not nbytes:
                 continue  # counters were decoded from those very bytes
-            if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != base + entry[3]:
+            if not name.startswith(_ADOPTED):
+                if not torch.equal(arena[offset : offset + nbytes], _bytes_of(t)):
+                    return None
+            elif t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != base + offset:
                 return None
-        return hasher.intdigest() & _MASK63
+        return hasher.intdigest() & MASK63
 
     def layout(self) -> dict[str, object]:
         """The JSON description needed to rebuild the state from the flat buffer."""
         return self._layout_and_tensors()[0]
 
-    def _layout_and_tensors(self) -> tuple[dict[str, object], list[tuple[str, torch.Tensor]]]:
+    def _layout_and_tensors(
+        self,
+    ) -> tuple[dict[str, object], list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """(layout, the state tensors, the RNG states: CPU first, then each device's)."""
         optim_sd = self.optimizer.state_dict()  # once: it walks every parameter's state
-        tensors = self._tensors(optim_sd)
-        entries = []
+        trees, extra = self._encode_extras()
+        tensors = self._tensors(optim_sd, extra)
+        entries: list[list[object]] = []
         offset = 0
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
             entries.append([name, str(t.dtype), list(t.shape), offset, nbytes])
             offset += _aligned(nbytes)
-        groups = []
-        for g in optim_sd["param_groups"]:
-            groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()})
-        scalars = {}
+        groups, in_groups = encode(optim_sd["param_groups"], "the optimizer's param_groups")
+        if in_groups:
+            raise ConfigError(f"the optimizer's param_groups hold a tensor at {in_groups[0][0]} (a tensor lr?); "
+                              f"they travel as JSON: use a Python number")
+        scalars: dict[str, object] = {}
         for idx, st in optim_sd["state"].items():
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor):
                     scalars[f"{idx}.{key}"] = value
-        layout = {"tensors": entries, "total": offset, "param_groups": groups, "optim_scalars": scalars,
-                  "rng": list(torch.get_rng_state().shape)}
-        return layout, tensors
+        rngs = rng_states(self.device_rng)
+        layout: dict[str, object] = {
+            "tensors": entries, "total": offset, "param_groups": groups,
+            "optim_scalars": encode(scalars, "the optimizer's state")[0], "extras": trees,
+            "rng": [rngs[0].numel()], "cuda_rng": [r.numel() for r in rngs[1:]],
+        }
+        return layout, tensors, rngs
 
     def pack(self) -> tuple[bytes, torch.Tensor]:
-        """The layout (JSON bytes) and the flat uint8 buffer (state tensors, then the RNG state).
+        """The layout (strict JSON bytes) and the flat uint8 buffer (state tensors, then the CPU RNG
+        state, then each CUDA device's).
 
         The buffer is this state's arena: it is what rank 0 broadcasts, and it stays the storage
         of the state, so it must not be written to.
-        """
-        layout, tensors = self._layout_and_tensors()
-        arena = self._refresh_arena(layout, tensors)
-        return json.dumps(layout).encode(), arena
 
-    def _refresh_arena(self, layout: dict[str, object], tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        entries = layout["tensors"]
+        Raises:
+            ConfigError: a registered object's state dict now holds a value that cannot travel.
+        """
+        layout, tensors, rngs = self._layout_and_tensors()
+        arena = self._refresh_arena(layout, tensors, rngs)
+        return json.dumps(layout, allow_nan=False).encode(), arena
+
+    def _refresh_arena(self, layout: dict[str, object], tensors: list[tuple[str, torch.Tensor]],
+                       rngs: list[torch.Tensor]) -> torch.Tensor:
+        entries = cast(list[list[object]], layout["tensors"])
         total = int(layout["total"])  # type: ignore[call-overload]
-        rng = torch.get_rng_state()
-        key = json.dumps(entries)
+        key = json.dumps([entries, [r.numel() for r in rngs]])
+        size = total + sum(r.numel() for r in rngs)
         arena = self._arena
-        if arena is None or key != self._arena_key or arena.numel() != total + rng.numel():
-            arena = torch.zeros(total + rng.numel(), dtype=torch.uint8)  # zeroed padding
+        if arena is None or key != self._arena_key or arena.numel() != size:
+            arena = torch.zeros(size, dtype=torch.uint8)  # zeroed padding
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for (name, t), entry in zip(tensors, entries, strict=True):  # type: ignore[call-overload]
-            offset, nbytes = entry[3], entry[4]
+        for (name, t), entry in zip(tensors, entries, strict=True):
+            offset, nbytes = cast(int, entry[3]), cast(int, entry[4])
             if not nbytes:
                 continue
             region = arena[offset : offset + nbytes]
             if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() == region.data_ptr():
                 continue  # it lives there already
             region.copy_(_bytes_of(t))
-            if t.device.type == "cpu" and name != "counters":
+            if t.device.type == "cpu" and name.startswith(_ADOPTED):
                 self._adopt(name, region.view(t.dtype).view(t.shape), params)
-        arena[total:].copy_(rng)
-        self._arena, self._arena_key = arena, key
+        at = total
+        for r in rngs:
+            arena[at : at + r.numel()].copy_(_bytes_of(r))
+            at += r.numel()
+        self._arena, self._arena_key, self._arena_entries = arena, key, entries
+        self._received_key = None  # the arena holds this state's bytes now, not necessarily those received
         return arena
 
     def _adopt(self, name: str, view: torch.Tensor, params: list[torch.Tensor]) -> None:
@@ -183,47 +314,64 @@ class TrainingState:
         """Load the state from a peer's layout and buffer (data only; nothing is executed).
 
         Everything is decoded and checked before anything is loaded, so a bad transfer leaves this
-        worker's state as it was. CPU tensors are adopted as views of ``flat`` (no copy), so
-        ``flat`` becomes this state's arena and must not be written to afterwards.
+        worker's state as it was. Then the optimizer, each registered object (its
+        ``load_state_dict``, in the order of registration), the model, the counters and the RNG
+        states are loaded. CPU tensors of the model and the optimizer are adopted as views of
+        ``flat`` (no copy), so ``flat`` becomes this state's arena and must not be written to
+        afterwards; registered objects are given copies.
 
         Raises:
-            ModelMismatch: the peer's model tensors differ in name, dtype or shape from ours.
-            StateCorrupt: the layout is malformed or does not fit the buffer.
+            ModelMismatch: the peer's model tensors differ in name, dtype or shape from ours, or it
+                registered other objects (by name) than this worker.
+            StateCorrupt: the layout is malformed or does not fit the buffer, or a registered
+                object's ``load_state_dict`` refused its state (the objects before it, and the
+                optimizer, are loaded by then).
         """
         try:
-            decoded = self._decode(layout_bytes, flat)
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as exc:
+            d = self._decode(layout_bytes, flat)
+        except (*_LOAD_ERRORS, RecursionError) as exc:
             raise StateCorrupt(f"state from rank 0 is malformed: {type(exc).__name__}: {exc}") from exc
-        model_sd, optim_sd, counters, rng, key = decoded
         try:
-            self.optimizer.load_state_dict(optim_sd)  # validates groups before changing anything
+            self.optimizer.load_state_dict(d.optim_sd)  # validates groups before changing anything
         except (ValueError, TypeError, KeyError) as exc:
             raise StateCorrupt(f"optimizer state from rank 0 does not fit this optimizer: {exc}") from exc
+        for name, value in d.extras.items():
+            try:
+                self._extras[name].load_state_dict(value)
+            except _LOAD_ERRORS as exc:
+                raise StateCorrupt(f"registered object {name!r} refused the state being loaded: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         ours = self.model.state_dict()
-        for name, t in model_sd.items():
+        for name, t in d.model_sd.items():
             if ours[name].device == t.device:
                 self._adopt(f"model.{name}", t, [])
             else:
                 ours[name].copy_(t)
-        self.counters = counters
-        torch.set_rng_state(rng)
+        self.counters = d.counters
+        torch.set_rng_state(d.rng)
+        self.device_rng.load(d.device_rngs)
         if flat.device.type == "cpu" and flat.storage_offset() % _ALIGN == 0:
-            self._arena, self._arena_key = flat, key
+            self._arena, self._arena_key, self._arena_entries = flat, d.arena_key, d.entries
+            self._received_key = d.key
+        else:
+            self._received_key = None
 
-    def _decode(
-        self, layout_bytes: bytes, flat: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], dict[str, object], Counters, torch.Tensor, str]:
+    def _decode(self, layout_bytes: bytes, flat: torch.Tensor) -> _Decoded:
         layout = json.loads(layout_bytes)
+        if not isinstance(layout, dict):
+            raise TypeError("the layout is not a JSON object")
         entries = layout["tensors"]
         total = int(layout["total"])
-        groups = layout["param_groups"]
-        if not isinstance(entries, list) or not isinstance(groups, list):
-            raise TypeError("tensors and param_groups must be lists")
+        groups = decode(layout["param_groups"], {})
+        trees = layout.get("extras", {})  # none in checkpoints written before objects could be registered
+        if not isinstance(entries, list) or not isinstance(groups, list) or not isinstance(trees, dict):
+            raise TypeError("tensors and param_groups must be lists, extras an object")
         if not 0 <= total <= flat.numel():
             raise ValueError(f"total {total} does not fit a buffer of {flat.numel()} bytes")
         ours = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         model_sd: dict[str, torch.Tensor] = {}
         optim_state: dict[int, dict[str, object]] = {}
+        extra_tensors: dict[str, dict[str, torch.Tensor]] = {}
         counters: Counters | None = None
         for entry in entries:
             name, dtype_s, shape, offset, nbytes = entry
@@ -245,23 +393,39 @@ class TrainingState:
             elif name.startswith("optim."):
                 _, idx, key = name.split(".", 2)
                 optim_state.setdefault(int(idx), {})[key] = t
+            elif name.startswith("extra."):
+                _, owner, path = name.split(".", 2)
+                extra_tensors.setdefault(owner, {})[path] = t.clone()  # copied: the object keeps its own
             elif name == "counters":
                 counters = Counters(*[int(x) for x in t.tolist()])
         if set(model_sd) != {k[len("model."):] for k in ours}:
             raise ModelMismatch("the state from rank 0 has a different set of model tensors")
+        if set(trees) != set(self._extras) or not set(extra_tensors) <= set(trees):
+            raise ModelMismatch(
+                f"the state being loaded holds the registered objects {sorted(trees)}, and this worker "
+                f"registered {sorted(self._extras)}: every worker must register the same objects under the "
+                f"same names (register) before it syncs or loads a checkpoint")
         if counters is None:
             raise KeyError("counters")
-        if len(groups) != len(self.optimizer.param_groups) or any(
-            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.optimizer.param_groups)
-        ):
-            raise ValueError("optimizer param groups differ from this worker's")
-        for key, value in dict(layout.get("optim_scalars", {})).items():
+        _check_groups(groups, self.optimizer, "optimizer")
+        scalars = decode(layout.get("optim_scalars", {}), {})
+        if not isinstance(scalars, dict):
+            raise TypeError("optim_scalars must be an object")
+        for key, value in scalars.items():
             idx, name = key.split(".", 1)
             optim_state.setdefault(int(idx), {})[name] = value
-        rng = flat[total:].clone()
-        if rng.numel() != torch.get_rng_state().numel():
-            raise ValueError(f"RNG state of {rng.numel()} bytes")
-        return model_sd, {"state": optim_state, "param_groups": groups}, counters, rng, json.dumps(entries)
+        extras: dict[str, object] = {}
+        for name, obj in self._extras.items():
+            extras[name] = decode(trees[name], extra_tensors.get(name, {}))
+            if isinstance(obj, torch.optim.Optimizer):  # checked now, so it cannot fail half-way through loading
+                sd = extras[name]
+                if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list):
+                    raise TypeError(f"registered optimizer {name!r}: a state dict without param_groups")
+                _check_groups(sd["param_groups"], obj, f"registered optimizer {name!r}")
+        rng, device_rngs = split_rng_states(layout, flat, total)
+        return _Decoded(model_sd, {"state": optim_state, "param_groups": groups}, extras, counters, rng,
+                        device_rngs, entries, json.dumps([entries, [rng.numel(), *(r.numel() for r in device_rngs)]]),
+                        checksum_key(layout))
 
 
 class ChecksumAhead:
@@ -278,7 +442,7 @@ class ChecksumAhead:
     def _run(self, state: TrainingState) -> None:
         try:
             self._value = state.checksum()
-        except (RuntimeError, ValueError, TypeError) as exc:  # sync_state hashes anew and meets it again
+        except (RuntimeError, ValueError, TypeError, ConfigError) as exc:  # sync_state hashes anew and meets it again
             log.warning("checksum_ahead_failed", error=str(exc)[:200])
 
     def result(self, deadline: Deadline) -> int | None:
@@ -287,26 +451,26 @@ class ChecksumAhead:
         return None if self._thread.is_alive() else self._value
 
 
-StateHasher = xxhash.xxh3_64
+def _encode_checked(value: object, label: str) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
+    """``extras.encode``, and every tensor one the arena can hold.
+
+    Raises:
+        ConfigError: see ``extras.encode``; or a tensor of a dtype or layout the arena cannot hold.
+    """
+    tree, tensors = encode(value, label)
+    for path, t in tensors:
+        if str(t.dtype) not in _DTYPES or t.layout != torch.strided or t.device.type == "meta":
+            raise ConfigError(f"{label}: the tensor at {path} is a {t.layout} {t.dtype} tensor on {t.device}; "
+                              f"the state holds dense tensors of {sorted(_DTYPES)} with data")
+    return tree, tensors
 
 
-def state_hasher(layout_key: bytes) -> StateHasher:
-    """A streaming hash of a state, seeded with the JSON of the layout's tensor entries: feed it the
-    arena's state bytes (in any number of pieces, in order) and ``intdigest() & _MASK63`` is the
-    checksum. XXH3 (the ``xxhash`` package) hashes ~13 GB/s here, CRC-32 (zlib) ~3 GB/s."""
-    h = xxhash.xxh3_64()
-    h.update(len(layout_key).to_bytes(8, "little"))
-    h.update(layout_key)
-    return h
-
-
-def state_checksum(layout_key: bytes, state_bytes: memoryview, total: int) -> int:
-    """``TrainingState.checksum`` from the JSON of the layout's tensor entries and the arena's first
-    ``total`` bytes (so a checkpoint on disk can be checksummed without loading it)."""
-    assert len(state_bytes) == total, (len(state_bytes), total)
-    h = state_hasher(layout_key)
-    h.update(state_bytes)
-    return h.intdigest() & _MASK63
+def _check_groups(groups: object, optimizer: torch.optim.Optimizer, what: str) -> None:
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
+        not isinstance(g, dict) or len(g["params"]) != len(mine["params"])
+        for g, mine in zip(groups, optimizer.param_groups)
+    ):
+        raise ValueError(f"{what} param groups differ from this worker's")
 
 
 def model_signature(model: torch.nn.Module) -> str:

@@ -35,7 +35,8 @@ from elasticd.worker.collectives import (
     wait_each,
 )
 from elasticd.worker.process_group import Group
-from elasticd.worker.state import TrainingState, state_hasher
+from elasticd.worker.checksum import checksum_key, state_hasher
+from elasticd.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
 
@@ -283,12 +284,14 @@ def _transfer(
                 layout_bytes = bytes(layout_t.cpu().numpy())
                 try:
                     meta = json.loads(layout_bytes)
-                    total, key = int(meta["total"]), json.dumps(meta["tensors"])
+                    if not isinstance(meta, dict):
+                        raise TypeError("the layout is not a JSON object")
+                    total, key = int(meta["total"]), checksum_key(meta)
                 except (ValueError, KeyError, TypeError, RecursionError) as exc:
                     raise StateCorrupt(f"state layout from rank 0 is malformed: {exc}") from exc
                 if not 0 <= total <= n_arena:
                     raise StateCorrupt(f"state layout total {total} does not fit {n_arena} bytes")
-                hasher = state_hasher(key.encode())
+                hasher = state_hasher(key)
             elif receives and hasher is not None and dev.type == "cpu":
                 a, b = spans[i - 1]
                 if a < total:  # the state bytes of this piece, while the next one arrives

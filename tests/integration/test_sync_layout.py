@@ -196,3 +196,39 @@ def test_a_receiver_lost_mid_transfer_does_not_hold_rank_0(fault: str, tmp_path)
         assert outcome["error"] == "CollectiveError", outcome
         assert "state transfer failed" in str(outcome["message"]), outcome
         assert float(outcome["after_s"]) < 5.0, outcome  # type: ignore[arg-type]
+
+
+# -- a registered scheduler is part of the state ----------------------------------------------------
+
+
+def _scheduled_worker(rank: int, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
+    import torch
+
+    from elasticd.retry import Deadline
+    from elasticd.worker.sync import sync_state
+
+    timeouts, _, group = _setup(rank, 2, port_q)
+    state = _trained_state(2, 4, True, seed=0)  # both ranks hold step 7 of the same lineage...
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(state.optimizer, T_max=10)
+    state.register("scheduler", sched)
+    if rank == 1:  # ...but rank 1's scheduler stepped once more (the optimizer's lr put back: only it differs)
+        lrs = [g["lr"] for g in state.optimizer.param_groups]
+        sched.step()
+        for g, lr in zip(state.optimizer.param_groups, lrs):
+            g["lr"] = lr
+    before = state.checksum()
+    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s, 1)
+    res_q.put({"rank": rank, "before": before, "checksum": report.checksum, "after": state.checksum(),
+               "transferred": report.transferred_bytes, "scheduler": sched.state_dict()})
+    res_q.close()
+    res_q.join_thread()
+    os._exit(0)
+
+
+def test_a_rank_whose_scheduler_differs_receives_rank_0_state() -> None:
+    results = _run(_scheduled_worker, lambda r: (r,), 2)
+    zero, one = results[0], results[1]
+    assert zero["before"] != one["before"]
+    assert zero["checksum"] == one["checksum"] == zero["after"] == one["after"] == zero["before"]
+    assert int(one["transferred"]) > 0  # type: ignore[call-overload]
+    assert one["scheduler"] == zero["scheduler"] and zero["scheduler"]["last_epoch"] == 0  # type: ignore[index]

@@ -16,7 +16,8 @@ import torch
 from structlog.testing import capture_logs
 
 from elasticd.worker.durable import DIRECT_ALIGN, CheckpointWriter, load_latest
-from elasticd.worker.durable_format import MAGIC, read_manifest, scan
+from elasticd.worker.checksum import state_checksum
+from elasticd.worker.durable_format import FORMAT, HEADER_LEN, MAGIC, VERSION, checkpoint_name, read_manifest, scan
 from elasticd.worker.state import TrainingState
 from tests.unit.test_checkpoint import make_state, train
 
@@ -265,3 +266,101 @@ def test_round_trip_on_tmpfs() -> None:
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         _round_trip(Path(d))
+
+
+# -- registered objects, and files of format version 2 ---------------------------------------------
+
+
+def test_round_trip_with_registered_objects(tmp_path: Path) -> None:
+    from tests.unit.test_state_extras import Rig, same, state_dicts
+
+    src = Rig(1)
+    src.train(3)
+    w = CheckpointWriter(tmp_path, job_id="j", node="n0", signature=src.state.signature, every_steps=1,
+                         every_s=0.0, keep=3, wait_s=10.0)
+    assert w.save(src.state, generation=1)
+    w.close()
+    dst = Rig(2)
+    loaded = load_latest(tmp_path, dst.state)
+    assert loaded is not None and loaded.manifest.version == VERSION == 3
+    assert same(state_dicts(dst), state_dicts(src))
+    assert dst.state.checksum() == src.state.checksum() == loaded.manifest.state_checksum
+    src.train(1, seed=3)
+    dst.train(1, seed=3)
+    assert dst.state.checksum() == src.state.checksum()
+
+    other = Rig(3, register=["ema"])  # a worker that registered other objects refuses the file
+    with capture_logs() as logs:
+        assert load_latest(tmp_path, other.state) is None
+    reasons = [e["reason"] for e in logs if e["event"] == "checkpoint_rejected"]
+    assert len(reasons) == 1 and "registered objects" in reasons[0], reasons
+
+
+def write_version_2(directory: Path, state: TrainingState, seq: int) -> Path:
+    """A checkpoint of ``state`` as format version 2 wrote it: the layout without registered objects
+    or CUDA RNG, param groups' tuples as lists, optimizer scalars as bare JSON, 64-byte payload
+    alignment, and the state checksum seeded with the tensor entries only."""
+    layout, flat = state.pack()
+    meta = json.loads(layout)
+    optim_sd = state.optimizer.state_dict()
+    old = {"tensors": meta["tensors"], "total": meta["total"],
+           "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+                            for g in optim_sd["param_groups"]],
+           "optim_scalars": {f"{i}.{k}": v for i, st in optim_sd["state"].items() for k, v in st.items()
+                             if not isinstance(v, torch.Tensor)},
+           "rng": meta["rng"]}
+    assert meta["cuda_rng"] == [] and meta["extras"] == {}
+    payload = bytes(flat.numpy())
+    c = state.counters
+    header = json.dumps({"format": FORMAT, "version": 2, "job": "j", "step": c.step, "generation": 1, "node": "n0",
+                         "signature": state.signature, "payload_bytes": len(payload), "layout": old}).encode()
+    prefix = MAGIC + HEADER_LEN.pack(len(header)) + header
+    prefix += bytes(-len(prefix) % 64)
+    total = old["total"]
+    name = checkpoint_name(seq, c.step)
+    (directory / f"{name}.ckpt").write_bytes(prefix + payload)
+    manifest = {
+        "format": FORMAT, "version": 2, "job": "j", "seq": seq, "step": c.step, "generation": 1, "node": "n0",
+        "signature": state.signature, "file": f"{name}.ckpt", "file_bytes": len(prefix) + len(payload),
+        "header_bytes": len(header), "payload_offset": len(prefix), "payload_bytes": len(payload),
+        "state_bytes": total,
+        "state_checksum": state_checksum(json.dumps(old["tensors"]).encode(), memoryview(payload[:total]), total),
+        "crc32": zlib.crc32(payload[total:], zlib.crc32(prefix)), "epoch": c.epoch, "position": c.position,
+        "created": 0.0,
+    }
+    (directory / f"{name}.json").write_text(json.dumps(manifest))
+    return directory / f"{name}.ckpt"
+
+
+def test_a_version_2_checkpoint_still_loads(tmp_path: Path) -> None:
+    from tests.unit.test_checkpoint import ADAM, assert_same_tensors
+
+    src = make_state(1, ADAM)  # Adam: betas are a tuple, which version 2 wrote as a list
+    train(src, 3)
+    src.counters.epoch, src.counters.position = 1, 12
+    write_version_2(tmp_path, src, seq=1)
+    fresh = make_state(2, ADAM)
+    loaded = load_latest(tmp_path, fresh)
+    assert loaded is not None and loaded.manifest.version == 2 and not loaded.rejected
+    assert_same_tensors(src, fresh)
+    assert (fresh.counters.step, fresh.counters.epoch, fresh.counters.position) == (3, 1, 12)
+    # Every worker that loads the file holds the same state (betas come back as the list version 2
+    # wrote, so today's checksum differs from the saver's, not between the ranks that resume).
+    again = make_state(3, ADAM)
+    assert load_latest(tmp_path, again) is not None and again.checksum() == fresh.checksum()
+    train(src, 1, seed=4)
+    train(fresh, 1, seed=4)
+    assert_same_tensors(src, fresh)
+
+
+def test_a_damaged_version_2_checkpoint_is_still_verified(tmp_path: Path) -> None:
+    src = make_state(1)
+    train(src, 2)
+    data = write_version_2(tmp_path, src, seq=1)
+    raw = bytearray(data.read_bytes())
+    raw[read_manifest(data.with_suffix(".json")).payload_offset + 3] ^= 0x01  # a state byte
+    data.write_bytes(raw)
+    with capture_logs() as logs:
+        assert load_latest(tmp_path, make_state(2)) is None
+    reasons = [e["reason"] for e in logs if e["event"] == "checkpoint_rejected"]
+    assert len(reasons) == 1 and "checksum of the state tensors" in reasons[0], reasons

@@ -149,7 +149,7 @@ def test_a_worker_of_another_model_refuses_to_start_over_and_deletes_nothing(tmp
     before = sorted(p.name for p in directory.iterdir())
     t = trainer(tmp_path, hidden=16)
     with capture_logs() as logs, pytest.raises(CheckpointModelChanged) as info:
-        t._resume(-1)
+        t.checkpoints.resume(-1)
     assert isinstance(info.value, ModelMismatch)  # a FatalError: the worker stops (agents/mlp.py exits 2)
     assert str(directory) in str(info.value) and "newest step 20" in str(info.value)
     assert "checkpoint_model_changed" in [e["event"] for e in logs if e["log_level"] == "error"]
@@ -161,24 +161,24 @@ def test_with_the_setting_a_new_model_starts_over_and_a_worker_holding_state_is_
     directory = job_dir(tmp_path, "job")
     save(directory, 8, [10], keep=3)
     with capture_logs() as logs:
-        assert trainer(tmp_path, hidden=16, allow=True)._resume(-1) == -1
+        assert trainer(tmp_path, hidden=16, allow=True).checkpoints.resume(-1) == -1
     started = [e["event"] for e in logs if e["event"].startswith("checkpoint_new_model")]
     assert started == ["checkpoint_new_model_started"]
-    assert trainer(tmp_path, hidden=16)._resume(5) == 5  # holds step 5 already: not starting over
-    assert trainer(tmp_path / "empty", hidden=16)._resume(-1) == -1  # a fresh job: nothing to protect
-    assert trainer(tmp_path, hidden=8)._resume(-1) == 10  # the same model resumes as before
+    assert trainer(tmp_path, hidden=16).checkpoints.resume(5) == 5  # holds step 5 already: not starting over
+    assert trainer(tmp_path / "empty", hidden=16).checkpoints.resume(-1) == -1  # a fresh job: nothing to protect
+    assert trainer(tmp_path, hidden=8).checkpoints.resume(-1) == 10  # the same model resumes as before
 
 
 def test_a_failed_save_is_published_under_save_failed(tmp_path: Path) -> None:
     store = FakeKeyValueStore()
     t = trainer(tmp_path, hidden=8, store=store)
-    t._on_checkpoint_failed(20, OSError(errno.EROFS, "Read-only file system"))
+    t.checkpoints.on_failed(20, OSError(errno.EROFS, "Read-only file system"))
     kv = store.get(save_failed_key(Keys("/elasticd", "job").job))
     assert kv is not None
     rec = decode_save_failed(kv.value)
     assert (rec.step, rec.errno, rec.node, rec.directory) == (20, "EROFS", "n0", str(job_dir(tmp_path, "job")))
     assert "Read-only file system" in rec.error and rec.time > 0
-    t._on_checkpoint_failed(30, RuntimeError("boom"))
+    t.checkpoints.on_failed(30, RuntimeError("boom"))
     rec = decode_save_failed(store.get(save_failed_key(Keys("/elasticd", "job").job)).value)  # type: ignore[union-attr]
     assert (rec.step, rec.errno, rec.error) == (30, None, "RuntimeError: boom")
     assert json.loads(kv.value)["errno"] == "EROFS"

@@ -52,9 +52,9 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 # Fine-grained rules within the allowed layers: only the store's port, never its client, except
-# where named (the trainer's default wiring of an etcd client; the cli's).
+# where named (the worker's default wiring of an etcd client, rejoin.connect; the cli's).
 ETCD_CLIENT = "store.etcd"
-MAY_USE_ETCD_CLIENT = {"worker.trainer", "cli"}
+MAY_USE_ETCD_CLIENT = {"worker.rejoin", "cli"}
 
 # Today's breaches, each with the move that ends it (issue 11's order of moves).
 KNOWN: dict[tuple[str, str], str] = {}

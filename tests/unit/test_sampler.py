@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from elasticd.errors import ConfigError
-from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler
+from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler, split_micro
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,3 +157,128 @@ def test_batch_rejects_a_rank_outside_the_world(rank: int, world: int) -> None:
     s = ElasticSampler(100, 4)
     with pytest.raises(ValueError):
         s.batch(1, 0, 0, rank, world)
+
+
+# -- the endless stream (dataset_size=None) and the prediction of the next batch --------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "position", "world", "shares"),
+    [
+        (BatchMode.CONSTANT_GLOBAL, 0, 1, [[0, 1, 2, 3, 4]]),
+        (BatchMode.CONSTANT_GLOBAL, 0, 2, [[0, 1], [2, 3, 4]]),
+        (BatchMode.CONSTANT_GLOBAL, 35, 3, [[35], [36, 37], [38, 39]]),
+        (BatchMode.CONSTANT_GLOBAL, 10**12, 2, [[10**12, 10**12 + 1], [10**12 + 2, 10**12 + 3, 10**12 + 4]]),
+        (BatchMode.CONSTANT_GLOBAL, 7, 6, [[], [7], [8], [9], [10], [11]]),  # more ranks than samples per batch
+        (BatchMode.LINEAR_SCALING, 4, 2, [list(range(4, 9)), list(range(9, 14))]),
+    ],
+)
+def test_endless_stream_shares_are_global_sample_numbers(
+    mode: BatchMode, position: int, world: int, shares: list[list[int]]
+) -> None:
+    s = ElasticSampler(None, 5, seed=3, mode=mode)
+    assert s.endless
+    got = [s.batch(9, 0, position, r, world) for r in range(world)]
+    assert [b.indices for b in got] == shares
+    assert all(b.epoch == 0 and b.position == position and b.global_size == sum(map(len, shares)) for b in got)
+    assert s.permutations_built == 0, "an endless stream never builds a permutation"
+
+
+@pytest.mark.parametrize("worlds", [[3, 2, 4, 1, 3], [1], [5, 1]], ids=lambda w: "-".join(map(str, w)))
+def test_endless_stream_uses_each_sample_once_across_world_changes(worlds: list[int]) -> None:
+    s = ElasticSampler(None, 7, seed=0)
+    epoch, position, used = 0, 0, Counter[int]()
+    for step in range(1, 41):
+        world = worlds[(step // 3) % len(worlds)]
+        assert s.normalize(epoch, position, world) == (epoch, position), "an endless stream never rolls over"
+        shares = [s.batch(step, epoch, position, r, world) for r in range(world)]
+        used.update(i for b in shares for i in b.indices)
+        epoch, position = ElasticSampler.after(shares[0])
+    assert (epoch, position) == (0, 40 * 7)
+    assert sorted(used) == list(range(40 * 7)) and set(used.values()) == {1}
+    assert s.permutations_built == 0
+
+
+def test_endless_stream_has_no_epoch_order() -> None:
+    with pytest.raises(ValueError, match="endless"):
+        ElasticSampler(None, 4).order(0)
+
+
+def test_endless_stream_rejects_drop_last() -> None:
+    with pytest.raises(ConfigError, match="drop_last"):
+        ElasticSampler(None, 4, drop_last=True)
+
+
+def test_each_epoch_order_is_built_once_even_when_a_prefetch_looks_ahead() -> None:
+    s = ElasticSampler(10, 4, seed=1)
+    for _ in range(3):  # the trainer at the end of epoch 0, a prefetcher already in epoch 1
+        s.batch(3, 0, 8, 0, 1)
+        s.batch(4, 1, 0, 0, 1)
+    assert s.permutations_built == 2
+    s.order(2)  # a third epoch evicts the oldest, and only that one
+    s.order(1)
+    assert s.permutations_built == 3
+
+
+@pytest.mark.parametrize(
+    ("dataset_size", "kwargs", "start", "expected"),
+    [
+        # (step, epoch, position, rank, world) -> the next batch's (step, epoch, position, indices' slice)
+        (20, {}, (1, 0, 0, 1, 2), (2, 0, 4, (6, 8))),
+        (10, {}, (3, 0, 8, 0, 1), (4, 1, 0, (0, 4))),  # the short tail, then the next epoch
+        (10, {}, (2, 0, 4, 0, 2), (3, 0, 8, (8, 9))),  # the tail is kept without drop_last
+        (10, {"drop_last": True}, (2, 0, 4, 0, 2), (3, 1, 0, (0, 2))),
+        (20, {"mode": BatchMode.LINEAR_SCALING}, (1, 0, 0, 0, 2), (2, 0, 8, (8, 12))),
+        (None, {}, (5, 0, 16, 1, 2), (6, 0, 20, (22, 24))),
+    ],
+)
+def test_next_batch_predicts_the_batch_after_a_commit_with_no_change(
+    dataset_size: int | None, kwargs: dict[str, object], start: tuple[int, int, int, int, int],
+    expected: tuple[int, int, int, tuple[int, int]],
+) -> None:
+    s = ElasticSampler(dataset_size, 4, seed=2, **kwargs)  # type: ignore[arg-type]
+    nxt = s.next_batch(s.batch(*start))
+    step, epoch, position, (lo, hi) = expected
+    assert (nxt.step, nxt.epoch, nxt.position, nxt.rank, nxt.world_size) == (step, epoch, position, *start[3:])
+    want = list(range(lo, hi)) if dataset_size is None else s.order(epoch)[lo:hi]
+    assert nxt.indices == want
+    # The trainer's own path: commit, normalize, ask for the next step's batch.
+    e, p = s.normalize(*ElasticSampler.after(s.batch(*start)), start[4])
+    assert nxt == s.batch(start[0] + 1, e, p, start[3], start[4])
+
+
+@pytest.mark.parametrize(
+    ("indices", "count", "parts"),
+    [
+        ([1, 2, 3, 4, 5], 1, [[1, 2, 3, 4, 5]]),
+        ([1, 2, 3, 4, 5], 2, [[1, 2], [3, 4, 5]]),
+        ([1, 2, 3, 4, 5], 5, [[1], [2], [3], [4], [5]]),
+        ([1, 2], 3, [[], [1], [2]]),  # fewer samples than micro-batches: some are empty
+        ([], 2, [[], []]),
+    ],
+)
+def test_split_micro_is_contiguous_and_keeps_the_share(indices: list[int], count: int, parts: list[list[int]]) -> None:
+    share = Batch(4, 1, 12, indices, 10, 3, 2)
+    micros = split_micro(share, count)
+    assert [m.indices for m in micros] == parts
+    assert [(m.micro, m.micro_count) for m in micros] == [(k, count) for k in range(count)]
+    assert all((m.step, m.epoch, m.position, m.global_size, m.world_size, m.rank) == (4, 1, 12, 10, 3, 2)
+               for m in micros)
+    assert sum(m.weight for m in micros) == pytest.approx(share.weight)
+
+
+@pytest.mark.parametrize(
+    ("count", "batch"), [(0, Batch(1, 0, 0, [1], 1, 1, 0)), (2, Batch(1, 0, 0, [1], 1, 1, 0, micro=0, micro_count=2))]
+)
+def test_split_micro_rejects_a_bad_count_or_a_micro_batch(count: int, batch: Batch) -> None:
+    with pytest.raises(ValueError):
+        split_micro(batch, count)
+
+
+def test_next_batch_walks_the_micro_batches_then_the_next_step() -> None:
+    s = ElasticSampler(10, 4, seed=2)
+    first = split_micro(s.batch(3, 0, 8, 0, 1), 2)  # the short tail: 2 samples, 1 per micro-batch
+    assert s.next_batch(first[0]) == first[1]
+    nxt = s.next_batch(first[1])
+    assert nxt == split_micro(s.batch(4, 1, 0, 0, 1), 2)[0]
+    assert (nxt.step, nxt.epoch, nxt.position, nxt.micro, nxt.micro_count) == (4, 1, 0, 0, 2)

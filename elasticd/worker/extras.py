@@ -1,0 +1,186 @@
+"""The faithful, pickle-free encoding of a state dict: its tensors apart, every other value as strict JSON.
+
+Owns ``encode`` (a registered object's ``state_dict()``, or any part of the training state that is
+not a tensor, to a strict-JSON tree in which each tensor is replaced by a reference to its path,
+plus those tensors by path) and ``decode`` (the tree and the tensors back to an equal value), and
+the tags by which the tree says what JSON cannot:
+
+=====================================================  =============================================
+value                                                  in the tree
+=====================================================  =============================================
+str, int, finite float, bool, None                     itself (JSON keeps ``1``, ``1.0``, ``true`` apart)
+float nan, inf, -inf                                   ``{"$float": "nan"}`` (``"inf"``, ``"-inf"``)
+list                                                   a list
+tuple                                                  ``{"$tuple": [...]}``
+dict whose keys are all str, none starting with "$"    an object
+any other dict (int keys: an optimizer's state)        ``{"$dict": [[key, value], ...]}``, in order
+tensor                                                 ``{"$tensor": "<path>"}``
+=====================================================  =============================================
+
+Subclasses of int, float, str and dict (an ``OrderedDict``) decode as the built-in type; subclasses
+of list and tuple (a namedtuple) are refused, as is every other value (a function, a lambda, an
+arbitrary object): its state could not travel without pickling, and elasticd never pickles.
+Pure: never places a tensor anywhere (``state`` lays them out in its arena), never touches a file
+or a peer, and never executes anything it decodes.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from collections.abc import Mapping
+from typing import TypeAlias
+
+import torch
+
+from elasticd.errors import ConfigError
+
+JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
+
+TENSOR, TUPLE, FLOAT, DICT = "$tensor", "$tuple", "$float", "$dict"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+ROOT = "_"  # the path of a state dict that is itself a tensor
+_PATH_SEP = "."
+
+
+def encode(value: object, label: str) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
+    """The strict-JSON tree of ``value`` and its tensors, as (path, tensor) in the order met.
+
+    A tensor's path joins the keys and indices that lead to it with "." (``state.0.exp_avg``);
+    paths are unique (a clash, like the keys ``0`` and ``"0"``, gets a ``~2`` suffix).
+
+    Args:
+        label: names the owner of ``value`` in error messages ("registered object 'ema' (EMA)").
+
+    Raises:
+        ConfigError: ``value`` holds something that is neither a tensor nor plain data (the message
+            names ``label`` and the path of that value), or refers to itself.
+    """
+    enc = _Encoder(label)
+    return enc.value(value, ()), enc.tensors
+
+
+def decode(tree: object, tensors: Mapping[str, torch.Tensor]) -> object:
+    """The value that ``encode`` turned into ``tree`` and ``tensors`` (by path).
+
+    Raises:
+        ValueError: ``tree`` is not such a tree (an unknown tag, a malformed one, a dict key that
+            cannot be one), or it refers to a tensor that ``tensors`` lacks, or to one twice, or
+            ``tensors`` holds one it does not refer to.
+    """
+    used: set[str] = set()
+    value = _decode(tree, tensors, used, keys_only=False)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"tensors {unused[:4]} are not referred to by the state")
+    return value
+
+
+def _describe(path: tuple[str, ...]) -> str:
+    return _PATH_SEP.join(path) if path else "(the state dict itself)"
+
+
+class _Encoder:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self._paths: set[str] = set()
+        self._open: set[int] = set()  # the containers on the way down: a cycle would never end
+
+    def value(self, v: object, path: tuple[str, ...], key: bool = False) -> JsonValue:
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, float):
+            f = float(v)
+            if math.isfinite(f):
+                return f
+            return {FLOAT: "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")}
+        if isinstance(v, str):
+            return str(v)
+        if isinstance(v, torch.Tensor):
+            if key:
+                raise ConfigError(f"{self.label}: a tensor is a dict key at {_describe(path)}; "
+                                  f"keys must be plain data")
+            return {TENSOR: self._tensor_path(path, v)}
+        if type(v) in (list, tuple) or isinstance(v, dict):
+            if id(v) in self._open:
+                raise ConfigError(f"{self.label}: the state dict refers to itself at {_describe(path)}")
+            self._open.add(id(v))
+            try:
+                return self._container(v, path, key)
+            finally:
+                self._open.discard(id(v))
+        raise ConfigError(
+            f"{self.label}: the value at {_describe(path)} is a {type(v).__module__}.{type(v).__qualname__} "
+            f"({_short(v)}), which is neither a tensor nor plain data (str, int, float, bool, None, and lists, "
+            f"tuples and dicts of them); it cannot travel to other workers or into a checkpoint without "
+            f"pickling, which elasticd never does. Return plain data from state_dict()")
+
+    def _container(self, v: object, path: tuple[str, ...], key: bool) -> JsonValue:
+        if isinstance(v, list):
+            return [self.value(x, (*path, str(i)), key) for i, x in enumerate(v)]
+        if isinstance(v, tuple):
+            return {TUPLE: [self.value(x, (*path, str(i)), key) for i, x in enumerate(v)]}
+        assert isinstance(v, dict)
+        if key:
+            raise ConfigError(f"{self.label}: a dict is a dict key at {_describe(path)}")
+        if all(isinstance(k, str) and not k.startswith("$") for k in v):
+            return {str(k): self.value(x, (*path, str(k))) for k, x in v.items()}
+        pairs: list[JsonValue] = []
+        for k, x in v.items():
+            step = str(k) if isinstance(k, str) else repr(k)
+            pairs.append([self.value(k, (*path, step), key=True), self.value(x, (*path, step))])
+        return {DICT: pairs}
+
+    def _tensor_path(self, path: tuple[str, ...], t: torch.Tensor) -> str:
+        name = _PATH_SEP.join(path) if path else ROOT
+        unique, n = name, 1
+        while unique in self._paths:
+            n += 1
+            unique = f"{name}~{n}"
+        self._paths.add(unique)
+        self.tensors.append((unique, t))
+        return unique
+
+
+def _short(v: object) -> str:
+    return reprlib.repr(v)  # bounded, and it survives a __repr__ that raises
+
+
+def _decode(t: object, tensors: Mapping[str, torch.Tensor], used: set[str], keys_only: bool) -> object:
+    if t is None or isinstance(t, (bool, int, float, str)):
+        return t
+    if isinstance(t, list) and not keys_only:
+        return [_decode(x, tensors, used, keys_only) for x in t]
+    if not isinstance(t, dict):
+        raise ValueError(f"a {type(t).__name__} {'as a dict key' if keys_only else 'in a state tree'}")
+    tags = [k for k in t if isinstance(k, str) and k.startswith("$")]
+    if not tags:
+        if keys_only:
+            raise ValueError("a dict as a dict key")
+        return {k: _decode(x, tensors, used, keys_only) for k, x in t.items()}
+    if len(t) != 1:
+        raise ValueError(f"a tagged value with more keys: {sorted(t)[:4]}")
+    ((tag, body),) = t.items()
+    if tag == TUPLE and isinstance(body, list):
+        return tuple(_decode(x, tensors, used, keys_only) for x in body)
+    if tag == FLOAT and isinstance(body, str) and body in _NONFINITE:
+        return _NONFINITE[body]
+    if tag == DICT and isinstance(body, list) and not keys_only:
+        out: dict[object, object] = {}
+        for pair in body:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError("a $dict entry is not a [key, value] pair")
+            k = _decode(pair[0], tensors, used, keys_only=True)  # scalars and tuples of them: hashable
+            out[k] = _decode(pair[1], tensors, used, keys_only)
+        return out
+    if tag == TENSOR and isinstance(body, str) and not keys_only:
+        if body not in tensors:
+            raise ValueError(f"the state refers to a tensor {body!r} that the layout lacks")
+        if body in used:
+            raise ValueError(f"the state refers to the tensor {body!r} twice")
+        used.add(body)
+        return tensors[body]
+    raise ValueError(f"a malformed or unknown tag {tag!r} in a state tree")

@@ -1,0 +1,146 @@
+"""Bringing one member into the newest generation: rendezvous, the in-process group, the state sync.
+
+Owns ``connect`` (a worker's store client, group factory and registered membership), ``goodbye``
+(the last barrier of members that finished together) and ``rejoin``: it asks the membership for the next generation (``Membership.join``, which may
+resume the job from a durable checkpoint through ``resume``), builds that generation's group in this
+process, and has rank 0 sync its state to the members that lack it (``sync_state``); a failure in
+the group build or the sync aborts that generation and tries the next, until the join deadline.
+Never decides membership (``rendezvous`` does), never applies a step (the trainer does), and never
+changes what the state holds (``state`` does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from elasticd.config import Timeouts, WorkerEnv
+from elasticd.errors import CheckpointTransferError, CollectiveError
+from elasticd.log import bind_context
+from elasticd.rendezvous.membership import Joined, Membership, new_member_id
+from elasticd.retry import Deadline
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import GenerationRecord, MemberRecord
+from elasticd.worker.collectives import barrier
+from elasticd.worker.process_group import Group, GroupFactory, StoreServer
+from elasticd.worker.state import ChecksumAhead, TrainingState
+from elasticd.worker.sync import SyncReport, sync_state
+
+log = structlog.get_logger(__name__)
+
+# Lineages of state loaded from disk (DISK_LINEAGE_BASE + the checkpoint's seq): above any
+# generation number, so they never match the lineage of live state.
+DISK_LINEAGE_BASE = 1 << 48
+
+
+@dataclass(frozen=True)
+class Rejoined:
+    group: Group
+    joined: Joined
+    report: SyncReport
+
+
+def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
+            ) -> tuple[KeyValueStore, GroupFactory, Membership]:
+    """This worker's store client (an etcd client for ``env.etcd`` unless given), its c10d store
+    server and group factory, and its registered membership (its background threads started).
+
+    Raises:
+        EtcdUnavailable: etcd could not be reached within the retry bound.
+    """
+    if store is None:
+        from elasticd.store.etcd import EtcdClient  # an etcd client only where none was given
+
+        store = EtcdClient(env.etcd, env.timeouts, env.retry)
+    server = StoreServer(env.advertise_addr, env.timeouts)
+    factory = GroupFactory(server, env.advertise_addr, env.backend, env.local_rank, env.timeouts)
+    record = MemberRecord(
+        member_id=new_member_id(env.node_id, env.local_rank), node=env.node_id, local_rank=env.local_rank,
+        pid=os.getpid(), host=env.advertise_addr, store_port=server.port, signature=signature,
+    )
+    membership = Membership(store, Keys(env.etcd.prefix, env.world.job_id), record, env.world, env.timeouts)
+    bind_context(node=env.node_id, member=record.member_id)
+    membership.start()
+    return store, factory, membership
+
+
+def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, timeouts: Timeouts, *,
+           previous: GenerationRecord | None, has_state: Callable[[], bool], disk_seq: Callable[[], int | None],
+           resume: Callable[[int], int] | None) -> Rejoined:
+    """Join the newest generation and hold rank 0's state in its new group.
+
+    Args:
+        membership: this member's rendezvous.
+        factory: builds the generation's group (and the subgroups of a transfer).
+        state: this member's state (its step says what it holds).
+        timeouts: the join, group-build and transfer bounds.
+        previous: the generation this member last held state in (None: it holds none, or only
+            state loaded from disk).
+        has_state: whether this member holds state now (a resume during the rendezvous loads some).
+        disk_seq: the seq of the checkpoint this member's state was loaded from, if it was.
+        resume: loads the newest checkpoint when no live member holds state (None: no directory).
+
+    Raises:
+        CollectiveError, CheckpointTransferError: the join deadline passed with no generation joined.
+        JobFinished: the job's last step was already committed.
+    """
+    deadline = Deadline.after(timeouts.td("join"))
+    # Hash our state while we rendezvous (nothing changes it until the sync): rank 0 and the
+    # survivors that receive nothing then have their checksum ready when the transfer starts.
+    ahead = ChecksumAhead(state) if has_state() else None
+    while True:
+        committed = state.counters.step if has_state() else -1
+        joined = membership.join(committed, deadline, resume=resume)
+        # Time the rendezvous spent waiting for etcd or as a standby did not count against it.
+        deadline = Deadline(deadline.at + joined.excused_s, deadline.clock)
+        rec = joined.record
+        bind_context(generation=rec.generation, rank=joined.rank)
+        group: Group | None = None
+        try:
+            group = factory.build(
+                rec.generation, joined.rank, rec.world_size, rec.store_host, rec.store_port,
+                Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())), membership.must_abandon,
+            )
+            # Survivors of the last generation at rank 0's step already hold its state, and so
+            # do members that all loaded the same checkpoint (its seq names that lineage).
+            seq = disk_seq()
+            if previous is not None:
+                lineage = previous.generation
+            elif seq is not None:
+                lineage = DISK_LINEAGE_BASE + seq
+            else:
+                lineage = -1
+            sync_deadline = Deadline.after(timeouts.td("checkpoint_transfer"))
+            own = ahead.result(sync_deadline) if ahead is not None else None
+            ahead = None  # a failed attempt may have changed the state: a retry hashes it anew
+
+            def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
+                return factory.build_subgroup(parent, ranks, name, Deadline.after(timeouts.group_build_s),
+                                              membership.must_abandon)
+
+            report = sync_state(group, state, sync_deadline, membership.must_abandon, timeouts.abort_poll_s,
+                                lineage, subgroup=subgroup, retire=factory.retire, own_checksum=own)
+            return Rejoined(group, joined, report)
+        except (CollectiveError, CheckpointTransferError) as exc:
+            log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
+            membership.abort(rec.generation, str(exc))
+            factory.retire(group)
+            if deadline.expired():
+                raise
+
+
+def goodbye(group: Group | None, membership: Membership, timeouts: Timeouts, step: int) -> None:
+    """Every member stopped at the same last step: a short barrier, so that no peer mistakes a
+    finished member for a lost one, and rank 0 marks the job finished. A failure is logged only."""
+    if group is None or membership.must_abandon():
+        return  # only when every rank stopped at the same max_steps is a collective sure to be matched
+    try:
+        barrier(group, Deadline.after(timeouts.td("collective")), membership.must_abandon, timeouts.abort_poll_s)
+        if group.rank == 0:
+            membership.mark_finished(group.generation, step)
+    except CollectiveError as exc:
+        log.warning("goodbye_barrier_failed", error=str(exc))

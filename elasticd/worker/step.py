@@ -1,0 +1,123 @@
+"""One member's side of a step: micro-batches, the gradient all_reduce with the vote, the verdict.
+
+Owns ``StepResult`` (a committed step, as every member committed it) and ``StepProtocol``: a step opens with this rank's whole share of the global batch; each
+micro-batch's backward accumulates into the reducer's buckets (weighted by its part of the share);
+the last one runs the bucketed all_reduce whose last bucket carries this member's ``commit.Vote``;
+``decide`` turns the summed vote and this member's fence into a ``commit.Verdict`` and bounds how
+long a step may be deferred. Never applies a step (the trainer does: optimizers, counters, records)
+and never re-rendezvouses.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from elasticd.config import Timeouts
+from elasticd.errors import CollectiveError
+from elasticd.rendezvous.membership import Membership
+from elasticd.retry import Clock, Deadline
+from elasticd.worker.collectives import GradientReducer
+from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
+from elasticd.worker.process_group import Group
+from elasticd.worker.sampler import Batch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A committed step, as every member of the generation committed it."""
+
+    step: int
+    loss: float          # the global-batch mean loss
+    generation: int
+    world_size: int
+    duration_s: float
+
+
+@dataclass
+class OpenStep:
+    """The step this member is taking: its whole share, and what its micro-batches gave so far."""
+
+    batch: Batch
+    started: float
+    weighted_loss: list[float] = field(default_factory=lambda: [0.0])  # read by the vote closure
+    tally: Tally | None = None  # the summed vote, once the all_reduce completed
+
+
+class StepProtocol:
+    """The per-step collective protocol of one member."""
+
+    def __init__(self, reducer: GradientReducer, membership: Membership, drain: threading.Event,
+                 timeouts: Timeouts, clock: Clock) -> None:
+        self._reducer, self._membership, self._drain = reducer, membership, drain
+        self._timeouts, self._clock = timeouts, clock
+        self._deferred_since: float | None = None  # monotonic: the step is being deferred since then
+
+    def backward(self, group: Group, op: OpenStep, micro: Batch, loss: torch.Tensor) -> bool:
+        """This micro-batch's backward; at the last one, the all_reduce. True once the averaged
+        gradients are in ``.grad`` and ``op.tally`` holds the summed vote.
+
+        Raises:
+            CollectiveError: the all_reduce failed, timed out or its generation was abandoned
+                (the reducer forgot the step).
+        """
+        whole, last = op.batch, micro.micro == micro.micro_count - 1
+        if micro.micro == 0:
+            # a closure over these, never over the trainer (a closure holding the trainer kept
+            # retired groups alive until a garbage collection: fds grew by one per generation)
+            membership, draining, wl = self._membership, self._drain, op.weighted_loss
+
+            def vote() -> list[float]:  # called right before the last bucket goes out
+                veto, stale, reached = membership.vote()
+                regroup = membership.join_pending() or draining.is_set()
+                return Vote(wl[0], veto, regroup, stale, reached).slots()
+
+            # begin() zeroes the gradients: they are views into its buckets
+            self._reducer.begin(group, whole.weight, vote, sync=micro.micro_count == 1)
+        elif last:
+            self._reducer.sync_next()
+        if micro.indices:
+            op.weighted_loss[0] += float(loss.detach()) * micro.weight
+            share = len(micro.indices) / len(whole.indices)  # the reducer weighs the whole share
+            (loss * share if share != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+        if not last:
+            return False
+        try:
+            summed = self._reducer.finish(Deadline.after(self._timeouts.td("collective")),
+                                          self._membership.must_abandon, self._timeouts.abort_poll_s)
+        except CollectiveError:
+            self._reducer.cancel()
+            raise
+        op.tally = Tally.from_slots(summed)
+        return True
+
+    def decide(self, group: Group, op: OpenStep) -> Verdict:
+        """The commit rule's verdict on ``op`` for this member. A RETRY deferred for over twice the
+        lease TTL (a lease that neither renews nor expires) becomes an ABORT."""
+        assert op.tally is not None, "decide() after backward() returned True"
+        st = self._membership.standing()
+        fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
+                      lease_ttl_s=st.lease_ttl_s, continued=st.continued)
+        now = self._clock()
+        verdict = commit_outcome(op.tally, group.world_size, fence, now)
+        if verdict.outcome is not Outcome.RETRY:
+            self._deferred_since = None
+            return verdict
+        if self._deferred_since is None:
+            self._deferred_since = now
+            return verdict
+        if now - self._deferred_since > 2 * self._timeouts.lease_ttl_s:
+            self._deferred_since = None
+            return Verdict(Outcome.ABORT, f"deferred for over 2 x lease_ttl_s: {verdict.reason}")
+        return verdict
+
+    @property
+    def deferring(self) -> bool:
+        """A step is being deferred (logged once, at its first RETRY)."""
+        return self._deferred_since is not None
+
+    def forget(self) -> None:
+        """The step failed or the group changed: a new deferral starts afresh."""
+        self._deferred_since = None
