@@ -105,3 +105,143 @@ def test_drain_leaves_after_the_next_committed_step(etcd_server):
             if trainer.step_count == 3:
                 trainer.drain()
         assert trainer.drained and trainer.step_count == 4
+
+
+# -- the split step, accumulation, the endless source, init_from, loader input (issue 12) ----------
+
+
+def test_rank_and_world_size_are_readable_before_the_loop(etcd_server):
+    trainer, model, x, y = _trainer(etcd_server, _job())
+    with trainer:
+        assert (trainer.rank, trainer.world_size) == (0, 1)  # the first rendezvous happened here
+        assert _train(trainer, model, x, y, 2) == 2
+    assert trainer.rank == 0  # its last rank, after close
+
+
+def test_accumulation_over_micro_batches_equals_one_big_batch(etcd_server):
+    def run(k: int) -> dict[str, torch.Tensor]:
+        trainer, model, x, y = _trainer(etcd_server, _job(), accumulation_steps=k)
+        sizes = []
+        with trainer:
+            for batch in trainer.batches(max_steps=4):
+                sizes.append((batch.micro, batch.micro_count, len(batch.indices)))
+                trainer.step(F.cross_entropy(model(x[batch.indices]), y[batch.indices]))
+        assert [(m, c) for m, c, _ in sizes[:k]] == [(i, k) for i in range(k)]
+        assert sorted(n for *_, n in sizes[:k]) == sorted(10 // k + (i < 10 % k) for i in range(k))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    one, three = run(1), run(3)  # 10 samples per step: micro-batches of 4, 3 and 3
+    for name in one:
+        torch.testing.assert_close(three[name], one[name], rtol=1e-6, atol=1e-7)
+
+
+def test_backward_then_clip_then_commit(etcd_server):
+    trainer, model, x, y = _trainer(etcd_server, _job())
+    norms = []
+    with trainer:
+        for batch in trainer.batches(max_steps=3):
+            assert trainer.backward(F.cross_entropy(model(x[batch.indices]), y[batch.indices])) is True
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+            assert max(float(p.grad.norm()) for p in model.parameters()) <= 1e-3 + 1e-9  # clipped in place
+            result = trainer.commit()
+            assert result is not None and result.step == trainer.step_count
+    assert len(norms) == 3 and min(norms) > 1e-3  # the clip really clipped
+
+
+def test_commit_is_required_before_the_next_batch(etcd_server):
+    trainer, model, x, y = _trainer(etcd_server, _job())
+    with trainer:
+        it = trainer.batches(max_steps=5)
+        batch = next(it)
+        trainer.backward(F.cross_entropy(model(x[batch.indices]), y[batch.indices]))
+        with pytest.raises(RuntimeError, match="commit"):
+            next(it)
+
+
+def test_the_endless_source_needs_no_dataset_size(etcd_server):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), global_batch_size=7,
+                             env=_env(etcd_server, _job()))
+    seen = []
+    with trainer:
+        for batch in trainer.batches(max_steps=5):
+            seen.extend(batch.indices)
+            g = torch.Generator().manual_seed(1)
+            xs = torch.stack([torch.randn(8, generator=g.manual_seed(i)) for i in batch.indices])
+            trainer.step(model(xs).pow(2).mean())
+    assert seen == list(range(35))  # global sample numbers, each once, no epochs
+
+
+def test_init_from_a_weights_only_torch_save_file(etcd_server, tmp_path):
+    torch.manual_seed(5)
+    source = torch.nn.Linear(8, 3)
+    sched_src = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(source.parameters(), lr=0.1), 2)
+    path = tmp_path / "ck.pt"
+    torch.save({"model": source.state_dict(), "scheduler": {**sched_src.state_dict(), "last_epoch": 7}}, path)
+    trainer, model, x, y = _trainer(etcd_server, _job(), init_from=path)
+    sched = torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2)
+    trainer.register("scheduler", sched)
+    with trainer:
+        torch.testing.assert_close(model.weight, source.weight)
+        assert sched.last_epoch == 7
+        assert _train(trainer, model, x, y, 1) == 1
+
+
+@pytest.mark.parametrize("content", ["missing", "pickle", "other_model"])
+def test_init_from_refuses_what_it_cannot_load_with_a_clear_error(etcd_server, tmp_path, content):
+    from elasticd.errors import ConfigError
+
+    path = tmp_path / "ck.pt"
+    if content == "pickle":
+        torch.save({"model": torch.nn.Linear(8, 3)}, path)  # a module object: weights_only refuses it
+    elif content == "other_model":
+        torch.save(torch.nn.Linear(4, 3).state_dict(), path)
+    trainer, *_ = _trainer(etcd_server, _job(), init_from=path)
+    with pytest.raises(ConfigError, match="init_from"):
+        trainer.start()
+    trainer.close(clean=False)
+
+
+def test_register_after_start_is_refused(etcd_server):
+    from elasticd.errors import ConfigError
+
+    trainer, *_ = _trainer(etcd_server, _job())
+    with trainer:
+        with pytest.raises(ConfigError, match="before start"):
+            trainer.register("ema", torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2))
+
+
+def test_loader_refuses_a_dataloader_with_a_sampler_and_an_iterable_dataset(etcd_server):
+    from elasticd.errors import ConfigError
+
+    ds = torch.utils.data.TensorDataset(torch.randn(100, 8), torch.randint(0, 3, (100,)))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    trainer, *_ = _trainer(etcd_server, _job())
+    with trainer:
+        dl = torch.utils.data.DataLoader(ds, sampler=torch.utils.data.SubsetRandomSampler(range(50)))
+        with pytest.raises(ConfigError, match="sampler"):
+            trainer.loader(dl, max_steps=3)
+        with pytest.raises(ConfigError):
+            trainer.loader(Stream(), max_steps=3)
+        with pytest.raises(ConfigError, match="dataset_size"):
+            trainer.loader(torch.utils.data.TensorDataset(torch.randn(50, 8)), max_steps=3)
+
+
+def test_loader_batch_size_per_rank_and_the_first_generation_as_reference(etcd_server):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    ds = torch.utils.data.TensorDataset(torch.randn(100, 8), torch.randint(0, 3, (100,)))
+    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2,
+                             batch_mode=BatchMode.LINEAR_SCALING, env=_env(etcd_server, _job()))
+    got = []
+    for xb, yb in trainer.loader(ds, max_steps=3, batch_size=4, num_workers=2):  # starts and closes itself
+        got.append(len(xb))
+        trainer.step(F.cross_entropy(model(xb), yb))
+    assert got == [4] * 6  # 3 steps x 2 micro-batches of 4
+    assert trainer.state.counters.reference_world == 1 and trainer.lr_factor == 1.0
+    assert trainer.state.counters.position == 24
