@@ -6,7 +6,7 @@ DDP, the DistributedSampler and the checkpoint load; the DataLoader comes from t
 (``ELASTICD_CHECKPOINT_*``) replace the script's own. The scheduler and the EMA are registered, so
 newcomers receive them and those checkpoints keep them. Run it with::
 
-    elasticd --nproc-per-node 2 -- agents/recipe.py --steps 50      # or python -m elasticd.demo
+    elasticd --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint etcd1:2379 --rdzv-id recipe -- agents/recipe.py --steps 50
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class Checkpoints:
         self.config = config
         self._job_id, self._node = job_id, node
         self._state, self._journal = state, journal
-        self._generation = 0  # of the last save started (recorded with a failed save)
+        self._generation = [0]  # of the last save started (recorded with a failed save)
         self._writer: CheckpointWriter | None = None
         self.resumed_from: LoadedCheckpoint | None = None  # the checkpoint this member's state came from
 
@@ -57,18 +57,25 @@ class Checkpoints:
             return
         c = self.config
         if self._writer is None:
+            # the writer's callbacks must not hold self: a cycle kept the journal, the store client
+            # and the membership alive after close until a garbage collection
+            journal, directory, gen = self._journal, self.directory, self._generation
+
+            def on_failed(step: int, exc: Exception) -> None:  # on the writer thread
+                journal.save_failed(step, exc, gen[0], directory)
+
             self._writer = CheckpointWriter(
                 self.directory, job_id=self._job_id, node=self._node, signature=self._state.signature,
                 every_steps=c.checkpoint_every_steps, every_s=c.checkpoint_every_s, keep=c.checkpoint_keep,
-                wait_s=c.checkpoint_wait_s, on_saved=self._journal.checkpoint_saved, on_failed=self.on_failed,
+                wait_s=c.checkpoint_wait_s, on_saved=journal.checkpoint_saved, on_failed=on_failed,
             )
         if self._writer.due(step):
-            self._generation = generation
+            self._generation[0] = generation
             self._writer.save(self._state, generation)
 
     def on_failed(self, step: int, exc: Exception) -> None:
-        """On the writer thread: record the failed save (``Journal.save_failed``)."""
-        self._journal.save_failed(step, exc, self._generation, self.directory)
+        """Record a failed save (``Journal.save_failed``), as the writer thread does."""
+        self._journal.save_failed(step, exc, self._generation[0], self.directory)
 
     def resume(self, held_step: int) -> int:
         """Called by the rendezvous when no live member holds the job's state: load the newest good
@@ -148,7 +155,7 @@ def load_initial(path: str | Path, model: torch.nn.Module, others: Mapping[str, 
                 if name in data:
                     obj.load_state_dict(data[name])  # type: ignore[attr-defined]
                     loaded.append(name)
-    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise ConfigError(f"init_from: {p} does not fit this model: {str(exc)[:400]}") from exc
     log.info("initial_state_loaded", path=str(p), parts=loaded)
     return loaded

@@ -63,6 +63,15 @@ class DataPlan:
         if batch_size is not None and self.global_batch is None:
             self.per_rank_batch = batch_size
 
+    def check_ready(self) -> None:
+        """Before the first batch: the batch size is known.
+
+        Raises:
+            ConfigError: neither ``global_batch_size`` nor ``loader(batch_size=...)`` gave one.
+        """
+        if self.global_batch is None and self.per_rank_batch is None:
+            raise ConfigError("no batch size: give global_batch_size to the trainer, or batch_size to loader()")
+
     @property
     def needs_first_generation(self) -> bool:
         """The global batch is a per-rank size times the first generation's size (not known yet)."""

@@ -184,3 +184,21 @@ def _decode(t: object, tensors: Mapping[str, torch.Tensor], used: set[str], keys
         used.add(body)
         return tensors[body]
     raise ValueError(f"a malformed or unknown tag {tag!r} in a state tree")
+
+
+def like_devices(value: object, live: object) -> object:
+    """``value`` (a decoded state) with each tensor moved to the device of the tensor at the same
+    place in ``live`` (the object's own state before loading), so that state kept on a GPU comes
+    back there from a CPU buffer; where ``live`` has no tensor, the tensor stays where it is."""
+    if isinstance(value, torch.Tensor):
+        if isinstance(live, torch.Tensor) and live.device != value.device:
+            return value.to(live.device)
+        return value
+    if isinstance(value, dict):
+        other = live if isinstance(live, dict) else {}
+        return {k: like_devices(v, other.get(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        seq = live if isinstance(live, (list, tuple)) and len(live) == len(value) else [None] * len(value)
+        out = [like_devices(v, w) for v, w in zip(value, seq, strict=True)]
+        return tuple(out) if isinstance(value, tuple) else out
+    return value

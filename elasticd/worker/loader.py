@@ -234,7 +234,9 @@ class ElasticLoader:
                 timeout=self.timeout_s if num_workers > 0 else 0,  # torch bounds only waits on workers
                 worker_init_fn=worker_init_fn,
                 multiprocessing_context=multiprocessing_context,
-                generator=generator,
+                # its own generator: a new iterator draws the workers' base seed from it, and the
+                # global one is synced state (each prefetch restart would move it)
+                generator=generator if generator is not None else torch.Generator().manual_seed(sampler.seed),
                 prefetch_factor=prefetch_factor,
                 persistent_workers=self.persistent_workers,
             )

@@ -13,13 +13,14 @@ never decides who rank 0 is.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import structlog
 import torch
@@ -27,7 +28,7 @@ import torch
 from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
 from elasticd.retry import Deadline
 from elasticd.worker.checksum import MASK63, StateHasher, checksum_key, state_checksum
-from elasticd.worker.extras import JsonValue, decode, encode
+from elasticd.worker.extras import JsonValue, decode, encode, like_devices
 from elasticd.worker.rng import CudaRng, DeviceRng, rng_states, split_rng_states
 
 log = structlog.get_logger(__name__)
@@ -315,8 +316,8 @@ class TrainingState:
 
         Everything is decoded and checked before anything is loaded, so a bad transfer leaves this
         worker's state as it was. Then the optimizer, each registered object (its
-        ``load_state_dict``, in the order of registration), the model, the counters and the RNG
-        states are loaded. CPU tensors of the model and the optimizer are adopted as views of
+        ``load_state_dict``, in the order of registration; each tensor on the device of the
+        object's own tensor at that place), the model, the counters and the RNG states are loaded. CPU tensors of the model and the optimizer are adopted as views of
         ``flat`` (no copy), so ``flat`` becomes this state's arena and must not be written to
         afterwards; registered objects are given copies.
 
@@ -324,23 +325,35 @@ class TrainingState:
             ModelMismatch: the peer's model tensors differ in name, dtype or shape from ours, or it
                 registered other objects (by name) than this worker.
             StateCorrupt: the layout is malformed or does not fit the buffer, or a registered
-                object's ``load_state_dict`` refused its state (the objects before it, and the
-                optimizer, are loaded by then).
+                object's ``load_state_dict`` refused its state (the optimizer and the objects
+                loaded before it get their previous state back: nothing changed).
         """
         try:
             d = self._decode(layout_bytes, flat)
         except (*_LOAD_ERRORS, RecursionError) as exc:
             raise StateCorrupt(f"state from rank 0 is malformed: {type(exc).__name__}: {exc}") from exc
+        # Loading is all or nothing: a load_state_dict that refuses half-way restores what was there.
+        saved: list[tuple[Any, object]] = [(self.optimizer, copy.deepcopy(self.optimizer.state_dict()))]
+        saved += [(obj, copy.deepcopy(obj.state_dict())) for obj in self._extras.values()]
+        before = {id(obj): sd for obj, sd in saved}
         try:
-            self.optimizer.load_state_dict(d.optim_sd)  # validates groups before changing anything
-        except (ValueError, TypeError, KeyError) as exc:
-            raise StateCorrupt(f"optimizer state from rank 0 does not fit this optimizer: {exc}") from exc
-        for name, value in d.extras.items():
             try:
-                self._extras[name].load_state_dict(value)
-            except _LOAD_ERRORS as exc:
-                raise StateCorrupt(f"registered object {name!r} refused the state being loaded: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                self.optimizer.load_state_dict(d.optim_sd)  # validates groups before changing anything
+            except (ValueError, TypeError, KeyError) as exc:
+                raise StateCorrupt(f"optimizer state from rank 0 does not fit this optimizer: {exc}") from exc
+            for name, value in d.extras.items():
+                try:
+                    self._extras[name].load_state_dict(like_devices(value, before[id(self._extras[name])]))
+                except _LOAD_ERRORS as exc:
+                    raise StateCorrupt(f"registered object {name!r} refused the state being loaded: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+        except StateCorrupt:
+            for obj, sd in saved:
+                try:
+                    obj.load_state_dict(sd)
+                except _LOAD_ERRORS as exc:  # an object that refuses its own state: say so, go on
+                    log.error("state_restore_failed", object=type(obj).__qualname__, error=str(exc)[:200])
+            raise
         ours = self.model.state_dict()
         for name, t in d.model_sd.items():
             if ours[name].device == t.device:

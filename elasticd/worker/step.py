@@ -44,6 +44,8 @@ class OpenStep:
     started: float
     weighted_loss: list[float] = field(default_factory=lambda: [0.0])  # read by the vote closure
     tally: Tally | None = None  # the summed vote, once the all_reduce completed
+    fence: Fence | None = None  # what this member knew locally when the sum arrived
+    summed_at: float = 0.0  # ... and when (monotonic)
 
 
 class StepProtocol:
@@ -91,17 +93,18 @@ class StepProtocol:
             self._reducer.cancel()
             raise
         op.tally = Tally.from_slots(summed)
+        st = self._membership.standing()  # the fence as of the sum, not of commit() (user code runs between)
+        op.fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
+                         lease_ttl_s=st.lease_ttl_s, continued=st.continued)
+        op.summed_at = self._clock()
         return True
 
     def decide(self, group: Group, op: OpenStep) -> Verdict:
         """The commit rule's verdict on ``op`` for this member. A RETRY deferred for over twice the
         lease TTL (a lease that neither renews nor expires) becomes an ABORT."""
-        assert op.tally is not None, "decide() after backward() returned True"
-        st = self._membership.standing()
-        fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
-                      lease_ttl_s=st.lease_ttl_s, continued=st.continued)
-        now = self._clock()
-        verdict = commit_outcome(op.tally, group.world_size, fence, now)
+        assert op.tally is not None and op.fence is not None, "decide() after backward() returned True"
+        now = op.summed_at
+        verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
         if verdict.outcome is not Outcome.RETRY:
             self._deferred_since = None
             return verdict

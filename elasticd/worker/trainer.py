@@ -109,16 +109,14 @@ class ElasticTrainer:
                 and registered names) loaded with ``weights_only=True`` before the first
                 rendezvous; live state or a durable checkpoint, when there is one, wins.
             state: objects to ``register`` by name (schedulers, an EMA, user counters).
-            env: settings; by default read from ``ELASTICD_*`` variables.
-            store: the key-value store; by default an etcd client for ``env.etcd``.
-            audit_path: if set, one JSON line per committed step and per sync is appended here, as
-                it happens (a worker killed with SIGKILL keeps every line it wrote; see ``Journal``).
+            env, store: settings (by default the ``ELASTICD_*`` variables), the key-value store
+                (by default an etcd client for ``env.etcd``).
+            audit_path: one JSON line per committed step and per sync appended here as it happens
+                (a worker killed with SIGKILL keeps every line it wrote; see ``Journal``).
             audit_in_memory: keep the audit lines in memory until ``close()`` (fault-free runs only).
-            log_interval_s: log a ``step_committed`` line at most this often (0: every step; the
-                audit file, when set, has every step).
-            checkpoint: durable checkpoints (directory, schedule, retention); by default
-                ``env.checkpoint`` (the ``ELASTICD_CHECKPOINT_*`` variables). Rank 0 saves in the
-                background; a member that finds no live state resumes from the directory.
+            log_interval_s: log ``step_committed`` at most this often (0: every step).
+            checkpoint: durable checkpoints (directory, schedule, retention); by default the
+                ``ELASTICD_CHECKPOINT_*`` variables. A job with no live state resumes from them.
             clock: the monotonic clock of the commit rule, step times and recovery bounds.
 
         Raises:
@@ -133,7 +131,7 @@ class ElasticTrainer:
         self.model, self.optimizer, self.optimizers = model, optimizers[0], list(optimizers)
         self.state = TrainingState(model, self.optimizer)
         for i, extra in enumerate(optimizers[1:], start=1):
-            self.state.register(f"optimizer.{i}", extra)
+            self.state.register(f"optimizer_{i}", extra)
         self.scaler = scaler  # its state travels and persists
         if scaler is not None:
             self.state.register("grad_scaler", scaler)
@@ -167,7 +165,7 @@ class ElasticTrainer:
         # kept retired groups alive until a garbage collection: fds grew by one per generation).
         self._drain_requested = threading.Event()
         self._drained = self._job_finished = self._finished_together = self._closed = self._auto = False
-        self._last_rank = -1
+        self._last_rank, self._last_world = -1, 0
         self.last_result: StepResult | None = None
 
     def __enter__(self) -> ElasticTrainer:
@@ -209,14 +207,15 @@ class ElasticTrainer:
         self._failed_at = self._clock()
 
     def close(self, clean: bool = True) -> None:
-        """Leave the job (``rejoin.leave``): a goodbye barrier when every member finished together,
-        then revoke the lease, drop the group and stop the background threads. ``rank`` then keeps
-        saying this member's last rank. Closing twice does nothing."""
+        """Leave the job: a due save, a goodbye barrier when every member finished together, then
+        revoke the lease, drop the group, stop the threads (``rank`` keeps the last rank). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if clean:
+            self._saved()  # a save due after the last commit (the loop was left with break)
         if self.group is not None:
-            self._last_rank = self.group.rank
+            self._last_rank, self._last_world = self.group.rank, self.group.world_size
         if clean and self._finished_together and self._membership is not None:
             goodbye(self.group, self._membership, self.env.timeouts, self.state.counters.step)
         self.checkpoints.close()
@@ -233,8 +232,8 @@ class ElasticTrainer:
 
     @property
     def step_count(self) -> int:
-        """Committed steps so far (synced from rank 0): 0 before the first commit, as a torchrun
-        script's counter of ``optimizer.step()`` calls; the next step's batch carries ``step_count + 1``."""
+        """Committed steps (synced): 0 before the first, like a torchrun script's count of
+        ``optimizer.step()`` calls; the next batch carries ``step_count + 1``."""
         return self.state.counters.step
 
     @property
@@ -243,8 +242,8 @@ class ElasticTrainer:
 
     @property
     def rank(self) -> int:
-        """This member's rank in the current generation. Read before the loop, it waits for the
-        first rendezvous (bounded by ``join_s``); -1 once the job was already finished."""
+        """This member's rank now; read before the loop, it waits for the first rendezvous (bounded
+        by ``join_s``; reading it starts the generation's clock); -1 if the job was finished."""
         self._ensure_joined()
         return self.group.rank if self.group else self._last_rank
 
@@ -252,13 +251,15 @@ class ElasticTrainer:
     def world_size(self) -> int:
         """The current generation's size (read before the loop, it waits for the first rendezvous)."""
         self._ensure_joined()
-        return self.group.world_size if self.group else 0
+        return self.group.world_size if self.group else self._last_world
 
     @property
     def lr_factor(self) -> float:  # linear_scaling multiplies every learning rate by this at a step
         return self._optimizers.factor
 
     def _started(self) -> Membership:
+        if self._closed:
+            raise RuntimeError("this trainer was closed (its loop ended): make a new one to train again")
         if self._membership is None:  # not started by the script: started here, and closed at the end
             self.start()
             self._auto = True
@@ -272,8 +273,8 @@ class ElasticTrainer:
         return True
 
     def _ensure_joined(self) -> None:
-        """The first rendezvous, if it has not happened (``rank`` read before the loop, ``loader``)."""
-        if self.group is None and self._membership is not None and self._need_rendezvous and not self._closed:
+        if self.group is None and self._need_rendezvous and not self._closed:
+            self._started()
             self._join_or_finish()
 
     def _join_or_finish(self) -> None:
@@ -291,6 +292,7 @@ class ElasticTrainer:
         ``backward(loss)`` (and ``commit()`` once ``backward`` returned True). After a failed step
         the same global position is yielded again (split over the new group).
         """
+        self.data.check_ready()
         membership = self._started()
         try:
             while self._saved() and self.state.counters.step < max_steps:
@@ -330,9 +332,8 @@ class ElasticTrainer:
         Args:
             data: a map-style dataset or a DataLoader over one.
             max_steps: train until this many steps are committed.
-            batch_size: samples per rank at ``reference_world_size`` (the global batch is this times
-                the reference; with ``linear_scaling``, per rank at any size). Not needed when the
-                trainer was given ``global_batch_size``.
+            batch_size: samples per rank and micro-batch at ``reference_world_size`` (with
+                ``linear_scaling``, at any size); not needed with ``global_batch_size``.
             dataloader_kwargs: ``num_workers``, ``collate_fn``, ``pin_memory``, ``prefetch_factor``,
                 ``persistent_workers``, ``worker_init_fn``, ``timeout``, ``multiprocessing_context``.
 
@@ -415,7 +416,10 @@ class ElasticTrainer:
             RestartsExhausted: the same step failed more often than ``retry.step_retries``.
         """
         op, self._open = self._open, None
-        assert op is not None and op.tally is not None, "commit() must follow a backward() that returned True"
+        if op is None:
+            return None  # its backward failed: nothing to apply, the step is retried
+        if op.tally is None:
+            raise RuntimeError("commit() must follow a backward(loss) that returned True")
         assert self.group is not None and self._protocol is not None
         group, batch = self.group, op.batch
         first = not self._protocol.deferring

@@ -245,3 +245,39 @@ def test_loader_batch_size_per_rank_and_the_first_generation_as_reference(etcd_s
     assert got == [4] * 6  # 3 steps x 2 micro-batches of 4
     assert trainer.state.counters.reference_world == 1 and trainer.lr_factor == 1.0
     assert trainer.state.counters.position == 24
+
+
+def test_several_optimizers_each_step_and_travel(etcd_server):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3))
+    a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    b = torch.optim.Adam(model[1].parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(100, 8), torch.randint(0, 3, (100,))
+    trainer = ElasticTrainer(model, [a, b], dataset_size=100, global_batch_size=10, env=_env(etcd_server, _job()))
+    with trainer:
+        assert _train(trainer, model, x, y, 2) == 2
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert list(trainer.state.registered()) == ["optimizer_1"] and b.state_dict()["state"]
+
+
+def test_a_closed_trainer_is_freed_at_once_and_cannot_train_again(etcd_server):
+    import gc
+    import weakref
+
+    from elasticd.errors import ConfigError
+
+    trainer, model, x, y = _trainer(etcd_server, _job())
+    assert _train(trainer, model, x, y, 2) == 2  # started and closed by batches() itself
+    with pytest.raises(RuntimeError, match="closed"):
+        _train(trainer, model, x, y, 4)
+    ref = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert ref() is None  # no reference cycle keeps it (and its store connections) alive
+    finally:
+        gc.enable()
+    nobatch = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), env=_env(etcd_server, _job()))
+    with pytest.raises(ConfigError, match="batch size"):
+        next(nobatch.batches(max_steps=3))

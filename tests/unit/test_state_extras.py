@@ -535,3 +535,56 @@ def test_without_cuda_nothing_is_read_or_loaded() -> None:
         pytest.skip("a CUDA machine")
     assert CudaRng().states() == []
     CudaRng().load([torch.zeros(16, dtype=torch.uint8)])  # a GPU worker's state on a CPU worker: ignored
+
+
+def test_a_load_refused_half_way_restores_what_was_there() -> None:
+    """The optimizer and the objects loaded before a refusing one get their previous state back."""
+    src, dst = Rig(1), Rig(2)
+    src.train(3)
+    dst.train(1)
+    before = state_dicts(dst)
+    layout, arena = src.state.pack()
+
+    own = dst.tokens.state_dict()
+    load = dst.tokens.load_state_dict
+
+    def refuse(sd: dict[str, int]) -> None:  # refuses the peer's state, takes its own back
+        if sd != own:
+            raise ValueError("this token counter refuses")
+        load(sd)
+
+    dst.tokens.load_state_dict = refuse  # type: ignore[method-assign]  # the last registered object
+    with pytest.raises(StateCorrupt, match="tokens"):
+        dst.state.unpack(layout, arena.clone())
+    after = state_dicts(dst)
+    for name in ("sgd", "adam", "warmup_cosine", "plateau", "scaler", "ema", "model"):
+        assert same(after[name], before[name]), name
+
+
+@pytest.mark.parametrize(("value", "live", "devices"), [
+    (torch.ones(2), torch.empty(2, device="meta"), ["meta"]),
+    ({"a": torch.ones(1), "b": 3}, {"a": torch.empty(1, device="meta")}, ["meta"]),
+    ([torch.ones(1), torch.ones(1)], [torch.empty(1, device="meta"), 0], ["meta", "cpu"]),
+    ((torch.ones(1),), None, ["cpu"]),  # nothing to follow: stays
+    ({"new": torch.ones(1)}, {}, ["cpu"]),
+])
+def test_registered_tensors_load_on_the_device_of_the_objects_own(value: object, live: object,
+                                                                   devices: list[str]) -> None:
+    from elasticd.worker.extras import like_devices
+
+    out = like_devices(value, live)
+    found: list[str] = []
+
+    def walk(v: object) -> None:
+        if isinstance(v, torch.Tensor):
+            found.append(v.device.type)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(out)
+    assert found == devices
+    assert type(out) is type(value)
