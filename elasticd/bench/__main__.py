@@ -8,7 +8,9 @@ node agents) and prints its figures: a table, or one JSON object with ``--json``
 * ``agent``: under real node agents, crash detection, drain and node-loss recovery (``bench.agent``);
 * ``checkpoint``: durable checkpoints' step overhead, write throughput and resume time
   (``bench.checkpoint``);
-* ``outage``: what an etcd outage with no membership change costs (``bench.outage``).
+* ``outage``: what an etcd outage with no membership change costs (``bench.outage``);
+* ``rendezvous``: the rendezvous with many lightweight members on one local etcd, and a model of
+  its cost at fleet scale (``bench.rendezvous``).
 
 Owns the command line only: the registry of subcommands, their parser and ``main``. Nothing imports
 this module; it holds no measurement.
@@ -22,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from elasticd.bench import agent, checkpoint, outage, recovery
+from elasticd.bench import agent, checkpoint, outage, recovery, rendezvous
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "an etcd outage with no membership change: commit rate during it vs before, steps lost, "
         "regroups (elasticd.bench.outage)",
         outage.add_args, outage.run_cmd,
+    ),
+    "rendezvous": Subcommand(
+        "N lightweight members (threads in processes, no torch) on one local etcd: a join round and a "
+        "leave timed and counted, and a model of their cost at 1,000-16,000 members (elasticd.bench.rendezvous)",
+        rendezvous.add_args, rendezvous.run_cmd,
     ),
 }
 

@@ -48,7 +48,6 @@ class Action:
     until: float | None = None
     record: GenerationRecord | None = None
     expected_revision: int = 0
-    consumed_ready: tuple[str, ...] = ()
     error: str = ""
     standby: bool = False  # WAIT: the job is at max_workers and healthy; I wait for a place
 
@@ -210,7 +209,6 @@ def next_action(
         reason,
         record=record,
         expected_revision=snap.generation_revision,
-        consumed_ready=tuple(record.members),
     )
 
 

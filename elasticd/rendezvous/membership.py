@@ -431,8 +431,7 @@ class Membership:
                     won = self._store.compare_and_put(
                         self._keys.generation,
                         action.expected_revision,
-                        encode(action.record),
-                        delete_keys=[self._keys.ready(m) for m in action.consumed_ready],
+                        encode(action.record),  # consumes its members' ready records (wire.snapshot.consumed)
                         put_keys=dict([self._publish.published_event(action.record)]),  # the history, same txn
                     )
             except EtcdUnavailable as exc:

@@ -1,4 +1,5 @@
-"""One parsed read of a job's rendezvous keys (``Snapshot``, ``parse_snapshot``). Pure."""
+"""One parsed read of a job's rendezvous keys (``Snapshot``, ``parse_snapshot``), and which ready
+records a published generation consumed (``consumed``). Pure."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ class Snapshot:
         return max(seen)
 
 
+def consumed(generation: GenerationRecord, generation_revision: int, ready_revision: Mapping[str, int]) -> list[str]:
+    """The ready records that ``generation`` consumed: those of its members written before it was
+    published. They are not deleted when it is published (that took one operation per member in
+    the publishing transaction, and etcd refuses more than 128 by default: no generation of 127
+    or more could form); a snapshot leaves them out, so they count as gone, as deleted ones did.
+    A member that comes back to the rendezvous writes its ready record anew (a newer revision)."""
+    return [m for m in generation.members if m in ready_revision and ready_revision[m] < generation_revision]
+
+
 def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``."""
     generation: GenerationRecord | None = None
@@ -51,6 +61,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     members: dict[str, MemberRecord] = {}
     ready: dict[str, ReadyRecord] = {}
     ready_order: dict[str, int] = {}
+    ready_revision: dict[str, int] = {}
     aborted = 0
     finished: FinishedRecord | None = None
     committed_step = -1
@@ -80,8 +91,12 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                     raise ValueError("member id does not match its key")
                 ready[r.member_id] = r
                 ready_order[r.member_id] = kv.create_revision
+                ready_revision[r.member_id] = kv.mod_revision
         except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
+    if generation is not None:
+        for m in consumed(generation, generation_revision, ready_revision):
+            del ready[m], ready_order[m]
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
         committed_step, checkpoint=checkpoint,

@@ -43,6 +43,7 @@ class OpenStep:
     batch: Batch
     started: float
     weighted_loss: list[float] = field(default_factory=lambda: [0.0])  # read by the vote closure
+    voted_drain: list[bool] = field(default_factory=lambda: [False])  # its vote asked to regroup for a drain
     tally: Tally | None = None  # the summed vote, once the all_reduce completed
     fence: Fence | None = None  # what this member knew locally when the sum arrived
     summed_at: float = 0.0  # ... and when (monotonic)
@@ -69,11 +70,12 @@ class StepProtocol:
         if micro.micro == 0:
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
-            membership, draining, wl = self._membership, self._drain, op.weighted_loss
+            membership, draining, wl, vd = self._membership, self._drain, op.weighted_loss, op.voted_drain
 
             def vote() -> list[float]:  # called right before the last bucket goes out
                 veto, stale, reached = membership.vote()
-                regroup = membership.join_pending() or draining.is_set()
+                vd[0] = draining.is_set()  # only a drain the others were told of may end here
+                regroup = membership.join_pending() or vd[0]
                 return Vote(wl[0], veto, regroup, stale, reached).slots()
 
             # begin() zeroes the gradients: they are views into its buckets

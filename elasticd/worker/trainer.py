@@ -160,8 +160,7 @@ class ElasticTrainer:
         self._open: OpenStep | None = None
         self._protocol: StepProtocol | None = None
         self._save_due = False  # rank 0 committed a step: save (if due) at the next batch
-        self._draining = False
-        # drain() sets both; the vote closure holds only the event (a closure holding the trainer
+        # drain() sets it; the vote closure holds only the event (a closure holding the trainer
         # kept retired groups alive until a garbage collection: fds grew by one per generation).
         self._drain_requested = threading.Event()
         self._drained = self._job_finished = self._finished_together = self._closed = self._auto = False
@@ -301,6 +300,9 @@ class ElasticTrainer:
                 if self._need_rendezvous or membership.must_abandon():
                     if not self._need_rendezvous:
                         self._fail(CollectiveError(membership.abandon_reason or "generation abandoned"))
+                    if self._drain_requested.is_set():  # leaving: the others regroup without it
+                        self._drained = True
+                        return
                     self._join_or_finish()
                     if self._job_finished:
                         return
@@ -362,13 +364,10 @@ class ElasticTrainer:
         return self.data.make_sampler(self.state.counters, self.group.world_size if self.group else 1)
 
     def drain(self) -> None:
-        """Leave the job gracefully after the next committed step.
-
-        The next step's vote asks every member to regroup; once it is committed everywhere,
-        ``batches()`` stops here and ``close()`` revokes the lease, so the others form the next
-        generation without this member at once, losing nothing. Safe to call from a signal handler.
-        """
-        self._draining = True
+        """Leave the job gracefully: the next step's vote asks every member to regroup; once that
+        step is committed everywhere (or at a regroup, whichever comes first), ``batches()`` stops
+        and ``close()`` revokes the lease, so the others go on without it, losing nothing. Safe to
+        call from a signal handler."""
         self._drain_requested.set()
 
     @property
@@ -440,7 +439,7 @@ class ElasticTrainer:
         self._failures_this_step = 0
         result = StepResult(c.step, op.tally.loss, group.generation, group.world_size, self._clock() - op.started)
         self.last_result = result
-        if self._draining:
+        if op.voted_drain[0]:  # a drain asked for after the vote waits for the next step's vote
             self._drained = True
             log.info("drained", generation=group.generation, rank=group.rank, step=c.step)
         elif verdict.regroup:

@@ -1,0 +1,374 @@
+"""``python -m elasticd.bench rendezvous --members N [--per-process K]``: the rendezvous at scale.
+
+Owns running the ``rendezvous`` benchmark (issue 13, items 3 and 4). N lightweight members (the project's
+own ``Membership``, each over its own ``EtcdClient``; no torch, no process group), K per process as
+threads, ceil(N/K) processes, against one local etcd that the bench starts. It measures the
+registration (all N at once), one join round (all N call ``join()`` at once, once all registered,
+as trainers do when their processes are ready) and one leave (a member closes its membership,
+which revokes its lease; the survivors see ``must_abandon()`` and join again, as ``worker.rejoin``
+does), with an idle window before the leave. For each round: the times (from the first
+``join()`` call, or the leave, to the generation published and to the first and the last member's
+``join()`` return), what etcd did (requests, puts, txns, watch
+events and bytes sent, from its /metrics), what the members asked (a counting proxy over each
+store client), and the CPU seconds of etcd and of the member processes.
+
+A calibration in the same run measures etcd's costs per operation (a small request, a watch event
+delivered, a byte read); ``predict`` (pure) turns them into a round's time at any N under the
+current protocol, and ``walls`` names the N at which a stock etcd refuses it (both pure, in
+``bench.rendezvous_model``; the member processes are ``bench.rendezvous_members``). Every process
+it starts is tracked by PID and killed in ``finally``; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from elasticd.bench.common import BenchError, LeaseSettings, fmt, progress, run_subcommand
+from elasticd.bench.rendezvous_members import PREFIX, REPLY_TIMEOUT_S, MemberProcesses, Plan, bench_record
+from elasticd.bench.rendezvous_model import (
+    KV_OVERHEAD_B,
+    STOCK_MAX_TXN_OPS,
+    Costs,
+    Sizes,
+    difference,
+    model_rows,
+    parse_metrics,
+    round_times,
+    wall_thresholds,
+)
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.errors import EtcdUnavailable
+from elasticd.store.etcd import EtcdClient
+from elasticd.testing.etcd import EtcdServer, etcd_binary
+from elasticd.wire.keys import Keys
+from elasticd.wire.ops import EventKind, decode_event
+from elasticd.wire.records import ReadyRecord, encode
+from elasticd.wire.snapshot import parse_snapshot
+
+ROUND_TIMEOUT_S = 120.0  # bound on one round, from its start to the last member's join() return
+# After a round, its counts are read once the members have digested its watch events (their count
+# of notifications is still for SETTLE_S), for at most SETTLE_MAX_S: on 2 cores the members take
+# seconds to, and the idle window must not start before.
+SETTLE_S, SETTLE_MAX_S = 0.5, 30.0
+IDLE_S = 3.0  # the idle window between the rounds: the steady-state cost of N members
+EVENTS_TIMEOUT_S = 30.0  # bound on the calibration's watch events reaching the watchers
+POLL_S = 0.05  # how often the calibration looks at its watch events
+LONGEST_PID = 4_194_303  # Linux's pid_max (2^22 - 1): the walls are computed for the longest member ids
+# Calibration sizes: enough work that etcd's CPU (10 ms ticks in /proc) is measured to a few %.
+CAL_REQUESTS, CAL_WRITES, CAL_RECORDS, CAL_READS, CAL_WATCHERS, CAL_PUTS = 400, 100, 300, 40, 100, 100
+
+
+@dataclass(frozen=True)
+class RendezvousSettings(LeaseSettings):
+    """What ``rendezvous`` runs; printed next to the figures. Every timeout is elasticd's default, as a
+    new user gets them (lease TTL 3 s, keepalive 0.75 s, join window 0.25 s, last call 0.3 s)."""
+
+    lease_ttl_s: float = Timeouts().lease_ttl_s
+    keepalive_s: float = Timeouts().keepalive_s
+    members: int = 20
+    per_process: int = 25
+    etcd_max_txn_ops: int = 0  # 0: etcd's default (a stock etcd)
+
+
+class _TunedEtcd(EtcdServer):
+    """A local etcd with ``--max-txn-ops`` raised, to measure past the publish wall (not a stock etcd)."""
+
+    def __init__(self, max_txn_ops: int) -> None:
+        super().__init__()
+        self.max_txn_ops = max_txn_ops
+
+    def launch(self) -> None:
+        url = f"http://{self.host}:{self.client_port}"
+        cmd = [etcd_binary(), "--name", self.name, "--data-dir", self.data_dir, "--listen-client-urls", url,
+               "--advertise-client-urls", url, "--listen-peer-urls", self.peer_url,
+               "--initial-advertise-peer-urls", self.peer_url, "--initial-cluster", self.initial_cluster,
+               "--log-level", "error", "--max-txn-ops", str(self.max_txn_ops)]
+        with self.log_path.open("ab") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+class Probe:
+    """etcd's CPU seconds (``/proc`` through psutil) and its /metrics counters."""
+
+    def __init__(self, etcd: EtcdServer) -> None:
+        assert etcd.proc is not None
+        self._url = f"http://{etcd.endpoint}/metrics"
+        self._proc = psutil.Process(etcd.proc.pid)
+
+    def etcd_cpu_s(self) -> float:
+        t = self._proc.cpu_times()
+        return float(t.user + t.system)
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self._url, timeout=REPLY_TIMEOUT_S) as r:
+            return parse_metrics(r.read().decode())
+
+
+def calibrate(store: EtcdClient, probe: Probe, keys: Keys) -> Costs:
+    """Measure the per-operation costs on the bench's etcd, in a job of its own, before the members
+    start: ``CAL_REQUESTS`` small gets; ``CAL_WRITES`` small puts; ``CAL_READS`` reads of ``CAL_RECORDS`` member and ready
+    records, parsed as a member does; ``CAL_PUTS`` puts under ``CAL_WATCHERS`` watches.
+
+    Raises:
+        EtcdUnavailable: etcd did not answer.
+    """
+    def measured(work: Callable[[], object]) -> tuple[float, float, float]:
+        w0, e0, m0 = time.monotonic(), probe.etcd_cpu_s(), time.process_time()
+        work()
+        return time.monotonic() - w0, probe.etcd_cpu_s() - e0, time.process_time() - m0
+
+    key = f"{keys.job}/calibrate"
+    store.put(key, b"x")
+    wall, etcd, own = measured(lambda: [store.get(key) for _ in range(CAL_REQUESTS)])
+    rtt, e_req, m_req = wall / CAL_REQUESTS, etcd / CAL_REQUESTS, own / CAL_REQUESTS
+
+    def writes() -> None:
+        for _ in range(CAL_WRITES):
+            store.put(key, b"x")
+
+    write_rtt = measured(writes)[0] / CAL_WRITES
+    for i in range(CAL_RECORDS):
+        rec = bench_record(i, os.getpid())
+        store.put(keys.member(rec.member_id), encode(rec))
+        store.put(keys.ready(rec.member_id), encode(ReadyRecord(rec.member_id, 0, 1, 0, rec.signature)))
+    kvs = store.get_prefixes(keys.rendezvous)
+    nbytes = CAL_READS * sum(len(kv.key) + len(kv.value) + KV_OVERHEAD_B for kv in kvs)
+    _, etcd, own = measured(lambda: [parse_snapshot(keys, store.get_prefixes(keys.rendezvous))
+                                     for _ in range(CAL_READS)])
+    e_byte, m_byte = max(0.0, etcd - CAL_READS * e_req) / nbytes, max(0.0, own - CAL_READS * m_req) / nbytes
+    hits = Counter[str]()
+    lock = threading.Lock()
+
+    def hit() -> None:
+        with lock:
+            hits["n"] += 1
+
+    prefix = f"{keys.job}/calibrate-watch/"
+    cancels = [store.watch_prefix(prefix, hit) for _ in range(CAL_WATCHERS)]
+    before = probe.metrics()["watch_events"]
+
+    def puts() -> None:
+        for i in range(CAL_PUTS):
+            store.put(f"{prefix}{i}", b"x")
+        deadline, last, last_at = time.monotonic() + EVENTS_TIMEOUT_S, -1, time.monotonic()
+        while hits["n"] < CAL_WATCHERS * CAL_PUTS and time.monotonic() < deadline:
+            if hits["n"] != last:
+                last, last_at = hits["n"], time.monotonic()
+            elif time.monotonic() - last_at > 1.0:  # etcd batched some events into one notification
+                break
+            time.sleep(POLL_S)
+
+    _, etcd, own = measured(puts)
+    events = max(1.0, probe.metrics()["watch_events"] - before)
+    for cancel in cancels:
+        cancel()
+    return Costs(request_rtt_s=rtt, write_rtt_s=write_rtt, etcd_per_request_s=e_req,
+                 etcd_per_event_s=max(0.0, etcd - CAL_PUTS * e_req) / events, etcd_per_byte_s=e_byte,
+                 member_per_request_s=m_req, member_per_event_s=max(0.0, own - CAL_PUTS * m_req) / events,
+                 member_per_byte_s=m_byte)
+
+
+def probe_publish_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
+    """Send transactions of the publish's shape (``publish_ops(n)`` operations) for the last N below
+    the wall of ``--max-txn-ops`` and the first at it: what this etcd answers (measured, not computed).
+
+    Raises:
+        EtcdUnavailable: etcd did not answer.
+    """
+    out = {}
+    for n in (STOCK_MAX_TXN_OPS - 2, STOCK_MAX_TXN_OPS - 1):
+        try:
+            store.compare_and_put(f"{keys.job}/wall{n}", 0, b"g", delete_keys=[keys.ready(f"m{i}") for i in range(n)],
+                                  put_keys={f"{keys.job}/wall{n}-event": b"e"})
+            out[str(n)] = "published"
+        except EtcdUnavailable as exc:
+            if "rejected" not in str(exc):
+                raise
+            flat = " ".join(str(exc).split())
+            found = re.search(r'details = "([^"]+)"', flat)  # etcd's own words, not gRPC's wrapping
+            out[str(n)] = f"refused: {found.group(1) if found else flat[:200]}"
+    return out
+
+
+def _measure(s: RendezvousSettings, etcd: EtcdServer, probe: Probe, client: EtcdClient, workdir: Path,
+             phases: dict[str, dict[str, float | None]]) -> None:
+    """The join round, the idle window and the leave, into ``phases`` (as far as they got).
+
+    Raises:
+        BenchError: a wait ran past its bound, a member failed, or a member process exited.
+    """
+    n, keys = s.members, Keys(PREFIX, "bench")
+    plans = [Plan(i, first, min(s.per_process, n - first), n, s.timeouts(), etcd.endpoint, "bench",
+                  str(workdir / f"members{i}.log")) for i, first in enumerate(range(0, n, s.per_process))]
+    progress(f"starting {len(plans)} member processes for {n} members")
+    procs = MemberProcesses(plans)
+    try:
+        def sample() -> dict[str, float]:
+            return {"window_s": time.monotonic(), "etcd_cpu_s": probe.etcd_cpu_s(),
+                    **{f"etcd_{k}": v for k, v in probe.metrics().items()}, **procs.counts()}
+
+        def measure_round(name: str, start: float, size: int, after: int, before: dict[str, float]) -> int:
+            procs.wait_until(lambda: procs.complete(size, after) is not None, ROUND_TIMEOUT_S,
+                             f"{name}: a generation of {size} learned by all")
+            gen = procs.complete(size, after)
+            assert gen is not None
+            settled_at, last = time.monotonic() + SETTLE_MAX_S, -1.0
+            while time.monotonic() < settled_at:
+                time.sleep(SETTLE_S)
+                now = procs.counts().get("member_watch_notifications", 0.0)
+                if now == last:
+                    break
+                last = now
+            counts = difference(before, sample())
+            published = published_times(client, keys).get(gen)
+            phases[name] = {**round_times(start, published, procs.learned_times(gen)), **counts,
+                            "generations": float(gen - after)}
+            return gen
+
+        progress(f"{n} members register at once")
+        s0 = sample()
+        for i in range(len(plans)):
+            procs.send(i, "register")
+        procs.wait_until(lambda: len(procs.registered) == n, ROUND_TIMEOUT_S, "the members to register")
+        registering = {"register_s": round(max(procs.registered.values()) - min(procs.registering.values()), 3)}
+        progress(f"join round: {n} members join at once")
+        s_join = sample()
+        for i in range(len(plans)):
+            procs.send(i, "join")
+        procs.wait_until(lambda: len(procs.joining) == n, ROUND_TIMEOUT_S, "the members to join")
+        phases["register"] = {**registering, **difference(s0, s_join)}
+        g1 = measure_round("join", min(procs.joining.values()), n, 0, s_join)
+        progress(f"idle for {IDLE_S:g} s")
+        s1 = sample()
+        time.sleep(IDLE_S)
+        s2 = sample()
+        phases["idle_per_s"] = {k: v / IDLE_S for k, v in difference(s1, s2).items()}
+        leaver = max((m for (m, g) in procs.learned if g == g1), key=lambda m: procs.learned[(m, g1)][0])
+        progress(f"leave: {leaver} (rank {procs.learned[(leaver, g1)][0]}) closes its membership")
+        procs.send(procs.owner[leaver], "leave", leaver)
+        procs.wait_until(lambda: leaver in procs.left, REPLY_TIMEOUT_S, "the leave")
+        measure_round("leave", procs.left[leaver], n - 1, g1, s2)
+    finally:
+        procs.stop()
+
+
+def published_times(client: EtcdClient, keys: Keys) -> dict[int, float]:
+    """generation -> when its ``generation_published`` event was written (the publisher's wall clock)."""
+    out: dict[int, float] = {}
+    for kv in client.get_prefix(keys.events):
+        event = decode_event(kv.value)
+        gen = event.detail.get("generation")
+        if event.kind == EventKind.GENERATION_PUBLISHED and isinstance(gen, int):
+            out[gen] = event.time
+    return out
+
+
+def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None = None) -> dict[str, object]:
+    """Start etcd (unless one is given: a fresh one, left running), calibrate, measure the rounds,
+    and model them; a round that could not be measured is named in ``errors`` (with the figures got
+    so far)."""
+    own = etcd is None
+    if etcd is None:
+        etcd = _TunedEtcd(s.etcd_max_txn_ops) if s.etcd_max_txn_ops else EtcdServer()
+        etcd.start()
+    timeouts = s.timeouts()
+    client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)), timeouts, RetryPolicy())
+    phases: dict[str, dict[str, float | None]] = {}
+    errors: list[str] = []
+    try:
+        probe = Probe(etcd)
+        progress("calibrating etcd's costs per operation")
+        costs = calibrate(client, probe, Keys(PREFIX, "calibrate"))
+        publish_wall = probe_publish_wall(client, Keys(PREFIX, "calibrate"))
+        try:
+            _measure(s, etcd, probe, client, workdir, phases)
+        except BenchError as exc:
+            errors.append(str(exc))
+    finally:
+        client.close()
+        if own:
+            etcd.stop()
+    sizes = Sizes.of(bench_record(s.members, LONGEST_PID), Keys(PREFIX, "bench"))
+    cores = float(len(os.sched_getaffinity(0)))  # the cores this process may run on (psutil counts the host's)
+    return {"settings": asdict(s), "etcd": "stock" if not s.etcd_max_txn_ops else f"--max-txn-ops {s.etcd_max_txn_ops}",
+            "cores": cores, "publish_wall": publish_wall, "phases": phases, "costs": asdict(costs), "sizes": asdict(sizes),
+            "walls": wall_thresholds(sizes), "model": model_rows(costs, sizes, timeouts, phases, s.members, cores),
+            "errors": errors}
+
+
+FIGURES = ("register_s", "published_s", "first_learned_s", "all_learned_s", "generations", "window_s", "etcd_requests",
+           "etcd_puts", "etcd_txns", "etcd_ranges", "etcd_deletes", "etcd_watch_events", "etcd_bytes_sent",
+           "etcd_cpu_s", "member_cpu_s")
+
+
+def render(result: Mapping[str, object]) -> str:
+    s, phases = result["settings"], result["phases"]
+    assert isinstance(s, dict) and isinstance(phases, dict)
+    procs = math.ceil(s["members"] / s["per_process"])
+    lines = [f"rendezvous: {s['members']} members, {s['per_process']} per process ({procs} processes), one "
+             f"local etcd ({result['etcd']}); lease TTL {s['lease_ttl_s']:g} s, keepalive {s['keepalive_s']:g} s "
+             f"and every other timeout elasticd's defaults", "",
+             f"{'figure':<28} {'register':>12} {'join':>12} {'idle, per s':>12} {'leave':>12}"]
+    names = list(FIGURES) + sorted({k for p in phases.values() for k in p if k.startswith("member_")} - set(FIGURES))
+    for name in names:
+        cells = [phases.get(p, {}).get(name) for p in ("register", "join", "idle_per_s", "leave")]
+        lines.append(f"{name:<28} " + " ".join(f"{fmt(c if c is None or c != int(c) else int(c)):>12}"
+                                                for c in cells))
+    costs = result["costs"]
+    assert isinstance(costs, dict)
+    lines += ["", "calibration (costs per operation, this run): " + ", ".join(
+        f"{k} {v * 1e6:.3g} us" if "byte" not in k else f"{k} {v * 1e9:.3g} ns" for k, v in costs.items())]
+    model = result["model"]
+    assert isinstance(model, list)
+    measured = [phases.get(p, {}).get("all_learned_s") for p in ("join", "leave")]
+    lines += ["", f"model of the current protocol, to the last member learned (predict(); here: all on "
+              f"{result['cores']:g} cores, to check against the measured {fmt(measured[0])} s join, "
+              f"{fmt(measured[1])} s leave; fleet: each member on its own host, etcd on {result['cores']:g} "
+              "cores); a join round's etcd CPU and bytes sent with the reads per member measured here ("
+              + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"]) + " per join, leave)",
+              f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
+              f"{'etcd cpu':>9} {'sent':>9}  walls on a stock etcd"]
+    for row in model:
+        lines.append(f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
+                     f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
+                     f"{row['join_bytes_sent'] / 1e9:>7.2f}GB  {'; '.join(row['walls']) or '-'}")
+    walls_at = result["walls"]
+    assert isinstance(walls_at, dict)
+    lines += ["", "walls of a stock etcd: " + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in
+                                                       walls_at.items() if n is not None)]
+    probe = result["publish_wall"]
+    assert isinstance(probe, dict)
+    lines += ["this etcd, sent the publish transaction of N members: " + "; ".join(
+        f"N = {n}: {answer}" for n, answer in probe.items())]
+    lines += [f"error: {e}" for e in result["errors"]]  # type: ignore[attr-defined]
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """``rendezvous``'s flags."""
+    d = RendezvousSettings()
+    p.add_argument("--members", type=int, default=d.members, help="lightweight members (N)")
+    p.add_argument("--per-process", type=int, default=d.per_process, help="members per process, as threads (K)")
+    p.add_argument("--etcd-max-txn-ops", type=int, default=d.etcd_max_txn_ops,
+                   help="raise etcd's --max-txn-ops (default: a stock etcd, 128) to measure past the publish wall")
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    """``rendezvous``: run it, print the figures; 1 when a round could not be measured."""
+    if args.members < 2 or args.per_process < 1:
+        raise SystemExit("--members must be >= 2 (one leaves) and --per-process >= 1")
+    s = RendezvousSettings(members=args.members, per_process=args.per_process, etcd_max_txn_ops=args.etcd_max_txn_ops)
+    return run_subcommand(args, "elasticd-bench-rendezvous-", lambda workdir: run_rendezvous(s, workdir), render)

@@ -1,0 +1,53 @@
+"""``python -m elasticd.bench rendezvous`` measures a small job of lightweight members end to end.
+
+Not a timed test: 20 members (10 per process) on the module's real etcd form one generation, one
+leaves and the 19 others form the next; the figures are checked for being measured and consistent
+with the protocol's counts, not against targets.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticd.bench.rendezvous import RendezvousSettings, render, run_rendezvous
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT
+
+N = 20
+
+
+@pytest.mark.timeout(90)
+def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    result = run_rendezvous(RendezvousSettings(members=N, per_process=10), tmp_path, etcd=etcd_server)
+    assert result["errors"] == [], result["errors"]
+    phases = result["phases"]
+    assert isinstance(phases, dict)
+    join, leave, idle = phases["join"], phases["leave"], phases["idle_per_s"]
+    for phase in (join, leave):
+        assert 0 < phase["published_s"] <= phase["all_learned_s"] < 30, phase
+        assert phase["first_learned_s"] <= phase["all_learned_s"]
+        assert phase["etcd_cpu_s"] > 0 and phase["member_cpu_s"] > 0
+        assert phase["member_reads"] >= N - 1 and phase["member_publish_wins"] >= 1
+    # every member's ready put and the publish's deletes reach every member: at least 2N^2 events
+    assert join["etcd_watch_events"] >= 2 * N * N, join
+    assert leave["etcd_watch_events"] >= 2 * (N - 1) ** 2, leave
+    register = phases["register"]
+    assert register["member_watches"] == 5 * N  # generation, abort, finished, members/, ready/
+    assert register["member_grant_lease"] == N and register["register_s"] > 0
+    assert idle["etcd_requests"] > 0  # renewals and the periodic re-reads
+    assert result["walls"]["publish_txn_ops"] == 127  # type: ignore[index]
+    assert result["publish_wall"] == {"126": "published",
+                                      "127": "refused: etcdserver: too many operations in txn request"}
+    assert "1000" in render(result) and "N >= 127" in render(result)
+    assert etcd_server.running()  # a given etcd is left running
+
+
+@pytest.mark.timeout(60)
+def test_the_command_line_refuses_fewer_than_two_members() -> None:
+    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "rendezvous", "--members", "1", "--json"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 1 and "--members must be >= 2" in proc.stderr

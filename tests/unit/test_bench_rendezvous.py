@@ -1,0 +1,170 @@
+"""The rendezvous bench's pure parts: the walls, the protocol's counts, the cost model, the report
+arithmetic, and the counting proxy (over the in-memory store)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+
+from elasticd.bench.rendezvous_members import CountingStore, bench_record
+from elasticd.bench.rendezvous_model import (
+    DEFAULT_READS_PER_MEMBER,
+    MODEL_N,
+    Costs,
+    RoundCounts,
+    Sizes,
+    current_protocol,
+    difference,
+    first_n,
+    model_rows,
+    parse_metrics,
+    predict,
+    publish_ops,
+    round_times,
+    wall_thresholds,
+    walls,
+)
+from elasticd.config import Timeouts
+from elasticd.errors import EtcdUnavailable
+from elasticd.store.kv import KeyValue
+from elasticd.wire.keys import Keys
+from tests.fakes import FakeKeyValueStore
+
+pytestmark = pytest.mark.timeout(30)
+
+KEYS = Keys("/elasticd", "bench")
+SIZES = Sizes.of(bench_record(7, 123456), KEYS)
+ZERO = Costs(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_sizes_count_keys_values_and_framing() -> None:
+    rec = bench_record(7, 123456)
+    assert rec.member_id == "node00007.0.123456"
+    assert SIZES.member_id == len(rec.member_id)
+    assert SIZES.member_kv > len(KEYS.member(rec.member_id)) + 64  # the signature alone is 64 bytes
+    assert SIZES.full_read(10) == 10 * SIZES.full_read(1)
+    assert SIZES.publish_request(100) - SIZES.publish_request(0) == 100 * (2 * (SIZES.member_id + 4) + SIZES.ready_key + 4)
+
+
+@pytest.mark.parametrize(("n", "txn_wall"), [(1, False), (126, False), (127, True), (1000, True)])
+def test_the_publish_txn_wall_is_at_127_members(n: int, txn_wall: bool) -> None:
+    assert publish_ops(n) == n + 2
+    assert any("--max-txn-ops 128" in w for w in walls(n, SIZES)) is txn_wall
+
+
+def test_wall_thresholds_are_the_first_n_over_each_limit() -> None:
+    at = wall_thresholds(SIZES)
+    assert at["publish_txn_ops"] == 127
+    for name, limit, size in (("publish_request_bytes", 1536 * 1024, SIZES.publish_request),
+                              ("full_read_grpc_message", 4 * 1024 * 1024, SIZES.full_read)):
+        n = at[name]
+        assert n is not None and size(n) > limit >= size(n - 1), name
+    # the read wall comes before the publish's bytes (a read carries whole records, the publish ids)
+    assert at["full_read_grpc_message"] < at["publish_request_bytes"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("threshold", "expected"), [(0, 1), (1, 2), (999, 1000), (10**6, None)])
+def test_first_n_bisects(threshold: int, expected: int | None) -> None:
+    assert first_n(lambda n: n > threshold) == expected
+
+
+@pytest.mark.parametrize(("n", "join_events", "leave_events"), [
+    (50, 5_050, 2 * 49 * 49 + 2 * 49),  # the issue's 5,050 at 50 members
+    (200, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
+])
+def test_current_protocol_events_are_quadratic(n: int, join_events: int, leave_events: int) -> None:
+    t = Timeouts()
+    join = current_protocol(n, 3.0, SIZES, t, leave=False)
+    leave = current_protocol(n, 3.0, SIZES, t, leave=True)
+    assert (join.events, leave.events) == (join_events, leave_events)
+    assert (join.members, leave.members) == (n, n - 1)
+    assert join.requests == n * 4 and leave.requests == n - 1
+    assert join.read_bytes == leave.read_bytes == SIZES.full_read(n)
+    assert (join.sweeps, leave.sweeps) == (4.0, 6.0)
+    assert (join.fixed_wait_s, leave.fixed_wait_s) == (0.0, t.abort_poll_s)
+
+
+def test_predict_adds_waits_writes_events_and_sweeps_of_reads() -> None:
+    r = RoundCounts(members=10, requests=100, events=1000, read_bytes=10_000, reads_per_member=5, sweeps=2,
+                    seq_writes=4, fixed_wait_s=0.25)
+    c = Costs(request_rtt_s=0.5, write_rtt_s=0.001, etcd_per_request_s=1e-4, etcd_per_event_s=1e-5, etcd_per_byte_s=1e-8,
+              member_per_request_s=2e-4, member_per_event_s=2e-5, member_per_byte_s=2e-8)
+    p = predict(r, c, cores=2)
+    read_etcd, read_member = 1e-4 + 1e-4, 2e-4 + 2e-4  # one request and 10 kB, on each side
+    base = 0.25 + 4 * 0.001
+    assert p.here_s == pytest.approx(base + 2 * 10 * (read_etcd + read_member) / 2 + (0.01 + 0.02 + 0.01 + 0.02) / 2)
+    assert p.fleet_s == pytest.approx(base + 2 * (10 * read_etcd / 2 + read_member) + (0.01 + 0.01) / 2 + 0.02 / 10)
+    assert p.etcd_cpu_s == pytest.approx(0.01 + 0.01 + 50 * read_etcd)  # the whole round's 50 reads
+    assert p.bytes_sent == 50 * 10_000
+
+
+def test_model_rows_use_the_measured_reads_and_name_the_walls() -> None:
+    phases = {"join": {"member_reads": 200.0}, "leave": {"member_reads": 49.0}}
+    rows = model_rows(ZERO, SIZES, Timeouts(), phases, 50, 2.0)
+    assert [r["members"] for r in rows] == [50, *MODEL_N]
+    assert rows[0]["reads_per_member"] == (4.0, 1.0)
+    assert rows[0]["walls"] == [] and rows[1]["walls"]
+    assert rows[0]["join_here_s"] == 0.0 and rows[0]["leave_here_s"] == pytest.approx(Timeouts().abort_poll_s)
+    assert rows[0]["join_bytes_sent"] == 50 * 4.0 * SIZES.full_read(50)
+    assert model_rows(ZERO, SIZES, Timeouts(), {}, 50, 2.0)[0]["reads_per_member"] == (DEFAULT_READS_PER_MEMBER,) * 2
+
+
+def test_parse_metrics_sums_counters_and_skips_watch_and_health_calls() -> None:
+    text = "\n".join([
+        "# HELP etcd_mvcc_put_total Total number of puts seen by this member.",
+        "etcd_mvcc_put_total 12",
+        "etcd_debugging_mvcc_events_total 5050",
+        'grpc_server_handled_total{grpc_code="OK",grpc_method="Range",grpc_service="etcdserverpb.KV",grpc_type="unary"} 7',
+        'grpc_server_handled_total{grpc_code="OK",grpc_method="Txn",grpc_service="etcdserverpb.KV",grpc_type="unary"} 3',
+        'grpc_server_handled_total{grpc_code="OK",grpc_method="Watch",grpc_service="etcdserverpb.Watch",grpc_type="bidi_stream"} 9',
+        'grpc_server_handled_total{grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health",grpc_type="unary"} 4',
+        "etcd_network_client_grpc_sent_bytes_total 1.5e+06",
+    ])
+    m = parse_metrics(text)
+    assert (m["puts"], m["watch_events"], m["requests"], m["bytes_sent"], m["txns"]) == (12, 5050, 10, 1.5e6, 0)
+
+
+def test_difference_and_round_times() -> None:
+    assert difference({"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 2.5, "c": 1.0}) == {"a": 3.0, "b": 0.5, "c": 1.0}
+    assert round_times(100.0, 100.5, [101.0, 103.25, 102.0]) == {
+        "published_s": 0.5, "first_learned_s": 1.0, "all_learned_s": 3.25}
+    assert round_times(100.0, None, []) == {"published_s": None, "first_learned_s": None, "all_learned_s": None}
+
+
+def test_counting_store_counts_reads_bytes_publishes_and_watch_notifications() -> None:
+    fake, counts, errors = FakeKeyValueStore(), Counter[str](), list[str]()
+    store = CountingStore(fake, counts, threading.Lock(), KEYS.generation, errors.append)
+    seen: list[int] = []
+    store.watch_prefix(KEYS.ready(""), lambda: seen.append(1))
+    store.put(KEYS.ready("a"), b"12345")
+    kvs: list[KeyValue] = store.get_prefixes([KEYS.ready("")])
+    assert store.compare_and_put(KEYS.generation, 0, b"g") is True
+    assert store.compare_and_put(KEYS.generation, 0, b"g") is False  # lost the race
+    lease = store.grant_lease(2.0)
+    assert store.refresh_lease(lease) > 0
+    store.revoke_lease(lease)
+    assert seen == [1]
+    assert counts == Counter(watches=1, watch_notifications=1, put=1, reads=1,
+                             bytes_read=len(kvs[0].key) + 5, publish_attempts=2, publish_wins=1,
+                             grant_lease=1, refresh_lease=1, revoke_lease=1)
+    assert errors == []
+
+
+@pytest.mark.parametrize(("why", "reported"), [
+    ("etcd rejected compare_and_put: too many operations in txn request", True),  # a limit: forever
+    ("etcd at 127.0.0.1:2379 did not answer compare_and_put after 6 attempts", False),  # load: retried
+])
+def test_counting_store_reports_a_refused_publish_and_counts_an_unanswered_one(why: str, reported: bool) -> None:
+    class Failing(FakeKeyValueStore):
+        def compare_and_put(self, *args: object, **kwargs: object) -> bool:
+            raise EtcdUnavailable(why)
+
+    errors: list[str] = []
+    counts: Counter[str] = Counter()
+    store = CountingStore(Failing(), counts, threading.Lock(), KEYS.generation, errors.append)
+    with pytest.raises(EtcdUnavailable):
+        store.compare_and_put(KEYS.generation, 0, b"g")
+    assert errors == ([f"publish: {why}"] if reported else [])
+    assert counts["unanswered"] == (0 if reported else 1) and counts["publish_attempts"] == 1
