@@ -95,8 +95,8 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
         except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
     if generation is not None:
-        for m in consumed(generation, generation_revision, ready_revision):
-            del ready[m], ready_order[m]
+        for mid in consumed(generation, generation_revision, ready_revision):
+            del ready[mid], ready_order[mid]
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
         committed_step, checkpoint=checkpoint,
