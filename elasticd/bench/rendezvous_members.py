@@ -277,9 +277,10 @@ class MemberProcesses:
             elif kind == "error":
                 self.errors.append(rest[0])
 
-    def complete(self, size: int, after: int = 0) -> int | None:
-        """The newest generation after ``after`` of ``size`` members that all of them learned."""
-        got = Counter(g for (_, g), (_, world, _) in self.learned.items() if g > after and world == size)
+    def complete(self, size: int, after: int = 0, since: float = 0.0) -> int | None:
+        """The newest generation after ``after`` of ``size`` members that all of them learned, each at
+        ``since`` (wall clock) or later."""
+        got = Counter(g for (_, g), (_, world, t) in self.learned.items() if g > after and world == size and t >= since)
         done = [g for g, k in got.items() if k == size]
         return max(done) if done else None
 

@@ -61,25 +61,30 @@ class Sizes:
         """One member's read while all N are registered and ready (and a generation lists them)."""
         return n * (self.member_kv + self.ready_kv + self.member_id + 4)
 
-    def publish_request(self, n: int) -> int:
+    def publish_request(self, n: int, deletes: bool = False) -> int:
         """The publish transaction: the generation record and its event (both list the N ids, as
-        ``"id", ``) and one delete per consumed ready key (key and framing), plus ~1 kB of rest."""
-        return 1024 + 2 * n * (self.member_id + 4) + n * (self.ready_key + 4)
+        ``"id", ``), plus ~1 kB of rest; ``deletes``: and one delete per consumed ready key (before
+        3fe7fcf)."""
+        return 1024 + 2 * n * (self.member_id + 4) + (n * (self.ready_key + 4) if deletes else 0)
 
 
-def publish_ops(n: int) -> int:
-    """Operations in the publish transaction (``Membership.join``): the generation put, one delete
-    per consumed ready key, the ``generation_published`` event put."""
-    return n + 2
+def publish_ops(n: int, deletes: bool = False) -> int:
+    """Operations in the publish transaction (``Membership.join``): the generation put and the
+    ``generation_published`` event put; ``deletes``: and one delete per consumed ready key, as
+    before 3fe7fcf (which consumes them by revision, ``wire.snapshot.consumed``)."""
+    return 2 + (n if deletes else 0)
 
 
-def walls(n: int, sizes: Sizes) -> list[str]:
-    """What stops a generation of ``n`` on a stock etcd (empty: nothing known)."""
+def walls(n: int, sizes: Sizes, deletes: bool = False) -> list[str]:
+    """What stops a generation of ``n`` on a stock etcd (empty: nothing known); ``deletes``: with the
+    publish of before 3fe7fcf."""
     out = []
-    if publish_ops(n) > STOCK_MAX_TXN_OPS:
-        out.append(f"publish txn has {publish_ops(n)} ops > --max-txn-ops {STOCK_MAX_TXN_OPS}: cannot publish")
-    if sizes.publish_request(n) > STOCK_MAX_REQUEST_BYTES:
-        out.append(f"publish request {sizes.publish_request(n) / 2**20:.2f} MiB > --max-request-bytes 1.5 MiB")
+    if publish_ops(n, deletes) > STOCK_MAX_TXN_OPS:
+        out.append(f"publish txn has {publish_ops(n, deletes)} ops > --max-txn-ops {STOCK_MAX_TXN_OPS}: "
+                   "cannot publish")
+    if sizes.publish_request(n, deletes) > STOCK_MAX_REQUEST_BYTES:
+        out.append(f"publish request {sizes.publish_request(n, deletes) / 2**20:.2f} MiB > --max-request-bytes "
+                   "1.5 MiB")
     if sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES:
         out.append(f"a full read {sizes.full_read(n) / 2**20:.2f} MiB > gRPC's 4 MiB message: members cannot read")
     return out
@@ -97,9 +102,13 @@ def first_n(over: Callable[[int], bool], limit: int = 10**6) -> int | None:
 
 
 def wall_thresholds(sizes: Sizes) -> dict[str, int | None]:
-    """The first N at which each wall of a stock etcd applies."""
+    """The first N at which each wall of a stock etcd applies (``*_before_3fe7fcf``: with the publish
+    that deleted the consumed ready keys)."""
     return {"publish_txn_ops": first_n(lambda n: publish_ops(n) > STOCK_MAX_TXN_OPS),
+            "publish_txn_ops_before_3fe7fcf": first_n(lambda n: publish_ops(n, True) > STOCK_MAX_TXN_OPS),
             "publish_request_bytes": first_n(lambda n: sizes.publish_request(n) > STOCK_MAX_REQUEST_BYTES),
+            "publish_request_bytes_before_3fe7fcf": first_n(
+                lambda n: sizes.publish_request(n, True) > STOCK_MAX_REQUEST_BYTES),
             "full_read_grpc_message": first_n(lambda n: sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES)}
 
 
@@ -131,11 +140,13 @@ class RoundCounts:
     fixed_wait_s: float  # waits the protocol imposes
 
 
-def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool) -> RoundCounts:
-    """The current protocol's round. Every member watches ``members/``, ``ready/`` and the generation,
-    so each ready put, each ready delete of the publish and the generation put reach all members
-    (join: 2N^2+N events; leave, with M = N-1 survivors: the leaver's delete, then 2M^2+M), and each
-    member re-reads both prefixes in full on an event. Reads are coalesced (events that arrive
+def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool,
+                     deletes: bool = False) -> RoundCounts:
+    """The current protocol's round (3fe7fcf). Every member watches ``members/``, ``ready/`` and the
+    generation, so each ready put and the generation put reach all members (join: N^2+N events;
+    leave, with M = N-1 survivors: the leaver's delete, then M^2+M); ``deletes``: the publish also
+    deleted the N consumed ready keys, each reaching all members, as before 3fe7fcf (join 2N^2+N,
+    leave 2M^2+2M). Each member re-reads both prefixes in full on an event. Reads are coalesced (events that arrive
     during a read cause one more), so while events arrive every member reads back to back: a
     "sweep". The generation is published at most ~2 sweeps after the last ready record lands (the
     read in flight missed it, the next one sees it) and learned by all ~2 sweeps later: 4 sweeps
@@ -145,7 +156,7 @@ def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Ti
     ``reads_per_member`` (measured) counts the whole round's reads, its tail after the last
     member learned included: it gives the round's etcd CPU and bytes, not its time."""
     m = n - 1 if leave else n
-    events = 2 * m * m + m + (m if leave else 0)
+    events = (2 if deletes else 1) * m * m + m + (m if leave else 0)
     fixed = LEAVE_FIXED_REQUESTS if leave else JOIN_FIXED_REQUESTS
     return RoundCounts(m, m * fixed, events, sizes.full_read(n), reads_per_member,
                        LEAVE_SWEEPS if leave else JOIN_SWEEPS, LEAVE_SEQ_WRITES if leave else JOIN_SEQ_WRITES,

@@ -387,6 +387,10 @@ class Membership:
                 self._etcd.answered(False, str(exc))
                 self._stop.wait(self._timeouts.keepalive_s)
                 continue
+            except LeaseLost as exc:  # the lease granted anew expired too (an overloaded host): again
+                last_reason, ready_written = f"lease lost while registering: {str(exc)[:200]}", False
+                self._stop.wait(self._timeouts.keepalive_s)
+                continue
             self._etcd.answered(True)
             if resume is not None and should_load_checkpoint(snap, ready.committed_step):
                 held = resume(ready.committed_step)
@@ -436,6 +440,10 @@ class Membership:
                     )
             except EtcdUnavailable as exc:
                 excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
+                self._stop.wait(self._timeouts.keepalive_s)
+                continue
+            except LeaseLost as exc:  # re-registering raced the lease's expiry: the next round re-registers
+                last_reason = f"lease lost while registering: {str(exc)[:200]}"
                 self._stop.wait(self._timeouts.keepalive_s)
                 continue
             if action.kind is ActionKind.PUBLISH:

@@ -2,7 +2,7 @@
 
 Not a timed test: 20 members (10 per process) on the module's real etcd form one generation, one
 leaves and the 19 others form the next; the figures are checked for being measured and consistent
-with the protocol's counts, not against targets.
+with each other, not against targets, nor against one protocol's counts (it may change).
 """
 
 from __future__ import annotations
@@ -31,18 +31,15 @@ def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_pat
         assert 0 < phase["published_s"] <= phase["all_learned_s"] < 30, phase
         assert phase["first_learned_s"] <= phase["all_learned_s"]
         assert phase["etcd_cpu_s"] > 0 and phase["member_cpu_s"] > 0
-        assert phase["member_reads"] >= N - 1 and phase["member_publish_wins"] >= 1
-    # every member's ready put and the publish's deletes reach every member: at least 2N^2 events
-    assert join["etcd_watch_events"] >= 2 * N * N, join
-    assert leave["etcd_watch_events"] >= 2 * (N - 1) ** 2, leave
+        assert phase["member_reads"] > 0 and phase["etcd_puts"] > 0
+        assert phase["etcd_watch_events"] >= phase["generations"] * (N - 1)  # each member hears of it
+    # (how many events and reads a round takes is the protocol's: the model's unit tests hold them)
     register = phases["register"]
-    assert register["member_watches"] == 5 * N  # generation, abort, finished, members/, ready/
-    assert register["member_grant_lease"] == N and register["register_s"] > 0
+    assert register["member_watches"] >= N and register["member_grant_lease"] == N and register["register_s"] > 0
     assert idle["etcd_requests"] > 0  # renewals and the periodic re-reads
-    assert result["walls"]["publish_txn_ops"] == 127  # type: ignore[index]
-    assert result["publish_wall"] == {"126": "published",
-                                      "127": "refused: etcdserver: too many operations in txn request"}
-    assert "1000" in render(result) and "N >= 127" in render(result)
+    assert result["walls"]["publish_txn_ops_before_3fe7fcf"] == 127  # type: ignore[index]
+    assert result["txn_wall"] == {"128": "accepted", "129": "refused: etcdserver: too many operations in txn request"}
+    assert "16000" in render(result) and "N >= 127" in render(result)
     assert etcd_server.running()  # a given etcd is left running
 
 

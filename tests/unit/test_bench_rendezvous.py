@@ -45,19 +45,24 @@ def test_sizes_count_keys_values_and_framing() -> None:
     assert SIZES.member_id == len(rec.member_id)
     assert SIZES.member_kv > len(KEYS.member(rec.member_id)) + 64  # the signature alone is 64 bytes
     assert SIZES.full_read(10) == 10 * SIZES.full_read(1)
-    assert SIZES.publish_request(100) - SIZES.publish_request(0) == 100 * (2 * (SIZES.member_id + 4) + SIZES.ready_key + 4)
+    assert SIZES.publish_request(100) - SIZES.publish_request(0) == 100 * 2 * (SIZES.member_id + 4)
+    assert SIZES.publish_request(100, deletes=True) - SIZES.publish_request(100) == 100 * (SIZES.ready_key + 4)
 
 
 @pytest.mark.parametrize(("n", "txn_wall"), [(1, False), (126, False), (127, True), (1000, True)])
-def test_the_publish_txn_wall_is_at_127_members(n: int, txn_wall: bool) -> None:
-    assert publish_ops(n) == n + 2
-    assert any("--max-txn-ops 128" in w for w in walls(n, SIZES)) is txn_wall
+def test_the_publish_txn_wall_was_at_127_members_while_the_publish_deleted_the_ready_keys(n: int,
+                                                                                          txn_wall: bool) -> None:
+    assert publish_ops(n) == 2 and publish_ops(n, deletes=True) == n + 2
+    assert any("--max-txn-ops 128" in w for w in walls(n, SIZES, deletes=True)) is txn_wall
+    assert not any("--max-txn-ops" in w for w in walls(n, SIZES))
 
 
 def test_wall_thresholds_are_the_first_n_over_each_limit() -> None:
     at = wall_thresholds(SIZES)
-    assert at["publish_txn_ops"] == 127
+    assert at["publish_txn_ops"] is None and at["publish_txn_ops_before_3fe7fcf"] == 127
     for name, limit, size in (("publish_request_bytes", 1536 * 1024, SIZES.publish_request),
+                              ("publish_request_bytes_before_3fe7fcf", 1536 * 1024,
+                               lambda n: SIZES.publish_request(n, deletes=True)),
                               ("full_read_grpc_message", 4 * 1024 * 1024, SIZES.full_read)):
         n = at[name]
         assert n is not None and size(n) > limit >= size(n - 1), name
@@ -70,14 +75,15 @@ def test_first_n_bisects(threshold: int, expected: int | None) -> None:
     assert first_n(lambda n: n > threshold) == expected
 
 
-@pytest.mark.parametrize(("n", "join_events", "leave_events"), [
-    (50, 5_050, 2 * 49 * 49 + 2 * 49),  # the 5,050 at 50 members
-    (200, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
+@pytest.mark.parametrize(("n", "deletes", "join_events", "leave_events"), [
+    (50, True, 5_050, 2 * 49 * 49 + 2 * 49),  # the 5,050 at 50 members (before 3fe7fcf)
+    (200, True, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
+    (50, False, 2_550, 49 * 49 + 2 * 49),  # 3fe7fcf: the ready records are no longer deleted
 ])
-def test_current_protocol_events_are_quadratic(n: int, join_events: int, leave_events: int) -> None:
+def test_current_protocol_events_are_quadratic(n: int, deletes: bool, join_events: int, leave_events: int) -> None:
     t = Timeouts()
-    join = current_protocol(n, 3.0, SIZES, t, leave=False)
-    leave = current_protocol(n, 3.0, SIZES, t, leave=True)
+    join = current_protocol(n, 3.0, SIZES, t, leave=False, deletes=deletes)
+    leave = current_protocol(n, 3.0, SIZES, t, leave=True, deletes=deletes)
     assert (join.events, leave.events) == (join_events, leave_events)
     assert (join.members, leave.members) == (n, n - 1)
     assert join.requests == n * 4 and leave.requests == n - 1
@@ -105,7 +111,7 @@ def test_model_rows_use_the_measured_reads_and_name_the_walls() -> None:
     rows = model_rows(ZERO, SIZES, Timeouts(), phases, 50, 2.0)
     assert [r["members"] for r in rows] == [50, *MODEL_N]
     assert rows[0]["reads_per_member"] == (4.0, 1.0)
-    assert rows[0]["walls"] == [] and rows[1]["walls"]
+    assert rows[0]["walls"] == rows[1]["walls"] == [] and "gRPC" in str(rows[3]["walls"])  # 16,000: the read
     assert rows[0]["join_here_s"] == 0.0 and rows[0]["leave_here_s"] == pytest.approx(Timeouts().abort_poll_s)
     assert rows[0]["join_bytes_sent"] == 50 * 4.0 * SIZES.full_read(50)
     assert model_rows(ZERO, SIZES, Timeouts(), {}, 50, 2.0)[0]["reads_per_member"] == (DEFAULT_READS_PER_MEMBER,) * 2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,14 +21,6 @@ ADAM_AMSGRAD: Optim = lambda m: torch.optim.Adam(m.parameters(), lr=0.02, amsgra
 OPTIMIZERS = {"sgd_momentum": SGD_MOMENTUM, "adam": ADAM, "adam_amsgrad": ADAM_AMSGRAD}
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rng() -> Iterator[None]:
-    """unpack() sets the global RNG; do not leak that into other tests."""
-    saved = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved)
 
 
 def make_model(seed: int, hidden: int = 8, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

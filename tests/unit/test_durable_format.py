@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,6 @@ from tests.unit.test_checkpoint import make_state, train
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rng() -> Iterator[None]:
-    saved = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved)
 
 
 def writer(directory: Path, keep: int = 3, every_steps: int = 1) -> CheckpointWriter:

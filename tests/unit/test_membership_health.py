@@ -50,3 +50,27 @@ def test_a_current_snapshot_that_lost_a_member_abandons() -> None:
     store.delete(KEYS.member("b"))
     a._update_health(a.snapshot())
     assert a.must_abandon() and "b" in a.abandon_reason
+
+
+def test_a_lease_lost_again_while_re_registering_is_retried_in_the_join() -> None:
+    """On an overloaded host the lease granted anew can expire before the ready record is written:
+    the join tries again (bounded by its deadline) instead of letting ``LeaseLost`` escape."""
+    from elasticd.errors import LeaseLost
+    from elasticd.retry import Deadline
+
+    class Flaky(FakeKeyValueStore):
+        fails = 3
+
+        def put(self, key: str, value: bytes, lease: int = 0) -> None:
+            if "/ready/" in key and self.fails:
+                self.fails -= 1
+                raise LeaseLost("put: the lease no longer exists")
+            super().put(key, value, lease)
+
+    store = Flaky(ManualClock())
+    rec = MemberRecord(member_id="a", node="n", local_rank=0, pid=1, host="127.0.0.1", store_port=1, signature="s")
+    m = Membership(store, KEYS, rec, WorldConfig(job_id="j", min_workers=1),
+                   Timeouts(keepalive_s=0.01, join_window_s=0.01, last_call_s=0.01))
+    m._register()
+    joined = m.join(-1, Deadline.after(10))
+    assert joined.generation == 1 and store.fails == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict, namedtuple
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -23,13 +23,6 @@ from tests.unit.test_checkpoint import make_model
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rng() -> Iterator[None]:
-    saved = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved)
 
 
 # -- the encoding, pure ---------------------------------------------------------------------------
