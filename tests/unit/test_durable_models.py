@@ -38,10 +38,6 @@ pytestmark = pytest.mark.timeout(60)
 A, B = "a" * 64, "b" * 64
 
 
-from tests.unit.test_checkpoint import (
-    _keep_global_rng,  # noqa: E402, F401 (autouse fixture: the global RNG is restored)
-)
-
 # -- retention, pure ----------------------------------------------------------------------------
 
 
