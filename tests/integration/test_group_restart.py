@@ -84,6 +84,9 @@ class Run:
     def events(self, node: str, name: str) -> list[dict[str, object]]:
         return log_events(self.root / f"agent-{node}.log", name)
 
+    def nodes(self) -> list[str]:
+        return [p.name[len("agent-"):-len(".log")] for p in sorted(self.root.glob("agent-*.log"))]
+
     def tail(self, n: int = 30) -> str:
         return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
                          for p in sorted(self.root.glob("*.log")))
@@ -150,10 +153,21 @@ def _kill_worker_midway(run: Run, node: str, local_rank: int) -> tuple[float, in
 def _check_restarted_and_consistent(run: Run, world: int, killed_at: float, step_at_kill: int, reference: str) -> float:
     """Every rank was restarted, resumed from a checkpoint at or before the kill, replayed without a
     gap to the target, and ended with the fault-free parameters. Returns the recovery time."""
+    # torch itself sometimes aborts a plain torchrun worker (TORCH_EXIT_ABORT, SIGABRT; no elasticd
+    # code runs in it): the agent then restarts the group once more, which is right. Each such
+    # abort adds a start; the restart after the kill is still checked, and the last one to the end.
+    aborts = {int(str(e["round"])) for n in run.nodes() for e in run.events(n, "worker_exited") if e.get("signal") == 6}
+    if aborts:
+        assert TORCH_EXIT_ABORT in run.tail(5000), aborts
     for rank in range(world):
         rows = run.records(rank)
         starts = [r for r in rows if r["event"] == "start"]
-        assert len(starts) == 2, (rank, starts)  # the first start, and the restart
+        assert len(starts) == 2 + len(aborts), (rank, starts, aborts)  # the first start, the restart(s)
+        if aborts:
+            last = starts[-1]
+            tail_steps = [int(r["step"]) for r in rows
+                          if r["event"] == "step" and r["restart_count"] == last["restart_count"]]
+            assert tail_steps == list(range(int(last["resumed_from"]) + 1, STEPS + 1)), (rank, tail_steps[:5])
         again = starts[1]
         assert again["restart_count"] == 1 and again["world_size"] == world
         resumed = int(again["resumed_from"])
@@ -163,7 +177,10 @@ def _check_restarted_and_consistent(run: Run, world: int, killed_at: float, step
         assert before >= step_at_kill, (before, step_at_kill)
         assert resumed % SAVE_EVERY == 0 and 0 < before - SAVE_EVERY <= resumed <= before, (resumed, before)
         after = [int(r["step"]) for r in rows if r["event"] == "step" and r["restart_count"] == 1]
-        assert after == list(range(resumed + 1, STEPS + 1)), (rank, after[:5], after[-5:])
+        if aborts:  # the restart after the kill was cut short by torch's abort: contiguous from resumed
+            assert after == list(range(resumed + 1, resumed + 1 + len(after))), (rank, after[:5], after[-5:])
+        else:
+            assert after == list(range(resumed + 1, STEPS + 1)), (rank, after[:5], after[-5:])
     finals = run.finals(world)
     assert {f["step"] for f in finals} == {STEPS}
     assert {f["checksum"] for f in finals} == {reference}, (finals, reference)
