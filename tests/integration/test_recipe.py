@@ -23,6 +23,7 @@ a late one (the LR decayed to 1 %) moves them less, and only the exact counts ca
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import signal
 import sys
@@ -95,20 +96,27 @@ def _losses(rep) -> torch.Tensor:
     return torch.tensor([rep.losses[s] for s in range(1, STEPS + 1)])
 
 
-def _run_fault_free(local_job):
-    job = local_job(min_workers=3, join_window_s=3)
-    for i in range(3):
-        job.spawn(*ARGS, "--save-final", str(job.dir / f"final{i}.pt"), program="agents/recipe.py")
-    assert job.wait_all(150) == [0, 0, 0], job.logs_tail()
-    rep = job.audit(SAMPLES)
-    assert rep.ok, rep.violations
-    return job, rep
+@pytest.fixture(scope="module")
+def fault_free(etcd_server, tmp_path_factory):
+    """The fault-free run both comparisons use: (its final state, its audit), run once."""
+    from tests.conftest import LocalJob
+
+    job = LocalJob(etcd_server, tmp_path_factory.mktemp("fault_free"), min_workers=3, join_window_s=3)
+    job.job_id = f"recipe-fault-free-{os.getpid()}"  # this module's import of conftest counts job ids anew
+    try:
+        for i in range(3):
+            job.spawn(*ARGS, "--save-final", str(job.dir / f"final{i}.pt"), program="agents/recipe.py")
+        assert job.wait_all(150) == [0, 0, 0], job.logs_tail()
+        rep = job.audit(SAMPLES)
+        assert rep.ok, rep.violations
+        (final,) = _finals(job)
+        return final, rep
+    finally:
+        job.stop()
 
 
-def test_two_failures_and_a_join_end_like_a_fault_free_run_and_a_restart_continues_the_curve(
-        local_job, tmp_path: Path) -> None:
-    ref_job, ref = _run_fault_free(local_job)
-    (ref_final,) = _finals(ref_job)
+def test_two_failures_and_a_join_end_like_a_fault_free_run(local_job, fault_free) -> None:
+    ref_final, ref = fault_free
 
     job = local_job(min_workers=1, join_window_s=3)
     for i in range(3):
@@ -130,9 +138,8 @@ def test_two_failures_and_a_join_end_like_a_fault_free_run_and_a_restart_continu
     torch.testing.assert_close(_losses(rep), _losses(ref), rtol=0, atol=TOL)
 
 
-def test_a_full_restart_from_a_durable_checkpoint_continues_the_curve(local_job, tmp_path: Path) -> None:
-    ref_job, ref = _run_fault_free(local_job)
-    (ref_final,) = _finals(ref_job)
+def test_a_full_restart_from_a_durable_checkpoint_continues_the_curve(local_job, fault_free, tmp_path: Path) -> None:
+    ref_final, ref = fault_free
     ckpt = tmp_path / "ckpt"
     first = local_job(min_workers=3, join_window_s=3, checkpoint_dir=ckpt, checkpoint_every_steps=10)
     for i in range(3):
