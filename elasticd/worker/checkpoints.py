@@ -12,7 +12,7 @@ decides who is rank 0 or when a job resumes (the membership does), and never wri
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import structlog
@@ -44,6 +44,9 @@ class Checkpoints:
         self._job_id, self._node = job_id, node
         self._state, self._journal = state, journal
         self._generation = [0]  # of the last save started (recorded with a failed save)
+        # Record a failed save (on the writer thread). A plain function, not a method: the writer
+        # holding self kept the journal, the store client and the membership alive after close.
+        self.on_failed = _failure_recorder(journal, self.directory, self._generation)
         self._writer: CheckpointWriter | None = None
         self.resumed_from: LoadedCheckpoint | None = None  # the checkpoint this member's state came from
 
@@ -57,25 +60,14 @@ class Checkpoints:
             return
         c = self.config
         if self._writer is None:
-            # the writer's callbacks must not hold self: a cycle kept the journal, the store client
-            # and the membership alive after close until a garbage collection
-            journal, directory, gen = self._journal, self.directory, self._generation
-
-            def on_failed(step: int, exc: Exception) -> None:  # on the writer thread
-                journal.save_failed(step, exc, gen[0], directory)
-
             self._writer = CheckpointWriter(
                 self.directory, job_id=self._job_id, node=self._node, signature=self._state.signature,
                 every_steps=c.checkpoint_every_steps, every_s=c.checkpoint_every_s, keep=c.checkpoint_keep,
-                wait_s=c.checkpoint_wait_s, on_saved=journal.checkpoint_saved, on_failed=on_failed,
+                wait_s=c.checkpoint_wait_s, on_saved=self._journal.checkpoint_saved, on_failed=self.on_failed,
             )
         if self._writer.due(step):
             self._generation[0] = generation
             self._writer.save(self._state, generation)
-
-    def on_failed(self, step: int, exc: Exception) -> None:
-        """Record a failed save (``Journal.save_failed``), as the writer thread does."""
-        self._journal.save_failed(step, exc, self._generation[0], self.directory)
 
     def resume(self, held_step: int) -> int:
         """Called by the rendezvous when no live member holds the job's state: load the newest good
@@ -121,6 +113,13 @@ class Checkpoints:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()  # the write in flight finishes (bounded) and is published
+
+
+def _failure_recorder(journal: Journal, directory: Path, generation: list[int]) -> Callable[[int, Exception], None]:
+    def on_failed(step: int, exc: Exception) -> None:
+        journal.save_failed(step, exc, generation[0], directory)
+
+    return on_failed
 
 
 def load_initial(path: str | Path, model: torch.nn.Module, others: Mapping[str, object]) -> list[str]:

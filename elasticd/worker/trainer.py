@@ -212,7 +212,7 @@ class ElasticTrainer:
             return
         self._closed = True
         if clean:
-            self._saved()  # a save due after the last commit (the loop was left with break)
+            self._save_if_due()  # a save due after the last commit (the loop was left with break)
         if self.group is not None:
             self._last_rank, self._last_world = self.group.rank, self.group.world_size
         if clean and self._finished_together and self._membership is not None:
@@ -265,11 +265,10 @@ class ElasticTrainer:
         assert self._membership is not None
         return self._membership
 
-    def _saved(self) -> bool:  # a durable save due since the last commit starts now; always True
+    def _save_if_due(self) -> None:  # a durable save due since the last commit starts now
         if self._save_due and self.group is not None:
             self.checkpoints.maybe_save(self.state.counters.step, self.group.generation)
         self._save_due = False
-        return True
 
     def _ensure_joined(self) -> None:
         if self.group is None and self._need_rendezvous and not self._closed:
@@ -294,7 +293,8 @@ class ElasticTrainer:
         self.data.check_ready()
         membership = self._started()
         try:
-            while self._saved() and self.state.counters.step < max_steps:
+            while self.state.counters.step < max_steps:
+                self._save_if_due()
                 if self._drained or self._job_finished:
                     return
                 if self._need_rendezvous or membership.must_abandon():
@@ -320,6 +320,7 @@ class ElasticTrainer:
                 if self._open is not None and self._open.tally is not None:
                     raise RuntimeError("trainer.commit() must follow a backward(loss) that returned True")
                 self._open = None
+            self._save_if_due()
             self._finished_together = True
         finally:
             if self._auto:
