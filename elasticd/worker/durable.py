@@ -127,7 +127,7 @@ def _write_parts(tmp: Path, parts: list[memoryview], size: int | None) -> None:
     while True:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, 0o640)  # the model is the job's: never world-readable
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 direct = False
@@ -341,7 +341,7 @@ class CheckpointWriter:
 
     def _write(self, job: _Job) -> SavedCheckpoint:
         started = time.monotonic()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)  # as its files: not for other users
         seq = self._next_seq()
         name = checkpoint_name(seq, job.step)
         layout = json.loads(job.layout)

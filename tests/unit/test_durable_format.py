@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pickle
+import stat
 import zlib
 from pathlib import Path
 
@@ -208,6 +209,23 @@ def test_schedule_by_steps_and_by_time(tmp_path: Path) -> None:
     assert not t.due(1)
     now[0] += 30.0
     assert t.due(2)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask_022", "umask_000"])
+def test_checkpoints_and_manifests_are_0640_in_a_0750_directory_whatever_the_umask(tmp_path: Path,
+                                                                                   umask: int) -> None:
+    # Outside the unit's UMask=0027 (a worker started by hand, under the usual 022 or none at all),
+    # a checkpoint holds the model and is still no other user's to read.
+    directory = tmp_path / "ckpt" / "job"
+    previous = os.umask(umask)
+    try:
+        save_steps(directory, [2, 4])
+    finally:
+        os.umask(previous)
+    files = [p for e in scan(directory) for p in (e.data_path, e.manifest_path) if p is not None]
+    assert sorted(p.suffix for p in files) == [".ckpt", ".ckpt", ".json", ".json"]
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: "0o640" for p in files}
+    assert oct(stat.S_IMODE(directory.stat().st_mode)) == "0o750"
 
 
 def _round_trip(directory: Path) -> Path:

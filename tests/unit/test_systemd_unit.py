@@ -1,5 +1,7 @@
-"""``systemd/``: the unit passes ``systemd-analyze verify``, every directive says why, and the
-example configuration agrees with the unit and with ``elasticd.config`` and ``elasticd.settings``.
+"""``systemd/``: the unit passes ``systemd-analyze verify``, every directive says why, its hardening
+rates at most 4.0 in ``systemd-analyze security`` without switching off what training needs, the
+install steps create the user it runs as, and the example configuration agrees with the unit and
+with ``elasticd.config`` and ``elasticd.settings``.
 
 STYLE: Type=notify, Restart=on-failure, KillMode=mixed with TimeoutStopSec > shutdown_grace,
 PYTHONUNBUFFERED=1, and every directive carries a comment saying why.
@@ -123,6 +125,35 @@ def test_every_directive_is_preceded_by_a_comment() -> None:
     assert bare == [], "directives without a comment line right above them:\n" + "\n".join(bare)
 
 
+# The hardening (issue 14): with these (and ProtectSystem=strict, PrivateTmp=yes, ProtectHome=read-only,
+# NotifyAccess=main), systemd 252's `systemd-analyze security --offline=yes` rates the unit 3.8 (the
+# target is at most 4.0; it was 9.0 as root). What is still counted against it is what training
+# needs: devices, W+X memory, the network, all system calls, and the clock (ProtectClock=, see the unit).
+HARDENING: list[tuple[str, str, str]] = [
+    ("[Service]", "User", "elasticd"),
+    ("[Service]", "Group", "elasticd"),
+    ("[Service]", "SupplementaryGroups", "video render"),  # GPU device nodes on some distributions
+    ("[Service]", "CapabilityBoundingSet", ""),
+    ("[Service]", "AmbientCapabilities", ""),
+    ("[Service]", "NoNewPrivileges", "yes"),
+    ("[Service]", "UMask", "0027"),
+    ("[Service]", "StateDirectoryMode", "0750"),
+    ("[Service]", "CacheDirectoryMode", "0750"),
+    ("[Service]", "PrivateMounts", "yes"),
+    ("[Service]", "RemoveIPC", "yes"),
+    ("[Service]", "ProtectKernelTunables", "yes"),
+    ("[Service]", "ProtectKernelModules", "yes"),
+    ("[Service]", "ProtectKernelLogs", "yes"),
+    ("[Service]", "ProtectControlGroups", "yes"),
+    ("[Service]", "ProtectProc", "invisible"),
+    ("[Service]", "ProtectHostname", "yes"),
+    ("[Service]", "RestrictNamespaces", "yes"),
+    ("[Service]", "RestrictSUIDSGID", "yes"),
+    ("[Service]", "LockPersonality", "yes"),
+    ("[Service]", "RestrictRealtime", "yes"),
+    ("[Service]", "SystemCallArchitectures", "native"),
+]
+
 REQUIRED: list[tuple[str, str, str]] = [
     ("[Unit]", "Wants", "network-online.target"),
     ("[Unit]", "After", "network-online.target"),
@@ -133,12 +164,14 @@ REQUIRED: list[tuple[str, str, str]] = [
     ("[Service]", "Restart", "on-failure"),
     ("[Service]", "KillMode", "mixed"),
     ("[Service]", "KillSignal", "SIGTERM"),
-    ("[Service]", "NoNewPrivileges", "yes"),
     ("[Service]", "ProtectSystem", "strict"),
     ("[Service]", "ReadWritePaths", "/var/lib/elasticd"),
+    ("[Service]", "StateDirectory", "elasticd"),
+    ("[Service]", "CacheDirectory", "elasticd"),
     ("[Service]", "PrivateTmp", "yes"),
     ("[Service]", "ProtectHome", "read-only"),
     ("[Install]", "WantedBy", "multi-user.target"),
+    *HARDENING,
 ]
 
 
@@ -153,10 +186,51 @@ def test_unit_environment() -> None:
     assert "OMP_NUM_THREADS=1" in assigned
 
 
+# Settings that break training, each absent or explicitly "no". GPUs and InfiniBand are device
+# nodes (any device allow-list closes the rest, and ProtectClock=yes implies one before systemd 252);
+# JITs (CUDA, NVRTC, Triton) need W+X memory; workers talk TCP, netlink and AF_UNIX to peers and
+# etcd; CUDA drivers use unusual calls; PyTorch and psutil read /proc/meminfo and /proc/cpuinfo.
+MAY_BE_NO = {"PrivateDevices", "MemoryDenyWriteExecute", "PrivateNetwork", "ProtectClock", "PrivateUsers"}
+ABSENT = {"DevicePolicy", "DeviceAllow", "IPAddressDeny", "RestrictAddressFamilies", "SystemCallFilter",
+          "ProcSubset"}
+
+
 def test_unit_has_no_settings_that_break_training() -> None:
-    keys = {k for _, _, k, _ in _directives(UNIT.read_text())}
-    # GPUs are device nodes; JITs (Triton, NVRTC) need W+X memory; workers talk TCP to peers.
-    assert not keys & {"PrivateDevices", "MemoryDenyWriteExecute", "PrivateNetwork", "DevicePolicy"}
+    settings = [(k, v) for _, _, k, v in _directives(UNIT.read_text())]
+    assert [(k, v) for k, v in settings if k in MAY_BE_NO and v != "no"] == []
+    assert [(k, v) for k, v in settings if k in ABSENT] == []
+
+
+def test_the_install_creates_the_user_and_directories_the_unit_runs_with() -> None:
+    install = (SYSTEMD_DIR / "README.md").read_text()
+    (user,) = _values("User")
+    (group,) = _values("Group")
+    assert re.search(rf"useradd --system (--\S+ )*--home-dir /var/lib/{user} --shell /usr/sbin/nologin {user}\n",
+                     install)
+    for extra in _values("SupplementaryGroups")[0].split():
+        assert re.search(rf"usermod .*-aG .*\b{extra}\b.* {user}", install), extra
+    checkpoint_dir = tomllib.loads(TOML_EXAMPLE.read_text())["checkpoint_dir"]
+    assert f"install -d -o {user} -g {group} -m 0750 /var/lib/{user} {checkpoint_dir}" in install
+
+
+# -- systemd-analyze security ----------------------------------------------------------------------
+
+OFFLINE_SINCE = 250  # `systemd-analyze security --offline=` first shipped in systemd 250
+MAX_EXPOSURE = 4.0  # issue 14: "OK" or better on systemd's 0 (safe) to 10 (unsafe) scale
+
+
+def test_systemd_analyze_security_exposure(analyze: str) -> None:
+    version = subprocess.run([analyze, "--version"], capture_output=True, text=True, timeout=30).stdout
+    match = re.match(r"systemd (\d+)", version)
+    if match is None or int(match.group(1)) < OFFLINE_SINCE:
+        pytest.skip(f"{analyze} ({(version.splitlines() or ['version unknown'])[0]}) cannot rate a unit "
+                    f"file: `security --offline=yes` needs systemd >= {OFFLINE_SINCE}")
+    proc = subprocess.run([analyze, "security", "--offline=yes", "--no-pager", str(UNIT)],
+                          capture_output=True, text=True, timeout=45)
+    overall = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", proc.stdout)
+    assert overall, proc.stdout + proc.stderr
+    failing = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("\N{BALLOT X}"))
+    assert float(overall.group(1)) <= MAX_EXPOSURE, f"exposure {overall.group(1)}; counted against it:\n{failing}"
 
 
 def test_stop_timeout_covers_a_drain() -> None:
