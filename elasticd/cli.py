@@ -7,8 +7,9 @@ Holds no logic that tests cannot reach without argv: the read model and its rend
 
 Usage::
 
-    elasticctl [--etcd HOST:PORT[,HOST:PORT]] [--prefix /elasticd] [--etcd-ca-cert FILE]
+    elasticctl [--etcd [https://]HOST:PORT[,...]] [--prefix /elasticd] [--etcd-ca-cert FILE]
                [--etcd-cert-cert FILE --etcd-cert-key FILE] [--etcd-user NAME [--etcd-password-file FILE]]
+               [--insecure]
                status [--job ID] [--json] [--watch [--interval S]] [--min-workers N] [--max-workers N]
                       [--stall-after-s S]
     elasticctl [...] drain NODE [--job ID] [--wait [--timeout S]]
@@ -17,6 +18,9 @@ Usage::
 The etcd TLS and auth flags default to ``ELASTICD_ETCD_CA_CERT``, ``..._CERT_CERT``,
 ``..._CERT_KEY``, ``..._USER`` and ``..._PASSWORD_FILE``; the password can also come from
 ``ELASTICD_ETCD_PASSWORD`` (there is no password flag: a command line is visible to every user).
+``https://`` endpoints talk TLS (trusting the system's CA bundle unless ``--etcd-ca-cert`` is
+given). A user's password is not sent in plaintext to an etcd off loopback unless ``--insecure``
+(or ``ELASTICD_ETCD_INSECURE=true``) allows it.
 
 ``--etcd``, ``--prefix`` and ``--job`` default to ``ELASTICD_ETCD_ENDPOINTS``,
 ``ELASTICD_ETCD_PREFIX`` and ``ELASTICD_JOB_ID`` (read by ``settings.worker_env_from_environ``, only
@@ -70,6 +74,7 @@ from elasticd.config import (
     RetryPolicy,
     Timeouts,
     WorldConfig,
+    check_name,
     parse_endpoint,
 )
 from elasticd.errors import ConfigError, EtcdUnavailable
@@ -203,8 +208,9 @@ def build_ctl_parser() -> argparse.ArgumentParser:
         "0 requested (with --wait: the node's members left the generation), 2 unknown node, timeout, etcd "
         "unreachable or bad input; of events: 0 listed, 2 no such job, etcd unreachable or bad input.",
     )
-    parser.add_argument("--etcd", type=_endpoints, default=None, metavar="HOST:PORT[,HOST:PORT]",
-                        help="etcd endpoints (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)")
+    parser.add_argument("--etcd", type=_endpoints, default=None, metavar="[https://]HOST:PORT[,...]",
+                        help="etcd endpoints; https:// talks TLS, trusting the system's CA bundle unless "
+                        "--etcd-ca-cert is given (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)")
     parser.add_argument("--prefix", type=_prefix, default=None,
                         help="key prefix of all jobs (default: $ELASTICD_ETCD_PREFIX, else /elasticd)")
     # TLS and auth, as the agent's etcd_* settings; the password only from a file or
@@ -213,6 +219,9 @@ def build_ctl_parser() -> argparse.ArgumentParser:
         parser.add_argument("--etcd-" + name.replace("_", "-"), dest="etcd_" + name, default=None,
                             metavar="FILE" if name != "user" else "NAME",
                             help=f"{help_text} (default: $ELASTICD_ETCD_{name.upper()})")
+    parser.add_argument("--insecure", dest="etcd_insecure", action="store_const", const=True,
+                        default=None, help="allow the etcd user's password in plaintext to an etcd off loopback "
+                        "(without TLS) (default: $ELASTICD_ETCD_INSECURE)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     status = commands.add_parser("status", help="show a job's generation, members and health",
                                  description="Show a job's generation, members and health.")
@@ -272,8 +281,8 @@ def _target(args: argparse.Namespace) -> tuple[EtcdConfig, str]:
         endpoints = endpoints or env.etcd.endpoints
         prefix = prefix or env.etcd.prefix
         job_id = job_id or env.world.job_id
-    security: dict[str, object] = dict(etcd_security_environ())
-    for name in CTL_SECURITY_FLAGS:
+    security = etcd_security_environ()
+    for name in (*CTL_SECURITY_FLAGS, "insecure"):
         given = getattr(args, "etcd_" + name)
         if given is not None:
             security[name] = given
@@ -478,8 +487,10 @@ def unreachable_message(etcd: EtcdConfig, exc: EtcdUnavailable) -> str:
     hint = "set --etcd or ELASTICD_ETCD_ENDPOINTS"
     if etcd.tls:
         hint += "; with TLS, check --etcd-ca-cert, --etcd-cert-cert and --etcd-cert-key"
+        if not etcd.ca_cert:
+            hint += " (without --etcd-ca-cert, etcd's certificate must be signed by a CA the system trusts)"
     elif "ssl" in why.lower() or "handshake" in why.lower() or "Socket closed" in why:
-        hint += "; if etcd speaks TLS, set --etcd-ca-cert"
+        hint += "; if etcd speaks TLS, write --etcd as https://HOST:PORT or set --etcd-ca-cert"
     return f"{head} ({hint})"
 
 
@@ -506,8 +517,10 @@ def _prefix(text: str) -> str:
 
 
 def _node_id(text: str) -> str:
-    if not text or "/" in text or not text.isprintable():
-        raise argparse.ArgumentTypeError(f"a node id is non-empty, printable, with no '/', got {text!r}")
+    try:
+        check_name("node_id", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
     return text
 
 
@@ -563,6 +576,8 @@ TORCHRUN_ALIASES: dict[str, list[str]] = {
     "nproc_per_node": ["--nproc_per_node"],
     "max_restarts": ["--max_restarts"],
 }
+# Boolean settings that also have a switch taking no value (the setting's own flag takes true|false).
+SWITCHES = {"etcd_insecure": "--insecure"}
 _AGENT_GROUPS = {"world": "job", "etcd": "etcd", "timeouts": "timeouts (seconds)",
                  "retry": "etcd retries", "agent": "node agent"}
 
@@ -595,6 +610,9 @@ def build_agent_parser() -> argparse.ArgumentParser:
         metavar = {int: "N", float: "S", bool: "true|false", tuple: "HOST:PORT[,...]"}.get(s.kind, "TEXT")
         groups[s.section].add_argument(s.flag, *TORCHRUN_ALIASES.get(s.name, []), dest=s.name, default=None,
                                        metavar=metavar, help=f"{s.doc} [{s.variable}]".replace("%", "%%"))
+        if s.name in SWITCHES:
+            groups[s.section].add_argument(SWITCHES[s.name], dest=s.name, action="store_const", const="true",
+                                           help=f"the same as {s.flag} true")
     parser.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
@@ -656,9 +674,12 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
 
     try:
         client = EtcdClient(config.etcd, config.timeouts, config.retry)
-    except (EtcdUnavailable, ConfigError) as exc:  # with a user, connecting authenticates
+    except EtcdUnavailable as exc:  # with a user, connecting authenticates
         print(f"{AGENT_PROG}: etcd_unreachable: {exc}", file=err)
         return AGENT_EXIT_FATAL
+    except ConfigError as exc:  # a file it names cannot be read, or https:// and no CA bundle
+        print(f"{AGENT_PROG}: {exc}", file=err)
+        return AGENT_EXIT_BAD_CONFIG
     metrics: AgentMetrics | None = None
     server: MetricsServer | None = None
     if config.metrics_port:

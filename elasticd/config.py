@@ -14,7 +14,9 @@ passed down.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
+import re
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,10 +50,22 @@ class Timeouts:
         "the rendezvous yet; the rest are left out and rejoin as newcomers.",
         0.3,
     )
+    coordinator_grace_s: float = _seconds(
+        "How long a member of the previous generation's first two ranks (a deputy) waits in a "
+        "rendezvous for the coordinator before it reads the job and publishes itself; covers a "
+        "coordinator that died without its lease being revoked (no agent), until its lease ends.",
+        0.3,
+    )
     lease_ttl_s: float = _seconds(
         "TTL of a member's etcd lease: a member that stops renewing is gone after this.", 3.0
     )
     keepalive_s: float = _seconds("Interval between lease renewals (must be < lease_ttl_s / 2).", 0.75)
+    view_poll_s: float = _seconds(
+        "How often a member re-reads its view of the job (generation, abort, verdict, coordinator) "
+        "besides the changes its watches deliver at once; a watch that broke is re-armed and "
+        "re-read on its own, so this is a safety net, and its cost grows with the job's size.",
+        3.0,
+    )
     collective_s: float = _seconds("Bound on one collective (gradient all_reduce, vote).", 30.0)
     group_build_s: float = _seconds("Bound on building the process group of a generation.", 15.0)
     group_abort_s: float = _seconds(
@@ -137,54 +151,99 @@ class EtcdConfig:
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     prefix: str = "/elasticd"
     ca_cert: str = field(default="", metadata={
-        "doc": "CA bundle (PEM file) that signs the etcd servers' certificates; set: talk TLS to etcd."})
+        "doc": "CA bundle (PEM file) that signs the etcd servers' certificates; set: talk TLS to etcd "
+               "(https:// endpoints talk TLS too, trusting the system's CA bundle when this is unset)."})
     cert_cert: str = field(default="", metadata={
-        "doc": "Client certificate (PEM file) for etcd mutual TLS; needs etcd_cert_key and etcd_ca_cert."})
+        "doc": "Client certificate (PEM file) for etcd mutual TLS; needs etcd_cert_key, and TLS."})
     cert_key: str = field(default="", metadata={"doc": "Private key (PEM file) of etcd_cert_cert."})
     user: str = field(default="", metadata={"doc": "etcd user (role-based access); needs a password."})
     password: str = field(default="", repr=False, metadata={
         "doc": "Password of etcd_user (prefer etcd_password_file or ELASTICD_ETCD_PASSWORD; never logged)."})
     password_file: str = field(default="", metadata={
         "doc": "File whose first line is etcd_user's password (instead of etcd_password)."})
+    insecure: bool = field(default=False, metadata={
+        "doc": "Allow etcd_user's password to cross the network in plaintext, to an etcd that is not on "
+               "loopback and is reached without TLS; off: such a configuration is refused."})
 
     def __post_init__(self) -> None:
         if not self.endpoints:
             raise ConfigError("etcd_endpoints: at least one host:port is required")
         for ep in self.endpoints:
             parse_endpoint(ep)
+        if len({endpoint_scheme(ep) == "https" for ep in self.endpoints}) > 1:
+            raise ConfigError(f"etcd_endpoints: https:// and plaintext endpoints mixed in one list "
+                              f"({', '.join(self.endpoints)}); use https:// for all of them or for none")
         if not self.prefix.startswith("/") or self.prefix.endswith("/"):
             raise ConfigError(f"etcd_prefix: must start with '/' and not end with '/', got {self.prefix!r}")
         if bool(self.cert_cert) != bool(self.cert_key):
             raise ConfigError("etcd_cert_cert: a client certificate needs its key, and the key its certificate "
                               "(set both etcd_cert_cert and etcd_cert_key, or neither)")
-        if self.cert_cert and not self.ca_cert:
-            raise ConfigError("etcd_cert_cert: a client certificate needs etcd_ca_cert (TLS) too")
+        if self.ca_cert and any(endpoint_scheme(ep) == "http" for ep in self.endpoints):
+            raise ConfigError("etcd_ca_cert: set, but etcd_endpoints ask for plaintext (http://); write them "
+                              "as https://host:port, or as host:port")
+        if self.cert_cert and not self.tls:
+            raise ConfigError("etcd_cert_cert: a client certificate needs TLS: set etcd_ca_cert, or write "
+                              "etcd_endpoints as https://host:port")
         if self.password and self.password_file:
             raise ConfigError("etcd_password: give etcd_password or etcd_password_file, not both")
         has_password = bool(self.password or self.password_file)
         if bool(self.user) != has_password:
             raise ConfigError("etcd_user: a user needs a password and a password its user (set etcd_user and "
                               "etcd_password or etcd_password_file, or neither)")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"etcd_insecure: must be true or false, got {self.insecure!r}")
+        remote = [ep for ep in self.endpoints if not is_loopback(parse_endpoint(ep)[0])]
+        if self.user and remote and not self.tls and not self.insecure:
+            raise ConfigError(f"etcd_user: its password would cross the network in plaintext to {remote[0]}; "
+                              "talk TLS (write etcd_endpoints as https://host:port, or set etcd_ca_cert), or "
+                              "set etcd_insecure (--insecure) to allow it")
 
     @property
     def tls(self) -> bool:
-        return bool(self.ca_cert)
+        """Talk TLS: a CA bundle is set, or the endpoints are ``https://``."""
+        return bool(self.ca_cert) or endpoint_scheme(self.endpoints[0]) == "https"
+
+
+def endpoint_scheme(endpoint: str) -> str:
+    """``"https"``, ``"http"`` or ``""`` (no scheme) of an etcd endpoint."""
+    scheme, sep, _ = endpoint.strip().partition("://")
+    return scheme.lower() if sep else ""
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split ``host:port`` (an ``http://`` scheme is allowed and dropped).
+    """Split ``host:port``, after an ``http://`` or ``https://`` scheme (see ``endpoint_scheme``).
 
     Raises:
-        ConfigError: the endpoint is not ``host:port`` with a port in 1..65535.
+        ConfigError: the endpoint is not ``host:port`` with a port in 1..65535, or has another scheme.
     """
     text = endpoint.strip()
-    for scheme in ("http://", "https://"):
-        if text.startswith(scheme):
-            text = text[len(scheme) :]
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"etcd_endpoints: expected host:port, got {endpoint!r}")
+    scheme = endpoint_scheme(text)
+    host, sep, port_text = (text.partition("://")[2] if scheme else text).rpartition(":")
+    if (scheme not in ("", "http", "https") or not sep or not host or not port_text.isdigit()
+            or not 0 < int(port_text) < 65536):
+        raise ConfigError(f"etcd_endpoints: expected host:port (or http:// or https:// before it), got {endpoint!r}")
     return host.strip("[]"), int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, or an address in 127.0.0.0/8 or ``::1`` (a name is not resolved)."""
+    try:
+        return host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# A job id and a node id are etcd key segments, file names (a job's checkpoints go to
+# <checkpoint_dir>/<job_id>/) and parts of member ids (<node>.<local_rank>.<pid>). Starting with a
+# letter or digit keeps out '.', '..' and what looks like a flag.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "1 to 128 of the characters A-Z a-z 0-9 . _ -, the first a letter or digit"
+
+
+def check_name(setting: str, value: object) -> None:
+    """Raises ConfigError naming ``setting`` unless ``value`` is a name (``NAME``)."""
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        raise ConfigError(f"{setting}: must be {NAME_RULE} (so no '/' or spaces, and not '.' or '..'), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -196,8 +255,7 @@ class WorldConfig:
     max_workers: int = 1024
 
     def __post_init__(self) -> None:
-        if not self.job_id or any(c in self.job_id for c in "/ \t\n"):
-            raise ConfigError(f"job_id: must be non-empty with no '/' or spaces, got {self.job_id!r}")
+        check_name("job_id", self.job_id)
         for name in ("min_workers", "max_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -295,8 +353,7 @@ class WorkerEnv:
             raise ConfigError(f"backend: must be one of auto, gloo, nccl, got {self.backend!r}")
         if self.local_rank < 0:
             raise ConfigError(f"local_rank: must be >= 0, got {self.local_rank}")
-        if not self.node_id or "/" in self.node_id:
-            raise ConfigError(f"node_id: must be non-empty with no '/', got {self.node_id!r}")
+        check_name("node_id", self.node_id)
 
 
 

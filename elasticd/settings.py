@@ -77,7 +77,7 @@ _EXTRA_DOCS = {
     "job_id": "The job this node's workers join.",
     "min_workers": "Smallest world size the job trains at.",
     "max_workers": "Largest world size; further workers wait.",
-    "etcd_endpoints": "etcd endpoints, host:port (several for an etcd cluster).",
+    "etcd_endpoints": "etcd endpoints, host:port, or https://host:port for TLS (several for an etcd cluster).",
     "etcd_prefix": "Key prefix of all jobs in etcd.",
 }
 
@@ -213,7 +213,7 @@ def _check_program(program: tuple[str, ...]) -> None:
 
 # The order in which a worker's sections are read and validated (so, which bad one is reported).
 _WORKER_ORDER = ("world", "etcd", "worker", "timeouts", "retry", "checkpoint")
-ETCD_SECURITY_FIELDS = ("ca_cert", "cert_cert", "cert_key", "user", "password", "password_file")
+ETCD_SECURITY_FIELDS = ("ca_cert", "cert_cert", "cert_key", "user", "password", "password_file", "insecure")
 
 
 def worker_env_from_environ(environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -259,11 +259,11 @@ def worker_env_to_environ(env: WorkerEnv) -> dict[str, str]:
     return out
 
 
-def etcd_security_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The TLS and auth settings given as ``ELASTICD_ETCD_*`` variables (field -> raw text, unvalidated)."""
+def etcd_security_environ(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The etcd TLS and auth settings in ``ELASTICD_ETCD_*`` variables (field -> value; ConfigError: not a boolean)."""
     env = os.environ if environ is None else environ
-    return {name: env[f"{ENV_PREFIX}ETCD_{name.upper()}"] for name in ETCD_SECURITY_FIELDS
-            if f"{ENV_PREFIX}ETCD_{name.upper()}" in env}
+    return {s.attr: _agent_value(s, env[s.variable], f"from {s.variable}") for s in WORKER_VARIABLES.values()
+            if s.section == "etcd" and s.attr in ETCD_SECURITY_FIELDS and s.variable in env}
 
 
 def without_etcd_security(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -364,7 +364,8 @@ def _config_path(explicit: str | Path | None, env: Mapping[str, str], default: P
     else:
         return default if default.is_file() else None
     if not path.is_file():
-        raise ConfigError(f"config: no such file: {str(path)!r} (from {where})")
+        why = "a directory, not a TOML file" if path.is_dir() else "no such file"
+        raise ConfigError(f"config: {why}: {str(path)!r} (from {where})")
     return path
 
 
@@ -373,7 +374,9 @@ def _read_toml(path: Path) -> dict[str, object]:
         with path.open("rb") as f:
             return tomllib.load(f)
     except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib decodes before it parses
+        raise ConfigError(f"config: {path} is not UTF-8 text (byte {exc.start}): TOML files are UTF-8") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
 

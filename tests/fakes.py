@@ -173,6 +173,7 @@ class FakeKeyValueStore:
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
         put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         deletes = list(delete_keys)
         extra = dict(put_keys or {})
@@ -190,6 +191,10 @@ class FakeKeyValueStore:
                 for k in deletes:
                     if k != key and self._delete(k):
                         changed.append(k)
+                for start, end in delete_ranges:
+                    for k in [k for k in self._data if start <= k < end and k != key]:
+                        if self._delete(k):
+                            changed.append(k)
                 for k, v in extra.items():
                     self._put(k, v, 0)
                     changed.append(k)

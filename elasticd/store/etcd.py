@@ -2,7 +2,8 @@
 
 Owns the etcd3/gRPC imports, the retry of idempotent calls, endpoint failover, the translation of
 etcd3/gRPC errors into ``EtcdUnavailable``, and reading the certificate and password files that an
-``EtcdConfig`` names, when it connects. Holds no protocol logic.
+``EtcdConfig`` names (or the system's CA bundle, for ``https://`` endpoints without a CA file), when
+it connects. Holds no protocol logic.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 # certificate), around our one clear error; set GRPC_VERBOSITY yourself to see them when debugging.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+import ssl  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
@@ -71,6 +73,8 @@ class EtcdClient:
         self._timeouts = timeouts
         self._retry = retry
         self._endpoints = [parse_endpoint(e) for e in config.endpoints]
+        # TLS whenever the settings ask for it: etcd3 0.12 makes a TLS channel only given a CA file.
+        self._ca_cert = (config.ca_cert or system_ca_bundle()) if config.tls else None
         self._index = 0
         self._lock = threading.Lock()
         # One client per endpoint, made once: a failover moves between them. (Making a new one at
@@ -111,7 +115,7 @@ class EtcdClient:
         password = read_password(c) if user else None
         try:
             client = etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
-                                  ca_cert=c.ca_cert or None, cert_cert=c.cert_cert or None,
+                                  ca_cert=self._ca_cert, cert_cert=c.cert_cert or None,
                                   cert_key=c.cert_key or None, user=user, password=password,
                                   grpc_options=self._channel_options())
             if user and not c.tls:
@@ -227,6 +231,7 @@ class EtcdClient:
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
         put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         """``KeyValueStore.compare_and_put``; ``lease`` (0: none) attaches ``key`` alone to a lease.
 
@@ -235,6 +240,7 @@ class EtcdClient:
             EtcdUnavailable: etcd did not answer, or refused the request.
         """
         deletes = list(delete_keys)
+        ranges = list(delete_ranges)
         extra = dict(put_keys or {})
 
         def txn(c: etcd3.Etcd3Client) -> bool:
@@ -245,6 +251,7 @@ class EtcdClient:
             )
             ops = [c.transactions.put(key, value, lease=lease or None)]
             ops += [c.transactions.delete(k) for k in deletes]
+            ops += [c.transactions.delete(a, range_end=b) for a, b in ranges]
             ops += [c.transactions.put(k, v) for k, v in extra.items()]
             ok, _ = c.transaction(compare=[cmp], success=ops, failure=[])
             return bool(ok)
@@ -343,6 +350,30 @@ class EtcdClient:
     def close(self) -> None:
         for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
             _close_client(client)
+
+
+# Where distributions keep the system's CA bundle, for a Python whose OpenSSL does not say (one
+# built elsewhere): Debian and Ubuntu, Fedora and RHEL, openSUSE, Alpine and macOS.
+SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
+                     "/etc/ssl/ca-bundle.pem", "/etc/ssl/cert.pem")
+
+
+def system_ca_bundle(candidates: Sequence[str] | None = None) -> str:
+    """The system's CA bundle: the first file of ``candidates``, by default OpenSSL's default file
+    (``$SSL_CERT_FILE`` when set), then ``SYSTEM_CA_BUNDLES``.
+
+    Raises:
+        ConfigError: none of them is a file; the message names ``etcd_ca_cert``.
+    """
+    if candidates is None:
+        paths = ssl.get_default_verify_paths()
+        candidates = (paths.cafile or "", paths.openssl_cafile, *SYSTEM_CA_BUNDLES)
+    for path in candidates:
+        if path and os.path.isfile(path):
+            return path
+    raise ConfigError(f"etcd_ca_cert: the etcd endpoints are https:// but no etcd_ca_cert is set, and no "
+                      f"system CA bundle was found (looked at {', '.join(p for p in candidates if p)}); set "
+                      "etcd_ca_cert to the CA file that signs etcd's certificate")
 
 
 def read_password(config: EtcdConfig) -> str:

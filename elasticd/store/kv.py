@@ -41,9 +41,11 @@ class KeyValueStore(Protocol):
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
         put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
-        """Put ``key`` (under ``lease``, if not 0; and delete ``delete_keys``, and put ``put_keys``,
-        unleased) iff its mod_revision is as expected (0: absent), all in one transaction.
+        """Put ``key`` (under ``lease``, if not 0; and delete ``delete_keys`` and every key in each
+        [start, end) of ``delete_ranges``, and put ``put_keys``, unleased) iff its mod_revision is as
+        expected (0: absent), all in one transaction.
 
         Raises:
             LeaseLost: ``lease`` is gone (only when the compare held).

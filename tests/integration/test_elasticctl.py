@@ -187,7 +187,7 @@ def test_a_bad_variable_is_named_when_a_flag_falls_back_on_the_environment() -> 
         (["status", "--stall-after-s", "inf"], "argument --stall-after-s: expected a number of seconds >= 0"),
         (["status", "--bogus"], "unrecognized arguments: --bogus"),
         (["drain"], "required: NODE"),
-        (["drain", "a/b"], "argument NODE: a node id is non-empty"),
+        (["drain", "a/b"], "argument NODE: node_id: must be 1 to 128 of the characters"),
         (["drain", "a", "--timeout", "5"], "--timeout only applies with --wait"),
         (["drain", "a", "--wait", "--timeout", "-1"], "argument --timeout: expected a positive number"),
         (["events", "--limit", "0"], "argument --limit: expected an integer >= 1"),

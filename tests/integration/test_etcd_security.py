@@ -181,3 +181,52 @@ def test_auth_a_job_runs_as_its_user_and_elasticctl_needs_the_password(tmp_path:
         assert no_password.stderr.startswith("elasticctl: etcd_user: a user needs a password"), no_password.stderr
     finally:
         server.stop()
+
+
+# -- https:// means TLS (issue 14) -----------------------------------------------------------------
+
+
+def _not_plaintext(proc: subprocess.CompletedProcess[str], endpoint: str) -> str:
+    """The one line of an elasticctl that did not talk to ``endpoint``: its TLS was refused, or (on a
+    machine without a CA bundle) it had none to use. Never a plaintext answer."""
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    (line,) = proc.stderr.splitlines()
+    assert (line.startswith(f"elasticctl: etcd at {endpoint} did not answer")
+            or line.startswith("elasticctl: etcd_ca_cert: the etcd endpoints are https://")), line
+    return line
+
+
+@pytest.mark.timeout(60)
+def test_https_to_a_plaintext_etcd_talks_tls_or_nothing(etcd_server: EtcdServer) -> None:
+    """The scheme was dropped: elasticctl talked plaintext and reported 'no such job'."""
+    endpoint = f"https://{etcd_server.endpoint}"
+    line = _not_plaintext(_ctl("--etcd", endpoint, "status", "--job", "nojob"), endpoint)
+    assert "no such job" not in line
+
+
+@pytest.mark.timeout(120)
+def test_https_without_a_ca_file_trusts_the_system_ca_bundle(tls_etcd: EtcdServer, pki: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``https://`` and no ``etcd_ca_cert``: TLS with the system's CA bundle, for the agent, its workers
+    and elasticctl. The test CA is made the system's by ``SSL_CERT_FILE`` (OpenSSL's override of its
+    default bundle); without it, the real system bundle does not trust etcd's certificate."""
+    endpoint = f"https://{tls_etcd.endpoint}"
+    client_cert = ["--etcd-cert-cert", str(pki / "client.pem"), "--etcd-cert-key", str(pki / "client.key")]
+    untrusted = _ctl("--etcd", endpoint, *client_cert, "status", "--job", "nojob")
+    line = _not_plaintext(untrusted, endpoint)
+    if "did not answer" in line:
+        assert "must be signed by a CA the system trusts" in line, line
+
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki / "ca.pem"))  # inherited by the agent and its workers
+    job = AgentJob(tls_etcd, tmp_path / "job", lease_ttl_s=2, keepalive_s=0.5,
+                   etcd_cert_cert=pki / "client.pem", etcd_cert_key=pki / "client.key")
+    try:
+        agent = job.start("a", "--etcd", endpoint,  # the last --etcd wins
+                          program=[*PROGRAM[:-1], "10", "--audit", str(job.audit_path("a"))])
+        assert agent.wait(90) == 0, job.logs_tail()
+    finally:
+        job.stop()
+    assert len(job.commits("a")) == 10
+    ok = _ctl("--etcd", endpoint, *client_cert, "status", "--job", job.job_id, "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["finished"], ok.stdout

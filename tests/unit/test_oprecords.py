@@ -276,10 +276,12 @@ class FlakyStore(FakeKeyValueStore):
         super().put(key, value, lease)
 
     def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0) -> bool:
+                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
         if self.down:
             raise EtcdUnavailable("etcd is down (test)")
-        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease)
+        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
+                                       delete_ranges)
 
 
 def _events_in(store: FakeKeyValueStore) -> list[EventRecord]:

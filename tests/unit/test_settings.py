@@ -28,6 +28,7 @@ from elasticd.settings import (
     child_environ,
     default_nproc_per_node,
     etcd_config,
+    etcd_security_environ,
     from_text,
     load_agent_config,
     parse_nnodes,
@@ -48,6 +49,8 @@ FULL_ENV = {
     "ELASTICD_JOIN_S": "50",
     "ELASTICD_JOIN_WINDOW_S": "0.5",
     "ELASTICD_LAST_CALL_S": "0.6",
+    "ELASTICD_COORDINATOR_GRACE_S": "0.4",
+    "ELASTICD_VIEW_POLL_S": "4.0",
     "ELASTICD_LEASE_TTL_S": "4",
     "ELASTICD_KEEPALIVE_S": "1.5",
     "ELASTICD_COLLECTIVE_S": "11",
@@ -84,7 +87,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.etcd.prefix == "/custom"
     assert env.world == WorldConfig(job_id="job-42", min_workers=2, max_workers=6)
     assert env.timeouts == Timeouts(
-        join_s=50.0, join_window_s=0.5, last_call_s=0.6, lease_ttl_s=4.0, keepalive_s=1.5,
+        join_s=50.0, join_window_s=0.5, last_call_s=0.6, coordinator_grace_s=0.4, view_poll_s=4.0, lease_ttl_s=4.0, keepalive_s=1.5,
         collective_s=11.0, group_build_s=12.0, group_abort_s=16.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, etcd_outage_s=300.0, standby_s=3600.0,
         abort_poll_s=0.05, shutdown_grace_s=14.0,
     )
@@ -136,6 +139,11 @@ def test_unrelated_variables_are_ignored() -> None:
         ("ELASTICD_MIN_WORKERS", "2000", "min_workers"),  # > max_workers (1024)
         ("ELASTICD_JOB_ID", "a/b", "job_id"),
         ("ELASTICD_JOB_ID", "", "job_id"),
+        ("ELASTICD_JOB_ID", "..", "job_id"),  # <checkpoint_dir>/.. is the directory's parent
+        ("ELASTICD_JOB_ID", ".", "job_id"),
+        ("ELASTICD_ETCD_ENDPOINTS", "https://a:1,b:2", "etcd_endpoints: https:// and plaintext endpoints mixed"),
+        ("ELASTICD_ETCD_ENDPOINTS", "unix://a:1", "etcd_endpoints"),
+        ("ELASTICD_ETCD_INSECURE", "maybe", "ELASTICD_ETCD_INSECURE"),
         ("ELASTICD_ETCD_ENDPOINTS", "nohost", "etcd_endpoints"),
         ("ELASTICD_ETCD_ENDPOINTS", "host:0", "etcd_endpoints"),
         ("ELASTICD_ETCD_ENDPOINTS", "host:99999", "etcd_endpoints"),
@@ -152,6 +160,8 @@ def test_unrelated_variables_are_ignored() -> None:
         ("ELASTICD_LOCAL_RANK", "zero", "ELASTICD_LOCAL_RANK"),
         ("ELASTICD_BACKEND", "mpi", "backend"),
         ("ELASTICD_NODE_ID", "a/b", "node_id"),
+        ("ELASTICD_NODE_ID", "..", "node_id"),
+        ("ELASTICD_NODE_ID", "gpu 1", "node_id"),
         ("ELASTICD_LEASE_TTL_S", "nan", "lease_ttl_s"),
         ("ELASTICD_COLLECTIVE_S", "nan", "collective_s"),
         ("ELASTICD_LEASE_TTL_S", "inf", "lease_ttl_s"),
@@ -545,3 +555,78 @@ def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.Mo
     env = child_environ({"ELASTICD_LOCAL_RANK": "0"})
     assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
     assert env["ELASTICD_LOCAL_RANK"] == "0"
+
+
+# -- https:// means TLS; a password in plaintext only to loopback, or with --insecure (issue 14) ------
+
+_REMOTE_AUTH = ("--etcd", "10.0.0.1:2379", "--etcd-user", "u")
+
+
+@pytest.mark.parametrize(("argv", "environ", "toml"), [
+    (("--etcd-insecure", "true"), {}, None),
+    (("--insecure",), {}, None),
+    ((), {"ELASTICD_ETCD_INSECURE": "yes"}, None),
+    ((), {}, "etcd_insecure = true\n"),
+], ids=["flag", "switch", "variable", "file"])
+def test_insecure_allows_a_password_in_plaintext_to_a_remote_etcd(
+        tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str], toml: str | None) -> None:
+    if toml is not None:
+        (tmp_path / "e.toml").write_text(toml)
+        argv = ("--config", str(tmp_path / "e.toml"), *argv)
+    cfg = _cli(tmp_path, *_REMOTE_AUTH, *argv, "--", "true", environ={"ELASTICD_ETCD_PASSWORD": "pw", **environ})
+    assert cfg.etcd.insecure and not cfg.etcd.tls
+    variables = worker_env_to_environ(cfg.worker_env(0))  # the workers are allowed too
+    assert variables["ELASTICD_ETCD_INSECURE"] == "True"
+    assert worker_env_from_environ(variables).etcd == cfg.etcd
+
+
+@pytest.mark.parametrize(("argv", "environ"), [
+    ((), {}),
+    (("--etcd-insecure", "false"), {"ELASTICD_ETCD_INSECURE": "true"}),  # the flag wins
+])
+def test_a_password_in_plaintext_to_a_remote_etcd_is_refused(
+        tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        _cli(tmp_path, *_REMOTE_AUTH, *argv, "--", "true", environ={"ELASTICD_ETCD_PASSWORD": "pw", **environ})
+    message = str(info.value)
+    assert message.startswith("etcd_user: its password would cross the network in plaintext to 10.0.0.1:2379; "), message
+    assert "etcd_insecure (--insecure)" in message and "(etcd_user from --etcd-user" in message, message
+
+
+@pytest.mark.parametrize("endpoints", ["127.0.0.1:2379", "localhost:2379", "[::1]:2379", "https://10.0.0.1:2379"])
+def test_a_password_goes_to_loopback_or_over_tls_without_insecure(tmp_path: Path, endpoints: str) -> None:
+    cfg = _cli(tmp_path, "--etcd", endpoints, "--etcd-user", "u", "--", "true",
+               environ={"ELASTICD_ETCD_PASSWORD": "pw"})
+    assert not cfg.etcd.insecure and cfg.etcd.tls is endpoints.startswith("https://")
+
+
+def test_https_endpoints_reach_the_workers_as_tls(tmp_path: Path) -> None:
+    cfg = _cli(tmp_path, "--etcd", "https://e1:2379,https://e2:2379", "--", "true")
+    env = worker_env_from_environ(worker_env_to_environ(cfg.worker_env(0)))
+    assert env.etcd.endpoints == ("https://e1:2379", "https://e2:2379") and env.etcd.tls and not env.etcd.ca_cert
+
+
+@pytest.mark.parametrize(("environ", "found"), [
+    ({}, {}),
+    ({"ELASTICD_ETCD_INSECURE": "on", "ELASTICD_ETCD_USER": "u", "ELASTICD_JOB_ID": "j"}, {"insecure": True, "user": "u"}),
+    ({"ELASTICD_ETCD_INSECURE": "0", "ELASTICD_ETCD_CA_CERT": "/ca.pem"}, {"insecure": False, "ca_cert": "/ca.pem"}),
+])
+def test_etcd_security_environ(environ: dict[str, str], found: dict[str, object]) -> None:
+    assert etcd_security_environ(environ) == found
+
+
+def test_etcd_security_environ_refuses_a_bad_boolean() -> None:
+    with pytest.raises(ConfigError, match=r"^etcd_insecure: expected true or false, got 'maybe' "
+                                          r"\(from ELASTICD_ETCD_INSECURE\)$"):
+        etcd_security_environ({"ELASTICD_ETCD_INSECURE": "maybe"})
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (("--job-id", ".."), "job_id"),
+    (("--rdzv-id", "a/b"), "job_id"),
+    (("--node-id", "."), "node_id"),
+    (("--node-id=-n",), "node_id"),
+])
+def test_the_agent_refuses_ids_that_are_not_names(tmp_path: Path, argv: tuple[str, ...], named: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{named}: must be 1 to 128 of the characters A-Z a-z 0-9 \. _ -"):
+        _cli(tmp_path, *argv, "--", "true")
