@@ -14,6 +14,8 @@ Usage::
                       [--stall-after-s S]
     elasticctl [...] drain NODE [--job ID] [--wait [--timeout S]]
     elasticctl [...] events [--job ID] [--json] [--limit N]
+    elasticctl [...] --etcd-user root --etcd-password-file FILE auth setup-job JOB [--user NAME]
+               [--password-file FILE] [--prefix /elasticd]
 
 The etcd TLS and auth flags default to ``ELASTICD_ETCD_CA_CERT``, ``..._CERT_CERT``,
 ``..._CERT_KEY``, ``..._USER`` and ``..._PASSWORD_FILE``; the password can also come from
@@ -41,7 +43,11 @@ is that of the last report; with ``--watch --json`` each report is one JSON obje
 Exit codes of ``elasticctl drain NODE``: 0 the request was written (with ``--wait``: and the node's
 members have left the generation, or the job finished); 2 no agent record for NODE (unknown node),
 ``--wait`` timed out, etcd did not answer, or bad input. Exit codes of ``elasticctl events``: 0 the
-events were listed (possibly none); 2 no such job, etcd did not answer, or bad input.
+events were listed (possibly none); 2 no such job, etcd did not answer, or bad input. etcd's
+"permission denied" (the etcd user's role does not cover ``<prefix>/<job>/``) is one line naming the
+job and the user, and exit 2 for every command, as any bad setting. ``elasticctl auth setup-job``
+(``ops.jobauth``) creates a job's own role and user: 0 done, 1 etcd refused or did not answer, 2
+bad input.
 
 ``elasticd [--config FILE] [flags] -- PROGRAM [ARGS...]`` runs the node agent (``agent.py``). Every
 setting is a flag, an ``ELASTICD_<NAME>`` variable and a key of the TOML file (default
@@ -49,7 +55,8 @@ setting is a flag, an ``ELASTICD_<NAME>`` variable and a key of the TOML file (d
 ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``, ``--rdzv-id`` and
 ``--max-restarts`` are accepted too. Exit codes of ``elasticd``: 0 the workers finished or the node
 was drained; 1 restarts exhausted or another fatal error (the reason on stderr); 2 bad
-configuration (one line on stderr per bad field, naming it).
+configuration (one line on stderr per bad field, naming it), including an etcd user whose role does
+not cover the job (etcd's "permission denied", naming the job and the user).
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ from elasticd.config import (
     check_name,
     parse_endpoint,
 )
-from elasticd.errors import ConfigError, EtcdUnavailable
+from elasticd.errors import ConfigError, EtcdUnavailable, PermissionDenied
 from elasticd.log import configure_logging
 from elasticd.ops.drain import (
     DEFAULT_DRAIN_WAIT_S,
@@ -107,6 +114,7 @@ from elasticd.settings import (
 from elasticd.wire.keys import Keys
 
 if TYPE_CHECKING:  # the client is imported where it is wired (etcd3 and grpc slow the start)
+    from elasticd.ops.jobauth import SetupJobQuery
     from elasticd.store.etcd import EtcdClient
 
 PROG = "elasticctl"
@@ -183,6 +191,10 @@ def ctl_main(
             return run_drain(drain_query(parser, args), out, err, sleep)
         if args.command == "events":
             return run_events(events_query(args), out, err)
+        if args.command == "auth":
+            from elasticd.ops.jobauth import run_setup_job  # imports etcd3: only for this command
+
+            return run_setup_job(setup_job_query(args), out, err, PROG)
         query = status_query(parser, args)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=err)
@@ -206,7 +218,8 @@ def build_ctl_parser() -> argparse.ArgumentParser:
         description="Inspect elastic training jobs in etcd, and drain nodes. Exit codes of status: 0 "
         "healthy or finished, 1 degraded, 2 down, no such job, etcd unreachable, or bad input; of drain: "
         "0 requested (with --wait: the node's members left the generation), 2 unknown node, timeout, etcd "
-        "unreachable or bad input; of events: 0 listed, 2 no such job, etcd unreachable or bad input.",
+        "unreachable or bad input; of events: 0 listed, 2 no such job, etcd unreachable or bad input; etcd's "
+        "permission denied: 2; of auth setup-job: 0 done, 1 etcd refused or unreachable, 2 bad input.",
     )
     parser.add_argument("--etcd", type=_endpoints, default=None, metavar="[https://]HOST:PORT[,...]",
                         help="etcd endpoints; https:// talks TLS, trusting the system's CA bundle unless "
@@ -261,6 +274,22 @@ def build_ctl_parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="print one JSON object")
     events.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                         help="only the newest N events (default: all kept, see events_keep)")
+    auth = commands.add_parser("auth", help="etcd users and roles for elasticd jobs").add_subparsers(
+        dest="auth_command", metavar="COMMAND", required=True)
+    setup = auth.add_parser("setup-job", help="create a job's own etcd role and user (as root)",
+                            description="As etcd's root user (--etcd-user root --etcd-password-file FILE before "
+                            "'auth'), create where missing the role elasticd-JOB with read-write on exactly "
+                            "PREFIX/JOB/ and the user JOB (or --user) with it; print how to use them. Exit codes: 0 "
+                            "done, 1 etcd refused (not root, authentication off) or unreachable, 2 bad input.")
+    setup.add_argument("job", type=_job_id, metavar="JOB", help="the job id")
+    setup.add_argument("--user", type=_user_name, default=None, metavar="NAME",
+                       help="the job's etcd user (default: the job id)")
+    setup.add_argument("--password-file", default=None, metavar="FILE",
+                       help="file whose first line is the user's password, set on it (default: a new user gets a "
+                       "generated one, printed once; a user that exists keeps its own)")
+    setup.add_argument("--prefix", dest="job_prefix", type=_prefix, default=None, metavar="PREFIX",
+                       help="key prefix of all jobs, as the global --prefix (default: $ELASTICD_ETCD_PREFIX, else "
+                       "/elasticd)")
     return parser
 
 
@@ -314,6 +343,20 @@ def events_query(args: argparse.Namespace) -> EventsQuery:
     return EventsQuery(etcd=etcd, job_id=job_id, json=args.json, limit=args.limit)
 
 
+def setup_job_query(args: argparse.Namespace) -> SetupJobQuery:
+    """Validate ``auth setup-job`` flags (the etcd settings as ``status_query``'s).
+
+    Raises:
+        ConfigError: an ``ELASTICD_*`` variable that a missing flag falls back on is invalid.
+    """
+    from elasticd.ops.jobauth import SetupJobQuery
+
+    if args.job_prefix is not None:
+        args.prefix = args.job_prefix
+    etcd, job_id = _target(args)
+    return SetupJobQuery(etcd=etcd, job=job_id, user=args.user or job_id, password_file=args.password_file or "")
+
+
 def _ctl_client(etcd: EtcdConfig, err: TextIO) -> EtcdClient | None:
     """A client for one elasticctl command, or None after printing why there is none (etcd did not
     answer, or refused the credentials: with a user, connecting authenticates)."""
@@ -348,7 +391,7 @@ def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[floa
         return EXIT_DOWN
     try:
         return execute_drain(client, keys, query, out, err, sleep)
-    except EtcdUnavailable as exc:
+    except (EtcdUnavailable, PermissionDenied) as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
     except KeyboardInterrupt:
@@ -363,6 +406,7 @@ def execute_drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO,
 
     Raises:
         EtcdUnavailable: etcd could not be reached within the store's retry bound.
+        PermissionDenied: the etcd user's role does not cover the job.
     """
     req = request_drain(store, keys, query.node, requester(), time.time())
     if not req.accepted:
@@ -393,7 +437,7 @@ def run_events(query: EventsQuery, out: TextIO, err: TextIO) -> int:
         return EXIT_DOWN
     try:
         ev = job_events(keys, client.get_prefix(keys.prefix), query.limit)
-    except EtcdUnavailable as exc:
+    except (EtcdUnavailable, PermissionDenied) as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
     finally:
@@ -458,7 +502,7 @@ def _report(
     try:
         status = read_status(store, keys, now=time.time(), min_workers=query.min_workers,
                              max_workers=query.max_workers, stall_after_s=query.stall_after_s)
-    except EtcdUnavailable as exc:
+    except (EtcdUnavailable, PermissionDenied) as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
     if query.json:
@@ -474,9 +518,12 @@ def _report(
     return status.exit_code
 
 
-def unreachable_message(etcd: EtcdConfig, exc: EtcdUnavailable) -> str:
-    """One line for stderr: which etcd did not answer, why (abridged), and where to change it."""
+def unreachable_message(etcd: EtcdConfig, exc: EtcdUnavailable | PermissionDenied) -> str:
+    """One line for stderr: which etcd did not answer, why (abridged), and where to change it; or
+    that the etcd user may not touch the job (``PermissionDenied`` names the job and the user)."""
     why = " ".join(str(exc).split())
+    if isinstance(exc, PermissionDenied):
+        return f"{PROG}: {why}"
     if len(why) > 240:
         why = why[:237] + "..."
     where = ",".join(etcd.endpoints)
@@ -524,6 +571,14 @@ def _node_id(text: str) -> str:
     return text
 
 
+def _user_name(text: str) -> str:
+    try:
+        check_name("user", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 def _job_id(text: str) -> str:
     try:
         return WorldConfig(job_id=text).job_id
@@ -566,8 +621,9 @@ def _positive_float(text: str) -> float:
 AGENT_PROG = "elasticd"
 AGENT_EXIT_OK = 0  # the workers finished, or the node was drained (SIGTERM)
 AGENT_EXIT_FATAL = 1  # restarts exhausted, etcd unreachable at start, or an internal failure
-# a bad flag, variable or config file field (one line on stderr per field), or a node id that another
-# live agent of the job holds (``node_id_taken``; agent.EXIT_CONFIG)
+# a bad flag, variable or config file field (one line on stderr per field), a node id that another
+# live agent of the job holds (``node_id_taken``; agent.EXIT_CONFIG), or an etcd user whose role does
+# not cover the job (``PermissionDenied``)
 AGENT_EXIT_BAD_CONFIG = 2
 # torchrun's spellings of the same settings, so that a torchrun command line works with little change.
 TORCHRUN_ALIASES: dict[str, list[str]] = {
@@ -594,7 +650,8 @@ def build_agent_parser() -> argparse.ArgumentParser:
         "is a flag, an ELASTICD_<NAME> variable and a key of the TOML config file (in that order of "
         "precedence).",
         epilog="Exit codes: 0 the workers finished or the node was drained; 1 restarts exhausted, etcd "
-        "unreachable, or another fatal error; 2 bad configuration (the message names the field), or the node id "
+        "unreachable, or another fatal error; 2 bad configuration (the message names the field), an etcd user whose "
+        "role does not cover the job (permission denied), or the node id "
         "is held by another live agent of the job (node_id_taken, after waiting up to lease_ttl_s + 2 s).",
     )
     parser.add_argument("--config", metavar="FILE", default=None,
@@ -656,7 +713,8 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
 
     Returns:
         0 the workers finished or the node was drained; 1 fatal (restarts exhausted, etcd
-        unreachable); 2 bad configuration, or the node id is another live agent's (``node_id_taken``).
+        unreachable); 2 bad configuration, etcd's permission denied on the job, or the node id is
+        another live agent's (``node_id_taken``).
     """
     err = stderr if stderr is not None else sys.stderr
     try:

@@ -54,6 +54,18 @@ class ConfigError(FatalError):
     """A setting is missing or invalid; the message names the setting."""
 
 
+class EtcdRefused(FatalError):
+    """etcd answered and refused the request (authentication is off, or the user may not do it)."""
+
+
+class PermissionDenied(EtcdRefused):
+    """etcd refused a request for lack of permission: the etcd user's role does not cover the keys.
+
+    Never retried (each attempt meets the same role); the message names the job, the user and the
+    key range its role must grant (``elasticctl auth setup-job``).
+    """
+
+
 class RendezvousClosed(FatalError):
     """No generation could be formed within the join timeout, or the job is closed."""
 

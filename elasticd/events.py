@@ -4,8 +4,9 @@ Owns ``EventLog``: ``record(kind, **detail)`` appends to a bounded in-memory que
 once (no I/O, no lock held across I/O), so it is safe on a training step's path; one daemon thread
 writes queued events to ``events/<name>`` (names from ``oprecords.event_name``: they sort by time and
 never collide between writers) and then prunes. A write that fails is logged and retried on the
-next round; when the queue is full the oldest unwritten event is dropped (logged). Nothing here
-raises to the caller.
+next round; when the queue is full the oldest unwritten event is dropped (logged). etcd's
+permission denied is not retried: the queued events are dropped and the writer stops (logged,
+``event_write_denied``). Nothing here raises to the caller.
 
 Retention: the history holds at most ``events_keep`` events. Every ``EventLog`` (each node agent,
 and each rank 0 that records a recovery) prunes after it writes: it lists ``events/`` and deletes
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import structlog
 
-from elasticd.errors import EtcdUnavailable
+from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import EventRecord, encode_event, event_name, prune_plan
@@ -139,6 +140,14 @@ class EventLog:
             except EtcdUnavailable as exc:
                 ok = False
                 log.warning("event_write_failed", error=str(exc)[:300], waiting=len(self._pending))
+            except PermissionDenied as exc:  # every write would meet the same role: stop writing
+                with self._cond:
+                    log.error("event_write_denied", error=str(exc), dropped=len(self._pending))
+                    self.dropped += len(self._pending)
+                    self._pending.clear()
+                    self._stop, self._busy = True, False
+                    self._cond.notify_all()
+                return
             with self._cond:
                 if ok and self._pending and self._pending[0][0] == key:  # unless dropped meanwhile
                     self._pending.popleft()
@@ -147,7 +156,7 @@ class EventLog:
             if ok and not more:
                 try:
                     self._prune()
-                except EtcdUnavailable as exc:
+                except (EtcdUnavailable, PermissionDenied) as exc:
                     log.warning("event_prune_failed", error=str(exc)[:300])
             with self._cond:
                 self._busy = False

@@ -28,6 +28,7 @@ import structlog
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit
 from elasticd.config import AgentConfig
+from elasticd.errors import PermissionDenied
 from elasticd.log import bind_context
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
@@ -36,7 +37,9 @@ log = structlog.get_logger(__name__)
 
 EXIT_OK = 0
 EXIT_FATAL = 1
-EXIT_CONFIG = 2  # the configuration cannot work: another live agent of the job has this node id
+# the configuration cannot work: another live agent of the job has this node id, or the etcd user's
+# role does not cover the job (``PermissionDenied``)
+EXIT_CONFIG = 2
 
 
 @dataclass(frozen=True)
@@ -236,13 +239,19 @@ class AgentDaemon(ABC):
                     max_restarts=c.max_restarts, restart_window_s=c.restart_window_s)
 
     def _guarded_loop(self, waker: Waker, *, stop_workers: bool = True) -> AgentOutcome:
-        """``_loop``, where any surprise becomes a fatal stop (``agent_failed``).
+        """``_loop``, where any surprise becomes a fatal stop (``agent_failed``), and etcd's
+        permission denied (never retried: the etcd user's role does not cover the job) exit 2.
 
         Args:
             stop_workers: on a surprise, stop the workers here (False: the caller always does).
         """
         try:
             return self._loop(waker)
+        except PermissionDenied as exc:
+            log.error("agent_permission_denied", error=str(exc))
+            if stop_workers:
+                self._supervisor.terminate_all(self._config.timeouts.shutdown_grace_s, self._config.kill_wait_s)
+            return AgentOutcome(EXIT_CONFIG, str(exc))
         except Exception as exc:  # the top-level loop: any surprise becomes a fatal stop
             log.error("agent_failed", error=repr(exc), exc_info=True)
             if stop_workers:

@@ -77,7 +77,7 @@ from elasticd.agent.presence import ClaimKind, NodePresence
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 from elasticd.config import AgentConfig
-from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.errors import EtcdUnavailable, LeaseLost, PermissionDenied
 from elasticd.retry import Clock
 from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
@@ -155,6 +155,9 @@ class Agent(AgentDaemon):
                 self._store.get(self._keys.generation)
                 claim = presence.claim(self._node_record(), claim_wait, stopping, c.world.job_id)
                 break
+            except PermissionDenied as exc:  # the user's role does not cover the job: waiting cannot help
+                log.error("agent_permission_denied", error=str(exc))
+                return AgentOutcome(EXIT_CONFIG, str(exc))
             except EtcdUnavailable as exc:
                 if self._clock() >= outage_ends:
                     return AgentOutcome(EXIT_FATAL, f"etcd_unreachable for etcd_outage_s "
@@ -275,6 +278,9 @@ class Agent(AgentDaemon):
             self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e)
         if self._config.stopped_worker_s > 0:
             self._observe_stopped(now)
+        for thread in (self._presence, self._reader):  # their etcd refused them: stop (_guarded_loop)
+            if thread is not None and thread.denied is not None:
+                raise thread.denied
         view = self._reader.latest() if self._reader is not None else None
         if view is not None and view is not self.snapshot.view:
             self._take_view(view)

@@ -30,7 +30,7 @@ from enum import StrEnum
 import structlog
 
 from elasticd.config import AgentConfig
-from elasticd.errors import EtcdUnavailable
+from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
@@ -212,7 +212,8 @@ class JobReader:
 
     It keeps etcd off the agent's loop: a slow or absent etcd delays only the next view (each
     read is bounded by the store's own request timeout and retries), and a failed read leaves the
-    previous view in place, so nothing is decided on evidence that was not read.
+    previous view in place, so nothing is decided on evidence that was not read. etcd's permission
+    denied ends the thread and stays in ``denied`` (the agent stops on it).
     """
 
     def __init__(self, store: KeyValueStore, keys: Keys, clock: Clock, interval_s: float) -> None:
@@ -220,6 +221,7 @@ class JobReader:
         self._latest: JobView | None = None
         self._stop = threading.Event()
         self._failing = False
+        self.denied: PermissionDenied | None = None  # set when etcd refused the reads; the thread ended
         self._thread = threading.Thread(target=self._run, name="elasticd-job-reader", daemon=True)
         self._thread.start()
 
@@ -238,6 +240,10 @@ class JobReader:
                 if not self._failing:
                     log.warning("job_read_failed", error=str(exc)[:300])
                 self._failing = True
+            except PermissionDenied as exc:  # every read would meet the same role: stop, tell the agent
+                log.error("job_read_denied", error=str(exc))
+                self.denied = exc
+                return
             else:
                 if self._failing:
                     log.info("job_read_recovered")

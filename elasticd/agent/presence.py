@@ -20,7 +20,9 @@ dead workers, so that etcd never stalls the agent loop (worker supervision, the 
 * ``event(kind, **detail)`` hands an event to an ``events.EventLog`` (never blocks).
 
 An etcd outage is logged (``node_record_failed``) and retried on the next round; it never stops
-the agent or its workers. ``close`` is bounded. Never imports etcd3 or torch.
+the agent or its workers. etcd's permission denied (the etcd user's role does not cover the job) is
+not retried: the thread ends and leaves it in ``denied``, for the agent loop to stop on. ``close`` is
+bounded. Never imports etcd3 or torch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from enum import StrEnum
 import structlog
 
 from elasticd.config import Timeouts
-from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.errors import EtcdUnavailable, LeaseLost, PermissionDenied
 from elasticd.events import EventLog
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
@@ -160,6 +162,7 @@ class NodePresence:
         self._failing = False
         self._taken_logged = False
         self._thread: threading.Thread | None = None
+        self.denied: PermissionDenied | None = None  # set when etcd refused the thread's work; it ended
 
     @property
     def drain_seen(self) -> bool:
@@ -185,6 +188,7 @@ class NodePresence:
 
         Raises:
             EtcdUnavailable: etcd did not answer.
+            PermissionDenied: the etcd user's role does not cover the job.
         """
         key = self._keys.node(self._node)
         ttl = self._timeouts.lease_ttl_s
@@ -231,7 +235,7 @@ class NodePresence:
             return
         try:
             self._store.revoke_lease(lease)
-        except (EtcdUnavailable, LeaseLost) as exc:
+        except (EtcdUnavailable, LeaseLost, PermissionDenied) as exc:
             log.info("node_lease_left_to_expire", node=self._node, lease=lease, error=str(exc)[:200])
 
     def start(self) -> None:
@@ -261,9 +265,9 @@ class NodePresence:
         if self._thread is not None:
             self._thread.join(timeout=max(0.0, deadline - self._clock()))
         self.events.close(max(0.0, deadline - self._clock()))
-        if self._failing:
-            # etcd is away: do not wait out the store's retries; the lease ends by its TTL, and the
-            # node record and a drain request (under that lease) with it.
+        if self._failing or self.denied is not None:
+            # etcd is away (or refuses us): do not wait out the store's retries; the lease ends by its
+            # TTL, and the node record and a drain request (under that lease) with it.
             log.warning("node_record_left_to_expire", node=self._node, lease=self._lease)
             return
         try:
@@ -272,7 +276,7 @@ class NodePresence:
                 log.info("drain_request_deleted", node=self._node)
             if self._lease:
                 self._store.revoke_lease(self._lease)
-        except (EtcdUnavailable, LeaseLost) as exc:
+        except (EtcdUnavailable, LeaseLost, PermissionDenied) as exc:
             log.warning("node_record_cleanup_failed", error=str(exc)[:300])
 
     # -- the thread -------------------------------------------------------------------------
@@ -288,6 +292,10 @@ class NodePresence:
                 if not self._failing:
                     log.warning("node_record_failed", node=self._node, error=str(exc)[:300])
                 self._failing = True
+            except PermissionDenied as exc:  # each round would meet the same role: stop, tell the agent
+                log.error("node_record_denied", node=self._node, error=str(exc))
+                self.denied = exc
+                return
             self._wake.wait(self._timeouts.keepalive_s)
             self._wake.clear()
 

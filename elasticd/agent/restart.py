@@ -46,7 +46,7 @@ from dataclasses import replace
 
 import structlog
 
-from elasticd.agent.daemon import EXIT_FATAL, AgentDaemon, AgentOutcome, Waker
+from elasticd.agent.daemon import EXIT_CONFIG, EXIT_FATAL, AgentDaemon, AgentOutcome, Waker
 from elasticd.agent.restart_decide import (
     Action,
     ActionKind,
@@ -58,7 +58,7 @@ from elasticd.agent.restart_decide import (
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import Supervisor, WorkerExit
 from elasticd.config import AgentConfig
-from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.errors import EtcdUnavailable, LeaseLost, PermissionDenied
 from elasticd.log import bind_context
 from elasticd.retry import Clock
 from elasticd.settings import child_environ
@@ -118,6 +118,9 @@ class GroupRestartAgent(AgentDaemon):
             self._register_agent()
         except EtcdUnavailable as exc:
             return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
+        except PermissionDenied as exc:  # the user's role does not cover the job
+            log.error("agent_permission_denied", error=str(exc))
+            return AgentOutcome(EXIT_CONFIG, str(exc))
         try:
             return self._guarded_loop(waker, stop_workers=False)
         finally:
@@ -228,7 +231,7 @@ class GroupRestartAgent(AgentDaemon):
     def _leave(self) -> None:
         try:
             self._store.revoke_lease(self._lease)
-        except (EtcdUnavailable, LeaseLost) as exc:
+        except (EtcdUnavailable, LeaseLost, PermissionDenied) as exc:
             log.warning("lease_revoke_failed", error=str(exc))
 
     # -- acting -------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """A thin wrapper over python-etcd3 that satisfies ``membership.KeyValueStore``.
 
 Owns the etcd3/gRPC imports, the retry of idempotent calls, endpoint failover, the translation of
-etcd3/gRPC errors into ``EtcdUnavailable``, and reading the certificate and password files that an
-``EtcdConfig`` names (or the system's CA bundle, for ``https://`` endpoints without a CA file), when
-it connects. Holds no protocol logic.
+etcd3/gRPC errors into ``EtcdUnavailable`` (and etcd's "permission denied" into ``PermissionDenied``,
+never retried), and reading the certificate and password files that an ``EtcdConfig`` names (or the
+system's CA bundle, for ``https://`` endpoints without a CA file), when it connects. Holds no
+protocol logic.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from elasticd.config import (  # noqa: E402
     Timeouts,
     parse_endpoint,
 )
-from elasticd.errors import ConfigError, EtcdUnavailable, LeaseLost  # noqa: E402
+from elasticd.errors import ConfigError, EtcdUnavailable, LeaseLost, PermissionDenied  # noqa: E402
 from elasticd.retry import call_with_retry  # noqa: E402
 from elasticd.store.kv import KeyValue
 
@@ -171,7 +172,10 @@ class EtcdClient:
             except EtcdUnavailable as exc:
                 log.warning("etcd_reauthenticate_failed", error=str(exc))
 
-    def _call(self, what: str, fn: Callable[[etcd3.Etcd3Client], _T]) -> _T:
+    def _call(self, what: str, fn: Callable[[etcd3.Etcd3Client], _T], key: str = "") -> _T:
+        """``fn`` on the current client, retried; ``key`` (the first one it touches) names the job
+        in a ``PermissionDenied``."""
+
         def attempt() -> _T:
             client = self._client
             try:
@@ -183,6 +187,9 @@ class EtcdClient:
                 code = exc.code() if callable(getattr(exc, "code", None)) else None
                 if code == grpc.StatusCode.NOT_FOUND and "lease" in str(exc):
                     raise LeaseLost(f"{what}: the lease no longer exists") from exc
+                details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+                if code == grpc.StatusCode.PERMISSION_DENIED or "etcdserver: permission denied" in str(details):
+                    raise permission_denied(self._config, what, key) from exc
                 if code in _TRANSIENT_CODES:
                     self._failover(client)
                     raise _RetryableRpc(str(exc)) from exc
@@ -204,13 +211,13 @@ class EtcdClient:
     # -- KeyValueStore ----------------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:
-        value, meta = self._call("get", lambda c: c.get(key))
+        value, meta = self._call("get", lambda c: c.get(key), key)
         if value is None or meta is None:
             return None
         return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        return _key_values(self._call("get_prefix", lambda c: list(c.get_prefix(prefix))))
+        return _key_values(self._call("get_prefix", lambda c: list(c.get_prefix(prefix)), prefix))
 
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         def txn(c: etcd3.Etcd3Client) -> list[Any]:
@@ -220,13 +227,14 @@ class EtcdClient:
             _, responses = c.transaction(compare=[], success=ops, failure=[])
             return list(responses)
 
-        return [kv for rows in self._call("get_prefixes", txn) for kv in _key_values(rows)]
+        first = next(iter(prefixes), "")
+        return [kv for rows in self._call("get_prefixes", txn, first) for kv in _key_values(rows)]
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        self._call("put", lambda c: c.put(key, value, lease=lease or None))
+        self._call("put", lambda c: c.put(key, value, lease=lease or None), key)
 
     def delete(self, key: str) -> None:
-        self._call("delete", lambda c: c.delete(key))
+        self._call("delete", lambda c: c.delete(key), key)
 
     def compare_and_put(
         self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
@@ -237,6 +245,7 @@ class EtcdClient:
 
         Raises:
             LeaseLost: the compare held but ``lease`` no longer exists (nothing was written).
+            PermissionDenied: the etcd user's role does not cover the keys.
             EtcdUnavailable: etcd did not answer, or refused the request.
         """
         deletes = list(delete_keys)
@@ -257,7 +266,7 @@ class EtcdClient:
             return bool(ok)
 
         # A CAS is safe to retry: a lost reply makes the retry fail the compare, and the caller re-reads.
-        return self._call("compare_and_put", txn)
+        return self._call("compare_and_put", txn, key)
 
     def grant_lease(self, ttl_s: float) -> int:
         ttl = max(1, round(ttl_s))
@@ -281,6 +290,7 @@ class EtcdClient:
 
         Raises:
             EtcdUnavailable: the first watch could not be armed.
+            PermissionDenied: etcd refused the watch (the user's role does not cover ``prefix``).
         """
         lock = threading.Lock()
         current: list[tuple[etcd3.Etcd3Client, int]] = []  # the armed watch, if any
@@ -308,7 +318,9 @@ class EtcdClient:
             with lock:
                 state["token"] += 1
                 token = state["token"]
-            found = self._call("watch", lambda c: (c, c.add_watch_prefix_callback(prefix, handler(token))))
+            found = self._call("watch", lambda c: (c, c.add_watch_prefix_callback(prefix, handler(token))), prefix)
+            if found[1] < 0:  # etcd (3.4) answers a watch it does not permit with id -1, created and canceled
+                raise permission_denied(self._config, "watch", prefix)
             with lock:
                 if token == state["token"]:
                     current[:] = [found]
@@ -324,6 +336,9 @@ class EtcdClient:
                     except EtcdUnavailable:
                         cancelled.wait(self._retry.etcd_reconnect_max_s)
                         continue
+                    except PermissionDenied as exc:  # trying again meets the same role
+                        log.error("watch_not_rearmed", prefix=prefix, error=str(exc))
+                        return
                     callback()
                     with lock:
                         if current or cancelled.is_set():  # armed, and not broken again meanwhile
@@ -347,9 +362,33 @@ class EtcdClient:
         arm()
         return cancel
 
+    def call_rpc(self, what: str, fn: Callable[[grpc.Channel, tuple[tuple[str, str], ...] | None], _T]) -> _T:
+        """``fn(channel, metadata)``: a gRPC call that etcd3 0.12 does not wrap (etcd's Auth API), on
+        the current endpoint with its auth token, bounded, retried and translated as every call here.
+
+        Raises:
+            PermissionDenied: etcd refused it to the user.
+            EtcdUnavailable: etcd did not answer, or refused it otherwise.
+        """
+        return self._call(what, lambda c: fn(c.channel, c.metadata))
+
     def close(self) -> None:
         for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
             _close_client(client)
+
+
+def permission_denied(config: EtcdConfig, what: str, key: str) -> PermissionDenied:
+    """The error for etcd's "permission denied" on ``key`` (the first key of the request; "" for a
+    lease): it names the job (the key's segment after the prefix), the etcd user, and the range that
+    the user's role must cover. Pure."""
+    user = f"etcd user {config.user}" if config.user else "no etcd user: set --etcd-user"
+    root = config.prefix + "/"
+    job = key[len(root):].partition("/")[0] if key.startswith(root) else ""
+    if job:
+        return PermissionDenied(f"permission denied for job {job} ({user}): the user's role does not cover "
+                                f"{root}{job}/ -- see `elasticctl auth setup-job`")
+    return PermissionDenied(f"permission denied for {what}{f' of {key}' if key else ''} ({user}): etcd refused "
+                            "it to the user's role -- see `elasticctl auth setup-job`")
 
 
 # Where distributions keep the system's CA bundle, for a Python whose OpenSSL does not say (one

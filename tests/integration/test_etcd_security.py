@@ -230,3 +230,121 @@ def test_https_without_a_ca_file_trusts_the_system_ca_bundle(tls_etcd: EtcdServe
     ok = _ctl("--etcd", endpoint, *client_cert, "status", "--job", job.job_id, "--json")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["finished"], ok.stdout
+
+
+# -- per-job credentials (issue 14 item 3) ---------------------------------------------------------
+
+
+def _denied(proc: subprocess.CompletedProcess[str], job: str, user: str) -> None:
+    """elasticctl's one line for a user whose role does not cover ``job``; exit 2, as a bad setting."""
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.splitlines() == [
+        f"elasticctl: permission denied for job {job} (etcd user {user}): the user's role does not cover "
+        f"/elasticd/{job}/ -- see `elasticctl auth setup-job`"], proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_per_job_roles_let_each_job_reach_only_its_own_keys(tmp_path: Path) -> None:
+    """``elasticctl auth setup-job`` as root makes jobA's and jobB's roles and users (twice: nothing
+    changes); job A runs as its user; B's user gets the clear permission-denied error on job A, from
+    elasticctl (status, drain, events), from an agent, and through the store, never etcd_unreachable."""
+    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+    from elasticd.errors import PermissionDenied
+    from elasticd.store.etcd import EtcdClient
+    from elasticd.wire.keys import Keys
+
+    server = EtcdServer().start()
+    try:
+        _enable_auth(server.endpoint, "trainer1", "s3cret-pw", "/elasticd")  # root, with password root-secret
+        root_pw, a_pw, b_pw = tmp_path / "root-pw", tmp_path / "a-pw", tmp_path / "b-pw"
+        for path, secret in ((root_pw, "root-secret"), (a_pw, "a-secret"), (b_pw, "b-secret")):
+            path.write_text(secret + "\n")
+        etcd = ["--etcd", server.endpoint]
+        root = [*etcd, "--etcd-user", "root", "--etcd-password-file", str(root_pw)]
+        for run in range(2):  # the second run finds everything in place
+            for job, pw in (("jobA", a_pw), ("jobB", b_pw)):
+                done = _ctl(*root, "auth", "setup-job", job, "--password-file", str(pw))
+                assert done.returncode == 0 and done.stderr == "", done
+                lines = done.stdout.splitlines()
+                made, granted = ("created", "granted") if run == 0 else ("exists", "already granted")
+                assert lines[0] == (f"role elasticd-{job}: {made}; read-write on [/elasticd/{job}/, "
+                                    f"/elasticd/{job}0) {granted}")
+                assert (f"elasticctl --etcd {server.endpoint} --etcd-user {job} --etcd-password-file {pw} status "
+                        f"--job {job}") in done.stdout
+                assert "warning" not in done.stdout
+        as_a = [*etcd, "--etcd-user", "jobA", "--etcd-password-file", str(a_pw)]
+        as_b = [*etcd, "--etcd-user", "jobB", "--etcd-password-file", str(b_pw)]
+
+        job = AgentJob(server, tmp_path / "job", lease_ttl_s=2, keepalive_s=0.5, etcd_user="jobA",
+                       etcd_password_file=a_pw)
+        job.job_id = "jobA"
+        try:
+            agent = job.start("a", program=[*PROGRAM[:-1], "10", "--audit", str(job.audit_path("a"))])
+            assert agent.wait(90) == 0, job.logs_tail()
+        finally:
+            job.stop()
+        assert len(job.commits("a")) == 10
+        ok = _ctl(*as_a, "status", "--job", "jobA", "--json")
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["finished"]
+
+        _denied(_ctl(*as_b, "status", "--job", "jobA"), "jobA", "jobB")
+        _denied(_ctl(*as_b, "drain", "a", "--job", "jobA"), "jobA", "jobB")
+        _denied(_ctl(*as_b, "events", "--job", "jobA"), "jobA", "jobB")
+        _denied(_ctl(*as_a, "status", "--job", "jobB"), "jobB", "jobA")
+        own = _ctl(*as_b, "status", "--job", "jobB")  # its own job: readable (and empty)
+        assert own.returncode == 2 and "no such job" in own.stdout, own
+
+        intruder = AgentJob(server, tmp_path / "intruder", lease_ttl_s=2, keepalive_s=0.5, etcd_user="jobB",
+                            etcd_password_file=b_pw)
+        intruder.job_id = "jobA"
+        try:
+            b_agent = intruder.start("b", program=[*PROGRAM[:-1], "10"])
+            assert b_agent.wait(30) == 2, intruder.logs_tail()
+        finally:
+            intruder.stop()
+        log_text = intruder.agents["b"].log_text()
+        assert ("elasticd: permission denied for job jobA (etcd user jobB): the user's role does not cover "
+                "/elasticd/jobA/ -- see `elasticctl auth setup-job`") in log_text, log_text[-3000:]
+        assert "etcd_unreachable" not in log_text and "worker_started" not in log_text
+
+        client = EtcdClient(EtcdConfig(endpoints=(server.endpoint,), user="jobB", password_file=str(b_pw)),
+                            Timeouts(), RetryPolicy())
+        try:
+            for attempt in (lambda: client.get(Keys("/elasticd", "jobA").generation),
+                            lambda: client.put("/elasticd/jobA/intruder", b"x"),
+                            lambda: client.compare_and_put("/elasticd/jobA/intruder", 0, b"x"),
+                            lambda: client.watch_prefix("/elasticd/jobA/", lambda: None)):
+                with pytest.raises(PermissionDenied, match=r"^permission denied for job jobA \(etcd user jobB\)"):
+                    attempt()
+            client.put("/elasticd/jobB/mine", b"x")  # its own keys: fine
+            mine = client.get("/elasticd/jobB/mine")
+            assert mine is not None and mine.value == b"x"
+        finally:
+            client.close()
+
+        not_root = _ctl(*as_b, "auth", "setup-job", "jobC")
+        assert not_root.returncode == 1 and not_root.stdout == ""
+        assert not_root.stderr == ("elasticctl: etcd user jobB may not manage users and roles: a job's credentials "
+                                   "are set up as etcd's root user (--etcd-user root)\n")
+        generated = _ctl(*root, "auth", "setup-job", "jobC", "--user", "trainer-c")
+        assert generated.returncode == 0, generated.stderr
+        lines = generated.stdout.splitlines()
+        password = lines[lines.index(next(x for x in lines if x.startswith("password of user trainer-c"))) + 1].strip()
+        as_c = _ctl(*etcd, "--etcd-user", "trainer-c", "status", "--job", "jobC",
+                    env={"ELASTICD_ETCD_PASSWORD": password})
+        assert as_c.returncode == 2 and "no such job" in as_c.stdout, as_c  # read, and found nothing yet
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_setup_job_refuses_clearly_when_etcd_authentication_is_off(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    root_pw = tmp_path / "root-pw"
+    root_pw.write_text("root-secret\n")
+    off = _ctl("--etcd", etcd_server.endpoint, "--etcd-user", "root", "--etcd-password-file", str(root_pw), "auth",
+               "setup-job", "jobA")
+    assert off.returncode == 1 and off.stdout == ""
+    assert off.stderr.startswith("elasticctl: etcd's authentication is not enabled, so a job's role would restrict "
+                                 "nothing"), off.stderr

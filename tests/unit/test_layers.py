@@ -52,9 +52,10 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 # Fine-grained rules within the allowed layers: only the store's port, never its client, except
-# where named (the worker's default wiring of an etcd client, rejoin.connect; the cli's).
+# where named (the worker's default wiring of an etcd client, rejoin.connect; the cli's; and
+# store.auth, etcd's users and roles, which the client's calls carry).
 ETCD_CLIENT = "store.etcd"
-MAY_USE_ETCD_CLIENT = {"worker.rejoin", "cli"}
+MAY_USE_ETCD_CLIENT = {"worker.rejoin", "cli", "store.auth"}
 
 # Today's breaches, each with the move that ends it (issue 11's order of moves).
 KNOWN: dict[tuple[str, str], str] = {}
