@@ -336,17 +336,18 @@ def render(result: Mapping[str, object]) -> str:
     model = result["model"]
     assert isinstance(model, list)
     measured = [phases.get(p, {}).get("all_learned_s") for p in ("join", "leave")]
-    lines += ["", f"model of the current protocol (3fe7fcf), to the last member learned (predict(); here: all on "
+    lines += ["", f"model of the coordinated protocol, to the last member learned (predict(); here: all on "
               f"{result['cores']:g} cores, to check against the measured {fmt(measured[0])} s join, "
               f"{fmt(measured[1])} s leave; fleet: each member on its own host, etcd on {result['cores']:g} "
               "cores); a join round's etcd CPU and bytes sent with the reads per member measured here ("
               + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"]) + " per join, leave)",
               f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
-              f"{'etcd cpu':>9} {'sent':>9}  walls on a stock etcd"]
+              f"{'etcd cpu':>9} {'sent':>9} {'fleet 3fe7fcf':>14}  walls on a stock etcd"]
     for row in model:
         lines.append(f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
                      f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
-                     f"{row['join_bytes_sent'] / 1e9:>7.2f}GB  {'; '.join(row['walls']) or '-'}")
+                     f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s  "
+                     f"{'; '.join(row['walls']) or '-'}")
     walls_at = result["walls"]
     assert isinstance(walls_at, dict)
     lines += ["", "walls of a stock etcd: " + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in
@@ -365,11 +366,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-process", type=int, default=d.per_process, help="members per process, as threads (K)")
     p.add_argument("--etcd-max-txn-ops", type=int, default=d.etcd_max_txn_ops,
                    help="raise etcd's --max-txn-ops (default: a stock etcd, 128) to measure past the publish wall")
+    p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s,
+                   help="the members' lease TTL (default: elasticd's); with --keepalive-s, what N members' "
+                   "renewals cost: on a few cores, at the defaults, they alone saturate the CPU near 1,000")
+    p.add_argument("--keepalive-s", type=float, default=d.keepalive_s, help="the members' renewal interval")
 
 
 def run_cmd(args: argparse.Namespace) -> int:
     """``rendezvous``: run it, print the figures; 1 when a round could not be measured."""
     if args.members < 2 or args.per_process < 1:
         raise SystemExit("--members must be >= 2 (one leaves) and --per-process >= 1")
-    s = RendezvousSettings(members=args.members, per_process=args.per_process, etcd_max_txn_ops=args.etcd_max_txn_ops)
+    s = RendezvousSettings(members=args.members, per_process=args.per_process, etcd_max_txn_ops=args.etcd_max_txn_ops,
+                           lease_ttl_s=args.lease_ttl_s, keepalive_s=args.keepalive_s)
     return run_subcommand(args, "elasticd-bench-rendezvous-", lambda workdir: run_rendezvous(s, workdir), render)

@@ -79,11 +79,13 @@ class CountingStore:
         self._inner.delete(key)
 
     def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0) -> bool:
+                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
         publish = key == self._generation_key
         self._n("publish_attempts" if publish else "compare_and_put")
         try:
-            won = self._inner.compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease)
+            won = self._inner.compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
+                                              delete_ranges)
         except EtcdUnavailable as exc:
             if "rejected" in str(exc):  # etcd answered no (a limit): the protocol would retry it forever
                 self._on_error(f"{'publish' if publish else 'compare_and_put'}: {exc}"[:400])
@@ -150,10 +152,13 @@ def _member_process(conn: Connection, plan: Plan) -> None:
         out.put(("error", msg))
 
     members: dict[str, Membership] = {}
+    # One etcd client (one gRPC channel, one watch stream) per process, shared by its members, as
+    # the workers of one node could share their agent's: a channel per member costs each a
+    # polling thread, and a process of hundreds of them measures gRPC's threads, not the protocol.
+    client = EtcdClient(EtcdConfig(endpoints=(plan.endpoint,)), timeouts, RetryPolicy())
     for i in range(plan.first, plan.first + plan.count):
         record = bench_record(i, os.getpid())
-        store = CountingStore(EtcdClient(EtcdConfig(endpoints=(plan.endpoint,)), timeouts, RetryPolicy()),
-                              counts, lock, keys.generation, error)
+        store = CountingStore(client, counts, lock, keys.generation, error)
         members[record.member_id] = Membership(store, keys, record, world, timeouts)
     wake = {mid: threading.Event() for mid in members}
     left: set[str] = set()
@@ -166,9 +171,9 @@ def _member_process(conn: Connection, plan: Plan) -> None:
             out.put(("registering", mid, time.time()))
             m.start()
             out.put(("registered", mid, time.time()))
-            while not joining.wait(POLL_S):
-                if stop.is_set():
-                    return
+            joining.wait()  # (set on "exit" too) no polling: 1,000 threads polling would load the cores
+            if stop.is_set():
+                return
             out.put(("joining", mid, time.time()))
             while not stop.is_set():
                 joined = m.join(0, Deadline.after(timeouts.join_s))
@@ -210,6 +215,7 @@ def _member_process(conn: Connection, plan: Plan) -> None:
                     conn.send(("counts", dict(counts), time.process_time()))
             elif cmd[0] == "exit":
                 stop.set()
+                joining.set()
                 break
     except (EOFError, OSError):
         pass  # the bench went away

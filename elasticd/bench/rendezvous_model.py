@@ -13,12 +13,14 @@ A new protocol gets its own counting function beside ``current_protocol``; ``pre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from elasticd.config import Timeouts
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord, ReadyRecord, encode
+from elasticd.wire.roster import buckets_for
 
 # etcd's defaults (v3.4/3.5) and gRPC's: the walls of a stock deployment.
 STOCK_MAX_TXN_OPS = 128  # etcd --max-txn-ops
@@ -39,7 +41,10 @@ JOIN_FIXED_REQUESTS, LEAVE_FIXED_REQUESTS = 4, 1
 ETCD_METRICS = {"etcd_debugging_mvcc_events_total": "watch_events", "etcd_mvcc_put_total": "puts",
                 "etcd_mvcc_txn_total": "txns", "etcd_mvcc_range_total": "ranges",
                 "etcd_mvcc_delete_total": "deletes", "etcd_network_client_grpc_sent_bytes_total": "bytes_sent"}
-DEFAULT_READS_PER_MEMBER = 2.0  # no round measured: a member's two readers (join loop, watcher) read once each
+DEFAULT_READS_PER_MEMBER = 2.0
+VIEW_FIXED_B = 1024  # a member's view without the roster: generation pointer, verdict, coordinator, ... (framed)
+COORDINATED_FIXED_REQUESTS = 1  # a member's requests in a round besides its reads: its ready put
+COORDINATOR_READS = 2.0  # the coordinator's reads of the job on a join's critical path (leave: twice)  # no round measured: a member's two readers (join loop, watcher) read once each
 
 @dataclass(frozen=True)
 class Sizes:
@@ -60,6 +65,14 @@ class Sizes:
     def full_read(self, n: int) -> int:
         """One member's read while all N are registered and ready (and a generation lists them)."""
         return n * (self.member_kv + self.ready_kv + self.member_id + 4)
+
+    def view(self, n: int) -> int:
+        """One member's reads after a change under the coordinated protocol: its view (the small
+        records, ``VIEW_FIXED_B``) and its node's roster bucket (``wire.roster``; the whole list
+        while the generation lists its members)."""
+        buckets = buckets_for(n)
+        per_bucket = n if buckets == 0 else math.ceil(n / buckets)
+        return VIEW_FIXED_B + per_bucket * (self.member_id + 8)
 
     def publish_request(self, n: int, deletes: bool = False) -> int:
         """The publish transaction: the generation record and its event (both list the N ids, as
@@ -86,7 +99,8 @@ def walls(n: int, sizes: Sizes, deletes: bool = False) -> list[str]:
         out.append(f"publish request {sizes.publish_request(n, deletes) / 2**20:.2f} MiB > --max-request-bytes "
                    "1.5 MiB")
     if sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES:
-        out.append(f"a full read {sizes.full_read(n) / 2**20:.2f} MiB > gRPC's 4 MiB message: members cannot read")
+        out.append(f"a full read {sizes.full_read(n) / 2**20:.2f} MiB > gRPC's default 4 MiB message (the "
+                   "coordinator's and status' clients raise it: store.etcd)")
     return out
 
 
@@ -138,11 +152,33 @@ class RoundCounts:
     sweeps: float  # sweeps (every member reads once) on the critical path
     seq_writes: int  # writes one after another on the critical path
     fixed_wait_s: float  # waits the protocol imposes
+    coordinator_reads: float = 0.0  # full reads of the job by one reader (the coordinator) on the critical path
+    full_bytes: int = 0  # ... each of this size
+
+
+def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts,
+                         leave: bool) -> RoundCounts:
+    """The coordinated protocol's round (``rendezvous.coordinator``). Only the coordinator watches
+    and reads ``members/`` and ``ready/``; a member watches the generation, abort, finished,
+    verdict and coordinator records and reads its small view and its node's roster bucket
+    (``Sizes.view``). Join: each ready put reaches the coordinator (N events), the generation put
+    every member (N): 2N; leave, M = N-1 survivors: the verdict (M), their ready puts (M), the
+    generation (M): 3M. Critical path, join: a ready put, the coordinator's reads of the job (the
+    one in flight missed it, the next sees it: ``COORDINATOR_READS``), the publish, then one sweep
+    of the members' reads (view and bucket: 2 requests each); leave: the revoke, the coordinator's
+    reads, the verdict, a sweep, the trainer's poll (``abort_poll_s``), the ready puts, the
+    coordinator's reads, the publish, a sweep. ``reads_per_member`` (measured) gives the round's
+    etcd CPU and bytes, not its time."""
+    m = n - 1 if leave else n
+    events = 3 * m if leave else 2 * m
+    return RoundCounts(m, m * COORDINATED_FIXED_REQUESTS, events, sizes.view(n), reads_per_member, 2.0 * (2 if leave else 1),
+                       4 if leave else 2, timeouts.abort_poll_s if leave else 0.0,
+                       coordinator_reads=COORDINATOR_READS * (2 if leave else 1), full_bytes=sizes.full_read(n))
 
 
 def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool,
                      deletes: bool = False) -> RoundCounts:
-    """The current protocol's round (3fe7fcf). Every member watches ``members/``, ``ready/`` and the
+    """The protocol of 3fe7fcf (before the coordinator), kept for comparison. Every member watches ``members/``, ``ready/`` and the
     generation, so each ready put and the generation put reach all members (join: N^2+N events;
     leave, with M = N-1 survivors: the leaver's delete, then M^2+M); ``deletes``: the publish also
     deleted the N consumed ready keys, each reaching all members, as before 3fe7fcf (join 2N^2+N,
@@ -176,17 +212,20 @@ def predict(r: RoundCounts, c: Costs, cores: float) -> Prediction:
     its critical path, the watch events' delivery and ``r.sweeps`` sweeps of full reads, the CPU work spread
     evenly over ``cores`` (no queueing beyond it). Here, the members' work shares the cores with
     etcd's; on a fleet, each member's own work runs on its host."""
-    read_etcd = c.etcd_per_request_s + r.read_bytes * c.etcd_per_byte_s  # one full read, etcd's side
+    read_etcd = c.etcd_per_request_s + r.read_bytes * c.etcd_per_byte_s  # one member's read, etcd's side
     read_member = c.member_per_request_s + r.read_bytes * c.member_per_byte_s  # ... the member's side
+    full_etcd = c.etcd_per_request_s + r.full_bytes * c.etcd_per_byte_s  # the coordinator's read of the job
+    coordinator = r.coordinator_reads * (full_etcd + c.member_per_request_s + r.full_bytes * c.member_per_byte_s)
     events_etcd, events_member = r.events * c.etcd_per_event_s, r.events * c.member_per_event_s
     requests_etcd, requests_member = r.requests * c.etcd_per_request_s, r.requests * c.member_per_request_s
-    base = r.fixed_wait_s + r.seq_writes * c.write_rtt_s
+    base = r.fixed_wait_s + r.seq_writes * c.write_rtt_s + coordinator
     sweep_here = r.members * (read_etcd + read_member) / cores
     here = base + r.sweeps * sweep_here + (events_etcd + events_member + requests_etcd + requests_member) / cores
     sweep_fleet = r.members * read_etcd / cores + read_member
     fleet = base + r.sweeps * sweep_fleet + (events_etcd + requests_etcd) / cores + events_member / max(1, r.members)
     reads = r.members * r.reads_per_member
-    return Prediction(requests_etcd + events_etcd + reads * read_etcd, reads * r.read_bytes, fleet, here)
+    return Prediction(requests_etcd + events_etcd + reads * read_etcd + r.coordinator_reads * full_etcd,
+                      reads * r.read_bytes + r.coordinator_reads * r.full_bytes, fleet, here)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -231,12 +270,14 @@ def model_rows(costs: Costs, sizes: Sizes, timeouts: Timeouts, phases: Mapping[s
     r_join, r_leave = reads("join", measured_n), reads("leave", max(1, measured_n - 1))
     rows: list[dict[str, object]] = []
     for n in (measured_n, *MODEL_N):
-        join = predict(current_protocol(n, r_join, sizes, timeouts, leave=False), costs, cores)
-        leave = predict(current_protocol(n, r_leave, sizes, timeouts, leave=True), costs, cores)
+        join = predict(coordinated_protocol(n, r_join, sizes, timeouts, leave=False), costs, cores)
+        leave = predict(coordinated_protocol(n, r_leave, sizes, timeouts, leave=True), costs, cores)
+        before = predict(current_protocol(n, r_join, sizes, timeouts, leave=False), costs, cores)
         rows.append({"members": n, "join_here_s": join.here_s, "join_fleet_s": join.fleet_s,
                      "join_etcd_cpu_s": join.etcd_cpu_s, "join_bytes_sent": join.bytes_sent,
                      "leave_here_s": leave.here_s, "leave_fleet_s": leave.fleet_s,
                      "leave_etcd_cpu_s": leave.etcd_cpu_s, "leave_bytes_sent": leave.bytes_sent,
+                     "join_fleet_s_before": before.fleet_s,
                      "reads_per_member": (r_join, r_leave), "walls": walls(n, sizes)})
     return rows
 

@@ -1,5 +1,7 @@
-"""The rendezvous decision, pure: ``next_action(snapshot, me, window, now)``, the rank order,
-the resume rule, and ``assess_health`` (whether a generation can go on, from one snapshot).
+"""The rendezvous decisions, pure: the coordinator's (``publish_decision``, ``judge``: from a
+full snapshot), a waiting member's (``member_action``, ``should_resume``: from its small view),
+a deputy's (``next_action``: both), the rank order, the resume rule, and ``assess_health``
+(whether a generation can go on, from a member's view).
 
 No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membership``.
 """
@@ -7,11 +9,11 @@ No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membersh
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from elasticd.config import Timeouts, WorldConfig
-from elasticd.wire.records import GenerationRecord, ReadyRecord
+from elasticd.wire.records import VERDICT_IDS, GenerationRecord, ReadyRecord, VerdictRecord
 from elasticd.wire.snapshot import Snapshot
 
 
@@ -116,7 +118,8 @@ def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
 def next_action(
     snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
 ) -> Action:
-    """Decide what this member does next in a rendezvous. Pure: no I/O, no clock reads."""
+    """Decide what this member does next in a rendezvous, from a full snapshot (a deputy's, see
+    ``rendezvous.join``). Pure: no I/O, no clock reads."""
     g = snap.generation
     if g is not None and me.member_id in g.members and g.generation > me.last_generation:
         return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
@@ -126,34 +129,48 @@ def next_action(
         return Action(ActionKind.REREGISTER, "my member or ready record is gone (lease expired?)")
     job_sig = g.signature if g else _first_signature(snap)
     if job_sig and me.signature != job_sig:
-        return Action(
-            ActionKind.FAIL,
-            "model mismatch",
-            error=f"this worker's model signature {me.signature[:12]} differs from the job's "
-            f"{job_sig[:12]} (parameter names, shapes or dtypes differ)",
-        )
+        return _mismatch(me, job_sig)
+    return publish_decision(snap, window, now, world, timeouts, me.member_id)
+
+
+def _mismatch(me: Me, job_sig: str) -> Action:
+    return Action(
+        ActionKind.FAIL,
+        "model mismatch",
+        error=f"this worker's model signature {me.signature[:12]} differs from the job's "
+        f"{job_sig[:12]} (parameter names, shapes or dtypes differ)",
+    )
+
+
+def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldConfig, timeouts: Timeouts,
+                     me: str = "") -> Action:
+    """What the coordinator does for the members waiting in ``snap``: WAIT (``standby`` when the
+    generation is healthy at ``max_workers`` and ``me`` is not in it), PUBLISH the next
+    generation, or STATE_LOST. Pure."""
+    g = snap.generation
+    job_sig = g.signature if g else _first_signature(snap)
     cands = candidates_of(snap)
     ids = {r.member_id for r in cands}
     broken = generation_broken(snap)
     if g is not None:
         missing = [m for m in g.members if m in snap.members and m not in ids]
         if missing and not broken:
-            if me.member_id not in g.members and g.world_size >= world.max_workers:
+            if me not in g.members and g.world_size >= world.max_workers:
                 return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
                               f"max_workers {world.max_workers}", standby=True)
             return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
-                          f"members {missing} to reach a step boundary")
+                          f"members {missing[:VERDICT_IDS]} to reach a step boundary")
         if missing and not any(r.member_id in g.members for r in cands):
             # Only members of the generation hold its state. Publishing without any of them while
             # some live would start over from older state (a newcomer alone would train from step
             # 0): wait for them. Bounded by their leases (and the agent's hang detection).
-            return Action(ActionKind.WAIT, f"waiting for the live members {missing} of generation "
-                          f"{g.generation}, which hold its state")
-        # The last call starts when this member saw the generation broken: a newcomer that has
-        # been waiting for long must not cut it short.
+            return Action(ActionKind.WAIT, f"waiting for the live members {missing[:VERDICT_IDS]} of "
+                          f"generation {g.generation}, which hold its state")
+        # The last call starts when the round began or the generation was seen broken, whichever
+        # is later: a newcomer that has been waiting for long must not cut it short.
         last_call = max(window.entered_at, window.broken_at or window.entered_at) + timeouts.last_call_s
         if missing and now < last_call:
-            return Action(ActionKind.WAIT, f"last call for {missing}", until=last_call)
+            return Action(ActionKind.WAIT, f"last call for {missing[:VERDICT_IDS]}", until=last_call)
     if len(cands) < world.min_workers:
         return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
     best = max(r.committed_step for r in cands)
@@ -212,6 +229,82 @@ def next_action(
     )
 
 
+def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord | None:
+    """The coordinator's verdict on the current generation of a full snapshot (pure), or None when
+    there is nothing to say (a healthy generation, nobody waiting to be admitted, no lost state,
+    one model): members take no verdict for a healthy one. ``error``: the job's state is lost
+    (``publish_decision``). A verdict already stored for the generation keeps its reason to abandon:
+    members that leave one by one must not rewrite a record that every member watches."""
+    g = snap.generation
+    if g is None:
+        sigs = {r.signature for r in snap.ready.values() if r.member_id in snap.members}
+        if len(sigs) <= 1 and not error:
+            return None
+        return VerdictRecord(0, _first_signature(snap), "", 0, 0, error)
+    stored = snap.verdict if snap.verdict is not None and snap.verdict.generation == g.generation else None
+    abandon = stored.abandon if stored is not None else ""
+    if not abandon:
+        lost = [m for m in g.members if m not in snap.members]
+        left = [m for m in g.members if m in snap.ready and snap.ready[m].prev_generation >= g.generation]
+        if lost:
+            abandon = f"members lost their lease: {lost[:VERDICT_IDS]}" + (f" and {len(lost) - VERDICT_IDS} more"
+                                                                           if len(lost) > VERDICT_IDS else "")
+        elif left:
+            abandon = f"members left the generation: {left[:VERDICT_IDS]}" + (
+                f" and {len(left) - VERDICT_IDS} more" if len(left) > VERDICT_IDS else "")
+    pending = bool(newcomers_admitted(snap, g, world))
+    orphaned = not any(m in snap.members for m in g.members)
+    if not (abandon or pending or orphaned or error):
+        return None
+    return VerdictRecord(g.generation, g.signature, abandon, int(pending), int(orphaned), error)
+
+
+def verdict_on(view: Snapshot) -> VerdictRecord | None:
+    """The verdict in ``view`` if it is about ``view``'s generation (an older one says nothing)."""
+    v, g = view.verdict, view.generation
+    if v is None or v.generation != (g.generation if g else 0):
+        return None
+    return v
+
+
+def member_action(view: Snapshot, me: Me, world: WorldConfig) -> Action:
+    """What a waiting member does next, from its own small view (``Keys.member_view``: the
+    generation, abort, finished, verdict and coordinator records; never another member's). Pure.
+
+    JOIN a generation that includes it; FINISHED; FAIL when its model differs from the job's;
+    STATE_LOST when the coordinator said so; else WAIT (``standby`` when the generation is healthy
+    at ``max_workers`` without it). Publishing is the coordinator's (``publish_decision``)."""
+    g = view.generation
+    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
+        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
+    if view.finished is not None and (g is None or view.finished.generation >= g.generation):
+        return Action(ActionKind.FINISHED, f"the job finished at step {view.finished.step}")
+    verdict = verdict_on(view)
+    job_sig = g.signature if g else (verdict.signature if verdict else "")
+    if job_sig and me.signature != job_sig:
+        return _mismatch(me, job_sig)
+    if verdict is not None and verdict.error:
+        return Action(ActionKind.STATE_LOST, "state lost", error=verdict.error)
+    if view.coordinator is None:
+        return Action(ActionKind.WAIT, "no coordinator: electing one")
+    if g is not None and me.member_id not in g.members and g.world_size >= world.max_workers \
+            and view.aborted < g.generation and (verdict is None or not verdict.abandon):
+        return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
+                      f"max_workers {world.max_workers}", standby=True)
+    return Action(ActionKind.WAIT, f"waiting for the coordinator {view.coordinator.member_id}")
+
+
+def should_resume(view: Snapshot, held_step: int) -> bool:
+    """``should_load_checkpoint`` from a member's small view: the coordinator's verdict says
+    whether any member of the generation lives (pure)."""
+    g = view.generation
+    if g is not None:
+        verdict = verdict_on(view)
+        if verdict is None or not verdict.orphaned:
+            return False
+    return should_load_checkpoint(replace(view, members={}), held_step)
+
+
 @dataclass(frozen=True)
 class Health:
     """What a member of ``current`` makes of a snapshot (``assess_health``)."""
@@ -220,7 +313,6 @@ class Health:
     reason: str
     fenced: bool  # and never commit in it again (superseded, aborted, or my lease is gone)
     join_pending: bool | None  # newcomers would be admitted by a regroup (None: this read cannot tell)
-    newcomers: tuple[str, ...] = ()
 
 
 def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldConfig) -> tuple[str, ...]:
@@ -234,33 +326,28 @@ def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldCo
     return tuple(r.member_id for r in candidates_of(snap) if r.member_id not in current.members)
 
 
-def assess_health(snap: Snapshot, current: GenerationRecord, me: str, joined_revision: int,
-                  lease_lost: bool, world: WorldConfig) -> Health:
-    """Whether the generation ``current`` that ``me`` is in can go on, from one snapshot (pure).
+def assess_health(view: Snapshot, current: GenerationRecord, me: str, joined_revision: int,
+                  lease_lost: bool) -> Health:
+    """Whether the generation ``current`` that ``me`` is in can go on, from its small view (pure):
+    the generation, abort and verdict records (``Keys.member_view``), never the members' own.
 
     ``joined_revision`` is the generation record's ``mod_revision`` when ``me`` joined it: a
-    snapshot read before that says nothing about this generation, so only ``lease_lost`` counts then.
+    view read before that says nothing about this generation, so only ``lease_lost`` counts then.
     """
     if lease_lost:
         return Health(True, "my lease expired", True, None)
-    if snap.generation_revision < joined_revision:
+    if view.generation_revision < joined_revision:
         return Health(False, "", False, None)
-    if snap.generation is None and snap.generation_revision != 0:
-        # garbage written by hand: reported by snapshot(); not a reason to stop training
+    if view.generation is None and view.generation_revision != 0:
+        # garbage written by hand: reported by the reader; not a reason to stop training
         return Health(False, "", False, None)
-    if snap.generation is None or snap.generation.generation != current.generation:
+    if view.generation is None or view.generation.generation != current.generation:
         return Health(True, "generation superseded", True, None)
-    if snap.aborted >= current.generation:
+    if view.aborted >= current.generation:
         return Health(True, "generation aborted", True, None)
-    newcomers = newcomers_admitted(snap, current, world)
-    lost = [m for m in current.members if m not in snap.members]
-    if lost:
-        return Health(True, f"members lost their lease: {lost}", False, bool(newcomers), newcomers)
-    # A member that wrote a ready record naming this generation has left it (its step failed, and
-    # it is at the rendezvous): waiting for it in a collective could only end at collective_s.
-    left = [m for m in current.members if m != me and m in snap.ready
-            and snap.ready[m].prev_generation >= current.generation]
-    if left:
-        return Health(True, f"members left the generation: {left}", False, bool(newcomers), newcomers)
-    return Health(False, "", False, bool(newcomers), newcomers)
-
+    v = verdict_on(view)
+    if v is None:  # healthy, or not judged yet: the coordinator writes a verdict only to say something
+        return Health(False, "", False, False)
+    if v.abandon:
+        return Health(True, v.abandon, False, bool(v.pending))
+    return Health(False, "", False, bool(v.pending))

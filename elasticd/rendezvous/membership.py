@@ -18,13 +18,10 @@ Never imports etcd3 or torch.
 
 from __future__ import annotations
 
-import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from dataclasses import replace
 from typing import TypeVar
 
 import structlog
@@ -38,68 +35,31 @@ from elasticd.errors import (
     RendezvousClosed,
     StateLost,
 )
-from elasticd.rendezvous.decide import (
-    ActionKind,
-    Me,
-    Window,
-    candidates_of,
-    generation_broken,
-    next_action,
-    should_load_checkpoint,
-)
+from elasticd.rendezvous.coordinator import Coordinator, Seat
+from elasticd.rendezvous.decide import ActionKind, Me, member_action, should_resume
 from elasticd.rendezvous.lease import Lease, Reachability, Renewal
+from elasticd.rendezvous.member import Joined, MemberState, Standing
 from elasticd.rendezvous.publish import Publisher
+from elasticd.rendezvous.reader import JobReader
 from elasticd.rendezvous.watch import GenerationWatch
 from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
     CheckpointRecord,
+    CoordinatorRecord,
     GenerationRecord,
     MemberRecord,
     ReadyRecord,
     encode,
 )
-from elasticd.wire.snapshot import Snapshot, parse_snapshot
+from elasticd.wire.snapshot import Snapshot
+
+__all__ = ["DEPUTY_RANKS", "Joined", "Membership", "Standing"]  # Joined, Standing: re-exported from .member
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Joined:
-    """The outcome of a rendezvous, from this member's point of view."""
-
-    record: GenerationRecord
-    rank: int
-    duration_s: float
-    excused_s: float = 0.0  # time not counted against the join deadline (etcd down, standby)
-
-    @property
-    def generation(self) -> int:
-        return self.record.generation
-
-    @property
-    def world_size(self) -> int:
-        return self.record.world_size
-
-
-@dataclass(frozen=True)
-class Standing:
-    """One member's own standing (monotonic seconds)."""
-
-    fenced: bool  # its generation was superseded or aborted (seen in etcd)
-    lease_lost: bool  # etcd said its lease is gone
-    renewed_at: float  # when it last asked for a renewal that etcd granted
-    lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum)
-    continued: bool  # stopped and continued since that renewal was asked (continued.py)
-
-
-class MemberState(StrEnum):
-    UNREGISTERED = "unregistered"
-    REGISTERED = "registered"
-    CLOSED = "closed"
 
 
 class Membership:
@@ -126,15 +86,21 @@ class Membership:
         self._clock = clock
         self._lease = Lease(store, timeouts.lease_ttl_s, clock)
         self._state = MemberState.UNREGISTERED
-        self._changed = threading.Event()
+        # A change seen by a watch wakes both the join loop and the watcher thread: one event each,
+        # since a waiter that clears a shared one can swallow the other's wakeup.
+        self._changed = threading.Event()  # the join loop's
+        self._view_changed = threading.Event()  # the watcher thread's
         self._stop = threading.Event()
         self._publish = Publisher(store, keys, member.member_id, timeouts, clock, self._stop)
-        self._watch = GenerationWatch(member.member_id, world)  # the hot-path flags
+        self._watch = GenerationWatch(member.member_id)  # the hot-path flags
+        self._seat = Seat(store, keys, CoordinatorRecord(member.member_id, member.node),
+                          lambda: self._new_coordinator(elected=True))
         self._cancel_watches: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
-        self._warned_malformed: set[str] = set()
+        self._reader = JobReader(store, keys, member.node)
         self._etcd = Reachability(clock)  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
+        self._joining = False  # a join() runs (on the training thread)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -150,19 +116,20 @@ class Membership:
 
         Raises:
             EtcdUnavailable: etcd stayed unreachable for ``etcd_outage_s``.
+            LeaseLost: every lease granted for ``etcd_outage_s`` expired before it could be used.
         """
         deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
         while True:
             try:
                 self._register()
                 break
-            except EtcdUnavailable as exc:
-                if deadline.expired():
+            except (EtcdUnavailable, LeaseLost) as exc:  # LeaseLost: granted, then expired before the put
+                if deadline.expired():  # (an overloaded host): again, like an outage
                     raise
                 log.warning("register_waiting_for_etcd", error=str(exc)[:200],
                             bound_s=round(deadline.remaining_s(), 1))
                 self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
-        self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.membership_changes]
+        self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.member_watch]
         for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop)):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -173,8 +140,9 @@ class Membership:
         if self._state == MemberState.CLOSED:
             return
         self._stop.set()
-        self._changed.set()
+        self._on_change()
         self._renew.set()
+        self._seat.stop()
         for cancel in self._cancel_watches:
             try:
                 cancel()
@@ -209,6 +177,7 @@ class Membership:
 
     def _on_change(self) -> None:
         self._changed.set()
+        self._view_changed.set()
 
     def set_progress(self, payload: Mapping[str, object]) -> None:
         """Hand the latest progress to the keepalive thread, which publishes it (off the hot path)."""
@@ -218,11 +187,12 @@ class Membership:
         """Ask the keepalive thread for a renewal now (a step waits for one)."""
         self._renew.set()
 
-    def _background(self, wake: threading.Event, ask: Callable[[], T], then: Callable[[T], None]) -> None:
-        """A background thread: on ``wake`` (or every keepalive interval) ``ask`` etcd, note whether
-        it answered, and ``then`` act on the answer."""
+    def _background(self, wake: threading.Event, ask: Callable[[], T], then: Callable[[T], None],
+                    every_s: float) -> None:
+        """A background thread: on ``wake`` (or every ``every_s``) ``ask`` etcd, note whether it
+        answered, and ``then`` act on the answer."""
         while not self._stop.is_set():
-            wake.wait(self._timeouts.keepalive_s)
+            wake.wait(every_s)
             wake.clear()
             if self._stop.is_set():
                 return
@@ -237,34 +207,62 @@ class Membership:
     def _keepalive_loop(self) -> None:
         # The renewal first: a step may be waiting for it (a vote of "stale"); the progress writes
         # after it, and only while etcd answers (each could spend the retry budget).
-        self._background(self._renew, self._lease.renew, self._renewed)
+        self._background(self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s)
 
     def _renewed(self, renewal: Renewal) -> None:
         self._lease.keep(renewal)
         self._publish.flush_progress(self._lease.id)
         if renewal.ttl_s <= 0 and renewal.lease == self._lease.id:
             self._watch.lose_lease(renewal.lease)
-            self._changed.set()
+            self._on_change()
 
     def _watch_loop(self) -> None:
-        # Watches can break (etcd restarts); polling every keepalive interval covers that.
-        self._background(self._changed, self.snapshot, self._update_health)
+        # Watches deliver changes at once (and a broken one is re-armed and read again); the poll
+        # every view_poll_s is a safety net.
+        self._background(self._view_changed, self._watched_view, self._on_view, self._timeouts.view_poll_s)
 
-    def snapshot(self) -> Snapshot:
-        """Read and parse the job's rendezvous keys (``Keys.rendezvous``), in one transaction.
+    def _watched_view(self) -> Snapshot | None:
+        # While a join runs, it reads the view (and campaigns) itself on the same changes.
+        return None if self._joining else self.view()
+
+    def view(self) -> Snapshot:
+        """This member's view of the job (``JobReader.view``).
 
         Raises:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
-        snap = parse_snapshot(self._keys, self._store.get_prefixes(self._keys.rendezvous))
-        for bad in snap.malformed:
-            if bad not in self._warned_malformed:
-                self._warned_malformed.add(bad)
-                log.error("malformed_record_ignored", record=bad)
-        return snap
+        return self._reader.view()
 
-    def _update_health(self, snap: Snapshot) -> None:
-        self._watch.assess(snap)
+    def snapshot(self) -> Snapshot:
+        """All of the job's rendezvous keys (``JobReader.snapshot``).
+
+        Raises:
+            EtcdUnavailable: etcd could not be reached within the retry bound.
+        """
+        return self._reader.snapshot()
+
+    def _on_view(self, view: Snapshot | None) -> None:
+        if view is None:
+            return
+        self._watch.assess(view)
+        try:
+            self._elect(view)
+        except EtcdUnavailable as exc:
+            self._etcd.answered(False, str(exc))
+
+    def _elect(self, view: Snapshot) -> None:
+        """Campaign when the job has no coordinator, and run or stop this member's coordinator as
+        the ``coordinator`` record says (from both the watcher and the join)."""
+        if self._state == MemberState.REGISTERED and not self._stop.is_set():
+            self._seat.follow(view, self._lease.id)
+
+    def _new_coordinator(self, elected: bool) -> Coordinator:
+        return Coordinator(self._store, self._keys, self.member_id, self._world, self._timeouts, self._clock,
+                           self.snapshot, self._publish.published_event, elected=elected)
+
+    def is_coordinator(self) -> bool:
+        """This member runs the job's coordinator now."""
+        return self._seat.running()
 
     # -- hot-path flags ---------------------------------------------------------------------
 
@@ -342,6 +340,13 @@ class Membership:
             ModelMismatch: this member's model differs from the job's.
             EtcdUnavailable: etcd stayed unreachable for ``etcd_outage_s``.
         """
+        self._joining = True
+        try:
+            return self._join(committed_step, deadline, resume)
+        finally:
+            self._joining = False
+
+    def _join(self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None) -> Joined:
         started = self._clock()
         prev = self._watch.current
         self._watch.leave()
@@ -353,14 +358,15 @@ class Membership:
             prev_rank=prev.rank_of(self.member_id) if prev and self.member_id in prev.members else 0,
             signature=self.record.signature,
         )
-        window = Window(entered_at=started, candidates_changed_at=started)
-        last_cands: frozenset[str] = frozenset()
+        # A deputy (rank 0 or 1 of the generation it leaves) publishes itself when the coordinator
+        # is late by coordinator_grace_s: one that died unrevoked holds the role until its lease ends.
+        deputy = self._new_coordinator(elected=False) if prev and ready.prev_rank < DEPUTY_RANKS \
+            and self.member_id in prev.members else None
         last_reason = ""
         excused = {"etcd": 0.0, "standby": 0.0}  # seconds not counted against deadline
         bounds = {"etcd": self._timeouts.etcd_outage_s, "standby": self._timeouts.standby_s}
         excuse, since = "", started
         ready_written = False
-        broken_seen = 0  # the broken generation whose break this member saw (0: none)
         while True:
             t = self._clock()
             if excuse:
@@ -375,13 +381,29 @@ class Membership:
                     f"no generation formed within the join timeout ({last_reason})"
                 )
             self._changed.clear()
+            until: float | None = None
             try:
                 if not ready_written:
                     if self._watch.lease_lost:
                         self._register()
                     self._put_ready(ready)
                     ready_written = True
-                snap = self.snapshot()
+                view = self.view()
+                self._elect(view)
+                if resume is not None and should_resume(view, ready.committed_step):
+                    held = resume(ready.committed_step)
+                    resume = None
+                    if held != ready.committed_step:
+                        ready, ready_written = replace(ready, committed_step=held), False
+                    continue
+                action = member_action(view, me, self._world)
+                last_reason = action.reason
+                if action.kind is ActionKind.FINISHED:
+                    self._store.delete(self._keys.ready(self.member_id))
+                    raise JobFinished(action.reason)
+                if action.kind is ActionKind.WAIT and deputy is not None \
+                        and self._clock() - started >= self._timeouts.coordinator_grace_s:
+                    until = deputy.round()
             except EtcdUnavailable as exc:
                 excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
                 self._etcd.answered(False, str(exc))
@@ -392,84 +414,35 @@ class Membership:
                 self._stop.wait(self._timeouts.keepalive_s)
                 continue
             self._etcd.answered(True)
-            if resume is not None and should_load_checkpoint(snap, ready.committed_step):
-                held = resume(ready.committed_step)
-                resume = None
-                if held != ready.committed_step:
-                    ready = replace(ready, committed_step=held)
-                    if self.member_id in self.snapshot().ready:  # not consumed by a generation meanwhile
-                        self._put_ready(ready)
-                continue
-            cands = frozenset(r.member_id for r in candidates_of(snap))
-            now = self._clock()
-            if cands != last_cands:
-                window = replace(window, candidates_changed_at=now)
-                last_cands = cands
-            broken = snap.generation.generation if snap.generation and generation_broken(snap) else 0
-            if broken != broken_seen:
-                broken_seen = broken
-                window = replace(window, broken_at=now if broken else None)
-            action = next_action(snap, me, window, now, self._world, self._timeouts)
-            last_reason = action.reason
             if action.kind is ActionKind.JOIN:
                 assert action.record is not None
-                return self._joined(action.record, started, snap, sum(excused.values()))
+                return self._joined(action.record, started, view, sum(excused.values()))
             if action.kind is ActionKind.FAIL:
                 self.close()
                 raise ModelMismatch(action.error)
             if action.kind is ActionKind.STATE_LOST:
                 self.close()
                 raise StateLost(action.error)
-            try:
-                if action.kind is ActionKind.FINISHED:
-                    self._store.delete(self._keys.ready(self.member_id))
-                    raise JobFinished(action.reason)
-                if action.kind is ActionKind.REREGISTER:
-                    log.warning("member_reregistered", member=self.member_id, cause=action.reason)
-                    if self.member_id not in snap.members:
-                        self._register()
-                    self._put_ready(ready)
-                    continue
-                if action.kind is ActionKind.PUBLISH:
-                    assert action.record is not None
-                    won = self._store.compare_and_put(
-                        self._keys.generation,
-                        action.expected_revision,
-                        encode(action.record),  # consumes its members' ready records (wire.snapshot.consumed)
-                        put_keys=dict([self._publish.published_event(action.record)]),  # the history, same txn
-                    )
-            except EtcdUnavailable as exc:
-                excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
-                self._stop.wait(self._timeouts.keepalive_s)
+            if self._watch.lease_lost:  # my records are gone with my lease: register anew
+                log.warning("member_reregistered", member=self.member_id, cause="lease expired")
+                ready_written = False
                 continue
-            except LeaseLost as exc:  # re-registering raced the lease's expiry: the next round re-registers
-                last_reason = f"lease lost while registering: {str(exc)[:200]}"
-                self._stop.wait(self._timeouts.keepalive_s)
-                continue
-            if action.kind is ActionKind.PUBLISH:
-                assert action.record is not None
-                if won:
-                    log.info(
-                        "generation_published",
-                        generation=action.record.generation,
-                        world_size=action.record.world_size,
-                        members=list(action.record.members),
-                        cause=action.reason,
-                    )
-                continue
+            now = self._clock()
             if action.standby:
                 if excuse != "standby" and excused["standby"] == 0.0:
                     log.info("standby_waiting", member=self.member_id, reason=action.reason,
                              bound_s=self._timeouts.standby_s)
                 excuse = "standby"
             wait_s = self._timeouts.keepalive_s
-            if action.until is not None:
-                wait_s = min(wait_s, max(0.0, action.until - now))
+            if until is not None:
+                wait_s = min(wait_s, max(0.0, until - now))
+            elif deputy is not None and now - started < self._timeouts.coordinator_grace_s:
+                wait_s = min(wait_s, started + self._timeouts.coordinator_grace_s - now)
             self._changed.wait(max(0.0, min(wait_s, deadline.at - deadline.clock() + sum(excused.values()))))
 
     def _joined(self, record: GenerationRecord, started: float, snap: Snapshot, excused_s: float = 0.0) -> Joined:
         self._watch.enter(record, snap.generation_revision)
-        self._update_health(snap)
+        self._watch.assess(snap)
         return Joined(record, record.rank_of(self.member_id), self._clock() - started, excused_s)
 
     def publish_checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
@@ -490,11 +463,4 @@ class Membership:
         self._publish.progress(payload, self._lease.id)
 
 
-_incarnations = itertools.count()
-
-
-def new_member_id(node: str, local_rank: int) -> str:
-    """A member id unique per incarnation: node, local rank, pid, and a counter when one process
-    joins more than once (a member that left must come back as a newcomer, never as its old self)."""
-    n = next(_incarnations)
-    return f"{node}.{local_rank}.{os.getpid()}" + (f".{n}" if n else "")
+DEPUTY_RANKS = 2  # ranks of a generation whose members deputize for a late coordinator

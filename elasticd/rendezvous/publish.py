@@ -42,6 +42,8 @@ from elasticd.wire.records import (
 
 log = structlog.get_logger(__name__)
 
+EVENT_MEMBERS = 64  # members a generation_published event names (the first ranks; world_size counts all)
+
 
 class Publisher:
     """Writes one member's job records. Thread-safe: its only state is the progress handed over
@@ -110,7 +112,8 @@ class Publisher:
         now_ns = time.time_ns()  # wall clock: events from many hosts are ordered by it
         event = EventRecord(time=now_ns / 1e9, kind=EventKind.GENERATION_PUBLISHED, source=self._member_id,
                             detail={"generation": record.generation, "reason": record.reason,
-                                    "world_size": record.world_size, "members": list(record.members),
+                                    "world_size": record.world_size,
+                                    "members": list(record.members[:EVENT_MEMBERS]),
                                     "committed_step": record.committed_step})
         return self._keys.event(event_name(now_ns, self._member_id)), encode_event(event)
 

@@ -3,7 +3,7 @@
 Owns the generation this member joined (and the ``mod_revision`` it joined at) and the flags the
 training thread reads at every step: the generation must be abandoned (and why), it was fenced
 (superseded or aborted), newcomers wait to join, this member's lease is gone. The watcher thread
-sets them from snapshots (``assess``, with the pure ``decide.assess_health``), the keepalive thread
+sets them from its views (``assess``, with the pure ``decide.assess_health``), the keepalive thread
 from a lost lease, the join resets them (``leave``, ``enter``).
 
 Never reads etcd (it is handed snapshots) and never decides what to do about a flag. Thread-safety:
@@ -16,7 +16,6 @@ import threading
 
 import structlog
 
-from elasticd.config import WorldConfig
 from elasticd.rendezvous.decide import assess_health
 from elasticd.wire.records import GenerationRecord
 from elasticd.wire.snapshot import Snapshot
@@ -27,9 +26,8 @@ log = structlog.get_logger(__name__)
 class GenerationWatch:
     """What one member knows of its current generation, as flags for the hot path."""
 
-    def __init__(self, member_id: str, world: WorldConfig) -> None:
+    def __init__(self, member_id: str) -> None:
         self._member_id = member_id
-        self._world = world
         self._lock = threading.Lock()
         self.current: GenerationRecord | None = None  # written by the training thread only
         self._joined_revision = 0  # mod_revision of the generation record this member joined
@@ -55,13 +53,13 @@ class GenerationWatch:
             self.fenced = False
             self.abandon_reason = ""
 
-    def assess(self, snap: Snapshot) -> None:
-        """Raise the flags that ``snap`` calls for (none when no generation is current)."""
+    def assess(self, view: Snapshot) -> None:
+        """Raise the flags that ``view`` (a member's view) calls for (none when no generation is current)."""
         with self._lock:
             current = self.current
             if current is None:
                 return
-            h = assess_health(snap, current, self._member_id, self._joined_revision, self.lease_lost, self._world)
+            h = assess_health(view, current, self._member_id, self._joined_revision, self.lease_lost)
             self.fenced = self.fenced or h.fenced
             if h.abandon and not self.abandon:
                 self.abandon, self.abandon_reason = True, h.reason
@@ -69,7 +67,7 @@ class GenerationWatch:
             if h.join_pending is None:
                 return
             if h.join_pending and not self.join_pending:
-                log.info("join_requested", generation=current.generation, newcomers=list(h.newcomers))
+                log.info("join_requested", generation=current.generation)
             self.join_pending = h.join_pending
 
     def lose_lease(self, lease: int) -> None:

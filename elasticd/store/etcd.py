@@ -43,6 +43,8 @@ from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
 
+MAX_RECEIVE_BYTES = 256 * 1024 * 1024  # the largest reply a client accepts (gRPC's default: 4 MiB)
+
 _T = TypeVar("_T")
 
 # Errors that mean "this endpoint did not answer": retried, then failed over, then EtcdUnavailable.
@@ -140,11 +142,15 @@ class EtcdClient:
 
     def _channel_options(self) -> list[tuple[str, int]]:
         """gRPC channel options: reconnect quickly to an etcd that comes back (a restarted etcd
-        restores the leases with their whole TTL, and a member must renew within it)."""
+        restores the leases with their whole TTL, and a member must renew within it); receive
+        large reads (``MAX_RECEIVE_BYTES``)."""
         max_ms = max(1, round(self._retry.etcd_reconnect_max_s * 1000))
         return [("grpc.initial_reconnect_backoff_ms", min(100, max_ms)),
                 ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
-                ("grpc.max_reconnect_backoff_ms", max_ms)]
+                ("grpc.max_reconnect_backoff_ms", max_ms),
+                # A full read of a job (the coordinator's, status') passes gRPC's default 4 MiB
+                # near 7,500 members; etcd itself sends up to 2 GiB.
+                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
 
     def _failover(self, failed: etcd3.Etcd3Client) -> None:
         with self._lock:

@@ -27,6 +27,16 @@ class Keys:
         return f"{self.job}/abort"
 
     @property
+    def coordinator(self) -> str:
+        """``coordinator``: who reads the members and publishes generations (leased)."""
+        return f"{self.job}/coordinator"
+
+    @property
+    def verdict(self) -> str:
+        """``verdict``: the coordinator's reading of the current generation."""
+        return f"{self.job}/verdict"
+
+    @property
     def finished(self) -> str:
         return f"{self.job}/finished"
 
@@ -37,6 +47,30 @@ class Keys:
     @property
     def checkpoint(self) -> str:
         return f"{self.job}/checkpoint"
+
+    @property
+    def roster_prefix(self) -> str:
+        """``roster/``: the ranks of a large generation, by bucket of nodes (``wire.roster``)."""
+        return f"{self.job}/roster/"
+
+    def roster(self, generation: int, bucket: int) -> str:
+        """``roster/<generation>/<bucket>``, zero-padded so that keys sort by generation."""
+        return f"{self.roster_prefix}{generation:012d}/{bucket:03d}"
+
+    def rosters_before(self, generation: int) -> tuple[str, str]:
+        """The key range [start, end) of every roster older than ``generation``."""
+        return self.roster_prefix, f"{self.roster_prefix}{generation:012d}"
+
+    def roster_of(self, key: str) -> tuple[int, int]:
+        """(generation, bucket) of a roster key.
+
+        Raises:
+            ValueError: ``key`` is not a roster key.
+        """
+        gen, _, bucket = key[len(self.roster_prefix):].partition("/")
+        if not key.startswith(self.roster_prefix) or not gen.isdigit() or not bucket.isdigit():
+            raise ValueError(f"not a roster key: {key}")
+        return int(gen), int(bucket)
 
     def member(self, member_id: str) -> str:
         return f"{self.job}/members/{member_id}"
@@ -68,13 +102,25 @@ class Keys:
         """What a member reads for the rendezvous and its health checks: everything but the
         records written all the time or kept by the hundred (progress, events, nodes, drain)."""
         return (self.generation, self.abort, self.finished, self.committed, self.checkpoint,
-                self.member(""), self.ready(""))
+                self.verdict, self.coordinator, self.roster_prefix, self.member(""), self.ready(""))
 
     @property
-    def membership_changes(self) -> tuple[str, ...]:
-        """What a member watches: the keys whose change can end a generation or start the next.
-        The rest of ``rendezvous`` (committed step, checkpoint) is read by the periodic poll."""
+    def coordinated(self) -> tuple[str, ...]:
+        """What the coordinator watches: the keys whose change can end a generation or start the
+        next (it reads ``rendezvous``)."""
         return (self.generation, self.abort, self.finished, self.member(""), self.ready(""))
+
+    @property
+    def member_view(self) -> tuple[str, ...]:
+        """What a member reads: a few single keys, the same size at any number of members but for
+        the generation record; never another member's record."""
+        return (self.generation, self.abort, self.finished, self.committed, self.checkpoint,
+                self.verdict, self.coordinator)
+
+    @property
+    def member_watch(self) -> tuple[str, ...]:
+        """What a member watches (the rest of ``member_view`` is read by the periodic poll)."""
+        return (self.generation, self.abort, self.finished, self.verdict, self.coordinator)
 
     # Restart mode (unmodified torchrun scripts): the agents' own rendezvous, under ``restart/``.
 

@@ -7,7 +7,7 @@ is not exactly the dataclass it expects, and the readers list such a record as m
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, replace
 from typing import TypeVar
 
 
@@ -46,6 +46,10 @@ class GenerationRecord:
     signature: str
     committed_step: int
     reason: str
+    # A secret the coordinator draws for this generation: its members' store keys live under it,
+    # so a process that can reach the store's port but cannot read the job's etcd keys can neither
+    # read nor overwrite what they exchange ("" in records made by hand or by tests).
+    token: str = ""
 
     @property
     def world_size(self) -> int:
@@ -53,6 +57,34 @@ class GenerationRecord:
 
     def rank_of(self, member_id: str) -> int:
         return self.members.index(member_id)
+
+
+@dataclass(frozen=True)
+class CoordinatorRecord:
+    """``coordinator`` (under the coordinator's member lease): the member that reads the job's
+    ``members/`` and ``ready/`` records and publishes its generations (``rendezvous.coordinator``);
+    elected by create-if-absent, so it is gone, and another is elected, when its lease ends."""
+
+    member_id: str
+    node: str
+
+
+@dataclass(frozen=True)
+class VerdictRecord:
+    """``verdict`` (not leased): what the coordinator makes of ``generation`` (0: none published
+    yet), so that members never read each other's records. Written only when there is something
+    to say, and coarse on purpose (the first reason to abandon is kept, newcomers are a flag): a
+    record every member watches must change O(1) times per membership change, not once per member."""
+
+    generation: int
+    signature: str  # the job's model signature (the generation's, or the first waiting member's)
+    abandon: str  # non-empty: why the generation cannot go on (members lost their lease, or left it)
+    pending: int  # 1: waiting members that a regroup now would admit
+    orphaned: int  # 1: no member of the generation is alive (its state is only on disk)
+    error: str  # non-empty: the job's state is lost (every member waiting raises StateLost)
+
+
+VERDICT_IDS = 8  # member ids named in a reason (for logs)
 
 
 @dataclass(frozen=True)
@@ -141,16 +173,20 @@ def _decode(cls: type, raw: bytes) -> object:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
-    if set(data) != set(fields):
+    required = {n for n, f in fields.items() if f.default is MISSING}
+    if not required <= set(data) <= set(fields):
         raise ValueError(f"fields {sorted(data)} != {sorted(fields)}")
     for name, f in fields.items():
+        if name not in data:
+            continue
         want = {"int": int, "str": str, "tuple[str, ...]": list}[str(f.type)]
         if not isinstance(data[name], want) or isinstance(data[name], bool):
             raise ValueError(f"field {name} is not {f.type}")
-    if "members" in data:
-        if not all(isinstance(m, str) for m in data["members"]):
-            raise ValueError("members must be strings")
-        data["members"] = tuple(data["members"])
+    for name, f in fields.items():
+        if str(f.type) == "tuple[str, ...]" and name in data:
+            if not all(isinstance(m, str) for m in data[name]):
+                raise ValueError(f"{name} must be strings")
+            data[name] = tuple(data[name])
     return cls(**data)
 
 
@@ -166,9 +202,34 @@ def decode(cls: type[_R], raw: bytes) -> _R:
 
 
 def decode_generation(raw: bytes) -> GenerationRecord:
+    """A ``generation`` record. A large generation's (``wire.roster``: no members listed, its
+    ``world_size`` given) comes back *sparse*, every member ``""`` until filled from its roster.
+
+    Raises:
+        ValueError, TypeError, UnicodeDecodeError, RecursionError: the bytes are not such a record.
+    """
+    data = json.loads(raw)
+    if isinstance(data, dict) and data.get("members") == [] and "world_size" in data:
+        world = data.pop("world_size")
+        if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"world_size must be an int in [1, {MAX_WORLD}]")
+        rec = replace(decode(GenerationRecord, json.dumps(data).encode()), members=("",) * world)
+        if rec.generation < 1:
+            raise ValueError("generation must be >= 1")
+        return rec
     rec = decode(GenerationRecord, raw)
-    if rec.generation < 1 or len(set(rec.members)) != len(rec.members) or not rec.members:
+    if rec.generation < 1 or len(set(rec.members)) != len(rec.members) or not rec.members or "" in rec.members:
         raise ValueError("generation must be >= 1 with distinct, non-empty members")
+    return rec
+
+
+MAX_WORLD = 10**7  # a generation record naming more members is garbage
+
+
+def decode_verdict(raw: bytes) -> VerdictRecord:
+    rec = decode(VerdictRecord, raw)
+    if rec.generation < 0 or rec.orphaned not in (0, 1) or rec.pending not in (0, 1):
+        raise ValueError("generation must be >= 0, orphaned and pending 0 or 1")
     return rec
 
 

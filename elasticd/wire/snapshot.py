@@ -8,18 +8,22 @@ from dataclasses import dataclass, field
 
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
+from elasticd.wire.roster import fill, is_sparse
 from elasticd.wire.records import (
     DECODE_ERRORS,
     CheckpointRecord,
     CommittedRecord,
+    CoordinatorRecord,
     FinishedRecord,
     GenerationRecord,
     MemberRecord,
     ReadyRecord,
+    VerdictRecord,
     decode,
     decode_abort,
     decode_checkpoint,
     decode_generation,
+    decode_verdict,
 )
 
 
@@ -37,6 +41,9 @@ class Snapshot:
     finished: FinishedRecord | None = None
     committed_step: int = -1
     checkpoint: CheckpointRecord | None = None
+    verdict: VerdictRecord | None = None
+    verdict_revision: int = 0
+    coordinator: CoordinatorRecord | None = None
 
     @property
     def highest_generation_seen(self) -> int:
@@ -66,7 +73,11 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     finished: FinishedRecord | None = None
     committed_step = -1
     checkpoint: CheckpointRecord | None = None
+    verdict: VerdictRecord | None = None
+    verdict_revision = 0
+    coordinator: CoordinatorRecord | None = None
     malformed: list[str] = []
+    rosters: dict[int, list[bytes]] = {}
     for kv in kvs:
         try:
             if kv.key == keys.generation:
@@ -80,6 +91,13 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 committed_step = decode(CommittedRecord, kv.value).step
             elif kv.key == keys.checkpoint:
                 checkpoint = decode_checkpoint(kv.value)
+            elif kv.key == keys.verdict:
+                verdict_revision = kv.mod_revision
+                verdict = decode_verdict(kv.value)
+            elif kv.key == keys.coordinator:
+                coordinator = decode(CoordinatorRecord, kv.value)
+            elif kv.key.startswith(keys.roster_prefix):
+                rosters.setdefault(keys.roster_of(kv.key)[0], []).append(kv.value)
             elif kv.key.startswith(keys.member("")):
                 m = decode(MemberRecord, kv.value)
                 if kv.key != keys.member(m.member_id):
@@ -94,11 +112,19 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 ready_revision[r.member_id] = kv.mod_revision
         except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
+    if generation is not None and is_sparse(generation) and generation.generation in rosters:
+        try:
+            generation = fill(generation, rosters[generation.generation])
+            if is_sparse(generation):
+                raise ValueError("ranks missing")
+        except DECODE_ERRORS as exc:
+            malformed.append(f"{keys.roster_prefix}{generation.generation}: {exc}")
     if generation is not None:
         for mid in consumed(generation, generation_revision, ready_revision):
             del ready[mid], ready_order[mid]
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
-        committed_step, checkpoint=checkpoint,
+        committed_step, checkpoint=checkpoint, verdict=verdict, verdict_revision=verdict_revision,
+        coordinator=coordinator,
     )
 

@@ -20,7 +20,8 @@ import structlog
 from elasticd.config import Timeouts, WorkerEnv
 from elasticd.errors import CheckpointTransferError, CollectiveError
 from elasticd.log import bind_context
-from elasticd.rendezvous.membership import Joined, Membership, new_member_id
+from elasticd.rendezvous.member import Joined, new_member_id
+from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys

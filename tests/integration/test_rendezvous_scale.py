@@ -2,8 +2,9 @@
 
 A generation used to be published in one transaction that also deleted each member's ready record:
 N + 2 operations, and etcd refuses more than 128 by default (``--max-txn-ops``), so no generation
-of 127 or more members could form on a stock etcd. Now the transaction holds 2 operations at any N
-and the ready records a generation consumed are told apart by revision (``wire.snapshot.consumed``).
+of 127 or more members could form on a stock etcd. Now the ready records a generation consumed are
+told apart by revision (``wire.snapshot.consumed``), and the transaction holds the small generation
+record, at most 100 roster buckets (``wire.roster``), one range delete and the event at any N.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord, ReadyRecord, encode
+from elasticd.wire.roster import buckets_for, is_sparse
 from elasticd.wire.snapshot import parse_snapshot
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,8 +47,13 @@ def test_a_generation_of_200_members_is_published_on_a_stock_etcd(etcd_server) -
     try:
         joined = membership.join(-1, Deadline.after(60))
         assert joined.world_size == 200 and joined.generation == 1
+        assert membership.is_coordinator()  # the only live member elected itself and published
+        # the member read the small record and its node's roster bucket, not the 200 names
+        assert is_sparse(joined.record) and joined.record.members[joined.rank] == "me.0.1"
+        assert sum(1 for m in joined.record.members if m) < 200
         snap = parse_snapshot(keys, store.get_prefixes(keys.rendezvous))
-        assert snap.generation is not None and len(snap.generation.members) == 200
+        assert snap.generation is not None and len(snap.generation.members) == 200 and not snap.malformed
+        assert len(store.get_prefix(keys.roster_prefix)) == buckets_for(200)
         assert snap.ready == {}  # every ready record was consumed by the generation
     finally:
         membership.close()

@@ -15,6 +15,8 @@ from elasticd.bench.rendezvous_model import (
     Costs,
     RoundCounts,
     Sizes,
+    COORDINATOR_READS,
+    coordinated_protocol,
     current_protocol,
     difference,
     first_n,
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.timeout(30)
 KEYS = Keys("/elasticd", "bench")
 SIZES = Sizes.of(bench_record(7, 123456), KEYS)
 ZERO = Costs(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+ZERO_BUT_EVENTS = Costs(0.0, 0.0, 0.0, 1e-6, 0.0, 0.0, 0.0, 0.0)  # etcd CPU per watch event only
 
 
 def test_sizes_count_keys_values_and_framing() -> None:
@@ -92,6 +95,18 @@ def test_current_protocol_events_are_quadratic(n: int, deletes: bool, join_event
     assert (join.fixed_wait_s, leave.fixed_wait_s) == (0.0, t.abort_poll_s)
 
 
+@pytest.mark.parametrize("n", [50, 1000, 4000, 16000])
+def test_coordinated_protocol_events_are_linear_and_reads_small(n: int) -> None:
+    t = Timeouts()
+    join = coordinated_protocol(n, 3.0, SIZES, t, leave=False)
+    leave = coordinated_protocol(n, 3.0, SIZES, t, leave=True)
+    assert (join.events, leave.events) == (2 * n, 3 * (n - 1))  # the bound: <= 3N per change
+    assert join.read_bytes == leave.read_bytes == SIZES.view(n) < 8 * 1024  # a member's read stays small
+    assert join.full_bytes == SIZES.full_read(n) and join.coordinator_reads == COORDINATOR_READS
+    before = current_protocol(n, 3.0, SIZES, t, leave=False)
+    assert predict(join, ZERO_BUT_EVENTS, 2).etcd_cpu_s < predict(before, ZERO_BUT_EVENTS, 2).etcd_cpu_s
+
+
 def test_predict_adds_waits_writes_events_and_sweeps_of_reads() -> None:
     r = RoundCounts(members=10, requests=100, events=1000, read_bytes=10_000, reads_per_member=5, sweeps=2,
                     seq_writes=4, fixed_wait_s=0.25)
@@ -113,7 +128,8 @@ def test_model_rows_use_the_measured_reads_and_name_the_walls() -> None:
     assert rows[0]["reads_per_member"] == (4.0, 1.0)
     assert rows[0]["walls"] == rows[1]["walls"] == [] and "gRPC" in str(rows[3]["walls"])  # 16,000: the read
     assert rows[0]["join_here_s"] == 0.0 and rows[0]["leave_here_s"] == pytest.approx(Timeouts().abort_poll_s)
-    assert rows[0]["join_bytes_sent"] == 50 * 4.0 * SIZES.full_read(50)
+    # coordinated: every member reads its view, the coordinator the job (twice on the critical path)
+    assert rows[0]["join_bytes_sent"] == 50 * 4.0 * SIZES.view(50) + COORDINATOR_READS * SIZES.full_read(50)
     assert model_rows(ZERO, SIZES, Timeouts(), {}, 50, 2.0)[0]["reads_per_member"] == (DEFAULT_READS_PER_MEMBER,) * 2
 
 

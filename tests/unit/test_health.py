@@ -1,8 +1,10 @@
-"""``assess_health`` and ``newcomers_admitted``: what a member of a generation makes of one
-snapshot, on hand-built snapshots (builders from test_membership). Generation 3 = a, b, c;
-joined at revision 50."""
+"""``judge`` then ``assess_health``, and ``newcomers_admitted``: what the coordinator makes of one
+full snapshot, and what a member of the generation then makes of its view with that verdict, on
+hand-built snapshots (builders from test_membership). Generation 3 = a, b, c; joined at revision 50."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -12,9 +14,12 @@ from elasticd.rendezvous.decide import (
     Health,
     Window,
     assess_health,
+    judge,
     newcomers_admitted,
     next_action,
 )
+from elasticd.wire.records import VerdictRecord
+from elasticd.wire.snapshot import Snapshot
 from tests.unit.test_membership import G3_ABC, NOW, gen, me, ready, settled, snap
 
 pytestmark = pytest.mark.timeout(30)
@@ -39,8 +44,10 @@ CASES = [
     # others must not sit in a collective until collective_s because its abort is not in etcd yet.
     ("a member left for the rendezvous", snap(G3_ABC, ABC, ready_recs=[ready("c", 7, 3, 2)]), False, W,
      True, False, False, "left the generation"),
-    ("my own ready record is not a peer leaving", snap(G3_ABC, ABC, ready_recs=[ready("a", 7, 3, 0)]), False, W,
-     False, False, False, ""),
+    # (a member's own ready record exists only while it is at the rendezvous, where it assesses
+    # nothing: GenerationWatch.leave comes first; the generation is broken for the others all the same)
+    ("any member's ready record breaks it", snap(G3_ABC, ABC, ready_recs=[ready("a", 7, 3, 0)]), False, W,
+     True, False, False, "left the generation"),
     ("a newcomer with room: join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]), False, W,
      False, False, True, ""),
     # The flood of issue 10: a standby beyond max_workers forced a generation every step.
@@ -53,7 +60,9 @@ CASES = [
                          ids=[c[0] for c in CASES])
 def test_assess_health(what: str, s: object, lease_lost: bool, world: WorldConfig, abandon: bool, fenced: bool,
                        pending: bool | None, why: str) -> None:
-    h = assess_health(s, G3_ABC, "a", 50, lease_lost, world)  # type: ignore[arg-type]
+    assert isinstance(s, Snapshot)
+    view = replace(s, verdict=judge(s, world), members={}, ready={})  # what member "a" reads
+    h = assess_health(view, G3_ABC, "a", 50, lease_lost)
     assert isinstance(h, Health)
     assert (h.abandon, h.fenced, h.join_pending) == (abandon, fenced, pending)
     assert why in h.reason
@@ -71,3 +80,30 @@ def test_a_standby_waits_as_a_standby_and_a_newcomer_with_room_does_not() -> Non
     assert (full.kind, full.standby) == (ActionKind.WAIT, True), full.reason
     room = next_action(s, me("d"), Window(NOW - 10, NOW - 10), NOW, W, Timeouts())
     assert (room.kind, room.standby) == (ActionKind.WAIT, False), room.reason
+
+
+def test_a_verdict_on_another_generation_or_none_says_nothing() -> None:
+    lost = snap(G3_ABC, ("a", "b"))
+    verdict = judge(lost, W)
+    assert verdict is not None
+    for other in (None, replace(verdict, generation=2)):
+        h = assess_health(replace(lost, verdict=other, members={}), G3_ABC, "a", 50, False)
+        assert (h.abandon, h.join_pending) == (False, False)
+    h = assess_health(replace(lost, verdict=verdict, members={}), G3_ABC, "a", 50, False)
+    assert h.abandon and "['c']" in h.reason
+
+
+def test_the_verdict_is_coarse_so_that_it_changes_o1_times_per_change() -> None:
+    many = tuple(f"m{i:03d}" for i in range(100))
+    g = gen(3, list(many))
+    w = WorldConfig(min_workers=1, max_workers=200)
+    assert judge(snap(g, many), w) is None  # healthy: nothing to say, nothing written
+    first = judge(snap(g, many[:10]), w)
+    assert isinstance(first, VerdictRecord) and first.abandon.endswith("and 82 more") and not first.orphaned
+    # more members go: the stored reason stays, so the record (which every member watches) does not change
+    assert judge(snap(g, many[:5], verdict=first), w) == first
+    assert judge(snap(g, (), verdict=first), w) == replace(first, orphaned=1)
+    # newcomers are a flag: a second newcomer does not change it
+    one = judge(snap(g, (*many, "x"), ready_recs=[ready("x", -1)]), w)
+    two = judge(snap(g, (*many, "x", "y"), ready_recs=[ready("x", -1), ready("y", -1)], verdict=one), w)
+    assert one is not None and one.pending == 1 and two == one

@@ -21,6 +21,7 @@ from elasticd.wire.records import (
     AbortRecord,
     GenerationRecord,
     MemberRecord,
+    VerdictRecord,
     ReadyRecord,
     encode,
 )
@@ -59,6 +60,7 @@ def snap(
     aborted: int = 0,
     generation_revision: int | None = None,
     member_sigs: dict[str, str] | None = None,
+    verdict: VerdictRecord | None = None,
 ) -> Snapshot:
     """Members in ``alive`` are registered; ready records arrive in the order given."""
     sigs = member_sigs or {}
@@ -70,6 +72,7 @@ def snap(
         ready={r.member_id: r for r in ready_recs},
         ready_order={r.member_id: 100 + i for i, r in enumerate(ready_recs)},
         aborted=aborted,
+        verdict=verdict,
     )
 
 

@@ -1,12 +1,13 @@
-"""The watch thread's health check against snapshots read around a join (fake store, no threads
-started): a read that crossed the join must not abandon the generation just joined."""
+"""The watch thread's health check against views read around a join (fake store, no threads
+started): a read that crossed the join must not abandon the generation just joined; a member lost
+is learned from the coordinator's verdict."""
 
 from __future__ import annotations
 
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.rendezvous.membership import Membership
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import GenerationRecord, MemberRecord, encode
+from elasticd.wire.records import CoordinatorRecord, GenerationRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore, ManualClock
 
 KEYS = Keys("/elasticd", "j")
@@ -31,13 +32,13 @@ def test_a_snapshot_read_before_the_join_does_not_abandon_the_new_generation() -
     a = _member(store, "a")
     _member(store, "b")
     _publish(store, 5, ("a",))
-    before = a.snapshot()  # the watch thread's read, under way while the join happens
+    before = a.view()  # the watch thread's read, under way while the join happens
     g6 = _publish(store, 6, ("a", "b"))
-    a._joined(g6, 0.0, a.snapshot())
-    a._update_health(before)  # ... and applied after it
+    a._joined(g6, 0.0, a.view())
+    a._watch.assess(before)  # ... and applied after it
     assert not a.must_abandon(), a.abandon_reason
     _publish(store, 7, ("b",))
-    a._update_health(a.snapshot())  # a newer generation: this one is superseded
+    a._watch.assess(a.view())  # a newer generation: this one is superseded
     assert a.must_abandon() and a.abandon_reason == "generation superseded"
 
 
@@ -46,9 +47,13 @@ def test_a_current_snapshot_that_lost_a_member_abandons() -> None:
     a = _member(store, "a")
     _member(store, "b")
     g = _publish(store, 3, ("a", "b"))
-    a._joined(g, 0.0, a.snapshot())
+    a._joined(g, 0.0, a.view())
     store.delete(KEYS.member("b"))
-    a._update_health(a.snapshot())
+    a._watch.assess(a.view())
+    assert not a.must_abandon()  # nobody has judged it yet: a member never reads the others' records
+    store.put(KEYS.coordinator, encode(CoordinatorRecord("a", "n")))
+    a._new_coordinator(elected=True).round()  # the coordinator writes its verdict
+    a._watch.assess(a.view())
     assert a.must_abandon() and "b" in a.abandon_reason
 
 

@@ -1,0 +1,228 @@
+"""The coordinator: the one member that reads the job's ``members/`` and ``ready/`` records,
+judges the current generation and publishes the next (``Coordinator``).
+
+Elected by create-if-absent of ``coordinator`` under the elected member's own lease (the
+membership campaigns whenever it sees the key absent): when the coordinator dies its agent revokes
+its lease, or the lease ends, and the next member to see the key gone takes over. Each round reads
+the job once (``Keys.rendezvous``), writes the ``verdict`` (``decide.judge``: lost, left and
+admitted members, whether the generation is orphaned, a lost state) when it differs from the one
+stored, and publishes what ``decide.publish_decision`` says by compare-and-set on the generation
+record: a stale coordinator (stopped, then continued) can only lose that race. Rounds follow the
+changes: events that arrive during a round make one more round, so a burst of N joins costs a few
+reads of the job, not N.
+
+A deputy (``Membership.join``) runs the same rounds without the verdict when the coordinator is
+late. Never imports etcd3 or torch; decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+import structlog
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.rendezvous.decide import ActionKind, Window, candidates_of, generation_broken, judge, publish_decision
+from elasticd.retry import Clock
+from elasticd.store.kv import KeyValueStore
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import CoordinatorRecord, GenerationRecord, encode
+from elasticd.wire.roster import encode_generation
+from elasticd.wire.snapshot import Snapshot
+
+log = structlog.get_logger(__name__)
+
+
+class NotCoordinator(Exception):
+    """The job's ``coordinator`` record names another member (or none): this one stops."""
+
+
+class Coordinator:
+    """Rounds of reading the job, judging its generation and publishing the next one."""
+
+    def __init__(
+        self, store: KeyValueStore, keys: Keys, member_id: str, world: WorldConfig, timeouts: Timeouts,
+        clock: Clock, read: Callable[[], Snapshot], published_event: Callable[[GenerationRecord], tuple[str, bytes]],
+        elected: bool = True,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._member_id = member_id
+        self._world = world
+        self._timeouts = timeouts
+        self._clock = clock
+        self._read = read
+        self._published_event = published_event
+        self._elected = elected  # False: a deputy (publishes, writes no verdict, needs no election)
+        self._window: Window | None = None  # the current round (None: nobody waits)
+        self._candidates: frozenset[str] = frozenset()
+        self._broken_seen = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cancel: list[Callable[[], None]] = []
+        self.rounds = 0  # how many times the job was read (for the benchmark and the tests)
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def round(self) -> float | None:
+        """Read the job, write the verdict if it changed, publish if due.
+
+        Returns:
+            When (monotonic) the next round is due without any change (None: only on a change).
+
+        Raises:
+            NotCoordinator: an elected coordinator found the role taken by another member.
+            EtcdUnavailable: etcd could not be reached within the store's retry bound.
+        """
+        snap = self._read()
+        self.rounds += 1
+        now = self._clock()
+        if self._elected and (snap.coordinator is None or snap.coordinator.member_id != self._member_id):
+            raise NotCoordinator(snap.coordinator.member_id if snap.coordinator else "")
+        window = self._track(snap, now)
+        if window is None:
+            action = None
+        else:
+            action = publish_decision(snap, window, now, self._world, self._timeouts)
+        if self._elected:
+            error = action.error if action is not None and action.kind is ActionKind.STATE_LOST else ""
+            verdict = judge(snap, self._world, error)
+            if verdict != snap.verdict:
+                self._store.compare_and_put(self._keys.verdict, snap.verdict_revision, encode(verdict))
+        if action is None:
+            return None
+        if action.kind is ActionKind.PUBLISH:
+            assert action.record is not None
+            record = replace(action.record, token=secrets.token_hex(16))
+            pointer, buckets = encode_generation(record, lambda m: snap.members[m].node)
+            won = self._store.compare_and_put(
+                self._keys.generation, action.expected_revision,
+                pointer,  # consumes its members' ready records (wire.snapshot.consumed)
+                # its roster (a large generation), the history: in the same transaction
+                put_keys={self._keys.roster(record.generation, b): v for b, v in buckets.items()}
+                | dict([self._published_event(record)]),
+                delete_ranges=[self._keys.rosters_before(record.generation)],
+            )
+            if won:
+                log.info("generation_published", generation=record.generation,
+                         world_size=record.world_size, members=list(record.members[:16]),
+                         cause=action.reason, by="coordinator" if self._elected else "deputy")
+                self._window = None
+            return now  # read again at once: the verdict on the new generation, or the winner's record
+        return action.until
+
+    def _track(self, snap: Snapshot, now: float) -> Window | None:
+        """The round's window on this clock: when members began to wait, when the set of waiting
+        members last changed, when the generation was first seen broken."""
+        cands = frozenset(r.member_id for r in candidates_of(snap))
+        if not cands:
+            self._window, self._candidates = None, cands
+            return None
+        window = self._window or Window(entered_at=now, candidates_changed_at=now)
+        if cands != self._candidates:
+            window = replace(window, candidates_changed_at=now)
+            self._candidates = cands
+        broken = snap.generation.generation if snap.generation and generation_broken(snap) else 0
+        if broken != self._broken_seen:
+            self._broken_seen = broken
+            window = replace(window, broken_at=now if broken else None)
+        self._window = window
+        return window
+
+    # -- the elected coordinator's thread ------------------------------------------------------
+
+    def start(self) -> None:
+        """Watch what can change a round, and run rounds on a thread until ``stop``."""
+        self._cancel = [self._store.watch_prefix(p, self._wake.set) for p in self._keys.coordinated]
+        self._thread = threading.Thread(target=self._run, name="elasticd-coordinator", daemon=True)
+        self._thread.start()
+        log.info("coordinator_started", member=self._member_id)
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for cancel in self._cancel:
+            try:
+                cancel()
+            except EtcdUnavailable:
+                pass
+        self._cancel = []
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._timeouts.etcd_request_s * 2)
+
+    def _run(self) -> None:
+        until: float | None = None
+        while not self._stop.is_set():
+            self._wake.clear()  # a change during the round makes one more round
+            try:
+                until = self.round()
+            except NotCoordinator as exc:
+                log.info("coordinator_stopped", member=self._member_id, now=str(exc) or None)
+                break
+            except EtcdUnavailable as exc:
+                log.warning("coordinator_round_failed", error=str(exc)[:200])
+                until = None
+            wait_s = self._timeouts.keepalive_s
+            if until is not None:
+                wait_s = min(wait_s, max(0.0, until - self._clock()))
+            self._wake.wait(wait_s)
+        self._stop.set()
+
+
+class Seat:
+    """One member's seat in the coordinator election: campaign (create ``coordinator`` if absent,
+    under the member's lease) when the job has none, run the ``Coordinator`` while the record names
+    this member, stop it when it names another or none. Thread-safe (the watcher and the join
+    both call ``follow``)."""
+
+    def __init__(self, store: KeyValueStore, keys: Keys, record: CoordinatorRecord,
+                 new: Callable[[], Coordinator]) -> None:
+        self._store = store
+        self._keys = keys
+        self._record = record
+        self._new = new
+        self._lock = threading.Lock()
+        self._coordinator: Coordinator | None = None
+        self._closed = False
+
+    def running(self) -> bool:
+        return self._coordinator is not None and self._coordinator.running()
+
+    def follow(self, view: Snapshot, lease: int) -> None:
+        """Act on the ``coordinator`` record of ``view``.
+
+        Raises:
+            EtcdUnavailable: the campaign could not reach etcd.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            mine = view.coordinator is not None and view.coordinator.member_id == self._record.member_id
+            if view.coordinator is None and lease:
+                try:
+                    mine = self._store.compare_and_put(self._keys.coordinator, 0, encode(self._record), lease=lease)
+                except LeaseLost:
+                    return
+                if mine:
+                    log.info("coordinator_elected", member=self._record.member_id)
+            if mine and not self.running():
+                self._coordinator = self._new()
+                self._coordinator.start()
+            elif not mine and self._coordinator is not None:
+                self._coordinator.stop()
+                self._coordinator = None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._coordinator is not None:
+                self._coordinator.stop()
+                self._coordinator = None

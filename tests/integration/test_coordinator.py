@@ -1,0 +1,121 @@
+"""The rendezvous coordinator against a real etcd, with lightweight member processes (no torch):
+elected once, failed over when it is SIGKILLed during a join round (the round completes within
+the lease TTL + 1 s), and members that never read each other's records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.store.etcd import EtcdClient
+from elasticd.testing.localcluster import python_program
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import CoordinatorRecord, decode
+
+pytestmark = pytest.mark.timeout(120)
+TTL_S = Timeouts().lease_ttl_s
+
+
+class Member:
+    def __init__(self, endpoint: str, job: str, node: str, out: Path, min_workers: int, max_workers: int,
+                 grace_s: float) -> None:
+        self.out = out
+        self.log = out.open("w")
+        self.proc = subprocess.Popen(python_program("tests/programs/rdzv_member.py", endpoint, job, node,
+                                                    str(min_workers), str(max_workers), str(grace_s)),
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": "."})
+
+    def lines(self) -> list[dict[str, object]]:
+        out = []
+        for line in self.out.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and ("generation" in rec or "error" in rec) and "member" in rec:
+                out.append(rec)
+        return out
+
+    def member_id(self) -> str | None:
+        got = self.lines()
+        return str(got[0]["member"]) if got else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def members(tmp_path: Path) -> Iterator[list[Member]]:
+    started: list[Member] = []
+    yield started
+    for m in started:
+        m.stop()
+
+
+def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("grace_s", [Timeouts().coordinator_grace_s, 60.0], ids=["deputies", "election only"])
+def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_completes(
+        etcd_server, members: list[Member], tmp_path: Path, grace_s: float) -> None:
+    """No agent revokes the victim's lease (as on a node that died with its agent): with deputies,
+    rank 0 or 1 of the old generation publishes after ``coordinator_grace_s``; without them (a grace
+    longer than the test), a new coordinator is elected when the victim's lease ends."""
+    job = f"coord{time.monotonic_ns()}"
+    keys = Keys("/elasticd", job)
+    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        for i in range(3):
+            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", 3, 4, grace_s))
+        _wait(lambda: all(any(r.get("generation") == 1 for r in m.lines()) for m in members), 60, "generation 1")
+        kv = store.get(keys.coordinator)
+        assert kv is not None
+        coordinator = decode(CoordinatorRecord, kv.value).member_id
+        victim = next(m for m in members if m.member_id() == coordinator)
+        survivors = [m for m in members if m is not victim]
+
+        # a newcomer starts a join round; the coordinator is SIGKILLed as soon as it waits in it
+        members.append(Member(etcd_server.endpoint, job, "n3", tmp_path / "m3.out", 3, 4, grace_s))
+        _wait(lambda: bool(store.get_prefix(keys.ready(""))), 60, "the newcomer's ready record")
+        killed_at = time.time()
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+
+        alive = [*survivors, members[-1]]
+        bound = TTL_S + 1.0
+
+        def joined_without_victim() -> bool:
+            return all(any(r.get("generation", 0) > 1 and r.get("world") == 3 and r.get("t", 0) > killed_at  # type: ignore[operator]
+                           for r in m.lines()) for m in alive)
+
+        _wait(joined_without_victim, bound + 30, "a generation of the three live members")
+        done = max(min(float(r["t"]) for r in m.lines()  # type: ignore[arg-type]
+                       if r.get("generation", 0) > 1 and r.get("world") == 3 and float(r["t"]) > killed_at)  # type: ignore[arg-type, operator]
+                   for m in alive)
+        took = done - killed_at
+        assert took <= bound, f"the round took {took:.2f} s > TTL + 1 s = {bound} s"
+        if grace_s > bound:  # no deputy: the victim's lease had to end first
+            assert took >= TTL_S - 2 * Timeouts().keepalive_s, took
+        # the same generation for all, with dense ranks, and a live coordinator in charge
+        last = [max((r for r in m.lines() if "generation" in r), key=lambda r: r["generation"]) for m in alive]  # type: ignore[arg-type, return-value]
+        assert len({r["generation"] for r in last}) == 1 and sorted(r["rank"] for r in last) == [0, 1, 2]  # type: ignore[type-var]
+        _wait(lambda: (kv := store.get(keys.coordinator)) is not None
+              and decode(CoordinatorRecord, kv.value).member_id != coordinator, bound + 5, "a new coordinator")
+        assert not any("error" in r for m in alive for r in m.lines())
+    finally:
+        store.close()
