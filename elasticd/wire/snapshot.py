@@ -44,6 +44,7 @@ class Snapshot:
     verdict: VerdictRecord | None = None
     verdict_revision: int = 0
     coordinator: CoordinatorRecord | None = None
+    ready_revision: Mapping[str, int] = field(default_factory=dict)  # each ready record's mod_revision
 
     @property
     def highest_generation_seen(self) -> int:
@@ -125,6 +126,6 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
         committed_step, checkpoint=checkpoint, verdict=verdict, verdict_revision=verdict_revision,
-        coordinator=coordinator,
+        coordinator=coordinator, ready_revision=ready_revision,
     )
 

@@ -242,6 +242,21 @@ class KeyValueStoreContract:
         assert ok is False
         assert kv.store.get(kv.k("events/2")) is None
 
+    def test_cas_deletes_key_ranges_and_puts_after_them_in_one_revision(self, kv: Harness) -> None:
+        """The publish of a large generation: older rosters go, the new one lands, one transaction."""
+        for name in ("roster/0001/000", "roster/0001/001", "roster/0002/000", "rosterx"):
+            kv.store.put(kv.k(name), b"old")
+        ranges = [(kv.k("roster/"), kv.k("roster/0002"))]
+        assert kv.store.compare_and_put(kv.k("generation"), 0, b"g3", delete_ranges=ranges,
+                                        put_keys={kv.k("roster/0003/000"): b"new"}) is True
+        left = {x.key: x.value for x in kv.store.get_prefix(kv.k("roster"))}
+        assert left == {kv.k("roster/0002/000"): b"old", kv.k("roster/0003/000"): b"new", kv.k("rosterx"): b"old"}
+        gen = kv.store.get(kv.k("generation"))
+        assert gen is not None and left and kv.store.get(kv.k("roster/0003/000")).mod_revision == gen.mod_revision  # type: ignore[union-attr]
+        # a failed compare deletes nothing
+        assert kv.store.compare_and_put(kv.k("generation"), 0, b"g4", delete_ranges=[(kv.k("roster/"), kv.k("roster/9"))]) is False
+        assert len(kv.store.get_prefix(kv.k("roster/"))) == 2
+
     def test_cas_on_absence_under_a_lease_creates_a_key_that_dies_with_it(self, kv: Harness) -> None:
         # how an agent claims nodes/<node>: the record is born leased, or not at all
         lease, other = kv.store.grant_lease(5), kv.store.grant_lease(5)

@@ -1,0 +1,132 @@
+"""The coordinator's rounds over an in-memory store (no threads started; the clock is manual):
+when it publishes, what verdict it writes and how often, and that a stale one stands down."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.config import Timeouts, WorldConfig
+from elasticd.rendezvous.coordinator import Coordinator, NotCoordinator
+from elasticd.rendezvous.reader import JobReader
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import (
+    CoordinatorRecord,
+    GenerationRecord,
+    MemberRecord,
+    ReadyRecord,
+    decode_generation,
+    decode_verdict,
+    encode,
+)
+from tests.fakes import FakeKeyValueStore, ManualClock
+
+pytestmark = pytest.mark.timeout(30)
+KEYS = Keys("/elasticd", "j")
+T = Timeouts(join_window_s=0.25, last_call_s=0.3)
+
+
+def _member(store: FakeKeyValueStore, name: str, lease: int, step: int = -1, prev: int = 0) -> None:
+    store.put(KEYS.member(name), encode(MemberRecord(name, name.split(".")[0], 0, 1, "127.0.0.1", 1, "s")), lease=lease)
+    store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
+
+
+def _coordinator(store: FakeKeyValueStore, clock: ManualClock, world: WorldConfig, me: str = "a.0.1") -> Coordinator:
+    store.put(KEYS.coordinator, encode(CoordinatorRecord(me, "a")))
+    return Coordinator(store, KEYS, me, world, T, clock, JobReader(store, KEYS, "a").snapshot,
+                       lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"))
+
+
+def test_it_waits_for_min_workers_then_publishes_with_a_token_and_writes_no_verdict_when_healthy() -> None:
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(60)
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=2, max_workers=3))
+    _member(store, "a.0.1", lease)
+    assert c.round() is None and store.get(KEYS.generation) is None  # 1 ready < min_workers 2
+    _member(store, "b.0.2", lease)
+    until = c.round()  # the join window is open (2 < max 3)
+    assert until == pytest.approx(clock() + T.join_window_s) and store.get(KEYS.generation) is None
+    clock.advance(T.join_window_s)
+    assert c.round() == clock()  # published: read again at once
+    kv = store.get(KEYS.generation)
+    assert kv is not None
+    g = decode_generation(kv.value)
+    assert g.members == ("a.0.1", "b.0.2") and len(g.token) == 32 and g.reason == "start"
+    assert c.round() is None and store.get(KEYS.verdict) is None  # healthy, nobody waiting: nothing to say
+
+
+def test_a_lost_member_is_judged_once_and_the_survivors_regroup() -> None:
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    keep, gone = store.grant_lease(60), store.grant_lease(60)
+    world = WorldConfig(job_id="j", min_workers=1, max_workers=3)
+    c = _coordinator(store, clock, world)
+    _member(store, "a.0.1", keep, step=5)
+    _member(store, "b.0.2", keep, step=5)
+    _member(store, "c.0.3", gone, step=5)
+    c.round()
+    clock.advance(1.0)
+    c.round()
+    g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g.world_size == 3
+    store.revoke_lease(gone)
+    c.round()
+    kv = store.get(KEYS.verdict)
+    assert kv is not None
+    verdict = decode_verdict(kv.value)
+    assert verdict.generation == g.generation and "c.0.3" in verdict.abandon
+    c.round()
+    assert store.get(KEYS.verdict).mod_revision == kv.mod_revision  # type: ignore[union-attr]  # not rewritten
+    # the survivors come back to the rendezvous: the next generation is theirs
+    _member(store, "a.0.1", keep, step=5, prev=g.generation)
+    _member(store, "b.0.2", keep, step=5, prev=g.generation)
+    c.round()
+    g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g2.members == ("a.0.1", "b.0.2") and g2.reason == "member_lost" and g2.token != g.token
+
+
+def test_a_coordinator_whose_record_names_another_stands_down() -> None:
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1))
+    store.put(KEYS.coordinator, encode(CoordinatorRecord("b.0.2", "b")))
+    with pytest.raises(NotCoordinator):
+        c.round()
+
+
+def test_a_large_generation_is_published_with_its_roster_and_older_rosters_go() -> None:
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(60)
+    n = 100
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=n, max_workers=n))
+    store.put(KEYS.roster(0, 0), b'{"ranks": {}}')  # an older roster
+    for i in range(n):
+        _member(store, f"n{i:03d}.0.{i}", lease)
+    c.round()
+    rows = store.get_prefix(KEYS.roster_prefix)
+    assert {KEYS.roster_of(r.key)[0] for r in rows} == {1} and len(rows) == 2  # buckets_for(100)
+    full = JobReader(store, KEYS, "x").snapshot().generation
+    mine = JobReader(store, KEYS, "n042").view().generation
+    assert full is not None and full.world_size == n and "" not in full.members
+    assert mine is not None and mine.rank_of("n042.0.42") == full.rank_of("n042.0.42") and "" in mine.members
+
+
+def test_garbage_in_place_of_the_generation_publishes_nothing_for_members_still_training() -> None:
+    """Hand-written garbage replaced the record: the ready records consumed by the generation it
+    replaced must not look like waiting members (a generation 1 was published again for them)."""
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(60)
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=1))
+    _member(store, "a.0.1", lease)
+    c.round()
+    assert decode_generation(store.get(KEYS.generation).value).generation == 1  # type: ignore[union-attr]
+    store.put(KEYS.generation, b"[[[[")
+    before = store.get(KEYS.generation)
+    c.round()
+    assert store.get(KEYS.generation) == before  # nothing published over it
+    _member(store, "a.0.1", lease, prev=1)  # the member comes to the rendezvous: a fresh ready record
+    c.round()
+    g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g.generation == 2 and g.members == ("a.0.1",)
