@@ -51,21 +51,16 @@ class Timeouts:
         0.3,
     )
     coordinator_grace_s: float = _seconds(
-        "How long a member of the previous generation's first two ranks (a deputy) waits in a "
-        "rendezvous for the coordinator before it reads the job and publishes itself; covers a "
-        "coordinator that died without its lease being revoked (no agent), until its lease ends.",
-        0.3,
-    )
+        "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
+        "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "
+        "that died unrevoked; a deputy that left the coordinator out takes its place.", 0.0)
     lease_ttl_s: float = _seconds(
         "TTL of a member's etcd lease: a member that stops renewing is gone after this.", 3.0
     )
     keepalive_s: float = _seconds("Interval between lease renewals (must be < lease_ttl_s / 2).", 0.75)
     view_poll_s: float = _seconds(
-        "How often a member re-reads its view of the job (generation, abort, verdict, coordinator) "
-        "besides the changes its watches deliver at once; a watch that broke is re-armed and "
-        "re-read on its own, so this is a safety net, and its cost grows with the job's size.",
-        3.0,
-    )
+        "How often a member re-reads its view of the job besides what its watches deliver at once "
+        "(a broken watch is re-armed and re-read on its own): a safety net whose cost grows with N.", 3.0)
     collective_s: float = _seconds("Bound on one collective (gradient all_reduce, vote).", 30.0)
     group_build_s: float = _seconds("Bound on building the process group of a generation.", 15.0)
     group_abort_s: float = _seconds(
@@ -97,7 +92,8 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not _positive_finite(value):
+            zero_ok = f.name == "coordinator_grace_s" and value == 0 and not isinstance(value, bool)
+            if not (zero_ok or _positive_finite(value)):
                 raise ConfigError(f"{f.name}: must be a positive, finite number of seconds, got {value!r}")
         if self.keepalive_s * 2 > self.lease_ttl_s:
             raise ConfigError(

@@ -58,7 +58,7 @@ class Coordinator:
     def __init__(
         self, store: KeyValueStore, keys: Keys, member_id: str, world: WorldConfig, timeouts: Timeouts,
         clock: Clock, read: Callable[[], Snapshot], published_event: Callable[[GenerationRecord], tuple[str, bytes]],
-        elected: bool = True,
+        elected: bool = True, take_over: Callable[[int], None] | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -69,6 +69,7 @@ class Coordinator:
         self._read = read
         self._published_event = published_event
         self._elected = elected  # False: a deputy (publishes, writes no verdict, needs no election)
+        self._take_over = take_over  # a deputy's: claim the role from a coordinator it left out
         self._window: Window | None = None  # the current round (None: nobody waits)
         self._candidates: frozenset[str] = frozenset()
         self._broken_seen = 0
@@ -103,7 +104,7 @@ class Coordinator:
         if self._elected:
             error = action.error if action is not None and action.kind is ActionKind.STATE_LOST else ""
             verdict = judge(snap, self._world, error)
-            if verdict != snap.verdict:
+            if verdict is not None and verdict != snap.verdict:  # None: nothing to say (a stale one says nothing)
                 self._store.compare_and_put(self._keys.verdict, snap.verdict_revision, encode(verdict))
         if action is None:
             return None
@@ -124,6 +125,12 @@ class Coordinator:
                          world_size=record.world_size, members=list(record.members[:16]),
                          cause=action.reason, by="coordinator" if self._elected else "deputy")
                 self._window = None
+                if self._take_over is not None and snap.coordinator is not None \
+                        and snap.coordinator.member_id not in record.members:
+                    # The coordinator did not come to this rendezvous (dead, unrevoked, or stopped):
+                    # the deputy that published without it takes its place, so the next round
+                    # (a newcomer, a verdict) does not wait for its lease to end.
+                    self._take_over(snap.coordinator_revision)
             return now  # read again at once: the verdict on the new generation, or the winner's record
         return action.until
 
@@ -181,6 +188,9 @@ class Coordinator:
             except EtcdUnavailable as exc:
                 log.warning("coordinator_round_failed", error=str(exc)[:200])
                 until = None
+            except Exception:  # a defect must not end the job's only coordinator in silence
+                log.exception("coordinator_round_crashed")
+                until = None
             wait_s = self._timeouts.keepalive_s
             if until is not None:
                 wait_s = min(wait_s, max(0.0, until - self._clock()))
@@ -230,6 +240,18 @@ class Seat:
             elif not mine and self._coordinator is not None:
                 self._coordinator.stop()
                 self._coordinator = None
+
+    def take_over(self, revision: int, lease: int) -> None:
+        """Claim the role from the coordinator whose record is at ``revision`` (by compare-and-set:
+        if it changed meanwhile, someone else settled it); the next ``follow`` runs it."""
+        with self._lock:
+            if self._closed or not lease:
+                return
+            try:
+                if self._store.compare_and_put(self._keys.coordinator, revision, encode(self._record), lease=lease):
+                    log.info("coordinator_taken_over", member=self._record.member_id)
+            except LeaseLost:
+                return
 
     def stop(self) -> None:
         with self._lock:

@@ -257,8 +257,9 @@ class Membership:
             self._seat.follow(view, self._lease.id)
 
     def _new_coordinator(self, elected: bool) -> Coordinator:
+        take_over = None if elected else (lambda revision: self._seat.take_over(revision, self._lease.id))
         return Coordinator(self._store, self._keys, self.member_id, self._world, self._timeouts, self._clock,
-                           self.snapshot, self._publish.published_event, elected=elected)
+                           self.snapshot, self._publish.published_event, elected=elected, take_over=take_over)
 
     def is_coordinator(self) -> bool:
         """This member runs the job's coordinator now."""

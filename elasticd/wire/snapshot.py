@@ -45,6 +45,7 @@ class Snapshot:
     verdict_revision: int = 0
     coordinator: CoordinatorRecord | None = None
     ready_revision: Mapping[str, int] = field(default_factory=dict)  # each ready record's mod_revision
+    coordinator_revision: int = 0
 
     @property
     def highest_generation_seen(self) -> int:
@@ -77,6 +78,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     verdict: VerdictRecord | None = None
     verdict_revision = 0
     coordinator: CoordinatorRecord | None = None
+    coordinator_revision = 0
     malformed: list[str] = []
     rosters: dict[int, list[bytes]] = {}
     for kv in kvs:
@@ -96,6 +98,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 verdict_revision = kv.mod_revision
                 verdict = decode_verdict(kv.value)
             elif kv.key == keys.coordinator:
+                coordinator_revision = kv.mod_revision
                 coordinator = decode(CoordinatorRecord, kv.value)
             elif kv.key.startswith(keys.roster_prefix):
                 rosters.setdefault(keys.roster_of(kv.key)[0], []).append(kv.value)
@@ -126,6 +129,6 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
         committed_step, checkpoint=checkpoint, verdict=verdict, verdict_revision=verdict_revision,
-        coordinator=coordinator, ready_revision=ready_revision,
+        coordinator=coordinator, ready_revision=ready_revision, coordinator_revision=coordinator_revision,
     )
 

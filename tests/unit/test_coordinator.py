@@ -83,6 +83,9 @@ def test_a_lost_member_is_judged_once_and_the_survivors_regroup() -> None:
     c.round()
     g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
     assert g2.members == ("a.0.1", "b.0.2") and g2.reason == "member_lost" and g2.token != g.token
+    # the new generation is healthy: nothing to say, and the stale verdict on the old one stays as it was
+    assert c.round() is None
+    assert decode_verdict(store.get(KEYS.verdict).value).generation == g.generation  # type: ignore[union-attr]
 
 
 def test_a_coordinator_whose_record_names_another_stands_down() -> None:
