@@ -1,8 +1,10 @@
 """One torch.distributed process group per generation, built and abandoned in-process.
 
 Owns the c10d store and the gloo/NCCL group objects. Every worker hosts a ``TCPStore`` server from
-its start; generation g uses the server of its rank 0 (always a live member) under the key prefix
-``gen/<g>/``, so stores of different generations never collide. The build is preceded by an
+its start, listening on its advertised address only; generation g uses the server of its rank 0
+(always a live member) under the key prefix ``gen/<g>/``, so stores of different generations never
+collide, sealed under the generation's token (``store_seal``), so that what its members exchange
+can be neither read nor forged by a process that reaches the port. The build is preceded by an
 arrival barrier that can be abandoned, so a member that dies between publication and build does
 not hold the others for the whole build timeout. NCCL groups are built and aborted by ``nccl.py``
 (device bound, non-blocking init, bounded abort). Never retries and never decides membership.
@@ -10,6 +12,7 @@ not hold the others for the whole build timeout. NCCL groups are built and abort
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,15 +23,15 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (  # typed here, unlike torch.distributed
-    PrefixStore,
     Store,
     TCPStore,
 )
 
 from elasticd.config import Timeouts
-from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
+from elasticd.errors import CollectiveError, CollectiveTimeout, ConfigError, PeerLost
 from elasticd.retry import Deadline
 from elasticd.worker.nccl import NcclGroups, TorchNccl
+from elasticd.worker.store_seal import generation_store
 
 log = structlog.get_logger(__name__)
 
@@ -55,18 +58,52 @@ class Group:
     world_size: int
     backend: str
     device: torch.device
+    # The store the group was built over: C++ holds it without keeping the Python half of a
+    # ``SealedStore`` alive, so the group keeps it until the group itself is gone.
+    store: Store | None = None
+
+
+def listen_on(host: str) -> socket.socket:
+    """A TCP socket listening on ``host`` only (not on every interface), on a free port.
+
+    Raises:
+        ConfigError: ``host`` does not resolve, or is not an address of this machine.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise ConfigError(f"advertise_addr: {host!r} does not resolve: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"advertise_addr: cannot listen on {host!r} (not an address of this host?): {exc}") from exc
+    return sock
 
 
 class StoreServer:
-    """This worker's ``TCPStore`` server; it serves every generation in which this worker is rank 0."""
+    """This worker's ``TCPStore`` server; it serves every generation in which this worker is rank 0.
+
+    It listens on ``host`` (the advertised address, where gloo listens too) only: given a port,
+    c10d would listen on every interface, so the socket is bound here and handed over.
+
+    Raises:
+        ConfigError: ``host`` is not an address of this machine.
+    """
 
     def __init__(self, host: str, timeouts: Timeouts) -> None:
         self.host = host
         self._timeouts = timeouts
+        listener = listen_on(host)
+        self.port = int(listener.getsockname()[1])
+        # From here the store owns the fd: libuv closes it with the store, and on a failed start
+        # (a Python socket object would close it under the store, or close a reused fd number).
         self.store = TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timeouts.td("group_build")
+            host, self.port, is_master=True, wait_for_workers=False, timeout=timeouts.td("group_build"),
+            master_listen_fd=listener.detach(), use_libuv=True,
         )
-        self.port = int(self.store.port)
 
 
 class GroupFactory:
@@ -91,7 +128,7 @@ class GroupFactory:
         self._client: Store | None = None
         self._client_addr: tuple[str, int] | None = None
         self._retiring: list[threading.Thread] = []
-        self._bases: dict[int, Store] = {}  # generation -> the store its group was built over
+        self._bases: dict[int, tuple[Store, str]] = {}  # generation -> its base store and token
 
     def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> Store:
         if (host, port) == (self._addr, self._server.port) or (
@@ -126,8 +163,11 @@ class GroupFactory:
         store_port: int,
         deadline: Deadline,
         abandon: Callable[[], bool],
+        *,
+        token: str = "",
     ) -> Group:
-        """Build generation ``generation``'s group, with every member of it.
+        """Build generation ``generation``'s group, with every member of it; ``token`` is the
+        generation record's secret, under which its keys are sealed ("": a plain key prefix).
 
         Raises:
             PeerLost: the generation was abandoned while waiting for peers to arrive.
@@ -136,9 +176,9 @@ class GroupFactory:
         """
         started = time.monotonic()
         base = self._store_for(store_host, store_port, deadline, abandon)
-        self._bases = {generation: base}  # subgroups are built only in the newest generation
-        pg = self._meet(PrefixStore(f"gen/{generation}/", base), rank, world_size, deadline, abandon,
-                        f"generation {generation}")
+        self._bases = {generation: (base, token)}  # subgroups are built only in the newest generation
+        store = generation_store(base, f"gen/{generation}/", token)
+        pg = self._meet(store, rank, world_size, deadline, abandon, f"generation {generation}")
         log.info(
             "process_group_rebuilt",
             generation=generation,
@@ -147,7 +187,7 @@ class GroupFactory:
             backend=self.backend,
             duration_s=round(time.monotonic() - started, 4),
         )
-        return Group(pg, generation, rank, world_size, self.backend, self.device)
+        return Group(pg, generation, rank, world_size, self.backend, self.device, store)
 
     def build_subgroup(
         self, parent: Group, ranks: Sequence[int], name: str, deadline: Deadline, abandon: Callable[[], bool]
@@ -160,16 +200,16 @@ class GroupFactory:
             PeerLost, CollectiveTimeout, CollectiveError: as ``build``.
         """
         assert parent.rank in ranks and len(set(ranks)) == len(ranks), (parent.rank, ranks)
-        base = self._bases.get(parent.generation)
-        assert base is not None, f"build() generation {parent.generation} first"
+        assert parent.generation in self._bases, f"build() generation {parent.generation} first"
+        base, token = self._bases[parent.generation]
         started = time.monotonic()
-        store = PrefixStore(f"gen/{parent.generation}/{name}/", base)
+        store = generation_store(base, f"gen/{parent.generation}/{name}/", token)
         sub_rank = list(ranks).index(parent.rank)
         pg = self._meet(store, sub_rank, len(ranks), deadline, abandon,
                         f"subgroup {name} of generation {parent.generation}")
         log.debug("subgroup_built", generation=parent.generation, rank=parent.rank, name=name,
                   members=list(ranks), duration_s=round(time.monotonic() - started, 4))
-        return Group(pg, parent.generation, sub_rank, len(ranks), self.backend, self.device)
+        return Group(pg, parent.generation, sub_rank, len(ranks), self.backend, self.device, store)
 
     def _meet(self, store: Store, rank: int, world_size: int, deadline: Deadline,
               abandon: Callable[[], bool], what: str) -> dist.ProcessGroup:
@@ -249,11 +289,13 @@ class GroupFactory:
         # destructor would run on the training thread and wait for the stuck collective.
         holder = [group.pg]
         group.pg = None  # type: ignore[assignment]
+        stores = [group.store] if group.store is not None else []
+        group.store = None
         pg = holder[0]
         if self._nccl is not None:
             self._nccl.abort(pg, f"generation {group.generation}")
         del pg
-        t = threading.Thread(target=_drop, args=(holder,), name="elasticd-retire", daemon=True)
+        t = threading.Thread(target=_drop, args=(holder, stores), name="elasticd-retire", daemon=True)
         t.start()
         self._retiring = [r for r in self._retiring if r.is_alive()] + [t]
 
@@ -271,7 +313,8 @@ class GroupFactory:
             log.warning("abandoned_groups_still_closing", count=len(still))
 
 
-def _drop(holder: list[dist.ProcessGroup]) -> None:
+def _drop(holder: list[dist.ProcessGroup], stores: list[Store]) -> None:
     started = time.monotonic()
     holder.clear()
+    stores.clear()  # after the group: its destructor may still use the store
     log.debug("process_group_released", duration_s=round(time.monotonic() - started, 3))

@@ -105,6 +105,7 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
             group = factory.build(
                 rec.generation, joined.rank, rec.world_size, rec.store_host, rec.store_port,
                 Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())), membership.must_abandon,
+                token=rec.token,
             )
             # Survivors of the last generation at rank 0's step already hold its state, and so
             # do members that all loaded the same checkpoint (its seq names that lineage).

@@ -54,7 +54,9 @@ def reduce_ones(group: Group, world: int) -> None:
 
 
 def build(factory: GroupFactory, generation: int, rank: int, world: int, port: int) -> Group:
-    return factory.build(generation, rank, world, HOST, port, Deadline.after(TIMEOUTS.group_build_s), lambda: False)
+    # under a token, as the trainer's groups are: NCCL's unique id goes through the sealed store
+    return factory.build(generation, rank, world, HOST, port, Deadline.after(TIMEOUTS.group_build_s), lambda: False,
+                         token=f"{generation:032x}")
 
 
 def one_gpu() -> None:
