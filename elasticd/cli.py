@@ -563,20 +563,18 @@ def _prefix(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _node_id(text: str) -> str:
-    try:
-        check_name("node_id", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
+def _name(kind: str) -> Callable[[str], str]:
+    """An argparse type: ``text`` checked as a name of ``kind`` (``config.check_name``)."""
+    def parse(text: str) -> str:
+        try:
+            check_name(kind, text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+        return text
+    return parse
 
 
-def _user_name(text: str) -> str:
-    try:
-        check_name("user", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
+_node_id, _user_name = _name("node_id"), _name("user")
 
 
 def _job_id(text: str) -> str:

@@ -257,3 +257,56 @@ class FakeKeyValueStore:
         with self._lock:
             found = self._leases.get(lease)
             return found.expires_at - self.clock() if found is not None else 0.0
+
+
+class GuardedStore(FakeKeyValueStore):
+    """The fake store where every call first passes ``guard(call)``: a test's subclass raises there
+    to refuse it (etcd down, a role that does not cover the key)."""
+
+    def guard(self, call: str) -> None:
+        """Raise to refuse ``call`` (the method's name)."""
+
+    def get(self, key: str) -> KeyValue | None:
+        self.guard("get")
+        return super().get(key)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        self.guard("get_prefix")
+        return super().get_prefix(prefix)
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        self.guard("get_prefixes")
+        return super().get_prefixes(prefixes)
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self.guard("put")
+        super().put(key, value, lease)
+
+    def delete(self, key: str) -> None:
+        self.guard("delete")
+        super().delete(key)
+
+    def compare_and_put(
+        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
+    ) -> bool:
+        self.guard("compare_and_put")
+        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
+                                       delete_ranges)
+
+    def grant_lease(self, ttl_s: float) -> int:
+        self.guard("grant_lease")
+        return super().grant_lease(ttl_s)
+
+    def refresh_lease(self, lease: int) -> float:
+        self.guard("refresh_lease")
+        return super().refresh_lease(lease)
+
+    def revoke_lease(self, lease: int) -> None:
+        self.guard("revoke_lease")
+        super().revoke_lease(lease)
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        self.guard("watch_prefix")
+        return super().watch_prefix(prefix, callback)

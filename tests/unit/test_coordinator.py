@@ -11,7 +11,6 @@ from elasticd.rendezvous.reader import JobReader
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
     CoordinatorRecord,
-    GenerationRecord,
     MemberRecord,
     ReadyRecord,
     decode_generation,

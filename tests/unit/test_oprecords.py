@@ -43,7 +43,7 @@ from elasticd.wire.ops import (
     prune_plan,
 )
 from elasticd.wire.records import GenerationRecord, MemberRecord, encode
-from tests.fakes import FakeKeyValueStore
+from tests.fakes import FakeKeyValueStore, GuardedStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -448,46 +448,14 @@ def test_agent_publishes_its_node_record_and_drains_on_a_drain_request() -> None
     assert all(e.source.startswith("agent.n.") for e in events)
 
 
-class DownStore(FakeKeyValueStore):
+class DownStore(GuardedStore):
     """The fake store where every call fails while ``down`` is set (etcd unreachable)."""
 
     down = False
 
-    def _check(self) -> None:
+    def guard(self, call: str) -> None:
         if self.down:
             raise EtcdUnavailable("etcd is down (test)")
-
-    def get(self, key: str) -> KeyValue | None:
-        self._check()
-        return super().get(key)
-
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
-        self._check()
-        return super().get_prefix(prefix)
-
-    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
-        self._check()
-        return super().get_prefixes(prefixes)
-
-    def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        self._check()
-        super().put(key, value, lease)
-
-    def delete(self, key: str) -> None:
-        self._check()
-        super().delete(key)
-
-    def grant_lease(self, ttl_s: float) -> int:
-        self._check()
-        return super().grant_lease(ttl_s)
-
-    def refresh_lease(self, lease: int) -> float:
-        self._check()
-        return super().refresh_lease(lease)
-
-    def revoke_lease(self, lease: int) -> None:
-        self._check()
-        super().revoke_lease(lease)
 
 
 def test_an_etcd_outage_does_not_stop_the_agent_or_its_workers(tmp_path: Path) -> None:
