@@ -39,6 +39,7 @@ Never imports torch.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import time
@@ -79,11 +80,38 @@ from elasticd.wire.restart import (
 log = structlog.get_logger(__name__)
 
 
-def pick_free_port() -> int:
-    """A TCP port free on every interface now (the master's store binds it when the round starts)."""
+PORT_PICK_ATTEMPTS = 50  # random ports tried below the ephemeral range before taking the kernel's
+PORT_PICK_LOW = 10000  # the lowest port tried
+
+
+def pick_free_port(ephemeral_low: int | None = None) -> int:
+    """A TCP port free on every interface now (the master's store binds it when the round starts).
+
+    Taken below the kernel's ephemeral range (``ip_local_port_range``) where one is free: a port
+    the kernel hands out (bind to 0) may be given to an outgoing connection before the worker
+    binds it, which failed a round now and then (``EADDRINUSE``). The kernel's pick is the fallback.
+    """
+    low = ephemeral_low if ephemeral_low is not None else _ephemeral_low()
+    rng = random.Random()
+    for _ in range(PORT_PICK_ATTEMPTS if low > PORT_PICK_LOW else 0):
+        port = rng.randrange(PORT_PICK_LOW, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class GroupRestartAgent(AgentDaemon):
