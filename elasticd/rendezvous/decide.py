@@ -232,7 +232,7 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
 def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord | None:
     """The coordinator's verdict on the current generation of a full snapshot (pure), or None when
     there is nothing to say (a healthy generation, nobody waiting to be admitted, no lost state,
-    one model): members take no verdict for a healthy one. ``error``: the job's state is lost
+    one model, or a finished job whose members are leaving): members take no verdict for a healthy one. ``error``: the job's state is lost
     (``publish_decision``). A verdict already stored for the generation keeps its reason to abandon:
     members that leave one by one must not rewrite a record that every member watches."""
     g = snap.generation
@@ -241,6 +241,8 @@ def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord 
         if len(sigs) <= 1 and not error:
             return None
         return VerdictRecord(0, _first_signature(snap), "", 0, 0, error)
+    if snap.finished is not None and snap.finished.generation >= g.generation:
+        return None  # the job is done: its members leave one by one, nothing is lost
     stored = snap.verdict if snap.verdict is not None and snap.verdict.generation == g.generation else None
     abandon = stored.abandon if stored is not None else ""
     if not abandon:

@@ -107,3 +107,14 @@ def test_the_verdict_is_coarse_so_that_it_changes_o1_times_per_change() -> None:
     one = judge(snap(g, (*many, "x"), ready_recs=[ready("x", -1)]), w)
     two = judge(snap(g, (*many, "x", "y"), ready_recs=[ready("x", -1), ready("y", -1)], verdict=one), w)
     assert one is not None and one.pending == 1 and two == one
+
+
+def test_members_leaving_a_finished_job_are_not_judged_lost() -> None:
+    """A clean finish: the members revoke their leases one by one after the finished record; the
+    others must not be told to abandon (a warning per member at every clean end)."""
+    from elasticd.wire.records import FinishedRecord
+
+    gone = snap(G3_ABC, ("a",))
+    assert judge(gone, W) is not None
+    assert judge(replace(gone, finished=FinishedRecord(generation=3, step=100)), W) is None
+    assert judge(replace(gone, finished=FinishedRecord(generation=2, step=50)), W) is not None  # an older finish
