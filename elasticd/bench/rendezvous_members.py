@@ -171,7 +171,9 @@ def _member_process(conn: Connection, plan: Plan) -> None:
             out.put(("registering", mid, time.time()))
             m.start()
             out.put(("registered", mid, time.time()))
-            joining.wait()  # (set on "exit" too) no polling: 1,000 threads polling would load the cores
+            while not joining.wait(REPLY_TIMEOUT_S):  # set on "join" and on "exit"; rarely polled:
+                if stop.is_set():  # 1,000 threads polling often would load the cores
+                    return
             if stop.is_set():
                 return
             out.put(("joining", mid, time.time()))

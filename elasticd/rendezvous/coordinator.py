@@ -77,7 +77,6 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cancel: list[Callable[[], None]] = []
-        self.rounds = 0  # how many times the job was read (for the benchmark and the tests)
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -92,7 +91,6 @@ class Coordinator:
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
         snap = without_stale_ready(self._read())
-        self.rounds += 1
         now = self._clock()
         if self._elected and (snap.coordinator is None or snap.coordinator.member_id != self._member_id):
             raise NotCoordinator(snap.coordinator.member_id if snap.coordinator else "")

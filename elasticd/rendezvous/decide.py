@@ -118,19 +118,30 @@ def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
 def next_action(
     snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
 ) -> Action:
-    """Decide what this member does next in a rendezvous, from a full snapshot (a deputy's, see
-    ``rendezvous.join``). Pure: no I/O, no clock reads."""
+    """The whole rendezvous decision for ``me`` from one full snapshot: its own checks, then
+    ``publish_decision``. The running protocol splits it (a member: ``member_action`` on its view;
+    the coordinator and deputies: ``publish_decision``); the rules' table tests go through it.
+    Pure: no I/O, no clock reads."""
+    done = _joined_or_finished(snap, me)
+    if done is not None:
+        return done
     g = snap.generation
-    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
-        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
-    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
-        return Action(ActionKind.FINISHED, f"the job finished at step {snap.finished.step}")
     if me.member_id not in snap.members or me.member_id not in snap.ready:
         return Action(ActionKind.REREGISTER, "my member or ready record is gone (lease expired?)")
     job_sig = g.signature if g else _first_signature(snap)
     if job_sig and me.signature != job_sig:
         return _mismatch(me, job_sig)
     return publish_decision(snap, window, now, world, timeouts, me.member_id)
+
+
+def _joined_or_finished(snap: Snapshot, me: Me) -> Action | None:
+    """JOIN a newer generation that includes ``me``, or FINISHED when the job is done (None: neither)."""
+    g = snap.generation
+    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
+        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
+    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
+        return Action(ActionKind.FINISHED, f"the job finished at step {snap.finished.step}")
+    return None
 
 
 def _mismatch(me: Me, job_sig: str) -> Action:
@@ -232,8 +243,8 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
 def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord | None:
     """The coordinator's verdict on the current generation of a full snapshot (pure), or None when
     there is nothing to say (a healthy generation, nobody waiting to be admitted, no lost state,
-    one model, or a finished job whose members are leaving): members take no verdict for a healthy one. ``error``: the job's state is lost
-    (``publish_decision``). A verdict already stored for the generation keeps its reason to abandon:
+    one model, or a finished job whose members are leaving): members take no verdict for a healthy
+    one. ``error``: the job's state is lost (``publish_decision``). A verdict already stored for the generation keeps its reason to abandon:
     members that leave one by one must not rewrite a record that every member watches."""
     g = snap.generation
     if g is None:
@@ -248,12 +259,10 @@ def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord 
     if not abandon:
         lost = [m for m in g.members if m not in snap.members]
         left = [m for m in g.members if m in snap.ready and snap.ready[m].prev_generation >= g.generation]
-        if lost:
-            abandon = f"members lost their lease: {lost[:VERDICT_IDS]}" + (f" and {len(lost) - VERDICT_IDS} more"
-                                                                           if len(lost) > VERDICT_IDS else "")
-        elif left:
-            abandon = f"members left the generation: {left[:VERDICT_IDS]}" + (
-                f" and {len(left) - VERDICT_IDS} more" if len(left) > VERDICT_IDS else "")
+        if lost or left:
+            what, ids = ("lost their lease", lost) if lost else ("left the generation", left)
+            more = f" and {len(ids) - VERDICT_IDS} more" if len(ids) > VERDICT_IDS else ""
+            abandon = f"members {what}: {ids[:VERDICT_IDS]}{more}"
     pending = bool(newcomers_admitted(snap, g, world))
     orphaned = not any(m in snap.members for m in g.members)
     if not (abandon or pending or orphaned or error):
@@ -276,11 +285,10 @@ def member_action(view: Snapshot, me: Me, world: WorldConfig) -> Action:
     JOIN a generation that includes it; FINISHED; FAIL when its model differs from the job's;
     STATE_LOST when the coordinator said so; else WAIT (``standby`` when the generation is healthy
     at ``max_workers`` without it). Publishing is the coordinator's (``publish_decision``)."""
+    done = _joined_or_finished(view, me)
+    if done is not None:
+        return done
     g = view.generation
-    if g is not None and me.member_id in g.members and g.generation > me.last_generation:
-        return Action(ActionKind.JOIN, f"generation {g.generation} includes me", record=g)
-    if view.finished is not None and (g is None or view.finished.generation >= g.generation):
-        return Action(ActionKind.FINISHED, f"the job finished at step {view.finished.step}")
     verdict = verdict_on(view)
     job_sig = g.signature if g else (verdict.signature if verdict else "")
     if job_sig and me.signature != job_sig:

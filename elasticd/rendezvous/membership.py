@@ -4,10 +4,12 @@ Owns the membership protocol over a ``store.kv.KeyValueStore`` (satisfied by ``s
 
 * every member registers ``members/<id>`` under its own lease, renewed in the background;
 * a member that wants into the next generation writes ``ready/<id>`` under the same lease;
-* ``next_action(snapshot, me, window, now)`` decides, purely, whether to wait, publish the next
-  ``generation`` record (by compare-and-set on its ``mod_revision``), join a published one, or fail;
-* a watcher keeps two flags fresh for the hot path: the current generation must be abandoned
-  (a member lost its lease, the generation was aborted or superseded), or newcomers wait to join.
+* the elected coordinator (``rendezvous.coordinator``, which this member may run) publishes the next
+  ``generation`` record; the member reads only its small view (``rendezvous.reader``) and
+  ``member_action`` decides, purely, whether it joins a published generation, waits, or fails;
+* a watcher keeps two flags fresh for the hot path from that view (the coordinator's ``verdict``):
+  the current generation must be abandoned (a member lost its lease or left, the generation was
+  aborted or superseded), or newcomers wait to join.
 
 It runs the keepalive and watcher threads and the join loop; what they keep lives beside it: the
 lease and whether etcd answers (``rendezvous.lease``), the hot-path flags (``rendezvous.watch``),
