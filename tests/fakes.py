@@ -149,7 +149,7 @@ class FakeKeyValueStore:
         self._notify(changed)
         return rows
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
         with self._lock:
             changed = self._begin()
             raise_lost = bool(lease) and lease not in self._leases
@@ -157,9 +157,11 @@ class FakeKeyValueStore:
                 self.revision += 1
                 self._put(key, value, lease)
                 changed.append(key)
+            revision = self.revision
         self._notify(changed)
         if raise_lost:
             raise LeaseLost(f"put: the lease {lease} no longer exists")
+        return revision
 
     def delete(self, key: str) -> None:
         with self._lock:
@@ -278,9 +280,9 @@ class GuardedStore(FakeKeyValueStore):
         self.guard("get_prefixes")
         return super().get_prefixes(prefixes)
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self.guard("put")
-        super().put(key, value, lease)
+        return super().put(key, value, lease)
 
     def delete(self, key: str) -> None:
         self.guard("delete")

@@ -70,9 +70,9 @@ class CountingStore:
         self._n("bytes_read", sum(len(kv.key) + len(kv.value) for kv in kvs))
         return kvs
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self._n("put")
-        self._inner.put(key, value, lease)
+        return self._inner.put(key, value, lease)
 
     def delete(self, key: str) -> None:
         self._n("delete")

@@ -37,17 +37,6 @@ from elasticd.wire.snapshot import Snapshot
 log = structlog.get_logger(__name__)
 
 
-def without_stale_ready(snap: Snapshot) -> Snapshot:
-    """``snap`` without the ready records written before a generation record that does not parse
-    (garbage written by hand): who it consumed is unknown, and the members training in the
-    generation it replaced must not look like waiting ones. A member that comes to the rendezvous
-    after it writes its ready record anew. Pure."""
-    if snap.generation is not None or not snap.generation_revision:
-        return snap
-    fresh = {m: r for m, r in snap.ready.items() if snap.ready_revision.get(m, 0) > snap.generation_revision}
-    return replace(snap, ready=fresh, ready_order={m: o for m, o in snap.ready_order.items() if m in fresh})
-
-
 class NotCoordinator(Exception):
     """The job's ``coordinator`` record names another member (or none): this one stops."""
 
@@ -90,7 +79,7 @@ class Coordinator:
             NotCoordinator: an elected coordinator found the role taken by another member.
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
-        snap = without_stale_ready(self._read())
+        snap = self._read()
         now = self._clock()
         if self._elected and (snap.coordinator is None or snap.coordinator.member_id != self._member_id):
             raise NotCoordinator(snap.coordinator.member_id if snap.coordinator else "")

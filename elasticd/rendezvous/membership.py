@@ -159,14 +159,14 @@ class Membership:
         self._state = MemberState.CLOSED
         log.info("membership_closed", member=self.member_id)
 
-    def _put_ready(self, ready: ReadyRecord) -> None:
-        """Write my ready record, re-registering first if my lease is gone."""
+    def _put_ready(self, ready: ReadyRecord) -> int:
+        """Write my ready record, re-registering first if my lease is gone; returns its revision."""
         try:
-            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
+            return self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
         except LeaseLost:
             log.warning("member_reregistered", member=self.member_id, cause="lease expired")
             self._register()
-            self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
+            return self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
 
     def _register(self) -> None:
         lease = self._lease.grant()
@@ -370,6 +370,7 @@ class Membership:
         bounds = {"etcd": self._timeouts.etcd_outage_s, "standby": self._timeouts.standby_s}
         excuse, since = "", started
         ready_written = False
+        ready_revision = 0  # my ready record's: a generation published after it consumed it
         while True:
             t = self._clock()
             if excuse:
@@ -389,7 +390,7 @@ class Membership:
                 if not ready_written:
                     if self._watch.lease_lost:
                         self._register()
-                    self._put_ready(ready)
+                    ready_revision = self._put_ready(ready)
                     ready_written = True
                 view = self.view()
                 self._elect(view)
@@ -404,6 +405,12 @@ class Membership:
                 if action.kind is ActionKind.FINISHED:
                     self._store.delete(self._keys.ready(self.member_id))
                     raise JobFinished(action.reason)
+                if action.kind is ActionKind.WAIT and view.generation_revision > ready_revision:
+                    # A generation published after my ready record left me out (a standby, or
+                    # a record the coordinator read too late): it consumed the record
+                    # (wire.snapshot.consumed), so I say again that I wait.
+                    ready_written = False
+                    continue
                 if action.kind is ActionKind.WAIT and deputy is not None \
                         and self._clock() - started >= self._timeouts.coordinator_grace_s:
                     until = deputy.round()

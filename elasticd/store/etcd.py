@@ -236,8 +236,9 @@ class EtcdClient:
         first = next(iter(prefixes), "")
         return [kv for rows in self._call("get_prefixes", txn, first) for kv in _key_values(rows)]
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        self._call("put", lambda c: c.put(key, value, lease=lease or None), key)
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """``KeyValueStore.put``: the revision etcd answered (the key's new mod_revision)."""
+        return int(self._call("put", lambda c: c.put(key, value, lease=lease or None), key).header.revision)
 
     def delete(self, key: str) -> None:
         self._call("delete", lambda c: c.delete(key), key)

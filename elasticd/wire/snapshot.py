@@ -54,13 +54,20 @@ class Snapshot:
         return max(seen)
 
 
-def consumed(generation: GenerationRecord, generation_revision: int, ready_revision: Mapping[str, int]) -> list[str]:
-    """The ready records that ``generation`` consumed: those of its members written before it was
-    published. They are not deleted when it is published (that took one operation per member in
-    the publishing transaction, and etcd refuses more than 128 by default: no generation of 127
-    or more could form); a snapshot leaves them out, so they count as gone, as deleted ones did.
-    A member that comes back to the rendezvous writes its ready record anew (a newer revision)."""
-    return [m for m in generation.members if m in ready_revision and ready_revision[m] < generation_revision]
+def consumed(generation_revision: int, ready_revision: Mapping[str, int]) -> list[str]:
+    """The ready records that the generation record (written at ``generation_revision``; 0: none)
+    consumed: every one written before it. Its members' records are spent; a record of a member it
+    left out is stale: the member died after an earlier generation took it (its lease not yet
+    ended), or it still waits, and then it writes its record anew on seeing a generation without
+    it (``Membership.join``), so a record counts only while it is newer than the generation.
+    Without that, a member killed unrevoked came back as a candidate the moment a generation left
+    it out, and the next was published with a dead member. The records are not deleted when a
+    generation is published (one operation per member in the publishing transaction, and etcd
+    refuses more than 128 by default: no generation of 127 or more could form); a snapshot
+    leaves them out, so they count as gone, as deleted ones did. The same holds after a
+    generation record that does not parse (garbage written by hand): who it consumed is unknown,
+    and the members training in the generation it replaced must not look like waiting ones."""
+    return [m for m, rev in ready_revision.items() if rev < generation_revision]
 
 
 def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
@@ -123,9 +130,8 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 raise ValueError("ranks missing")
         except DECODE_ERRORS as exc:
             malformed.append(f"{keys.roster_prefix}{generation.generation}: {exc}")
-    if generation is not None:
-        for mid in consumed(generation, generation_revision, ready_revision):
-            del ready[mid], ready_order[mid]
+    for mid in consumed(generation_revision, ready_revision):
+        del ready[mid], ready_order[mid]
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
         committed_step, checkpoint=checkpoint, verdict=verdict, verdict_revision=verdict_revision,

@@ -18,7 +18,7 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.store.etcd import EtcdClient
 from elasticd.testing.localcluster import python_program
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import CoordinatorRecord, decode
+from elasticd.wire.records import AbortRecord, CoordinatorRecord, decode, decode_generation, encode
 
 pytestmark = pytest.mark.timeout(120)
 TTL_S = Timeouts().lease_ttl_s
@@ -116,6 +116,43 @@ def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_comp
         assert len({r["generation"] for r in last}) == 1 and sorted(r["rank"] for r in last) == [0, 1, 2]  # type: ignore[type-var]
         _wait(lambda: (kv := store.get(keys.coordinator)) is not None
               and decode(CoordinatorRecord, kv.value).member_id != coordinator, bound + 5, "a new coordinator")
+        assert not any("error" in r for m in alive for r in m.lines())
+    finally:
+        store.close()
+
+
+def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
+        etcd_server, members: list[Member], tmp_path: Path) -> None:
+    """A node lost with its agent: its worker's lease lives on for up to the TTL. The generation
+    that the others form without it (after the abort their failed collective writes) consumed its
+    old ready record: it must not come back as a candidate (it once did: the next generation was
+    published at once with the dead member, and the job stood still until its lease ended)."""
+    job = f"unrevoked{time.monotonic_ns()}"
+    keys = Keys("/elasticd", job)
+    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        for i in range(3):
+            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", 2, 4, 0.0))
+        _wait(lambda: all(any(r.get("generation") == 1 for r in m.lines()) for m in members), 60, "generation 1")
+        kv = store.get(keys.coordinator)
+        assert kv is not None
+        coordinator = decode(CoordinatorRecord, kv.value).member_id
+        victim = next(m for m in members if m.member_id() != coordinator)
+        victim_id = victim.member_id()
+        victim.proc.send_signal(signal.SIGKILL)  # unrevoked: its lease lives on for up to the TTL
+        victim.proc.wait(10)
+        killed_at = time.time()
+        # what a survivor's failed all_reduce writes
+        store.put(keys.abort, encode(AbortRecord(generation=1, member_id=coordinator, reason="peer lost")))
+        alive = [m for m in members if m is not victim]
+        _wait(lambda: all(any(r.get("generation", 0) > 1 and r.get("world") == 2 for r in m.lines()) for m in alive),
+              TTL_S + 5, "a generation of the two live members")
+        _wait(lambda: not store.get_prefix(keys.member(victim_id or "")), TTL_S + 5, "the victim's lease to end")
+        time.sleep(1.0)  # a generation published with the dead member would show by now
+        gens = sorted({int(r["generation"]) for m in alive for r in m.lines() if "generation" in r})  # type: ignore[call-overload]
+        assert gens == [1, 2], f"generations joined after the kill at {killed_at}: {gens}"
+        record = decode_generation(store.get(keys.generation).value)  # type: ignore[union-attr]
+        assert record.generation == 2 and victim_id not in record.members
         assert not any("error" in r for m in alive for r in m.lines())
     finally:
         store.close()

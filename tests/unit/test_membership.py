@@ -469,7 +469,10 @@ def test_parse_snapshot_malformed_generation(what: str, value: bytes) -> None:
     assert s.generation is None
     assert s.generation_revision == 77  # so a new generation can replace it by CAS
     assert len(s.malformed) == 1 and s.malformed[0].startswith(KEYS.generation + ": ")
-    assert set(s.members) == {"a", "b"} and set(s.ready) == {"a", "b"}
+    # written before it (rev 45, 46): who it consumed is unknown, so every older record is spent
+    assert set(s.members) == {"a", "b"} and set(s.ready) == set()
+    later = parse_snapshot(KEYS, [r for r in records if r.key != KEYS.generation] + [kv(KEYS.generation, value, rev=46)])
+    assert set(later.ready) == {"a"}  # b (rev 45) is older than it, a (rev 46) not
 
 
 def test_parse_snapshot_survives_deeply_nested_json() -> None:
@@ -479,13 +482,14 @@ def test_parse_snapshot_survives_deeply_nested_json() -> None:
 
 
 def test_malformed_generation_does_not_restart_numbering() -> None:
-    """A garbage generation record is replaced by CAS on its revision, numbered past the ready records."""
-    records = [r for r in good_records() if r.key != KEYS.generation] + [kv(KEYS.generation, b"}{", rev=77)]
+    """A garbage generation record is replaced by CAS on its revision, numbered past the ready
+    records written after it (those written before it are spent: wire.snapshot.consumed)."""
+    records = [r for r in good_records() if r.key != KEYS.generation] + [kv(KEYS.generation, b"}{", rev=44)]
     s = parse_snapshot(KEYS, records)
     action = decide(s, me("a", 3), window=settled())
     assert action.kind is ActionKind.PUBLISH
     assert action.record is not None and action.record.generation == 4
-    assert action.expected_revision == 77
+    assert action.expected_revision == 44
 
 
 # -- a published generation consumes its members' ready records by revision (issue 13) ------------
@@ -496,12 +500,13 @@ def _kv(key: str, record: object, rev: int, create: int | None = None) -> KeyVal
 
 
 @pytest.mark.parametrize(("gen_rev", "ready_revs", "left"), [
-    (10, {"a": 5, "b": 6, "c": 7}, ["c"]),           # a, b in the generation, written before it: consumed
-    (10, {"a": 11, "b": 6, "c": 7}, ["a", "c"]),     # a came back to the rendezvous after it: fresh
+    (10, {"a": 5, "b": 6, "c": 17}, ["c"]),          # a, b in the generation, written before it: consumed
+    (10, {"a": 11, "b": 6, "c": 7}, ["a"]),          # a came back to the rendezvous after it: fresh
     (10, {"c": 12}, ["c"]),                          # a newcomer's record stays
+    (10, {"a": 5, "c": 7}, []),                      # c left out, written before: stale (dead, or it writes anew)
     (0, {"a": 5, "b": 6}, ["a", "b"]),               # no generation yet: nothing consumed
 ])
-def test_ready_records_written_before_a_generation_of_their_member_are_consumed(
+def test_ready_records_written_before_the_generation_record_are_consumed(
         gen_rev: int, ready_revs: dict[str, int], left: list[str]) -> None:
     keys = Keys("/elasticd", "job")
     kvs = [_kv(keys.member(m), member(m), 1) for m in ("a", "b", "c")]

@@ -66,11 +66,11 @@ def test_a_lease_lost_again_while_re_registering_is_retried_in_the_join() -> Non
     class Flaky(FakeKeyValueStore):
         fails = 3
 
-        def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        def put(self, key: str, value: bytes, lease: int = 0) -> int:
             if "/ready/" in key and self.fails:
                 self.fails -= 1
                 raise LeaseLost("put: the lease no longer exists")
-            super().put(key, value, lease)
+            return super().put(key, value, lease)
 
     store = Flaky(ManualClock())
     rec = MemberRecord(member_id="a", node="n", local_rank=0, pid=1, host="127.0.0.1", store_port=1, signature="s")

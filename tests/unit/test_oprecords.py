@@ -270,10 +270,10 @@ class FlakyStore(FakeKeyValueStore):
 
     down = False
 
-    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
         if self.down:
             raise EtcdUnavailable("etcd is down (test)")
-        super().put(key, value, lease)
+        return super().put(key, value, lease)
 
     def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
                         put_keys: Mapping[str, bytes] | None = None, lease: int = 0,

@@ -141,9 +141,9 @@ def _job_with_everyone() -> Job:
     return (
         Job()
         .alive("m0", "m1", "m2", "m3")
-        .ready("m2", step=-1)
-        .ready("m3x", step=7)  # a ready record without a member record: not a live member
         .generation(4, ["m1", "m0", "m9"], reason="join", step=120)
+        .ready("m2", step=-1)  # written after the generation (an older one counts as spent)
+        .ready("m3x", step=7)  # a ready record without a member record: not a live member
         .put(KEYS.progress("m0"), progress(130, generation=4, rank=1, recoveries=2, age_s=0.25))
         .put(KEYS.progress("m1"), progress(131, generation=4, rank=0, step_time_s=None, age_s=-0.5))
         .put(KEYS.progress("m9"), progress(99))  # stale progress of a gone member: ignored
@@ -173,7 +173,7 @@ def test_members_have_rank_state_and_progress_in_rank_order() -> None:
 
 
 def test_waiting_member_shows_the_step_of_its_ready_record() -> None:
-    st = status_of(Job().alive("m0", "m1").ready("m1", step=57).generation(1, ["m0"]))
+    st = status_of(Job().alive("m0", "m1").generation(1, ["m0"]).ready("m1", step=57))
     assert [(m.member_id, m.state, m.committed_step) for m in st.members] == [
         ("m0", WorkerState.TRAINING, None), ("m1", WorkerState.WAITING, 57)]
 
