@@ -73,6 +73,11 @@ class Timeouts:
         "Bound on the state broadcast from rank 0 to newcomers.", 120.0
     )
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
+    lease_renew_s: float = _seconds(
+        "Bound on the first attempt of a lease renewal (at most etcd_request_s; each further "
+        "attempt doubles it, up to etcd_request_s): a renewal held by an etcd member whose leader "
+        "was lost gives way to the next endpoint at once, so leases are fresh again soon after a "
+        "new leader is elected and steps are not held for a renewal.", 0.5)
     etcd_outage_s: float = _seconds(
         "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
         "within a rendezvous, on top of join_s), and an agent at its start, before giving up. "

@@ -141,9 +141,8 @@ class EtcdClient:
                                   f"{code}: {details}") from exc
 
     def _channel_options(self) -> list[tuple[str, int]]:
-        """gRPC channel options: reconnect quickly to an etcd that comes back (a restarted etcd
-        restores the leases with their whole TTL, and a member must renew within it); receive
-        large reads (``MAX_RECEIVE_BYTES``)."""
+        """gRPC channel options: reconnect quickly to an etcd that comes back (it restores leases with
+        their whole TTL: a member must renew within it); receive large reads (``MAX_RECEIVE_BYTES``)."""
         max_ms = max(1, round(self._retry.etcd_reconnect_max_s * 1000))
         return [("grpc.initial_reconnect_backoff_ms", min(100, max_ms)),
                 ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
@@ -281,7 +280,16 @@ class EtcdClient:
         return int(lease.id)
 
     def refresh_lease(self, lease: int) -> float:
-        replies = self._call("refresh_lease", lambda c: list(c.refresh_lease(lease)))
+        """Renew ``lease``; its TTL now (0: gone). Attempts are bounded by ``lease_renew_s``, then
+        twice that, up to ``etcd_request_s``: one stuck in a leader election moves on early."""
+        bound = [min(self._timeouts.lease_renew_s, self._timeouts.etcd_request_s)]
+
+        def keepalive(c: etcd3.Etcd3Client) -> list[Any]:
+            timeout, bound[0] = bound[0], min(bound[0] * 2, self._timeouts.etcd_request_s)
+            return list(c.leasestub.LeaseKeepAlive(iter([etcd3.etcdrpc.LeaseKeepAliveRequest(ID=lease)]), timeout,
+                                                   credentials=c.call_credentials, metadata=c.metadata))
+
+        replies = self._call("refresh_lease", keepalive)
         return float(replies[0].TTL) if replies else 0.0
 
     def revoke_lease(self, lease: int) -> None:
