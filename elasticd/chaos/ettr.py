@@ -8,6 +8,7 @@ one fault-free step time). It never judges a run: a low ETTR is reported, not fa
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping, Sequence
 
 from elasticd.chaos.evidence import Commit, Window
@@ -85,3 +86,30 @@ def ettr_by_world(steps: Mapping[int, int], step_s: Mapping[int, float], wall_s:
         assert used is not None  # step_s is not empty
         total += n * step_s[used]
     return total / wall_s
+
+
+def cost_by_kind(commits: Sequence[Commit], faults: Sequence[tuple[float, str]], step_s: Mapping[int, float],
+                 window: Window) -> dict[str, tuple[int, float]]:
+    """fault kind -> (faults of that kind, seconds of training they cost), over ``window``.
+
+    Each fault (wall clock, kind) owns the time from it to the next fault (or the window's end);
+    its cost is that time minus the fault-free time of the steps first committed in it (each at
+    its world size's fault-free step time, ``baseline_world``). What a fault sets off lands on it
+    (a regroup, a replacement's start-up CPU), as does anything that overlaps the next fault's
+    start only partly: a picture of where the time went, not a proof. Empty without a measured
+    step time. Pure."""
+    if not step_s:
+        return {}
+    inside = sorted(f for f in faults if window.start <= f[0] <= window.end)
+    firsts = sorted(first_commits(commits).values(), key=lambda c: c.t)
+    times = [c.t for c in firsts]
+    done = [0.0]  # done[i]: fault-free seconds of the first i steps
+    for c in firsts:
+        done.append(done[-1] + step_s[baseline_world(c.world_size, step_s) or 0])
+    out: dict[str, tuple[int, float]] = {}
+    for i, (t, kind) in enumerate(inside):
+        end = inside[i + 1][0] if i + 1 < len(inside) else window.end
+        a, b = bisect.bisect_left(times, t), bisect.bisect_left(times, end)
+        n, total = out.get(kind, (0, 0.0))
+        out[kind] = (n + 1, total + (end - t) - (done[b] - done[a]))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))

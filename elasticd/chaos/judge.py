@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from elasticd.chaos.ettr import (
     baseline_world,
+    cost_by_kind,
     ettr,
     ettr_by_world,
     fault_free_step_by_world,
@@ -269,6 +270,7 @@ class Verdict:
     step_s_by_world: Mapping[int, float] = field(default_factory=dict)  # measured in the warm-up
     faulted_steps_by_world: Mapping[int, int] = field(default_factory=dict)
     ettr_single: float | None = None  # every step at the fault-free step time at --nodes
+    cost_by_kind: Mapping[str, tuple[int, float]] = field(default_factory=dict)  # ettr.cost_by_kind
 
     @property
     def ok(self) -> bool:
@@ -344,10 +346,12 @@ def judge(ev: Evidence) -> Verdict:
     by_world = fault_free_step_by_world(ev.commits, ev.warmups)
     faulted_by_world: dict[int, int] = {}
     ratio = single = None
+    costs: dict[str, tuple[int, float]] = {}
     if ev.faulted is not None:
         wall_s = ev.faulted.end - ev.faulted.start
         faulted_by_world = steps_by_world(ev.commits, ev.faulted)
         ratio = ettr_by_world(faulted_by_world, by_world, wall_s)
         single = ettr(sum(faulted_by_world.values()), step_s, wall_s)
+        costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], by_world, ev.faulted)
     return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, sum(faulted_by_world.values()),
-                   by_world, faulted_by_world, single)
+                   by_world, faulted_by_world, single, costs)

@@ -41,9 +41,10 @@ def render_table(report: Report) -> str:
     lines = [f"== chaos: seed {s.seed}, {s.minutes:g} min of faults (mean interval {s.mean_interval_s:g} s), "
              f"{s.nodes} nodes (min {s.min_nodes}, max {s.max_nodes}), etcd {s.etcd_members} member(s), "
              f"lease TTL {ev.lease_ttl_s:g} s, hosts {'netns' if s.netns else 'loopback'} ==", "",
-             f"{'FAULT':<22}INJECTED"]
+             f"{'FAULT':<22}{'INJECTED':<10}COST (training time lost until the next fault: total, mean)"]
     for kind, n in injected_counts(report).items():
-        lines.append(f"{kind:<22}{n}")
+        cost = v.cost_by_kind.get(kind)
+        lines.append(f"{kind:<22}{n:<10}" + (f"{cost[1]:6.1f} s  {cost[1] / cost[0]:5.2f} s" if cost else "-"))
     for kind, why in report.skipped.items():
         lines.append(f"{kind:<22}-  (skipped: {why})")
     lines += ["", f"{'INVARIANT':<30}{'RESULT':<8}DETAIL"]
@@ -114,6 +115,7 @@ def report_to_dict(report: Report) -> dict[str, object]:
                    for f in ev.faults],
         "ettr": v.ettr,
         "ettr_single_baseline": v.ettr_single,
+        "cost_by_kind": {k: {"faults": n, "lost_s": round(s_, 3)} for k, (n, s_) in v.cost_by_kind.items()},
         "fault_free_step_s": v.step_s,
         "fault_free_step_s_by_world": {str(w): t for w, t in v.step_s_by_world.items()},
         "faulted_steps": v.faulted_steps,

@@ -11,6 +11,7 @@ import pytest
 
 from elasticd.chaos.ettr import (
     baseline_world,
+    cost_by_kind,
     ettr,
     ettr_by_world,
     fault_free_step_by_world,
@@ -301,6 +302,30 @@ def test_steps_by_world_counts_each_step_once_within_the_window(rows, window, wa
 def test_ettr_by_world(steps, step_s, wall_s, want) -> None:
     got = ettr_by_world(steps, step_s, wall_s)
     assert got == (None if want is None else pytest.approx(want))
+
+
+# 10 steps at world 3 from T0 + 0.0 (0.1 s apart), a 1 s gap, 10 at world 2 from T0 + 2.0 (0.2 s apart)
+COSTED = run_of(3, 1, 1, 10, 0.0, 0.1) + run_of(2, 2, 11, 10, 2.0, 0.2)
+
+
+@pytest.mark.parametrize("faults, step_s, window, want", [
+    # one fault owns the whole window: 4 s, minus 10 x 0.1 and 10 x 0.2 of fault-free time
+    ([(T0 + 0.0, "kill")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0), {"kill": (1, 1.0)}),
+    # the gap (0.9 -> 2.0) falls to the fault before it; the other owns 2.0 -> 4.0 at full speed
+    ([(T0 + 0.95, "kill"), (T0 + 2.0, "stop")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0),
+     {"kill": (1, 1.05), "stop": (1, 0.0)}),
+    # two of a kind add up; a fault outside the window is left out
+    ([(T0 + 0.0, "kill"), (T0 + 2.0, "kill"), (T0 + 9.0, "stop")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0),
+     {"kill": (2, 1.0)}),
+    # world 2 unmeasured: world 3's step time stands for it, so world 2's slower steps show as cost
+    ([(T0 + 0.0, "kill")], {3: 0.1}, Window(T0, T0 + 4.0), {"kill": (1, 2.0)}),
+    ([(T0 + 0.0, "kill")], {}, Window(T0, T0 + 4.0), {}),
+])
+def test_cost_by_kind_charges_each_fault_the_time_until_the_next(faults, step_s, window, want) -> None:
+    got = cost_by_kind(COSTED, faults, step_s, window)
+    assert got.keys() == want.keys()
+    for kind, (n, s) in want.items():
+        assert got[kind][0] == n and got[kind][1] == pytest.approx(s, abs=1e-6), (kind, got[kind])
 
 
 # -- the schedule -----------------------------------------------------------------------------
