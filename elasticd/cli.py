@@ -14,6 +14,7 @@ Usage::
                       [--stall-after-s S]
     elasticctl [...] drain NODE [--job ID] [--wait [--timeout S]]
     elasticctl [...] events [--job ID] [--json] [--limit N]
+    elasticctl [...] timeline [--job ID] --out FILE.png|FILE.svg|FILE.html
     elasticctl [...] --etcd-user root --etcd-password-file FILE auth setup-job JOB [--user NAME]
                [--password-file FILE] [--prefix /elasticd]
 
@@ -43,7 +44,10 @@ is that of the last report; with ``--watch --json`` each report is one JSON obje
 Exit codes of ``elasticctl drain NODE``: 0 the request was written (with ``--wait``: and the node's
 members have left the generation, or the job finished); 2 no agent record for NODE (unknown node),
 ``--wait`` timed out, etcd did not answer, or bad input. Exit codes of ``elasticctl events``: 0 the
-events were listed (possibly none); 2 no such job, etcd did not answer, or bad input. etcd's
+events were listed (possibly none); 2 no such job, etcd did not answer, or bad input; of
+``elasticctl timeline`` (``ops.timeline``: the job's events as one picture; needs matplotlib, the
+``elasticd[plot]`` extra): 0 written (its path on stdout), 2 no such job, etcd did not answer, no
+matplotlib, the file could not be written, or bad input. etcd's
 "permission denied" (the etcd user's role does not cover ``<prefix>/<job>/``) is one line naming the
 job and the user, and exit 2 for every command, as any bad setting. ``elasticctl auth setup-job``
 (``ops.jobauth``) creates a job's own role and user: 0 done, 1 etcd refused or did not answer, 2
@@ -70,7 +74,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -153,12 +157,13 @@ class DrainQuery:
 
 @dataclass(frozen=True)
 class EventsQuery:
-    """A validated ``elasticctl events`` command line."""
+    """A validated ``elasticctl events`` command line (``timeline``: ``out`` set, ``json`` False)."""
 
     etcd: EtcdConfig
     job_id: str
     json: bool
     limit: int | None
+    out: str = ""  # timeline: the file to write
 
 
 def ctl_main(
@@ -191,6 +196,11 @@ def ctl_main(
             return run_drain(drain_query(parser, args), out, err, sleep)
         if args.command == "events":
             return run_events(events_query(args), out, err)
+        if args.command == "timeline":
+            from elasticd.ops.timeline_plot import output_format
+
+            output_format(args.out)  # a bad suffix is bad input, before etcd is asked
+            return run_events(replace(events_query(args), out=args.out), out, err)
         if args.command == "auth":
             from elasticd.ops.jobauth import run_setup_job  # imports etcd3: only for this command
 
@@ -274,6 +284,16 @@ def build_ctl_parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="print one JSON object")
     events.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                         help="only the newest N events (default: all kept, see events_keep)")
+    timeline = commands.add_parser("timeline", help="draw the job's history into one picture",
+                                   description="Draw the job's events into a PNG, SVG or HTML file: committed "
+                                   "steps and checkpoint saves, world size with each generation, fault and "
+                                   "recovery marked, and throughput, over time. Needs matplotlib "
+                                   "(pip install 'elasticd[plot]'). Exit codes: 0 written, 2 no such job, etcd "
+                                   "unreachable, no matplotlib, or bad input.")
+    timeline.add_argument("--job", type=_job_id, default=None,
+                          help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    timeline.add_argument("--out", required=True, metavar="FILE", help="where to write: FILE.png, .svg or .html")
+    timeline.set_defaults(json=False, limit=None)
     auth = commands.add_parser("auth", help="etcd users and roles for elasticd jobs").add_subparsers(
         dest="auth_command", metavar="COMMAND", required=True)
     setup = auth.add_parser("setup-job", help="create a job's own etcd role and user (as root)",
@@ -445,6 +465,17 @@ def run_events(query: EventsQuery, out: TextIO, err: TextIO) -> int:
     if not ev.exists:
         print(f"{PROG}: no such job: nothing under {keys.prefix}", file=err, flush=True)
         return EXIT_DOWN
+    if query.out:
+        from elasticd.ops.timeline import build_timeline
+        from elasticd.ops.timeline_plot import render
+
+        try:
+            render(build_timeline(query.job_id, [e for _, e in ev.events]), query.out)
+        except OSError as exc:
+            print(f"{PROG}: cannot write {query.out}: {exc}", file=err, flush=True)
+            return EXIT_DOWN
+        print(query.out, file=out, flush=True)
+        return EXIT_OK
     out.write(render_events_json(ev) + "\n" if query.json else render_events_table(ev))
     out.flush()
     return EXIT_OK

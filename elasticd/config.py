@@ -74,10 +74,8 @@ class Timeouts:
     )
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
     lease_renew_s: float = _seconds(
-        "Bound on the first attempt of a lease renewal (at most etcd_request_s; each further "
-        "attempt doubles it, up to etcd_request_s): a renewal held by an etcd member whose leader "
-        "was lost gives way to the next endpoint at once, so leases are fresh again soon after a "
-        "new leader is elected and steps are not held for a renewal.", 0.5)
+        "Bound on a lease renewal's first attempt (doubling up to etcd_request_s): one held by an etcd "
+        "member that lost its leader moves on early, so steps wait less for a renewal.", 0.5)
     etcd_outage_s: float = _seconds(
         "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
         "within a rendezvous, on top of join_s), and an agent at its start, before giving up. "
@@ -93,6 +91,8 @@ class Timeouts:
         "How often a waiting collective checks whether its generation was aborted.", 0.02
     )
     shutdown_grace_s: float = _seconds("Grace given to workers to finish a step on shutdown.", 10.0)
+    progress_event_s: float = _seconds("How often rank 0 records its committed step in the job's history "
+                                       "(elasticctl timeline's points; each is one of events_keep).", 10.0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

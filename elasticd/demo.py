@@ -13,7 +13,8 @@ the default workload ``agents/mlp.py``. Then, going by the committed step:
 3. early enough (by the measured start-up time of a node) to join at about 3/5, it starts a new
    agent, ``node-<nodes>``, whose worker joins;
 4. it prints ``elasticctl status`` once the new node trains, and ``elasticctl status`` and
-   ``elasticctl events`` at the end.
+   ``elasticctl events`` at the end, and writes the job's history as one picture with ``elasticctl
+   timeline`` (``<workdir>/timeline.png``; its path is printed; needs the ``elasticd[plot]`` extra).
 
 A progress line about once a second comes from the workers' audit logs and the generation record in
 etcd; the run ends with the verdict of ``audit.check`` and of the agents' exit codes. It holds no
@@ -67,6 +68,7 @@ GLOBAL_BATCH = 64
 TICK_S = 0.1          # how often the demo polls the audit logs, etcd and the processes
 STATUS_EVERY_S = 1.0  # one progress line this often
 EVENTS_SHOWN = 30        # the last events printed at the end (elasticctl events --limit)
+PROGRESS_EVENT_S = 1.0   # rank 0's progress events (the timeline's step points): a short job, a fine picture
 AGENT_EXIT_WAIT_S = 30.0  # after the job finished: how long the agents get to exit
 # Short lease so that a frozen or lost node is noticed within seconds (the library default is 3 s).
 DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
@@ -274,7 +276,8 @@ class Demo:
                                 DEMO_TIMEOUTS.keepalive_s, program)
 
     def start_agent(self, node: str) -> WorkerProcess:
-        a = WorkerProcess(self.agent_argv(node), {}, self.workdir / f"agent-{node}.log", new_session=True).start()
+        a = WorkerProcess(self.agent_argv(node), {"ELASTICD_PROGRESS_EVENT_S": str(PROGRESS_EVENT_S)},
+                          self.workdir / f"agent-{node}.log", new_session=True).start()
         self.agents[node] = a
         self.say(f"started agent {node} (pid {a.pid}), log {a.log_path}")
         return a
@@ -406,6 +409,8 @@ class Demo:
         if self.store is not None:
             self.print_status("the end")
             self.elasticctl("events", "--job", JOB_ID, "--limit", str(EVENTS_SHOWN), when="the job's history")
+            self.elasticctl("timeline", "--job", JOB_ID, "--out", str(self.workdir / "timeline.png"),
+                            when="the same history as one picture")
         for node, a in self.agents.items():
             if a.alive():
                 a.stop()

@@ -38,6 +38,8 @@ class EventKind(StrEnum):
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # by the agent
     NODE_DRAINING = "node_draining"  # by the agent (SIGTERM or elasticctl drain)
     NODE_DRAINED = "node_drained"  # by the agent, before it exits 0
+    PROGRESS = "progress"  # by rank 0, every progress_event_s: the committed step (elasticctl timeline)
+    CHECKPOINT_SAVED = "checkpoint_saved"  # by rank 0's checkpoint writer, once a save is durable
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,8 @@ class Journal:
         self._keys = Keys(env.etcd.prefix, env.world.job_id)
         self._node = env.node_id
         self._events_keep = env.events_keep
+        self._progress_event_s = env.timeouts.progress_event_s
+        self._progress_evented_at = float("-inf")  # when rank 0 last recorded a progress event
         self.recoveries = 0
         self._last_recovery_s: float | None = None  # how long the last recovery took (progress record)
         self._last_recovery_cause: str | None = None
@@ -156,6 +158,9 @@ class Journal:
             self._membership.publish_checkpoint(CheckpointRecord(
                 step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
                 bytes=m.file_bytes, time=m.created))
+        if self._events is not None:
+            self._events.record(EventKind.CHECKPOINT_SAVED, step=m.step, generation=m.generation, seq=m.seq,
+                                bytes=m.file_bytes, duration_s=round(saved.duration_s, 4))
 
     def save_failed(self, step: int, exc: Exception, generation: int, directory: Path) -> None:
         """On the writer thread: record the failed save in etcd (``save_failed``, best effort), so
@@ -188,6 +193,9 @@ class Journal:
                              "position": batch.position, "global_size": batch.global_size,
                              "indices": batch.indices, "loss": loss, "t": time.time()})
         self._publish_progress(step, generation, batch.rank, duration_s)
+        if batch.rank == 0 and self._events is not None and now - self._progress_evented_at >= self._progress_event_s:
+            self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)
+            self._events.record(EventKind.PROGRESS, step=step, generation=generation, world_size=world_size)
         pending, self._unrecorded_recovery = self._unrecorded_recovery, None
         if pending is None or pending["generation"] != generation:
             return  # none, or that generation broke before its first commit and the next one records

@@ -186,6 +186,30 @@ def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) ->
     text = elasticctl(job, "events").stdout
     assert "worker_exited" in text and "how=\"was killed by SIGKILL\"" in text
 
+    # the same history as one picture: a PNG of the figure's size, one violet line per generation
+    pytest.importorskip("matplotlib")
+    from elasticd.ops.timeline_plot import DPI, GENERATION_RGB, SIZE_IN
+    from tests.unit.test_timeline import count_lines
+
+    png = job.dir / "timeline.png"
+    drawn = elasticctl(job, "timeline", "--out", str(png))
+    assert drawn.returncode == 0 and drawn.stdout.strip() == str(png), drawn
+    import matplotlib.pyplot as plt
+
+    img = plt.imread(png)
+    assert img.shape[:2] == (SIZE_IN[1] * DPI, SIZE_IN[0] * DPI)
+    every = events_json(job)["events"]
+    times = sorted(e["time"] for e in every if e["kind"] == "generation_published")
+    s_per_px = (every[-1]["time"] - every[0]["time"]) * 1.02 / (SIZE_IN[0] * DPI * 0.93)  # the axis' scale
+
+    def apart(px: float) -> int:  # generations drawn at least px pixels apart
+        return 1 + sum(1 for t0, t1 in zip(times, times[1:]) if t1 - t0 > px * s_per_px)
+
+    # start, the shrink, the rejoin (generations less than a pixel or so apart share a line)
+    assert apart(3) <= count_lines(img, GENERATION_RGB) <= apart(0.5) and apart(3) >= 3
+    bad = elasticctl(job, "timeline", "--out", str(job.dir / "t.jpg"))
+    assert bad.returncode == 2 and ".png, .svg or .html" in bad.stderr and not (job.dir / "t.jpg").exists()
+
     drain_all(job, a, b)
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations

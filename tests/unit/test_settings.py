@@ -63,6 +63,7 @@ FULL_ENV = {
     "ELASTICD_STANDBY_S": "3600",
     "ELASTICD_ABORT_POLL_S": "0.05",
     "ELASTICD_SHUTDOWN_GRACE_S": "14",
+    "ELASTICD_PROGRESS_EVENT_S": "3",
     "ELASTICD_ETCD_ATTEMPTS": "3",
     "ELASTICD_ETCD_BACKOFF_INITIAL_S": "0.1",
     "ELASTICD_ETCD_BACKOFF_MAX_S": "2",
@@ -90,7 +91,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.timeouts == Timeouts(
         join_s=50.0, join_window_s=0.5, last_call_s=0.6, coordinator_grace_s=0.4, view_poll_s=4.0, lease_ttl_s=4.0, keepalive_s=1.5,
         collective_s=11.0, group_build_s=12.0, group_abort_s=16.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, lease_renew_s=0.4, etcd_outage_s=300.0, standby_s=3600.0,
-        abort_poll_s=0.05, shutdown_grace_s=14.0,
+        abort_poll_s=0.05, shutdown_grace_s=14.0, progress_event_s=3.0,
     )
     assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0, etcd_reconnect_max_s=0.25,
                                     step_retries=4)

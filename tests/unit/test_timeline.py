@@ -1,0 +1,110 @@
+"""``ops.timeline`` (the picture's data from a job's events, table-tested) and ``ops.timeline_plot``
+(the PNG it draws: its size, and the generation lines counted in its pixels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elasticd.errors import ConfigError
+from elasticd.ops.timeline import Generation, Mark, Recovery, Save, build_timeline
+from elasticd.wire.ops import EventRecord
+
+T0 = 1_700_000_000.0
+
+
+def ev(t: float, kind: str, source: str = "n0.0.1", **detail: object) -> EventRecord:
+    return EventRecord(time=T0 + t, kind=kind, source=source, detail=detail)
+
+
+def gen(t: float, number: int, world: int, reason: str, committed: int = -1) -> EventRecord:
+    return ev(t, "generation_published", generation=number, world_size=world, reason=reason,
+              committed_step=committed)
+
+
+HISTORY = [
+    gen(0.0, 1, 3, "start"),
+    ev(10.0, "progress", step=100),
+    ev(12.0, "worker_exited", source="agent.node-1.77", how="was killed by SIGKILL", local_rank=0),
+    gen(12.125, 2, 2, "aborted", committed=119),
+    ev(12.375, "recovered", cause="PeerLost", duration_s=0.25, step=120),
+    ev(15.0, "checkpoint_saved", step=150, duration_s=0.05),
+    gen(16.0, 3, 3, "join", committed=190),
+    ev(20.0, "progress", step=240),
+    ev(21.0, "mystery_kind", whatever=1),                  # unknown kinds are skipped
+    ev(22.0, "recovered", cause="x", duration_s="bad", step=250),  # a field of the wrong type too
+]
+
+
+def test_the_series_from_a_history() -> None:
+    tl = build_timeline("job", reversed(HISTORY))  # any order
+    assert tl.start == T0 and tl.end_s == 22.0
+    assert tl.generations == (Generation(0.0, 1, 3, "start"), Generation(12.125, 2, 2, "aborted"),
+                              Generation(16.0, 3, 3, "join"))
+    assert tl.steps == ((10.0, 100), (12.125, 119), (12.375, 120), (15.0, 150), (16.0, 190), (20.0, 240))
+    assert tl.throughput[0] == (10.0, 12.125, pytest.approx(19 / 2.125))
+    assert tl.faults == (Mark(12.0, "worker_exited", "node-1: worker was killed by SIGKILL"),
+                         Mark(12.125, "generation_aborted", "gen 2: aborted"))
+    assert tl.recoveries == (Recovery(12.375, 0.25, "PeerLost", 120),)
+    assert tl.saves == (Save(15.0, 150, 0.05),)
+    assert tl.lost_s == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("events, steps", [
+    ([], ()),
+    # a generation's committed step arrives after a later progress point: steps only go up
+    ([ev(0, "progress", step=50), gen(1, 2, 2, "member_lost", committed=40), ev(2, "progress", step=60)],
+     ((0.0, 50), (2.0, 60))),
+    ([gen(0, 1, 2, "start", committed=-1)], ()),           # no step yet
+    ([ev(0, "progress", step=True)], ()),                   # a bool is no step
+])
+def test_step_points_only_go_up(events, steps) -> None:
+    assert build_timeline("j", events).steps == steps
+
+
+@pytest.mark.parametrize("kind, detail, label", [
+    ("worker_stopped", {}, "node-1: worker stopped"),
+    ("restarts_exhausted", {}, "node-1: restarts exhausted"),
+    ("node_draining", {"cause": "drain"}, "node-1: draining (drain)"),
+    ("node_drained", {}, None),          # the end of a drain is no fault
+    ("worker_restarted", {}, None),
+])
+def test_agent_events_that_are_faults(kind, detail, label) -> None:
+    tl = build_timeline("j", [ev(0, kind, source="agent.node-1.9", **detail)])
+    assert [f.label for f in tl.faults] == ([label] if label else [])
+
+
+def test_png_size_and_one_violet_line_per_generation(tmp_path: Path) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from elasticd.ops.timeline_plot import DPI, GENERATION_RGB, SIZE_IN, render
+
+    out = tmp_path / "t.png"
+    columns = render(build_timeline("job", HISTORY), str(out))
+    assert columns == 3
+    img = plt.imread(out)
+    assert img.shape[:2] == (SIZE_IN[1] * DPI, SIZE_IN[0] * DPI)
+    assert count_lines(img, GENERATION_RGB) == 3
+
+
+def count_lines(img, rgb: tuple[int, int, int]) -> int:  # type: ignore[no-untyped-def]
+    """Runs of adjacent pixel columns holding the exact colour ``rgb``."""
+    import numpy as np
+
+    px = (img[:, :, :3] * 255).round().astype(int)
+    hit = np.all(px == np.array(rgb), axis=2).any(axis=0)
+    return int(np.sum(hit[1:] & ~hit[:-1]) + hit[0])
+
+
+def test_svg_and_html_and_bad_suffix(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from elasticd.ops.timeline_plot import render
+
+    tl = build_timeline("job", HISTORY)
+    render(tl, str(tmp_path / "t.svg"))
+    assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
+    render(tl, str(tmp_path / "t.html"))
+    page = (tmp_path / "t.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<script" not in page
+    with pytest.raises(ConfigError, match=r"\.png, \.svg or \.html"):
+        render(tl, str(tmp_path / "t.jpg"))
