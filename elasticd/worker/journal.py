@@ -24,7 +24,7 @@ import structlog
 from elasticd.config import WorkerEnv
 from elasticd.errors import EtcdUnavailable
 from elasticd.events import EventLog
-from elasticd.log import bind_context
+from elasticd.log import set_moment
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
@@ -128,7 +128,7 @@ class Journal:
                     "failed_at": failed_at,
                 }
         c = counters
-        bind_context(step=c.step)
+        set_moment(step=c.step)
         log.info("recovered", generation=group.generation, rank=group.rank, world_size=group.world_size,
                  step=c.step, cause=cause, members=list(record.members),
                  duration_s=round(self._clock() - failed_at, 4), rendezvous_s=round(rendezvous_s, 4))
@@ -182,9 +182,9 @@ class Journal:
         event, from the fault noticed to this commit. Queues the event only; the write happens off
         this thread."""
         now = self._clock()
+        set_moment(step=step)  # every line of every thread from now on (one dict update)
         if now - self._logged_at >= self._log_interval_s:
             self._logged_at = now
-            bind_context(step=step)
             log.info("step_committed", generation=generation, rank=batch.rank, step=step,
                      loss=round(loss, 6), world_size=world_size, duration_s=round(duration_s, 5))
         if self._audit is not None:

@@ -19,7 +19,7 @@ import structlog
 
 from elasticd.config import Timeouts, WorkerEnv
 from elasticd.errors import CheckpointTransferError, CollectiveError
-from elasticd.log import bind_context
+from elasticd.log import set_moment
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Deadline
@@ -64,7 +64,7 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
         pid=os.getpid(), host=env.advertise_addr, store_port=server.port, signature=signature,
     )
     membership = Membership(store, Keys(env.etcd.prefix, env.world.job_id), record, env.world, env.timeouts)
-    bind_context(node=env.node_id, member=record.member_id)
+    set_moment(node=env.node_id, member=record.member_id)
     membership.start()
     return store, factory, membership
 
@@ -99,7 +99,7 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
         # Time the rendezvous spent waiting for etcd or as a standby did not count against it.
         deadline = Deadline(deadline.at + joined.excused_s, deadline.clock)
         rec = joined.record
-        bind_context(generation=rec.generation, rank=joined.rank)
+        set_moment(generation=rec.generation, rank=joined.rank)
         group: Group | None = None
         try:
             group = factory.build(
