@@ -2,8 +2,8 @@
 
 Owns the etcd3/gRPC imports, the retry of idempotent calls, endpoint failover, the translation of
 etcd3/gRPC errors into ``EtcdUnavailable`` (and etcd's "permission denied" into ``PermissionDenied``,
-never retried), and reading the certificate and password files that an ``EtcdConfig`` names (or the
-system's CA bundle, for ``https://`` endpoints without a CA file), when it connects. Holds no
+never retried), listings in pages at one revision (``get_prefix``), and reading the certificate
+and password files that an ``EtcdConfig`` names (``store.credentials``), when it connects. Holds no
 protocol logic.
 """
 
@@ -18,11 +18,9 @@ os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 # certificate), around our one clear error; set GRPC_VERBOSITY yourself to see them when debugging.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-import ssl  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
 import etcd3  # noqa: E402
@@ -39,6 +37,12 @@ from elasticd.config import (  # noqa: E402
 )
 from elasticd.errors import ConfigError, EtcdUnavailable, LeaseLost, PermissionDenied  # noqa: E402
 from elasticd.retry import call_with_retry  # noqa: E402
+from elasticd.store.credentials import (  # noqa: F401 (re-exported: the etcd access API)
+    SYSTEM_CA_BUNDLES,
+    permission_denied,
+    read_password,
+    system_ca_bundle,
+)
 from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
@@ -66,6 +70,7 @@ class _RetryableRpc(Exception):
 
 
 _RETRYABLE: tuple[type[BaseException], ...] = (*_TRANSIENT, _RetryableRpc)
+READ_PAGE = 1000  # keys per page of a listing (get_prefix: status, events, drain)
 
 
 class EtcdClient:
@@ -222,7 +227,20 @@ class EtcdClient:
         return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        return _key_values(self._call("get_prefix", lambda c: list(c.get_prefix(prefix)), prefix))
+        """Every key under ``prefix``, in key order, read in pages of ``READ_PAGE`` keys, every page
+        at the first one's revision (one consistent listing; no answer grows with the job)."""
+        start, end = prefix.encode(), etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(prefix))
+        out: list[KeyValue] = []
+        revision = 0  # 0: the newest (the first page), then that page's
+        while True:
+            req = etcd3.etcdrpc.RangeRequest(key=start, range_end=end, limit=READ_PAGE, revision=revision)
+            page = self._call("get_prefix", lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
+                r, c.timeout, credentials=c.call_credentials, metadata=c.metadata), prefix)
+            out += [KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision,
+                             kv.lease) for kv in page.kvs]
+            if not page.more or not page.kvs:
+                return out
+            revision, start = revision or page.header.revision, page.kvs[-1].key + b"\0"
 
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         def txn(c: etcd3.Etcd3Client) -> list[Any]:
@@ -390,62 +408,6 @@ class EtcdClient:
     def close(self) -> None:
         for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
             _close_client(client)
-
-
-def permission_denied(config: EtcdConfig, what: str, key: str) -> PermissionDenied:
-    """The error for etcd's "permission denied" on ``key`` (the first key of the request; "" for a
-    lease): it names the job (the key's segment after the prefix), the etcd user, and the range that
-    the user's role must cover. Pure."""
-    user = f"etcd user {config.user}" if config.user else "no etcd user: set --etcd-user"
-    root = config.prefix + "/"
-    job = key[len(root):].partition("/")[0] if key.startswith(root) else ""
-    if job:
-        return PermissionDenied(f"permission denied for job {job} ({user}): the user's role does not cover "
-                                f"{root}{job}/ -- see `elasticctl auth setup-job`")
-    return PermissionDenied(f"permission denied for {what}{f' of {key}' if key else ''} ({user}): etcd refused "
-                            "it to the user's role -- see `elasticctl auth setup-job`")
-
-
-# Where distributions keep the system's CA bundle, for a Python whose OpenSSL does not say (one
-# built elsewhere): Debian and Ubuntu, Fedora and RHEL, openSUSE, Alpine and macOS.
-SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
-                     "/etc/ssl/ca-bundle.pem", "/etc/ssl/cert.pem")
-
-
-def system_ca_bundle(candidates: Sequence[str] | None = None) -> str:
-    """The system's CA bundle: the first file of ``candidates``, by default OpenSSL's default file
-    (``$SSL_CERT_FILE`` when set), then ``SYSTEM_CA_BUNDLES``.
-
-    Raises:
-        ConfigError: none of them is a file; the message names ``etcd_ca_cert``.
-    """
-    if candidates is None:
-        paths = ssl.get_default_verify_paths()
-        candidates = (paths.cafile or "", paths.openssl_cafile, *SYSTEM_CA_BUNDLES)
-    for path in candidates:
-        if path and os.path.isfile(path):
-            return path
-    raise ConfigError(f"etcd_ca_cert: the etcd endpoints are https:// but no etcd_ca_cert is set, and no "
-                      f"system CA bundle was found (looked at {', '.join(p for p in candidates if p)}); set "
-                      "etcd_ca_cert to the CA file that signs etcd's certificate")
-
-
-def read_password(config: EtcdConfig) -> str:
-    """The password: ``password``, else the first line of ``password_file`` ("" without a user).
-
-    Raises:
-        ConfigError: the password file cannot be read or is empty.
-    """
-    if not config.password_file:
-        return config.password
-    try:
-        text = Path(config.password_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"etcd_password_file: cannot read {config.password_file!r}: {exc}") from exc
-    lines = text.splitlines()
-    if not lines or not lines[0]:
-        raise ConfigError(f"etcd_password_file: {config.password_file!r} is empty")
-    return lines[0]
 
 
 def _close_client(client: etcd3.Etcd3Client) -> None:

@@ -130,6 +130,12 @@ class KeyValueStoreContract:
         assert second.mod_revision > first.mod_revision
         assert second.create_revision == first.create_revision
 
+    def test_put_returns_the_keys_new_revision(self, kv: Harness) -> None:
+        first = kv.store.put(kv.k("r"), b"1")
+        got = kv.store.get(kv.k("r"))
+        assert got is not None and got.mod_revision == first
+        assert kv.store.put(kv.k("r"), b"2") > first
+
     def test_each_change_gets_a_newer_revision(self, kv: Harness) -> None:
         kv.store.put(kv.k("x"), b"1")
         kv.store.put(kv.k("y"), b"1")
@@ -559,3 +565,37 @@ def test_closing_the_client_while_its_watcher_waits_to_reconnect_ends_the_thread
     # threading's own hook ignores SystemExit (how the closed stubs end the thread); anything else
     # is printed as a traceback
     assert [e for e in errors if e.exc_type is not SystemExit] == [], errors  # type: ignore[attr-defined]
+
+
+def test_a_listing_comes_in_pages_at_one_revision(etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_prefix`` reads pages of ``READ_PAGE`` keys (no answer grows with the job), every page at
+    the first one's revision: a key written between two pages is not in the listing."""
+    import elasticd.store.etcd as etcd_mod
+
+    monkeypatch.setattr(etcd_mod, "READ_PAGE", 7)
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    prefix = f"/paged{time.monotonic_ns()}/"
+    try:
+        for i in range(30):
+            client.put(f"{prefix}{i:03d}", str(i).encode())
+        pages = []
+        call = client._call
+
+        def counting(what, fn, key=""):  # type: ignore[no-untyped-def]
+            out = call(what, fn, key)
+            if what == "get_prefix":
+                pages.append(len(out.kvs))
+                if len(pages) == 1:  # between the first page and the second
+                    client.put(f"{prefix}000a", b"late")
+                    client.delete(f"{prefix}029")
+            return out
+
+        monkeypatch.setattr(client, "_call", counting)
+        listed = client.get_prefix(prefix)
+        assert [kv.key for kv in listed] == [f"{prefix}{i:03d}" for i in range(30)]
+        assert pages == [7, 7, 7, 7, 2]
+        monkeypatch.setattr(client, "_call", call)
+        now = [kv.key for kv in client.get_prefix(prefix)]
+        assert f"{prefix}000a" in now and f"{prefix}029" not in now and len(now) == 30
+    finally:
+        client.close()
