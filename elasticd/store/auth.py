@@ -19,7 +19,7 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, check_name
 from elasticd.errors import ConfigError, EtcdRefused, EtcdUnavailable, PermissionDenied
 from elasticd.store.etcd import EtcdClient
 
-# After store.etcd, which sets the protobuf implementation etcd3's messages load with, and gRPC's
+# After store.etcd, which installs etcd3's protobuf modules (store.etcd_protos) and sets gRPC's
 # verbosity, before either is first imported.
 import grpc  # isort: skip
 from etcd3 import etcdrpc  # isort: skip

@@ -119,7 +119,6 @@ def test_tls_a_job_runs_and_elasticctl_needs_the_right_certificates(tls_etcd: Et
 
 def _enable_auth(endpoint: str, user: str, password: str, prefix: str) -> None:
     """root (with the root role), and ``user`` with read-write on ``prefix``; then auth on."""
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
     import etcd3
     from etcd3 import etcdrpc
     from etcd3.etcdrpc import auth_pb2
@@ -248,7 +247,6 @@ def test_per_job_roles_let_each_job_reach_only_its_own_keys(tmp_path: Path) -> N
     """``elasticctl auth setup-job`` as root makes jobA's and jobB's roles and users (twice: nothing
     changes); job A runs as its user; B's user gets the clear permission-denied error on job A, from
     elasticctl (status, drain, events), from an agent, and through the store, never etcd_unreachable."""
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
     from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
     from elasticd.errors import PermissionDenied
     from elasticd.store.etcd import EtcdClient
