@@ -18,6 +18,7 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.store.etcd import EtcdClient
 from elasticd.testing.localcluster import python_program
 from elasticd.wire.keys import Keys
+from elasticd.wire.ops import decode_event
 from elasticd.wire.records import AbortRecord, CoordinatorRecord, decode, decode_generation, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,10 +150,13 @@ def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
               TTL_S + 5, "a generation of the two live members")
         _wait(lambda: not store.get_prefix(keys.member(victim_id or "")), TTL_S + 5, "the victim's lease to end")
         time.sleep(1.0)  # a generation published with the dead member would show by now
-        gens = sorted({int(r["generation"]) for m in alive for r in m.lines() if "generation" in r})  # type: ignore[call-overload]
-        assert gens == [1, 2], f"generations joined after the kill at {killed_at}: {gens}"
+        # (on a loaded machine a survivor may come after the last call: a third generation takes
+        # it back, which is fine; a generation with the dead member is the defect)
+        published = [decode_event(kv.value).detail for kv in store.get_prefix(keys.events)]
+        after = [d for d in published if d.get("generation", 0) > 1]  # type: ignore[operator]
+        assert after and not [d for d in after if victim_id in d["members"]], after  # type: ignore[operator]
         record = decode_generation(store.get(keys.generation).value)  # type: ignore[union-attr]
-        assert record.generation == 2 and victim_id not in record.members
+        assert record.world_size == 2 and victim_id not in record.members
         assert not any("error" in r for m in alive for r in m.lines())
     finally:
         store.close()
