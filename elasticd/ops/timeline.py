@@ -97,15 +97,18 @@ def _fault(kind: str, detail: Mapping[str, object], source: str) -> str | None:
     """The label of a fault event, or None when the event is no fault."""
     node = source.split(".")[1] if source.startswith("agent.") and source.count(".") >= 2 else source
     if kind == EventKind.WORKER_EXITED:
+        if detail.get("code") == 0 or detail.get("exit_kind") == "succeeded":
+            return None  # finished, or drained: no fault
         how = detail.get("how", detail.get("exit_kind"))  # "was killed by SIGKILL"
-        return f"{node}: worker {how}" if isinstance(how, str) else f"{node}: worker exited"
+        return f"{node}: worker {how.removeprefix('was ')}" if isinstance(how, str) else f"{node}: worker exited"
     if kind == EventKind.WORKER_STOPPED:
         return f"{node}: worker stopped"
     if kind == EventKind.RESTARTS_EXHAUSTED:
         return f"{node}: restarts exhausted"
     if kind == EventKind.NODE_DRAINING:
         cause = detail.get("cause")
-        return f"{node}: draining" + (f" ({cause})" if isinstance(cause, str) else "")
+        how = "elasticctl drain" if isinstance(cause, str) and cause.startswith("elasticctl drain") else cause
+        return f"{node}: draining" + (f" ({how})" if isinstance(how, str) else "")
     return None
 
 
@@ -131,7 +134,7 @@ def build_timeline(job_id: str, events: Iterable[EventRecord]) -> Timeline:
                 continue
             gens.append(Generation(t, number, world, reason))
             if reason in LOSS_REASONS:
-                faults.append(Mark(t, f"generation_{reason}", f"gen {number}: {reason}"))
+                faults.append(Mark(t, f"generation_{reason}", f"gen {number} {reason.replace('_', ' ')}"))
             committed = _int(d, "committed_step")
             if committed is not None and committed >= 0:
                 points.append((t, committed))

@@ -40,6 +40,19 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _grouped(tl: Timeline, within_s: float) -> list[tuple[float, list[str]]]:
+    """Faults less than ``within_s`` after the first of a group drawn as one mark, their labels
+    joined (a killed worker and the generation published without it)."""
+    groups: list[tuple[float, list[str]]] = []
+    for f in tl.faults:
+        if groups and f.t - groups[-1][0] < within_s:
+            if f.label not in groups[-1][1]:
+                groups[-1][1].append(f.label)
+        else:
+            groups.append((f.t, [f.label]))
+    return groups
+
+
 def output_format(path: str) -> str:
     """The format a path's suffix names (``png``, ``svg`` or ``html``).
 
@@ -85,7 +98,7 @@ def render(tl: Timeline, path: str) -> int:
         top = max(ys) + 1
     else:
         top = 2
-    ax_world.set_ylim(0, top + 1)
+    ax_world.set_ylim(0, top + 3.2)  # room for the fault labels above the line
     for g in tl.generations:
         ax_world.axvline(g.t, color=color, lw=1, antialiased=False, zorder=5)  # above the bands
     labelled = len(tl.faults) + len(tl.recoveries) <= LABELLED_MAX
@@ -94,11 +107,11 @@ def render(tl: Timeline, path: str) -> int:
         if labelled:
             ax_world.annotate(f"{r.cause} {r.duration_s:.2f}s", (r.t, 0.3), fontsize=7, rotation=90,
                               color="#b35900", va="bottom", ha="left", clip_on=True)
-    for f in tl.faults:
-        ax_world.plot([f.t], [top + 0.5], marker="x", color="#d62728", ms=7, mew=2, clip_on=False)
-        if labelled:
-            ax_world.annotate(f.label, (f.t, top + 0.25), fontsize=7, rotation=90, color="#d62728", va="top",
-                              ha="right", annotation_clip=True, clip_on=True)
+    for i, (t, labels) in enumerate(_grouped(tl, end / 100)):
+        ax_world.plot([t], [top + 0.3], marker="x", color="#d62728", ms=7, mew=2)
+        if labelled:  # staggered on three levels, so that neighbours do not overlap
+            ax_world.annotate("; ".join(labels), (t, top + 0.8 + (i % 3) * 0.8), fontsize=7, color="#d62728",
+                              ha="left", va="bottom", clip_on=True)
     ax_world.set_ylabel("world size")
     ax_world.text(0.995, 0.02, "violet: new generation   red x: fault   orange: recovery",
                   transform=ax_world.transAxes, ha="right", va="bottom", fontsize=7, color="#555555")

@@ -44,8 +44,8 @@ def test_the_series_from_a_history() -> None:
                               Generation(16.0, 3, 3, "join"))
     assert tl.steps == ((10.0, 100), (12.125, 119), (12.375, 120), (15.0, 150), (16.0, 190), (20.0, 240))
     assert tl.throughput[0] == (10.0, 12.125, pytest.approx(19 / 2.125))
-    assert tl.faults == (Mark(12.0, "worker_exited", "node-1: worker was killed by SIGKILL"),
-                         Mark(12.125, "generation_aborted", "gen 2: aborted"))
+    assert tl.faults == (Mark(12.0, "worker_exited", "node-1: worker killed by SIGKILL"),
+                         Mark(12.125, "generation_aborted", "gen 2 aborted"))
     assert tl.recoveries == (Recovery(12.375, 0.25, "PeerLost", 120),)
     assert tl.saves == (Save(15.0, 150, 0.05),)
     assert tl.lost_s == pytest.approx(0.25)
@@ -66,7 +66,10 @@ def test_step_points_only_go_up(events, steps) -> None:
 @pytest.mark.parametrize("kind, detail, label", [
     ("worker_stopped", {}, "node-1: worker stopped"),
     ("restarts_exhausted", {}, "node-1: restarts exhausted"),
-    ("node_draining", {"cause": "drain"}, "node-1: draining (drain)"),
+    ("node_draining", {"cause": "SIGTERM"}, "node-1: draining (SIGTERM)"),
+    ("node_draining", {"cause": "elasticctl drain by root@vm (elasticctl pid 9)"}, "node-1: draining (elasticctl drain)"),
+    ("worker_exited", {"exit_kind": "succeeded", "code": 0, "how": "exited with code 0"}, None),  # finished
+    ("worker_exited", {"exit_kind": "failed", "code": 3, "how": "exited with code 3"}, "node-1: worker exited with code 3"),
     ("node_drained", {}, None),          # the end of a drain is no fault
     ("worker_restarted", {}, None),
 ])
