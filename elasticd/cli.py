@@ -456,7 +456,8 @@ def run_events(query: EventsQuery, out: TextIO, err: TextIO) -> int:
     if client is None:
         return EXIT_DOWN
     try:
-        ev = job_events(keys, client.get_prefix(keys.prefix), query.limit)
+        rows = client.get_prefix(keys.prefix)
+        ev = job_events(keys, rows, query.limit)
     except (EtcdUnavailable, PermissionDenied) as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
@@ -466,11 +467,12 @@ def run_events(query: EventsQuery, out: TextIO, err: TextIO) -> int:
         print(f"{PROG}: no such job: nothing under {keys.prefix}", file=err, flush=True)
         return EXIT_DOWN
     if query.out:
+        from elasticd.ops.parse import parse_samples
         from elasticd.ops.timeline import build_timeline
         from elasticd.ops.timeline_plot import render
 
         try:
-            render(build_timeline(query.job_id, [e for _, e in ev.events]), query.out)
+            render(build_timeline(query.job_id, [e for _, e in ev.events] + parse_samples(keys, rows)), query.out)
         except OSError as exc:
             print(f"{PROG}: cannot write {query.out}: {exc}", file=err, flush=True)
             return EXIT_DOWN

@@ -53,6 +53,7 @@ class EventLog:
         source: str,
         keep: int,
         wall_ns: Callable[[], int] = time.time_ns,
+        prefix: str = "",
     ) -> None:
         """
         Args:
@@ -62,6 +63,8 @@ class EventLog:
                 ``agent.<node>.<pid>``); no ``/``.
             keep: ``events_keep``: prune the history down to this many events after each write.
             wall_ns: the wall clock in nanoseconds (events of many hosts are ordered by it).
+            prefix: where the events go and are pruned (default: ``keys.events``; rank 0's progress
+                samples: ``keys.samples``, with a limit of their own).
         """
         if "/" in source or not source:
             raise ValueError(f"an event source must be non-empty with no '/', got {source!r}")
@@ -70,6 +73,7 @@ class EventLog:
         self._source = source
         self._keep = keep
         self._wall_ns = wall_ns
+        self._prefix = prefix or keys.events
         self._pending: deque[tuple[str, bytes]] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -82,7 +86,7 @@ class EventLog:
         """Queue an event (now, by this writer); returns at once and never raises."""
         now_ns = self._wall_ns()
         rec = EventRecord(time=now_ns / 1e9, kind=str(kind), source=self._source, detail=detail)
-        item = (self._keys.event(event_name(now_ns, self._source)), encode_event(rec))
+        item = (self._prefix + event_name(now_ns, self._source), encode_event(rec))
         with self._cond:
             if self._stop:
                 return
@@ -167,7 +171,7 @@ class EventLog:
                         return
 
     def _prune(self) -> None:
-        rows = self._store.get_prefix(self._keys.events)
+        rows = self._store.get_prefix(self._prefix)
         doomed = prune_plan([kv.key for kv in rows], self._keep)
         for key in doomed:
             self._store.delete(key)

@@ -100,6 +100,12 @@ def parse_events(keys: Keys, rows: Iterable[KeyValue]) -> tuple[list[tuple[str, 
     return _parse_under(sorted(rows, key=lambda kv: kv.key), keys.events, lambda kv: (kv.key, decode_event(kv.value)))
 
 
+def parse_samples(keys: Keys, rows: Iterable[KeyValue]) -> list[EventRecord]:
+    """Rank 0's progress samples (``samples/``), in time order; one that does not parse is left out."""
+    got, _ = _parse_under(sorted(rows, key=lambda kv: kv.key), keys.samples, lambda kv: decode_event(kv.value))
+    return got
+
+
 def parse_drains(keys: Keys, rows: Sequence[KeyValue]) -> tuple[set[str], tuple[str, ...]]:
     """Nodes with a drain request. A value that does not parse is still a request (the agent
     drains on the key) but is listed as malformed too."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from elasticd.wire.ops import EventKind, EventRecord
 
 # generation_published reasons that follow a fault (the rest: start, join, regroup)
+RATE_MIN_S = 1.0  # throughput is measured over at least this long between step points
 LOSS_REASONS = ("aborted", "member_lost", "resume")  # resume: no member held the state
 
 
@@ -157,9 +158,23 @@ def build_timeline(job_id: str, events: Iterable[EventRecord]) -> Timeline:
             if label is not None:
                 faults.append(Mark(t, e.kind, label))
     steps = _increasing(points)
-    rates = tuple((t0, t1, (s1 - s0) / (t1 - t0)) for (t0, s0), (t1, s1) in zip(steps, steps[1:]) if t1 > t0)
+    spaced = _spaced(steps, RATE_MIN_S)
+    rates = tuple((t0, t1, (s1 - s0) / (t1 - t0)) for (t0, s0), (t1, s1) in zip(spaced, spaced[1:]))
     return Timeline(job_id, start, evs[-1].time - start, steps, rates, tuple(gens), tuple(faults),
                     tuple(recs), tuple(saves))
+
+
+def _spaced(points: tuple[tuple[float, int], ...], min_s: float) -> list[tuple[float, int]]:
+    """The points at least ``min_s`` apart (the first kept; the last replaces a kept one too close):
+    two points a few milliseconds apart, from hosts whose clocks differ, would make a spike."""
+    out: list[tuple[float, int]] = []
+    for p in points:
+        if out and p[0] - out[-1][0] < min_s:
+            if p is points[-1] and len(out) > 1:
+                out[-1] = p
+            continue
+        out.append(p)
+    return out
 
 
 def _increasing(points: list[tuple[float, int]]) -> tuple[tuple[float, int], ...]:

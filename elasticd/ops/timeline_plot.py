@@ -77,9 +77,16 @@ def render(tl: Timeline, path: str) -> int:
     """
     fmt = output_format(path)
     plt = _pyplot()
-    color = "#%02x%02x%02x" % GENERATION_RGB
     fig, (ax_step, ax_world, ax_rate) = plt.subplots(3, 1, sharex=True, figsize=SIZE_IN, dpi=DPI,
                                                      gridspec_kw={"height_ratios": [3, 2, 2]})
+    try:
+        return _draw(tl, path, fmt, fig, ax_step, ax_world, ax_rate)
+    finally:
+        plt.close(fig)
+
+
+def _draw(tl: Timeline, path: str, fmt: str, fig, ax_step, ax_world, ax_rate) -> int:  # type: ignore[no-untyped-def]
+    color = "#%02x%02x%02x" % GENERATION_RGB
     end = max(tl.end_s, 1.0)
     # committed steps and saves
     if tl.steps:
@@ -137,5 +144,4 @@ def render(tl: Timeline, path: str) -> int:
         Path(path).write_text(page)
     else:
         fig.savefig(path, format=fmt, metadata=meta)
-    plt.close(fig)
     return columns

@@ -168,6 +168,12 @@ class Membership:
             self._register()
             return self._store.put(self._keys.ready(self.member_id), encode(ready), lease=self._lease.id)
 
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            self._store.delete(key)
+        except EtcdUnavailable as exc:
+            log.warning("ready_record_delete_failed", error=str(exc)[:200])
+
     def _register(self) -> None:
         lease = self._lease.grant()
         self._store.put(self._keys.member(self.member_id), encode(self.record), lease=lease)
@@ -426,6 +432,11 @@ class Membership:
             self._etcd.answered(True)
             if action.kind is ActionKind.JOIN:
                 assert action.record is not None
+                if ready_revision > view.generation_revision:
+                    # written after the generation that takes me (I read a large generation just as
+                    # the next one replaced its roster, and wrote it again): it must not stand as
+                    # "waiting" while I train. Rare: one delete, best effort.
+                    self._delete_quietly(self._keys.ready(self.member_id))
                 return self._joined(action.record, started, view, sum(excused.values()))
             if action.kind is ActionKind.FAIL:
                 self.close()

@@ -73,6 +73,7 @@ class _RetryableRpc(Exception):
 
 _RETRYABLE: tuple[type[BaseException], ...] = (*_TRANSIENT, _RetryableRpc)
 READ_PAGE = 1000  # keys per page of a listing (get_prefix: status, events, drain)
+READ_RESTARTS = 3  # a listing whose revision etcd compacted between two pages starts over at most so often
 
 
 class EtcdClient:
@@ -230,14 +231,21 @@ class EtcdClient:
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         """Every key under ``prefix``, in key order, read in pages of ``READ_PAGE`` keys, every page
-        at the first one's revision (one consistent listing; no answer grows with the job)."""
+        at the first one's revision (one consistent listing; no answer grows with the job). Should
+        etcd compact that revision meanwhile, the listing starts over (at most ``READ_RESTARTS``)."""
         start, end = prefix.encode(), etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(prefix))
         out: list[KeyValue] = []
-        revision = 0  # 0: the newest (the first page), then that page's
+        revision, restarts = 0, 0  # 0: the newest (the first page), then that page's
         while True:
             req = etcd3.etcdrpc.RangeRequest(key=start, range_end=end, limit=READ_PAGE, revision=revision)
-            page = self._call("get_prefix", lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
-                r, c.timeout, credentials=c.call_credentials, metadata=c.metadata), prefix)
+            try:
+                page = self._call("get_prefix", lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
+                    r, c.timeout, credentials=c.call_credentials, metadata=c.metadata), prefix)
+            except EtcdUnavailable as exc:
+                if not revision or "compacted" not in str(exc) or restarts >= READ_RESTARTS:
+                    raise
+                start, out, revision, restarts = prefix.encode(), [], 0, restarts + 1
+                continue
             out += [KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision,
                              kv.lease) for kv in page.kvs]
             if not page.more or not page.kvs:

@@ -89,6 +89,12 @@ class Keys:
     def events(self) -> str:
         return f"{self.job}/events/"
 
+    @property
+    def samples(self) -> str:
+        """``samples/<name>``: rank 0's ``progress`` events (``elasticctl timeline``'s step points), kept
+        apart so that they never push the job's history out of ``events/``."""
+        return f"{self.job}/samples/"
+
     def node(self, node: str) -> str:
         """``nodes/<node>``: the node agent's record, under the agent's lease."""
         return f"{self.job}/nodes/{node}"

@@ -46,10 +46,14 @@ class Snapshot:
     coordinator: CoordinatorRecord | None = None
     ready_revision: Mapping[str, int] = field(default_factory=dict)  # each ready record's mod_revision
     coordinator_revision: int = 0
+    spent_generation: int = 0  # the newest generation a consumed ready record's member had left
 
     @property
     def highest_generation_seen(self) -> int:
-        seen = [self.generation.generation if self.generation else 0, self.aborted]
+        """The newest generation number known (the next is numbered past it): consumed ready records
+        count too, or a garbage generation record would let newcomers number theirs below the one
+        still training."""
+        seen = [self.generation.generation if self.generation else 0, self.aborted, self.spent_generation]
         seen += [r.prev_generation for r in self.ready.values()]
         return max(seen)
 
@@ -130,11 +134,14 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 raise ValueError("ranks missing")
         except DECODE_ERRORS as exc:
             malformed.append(f"{keys.roster_prefix}{generation.generation}: {exc}")
+    spent = 0
     for mid in consumed(generation_revision, ready_revision):
+        spent = max(spent, ready[mid].prev_generation)
         del ready[mid], ready_order[mid]
     return Snapshot(
         generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
         committed_step, checkpoint=checkpoint, verdict=verdict, verdict_revision=verdict_revision,
         coordinator=coordinator, ready_revision=ready_revision, coordinator_revision=coordinator_revision,
+        spent_generation=spent,
     )
 

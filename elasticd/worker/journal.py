@@ -71,6 +71,7 @@ class Journal:
         self._logged_at = float("-inf")
         self._membership: Membership | None = None
         self._events: EventLog | None = None
+        self._samples: EventLog | None = None  # rank 0's progress samples (keys.samples)
         self._store = store
         self._keys = Keys(env.etcd.prefix, env.world.job_id)
         self._node = env.node_id
@@ -87,17 +88,20 @@ class Journal:
         """Bind to ``membership`` (progress and checkpoint records) and ``store`` (failed saves,
         the job's events) of member ``member_id``; open the audit file."""
         self._membership, self._store = membership, store
-        # Its thread starts with the first event (only a rank 0 after a recovery writes any).
+        # Their threads start with the first event: only a rank 0 writes any (a recovery, a durable
+        # save, a progress sample every progress_event_s).
         self._events = EventLog(store, self._keys, member_id, self._events_keep)
+        self._samples = EventLog(store, self._keys, member_id, self._events_keep, prefix=self._keys.samples)
         if self._audit_path:
             self._audit_path.parent.mkdir(parents=True, exist_ok=True)
             self._audit = self._audit_path.open("a", buffering=1)
             self._audit_line({"event": "start", "member": member_id, "t": started_wall})
 
     def close_events(self, timeout_s: float) -> None:
-        """Write the queued events (at most ``timeout_s``) and stop the event log's thread."""
-        if self._events is not None:
-            self._events.close(timeout_s)
+        """Write the queued events (at most ``timeout_s`` each) and stop the event logs' threads."""
+        for log_ in (self._events, self._samples):
+            if log_ is not None:
+                log_.close(timeout_s)
 
     def close(self, step: int, checksum: Callable[[], int]) -> None:
         """The audit file's last line (the step and ``checksum()`` of the state held), then close it."""
@@ -193,9 +197,9 @@ class Journal:
                              "position": batch.position, "global_size": batch.global_size,
                              "indices": batch.indices, "loss": loss, "t": time.time()})
         self._publish_progress(step, generation, batch.rank, duration_s)
-        if batch.rank == 0 and self._events is not None and now - self._progress_evented_at >= self._progress_event_s:
+        if batch.rank == 0 and self._samples is not None and now - self._progress_evented_at >= self._progress_event_s:
             self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)
-            self._events.record(EventKind.PROGRESS, step=step, generation=generation, world_size=world_size)
+            self._samples.record(EventKind.PROGRESS, step=step, generation=generation, world_size=world_size)
         pending, self._unrecorded_recovery = self._unrecorded_recovery, None
         if pending is None or pending["generation"] != generation:
             return  # none, or that generation broke before its first commit and the next one records

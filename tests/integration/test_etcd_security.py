@@ -119,6 +119,7 @@ def test_tls_a_job_runs_and_elasticctl_needs_the_right_certificates(tls_etcd: Et
 
 def _enable_auth(endpoint: str, user: str, password: str, prefix: str) -> None:
     """root (with the root role), and ``user`` with read-write on ``prefix``; then auth on."""
+    import elasticd.store.etcd  # noqa: F401  (first: it installs etcd3's protobuf modules)
     import etcd3
     from etcd3 import etcdrpc
     from etcd3.etcdrpc import auth_pb2

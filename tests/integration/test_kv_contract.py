@@ -599,3 +599,32 @@ def test_a_listing_comes_in_pages_at_one_revision(etcd_server: EtcdServer, monke
         assert f"{prefix}000a" in now and f"{prefix}029" not in now and len(now) == 30
     finally:
         client.close()
+
+
+def test_a_listing_whose_revision_was_compacted_between_pages_starts_over(
+        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import elasticd.store.etcd as etcd_mod
+
+    monkeypatch.setattr(etcd_mod, "READ_PAGE", 5)
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    prefix = f"/compacted{time.monotonic_ns()}/"
+    try:
+        for i in range(12):
+            client.put(f"{prefix}{i:03d}", b"x")
+        call, pages = client._call, []
+
+        def compacting(what, fn, key=""):  # type: ignore[no-untyped-def]
+            out = call(what, fn, key)
+            if what == "get_prefix":
+                pages.append(len(out.kvs))
+                if len(pages) == 1:  # etcd compacts away the listing's revision between two pages
+                    rev = client.put(f"{prefix}000a", b"late")
+                    client._client.compact(rev, physical=True)
+            return out
+
+        monkeypatch.setattr(client, "_call", compacting)
+        listed = [kv.key for kv in client.get_prefix(prefix)]
+        assert listed == sorted([f"{prefix}{i:03d}" for i in range(12)] + [f"{prefix}000a"])  # the new listing
+        assert pages == [5, 5, 5, 3], pages  # the first page, then the whole listing again
+    finally:
+        client.close()

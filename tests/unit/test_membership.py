@@ -483,13 +483,16 @@ def test_parse_snapshot_survives_deeply_nested_json() -> None:
 
 def test_malformed_generation_does_not_restart_numbering() -> None:
     """A garbage generation record is replaced by CAS on its revision, numbered past the ready
-    records written after it (those written before it are spent: wire.snapshot.consumed)."""
+    records, spent ones too (those written before it: wire.snapshot.consumed)."""
     records = [r for r in good_records() if r.key != KEYS.generation] + [kv(KEYS.generation, b"}{", rev=44)]
     s = parse_snapshot(KEYS, records)
     action = decide(s, me("a", 3), window=settled())
     assert action.kind is ActionKind.PUBLISH
     assert action.record is not None and action.record.generation == 4
     assert action.expected_revision == 44
+    # written after every ready record: they are spent, and still count for the numbering
+    late = parse_snapshot(KEYS, [r for r in records if r.key != KEYS.generation] + [kv(KEYS.generation, b"}{", rev=77)])
+    assert not late.ready and late.highest_generation_seen == 3
 
 
 # -- a published generation consumes its members' ready records by revision (issue 13) ------------
