@@ -13,12 +13,18 @@ commit *before* the sum, and every member decides from the same sum:
 
 * a veto (the generation was superseded or aborted, or this member's lease is gone) aborts the
   step everywhere: nothing is applied, the members re-rendezvous;
-* a stale lease while etcd answers some member (so that member could see the stale one expire and
-  give up on it) retries the same step in the same group, nothing applied, until the renewal lands
-  or the lease expires and the generation is abandoned (bounded by the lease TTL);
-* a stale lease while etcd answers nobody is no reason to stop: no member can read etcd, so none
-  can act on the expiry, and the completed all_reduce proves that every member is alive. Training
-  goes on through an etcd outage;
+* a stale lease while etcd answers a member whose own lease is fresh (so that member could see the
+  stale one expire and give up on it) retries the same step in the same group, nothing applied,
+  until the renewal lands or the lease expires and the generation is abandoned (bounded by the
+  lease TTL);
+* a stale lease while etcd answers no member with a fresh lease is no reason to stop: either no
+  member can read etcd (an outage), or every renewal fails alike, which is an etcd without a leader
+  (a leader election: no lease can expire while there is no leader, and the new leader extends
+  every lease by its TTL when it takes over), so none can act on an expiry, and the completed
+  all_reduce proves that every member is alive. Training goes on through an etcd outage, and no
+  longer stops for the ~1-2 s of a leader election once every member's renewal is pending (it did:
+  a member answered just before the election counted as "reached", and every step was retried
+  until the renewals landed);
 * otherwise the step is committed by every member (and the members regroup after it if one asked).
 
 What stays local: a member that learns, after the sum, that its generation was fenced, that its
@@ -37,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-VOTE_SLOTS = 6  # the extra floats carried by the last gradient bucket (Vote.slots)
+VOTE_SLOTS = 7  # the extra floats carried by the last gradient bucket (Vote.slots)
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,9 @@ class Vote:
     reached_etcd: bool  # its last etcd request was answered
 
     def slots(self) -> list[float]:
+        fresh_reached = self.reached_etcd and not self.stale  # a member that could see another's lease expire
         return [self.weighted_loss, float(self.veto), float(self.regroup), float(self.stale),
-                float(self.reached_etcd), 1.0]
+                float(self.reached_etcd), float(fresh_reached), 1.0]
 
 
 @dataclass(frozen=True)
@@ -65,14 +72,15 @@ class Tally:
     stale: int
     reached_etcd: int
     voters: int
+    fresh_reached: int = 0  # members whose lease is fresh and whose last etcd request was answered
 
     @classmethod
     def from_slots(cls, summed: Sequence[float]) -> Tally:
         if len(summed) != VOTE_SLOTS:
             raise ValueError(f"expected {VOTE_SLOTS} vote slots, got {len(summed)}")
         loss, *counts = summed
-        vetoes, regroups, stale, reached, voters = (round(x) for x in counts)
-        return cls(float(loss), vetoes, regroups, stale, reached, voters)
+        vetoes, regroups, stale, reached, fresh_reached, voters = (round(x) for x in counts)
+        return cls(float(loss), vetoes, regroups, stale, reached, voters, fresh_reached)
 
 
 @dataclass(frozen=True)
@@ -111,9 +119,9 @@ def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> V
     if tally.vetoes:
         return Verdict(Outcome.ABORT, f"{tally.vetoes} member(s) vetoed: generation superseded or "
                        f"aborted, or a lease is gone")
-    if tally.stale and tally.reached_etcd:
+    if tally.stale and tally.fresh_reached:
         return Verdict(Outcome.RETRY, f"{tally.stale} member(s) wait for a lease renewal while etcd "
-                       f"answers {tally.reached_etcd}")
+                       f"answers {tally.fresh_reached} with a fresh lease")
     if fence.continued:
         return Verdict(Outcome.ABORT, "this process was stopped and continued since its last lease renewal: its "
                        "agent may have revoked the lease and its peers given up on the step", unanimous=False)
