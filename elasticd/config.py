@@ -76,6 +76,10 @@ class Timeouts:
     lease_renew_s: float = _seconds(
         "Bound on a lease renewal's first attempt (doubling up to etcd_request_s): one held by an etcd "
         "member that lost its leader moves on early, so steps wait less for a renewal.", 0.5)
+    lease_confirm_s: float = _seconds(
+        "How long a member whose lease expired by its own clock when a step's sum arrived waits for "
+        "etcd to grant a renewal (an etcd leader election or the end of an outage holds renewals): "
+        "granted, the lease never expired and the step is applied; not, the member leaves the step.", 2.0)
     etcd_outage_s: float = _seconds(
         "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
         "within a rendezvous, on top of join_s), and an agent at its start, before giving up. "

@@ -49,6 +49,7 @@ class Lease:
         self._renewed_continues = 0  # continued.count() when that renewal was asked
         # The TTL etcd granted; the commit fence counts on this one, not on the one asked for.
         self.granted_ttl_s = ttl_s
+        self.grants = 0  # renewals of the current lease etcd granted (and counted), ever growing
 
     def grant(self) -> int:
         """Grant a new lease (it replaces the old id) and learn the TTL etcd gave it.
@@ -82,6 +83,7 @@ class Lease:
         if renewal.ttl_s > 0 and renewal.lease == self.id:
             self._note_granted(renewal.ttl_s)
             self.renewed_at, self._renewed_continues = renewal.asked_at, renewal.continues
+            self.grants += 1
 
     def revoke(self) -> None:
         """Revoke the lease now (its keys vanish at once), if one was granted.

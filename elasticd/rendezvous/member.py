@@ -38,6 +38,8 @@ class Standing:
     renewed_at: float  # when it last asked for a renewal that etcd granted
     lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum)
     continued: bool  # stopped and continued since that renewal was asked (continued.py)
+    grants: int = 0  # renewals etcd granted so far (Lease.grants): a later one proves the lease alive
+    lease: int = 0  # the lease they were granted for
 
 
 class MemberState(StrEnum):

@@ -102,6 +102,7 @@ class Membership:
         self._reader = JobReader(store, keys, member.node)
         self._etcd = Reachability(clock)  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
+        self._answered = threading.Event()  # a renewal was answered (confirm_lease waits for one)
         self._joining = False  # a join() runs (on the training thread)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class Membership:
 
     def _renewed(self, renewal: Renewal) -> None:
         self._lease.keep(renewal)
+        self._answered.set()
         self._publish.flush_progress(self._lease.id)
         if renewal.ttl_s <= 0 and renewal.lease == self._lease.id:
             self._watch.lose_lease(renewal.lease)
@@ -302,7 +304,25 @@ class Membership:
         """What this member knows of its own standing now (the commit rule's ``Fence`` is built
         from it once a step's vote is summed)."""
         return Standing(fenced=self._watch.fenced, lease_lost=self._watch.lease_lost, renewed_at=self._lease.renewed_at,
-                        lease_ttl_s=self._lease.granted_ttl_s, continued=self.continued_since_renewal())
+                        lease_ttl_s=self._lease.granted_ttl_s, continued=self.continued_since_renewal(),
+                        grants=self._lease.grants, lease=self._lease.id)
+
+    def confirm_lease(self, standing: Standing) -> bool:
+        """Whether etcd grants this member's lease a renewal after ``standing`` was taken, waiting
+        for one at most ``lease_confirm_s`` (the keepalive thread asks at once). A granted renewal
+        proves the lease never expired (an expired lease id never comes back): an etcd leader
+        election, or the end of an outage, only held the renewals back."""
+        deadline = Deadline.after(self._timeouts.lease_confirm_s, self._clock)
+        while True:
+            if self._watch.lease_lost or self._lease.id != standing.lease:
+                return False
+            if self._lease.grants > standing.grants:
+                return True
+            if deadline.expired() or self._stop.is_set():
+                return False
+            self._answered.clear()
+            self._renew.set()
+            self._answered.wait(min(deadline.remaining_s(), self._timeouts.keepalive_s))
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""

@@ -28,8 +28,11 @@ commit *before* the sum, and every member decides from the same sum:
 * otherwise the step is committed by every member (and the members regroup after it if one asked).
 
 What stays local: a member that learns, after the sum, that its generation was fenced, that its
-own lease has certainly expired while etcd answered members at vote time (it was frozen past its
-lease, and its peers may have given up on the step), or that it was stopped and continued since
+own lease has expired by its clock while etcd answered members at vote time (it was frozen past its
+lease, and its peers may have given up on the step) unless etcd then grants it a renewal (the
+verdict is ``confirmable``: a lease id never comes back, so a granted renewal proves the lease
+never expired, as after a leader election or an outage, whose new leader extends every lease by its
+TTL; the executor asks for one within ``lease_confirm_s``), or that it was stopped and continued since
 it last renewed its lease (its agent may have revoked the lease: ``continued.py``), does not apply
 the step. A member continued from a stop also votes "stale" until a renewal asked after the
 continue succeeds (or fails with the lease gone, a veto), so every member retries the step. That member is then
@@ -92,6 +95,7 @@ class Fence:
     renewed_at: float  # when it last asked for a renewal that etcd granted
     lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum; see Membership)
     continued: bool = False  # stopped and continued since its last renewal was asked (continued.py)
+    confirmed: bool = False  # etcd granted a renewal answered after the sum: the lease never expired
 
 
 class Outcome(StrEnum):
@@ -106,6 +110,7 @@ class Verdict:
     reason: str
     regroup: bool = False  # COMMIT: re-rendezvous after this step
     unanimous: bool = True  # False: a local refusal (this member is behind the others, never ahead)
+    confirmable: bool = False  # ABORT lifted by a renewal granted after the sum (Fence.confirmed)
 
 
 def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
@@ -128,9 +133,10 @@ def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> V
     if fence.fenced or fence.lease_lost:
         why = "my lease is gone" if fence.lease_lost else "my generation was superseded or aborted"
         return Verdict(Outcome.ABORT, f"{why} after the vote", unanimous=False)
-    if tally.reached_etcd and now >= fence.renewed_at + fence.lease_ttl_s:
-        return Verdict(Outcome.ABORT, f"my lease expired {now - fence.renewed_at - fence.lease_ttl_s:.2f} s "
-                       f"before the sum arrived (this process was stopped)", unanimous=False)
+    if tally.reached_etcd and not fence.confirmed and now >= fence.renewed_at + fence.lease_ttl_s:
+        return Verdict(Outcome.ABORT, f"my lease expired by my clock {now - fence.renewed_at - fence.lease_ttl_s:.2f} s "
+                       f"before the sum arrived (this process was frozen, or etcd held its renewals)",
+                       unanimous=False, confirmable=True)
     if tally.regroups:
         return Verdict(Outcome.COMMIT, f"{tally.regroups} member(s) asked to regroup", regroup=True)
     return Verdict(Outcome.COMMIT, "every member voted")

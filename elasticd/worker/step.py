@@ -11,18 +11,22 @@ and never re-rendezvouses.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import structlog
 import torch
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError
+from elasticd.rendezvous.member import Standing
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Clock, Deadline
 from elasticd.worker.collectives import GradientReducer
 from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.process_group import Group
 from elasticd.worker.sampler import Batch
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class OpenStep:
     tally: Tally | None = None  # the summed vote, once the all_reduce completed
     fence: Fence | None = None  # what this member knew locally when the sum arrived
     summed_at: float = 0.0  # ... and when (monotonic)
+    standing: Standing | None = None  # this member's standing then (a later granted renewal confirms the lease)
 
 
 class StepProtocol:
@@ -98,7 +103,7 @@ class StepProtocol:
         st = self._membership.standing()  # the fence as of the sum, not of commit() (user code runs between)
         op.fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
                          lease_ttl_s=st.lease_ttl_s, continued=st.continued)
-        op.summed_at = self._clock()
+        op.summed_at, op.standing = self._clock(), st
         return True
 
     def decide(self, group: Group, op: OpenStep) -> Verdict:
@@ -107,6 +112,10 @@ class StepProtocol:
         assert op.tally is not None and op.fence is not None, "decide() after backward() returned True"
         now = op.summed_at
         verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
+        if verdict.confirmable and op.standing is not None and self._membership.confirm_lease(op.standing):
+            log.info("lease_confirmed", generation=group.generation, rank=group.rank, after=verdict.reason)
+            op.fence = replace(op.fence, confirmed=True)
+            verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
         if verdict.outcome is not Outcome.RETRY:
             self._deferred_since = None
             return verdict

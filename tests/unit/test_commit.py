@@ -68,6 +68,17 @@ CASES = [
     ("frozen past my lease while etcd answered: refuse locally", tally(), fence(renewed_at=NOW - 2.0),
      Outcome.ABORT, False, False),
     ("just inside my lease: commit", tally(), fence(renewed_at=NOW - 1.99), Outcome.COMMIT, False, True),
+    # The CI failure of stop 14: a leader election held every renewal past the TTL by the members'
+    # clocks while a lookup answered; each member refused locally and the job regrouped 4 times.
+    # A renewal granted after the sum proves the lease never expired: commit.
+    ("expired by my clock, then a renewal granted: commit", tally(stale=2, reached=2, fresh_reached=0),
+     fence(renewed_at=NOW - 2.5, confirmed=True), Outcome.COMMIT, False, True),
+    ("expired by my clock, renewal granted, a regroup asked: commit, then regroup", tally(regroups=1),
+     fence(renewed_at=NOW - 2.5, confirmed=True), Outcome.COMMIT, True, True),
+    ("a granted renewal does not lift a fence", tally(), fence(fenced=True, confirmed=True), Outcome.ABORT,
+     False, False),
+    ("a granted renewal does not lift a continue", tally(), fence(continued=True, confirmed=True), Outcome.ABORT,
+     False, False),
     # Stopped and continued since the vote: the agent may have revoked the lease (stopped_worker_s)
     # however fresh it looks, and the peers may have given up on the step.
     ("stopped and continued since my vote: refuse locally", tally(), fence(continued=True), Outcome.ABORT,
@@ -84,6 +95,16 @@ def test_commit_outcome(what: str, t: Tally, f: Fence, outcome: Outcome, regroup
     v = commit_outcome(t, WORLD, f, NOW)
     assert (v.outcome, v.regroup, v.unanimous) == (outcome, regroup, unanimous), v.reason
     assert v.reason
+
+
+def test_only_a_refusal_for_an_expiry_by_my_clock_is_confirmable() -> None:
+    """The executor asks etcd for a renewal only when a granted one could change the verdict."""
+    expired = commit_outcome(tally(), WORLD, fence(renewed_at=NOW - 2.0), NOW)
+    assert (expired.outcome, expired.confirmable) == (Outcome.ABORT, True)
+    for f in (fence(fenced=True), fence(lease_lost=True), fence(continued=True)):
+        v = commit_outcome(tally(), WORLD, f, NOW)
+        assert (v.outcome, v.confirmable) == (Outcome.ABORT, False), v.reason
+    assert not commit_outcome(tally(vetoes=1), WORLD, fence(renewed_at=NOW - 2.0), NOW).confirmable
 
 
 def test_every_member_decides_alike_from_the_same_tally() -> None:
