@@ -22,7 +22,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
 import etcd3  # noqa: E402
@@ -230,26 +230,33 @@ class EtcdClient:
         return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        """Every key under ``prefix``, in key order, read in pages of ``READ_PAGE`` keys, every page
-        at the first one's revision (one consistent listing; no answer grows with the job). Should
-        etcd compact that revision meanwhile, the listing starts over (at most ``READ_RESTARTS``)."""
-        start, end = prefix.encode(), etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(prefix))
-        out: list[KeyValue] = []
-        revision, restarts = 0, 0  # 0: the newest (the first page), then that page's
-        while True:
-            req = etcd3.etcdrpc.RangeRequest(key=start, range_end=end, limit=READ_PAGE, revision=revision)
+        """Every key under ``prefix``, in key order: ``pages`` joined. Should etcd compact the
+        listing's revision between two pages, it starts over (at most ``READ_RESTARTS`` times)."""
+        for restart in range(READ_RESTARTS + 1):
             try:
-                page = self._call("get_prefix", lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
-                    r, c.timeout, credentials=c.call_credentials, metadata=c.metadata), prefix)
+                return [kv for page in self.pages(prefix) for kv in page]
             except EtcdUnavailable as exc:
-                if not revision or "compacted" not in str(exc) or restarts >= READ_RESTARTS:
+                if "compacted" not in str(exc) or restart == READ_RESTARTS:
                     raise
-                start, out, revision, restarts = prefix.encode(), [], 0, restarts + 1
-                continue
-            out += [KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision,
-                             kv.lease) for kv in page.kvs]
+        raise AssertionError("unreachable")
+
+    def pages(self, prefix: str, page_keys: int = READ_PAGE) -> Iterator[list[KeyValue]]:
+        """The keys under ``prefix`` in pages of ``page_keys``, in key order, every page read at the
+        first one's revision (one consistent listing; no answer grows with the job).
+
+        Raises:
+            EtcdUnavailable: as every call; also when etcd compacted that revision between pages.
+        """
+        start, end = prefix.encode(), etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(prefix))
+        revision = 0  # 0: the newest (the first page), then that page's
+        while True:
+            req = etcd3.etcdrpc.RangeRequest(key=start, range_end=end, limit=page_keys, revision=revision)
+            page = self._call("get_prefix", lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
+                r, c.timeout, credentials=c.call_credentials, metadata=c.metadata), prefix)
+            yield [KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision,
+                            kv.lease) for kv in page.kvs]
             if not page.more or not page.kvs:
-                return out
+                return
             revision, start = revision or page.header.revision, page.kvs[-1].key + b"\0"
 
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:

@@ -567,64 +567,40 @@ def test_closing_the_client_while_its_watcher_waits_to_reconnect_ends_the_thread
     assert [e for e in errors if e.exc_type is not SystemExit] == [], errors  # type: ignore[attr-defined]
 
 
-def test_a_listing_comes_in_pages_at_one_revision(etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``get_prefix`` reads pages of ``READ_PAGE`` keys (no answer grows with the job), every page at
-    the first one's revision: a key written between two pages is not in the listing."""
-    import elasticd.store.etcd as etcd_mod
-
-    monkeypatch.setattr(etcd_mod, "READ_PAGE", 7)
+def test_a_listing_comes_in_pages_at_one_revision(etcd_server: EtcdServer) -> None:
+    """``pages`` reads ``page_keys`` keys at a time (no answer grows with the job), every page at the
+    first one's revision: a key written between two pages is not in the listing, nor is a delete."""
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
     prefix = f"/paged{time.monotonic_ns()}/"
     try:
         for i in range(30):
             client.put(f"{prefix}{i:03d}", str(i).encode())
-        pages = []
-        call = client._call
-
-        def counting(what, fn, key=""):  # type: ignore[no-untyped-def]
-            out = call(what, fn, key)
-            if what == "get_prefix":
-                pages.append(len(out.kvs))
-                if len(pages) == 1:  # between the first page and the second
-                    client.put(f"{prefix}000a", b"late")
-                    client.delete(f"{prefix}029")
-            return out
-
-        monkeypatch.setattr(client, "_call", counting)
-        listed = client.get_prefix(prefix)
-        assert [kv.key for kv in listed] == [f"{prefix}{i:03d}" for i in range(30)]
-        assert pages == [7, 7, 7, 7, 2]
-        monkeypatch.setattr(client, "_call", call)
+        listing = client.pages(prefix, page_keys=7)
+        pages = [next(listing)]
+        client.put(f"{prefix}000a", b"late")  # between the first page and the second
+        client.delete(f"{prefix}029")
+        pages += list(listing)
+        assert [len(p) for p in pages] == [7, 7, 7, 7, 2]
+        assert [kv.key for p in pages for kv in p] == [f"{prefix}{i:03d}" for i in range(30)]
         now = [kv.key for kv in client.get_prefix(prefix)]
         assert f"{prefix}000a" in now and f"{prefix}029" not in now and len(now) == 30
     finally:
         client.close()
 
 
-def test_a_listing_whose_revision_was_compacted_between_pages_starts_over(
-        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import elasticd.store.etcd as etcd_mod
-
-    monkeypatch.setattr(etcd_mod, "READ_PAGE", 5)
+def test_a_listing_whose_revision_was_compacted_between_pages_fails_clearly_and_a_new_one_works(
+        etcd_server: EtcdServer) -> None:
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
     prefix = f"/compacted{time.monotonic_ns()}/"
     try:
         for i in range(12):
             client.put(f"{prefix}{i:03d}", b"x")
-        call, pages = client._call, []
-
-        def compacting(what, fn, key=""):  # type: ignore[no-untyped-def]
-            out = call(what, fn, key)
-            if what == "get_prefix":
-                pages.append(len(out.kvs))
-                if len(pages) == 1:  # etcd compacts away the listing's revision between two pages
-                    rev = client.put(f"{prefix}000a", b"late")
-                    client._client.compact(rev, physical=True)
-            return out
-
-        monkeypatch.setattr(client, "_call", compacting)
-        listed = [kv.key for kv in client.get_prefix(prefix)]
-        assert listed == sorted([f"{prefix}{i:03d}" for i in range(12)] + [f"{prefix}000a"])  # the new listing
-        assert pages == [5, 5, 5, 3], pages  # the first page, then the whole listing again
+        listing = client.pages(prefix, page_keys=5)
+        assert len(next(listing)) == 5
+        rev = client.put(f"{prefix}000a", b"late")
+        client._client.compact(rev, physical=True)  # etcd compacts away the listing's revision
+        with pytest.raises(EtcdUnavailable, match="compacted"):
+            next(listing)
+        assert len(client.get_prefix(prefix)) == 13  # get_prefix starts over at the newest revision
     finally:
         client.close()
