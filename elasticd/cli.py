@@ -662,9 +662,10 @@ TORCHRUN_ALIASES: dict[str, list[str]] = {
     "etcd_endpoints": ["--rdzv-endpoint", "--rdzv_endpoint", "--etcd"],
     "nproc_per_node": ["--nproc_per_node"],
     "max_restarts": ["--max_restarts"],
+    "spares_per_node": ["--spares"],
 }
 # Boolean settings that also have a switch taking no value (the setting's own flag takes true|false).
-SWITCHES = {"etcd_insecure": "--insecure"}
+SWITCHES = {"etcd_insecure": "--insecure", "standby_node": "--standby"}
 _AGENT_GROUPS = {"world": "job", "etcd": "etcd", "timeouts": "timeouts (seconds)",
                  "retry": "etcd retries", "agent": "node agent"}
 

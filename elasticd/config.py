@@ -14,7 +14,6 @@ passed down.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 import re
 import socket
@@ -23,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from elasticd.errors import ConfigError
+from elasticd.etcd_config import EtcdConfig, endpoint_scheme, is_loopback, parse_endpoint  # noqa: F401
 
 
 def _seconds(doc: str, default: float) -> float:
@@ -145,99 +145,6 @@ class RetryPolicy:
                 raise ConfigError(f"{name}: must be a positive, finite number, got {value!r}")
 
 
-@dataclass(frozen=True)
-class EtcdConfig:
-    """Where etcd is and how keys are laid out, and how to reach it (TLS, auth).
-
-    The certificate and password files are names here: ``settings.etcd_config`` checks that they
-    exist, and the etcd client reads them.
-    """
-
-    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    prefix: str = "/elasticd"
-    ca_cert: str = field(default="", metadata={
-        "doc": "CA bundle (PEM file) that signs the etcd servers' certificates; set: talk TLS to etcd "
-               "(https:// endpoints talk TLS too, trusting the system's CA bundle when this is unset)."})
-    cert_cert: str = field(default="", metadata={
-        "doc": "Client certificate (PEM file) for etcd mutual TLS; needs etcd_cert_key, and TLS."})
-    cert_key: str = field(default="", metadata={"doc": "Private key (PEM file) of etcd_cert_cert."})
-    user: str = field(default="", metadata={"doc": "etcd user (role-based access); needs a password."})
-    password: str = field(default="", repr=False, metadata={
-        "doc": "Password of etcd_user (prefer etcd_password_file or ELASTICD_ETCD_PASSWORD; never logged)."})
-    password_file: str = field(default="", metadata={
-        "doc": "File whose first line is etcd_user's password (instead of etcd_password)."})
-    insecure: bool = field(default=False, metadata={
-        "doc": "Allow etcd_user's password to cross the network in plaintext, to an etcd that is not on "
-               "loopback and is reached without TLS; off: such a configuration is refused."})
-
-    def __post_init__(self) -> None:
-        if not self.endpoints:
-            raise ConfigError("etcd_endpoints: at least one host:port is required")
-        for ep in self.endpoints:
-            parse_endpoint(ep)
-        if len({endpoint_scheme(ep) == "https" for ep in self.endpoints}) > 1:
-            raise ConfigError(f"etcd_endpoints: https:// and plaintext endpoints mixed in one list "
-                              f"({', '.join(self.endpoints)}); use https:// for all of them or for none")
-        if not self.prefix.startswith("/") or self.prefix.endswith("/"):
-            raise ConfigError(f"etcd_prefix: must start with '/' and not end with '/', got {self.prefix!r}")
-        if bool(self.cert_cert) != bool(self.cert_key):
-            raise ConfigError("etcd_cert_cert: a client certificate needs its key, and the key its certificate "
-                              "(set both etcd_cert_cert and etcd_cert_key, or neither)")
-        if self.ca_cert and any(endpoint_scheme(ep) == "http" for ep in self.endpoints):
-            raise ConfigError("etcd_ca_cert: set, but etcd_endpoints ask for plaintext (http://); write them "
-                              "as https://host:port, or as host:port")
-        if self.cert_cert and not self.tls:
-            raise ConfigError("etcd_cert_cert: a client certificate needs TLS: set etcd_ca_cert, or write "
-                              "etcd_endpoints as https://host:port")
-        if self.password and self.password_file:
-            raise ConfigError("etcd_password: give etcd_password or etcd_password_file, not both")
-        has_password = bool(self.password or self.password_file)
-        if bool(self.user) != has_password:
-            raise ConfigError("etcd_user: a user needs a password and a password its user (set etcd_user and "
-                              "etcd_password or etcd_password_file, or neither)")
-        if not isinstance(self.insecure, bool):
-            raise ConfigError(f"etcd_insecure: must be true or false, got {self.insecure!r}")
-        remote = [ep for ep in self.endpoints if not is_loopback(parse_endpoint(ep)[0])]
-        if self.user and remote and not self.tls and not self.insecure:
-            raise ConfigError(f"etcd_user: its password would cross the network in plaintext to {remote[0]}; "
-                              "talk TLS (write etcd_endpoints as https://host:port, or set etcd_ca_cert), or "
-                              "set etcd_insecure (--insecure) to allow it")
-
-    @property
-    def tls(self) -> bool:
-        """Talk TLS: a CA bundle is set, or the endpoints are ``https://``."""
-        return bool(self.ca_cert) or endpoint_scheme(self.endpoints[0]) == "https"
-
-
-def endpoint_scheme(endpoint: str) -> str:
-    """``"https"``, ``"http"`` or ``""`` (no scheme) of an etcd endpoint."""
-    scheme, sep, _ = endpoint.strip().partition("://")
-    return scheme.lower() if sep else ""
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split ``host:port``, after an ``http://`` or ``https://`` scheme (see ``endpoint_scheme``).
-
-    Raises:
-        ConfigError: the endpoint is not ``host:port`` with a port in 1..65535, or has another scheme.
-    """
-    text = endpoint.strip()
-    scheme = endpoint_scheme(text)
-    host, sep, port_text = (text.partition("://")[2] if scheme else text).rpartition(":")
-    if (scheme not in ("", "http", "https") or not sep or not host or not port_text.isdigit()
-            or not 0 < int(port_text) < 65536):
-        raise ConfigError(f"etcd_endpoints: expected host:port (or http:// or https:// before it), got {endpoint!r}")
-    return host.strip("[]"), int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    """``localhost``, or an address in 127.0.0.0/8 or ``::1`` (a name is not resolved)."""
-    try:
-        return host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 # A job id and a node id are etcd key segments, file names (a job's checkpoints go to
 # <checkpoint_dir>/<job_id>/) and parts of member ids (<node>.<local_rank>.<pid>). Starting with a
 # letter or digit keeps out '.', '..' and what looks like a flag.
@@ -351,6 +258,9 @@ class WorkerEnv:
     backend: str = "auto"
     events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    spare: bool = field(default=False, metadata={
+        "doc": "This worker starts as a warm spare: it waits outside every generation until one needs it."})
+    standby: bool = field(default=False, metadata={"doc": "... a spare of a standby node (taken last)."})
 
     def __post_init__(self) -> None:
         _check_events_keep(self.events_keep)
@@ -405,6 +315,15 @@ class AgentConfig:
     checkpoint_wait_s: float = field(default=CheckpointConfig.checkpoint_wait_s, metadata={
         "doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]})
     checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
+    spares_per_node: int = field(default=0, metadata={
+        "doc": "Warm spare workers this agent keeps besides nproc_per_node (--spares): each imports torch and "
+               "the program, registers and waits outside every generation; when the job runs below its "
+               "full size (a worker crashed or hung, a node was lost or drained; never past max_workers) "
+               "a spare is taken at the next step boundary and rank 0 sends it the state. A crashed "
+               "worker comes back as a spare. On GPUs each spare needs a device of its own."})
+    standby_node: bool = field(default=False, metadata={
+        "doc": "A standby node (--standby): all nproc_per_node workers wait as warm spares, taken after "
+               "the other nodes' spares, when a node of the job is lost or drained."})
     max_restarts: int = field(default=3, metadata={
         "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
                "agent (restarts_exhausted, exit 1)."})
@@ -444,7 +363,7 @@ class AgentConfig:
                 "program: no training program given (put it after --, e.g. "
                 "`elasticd [flags] -- python train.py`, or set program = [...] in the config file)"
             )
-        for name in ("nproc_per_node", "max_restarts"):
+        for name in ("nproc_per_node", "max_restarts", "spares_per_node"):
             value = getattr(self, name)
             least = 1 if name == "nproc_per_node" else 0
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -480,6 +399,11 @@ class AgentConfig:
             raise ConfigError(
                 f"nproc_per_node: must be <= max_workers ({self.world.max_workers}), got {self.nproc_per_node}"
             )
+        if not isinstance(self.standby_node, bool):
+            raise ConfigError(f"standby_node: must be true or false, got {self.standby_node!r}")
+        if (self.spares_per_node or self.standby_node) and self.mode != "elastic":
+            raise ConfigError("spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
+                              "restarts every worker at once)")
         if self.checkpoint_dir is not None:
             text = str(self.checkpoint_dir)
             if not text or "\0" in text:
@@ -488,12 +412,23 @@ class AgentConfig:
             raise ConfigError(f"mode: must be one of {', '.join(AGENT_MODES)}, got {self.mode!r}")
         self.worker_env(0)  # validates node_id, advertise_addr, backend and events_keep as a worker would
 
-    def worker_env(self, local_rank: int) -> WorkerEnv:
-        """The settings of this node's worker ``local_rank``."""
+    @property
+    def slots(self) -> int:
+        """Worker processes this agent keeps: ``nproc_per_node`` plus ``spares_per_node``."""
+        return self.nproc_per_node + self.spares_per_node
+
+    def starts_spare(self, local_rank: int, starts: int) -> bool:
+        """Whether the worker of ``local_rank`` starts (for the ``starts``-th time before this one)
+        as a warm spare: every worker of a standby node, the slots past ``nproc_per_node``, and
+        every restart once the node keeps spares (the crashed one's place went to a spare). Pure."""
+        return self.standby_node or local_rank >= self.nproc_per_node or (starts > 0 and self.spares_per_node > 0)
+
+    def worker_env(self, local_rank: int, spare: bool = False) -> WorkerEnv:
+        """The settings of this node's worker ``local_rank`` (``spare``: it starts as a warm spare)."""
         return WorkerEnv(world=self.world, etcd=self.etcd, timeouts=self.timeouts, retry=self.retry,
                          node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
                          backend=self.backend, events_keep=self.events_keep,
-                         checkpoint=self.checkpoint_config())
+                         checkpoint=self.checkpoint_config(), spare=spare, standby=spare and self.standby_node)
 
     def checkpoint_config(self) -> CheckpointConfig:
         """The workers' durable-checkpoint settings."""

@@ -6,12 +6,14 @@ transitions live) through a ``Supervisor`` (processes) and a ``KeyValueStore`` (
 daemon skeleton it shares with restart mode (``daemon.AgentDaemon``). It never decides (the
 snapshot goes to ``decide``) and never reads etcd on its loop. What it does:
 
-* starts ``nproc_per_node`` workers of the configured program, each with the worker environment
-  (``settings.worker_env_to_environ``: job, etcd, timeouts, node id, local rank);
+* starts ``nproc_per_node`` workers of the configured program, and ``spares_per_node`` warm spares
+  (all of them spares on a standby node: ``AgentConfig.starts_spare``), each with the worker
+  environment (``settings.worker_env_to_environ``: job, etcd, timeouts, node id, local rank, spare);
 * when a worker ends, it revokes the lease of that worker's member record at once (found by node
   and pid under ``members/``), so the survivors re-rendezvous now instead of after the lease TTL;
 * it restarts a failed worker after an exponential backoff, within the restart budget
-  (``max_restarts`` per ``restart_window_s``); the restarted worker joins as a newcomer. When the
+  (``max_restarts`` per ``restart_window_s``); the restarted worker joins as a newcomer (as a spare
+  when the node keeps spares: one of them took the crashed one's place). When the
   budget is spent it stops its workers and exits 1 (``restarts_exhausted``). A worker that exits
   0 is done; when all are done the agent exits 0;
 * it reads the job's keys every ``keepalive_s`` in a background thread (``jobview.JobReader``), so
@@ -111,7 +113,7 @@ class Agent(AgentDaemon):
         self._next_status = float("-inf")
         self._last_status = ""
         self._keys = Keys(config.etcd.prefix, config.world.job_id)
-        self.snapshot = AgentSnapshot.initial(config.nproc_per_node)
+        self.snapshot = AgentSnapshot.initial(config.slots)
         self._presence: NodePresence | None = None
         self._drain_request: DrainRecord | None = None
         self._drain_requested = False  # set by the presence thread; acted on by the loop
@@ -230,7 +232,7 @@ class Agent(AgentDaemon):
             if now >= next_sample:
                 stats = self._supervisor.sample()
                 if self._metrics is not None:
-                    self._metrics.set_workers(self._config.nproc_per_node, self._supervisor.running(), stats)
+                    self._metrics.set_workers(self._config.slots, self._supervisor.running(), stats)
                 next_sample = now + c.stats_interval_s
             self._publish_node()
             action = decide(self.snapshot, now, c)
@@ -391,7 +393,8 @@ class Agent(AgentDaemon):
     def _spawn(self, local_rank: int, now: float) -> None:
         c = self._config
         slot = self.snapshot.slots[local_rank]
-        env = c.worker_env(local_rank)  # NCCL's watchdog settings are defaults: the agent's own environment wins
+        spare = c.starts_spare(local_rank, slot.starts)
+        env = c.worker_env(local_rank, spare)  # NCCL's watchdog settings are defaults: the agent's own environment wins
         pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(env), nccl_environ(env.timeouts)))
         if isinstance(pid, WorkerExit):
             e = pid
@@ -401,7 +404,7 @@ class Agent(AgentDaemon):
         self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1, mark=None,
                        hang_killed=False, stopped_at=None, stop_revoked=False)
         log.info("worker_started", local_rank=local_rank, pid=pid, start=slot.starts + 1,
-                 restart=slot.starts > 0)
+                 restart=slot.starts > 0, spare=spare)
         if slot.starts > 0:
             self._event(EventKind.WORKER_RESTARTED, local_rank=local_rank, pid=pid, start=slot.starts + 1)
 

@@ -208,7 +208,7 @@ def _size_health(snap: Snapshot, g: GenerationRecord, max_workers: int | None) -
             return Health.DEGRADED, f"world size {g.world_size} < max_workers {max_workers}"
         relation = "=" if g.world_size == max_workers else ">"
         return Health.HEALTHY, f"world size {g.world_size} {relation} max_workers {max_workers}"
-    outside = [m for m in snap.members if m not in g.members]
+    outside = [m for m in snap.members if m not in g.members and not snap.members[m].spare]  # spares wait
     if outside:
         return Health.DEGRADED, (f"{len(outside)} live member(s) not in generation {g.generation} "
                                  f"(world size {g.world_size})")

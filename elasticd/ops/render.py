@@ -70,6 +70,8 @@ def to_dict(status: JobStatus) -> dict[str, object]:
                 "restarts": n.restarts,
                 "heartbeat_age_s": _round(n.heartbeat_age_s, 3),
                 "drain_requested": n.drain_requested,
+                "spares": n.spares,
+                "standby": n.standby,
             }
             for n in status.nodes
         ],
@@ -131,7 +133,7 @@ def render_json(status: JobStatus) -> str:
 
 _COLUMNS = ("MEMBER", "NODE", "LOCAL", "PID", "HOST", "RANK", "STATE", "STEP", "STEP_TIME",
             "RECOVERIES", "HEARTBEAT", "RESTARTS", "RSS", "CPU")
-_NODE_COLUMNS = ("NODE", "HOST", "AGENT_PID", "AGENT_STATE", "WORKERS", "RESTARTS", "HEARTBEAT", "DRAIN")
+_NODE_COLUMNS = ("NODE", "HOST", "AGENT_PID", "AGENT_STATE", "WORKERS", "SPARES", "RESTARTS", "HEARTBEAT", "DRAIN")
 
 
 def render_table(status: JobStatus) -> str:
@@ -206,6 +208,7 @@ def _node_row(n: NodeStatus) -> tuple[str, ...]:
         str(n.agent_pid),
         _clean(n.state),
         f"{n.workers_running}/{n.workers}",
+        f"{n.spares} (standby node)" if n.standby else str(n.spares),
         str(n.restarts),
         f"{n.heartbeat_age_s:.1f}s ago",
         "requested" if n.drain_requested else "-",

@@ -60,6 +60,7 @@ class WorkerState(StrEnum):
 
     TRAINING = "training"  # in the current generation
     WAITING = "waiting"  # has a ready record, not in the current generation
+    SPARE = "spare"  # a warm spare outside the current generation (waits until one needs it)
     REGISTERED = "registered"  # alive (member record), neither of the above
 
 
@@ -96,6 +97,8 @@ class NodeStatus:
     restarts: int
     heartbeat_age_s: float  # now - the record's write time
     drain_requested: bool
+    spares: int = 0  # its live warm spares outside the current generation
+    standby: bool = False  # a standby node: its live workers are all spares of a --standby agent
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,8 @@ def build_status(
         prog = progress.get(mid)
         if mid in in_generation:
             state = WorkerState.TRAINING
+        elif rec.spare:
+            state = WorkerState.SPARE
         elif ready is not None:
             state = WorkerState.WAITING
         else:
@@ -238,7 +243,12 @@ def build_status(
             rss_bytes=slot.rss_bytes if slot else None,
             cpu_percent=slot.cpu_percent if slot else None,
         ))
-    order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.REGISTERED: 2}
+    order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.SPARE: 2, WorkerState.REGISTERED: 3}
+    by_node = {n: [m for m in members if m.node == n] for n in node_records}
+    spares = {n: sum(1 for m in on if m.state is WorkerState.SPARE) for n, on in by_node.items()}
+    # a standby node: every live worker of it waits as a spare of a --standby agent
+    standby = {n: bool(on) and all(m.state is WorkerState.SPARE and snap.members[m.member_id].standby for m in on)
+               for n, on in by_node.items()}
     members.sort(key=lambda m: (order[m.state], m.rank if m.rank is not None else 0,
                                 snap.ready_order.get(m.member_id, 0), m.member_id))
     restart_view = parse_view(keys, rows)
@@ -267,7 +277,8 @@ def build_status(
         nodes=tuple(
             NodeStatus(node=n.node, host=n.host, agent_pid=n.agent_pid, state=n.state,
                        workers_running=sum(1 for w in n.workers if w.pid), workers=len(n.workers),
-                       restarts=n.restarts, heartbeat_age_s=now - n.time, drain_requested=n.node in drains)
+                       restarts=n.restarts, heartbeat_age_s=now - n.time, drain_requested=n.node in drains,
+                       spares=spares[n.node], standby=standby[n.node])
             for _, n in sorted(node_records.items())
         ),
         recoveries=tuple(_recovery(e) for _, e in events if e.kind == EventKind.RECOVERED)[-RECOVERIES_SHOWN:],

@@ -32,6 +32,7 @@ class Me:
     member_id: str
     signature: str
     last_generation: int
+    spare: bool = False  # a warm spare: it waits (standby) until a generation takes it
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,54 @@ def _first_signature(snap: Snapshot) -> str:
     if not alive:
         return ""
     return min(alive, key=lambda r: (snap.ready_order.get(r.member_id, 0), r.member_id)).signature
+
+
+def is_spare(snap: Snapshot, member_id: str) -> bool:
+    """A live spare outside the current generation (one that a generation took is a member like
+    any other from then on)."""
+    rec = snap.members.get(member_id)
+    g = snap.generation
+    return rec is not None and bool(rec.spare) and (g is None or member_id not in g.members)
+
+
+def full_size(g: GenerationRecord | None) -> int:
+    """The job's full size as ``g`` records it (the largest world size reached; 0: no generation)."""
+    return max(g.full_size, g.world_size) if g is not None else 0
+
+
+def spare_target(g: GenerationRecord | None, world: WorldConfig) -> int:
+    """How many members spares may bring a generation up to: the job's full size (at least
+    ``min_workers``), never past ``max_workers``; none before a first generation (spares replace,
+    they never start a job: the first spare up would otherwise start it alone)."""
+    if g is None:
+        return 0
+    return min(world.max_workers, max(full_size(g), world.min_workers))
+
+
+def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldConfig) -> list[ReadyRecord]:
+    """The members of the next generation, in rank order (pure): the ready candidates that are not
+    spares (``rank_order``, up to ``max_workers``), then spares up to ``spare_target``: last those of
+    a node whose member of the generation lives but is not ready (a node lost whole, its leases not
+    expired yet); first those on the nodes with the fewest chosen members (a crashed worker's own
+    node, a lost node's replacement), a standby node's after the others, then in arrival order."""
+    pool = list(cands)
+    regular = rank_order(snap, [r for r in pool if not is_spare(snap, r.member_id)])[: world.max_workers]
+    need = spare_target(snap.generation, world) - len(regular)
+    if need <= 0:
+        return regular
+    per_node: dict[str, int] = {}
+    for r in regular:
+        node = snap.members[r.member_id].node
+        per_node[node] = per_node.get(node, 0) + 1
+    # A node whose member of the generation is alive but not ready is suspect: lost with all its
+    # processes, their leases not expired yet (a crashed worker's agent revokes its lease at once).
+    ready_ids = {r.member_id for r in pool}
+    g = snap.generation
+    suspect = {snap.members[m].node for m in (g.members if g else ()) if m in snap.members and m not in ready_ids}
+    spares = sorted((r for r in pool if is_spare(snap, r.member_id)), key=lambda r: (
+        snap.members[r.member_id].node in suspect, per_node.get(snap.members[r.member_id].node, 0),
+        snap.members[r.member_id].standby, snap.ready_order.get(r.member_id, 0), r.member_id))
+    return rank_order(snap, regular + spares[:need])
 
 
 def generation_broken(snap: Snapshot) -> bool:
@@ -182,8 +231,9 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         last_call = max(window.entered_at, window.broken_at or window.entered_at) + timeouts.last_call_s
         if missing and now < last_call:
             return Action(ActionKind.WAIT, f"last call for {missing[:VERDICT_IDS]}", until=last_call)
-    if len(cands) < world.min_workers:
-        return Action(ActionKind.WAIT, f"{len(cands)} ready < min_workers {world.min_workers}")
+    chosen = choose_members(snap, cands, world)
+    if len(chosen) < world.min_workers:
+        return Action(ActionKind.WAIT, f"{len(chosen)} ready < min_workers {world.min_workers}")
     best = max(r.committed_step for r in cands)
     resume = g is None and best > 0  # a first generation from state loaded from disk
     if g is not None and not any(m in snap.members for m in g.members):
@@ -204,11 +254,10 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
                           f"{ck.node}); waiting for one that can")
         resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
     old = set(g.members) if g else set()
-    newcomers = ids - old
+    newcomers = {m for m in ids - old if not is_spare(snap, m)}
     settle = window.candidates_changed_at + timeouts.join_window_s
-    if newcomers and len(cands) < world.max_workers and now < settle:
+    if newcomers and len(chosen) < world.max_workers and now < settle:
         return Action(ActionKind.WAIT, "join window open", until=settle)
-    chosen = rank_order(snap, cands)[: world.max_workers]
     rank0 = snap.members[chosen[0].member_id]
     number = snap.highest_generation_seen + 1
     if resume:
@@ -221,6 +270,8 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         reason = "member_lost"
     elif newcomers:
         reason = "join"
+    elif any(m not in old for m in (r.member_id for r in chosen)):
+        reason = "spare"
     else:
         reason = "regroup"
     record = GenerationRecord(
@@ -231,6 +282,7 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         signature=job_sig,
         committed_step=chosen[0].committed_step,
         reason=reason,
+        full_size=min(world.max_workers, max(full_size(g), len(chosen))),
     )
     return Action(
         ActionKind.PUBLISH,
@@ -297,6 +349,8 @@ def member_action(view: Snapshot, me: Me, world: WorldConfig) -> Action:
         return Action(ActionKind.STATE_LOST, "state lost", error=verdict.error)
     if view.coordinator is None:
         return Action(ActionKind.WAIT, "no coordinator: electing one")
+    if me.spare:
+        return Action(ActionKind.WAIT, "spare: waiting until a generation needs me", standby=True)
     if g is not None and me.member_id not in g.members and g.world_size >= world.max_workers \
             and view.aborted < g.generation and (verdict is None or not verdict.abandon):
         return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
@@ -333,7 +387,11 @@ def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldCo
     slow the job down, since ``rank_order`` would leave it out again."""
     if current.world_size >= world.max_workers:
         return ()
-    return tuple(r.member_id for r in candidates_of(snap) if r.member_id not in current.members)
+    outside = [r for r in candidates_of(snap) if r.member_id not in current.members]
+    regular = tuple(r.member_id for r in outside if not is_spare(snap, r.member_id))
+    if regular or current.world_size >= spare_target(current, world):
+        return regular  # spares wait quietly while the generation is at the job's full size
+    return tuple(r.member_id for r in outside)
 
 
 def assess_health(view: Snapshot, current: GenerationRecord, me: str, joined_revision: int,

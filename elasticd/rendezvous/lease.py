@@ -14,13 +14,15 @@ it was asked for.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from elasticd.errors import LeaseLost
 from elasticd.rendezvous import continued
-from elasticd.retry import Clock
+from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 
 log = structlog.get_logger(__name__)
@@ -50,6 +52,7 @@ class Lease:
         # The TTL etcd granted; the commit fence counts on this one, not on the one asked for.
         self.granted_ttl_s = ttl_s
         self.grants = 0  # renewals of the current lease etcd granted (and counted), ever growing
+        self.answered = threading.Event()  # set on every renewal's answer (``confirm`` waits on it)
 
     def grant(self) -> int:
         """Grant a new lease (it replaces the old id) and learn the TTL etcd gave it.
@@ -84,6 +87,24 @@ class Lease:
             self._note_granted(renewal.ttl_s)
             self.renewed_at, self._renewed_continues = renewal.asked_at, renewal.continues
             self.grants += 1
+        self.answered.set()
+
+    def confirm(self, lease: int, grants: int, renew: threading.Event, deadline: Deadline,
+                lost: Callable[[], bool], poll_s: float) -> bool:
+        """Whether etcd grants ``lease`` a renewal beyond the ``grants`` counted so far, setting
+        ``renew`` (the keepalive thread's cue) until one is answered, up to ``deadline``; False at
+        once when ``lost()`` or a new lease replaced it. A granted renewal proves the lease never
+        expired (an expired lease id never comes back): an etcd leader election, or the end of an
+        outage, only held the renewals back."""
+        while not (lost() or self.id != lease):
+            if self.grants > grants:
+                return True
+            if deadline.expired():
+                return False
+            self.answered.clear()
+            renew.set()
+            self.answered.wait(min(deadline.remaining_s(), poll_s))
+        return False
 
     def revoke(self) -> None:
         """Revoke the lease now (its keys vanish at once), if one was granted.

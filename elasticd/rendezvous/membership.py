@@ -102,7 +102,6 @@ class Membership:
         self._reader = JobReader(store, keys, member.node)
         self._etcd = Reachability(clock)  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
-        self._answered = threading.Event()  # a renewal was answered (confirm_lease waits for one)
         self._joining = False  # a join() runs (on the training thread)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -220,7 +219,6 @@ class Membership:
 
     def _renewed(self, renewal: Renewal) -> None:
         self._lease.keep(renewal)
-        self._answered.set()
         self._publish.flush_progress(self._lease.id)
         if renewal.ttl_s <= 0 and renewal.lease == self._lease.id:
             self._watch.lose_lease(renewal.lease)
@@ -308,21 +306,11 @@ class Membership:
                         grants=self._lease.grants, lease=self._lease.id)
 
     def confirm_lease(self, standing: Standing) -> bool:
-        """Whether etcd grants this member's lease a renewal after ``standing`` was taken, waiting
-        for one at most ``lease_confirm_s`` (the keepalive thread asks at once). A granted renewal
-        proves the lease never expired (an expired lease id never comes back): an etcd leader
-        election, or the end of an outage, only held the renewals back."""
-        deadline = Deadline.after(self._timeouts.lease_confirm_s, self._clock)
-        while True:
-            if self._watch.lease_lost or self._lease.id != standing.lease:
-                return False
-            if self._lease.grants > standing.grants:
-                return True
-            if deadline.expired() or self._stop.is_set():
-                return False
-            self._answered.clear()
-            self._renew.set()
-            self._answered.wait(min(deadline.remaining_s(), self._timeouts.keepalive_s))
+        """Whether etcd grants this member's lease a renewal after ``standing`` was taken, waited
+        for at most ``lease_confirm_s`` (``Lease.confirm``; the keepalive thread asks at once)."""
+        return self._lease.confirm(standing.lease, standing.grants, self._renew,
+                                   Deadline.after(self._timeouts.lease_confirm_s, self._clock),
+                                   lambda: self._watch.lease_lost or self._stop.is_set(), self._timeouts.keepalive_s)
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
@@ -379,7 +367,8 @@ class Membership:
         started = self._clock()
         prev = self._watch.current
         self._watch.leave()
-        me = Me(self.member_id, self.record.signature, prev.generation if prev else 0)
+        me = Me(self.member_id, self.record.signature, prev.generation if prev else 0,
+                spare=bool(self.record.spare) and prev is None)  # a spare until a generation takes it
         ready = ReadyRecord(
             member_id=self.member_id,
             committed_step=committed_step,

@@ -22,6 +22,11 @@ class MemberRecord:
     host: str
     store_port: int
     signature: str
+    # A warm spare (1): it waits outside every generation and is taken only to bring a generation
+    # back to the job's full size (``rendezvous.decide.choose_members``); never a newcomer asking
+    # to join. ``standby`` (1): a spare of a standby node (``--standby``), taken after the others.
+    spare: int = 0
+    standby: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class GenerationRecord:
     # so a process that can reach the store's port but cannot read the job's etcd keys can neither
     # read nor overwrite what they exchange ("" in records made by hand or by tests).
     token: str = ""
+    # The job's full size: the largest world size it reached (up to max_workers), carried from
+    # generation to generation; spares are taken while a generation is smaller (0: this one's size).
+    full_size: int = 0
 
     @property
     def world_size(self) -> int:
@@ -164,8 +172,16 @@ DECODE_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, U
 _R = TypeVar("_R")
 
 
+def as_dict(record: object) -> dict[str, object]:
+    """The record's fields, less each optional one at its default (a reader of an older version,
+    which knows no such field, still reads a record that does not use it)."""
+    fields = record.__dataclass_fields__  # type: ignore[attr-defined]
+    return {k: v for k, v in asdict(record).items()  # type: ignore[call-overload]
+            if fields[k].default is MISSING or v != fields[k].default}
+
+
 def encode(record: object) -> bytes:
-    return json.dumps(asdict(record), sort_keys=True).encode()  # type: ignore[call-overload]
+    return json.dumps(as_dict(record), sort_keys=True).encode()
 
 
 def _decode(cls: type, raw: bytes) -> object:

@@ -20,9 +20,9 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import replace
 
-from elasticd.wire.records import GenerationRecord
+from elasticd.wire.records import GenerationRecord, as_dict
 
 ROSTER_INLINE = 64  # members a generation record lists itself (a few kB at most)
 ROSTER_BUCKET = 64  # members per roster bucket, on average, beyond it
@@ -49,11 +49,11 @@ def encode_generation(record: GenerationRecord, node_of: Callable[[str], str]) -
     """The ``generation`` record's bytes and, for a large generation, each bucket's (by number)."""
     n = buckets_for(record.world_size)
     if n == 0:
-        return json.dumps(asdict(record), sort_keys=True).encode(), {}
+        return json.dumps(as_dict(record), sort_keys=True).encode(), {}
     ranks: dict[int, dict[str, int]] = {b: {} for b in range(n)}
     for rank, member in enumerate(record.members):
         ranks[bucket_of(node_of(member), n)][member] = rank
-    pointer = asdict(replace(record, members=())) | {"world_size": record.world_size}
+    pointer = as_dict(replace(record, members=())) | {"world_size": record.world_size}
     return (json.dumps(pointer, sort_keys=True).encode(),
             {b: json.dumps({"ranks": r}, sort_keys=True).encode() for b, r in ranks.items()})
 

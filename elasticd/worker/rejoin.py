@@ -62,6 +62,7 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
     record = MemberRecord(
         member_id=new_member_id(env.node_id, env.local_rank), node=env.node_id, local_rank=env.local_rank,
         pid=os.getpid(), host=env.advertise_addr, store_port=server.port, signature=signature,
+        spare=int(env.spare), standby=int(env.standby),
     )
     membership = Membership(store, Keys(env.etcd.prefix, env.world.job_id), record, env.world, env.timeouts)
     set_moment(node=env.node_id, member=record.member_id)

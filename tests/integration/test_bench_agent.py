@@ -18,7 +18,7 @@ from elasticd.testing.localcluster import REPO_ROOT
 
 @pytest.mark.timeout(180)
 def test_bench_agent_measures_crash_drain_and_node_loss_with_no_step_lost(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "1", "--json",
+    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "1", "--spare-reps", "0", "--json",
                            "--workdir", str(tmp_path)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -32,3 +32,19 @@ def test_bench_agent_measures_crash_drain_and_node_loss_with_no_step_lost(tmp_pa
     agent_logs = {p.name: p.read_text() for p in (tmp_path / "rep0").glob("agent-*.log")}
     assert '"reason": "drained"' in agent_logs["agent-node-1.log"]
     assert agent_logs["agent-node-2.log"].count('"event": "worker_started"') == 2
+
+
+@pytest.mark.soak  # two agent jobs of four nodes each (~2 minutes): `pytest -m soak tests/integration/test_bench_agent.py`
+@pytest.mark.timeout(400)
+def test_bench_agent_measures_the_warm_spare_figures_with_no_step_lost(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "0", "--spare-reps", "1",
+                           "--json", "--workdir", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=390)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    fig = result["figures"]
+    assert result["errors"] == [] and result["violations"] == [], result
+    assert fig["spare_steps_lost"] == 0
+    for name in ("full_size_s", "full_size_s_no_spares", "node_replace_s", "node_replace_s_no_spares",
+                 "overhead_ratio"):
+        assert isinstance(fig[name], float) and fig[name] > 0, (name, fig)

@@ -25,7 +25,7 @@ TOOLING = "tooling"  # demo, chaos, bench, the local cluster and the audit reade
 # The layer of each module outside a package (a package names the layer of its modules; the
 # dev tooling's packages are all one layer).
 FLAT = {
-    "errors": BASE, "log": BASE, "config": BASE, "retry": BASE,
+    "errors": BASE, "log": BASE, "config": BASE, "etcd_config": BASE, "retry": BASE,
     "settings": "settings",
     "events": "events",
     "cli": "cli",

@@ -1,0 +1,132 @@
+"""Warm spares for real: agents started with ``--spares 1`` (and a ``--standby`` node), a real etcd,
+real gloo workers. A crashed worker's place goes to the spare that was already waiting, the crashed
+slot comes back as a spare; a frozen (hung) worker is replaced the same way; waiting spares change
+no generation; a standby node replaces a lost one. Every run ends with the audit checker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from elasticd.testing.audit import check_dir, read_lines
+from tests.integration.test_node_agent import (  # noqa: F401 (fixture)
+    AgentJob,
+    AgentProcess,
+    agent_job,
+)
+
+STEPS = 900
+SLOW_MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", str(STEPS)]
+
+
+def _program(job: AgentJob, node: str) -> list[str]:
+    return [*SLOW_MLP, "--audit", str(job.audit_path(node))]
+
+
+def _started(agent: AgentProcess, spare: bool) -> list[int]:
+    """Pids of the workers the agent started as spares (or not), in order."""
+    return [int(e["pid"]) for e in agent.events("worker_started") if bool(e.get("spare")) is spare]  # type: ignore[call-overload]
+
+
+def _members_of(pid: int, agent: AgentProcess) -> set[str]:
+    """Member ids of ``pid`` seen in the generations its agent's workers logged (``<node>.<rank>.<pid>``)."""
+    return {m for e in agent.events("recovered") for m in e.get("members", []) if m.endswith(f".{pid}")}  # type: ignore[union-attr]
+
+
+def _generations(job: AgentJob, node: str, since: float) -> set[int]:
+    return {int(r["generation"]) for r in job.commits(node) if float(r["t"]) > since}  # type: ignore[arg-type, call-overload]
+
+
+def _at_full_size(job: AgentJob, node: str, world: int, since: float) -> bool:
+    return any(float(r["t"]) > since and r["world_size"] == world for r in job.commits(node))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(200)
+def test_a_crashed_worker_is_replaced_by_the_waiting_spare_and_comes_back_as_one(agent_job):
+    job = agent_job(lease_ttl_s=10)  # a survivor that waited for the lease would show it
+    # max_workers 4: the job runs at 2, below it; the spares must still wait (the job is at its full size)
+    a = job.start("a", "--nnodes", "1:4", "--spares", "1", program=_program(job, "a"))
+    b = job.start("b", "--nnodes", "1:4", "--spares", "1", program=_program(job, "b"))
+    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 90, "both workers to train together")
+    job.wait_for(lambda: len(_started(a, True)) == 1 and len(_started(b, True)) == 1, 10, "a spare on each node")
+    # spares waiting (each imports torch, registers and waits) change no generation over 20 s
+    quiet_from = time.time()
+    time.sleep(20)
+    assert len(_generations(job, "a", quiet_from)) == 1, job.logs_tail()
+    (victim,) = _started(b, False)
+    (spare,) = _started(b, True)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(lambda: _at_full_size(job, "a", 2, killed_at), 30, "the job back at 2 workers")
+    # the spare, already running before the kill, is in the generation after it
+    job.wait_for(lambda: bool(_members_of(spare, b)), 10, "the spare's recovered line")
+    back = min(float(r["t"]) for r in job.commits("a") if float(r["t"]) > killed_at and r["world_size"] == 2)  # type: ignore[arg-type]
+    print(f"full size again {back - killed_at:.3f} s after the SIGKILL")
+    # the crashed slot came back as a spare, and the job stays at 2 while it waits
+    job.wait_for(lambda: len(_started(b, True)) == 2, 30, "the crashed slot restarted as a spare")
+    assert a.wait(150) == 0, job.logs_tail()
+    assert b.wait(30) == 0, job.logs_tail()
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == STEPS
+    assert not [r for r in job.commits("a") if r["world_size"] > 2]  # never past its full size
+
+
+@pytest.mark.timeout(200)
+def test_a_hung_worker_is_replaced_by_a_spare(agent_job):
+    # a frozen worker: the agent revokes its lease (stopped_worker_s) and, once the job went on
+    # without it for hang_timeout_s, kills it as hung; its place goes to the spare meanwhile
+    job = agent_job(lease_ttl_s=2, keepalive_s=0.5, hang_timeout_s=3)
+    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
+    b = job.start("b", "--nnodes", "1:2", "--spares", "1", program=_program(job, "b"))
+    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5 and len(_started(b, True)) == 1, 90,
+                 "both workers to train together, a spare waiting")
+    (victim,) = _started(b, False)
+    (spare,) = _started(b, True)
+    frozen_at = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        job.wait_for(lambda: _at_full_size(job, "a", 2, frozen_at + 0.1) and _members_of(spare, b), 30,
+                     "the spare in the frozen worker's place")
+        job.wait_for(lambda: bool(b.events("worker_hung")), 20, "the agent to find the frozen worker hung")
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert int(b.events("worker_hung")[0]["pid"]) == victim  # type: ignore[call-overload]
+    assert a.wait(150) == 0, job.logs_tail()
+    assert b.wait(30) == 0, job.logs_tail()
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == STEPS
+    synced = [r for r in read_lines([job.audit_path("b")]) if r["event"] == "sync" and float(r["t"]) > frozen_at]  # type: ignore[arg-type]
+    assert synced and synced[0]["world_size"] == 2
+
+
+@pytest.mark.timeout(200)
+def test_a_standby_node_replaces_a_lost_node(agent_job):
+    job = agent_job(lease_ttl_s=4)
+    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
+    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b"))
+    s = job.start("s", "--nnodes", "1:2", "--standby", program=_program(job, "s"))
+    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5 and len(_started(s, True)) == 1, 90,
+                 "two nodes training, a standby node waiting")
+    quiet_from = time.time()
+    time.sleep(3)
+    assert len(_generations(job, "a", quiet_from)) == 1, job.logs_tail()
+    assert not job.commits("s")  # the standby node's worker waits
+    lost_at = time.time()
+    b.kill_group()  # the node is lost: its agent and worker SIGKILLed
+    job.wait_for(lambda: _at_full_size(job, "a", 2, lost_at) and bool(job.commits("s")), 30,
+                 "the standby node in the lost node's place")
+    assert a.wait(150) == 0, job.logs_tail()
+    assert s.wait(30) == 0, job.logs_tail()
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == STEPS
