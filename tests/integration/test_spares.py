@@ -19,13 +19,16 @@ from tests.integration.test_node_agent import (  # noqa: F401 (fixture)
     AgentProcess,
     agent_job,
 )
+from tests.integration.test_ops import status_json
 
-STEPS = 900
-SLOW_MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", str(STEPS)]
+STEPS = 700  # ~18 s at 40 steps/s: long enough for each fault and its replacement
+QUIET_S = 20.0  # waiting spares must change no generation over this long
+QUIET_STEPS = 1400  # the standby test: the quiet phase, then a node loss
 
 
-def _program(job: AgentJob, node: str) -> list[str]:
-    return [*SLOW_MLP, "--audit", str(job.audit_path(node))]
+def _program(job: AgentJob, node: str, steps: int = STEPS) -> list[str]:
+    return [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", str(steps),
+            "--audit", str(job.audit_path(node))]
 
 
 def _started(agent: AgentProcess, spare: bool) -> list[int]:
@@ -54,9 +57,15 @@ def test_a_crashed_worker_is_replaced_by_the_waiting_spare_and_comes_back_as_one
     b = job.start("b", "--nnodes", "1:4", "--spares", "1", program=_program(job, "b"))
     job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 90, "both workers to train together")
     job.wait_for(lambda: len(_started(a, True)) == 1 and len(_started(b, True)) == 1, 10, "a spare on each node")
-    # spares waiting (each imports torch, registers and waits) change no generation over 20 s
+    # elasticctl status shows them: a spare on each node, the job healthy
+    job.wait_for(lambda: [n["spares"] for n in status_json(job)["nodes"]] == [1, 1], 20, "status to show the spares")
+    st = status_json(job)
+    assert st["health"] == "healthy" and sorted(m["state"] for m in st["members"]) == [
+        "spare", "spare", "training", "training"], st
+    # a spare that dies is restarted without touching the job
     quiet_from = time.time()
-    time.sleep(20)
+    os.kill(_started(a, True)[0], signal.SIGKILL)
+    job.wait_for(lambda: len(_started(a, True)) == 2, 20, "the dead spare restarted")
     assert len(_generations(job, "a", quiet_from)) == 1, job.logs_tail()
     (victim,) = _started(b, False)
     (spare,) = _started(b, True)
@@ -110,23 +119,24 @@ def test_a_hung_worker_is_replaced_by_a_spare(agent_job):
 
 
 @pytest.mark.timeout(200)
-def test_a_standby_node_replaces_a_lost_node(agent_job):
+def test_spares_beyond_max_workers_wait_quietly_and_a_standby_node_replaces_a_lost_node(agent_job):
     job = agent_job(lease_ttl_s=4)
-    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
-    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b"))
-    s = job.start("s", "--nnodes", "1:2", "--standby", program=_program(job, "s"))
-    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5 and len(_started(s, True)) == 1, 90,
-                 "two nodes training, a standby node waiting")
+    a = job.start("a", "--nnodes", "1:2", "--spares", "1", program=_program(job, "a", QUIET_STEPS))
+    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b", QUIET_STEPS))
+    s = job.start("s", "--nnodes", "1:2", "--standby", program=_program(job, "s", QUIET_STEPS))
+    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5 and len(_started(s, True)) == 1
+                 and len(_started(a, True)) == 1, 90, "two nodes training at max_workers, two spares waiting")
     quiet_from = time.time()
-    time.sleep(3)
+    time.sleep(QUIET_S)
     assert len(_generations(job, "a", quiet_from)) == 1, job.logs_tail()
     assert not job.commits("s")  # the standby node's worker waits
     lost_at = time.time()
     b.kill_group()  # the node is lost: its agent and worker SIGKILLed
+    # a's own spare is on a node with a member left; the standby node's worker takes the place
     job.wait_for(lambda: _at_full_size(job, "a", 2, lost_at) and bool(job.commits("s")), 30,
                  "the standby node in the lost node's place")
     assert a.wait(150) == 0, job.logs_tail()
     assert s.wait(30) == 0, job.logs_tail()
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations
-    assert rep.last_step == STEPS
+    assert rep.last_step == QUIET_STEPS
