@@ -35,20 +35,17 @@ from pathlib import Path
 
 from elasticd.bench.agentjob import SETTLE_STEPS, AgentBenchSettings, AgentJob, step_time, steps_at
 from elasticd.bench.common import (
-    DATASET_SIZE,
     PHASE_TIMEOUT_S,
     WORKLOAD,
     BenchError,
     dist_version,
     fmt,
-    lost_steps,
     median_of,
     progress,
     run_subcommand,
 )
 from elasticd.bench.spares import render_spares, run_spare_reps
 from elasticd.errors import ElasticdError
-from elasticd.testing.audit import check_dir
 from elasticd.testing.etcd import EtcdServer
 
 AGENT_TARGETS = {
@@ -117,9 +114,7 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
         job.stop()
-    audit = check_dir(job.dir, DATASET_SIZE)
-    out.steps_lost = lost_steps(audit)
-    out.violations = list(audit.violations)
+    out.steps_lost, out.violations = job.audit()
     return out
 
 

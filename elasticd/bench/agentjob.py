@@ -12,9 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from elasticd.bench.common import PHASE_TIMEOUT_S, POLL_S, WORKLOAD, BenchError, LeaseSettings, Record, Tail
+from elasticd.bench.common import (
+    DATASET_SIZE,
+    PHASE_TIMEOUT_S,
+    POLL_S,
+    WORKLOAD,
+    BenchError,
+    LeaseSettings,
+    Record,
+    Tail,
+    lost_steps,
+)
 from elasticd.config import EtcdConfig, RetryPolicy
 from elasticd.errors import ElasticdError
+from elasticd.testing.audit import check_dir
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import WorkerProcess, agent_program, python_program
 from elasticd.wire.keys import Keys
@@ -139,6 +150,11 @@ class AgentJob:
         if len(pids) != 1:
             raise BenchError(f"expected one member of node {node} in etcd, found {pids}")
         return pids[0]
+
+    def audit(self) -> tuple[int, list[str]]:
+        """Committed steps lost or repeated, and the audit checker's violations, over every node's log."""
+        rep = check_dir(self.dir, DATASET_SIZE)
+        return lost_steps(rep), list(rep.violations)
 
     def stop(self) -> None:
         self.watch.stop()

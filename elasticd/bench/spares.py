@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elasticd.bench.agentjob import SETTLE_STEPS, AgentBenchSettings, AgentJob, step_time, steps_at
-from elasticd.bench.common import DATASET_SIZE, BenchError, fmt, lost_steps, median_of
+from elasticd.bench.common import BenchError, fmt, median_of
 from elasticd.errors import ElasticdError
-from elasticd.testing.audit import check_dir
 from elasticd.testing.etcd import EtcdServer
 from elasticd.wire.snapshot import parse_snapshot
 
@@ -104,9 +103,7 @@ def run_spare_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
         job.stop()
-    audit = check_dir(job.dir, DATASET_SIZE)
-    out.steps_lost = lost_steps(audit)
-    out.violations = list(audit.violations)
+    out.steps_lost, out.violations = job.audit()
     return out
 
 
