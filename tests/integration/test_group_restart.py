@@ -150,13 +150,18 @@ def _kill_worker_midway(run: Run, node: str, local_rank: int) -> tuple[float, in
     return killed_at, step
 
 
+def _torch_aborts(run: Run) -> set[int]:
+    """The rounds in which torch itself aborted a worker (SIGABRT)."""
+    return {int(str(e["round"])) for n in run.nodes() for e in run.events(n, "worker_exited") if e.get("signal") == 6}
+
+
 def _check_restarted_and_consistent(run: Run, world: int, killed_at: float, step_at_kill: int, reference: str) -> float:
     """Every rank was restarted, resumed from a checkpoint at or before the kill, replayed without a
     gap to the target, and ended with the fault-free parameters. Returns the recovery time."""
     # torch itself sometimes aborts a plain torchrun worker (TORCH_EXIT_ABORT, SIGABRT; no elasticd
     # code runs in it): the agent then restarts the group once more, which is right. Each such
     # abort adds a start; the restart after the kill is still checked, and the last one to the end.
-    aborts = {int(str(e["round"])) for n in run.nodes() for e in run.events(n, "worker_exited") if e.get("signal") == 6}
+    aborts = _torch_aborts(run)
     if aborts:
         assert TORCH_EXIT_ABORT in run.tail(5000), aborts
     for rank in range(world):
@@ -200,18 +205,21 @@ def test_two_agents_restart_every_worker_after_a_sigkill_and_end_like_torchrun(
     assert b.wait(30) == 0, run.tail()
     recovery = _check_restarted_and_consistent(run, 2, killed_at, step, reference)
     print(f"restart mode, 2 agents x 1 worker: SIGKILL -> the restarted group's first step {recovery:.2f} s")
-    failed = run.events("b", "round_failed")
-    assert [(e["round"], e["cause"]) for e in failed] == [(1, "worker_failed")], failed
+    # torch's own abort of a restarted worker (SIGABRT, see _check_restarted_and_consistent) fails
+    # one more round, which the agents restart too: counted, never taken for a lost step
+    aborts = len(_torch_aborts(run))
+    failed = [(e["round"], e["cause"]) for n in ("a", "b") for e in run.events(n, "round_failed")]
+    assert sorted(set(failed)) == [(r, "worker_failed") for r in range(1, 2 + aborts)], failed
     for node in ("a", "b"):
-        assert len(run.events(node, "worker_started")) == 2, run.tail()
-        assert [e["restart_count"] for e in run.events(node, "round_started")] == [0, 1]
+        assert len(run.events(node, "worker_started")) == 2 + aborts, run.tail()
+        assert [e["restart_count"] for e in run.events(node, "round_started")] == list(range(2 + aborts))
         assert run.events(node, "agent_stopped")[-1]["reason"] == "workers_finished"
     # elasticctl status reads restart mode's round: round 2 (after one failure) finished
     out, err = io.StringIO(), io.StringIO()
     code = ctl_main(["--etcd", etcd_server.endpoint, "status", "--job", job, "--json"], stdout=out, stderr=err)
     data = json.loads(out.getvalue())
     assert code == 0 and data["health"] == "finished", (data, err.getvalue())
-    assert data["restart"]["round"] == 2 and data["restart"]["restart_count"] == 1, data["restart"]
+    assert data["restart"]["round"] == 2 + aborts and data["restart"]["restart_count"] == 1 + aborts, data["restart"]
     assert sorted(data["restart"]["nodes"]) == ["a", "b"] and data["restart"]["world_size"] == 2
 
 
