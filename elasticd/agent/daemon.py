@@ -235,7 +235,8 @@ class AgentDaemon(ABC):
     def _started_fields(self) -> dict[str, object]:
         c = self._config
         return dict(job=c.world.job_id, node=c.node_id, program=list(c.program), nproc_per_node=c.nproc_per_node,
-                    spares_per_node=c.spares_per_node, standby_node=c.standby_node, min_workers=c.world.min_workers, max_workers=c.world.max_workers, etcd=list(c.etcd.endpoints),
+                    spares_per_node=c.spares_per_node, standby_node=c.standby_node, min_workers=c.world.min_workers,
+                    max_workers=c.world.max_workers, etcd=list(c.etcd.endpoints),
                     max_restarts=c.max_restarts, restart_window_s=c.restart_window_s)
 
     def _guarded_loop(self, waker: Waker, *, stop_workers: bool = True) -> AgentOutcome:

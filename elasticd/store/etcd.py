@@ -232,13 +232,14 @@ class EtcdClient:
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         """Every key under ``prefix``, in key order: ``pages`` joined. Should etcd compact the
         listing's revision between two pages, it starts over (at most ``READ_RESTARTS`` times)."""
-        for restart in range(READ_RESTARTS + 1):
+        restarts = 0
+        while True:
             try:
                 return [kv for page in self.pages(prefix) for kv in page]
             except EtcdUnavailable as exc:
-                if "compacted" not in str(exc) or restart == READ_RESTARTS:
+                if "compacted" not in str(exc) or restarts >= READ_RESTARTS:
                     raise
-        raise AssertionError("unreachable")
+                restarts += 1
 
     def pages(self, prefix: str, page_keys: int = READ_PAGE) -> Iterator[list[KeyValue]]:
         """The keys under ``prefix`` in pages of ``page_keys``, in key order, every page read at the
