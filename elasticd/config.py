@@ -95,6 +95,13 @@ class Timeouts:
         "How often a waiting collective checks whether its generation was aborted.", 0.02
     )
     shutdown_grace_s: float = _seconds("Grace given to workers to finish a step on shutdown.", 10.0)
+    relay_heartbeat_s: float = _seconds(
+        "How often a node's relay (the agent's relay setting) reads its workers' view of the job and "
+        "sends it to them with no change seen; a worker serves its view from a read at most twice this "
+        "old.", 0.5)
+    relay_stale_s: float = _seconds(
+        "A worker that hears nothing from its node's relay for this long (a stopped or dead agent) "
+        "reads and watches etcd itself from then on; more than twice relay_heartbeat_s.", 2.0)
     progress_event_s: float = _seconds("How often rank 0 records its committed step in the job's history "
                                        "(elasticctl timeline's points; each is one of events_keep).", 10.0)
 
@@ -111,6 +118,9 @@ class Timeouts:
             )
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s: etcd grants leases of at least 1 s, got {self.lease_ttl_s}")
+        if self.relay_stale_s <= 2 * self.relay_heartbeat_s:
+            raise ConfigError(f"relay_stale_s: must be more than twice relay_heartbeat_s ({self.relay_heartbeat_s}), "
+                              f"got {self.relay_stale_s}")
 
     def td(self, name: str) -> timedelta:
         """The setting ``<name>_s`` as a timedelta (``td("collective")``)."""
@@ -261,6 +271,9 @@ class WorkerEnv:
     spare: bool = field(default=False, metadata={
         "doc": "This worker starts as a warm spare: it waits outside every generation until one needs it."})
     standby: bool = field(default=False, metadata={"doc": "... a spare of a standby node (taken last)."})
+    relay_socket: str = field(default="", metadata={
+        "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
+               "of the job and its watches come from it; empty: from etcd."})
 
     def __post_init__(self) -> None:
         _check_events_keep(self.events_keep)
@@ -324,6 +337,11 @@ class AgentConfig:
     standby_node: bool = field(default=False, metadata={
         "doc": "A standby node (--standby): all nproc_per_node workers wait as warm spares, taken after "
                "the other nodes' spares, when a node of the job is lost or drained."})
+    relay: bool = field(default=False, metadata={
+        "doc": "Relay the job's generation keys to this node's workers (--relay): the agent watches them "
+               "once and reads the workers' view once per change for all of them (rendezvous.relay), "
+               "so etcd serves one watcher per node instead of one per worker; each worker keeps its "
+               "own lease. Elastic mode."})
     max_restarts: int = field(default=3, metadata={
         "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
                "agent (restarts_exhausted, exit 1)."})
@@ -401,6 +419,8 @@ class AgentConfig:
             )
         if not isinstance(self.standby_node, bool):
             raise ConfigError(f"standby_node: must be true or false, got {self.standby_node!r}")
+        if self.relay and self.mode != "elastic":
+            raise ConfigError("relay: relays the elastic rendezvous (restart mode has its own)")
         if (self.spares_per_node or self.standby_node) and self.mode != "elastic":
             raise ConfigError("spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
                               "restarts every worker at once)")
@@ -423,12 +443,14 @@ class AgentConfig:
         every restart once the node keeps spares (the crashed one's place went to a spare). Pure."""
         return self.standby_node or local_rank >= self.nproc_per_node or (starts > 0 and self.spares_per_node > 0)
 
-    def worker_env(self, local_rank: int, spare: bool = False) -> WorkerEnv:
-        """The settings of this node's worker ``local_rank`` (``spare``: it starts as a warm spare)."""
+    def worker_env(self, local_rank: int, spare: bool = False, relay_socket: str = "") -> WorkerEnv:
+        """The settings of this node's worker ``local_rank`` (``spare``: it starts as a warm spare;
+        ``relay_socket``: its node's relay)."""
         return WorkerEnv(world=self.world, etcd=self.etcd, timeouts=self.timeouts, retry=self.retry,
                          node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
                          backend=self.backend, events_keep=self.events_keep,
-                         checkpoint=self.checkpoint_config(), spare=spare, standby=spare and self.standby_node)
+                         checkpoint=self.checkpoint_config(), spare=spare, standby=spare and self.standby_node,
+                         relay_socket=relay_socket)
 
     def checkpoint_config(self) -> CheckpointConfig:
         """The workers' durable-checkpoint settings."""

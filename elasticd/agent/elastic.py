@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Collection
 from dataclasses import replace
@@ -80,6 +81,7 @@ from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 from elasticd.config import AgentConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost, PermissionDenied
+from elasticd.rendezvous.relay import NodeRelay
 from elasticd.retry import Clock
 from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
@@ -120,6 +122,7 @@ class Agent(AgentDaemon):
         self._drain_acted = False
         self._last_exit: dict[int, str] = {}
         self._since: float | None = None  # wall clock of the node id claim
+        self._relay_path = ""  # this node's relay socket, while the relay runs
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -175,6 +178,7 @@ class Agent(AgentDaemon):
             return AgentOutcome(EXIT_OK, f"stopped while waiting for the node id: {claim.reason}")
         self._presence = presence
         self._presence.start()
+        relay = self._start_relay() if c.relay else None
         if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
             self._reader = JobReader(self._store, self._keys, self._clock, job_read_interval_s(
                 c, live_consumers=self._metrics is not None or self._notifier.enabled))
@@ -184,9 +188,29 @@ class Agent(AgentDaemon):
                 self._presence.event(EventKind.NODE_DRAINED, node=c.node_id)
             return outcome
         finally:
+            if relay is not None:
+                relay.close()
+                os.rmdir(os.path.dirname(relay.path))
+            self._relay_path = ""
             # Bounded: the last events, the drain request and the node record (its lease) go now.
             self._presence.close(2 * c.timeouts.etcd_request_s)
             self._presence = None
+
+    def _start_relay(self) -> NodeRelay | None:
+        """This node's relay (``rendezvous.relay``), on a socket in a directory of its own (0700);
+        None when it cannot start: the workers then read etcd themselves."""
+        c = self._config
+        relay = NodeRelay(self._store, self._keys, c.node_id, os.path.join(tempfile.mkdtemp(prefix="elasticd-relay-"),
+                                                                          "relay.sock"), c.timeouts)
+        try:
+            relay.start()
+        except (OSError, EtcdUnavailable) as exc:
+            log.warning("relay_not_started", error=str(exc)[:200])
+            relay.close()
+            os.rmdir(os.path.dirname(relay.path))
+            return None
+        self._relay_path = relay.path
+        return relay
 
     def _on_drain_request(self, request: DrainRecord | None) -> None:
         """From the presence thread: ``drain/<node>`` appeared. The loop acts on it."""
@@ -394,7 +418,7 @@ class Agent(AgentDaemon):
         c = self._config
         slot = self.snapshot.slots[local_rank]
         spare = c.starts_spare(local_rank, slot.starts)
-        env = c.worker_env(local_rank, spare)  # NCCL's watchdog settings are defaults: the agent's own environment wins
+        env = c.worker_env(local_rank, spare, self._relay_path)  # NCCL's watchdog settings are defaults: the agent's own environment wins
         pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(env), nccl_environ(env.timeouts)))
         if isinstance(pid, WorkerExit):
             e = pid

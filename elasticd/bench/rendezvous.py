@@ -80,6 +80,7 @@ class RendezvousSettings(LeaseSettings):
     keepalive_s: float = Timeouts().keepalive_s
     members: int = 20
     per_process: int = 25
+    per_node: int = 1  # members per node; more than 1: each node's members share its relay
     etcd_max_txn_ops: int = 0  # 0: etcd's default (a stock etcd)
 
 
@@ -212,7 +213,7 @@ def _measure(s: RendezvousSettings, etcd: EtcdServer, probe: Probe, client: Etcd
     """
     n, keys = s.members, Keys(PREFIX, "bench")
     plans = [Plan(i, first, min(s.per_process, n - first), n, s.timeouts(), etcd.endpoint, "bench",
-                  str(workdir / f"members{i}.log")) for i, first in enumerate(range(0, n, s.per_process))]
+                  str(workdir / f"members{i}.log"), s.per_node) for i, first in enumerate(range(0, n, s.per_process))]
     progress(f"starting {len(plans)} member processes for {n} members")
     procs = MemberProcesses(plans)
     try:
@@ -307,7 +308,7 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
     cores = float(len(os.sched_getaffinity(0)))  # the cores this process may run on (psutil counts the host's)
     return {"settings": asdict(s), "etcd": "stock" if not s.etcd_max_txn_ops else f"--max-txn-ops {s.etcd_max_txn_ops}",
             "cores": cores, "txn_wall": txn_wall, "phases": phases, "costs": asdict(costs), "sizes": asdict(sizes),
-            "walls": wall_thresholds(sizes), "model": model_rows(costs, sizes, timeouts, phases, s.members, cores),
+            "walls": wall_thresholds(sizes), "model": model_rows(costs, sizes, timeouts, phases, s.members, cores, s.per_node),
             "errors": errors}
 
 
@@ -320,7 +321,9 @@ def render(result: Mapping[str, object]) -> str:
     s, phases = result["settings"], result["phases"]
     assert isinstance(s, dict) and isinstance(phases, dict)
     procs = math.ceil(s["members"] / s["per_process"])
-    lines = [f"rendezvous: {s['members']} members, {s['per_process']} per process ({procs} processes), one "
+    relayed = (f", {s['per_node']} per node sharing its relay" if s.get("per_node", 1) > 1
+               else ", each its own node (no relay)")
+    lines = [f"rendezvous: {s['members']} members, {s['per_process']} per process ({procs} processes){relayed}, one "
              f"local etcd ({result['etcd']}); lease TTL {s['lease_ttl_s']:g} s, keepalive {s['keepalive_s']:g} s "
              f"and every other timeout elasticd's defaults", "",
              f"{'figure':<28} {'register':>12} {'join':>12} {'idle, per s':>12} {'leave':>12}"]
@@ -364,6 +367,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d = RendezvousSettings()
     p.add_argument("--members", type=int, default=d.members, help="lightweight members (N)")
     p.add_argument("--per-process", type=int, default=d.per_process, help="members per process, as threads (K)")
+    p.add_argument("--per-node", type=int, default=d.per_node,
+                   help="members per node (dividing --per-process): more than 1, a node's members read and "
+                   "watch the job through its relay, as an agent with relay on serves its workers")
     p.add_argument("--etcd-max-txn-ops", type=int, default=d.etcd_max_txn_ops,
                    help="raise etcd's --max-txn-ops (default: a stock etcd, 128) to measure past the publish wall")
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s,
@@ -376,6 +382,10 @@ def run_cmd(args: argparse.Namespace) -> int:
     """``rendezvous``: run it, print the figures; 1 when a round could not be measured."""
     if args.members < 2 or args.per_process < 1:
         raise SystemExit("--members must be >= 2 (one leaves) and --per-process >= 1")
-    s = RendezvousSettings(members=args.members, per_process=args.per_process, etcd_max_txn_ops=args.etcd_max_txn_ops,
+    if args.per_node < 1 or args.per_process % args.per_node or args.members % args.per_node:
+        raise SystemExit("--per-node must be >= 1 and divide --per-process and --members (a node's members "
+                         "live in one process)")
+    s = RendezvousSettings(members=args.members, per_process=args.per_process, per_node=args.per_node,
+                           etcd_max_txn_ops=args.etcd_max_txn_ops,
                            lease_ttl_s=args.lease_ttl_s, keepalive_s=args.keepalive_s)
     return run_subcommand(args, "elasticd-bench-rendezvous-", lambda workdir: run_rendezvous(s, workdir), render)

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -31,6 +32,7 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import ElasticdError, EtcdUnavailable
 from elasticd.log import configure_logging
 from elasticd.rendezvous.membership import Membership
+from elasticd.rendezvous.relay import NodeRelay, RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValue, KeyValueStore
@@ -130,6 +132,7 @@ class Plan:
     endpoint: str
     job_id: str
     log_path: str
+    per_node: int = 1  # members per node: more than 1, each node's members share its relay (rendezvous.relay)
 
 
 def _member_process(conn: Connection, plan: Plan) -> None:
@@ -156,9 +159,17 @@ def _member_process(conn: Connection, plan: Plan) -> None:
     # the workers of one node could share their agent's: a channel per member costs each a
     # polling thread, and a process of hundreds of them measures gRPC's threads, not the protocol.
     client = EtcdClient(EtcdConfig(endpoints=(plan.endpoint,)), timeouts, RetryPolicy())
+    relays: dict[str, NodeRelay] = {}  # node -> its relay, as each node's agent would run it
+    sockets = tempfile.mkdtemp(prefix="elasticd-bench-relay-")  # short: a socket path has at most 107 bytes
     for i in range(plan.first, plan.first + plan.count):
-        record = bench_record(i, os.getpid())
-        store = CountingStore(client, counts, lock, keys.generation, error)
+        record = bench_record(i, os.getpid(), plan.per_node)
+        store: KeyValueStore = CountingStore(client, counts, lock, keys.generation, error)
+        if plan.per_node > 1:
+            if record.node not in relays:
+                relays[record.node] = NodeRelay(store, keys, record.node, os.path.join(sockets, record.node),
+                                                timeouts)
+                relays[record.node].start()
+            store = RelayedStore(store, keys, relays[record.node].path, timeouts, RetryPolicy())
         members[record.member_id] = Membership(store, keys, record, world, timeouts)
     wake = {mid: threading.Event() for mid in members}
     left: set[str] = set()
@@ -225,9 +236,11 @@ def _member_process(conn: Connection, plan: Plan) -> None:
     os._exit(0)  # members' gRPC and watch threads would hold the process; their leases just expire
 
 
-def bench_record(i: int, pid: int) -> MemberRecord:
-    """Member ``i``'s record: an id as ``new_member_id`` makes them, a sha256 signature as the trainer's."""
-    return MemberRecord(member_id=f"node{i:05d}.0.{pid}", node=f"node{i:05d}", local_rank=0, pid=pid,
+def bench_record(i: int, pid: int, per_node: int = 1) -> MemberRecord:
+    """Member ``i``'s record (local rank ``i % per_node`` of node ``i // per_node``): an id as
+    ``new_member_id`` makes them, a sha256 signature as the trainer's."""
+    node, local = f"node{i // per_node:05d}", i % per_node
+    return MemberRecord(member_id=f"{node}.{local}.{pid}", node=node, local_rank=local, pid=pid,
                         host="127.0.0.1", store_port=29500, signature=hashlib.sha256(b"bench").hexdigest())
 
 

@@ -154,10 +154,11 @@ class RoundCounts:
     fixed_wait_s: float  # waits the protocol imposes
     coordinator_reads: float = 0.0  # full reads of the job by one reader (the coordinator) on the critical path
     full_bytes: int = 0  # ... each of this size
+    readers: int = 0  # who read etcd in a sweep (0: every member; with node relays: the nodes)
 
 
 def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts,
-                         leave: bool) -> RoundCounts:
+                         leave: bool, per_node: int = 1) -> RoundCounts:
     """The coordinated protocol's round (``rendezvous.coordinator``). Only the coordinator watches
     and reads ``members/`` and ``ready/``; a member watches the generation, abort, finished,
     verdict and coordinator records and reads its small view and its node's roster bucket
@@ -168,12 +169,18 @@ def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts
     of the members' reads (view and bucket: 2 requests each); leave: the revoke, the coordinator's
     reads, the verdict, a sweep, the trainer's poll (``abort_poll_s``), the ready puts, the
     coordinator's reads, the publish, a sweep. ``reads_per_member`` (measured) gives the round's
-    etcd CPU and bytes, not its time."""
+    etcd CPU and bytes, not its time.
+
+    ``per_node`` > 1: node relays (``rendezvous.relay``): a node's relay watches and reads for its
+    ``per_node`` members, so the sweeps read etcd once per node (``readers``) and the generation and
+    verdict reach one watcher per node; the ready puts still reach the coordinator one each."""
     m = n - 1 if leave else n
-    events = 3 * m if leave else 2 * m
+    nodes = math.ceil(m / per_node)
+    events = m + 2 * nodes if leave else m + nodes
     return RoundCounts(m, m * COORDINATED_FIXED_REQUESTS, events, sizes.view(n), reads_per_member, 2.0 * (2 if leave else 1),
                        4 if leave else 2, timeouts.abort_poll_s if leave else 0.0,
-                       coordinator_reads=COORDINATOR_READS * (2 if leave else 1), full_bytes=sizes.full_read(n))
+                       coordinator_reads=COORDINATOR_READS * (2 if leave else 1), full_bytes=sizes.full_read(n),
+                       readers=nodes if per_node > 1 else 0)
 
 
 def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool,
@@ -219,9 +226,14 @@ def predict(r: RoundCounts, c: Costs, cores: float) -> Prediction:
     events_etcd, events_member = r.events * c.etcd_per_event_s, r.events * c.member_per_event_s
     requests_etcd, requests_member = r.requests * c.etcd_per_request_s, r.requests * c.member_per_request_s
     base = r.fixed_wait_s + r.seq_writes * c.write_rtt_s + coordinator
-    sweep_here = r.members * (read_etcd + read_member) / cores
+    if r.readers:  # node relays: one read per node, then each member decodes the relay's frame
+        decode = r.read_bytes * c.member_per_byte_s
+        sweep_here = (r.readers * (read_etcd + read_member) + r.members * decode) / cores
+        sweep_fleet = r.readers * read_etcd / cores + read_member + decode
+    else:
+        sweep_here = r.members * (read_etcd + read_member) / cores
+        sweep_fleet = r.members * read_etcd / cores + read_member
     here = base + r.sweeps * sweep_here + (events_etcd + events_member + requests_etcd + requests_member) / cores
-    sweep_fleet = r.members * read_etcd / cores + read_member
     fleet = base + r.sweeps * sweep_fleet + (events_etcd + requests_etcd) / cores + events_member / max(1, r.members)
     reads = r.members * r.reads_per_member
     return Prediction(requests_etcd + events_etcd + reads * read_etcd + r.coordinator_reads * full_etcd,
@@ -260,9 +272,9 @@ def round_times(start: float, published: float | None, learned: Iterable[float])
 
 
 def model_rows(costs: Costs, sizes: Sizes, timeouts: Timeouts, phases: Mapping[str, Mapping[str, float | None]],
-               measured_n: int, cores: float) -> list[dict[str, object]]:
+               measured_n: int, cores: float, per_node: int = 1) -> list[dict[str, object]]:
     """The model's predictions at the measured N and at ``MODEL_N``, with the reads per member per
-    round measured here (pure)."""
+    round measured here, and ``per_node`` members per node (pure)."""
     def reads(name: str, members: int) -> float:
         got = phases.get(name, {}).get("member_reads")
         return got / members if got else DEFAULT_READS_PER_MEMBER
@@ -270,8 +282,8 @@ def model_rows(costs: Costs, sizes: Sizes, timeouts: Timeouts, phases: Mapping[s
     r_join, r_leave = reads("join", measured_n), reads("leave", max(1, measured_n - 1))
     rows: list[dict[str, object]] = []
     for n in (measured_n, *MODEL_N):
-        join = predict(coordinated_protocol(n, r_join, sizes, timeouts, leave=False), costs, cores)
-        leave = predict(coordinated_protocol(n, r_leave, sizes, timeouts, leave=True), costs, cores)
+        join = predict(coordinated_protocol(n, r_join, sizes, timeouts, leave=False, per_node=per_node), costs, cores)
+        leave = predict(coordinated_protocol(n, r_leave, sizes, timeouts, leave=True, per_node=per_node), costs, cores)
         before = predict(current_protocol(n, r_join, sizes, timeouts, leave=False), costs, cores)
         rows.append({"members": n, "join_here_s": join.here_s, "join_fleet_s": join.fleet_s,
                      "join_etcd_cpu_s": join.etcd_cpu_s, "join_bytes_sent": join.bytes_sent,

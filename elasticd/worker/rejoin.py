@@ -22,6 +22,7 @@ from elasticd.errors import CheckpointTransferError, CollectiveError
 from elasticd.log import set_moment
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
+from elasticd.rendezvous.relay import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -57,6 +58,9 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
         from elasticd.store.etcd import EtcdClient  # an etcd client only where none was given
 
         store = EtcdClient(env.etcd, env.timeouts, env.retry)
+    keys = Keys(env.etcd.prefix, env.world.job_id)
+    if env.relay_socket:  # the view and watches from the node's relay (rendezvous.relay)
+        store = RelayedStore(store, keys, env.relay_socket, env.timeouts, env.retry)
     server = StoreServer(env.advertise_addr, env.timeouts)
     factory = GroupFactory(server, env.advertise_addr, env.backend, env.local_rank, env.timeouts)
     record = MemberRecord(
@@ -64,7 +68,7 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
         pid=os.getpid(), host=env.advertise_addr, store_port=server.port, signature=signature,
         spare=int(env.spare), standby=int(env.standby),
     )
-    membership = Membership(store, Keys(env.etcd.prefix, env.world.job_id), record, env.world, env.timeouts)
+    membership = Membership(store, keys, record, env.world, env.timeouts)
     set_moment(node=env.node_id, member=record.member_id)
     membership.start()
     return store, factory, membership

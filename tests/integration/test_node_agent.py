@@ -161,6 +161,33 @@ def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it
 
 
 @pytest.mark.timeout(120)
+def test_with_relay_on_the_workers_follow_the_job_through_their_agents_relay_and_a_kill_is_survived(agent_job):
+    """relay = true (rendezvous.relay): each agent watches and reads the job for its workers; a
+    worker SIGKILLed is still seen at once (its own lease, revoked by its agent), nothing is lost."""
+    job = agent_job(lease_ttl_s=10, relay="true")
+    world = ("--min-workers", "1", "--max-workers", "3")
+    a = job.start("a", *world, "--nproc-per-node", "2", steps=500)
+    b = job.start("b", *world, steps=500)
+    job.wait_for(lambda: job.commits_at_world("b", 3) >= 5, 60, "the three workers to train together")
+    victim = _worker_pid(a)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    job.wait_for(lambda: any(r["t"] > killed_at for r in job.commits("b")), 10, "the survivors' next commit")
+    first_after = min(float(r["t"]) for r in job.commits("b") if r["t"] > killed_at)  # type: ignore[arg-type]
+    assert first_after - killed_at < 3.0, f"the survivors went on only {first_after - killed_at:.2f} s after the kill"
+    assert a.wait(90) == 0, job.logs_tail()
+    assert b.wait(30) == 0, job.logs_tail()
+    for agent in (a, b):
+        assert agent.events("relay_started"), agent.log_text()[-2000:]
+        assert "relay_lost" not in agent.log_text() and "relay_unreachable" not in agent.log_text()
+    assert len(a.events("relay_connected")) == 3 and len(b.events("relay_connected")) == 1  # a's restart too
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == 500
+    assert len(set(rep.final_checksums)) == 1
+
+
+@pytest.mark.timeout(120)
 def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigcont(agent_job):
     # A 10 s lease: without the agent's revocation the other worker would wait for it to expire.
     # Three stops, each at a random point of a step: a stop that lands after the stopped worker's

@@ -2,6 +2,7 @@
 line, and joins again when its generation must be abandoned or newcomers wait, as a trainer does.
 
 Usage: rdzv_member.py ENDPOINT JOB NODE MIN_WORKERS MAX_WORKERS [COORDINATOR_GRACE_S]
+With ELASTICD_RELAY_SOCKET set, its view and watches come from that node relay (``RelayedStore``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import time
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import ElasticdError
 from elasticd.rendezvous.membership import Membership
+from elasticd.rendezvous.relay import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
+from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
 
@@ -25,7 +28,10 @@ POLL_S = 0.01  # as the trainer polls must_abandon() between steps
 def main() -> int:
     endpoint, job, node, min_workers, max_workers = sys.argv[1:6]
     timeouts = Timeouts(coordinator_grace_s=float(sys.argv[6])) if len(sys.argv) > 6 else Timeouts()
-    store = EtcdClient(EtcdConfig(endpoints=(endpoint,)), timeouts, RetryPolicy())
+    store: KeyValueStore = EtcdClient(EtcdConfig(endpoints=(endpoint,)), timeouts, RetryPolicy())
+    if os.environ.get("ELASTICD_RELAY_SOCKET"):
+        store = RelayedStore(store, Keys("/elasticd", job), os.environ["ELASTICD_RELAY_SOCKET"], timeouts,
+                             RetryPolicy())
     record = MemberRecord(member_id=f"{node}.0.{os.getpid()}", node=node, local_rank=0, pid=os.getpid(),
                           host="127.0.0.1", store_port=29500, signature="s" * 64)
     membership = Membership(store, Keys("/elasticd", job), record,

@@ -107,6 +107,22 @@ def test_coordinated_protocol_events_are_linear_and_reads_small(n: int) -> None:
     assert predict(join, ZERO_BUT_EVENTS, 2).etcd_cpu_s < predict(before, ZERO_BUT_EVENTS, 2).etcd_cpu_s
 
 
+@pytest.mark.parametrize("n", [16, 1000, 16000])
+def test_node_relays_read_once_per_node_and_cut_the_events_to_the_nodes(n: int) -> None:
+    t = Timeouts()
+    join = coordinated_protocol(n, 3.0, SIZES, t, leave=False, per_node=8)
+    leave = coordinated_protocol(n, 3.0, SIZES, t, leave=True, per_node=8)
+    nodes, survivors = -(-n // 8), -(-(n - 1) // 8)
+    assert (join.readers, leave.readers) == (nodes, survivors)
+    assert (join.events, leave.events) == (n + nodes, (n - 1) + 2 * survivors)  # ready puts: one each still
+    alone = coordinated_protocol(n, 3.0, SIZES, t, leave=False)
+    assert alone.readers == 0
+    c = Costs(request_rtt_s=0.001, write_rtt_s=0.001, etcd_per_request_s=3e-4, etcd_per_event_s=5e-6,
+              etcd_per_byte_s=1e-8, member_per_request_s=4e-4, member_per_event_s=4e-5, member_per_byte_s=5e-8)
+    assert predict(join, c, 2).here_s < predict(alone, c, 2).here_s
+    assert predict(join, c, 2).fleet_s < predict(alone, c, 2).fleet_s
+
+
 def test_predict_adds_waits_writes_events_and_sweeps_of_reads() -> None:
     r = RoundCounts(members=10, requests=100, events=1000, read_bytes=10_000, reads_per_member=5, sweeps=2,
                     seq_writes=4, fixed_wait_s=0.25)

@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "events": {"wire", "store"},
     "rendezvous": {"wire", "store", "events"},
     "worker": {"rendezvous", "wire", "events", "store", "settings"},
-    "agent": {"wire", "events", "store", "settings"},
+    "agent": {"rendezvous", "wire", "events", "store", "settings"},  # rendezvous: the node relay
     "ops": {"wire", "store"},
     "cli": {"agent", "ops", "store", "wire", "settings"},
     "api": {"worker", "settings"},

@@ -1,0 +1,72 @@
+"""The node relay's pure parts (``rendezvous.relay``): the frame codec, its refusal of anything a
+relay does not send, and the rule that says whether a frame answers a member's view read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd.config import ConfigError, Timeouts
+from elasticd.rendezvous.relay import (
+    Frame,
+    RelayError,
+    Serve,
+    decode_frame,
+    encode_frame,
+    serve,
+)
+from elasticd.store.kv import KeyValue
+
+KV = KeyValue("/elasticd/j/generation", b"\x00\xffbinary", 7, 3, 0)
+ROSTER = KeyValue("/elasticd/j/roster/9/2", b"{}", 9, 9, 0)
+
+
+def body(frame: Frame) -> bytes:
+    return encode_frame(frame)[4:]
+
+
+def test_a_frame_round_trips_with_binary_values_and_its_length_prefix() -> None:
+    f = Frame(seq=4, read_at=12.5, view=(KV,), extra=(ROSTER,), error="", error_at=0.0)
+    data = encode_frame(f)
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    assert decode_frame(data[4:]) == f
+    failed = Frame(seq=5, read_at=12.5, view=(KV,), error="etcd down", error_at=13.0)
+    assert decode_frame(body(failed)) == failed
+
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[]", b"{}", json.dumps({"seq": "1", "read_at": 0, "view": [], "extra": [], "error": "",
+                                           "error_at": 0}).encode(),
+    json.dumps({"seq": 1, "read_at": 0, "view": [["k", "!!notbase64", 1, 1, 0]], "extra": [], "error": "",
+                "error_at": 0}).encode(),
+    json.dumps({"seq": 1, "read_at": 0, "view": [["k", "", 1, 1]], "extra": [], "error": "",
+                "error_at": 0}).encode(),
+    json.dumps({"seq": 1, "read_at": 0, "view": [["k", "", True, 1, 0]], "extra": [], "error": "",
+                "error_at": 0}).encode(),
+    json.dumps({"seq": 1, "read_at": 0, "view": {}, "extra": [], "error": "", "error_at": 0}).encode(),
+], ids=["garbage", "a list", "no fields", "seq a string", "value not base64", "short row", "bool revision",
+        "view not a list"])
+def test_anything_but_a_frame_is_refused(raw: bytes) -> None:
+    with pytest.raises(RelayError):
+        decode_frame(raw)
+
+
+@pytest.mark.parametrize(("frame", "since", "expected"), [
+    (None, 0.0, Serve.WAIT),                                               # nothing heard yet
+    (Frame(seq=0), 0.0, Serve.WAIT),                                       # connected, no read yet
+    (Frame(seq=1, read_at=10.0, view=(KV,)), 9.0, Serve.VIEW),             # read after what is needed
+    (Frame(seq=1, read_at=10.0, view=(KV,)), 10.0, Serve.VIEW),            # ... at that very moment
+    (Frame(seq=1, read_at=10.0, view=(KV,)), 10.5, Serve.WAIT),            # too old, or before my write
+    (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 10.5, Serve.FAIL),  # the read after failed
+    (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 11.5, Serve.WAIT),  # a failure before: wait
+    (Frame(seq=2, read_at=12.0, error="down", error_at=11.0), 11.5, Serve.VIEW),  # a good read after it
+])
+def test_serve(frame: Frame | None, since: float, expected: Serve) -> None:
+    assert serve(frame, since) is expected
+
+
+def test_relay_stale_s_must_exceed_two_heartbeats() -> None:
+    Timeouts(relay_heartbeat_s=0.5, relay_stale_s=1.5)
+    with pytest.raises(ConfigError, match="relay_stale_s"):
+        Timeouts(relay_heartbeat_s=0.5, relay_stale_s=1.0)
