@@ -69,6 +69,7 @@ from elasticd.chaos.schedule import (
     make_settings,
     next_delay,
     parse_args,
+    relayed,
     skipped_kinds,
 )
 from elasticd.errors import ConfigError
@@ -247,6 +248,8 @@ class ChaosRun:
             self._dups += 1
             log_name = f"{name}-dup{self._dups}"
         flags = ["--max-restarts", "1000"]  # a worker killed again and again is restarted again
+        if relayed(self.s.relay, host_index(name)):
+            flags += ["--relay", "true"]
         prefix: list[str] = []
         if self.net is not None:
             host = self.net.host(host_index(name))
@@ -797,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(text + "\n")
 
     say(f"elasticd chaos: seed {settings.seed}; faults {', '.join(k.value for k in settings.kinds)}; "
-        f"{settings.steps} steps; work dir {workdir}")
+        f"{settings.steps} steps; relay {settings.relay}; work dir {workdir}")
     net = None
     if plan is not None:
         assert ip is not None

@@ -250,7 +250,16 @@ class Settings:
     warmup_s: float
     netns: bool = False       # every node a network-namespace host (else: loopback)
     link_down_s: float = 0.0
+    relay: str = "off"        # the agents' relay setting: off, on, or mixed (on for even node numbers)
 
+
+
+RELAY_CHOICES = ("off", "on", "mixed")
+
+
+def relayed(relay: str, node_number: int) -> bool:
+    """Whether node ``node_number``'s agent runs with relay on (``Settings.relay``). Pure."""
+    return relay == "on" or (relay == "mixed" and node_number % 2 == 0)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -284,6 +293,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=10.0,
                    help="fault-free seconds at each world size from --nodes to --max-nodes before the faults "
                    "(measures the step time at each size; default 10)")
+    p.add_argument("--relay", choices=RELAY_CHOICES, default="off",
+                   help="the agents' relay setting (rendezvous.relay): off, on, or mixed (on for the even node "
+                   "numbers: both paths under the same faults); default off")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
@@ -326,4 +338,5 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         kinds=parse_faults(args.faults, args.etcd_members, netns), nodes=args.nodes, min_nodes=args.min_nodes,
         max_nodes=max_nodes, etcd_members=args.etcd_members, etcd_outage_s=args.etcd_outage_s,
         step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s, netns=netns, link_down_s=link_down_s,
+        relay=args.relay,
     )

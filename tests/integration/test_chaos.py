@@ -1,6 +1,7 @@
 """``python -m elasticd.chaos`` run as a user runs it: a short run that injects every fault kind
 possible (a 3-member etcd cluster included; where network namespaces work, as root, every node a
-namespace host on a bridge the run creates and ``link_down`` among the kinds, else loopback) and
+namespace host on a bridge the run creates and ``link_down`` among the kinds, else loopback; half
+the agents with the node relay on) and
 must pass every invariant and delete every namespace and link it made; and the 30-minute soak
 (``-m soak``). The checker's own detection of violations is tested in
 ``tests/unit/test_chaos_logic.py`` on hand-made records."""
@@ -69,6 +70,7 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
         tmp_path / "chaos", 170,
         "--minutes", "1", "--mean-interval-s", "2.5", "--warmup-s", "3", "--etcd-members", "3",
         "--min-nodes", "1", "--seed", "3", "--netns" if netns else "--no-netns",
+        "--relay", "mixed",  # both ways of following the job (rendezvous.relay) under the same faults
     )
     tail = err[-5000:]
     assert not _failed(report), f"{_failed(report)}\nstalls {report['stalls']}\n{tail}"

@@ -61,6 +61,7 @@ from elasticd.chaos.schedule import (
     link_down_s_default,
     next_delay,
     parse_faults,
+    relayed,
     skipped_kinds,
 )
 from elasticd.errors import ConfigError
@@ -741,3 +742,10 @@ def test_a_cut_host_need_not_be_dropped_while_etcd_cannot_expire_its_lease() -> 
     down = [LinkDown("node-0", T0 + 1.0, T0 + 6.0)]
     assert len(link_down_findings(down, commits, 60.0)) == 1  # the others did not go on
     assert link_down_findings(down, commits, 60.0, etcd_down=[Window(T0 + 2.0, T0 + 9.0)]) == []
+
+
+@pytest.mark.parametrize(("relay", "node", "expected"), [
+    ("off", 0, False), ("off", 1, False), ("on", 0, True), ("on", 3, True), ("mixed", 0, True), ("mixed", 1, False),
+    ("mixed", 2, True),
+])
+def test_which_agents_run_with_relay_on(relay: str, node: int, expected: bool) -> None:    assert relayed(relay, node) is expected
