@@ -21,6 +21,7 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.store.etcd import EtcdClient
 from elasticd.testing.localcluster import python_program
 from elasticd.wire.keys import Keys
+from tests.jobs import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 T = Timeouts()
@@ -60,11 +61,8 @@ def procs() -> Iterator[list[Proc]]:
         p.stop()
 
 
-def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
+def _wait(cond, timeout: float, what: str, procs: list[Proc] | None = None) -> None:  # type: ignore[no-untyped-def]
+    wait_until(cond, timeout, what, lambda: "\n".join(f"--- {p.out.name}\n{p.text()[-1500:]}" for p in procs or []))
 
 
 def _start(etcd_server, procs: list[Proc], tmp_path: Path, job: str, n: int) -> tuple[Proc, list[Proc]]:  # type: ignore[no-untyped-def]
@@ -82,7 +80,7 @@ def test_members_form_generations_and_see_a_leave_through_the_relay(etcd_server,
                                                                      tmp_path: Path) -> None:
     job = f"relay{time.monotonic_ns()}"
     relay, members = _start(etcd_server, procs, tmp_path, job, 3)
-    _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3")
+    _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3", procs)
     # an etcd held by SIGSTOP: the relay's reads fail, the members' view reads fail with it (as their
     # own would), but the relay still beats, so no member leaves it
     etcd_server.signal(signal.SIGSTOP)
@@ -107,7 +105,7 @@ def test_a_stopped_relay_is_left_within_relay_stale_s_and_the_members_read_etcd_
         etcd_server, procs: list[Proc], tmp_path: Path) -> None:
     job = f"relaystop{time.monotonic_ns()}"
     relay, members = _start(etcd_server, procs, tmp_path, job, 3)
-    _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3")
+    _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3", procs)
     os.kill(relay.proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     _wait(lambda: all("relay_lost" in m.text() for m in members), T.relay_stale_s + 3, "the members to leave the relay")
