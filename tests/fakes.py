@@ -149,6 +149,21 @@ class FakeKeyValueStore:
         self._notify(changed)
         return rows
 
+    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        with self._lock:
+            changed = self._begin()
+            lost = [lease for _, _, lease in items if lease and lease not in self._leases]
+            if not lost:
+                self.revision += 1
+                for key, value, lease in items:
+                    self._put(key, value, lease)
+                    changed.append(key)
+            revision = self.revision
+        self._notify(changed)
+        if lost:
+            raise LeaseLost(f"put_many: the lease {lost[0]} no longer exists")
+        return revision
+
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         with self._lock:
             changed = self._begin()
@@ -283,6 +298,10 @@ class GuardedStore(FakeKeyValueStore):
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self.guard("put")
         return super().put(key, value, lease)
+
+    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        self.guard("put_many")
+        return super().put_many(items)
 
     def delete(self, key: str) -> None:
         self.guard("delete")

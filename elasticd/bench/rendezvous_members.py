@@ -32,7 +32,8 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import ElasticdError, EtcdUnavailable
 from elasticd.log import configure_logging
 from elasticd.rendezvous.membership import Membership
-from elasticd.rendezvous.relay import NodeRelay, RelayedStore
+from elasticd.rendezvous.relay import NodeRelay
+from elasticd.rendezvous.relayed_store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValue, KeyValueStore
@@ -75,6 +76,11 @@ class CountingStore:
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self._n("put")
         return self._inner.put(key, value, lease)
+
+    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        self._n("put_many")
+        self._n("put_many_items", len(items))
+        return self._inner.put_many(items)
 
     def delete(self, key: str) -> None:
         self._n("delete")

@@ -6,8 +6,11 @@ a change of membership costs etcd one watch event and one read per worker. With 
 ``Keys.member_view`` (and, for a large generation, this node's roster bucket) once per change and
 at least every ``relay_heartbeat_s``, and sends each read to its workers over a Unix socket. A
 worker's ``RelayedStore`` answers the membership's view reads and watches from those frames and
-sends everything else (its lease, its member and ready records, the coordinator's full reads, every
-write) straight to etcd, so each worker keeps its own lease: a crashed worker is still seen at once.
+sends its leased records (member, ready, progress) to the relay, which writes what its workers
+sent meanwhile in one transaction (``put_many``: a node's registrations and ready records are one
+request, not one per worker); everything else (its lease and renewals, the coordinator's full reads,
+the unleased writes) goes straight to etcd. Each worker keeps its own lease, so a crashed worker is
+still seen at once (its agent revokes it).
 
 The rules that keep a relayed view as good as a read of its own (``serve``, pure):
 
@@ -18,9 +21,12 @@ The rules that keep a relayed view as good as a read of its own (``serve``, pure
 * a read the relay could not make (etcd did not answer within its retries) fails the member's view
   read with ``EtcdUnavailable``, as its own read would have;
 * a relay that sends nothing for ``relay_stale_s`` (a stopped or dead agent), a broken socket or a
-  malformed frame: the worker reads and watches etcd itself from then on (``relay_lost``).
+  malformed frame: the worker reads and watches etcd itself from then on (``relay_lost``); a put
+  the relay did not answer within the bound of a put of the worker's own is made directly (a put is
+  idempotent).
 
-Never decides anything of the rendezvous; never imports etcd3 or torch.
+This module holds the messages, the rule and the agent's side (``NodeRelay``); the worker's side is
+``rendezvous.relayed_store``. Never decides anything of the rendezvous; never imports etcd3 or torch.
 """
 
 from __future__ import annotations
@@ -29,17 +35,19 @@ import base64
 import enum
 import json
 import os
+import queue
+import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
-from elasticd.config import RetryPolicy, Timeouts
-from elasticd.errors import EtcdUnavailable
+from elasticd.config import Timeouts
+from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
@@ -50,8 +58,10 @@ from elasticd.wire.snapshot import parse_snapshot
 log = structlog.get_logger(__name__)
 
 MAX_FRAME = 1 << 24  # bytes: a frame longer than this is refused (a view is ~1 kB, a roster bucket more)
-_HEADER = struct.Struct(">I")  # each frame: its length, then that many bytes of JSON
+HEADER = struct.Struct(">I")  # each frame: its length, then that many bytes of JSON
 LISTEN_BACKLOG = 256  # a node's workers connect at once when the agent starts them
+MAX_BATCH = 100  # puts in one transaction (etcd's default --max-txn-ops is 128)
+RECV_CHUNK = 65536
 
 
 class RelayError(Exception):
@@ -86,7 +96,7 @@ def encode_frame(frame: Frame) -> bytes:
     body = json.dumps({"seq": frame.seq, "read_at": frame.read_at, "view": [_kv_json(kv) for kv in frame.view],
                        "extra": [_kv_json(kv) for kv in frame.extra], "error": frame.error,
                        "error_at": frame.error_at}, separators=(",", ":")).encode()
-    return _HEADER.pack(len(body)) + body
+    return HEADER.pack(len(body)) + body
 
 
 def decode_frame(body: bytes) -> Frame:
@@ -95,19 +105,99 @@ def decode_frame(body: bytes) -> Frame:
     Raises:
         RelayError: ``body`` is not a frame.
     """
+    return _frame_of(_object(body))
+
+
+def _frame_of(d: dict[str, object]) -> Frame:
+    try:
+        seq, read_at, error, error_at, view, extra = d["seq"], d["read_at"], d["error"], d["error_at"], d["view"], d["extra"]
+        if not (_ints(seq) and isinstance(read_at, (int, float)) and isinstance(error, str)
+                and isinstance(error_at, (int, float)) and isinstance(view, list) and isinstance(extra, list)):
+            raise RelayError("a field of the wrong type")
+        return Frame(seq=seq, read_at=float(read_at), view=tuple(_kv_of(r) for r in view),  # type: ignore[arg-type]
+                     extra=tuple(_kv_of(r) for r in extra), error=error, error_at=float(error_at))
+    except (ValueError, KeyError, TypeError) as exc:  # base64's (binascii.Error is a ValueError)
+        raise RelayError(f"malformed frame: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """A worker's leased put, sent to its relay."""
+
+    id: int
+    key: str
+    value: bytes
+    lease: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The relay's answer to a ``PutRequest``: the revision written, or why not."""
+
+    id: int
+    revision: int = 0
+    error: str = ""  # "" written; LEASE_LOST: the lease is gone; else etcd did not answer, and why
+
+
+LEASE_LOST = "lease_lost"
+
+
+def _framed(d: dict[str, object]) -> bytes:
+    body = json.dumps(d, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def encode_request(r: PutRequest) -> bytes:
+    return _framed({"put": r.id, "key": r.key, "value": base64.b64encode(r.value).decode(), "lease": r.lease})
+
+
+def encode_reply(r: Reply) -> bytes:
+    return _framed({"reply": r.id, "revision": r.revision, "error": r.error})
+
+
+def _object(body: bytes) -> dict[str, object]:
     try:
         d = json.loads(body)
-        if not isinstance(d, dict):
-            raise RelayError("not an object")
-        seq, read_at, error, error_at = d["seq"], d["read_at"], d["error"], d["error_at"]
-        if not (isinstance(seq, int) and isinstance(read_at, (int, float)) and isinstance(error, str)
-                and isinstance(error_at, (int, float)) and isinstance(d["view"], list)
-                and isinstance(d["extra"], list)):
-            raise RelayError("a field of the wrong type")
-        return Frame(seq=seq, read_at=float(read_at), view=tuple(_kv_of(r) for r in d["view"]),
-                     extra=tuple(_kv_of(r) for r in d["extra"]), error=error, error_at=float(error_at))
-    except (ValueError, KeyError, TypeError) as exc:  # json's, base64's (binascii.Error is a ValueError)
-        raise RelayError(f"malformed frame: {exc}") from exc
+    except ValueError as exc:
+        raise RelayError(f"malformed message: {exc}") from exc
+    if not isinstance(d, dict):
+        raise RelayError("not an object")
+    return d
+
+
+def _ints(*values: object) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def decode_request(body: bytes) -> PutRequest:
+    """The put request whose JSON is ``body``.
+
+    Raises:
+        RelayError: ``body`` is not one.
+    """
+    d = _object(body)
+    key, value = d.get("key"), d.get("value")
+    if not (_ints(d.get("put"), d.get("lease")) and isinstance(key, str) and isinstance(value, str)):
+        raise RelayError("not a put request")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError as exc:
+        raise RelayError(f"a put request's value: {exc}") from exc
+    return PutRequest(d["put"], key, raw, d["lease"])  # type: ignore[arg-type]
+
+
+def decode_message(body: bytes) -> Frame | Reply:
+    """What a relay sent: a frame, or the reply to a put.
+
+    Raises:
+        RelayError: neither.
+    """
+    d = _object(body)
+    if "reply" in d:
+        if not (_ints(d["reply"], d.get("revision")) and isinstance(d.get("error"), str)):
+            raise RelayError("a reply of the wrong shape")
+        return Reply(d["reply"], d["revision"], d["error"])  # type: ignore[arg-type]
+    return _frame_of(d)
 
 
 class Serve(enum.Enum):
@@ -130,8 +220,28 @@ def serve(frame: Frame | None, since: float) -> Serve:
 # -- the agent's side ---------------------------------------------------------------------------
 
 
+class _Client:
+    """One worker's connection: what it sent that is not yet a whole message, and a lock that keeps
+    frames and replies whole on its stream."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.lock = threading.Lock()
+
+    def send_now(self, data: bytes) -> bool:
+        """Send ``data`` whole without waiting; False (drop the client) when its buffer is full (a
+        stopped worker) or it went away: a message half sent would corrupt its stream."""
+        with self.lock:
+            try:
+                return self.sock.send(data) == len(data)
+            except OSError:  # BlockingIOError (full), BrokenPipeError, ConnectionResetError
+                return False
+
+
 class NodeRelay:
-    """The relay of one node (run by its agent): reads the members' view on each change and sends it."""
+    """The relay of one node (run by its agent): reads the members' view on each change and sends
+    it; writes the leased puts its workers send, batched."""
 
     def __init__(self, store: KeyValueStore, keys: Keys, node: str, path: str, timeouts: Timeouts,
                  clock: Clock = time.monotonic) -> None:
@@ -139,11 +249,13 @@ class NodeRelay:
         self._timeouts, self._clock = timeouts, clock
         self._lock = threading.Lock()
         self._frame = Frame(seq=0)
-        self._clients: list[socket.socket] = []
+        self._clients: list[_Client] = []
+        self._puts: queue.Queue[tuple[_Client, PutRequest]] = queue.Queue()
         self._changed = threading.Event()  # a watched key changed: read now
         self._send = threading.Event()  # a new read or failure: send now
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
         self._cancel: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
 
@@ -160,10 +272,13 @@ class NodeRelay:
         sock.bind(self.path)
         os.chmod(self.path, 0o600)  # the agent's workers run as the agent's user
         sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
         self._sock = sock
+        self._selector.register(sock, selectors.EVENT_READ, None)
         self._cancel = [self._store.watch_prefix(p, self._changed.set) for p in self._keys.member_watch]
         self._changed.set()
-        for name, target in (("read", self._read_loop), ("send", self._send_loop), ("accept", self._accept_loop)):
+        for name, target in (("read", self._read_loop), ("send", self._send_loop), ("serve", self._serve_loop),
+                             ("write", self._write_loop)):
             t = threading.Thread(target=target, name=f"elasticd-relay-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -178,18 +293,15 @@ class NodeRelay:
                 cancel()
             except EtcdUnavailable:
                 pass
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
         for t in self._threads:
             t.join(timeout=self._timeouts.etcd_request_s * 2)
         with self._lock:
             for c in self._clients:
-                c.close()
+                c.sock.close()
             self._clients = []
+        if self._sock is not None:
+            self._sock.close()
+        self._selector.close()
         try:
             os.unlink(self.path)
         except OSError:
@@ -198,6 +310,8 @@ class NodeRelay:
     def clients(self) -> int:
         with self._lock:
             return len(self._clients)
+
+    # -- the view -------------------------------------------------------------------------------
 
     def _read(self) -> tuple[list[KeyValue], list[KeyValue]]:
         view = self._store.get_prefixes(self._keys.member_view)
@@ -236,219 +350,101 @@ class NodeRelay:
             self._send.clear()
             with self._lock:
                 data, clients = encode_frame(self._frame), list(self._clients)
-            dropped = [c for c in clients if not _send_all_now(c, data)]
-            if dropped:
-                with self._lock:
-                    self._clients = [c for c in self._clients if c not in dropped]
-                for c in dropped:
-                    c.close()
-                log.warning("relay_clients_dropped", node=self._node, dropped=len(dropped))
+            self._drop([c for c in clients if not c.send_now(data)])
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
+    def _drop(self, dropped: list[_Client]) -> None:
+        if not dropped:
+            return
+        with self._lock:
+            self._clients = [c for c in self._clients if c not in dropped]
+        for c in dropped:
+            try:
+                self._selector.unregister(c.sock)
+            except (KeyError, ValueError):
+                pass
+            c.sock.close()
+        log.warning("relay_clients_dropped", node=self._node, dropped=len(dropped))
+
+    # -- the workers' puts ----------------------------------------------------------------------
+
+    def _serve_loop(self) -> None:
+        """Accept workers and read their put requests (one thread: a selector is not shared)."""
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
+                ready = self._selector.select(self._timeouts.relay_heartbeat_s)
+            except (OSError, ValueError):
                 return  # closed
-            conn.setblocking(False)
-            with self._lock:
-                self._clients.append(conn)
-            self._send.set()  # the newcomer gets the newest frame now
+            for key, _ in ready:
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._receive(key.data)
 
-
-def _send_all_now(conn: socket.socket, data: bytes) -> bool:
-    """Send ``data`` whole without waiting; False (drop the client) when its buffer is full (a
-    stopped worker) or it went away: a frame half sent would corrupt its stream."""
-    try:
-        return conn.send(data) == len(data)
-    except OSError:  # BlockingIOError (full), BrokenPipeError, ConnectionResetError
-        return False
-
-
-# -- the worker's side --------------------------------------------------------------------------
-
-
-class RelayedStore:
-    """A ``KeyValueStore``: a member's view reads and watches from its node's relay (``NodeRelay``),
-    everything else straight to etcd (``inner``). Thread-safe."""
-
-    def __init__(self, inner: KeyValueStore, keys: Keys, path: str, timeouts: Timeouts, retry: RetryPolicy,
-                 clock: Clock = time.monotonic) -> None:
-        self._inner, self._timeouts, self._clock = inner, timeouts, clock
-        self._view_prefixes = tuple(keys.member_view)
-        self._watched = frozenset(keys.member_watch)
-        # a view read waits for the relay at most as long as its own read could take
-        self._wait_s = timeouts.relay_stale_s + retry.etcd_attempts * timeouts.etcd_request_s
-        self._cond = threading.Condition()
-        self._frame: Frame | None = None
-        self._dirty_since = 0.0  # when my last write to a watched key returned
-        self._direct = False
-        self._subs: dict[int, tuple[str, Callable[[], None]]] = {}
-        self._direct_cancel: dict[int, Callable[[], None]] = {}
-        self._next_sub = 0
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeouts.relay_stale_s)
+    def _accept(self) -> None:
+        assert self._sock is not None
         try:
-            self._sock.connect(path)
-        except OSError as exc:
-            self._sock.close()
-            self._direct = True
-            log.warning("relay_unreachable", path=path, error=str(exc)[:200])
-            return
-        log.info("relay_connected", path=path)
-        threading.Thread(target=self._receive_loop, name="elasticd-relay-receive", daemon=True).start()
-
-    @property
-    def relayed(self) -> bool:
-        """The relay answers this member's view reads (False once it fell back to etcd)."""
-        return not self._direct
-
-    # -- frames ---------------------------------------------------------------------------------
-
-    def _receive_loop(self) -> None:
-        try:
-            while True:
-                (length,) = _HEADER.unpack(self._recv_exactly(_HEADER.size))
-                if length > MAX_FRAME:
-                    raise RelayError(f"a frame of {length} bytes (at most {MAX_FRAME})")
-                self._on_frame(decode_frame(self._recv_exactly(length)))
-        except TimeoutError:
-            self._fall_back(f"nothing from the relay for {self._timeouts.relay_stale_s:g} s (relay_stale_s)")
-        except (OSError, RelayError, EOFError) as exc:
-            self._fall_back(f"{type(exc).__name__}: {exc}"[:200])
-        finally:
-            self._sock.close()
-
-    def _recv_exactly(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
-            if not chunk:
-                raise EOFError("the relay closed the socket")
-            buf += chunk
-        return bytes(buf)
-
-    def _on_frame(self, frame: Frame) -> None:
-        with self._cond:
-            old = self._frame
-            self._frame = frame
-            self._cond.notify_all()
-            subs = [cb for _, cb in self._subs.values()]
-        if old is None or old.view != frame.view or old.extra != frame.extra:
-            for cb in subs:
-                cb()
-
-    def _fall_back(self, why: str) -> None:
-        with self._cond:
-            if self._direct:
-                return
-            self._direct = True
-            self._cond.notify_all()
-            subs = dict(self._subs)
-        log.warning("relay_lost", reason=why, then="reading and watching etcd directly")
-        for sub, (prefix, cb) in subs.items():
-            try:
-                self._direct_cancel[sub] = self._inner.watch_prefix(prefix, cb)
-            except EtcdUnavailable as exc:
-                log.warning("relay_fallback_watch_failed", prefix=prefix, error=str(exc)[:200])
-        for _, cb in subs.values():
-            cb()  # read again, directly
-
-    # -- reads ----------------------------------------------------------------------------------
-
-    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
-        if tuple(prefixes) != self._view_prefixes:
-            return self._inner.get_prefixes(prefixes)
-        now = self._clock()
-        since = max(self._dirty_since, now - 2 * self._timeouts.relay_heartbeat_s)
-        deadline = now + self._wait_s
-        with self._cond:
-            while not self._direct:
-                verdict = serve(self._frame, since)
-                if verdict is Serve.VIEW:
-                    assert self._frame is not None
-                    return list(self._frame.view)
-                if verdict is Serve.FAIL:
-                    assert self._frame is not None
-                    raise EtcdUnavailable(f"etcd did not answer this node's relay: {self._frame.error}")
-                left = deadline - self._clock()
-                if left <= 0:
-                    raise EtcdUnavailable(f"this node's relay sent no view within {self._wait_s:g} s")
-                self._cond.wait(left)
-        return self._inner.get_prefixes(prefixes)
-
-    def get(self, key: str) -> KeyValue | None:
-        frame = self._frame
-        if frame is not None and not self._direct:
-            for kv in frame.extra:  # a roster bucket: its key names its generation, it never changes
-                if kv.key == key:
-                    return kv
-        return self._inner.get(key)
-
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
-        return self._inner.get_prefix(prefix)
-
-    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        with self._cond:
-            if prefix not in self._watched or self._direct:
-                direct = True
-            else:
-                direct = False
-                sub = self._next_sub
-                self._next_sub += 1
-                self._subs[sub] = (prefix, callback)
-        if direct:
-            return self._inner.watch_prefix(prefix, callback)
-
-        def cancel() -> None:
-            with self._cond:
-                self._subs.pop(sub, None)
-                direct_cancel = self._direct_cancel.pop(sub, None)
-            if direct_cancel is not None:
-                direct_cancel()
-
-        return cancel
-
-    # -- writes: straight to etcd, noting when a watched key was written --------------------------
-
-    def _wrote(self, key: str) -> None:
-        if key in self._watched:
-            self._dirty_since = self._clock()
-
-    def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        try:
-            return self._inner.put(key, value, lease)
-        finally:
-            self._wrote(key)
-
-    def delete(self, key: str) -> None:
-        try:
-            self._inner.delete(key)
-        finally:
-            self._wrote(key)
-
-    def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
-                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
-        try:
-            return self._inner.compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
-                                               delete_ranges)
-        finally:
-            self._wrote(key)
-
-    def grant_lease(self, ttl_s: float) -> int:
-        return self._inner.grant_lease(ttl_s)
-
-    def refresh_lease(self, lease: int) -> float:
-        return self._inner.refresh_lease(lease)
-
-    def revoke_lease(self, lease: int) -> None:
-        self._inner.revoke_lease(lease)
-
-    def close(self) -> None:
-        """Stop listening to the relay (the inner store stays open)."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            conn, _ = self._sock.accept()
         except OSError:
-            pass
+            return
+        conn.setblocking(False)
+        client = _Client(conn)
+        with self._lock:
+            self._clients.append(client)
+        self._selector.register(conn, selectors.EVENT_READ, client)
+        self._send.set()  # the newcomer gets the newest frame now
+
+    def _receive(self, client: _Client) -> None:
+        try:
+            chunk = client.sock.recv(RECV_CHUNK)
+            if not chunk:
+                raise EOFError("closed")
+            client.buf += chunk
+            while len(client.buf) >= HEADER.size:
+                (length,) = HEADER.unpack_from(client.buf)
+                if length > MAX_FRAME:
+                    raise RelayError(f"a request of {length} bytes")
+                if len(client.buf) < HEADER.size + length:
+                    break
+                body = bytes(client.buf[HEADER.size:HEADER.size + length])
+                del client.buf[:HEADER.size + length]
+                self._puts.put((client, decode_request(body)))
+        except BlockingIOError:
+            return
+        except (OSError, EOFError, RelayError) as exc:
+            if not isinstance(exc, EOFError):
+                log.warning("relay_client_refused", node=self._node, error=str(exc)[:200])
+            self._drop([client])
+
+    def _write_loop(self) -> None:
+        """Write what the workers sent meanwhile in one transaction (at most ``MAX_BATCH`` puts)."""
+        while not self._stop.is_set():
+            try:
+                batch = [self._puts.get(timeout=self._timeouts.relay_heartbeat_s)]
+            except queue.Empty:
+                continue
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._puts.get_nowait())
+                except queue.Empty:
+                    break
+            for client, reply in self._write(batch):
+                if not client.send_now(encode_reply(reply)):
+                    self._drop([client])
+
+    def _write(self, batch: list[tuple[_Client, PutRequest]]) -> list[tuple[_Client, Reply]]:
+        try:
+            revision = self._store.put_many([(r.key, r.value, r.lease) for _, r in batch])
+            return [(c, Reply(r.id, revision)) for c, r in batch]
+        except EtcdUnavailable as exc:
+            return [(c, Reply(r.id, error=str(exc)[:300] or "etcd unavailable")) for c, r in batch]
+        except LeaseLost:
+            pass  # one of them: each alone, so the others are written
+        out = []
+        for c, r in batch:
+            try:
+                out.append((c, Reply(r.id, self._store.put(r.key, r.value, r.lease))))
+            except LeaseLost:
+                out.append((c, Reply(r.id, error=LEASE_LOST)))
+            except EtcdUnavailable as exc:
+                out.append((c, Reply(r.id, error=str(exc)[:300] or "etcd unavailable")))
+        return out

@@ -13,39 +13,39 @@ import os
 
 # etcd3 0.12's protobuf modules, rebuilt so that protobuf's C implementation loads them: before
 # etcd3 is first imported (its own load only in pure Python, ~100x slower: store.etcd_protos).
-from elasticd.store.etcd_protos import install as _install_protos  # noqa: E402
+from elasticd.store.etcd_protos import install as _install_protos
 
 _install_protos()
 # gRPC's C core writes its own unstructured lines to stderr (a failed TLS handshake, a bad
 # certificate), around our one clear error; set GRPC_VERBOSITY yourself to see them when debugging.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence  # noqa: E402
-from typing import Any, TypeVar  # noqa: E402
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
-import etcd3  # noqa: E402
-import etcd3.exceptions  # noqa: E402
-import etcd3.utils  # noqa: E402
-import grpc  # noqa: E402
-import structlog  # noqa: E402
+import etcd3
+import etcd3.exceptions
+import etcd3.utils
+import grpc
+import structlog
 
-from elasticd.config import (  # noqa: E402
+from elasticd.config import (
     EtcdConfig,
     RetryPolicy,
     Timeouts,
     parse_endpoint,
 )
-from elasticd.errors import ConfigError, EtcdUnavailable, LeaseLost, PermissionDenied  # noqa: E402
-from elasticd.retry import call_with_retry  # noqa: E402
-from elasticd.store.credentials import (  # noqa: E402, F401 (re-exported: the etcd access API)
+from elasticd.errors import ConfigError, EtcdUnavailable, LeaseLost, PermissionDenied
+from elasticd.retry import call_with_retry
+from elasticd.store.credentials import (  # noqa: F401 (re-exported: the etcd access API)
     SYSTEM_CA_BUNDLES,
     permission_denied,
     read_password,
     system_ca_bundle,
 )
-from elasticd.store.kv import KeyValue  # noqa: E402
+from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
 
@@ -275,6 +275,21 @@ class EtcdClient:
         """``KeyValueStore.put``: the revision etcd answered (the key's new mod_revision)."""
         return int(self._call("put", lambda c: c.put(key, value, lease=lease or None), key).header.revision)
 
+    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        """``KeyValueStore.put_many``: every (key, value, lease) in one transaction; the revision etcd
+        answered (each key's new mod_revision).
+
+        Raises:
+            LeaseLost: a lease of ``items`` no longer exists (nothing was written).
+        """
+        def txn(c: etcd3.Etcd3Client) -> Any:
+            ops = c._ops_to_requests([c.transactions.put(k, v, lease=lease or None) for k, v, lease in items])
+            req = etcd3.etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+            return c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+
+        # Idempotent, as one put: a retry writes the same values again.
+        return int(self._call("put_many", txn, items[0][0] if items else "").header.revision)
+
     def delete(self, key: str) -> None:
         self._call("delete", lambda c: c.delete(key), key)
 
@@ -451,7 +466,7 @@ class _PacedWatchStub:
     def __init__(self, inner: Any, interval_s: float) -> None:
         self._inner, self._interval_s, self._last = inner, interval_s, float("-inf")
 
-    def Watch(self, *args: object, **kwargs: object) -> Any:  # noqa: N802 (gRPC stub method name)
+    def Watch(self, *args: object, **kwargs: object) -> Any:
         wait = self._last + self._interval_s - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -470,7 +485,7 @@ class _ClosedWatchStub:
     quietly (``threading`` ignores it).
     """
 
-    def Watch(self, *args: object, **kwargs: object) -> None:  # noqa: N802 (gRPC stub method name)
+    def Watch(self, *args: object, **kwargs: object) -> None:
         raise SystemExit
 
 

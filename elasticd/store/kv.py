@@ -39,6 +39,15 @@ class KeyValueStore(Protocol):
         key's mod_revision)."""
         ...
 
+    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        """Put every (key, value, lease) of ``items`` (lease 0: none) in one transaction; returns the
+        store's revision after it (each key's mod_revision).
+
+        Raises:
+            LeaseLost: a lease of ``items`` is gone (nothing was written).
+        """
+        ...
+
     def delete(self, key: str) -> None: ...
 
     def compare_and_put(

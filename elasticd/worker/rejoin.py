@@ -22,7 +22,7 @@ from elasticd.errors import CheckpointTransferError, CollectiveError
 from elasticd.log import set_moment
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
-from elasticd.rendezvous.relay import RelayedStore
+from elasticd.rendezvous.relayed_store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -55,7 +55,9 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
         EtcdUnavailable: etcd could not be reached within the retry bound.
     """
     if store is None:
-        from elasticd.store.etcd import EtcdClient  # an etcd client only where none was given
+        from elasticd.store.etcd import (
+            EtcdClient,  # an etcd client only where none was given
+        )
 
         store = EtcdClient(env.etcd, env.timeouts, env.retry)
     keys = Keys(env.etcd.prefix, env.world.job_id)

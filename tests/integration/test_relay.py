@@ -121,3 +121,64 @@ def test_a_stopped_relay_is_left_within_relay_stale_s_and_the_members_read_etcd_
         store.close()
     for m in members[1:]:
         assert "Traceback" not in m.text()
+
+
+class _Counting:
+    """The relay's etcd client, counting its batched writes (a real etcd behind it)."""
+
+    def __init__(self, inner: EtcdClient) -> None:
+        self._inner = inner
+        self.batches: list[int] = []
+
+    def put_many(self, items):  # type: ignore[no-untyped-def]
+        self.batches.append(len(items))
+        return self._inner.put_many(items)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only_its_own(
+        etcd_server, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elasticd.errors import LeaseLost
+    from elasticd.rendezvous.relay import NodeRelay
+    from elasticd.rendezvous.relayed_store import RelayedStore
+
+    keys = Keys("/elasticd", f"relayput{time.monotonic_ns()}")
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
+    counting = _Counting(client)
+    relay = NodeRelay(counting, keys, "n0", str(tmp_path / "r.sock"), T)  # type: ignore[arg-type]
+    relay.start()
+    stores = [RelayedStore(client, keys, relay.path, T, RetryPolicy()) for _ in range(8)]
+    try:
+        leases = [client.grant_lease(T.lease_ttl_s) for _ in stores]
+        client.revoke_lease(leases[3])  # member 3's lease is gone
+
+        def put(i: int) -> int | str:
+            try:
+                return stores[i].put(keys.ready(f"n0.{i}.1"), f"ready {i}".encode(), lease=leases[i])
+            except LeaseLost:
+                return "lease lost"
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(put, range(8)))
+        assert got[3] == "lease lost"
+        for i in range(8):
+            kv = client.get(keys.ready(f"n0.{i}.1"))
+            if i == 3:
+                assert kv is None
+            else:
+                assert kv is not None and kv.value == f"ready {i}".encode() and kv.lease == leases[i]
+                assert kv.mod_revision == got[i]
+        assert sum(counting.batches) >= 8 and max(counting.batches) > 1, counting.batches  # batched
+        assert all(s.relayed for s in stores)
+        # an unleased put, and a write to a watched key, go straight to etcd
+        stores[0].put(keys.committed, b"{}")
+        assert sum(counting.batches) < 8 + 8
+    finally:
+        for s in stores:
+            s.close()
+        relay.close()
+        client.close()

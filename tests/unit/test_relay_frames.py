@@ -9,11 +9,18 @@ import pytest
 
 from elasticd.config import ConfigError, Timeouts
 from elasticd.rendezvous.relay import (
+    LEASE_LOST,
     Frame,
+    PutRequest,
     RelayError,
+    Reply,
     Serve,
     decode_frame,
+    decode_message,
+    decode_request,
     encode_frame,
+    encode_reply,
+    encode_request,
     serve,
 )
 from elasticd.store.kv import KeyValue
@@ -70,3 +77,28 @@ def test_relay_stale_s_must_exceed_two_heartbeats() -> None:
     Timeouts(relay_heartbeat_s=0.5, relay_stale_s=1.5)
     with pytest.raises(ConfigError, match="relay_stale_s"):
         Timeouts(relay_heartbeat_s=0.5, relay_stale_s=1.0)
+
+
+def test_put_requests_and_replies_round_trip_and_are_told_apart_from_frames() -> None:
+    req = PutRequest(7, "/elasticd/j/ready/n.0.1", b"\x00{json}", 123)
+    assert decode_request(encode_request(req)[4:]) == req
+    for reply in (Reply(7, revision=42), Reply(8, error=LEASE_LOST), Reply(9, error="etcd down")):
+        assert decode_message(encode_reply(reply)[4:]) == reply
+    frame = Frame(seq=3, read_at=1.0, view=(KV,))
+    assert decode_message(body(frame)) == frame
+
+
+@pytest.mark.parametrize("raw", [
+    b"[]", json.dumps({"put": 1, "key": "k", "value": "!!", "lease": 1}).encode(),
+    json.dumps({"put": "1", "key": "k", "value": "", "lease": 1}).encode(),
+    json.dumps({"put": 1, "key": 5, "value": "", "lease": 1}).encode(),
+    json.dumps({"put": 1, "key": "k", "value": "", "lease": True}).encode(),
+], ids=["a list", "value not base64", "id a string", "key a number", "bool lease"])
+def test_anything_but_a_put_request_is_refused(raw: bytes) -> None:
+    with pytest.raises(RelayError):
+        decode_request(raw)
+
+
+def test_a_reply_of_the_wrong_shape_is_refused() -> None:
+    with pytest.raises(RelayError):
+        decode_message(json.dumps({"reply": 1, "revision": "2", "error": ""}).encode())

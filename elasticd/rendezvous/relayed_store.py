@@ -1,0 +1,289 @@
+"""A worker's side of its node's relay (``RelayedStore``; the relay and its rules: ``rendezvous.relay``).
+
+A ``KeyValueStore`` that answers the membership's view reads and watches from the frames its node's
+relay sends, sends its leased puts (member, ready and progress records) to the relay, which batches
+them, and everything else straight to etcd. When the relay goes quiet for ``relay_stale_s``, breaks
+or sends something malformed, it reads, watches and writes etcd itself from then on. Never imports
+etcd3 or torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import structlog
+
+from elasticd.config import RetryPolicy, Timeouts
+from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.rendezvous.relay import (
+    HEADER,
+    LEASE_LOST,
+    MAX_FRAME,
+    Frame,
+    PutRequest,
+    RelayError,
+    Reply,
+    Serve,
+    decode_message,
+    encode_request,
+    serve,
+)
+from elasticd.retry import Clock
+from elasticd.store.kv import KeyValue, KeyValueStore
+from elasticd.wire.keys import Keys
+
+log = structlog.get_logger(__name__)
+
+
+class RelayedStore:
+    """A ``KeyValueStore``: a member's view reads and watches from its node's relay (``NodeRelay``),
+    everything else straight to etcd (``inner``). Thread-safe."""
+
+    def __init__(self, inner: KeyValueStore, keys: Keys, path: str, timeouts: Timeouts, retry: RetryPolicy,
+                 clock: Clock = time.monotonic) -> None:
+        self._inner, self._timeouts, self._clock = inner, timeouts, clock
+        self._view_prefixes = tuple(keys.member_view)
+        self._watched = frozenset(keys.member_watch)
+        # a view read waits for the relay at most as long as its own read could take
+        self._wait_s = timeouts.relay_stale_s + retry.etcd_attempts * timeouts.etcd_request_s
+        self._cond = threading.Condition()
+        self._frame: Frame | None = None
+        self._dirty_since = 0.0  # when my last write to a watched key returned
+        self._direct = False
+        self._subs: dict[int, tuple[str, Callable[[], None]]] = {}
+        self._direct_cancel: dict[int, Callable[[], None]] = {}
+        self._next_sub = 0
+        self._job = keys.job + "/"  # the job's own keys
+        self._ids = itertools.count(1)
+        self._pending: dict[int, list[Reply | None]] = {}  # put id -> [its reply], when it came
+        self._send_lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeouts.relay_stale_s)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            self._direct = True
+            log.warning("relay_unreachable", path=path, error=str(exc)[:200])
+            return
+        log.info("relay_connected", path=path)
+        threading.Thread(target=self._receive_loop, name="elasticd-relay-receive", daemon=True).start()
+
+    @property
+    def relayed(self) -> bool:
+        """The relay answers this member's view reads (False once it fell back to etcd)."""
+        return not self._direct
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                (length,) = HEADER.unpack(self._recv_exactly(HEADER.size))
+                if length > MAX_FRAME:
+                    raise RelayError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+                message = decode_message(self._recv_exactly(length))
+                if isinstance(message, Reply):
+                    self._on_reply(message)
+                else:
+                    self._on_frame(message)
+        except TimeoutError:
+            self._fall_back(f"nothing from the relay for {self._timeouts.relay_stale_s:g} s (relay_stale_s)")
+        except (OSError, RelayError, EOFError) as exc:
+            self._fall_back(f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            self._sock.close()
+
+    def _recv_exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("the relay closed the socket")
+            buf += chunk
+        return bytes(buf)
+
+    def _on_frame(self, frame: Frame) -> None:
+        with self._cond:
+            old = self._frame
+            self._frame = frame
+            self._cond.notify_all()
+            subs = [cb for _, cb in self._subs.values()]
+        if old is None or old.view != frame.view or old.extra != frame.extra:
+            for cb in subs:
+                cb()
+
+    def _on_reply(self, reply: Reply) -> None:
+        with self._cond:
+            slot = self._pending.get(reply.id)
+            if slot is not None:
+                slot[0] = reply
+                self._cond.notify_all()
+
+    def _fall_back(self, why: str) -> None:
+        with self._cond:
+            if self._direct:
+                return
+            self._direct = True
+            self._cond.notify_all()
+            subs = dict(self._subs)
+        log.warning("relay_lost", reason=why, then="reading and watching etcd directly")
+        for sub, (prefix, cb) in subs.items():
+            try:
+                self._direct_cancel[sub] = self._inner.watch_prefix(prefix, cb)
+            except EtcdUnavailable as exc:
+                log.warning("relay_fallback_watch_failed", prefix=prefix, error=str(exc)[:200])
+        for _, cb in subs.values():
+            cb()  # read again, directly
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
+        if tuple(prefixes) != self._view_prefixes:
+            return self._inner.get_prefixes(prefixes)
+        now = self._clock()
+        since = max(self._dirty_since, now - 2 * self._timeouts.relay_heartbeat_s)
+        deadline = now + self._wait_s
+        with self._cond:
+            while not self._direct:
+                verdict = serve(self._frame, since)
+                if verdict is Serve.VIEW:
+                    assert self._frame is not None
+                    return list(self._frame.view)
+                if verdict is Serve.FAIL:
+                    assert self._frame is not None
+                    raise EtcdUnavailable(f"etcd did not answer this node's relay: {self._frame.error}")
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise EtcdUnavailable(f"this node's relay sent no view within {self._wait_s:g} s")
+                self._cond.wait(left)
+        return self._inner.get_prefixes(prefixes)
+
+    def get(self, key: str) -> KeyValue | None:
+        frame = self._frame
+        if frame is not None and not self._direct:
+            for kv in frame.extra:  # a roster bucket: its key names its generation, it never changes
+                if kv.key == key:
+                    return kv
+        return self._inner.get(key)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return self._inner.get_prefix(prefix)
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        with self._cond:
+            if prefix not in self._watched or self._direct:
+                direct = True
+            else:
+                direct = False
+                sub = self._next_sub
+                self._next_sub += 1
+                self._subs[sub] = (prefix, callback)
+        if direct:
+            return self._inner.watch_prefix(prefix, callback)
+
+        def cancel() -> None:
+            with self._cond:
+                self._subs.pop(sub, None)
+                direct_cancel = self._direct_cancel.pop(sub, None)
+            if direct_cancel is not None:
+                direct_cancel()
+
+        return cancel
+
+    # -- writes: straight to etcd, noting when a watched key was written --------------------------
+
+    def _wrote(self, key: str) -> None:
+        if key in self._watched:
+            self._dirty_since = self._clock()
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """A leased record of the job (member, ready, progress) goes through the relay, which
+        writes its workers' puts together; the rest, or when the relay does not answer, directly.
+
+        Raises:
+            LeaseLost: ``lease`` is gone.
+            EtcdUnavailable: etcd did not answer (the relay's attempts or this member's own).
+        """
+        if lease and key.startswith(self._job) and key not in self._watched and not self._direct:
+            got = self._relayed_put(PutRequest(next(self._ids), key, value, lease))
+            if got is not None:
+                return got
+        try:
+            return self._inner.put(key, value, lease)
+        finally:
+            self._wrote(key)
+
+    def _relayed_put(self, request: PutRequest) -> int | None:
+        """The revision the relay wrote ``request`` at; None: the relay did not answer (it is lost,
+        or took longer than this member's own put could): put it directly (a put is idempotent)."""
+        slot: list[Reply | None] = [None]
+        with self._cond:
+            self._pending[request.id] = slot
+        try:
+            try:
+                with self._send_lock:
+                    self._sock.sendall(encode_request(request))
+            except OSError as exc:
+                self._fall_back(f"{type(exc).__name__}: {exc}"[:200])
+                return None
+            deadline = self._clock() + self._wait_s
+            with self._cond:
+                while slot[0] is None and not self._direct:
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        return None
+                    self._cond.wait(left)
+            reply = slot[0]
+        finally:
+            with self._cond:
+                self._pending.pop(request.id, None)
+        if reply is None:
+            return None
+        if reply.error == LEASE_LOST:
+            raise LeaseLost(f"put {request.key}: the lease {request.lease} no longer exists")
+        if reply.error:
+            raise EtcdUnavailable(f"etcd did not answer this node's relay: {reply.error}")
+        return reply.revision
+
+    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        try:
+            return self._inner.put_many(items)
+        finally:
+            for key, _, _ in items:
+                self._wrote(key)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._inner.delete(key)
+        finally:
+            self._wrote(key)
+
+    def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
+                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
+        try:
+            return self._inner.compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
+                                               delete_ranges)
+        finally:
+            self._wrote(key)
+
+    def grant_lease(self, ttl_s: float) -> int:
+        return self._inner.grant_lease(ttl_s)
+
+    def refresh_lease(self, lease: int) -> float:
+        return self._inner.refresh_lease(lease)
+
+    def revoke_lease(self, lease: int) -> None:
+        self._inner.revoke_lease(lease)
+
+    def close(self) -> None:
+        """Stop listening to the relay (the inner store stays open)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
