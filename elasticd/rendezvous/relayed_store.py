@@ -282,7 +282,10 @@ class RelayedStore:
         self._inner.revoke_lease(lease)
 
     def close(self) -> None:
-        """Stop listening to the relay (the inner store stays open)."""
+        """Stop listening to the relay (the inner store stays open; reads and writes go to it)."""
+        with self._cond:
+            self._direct = True  # closed on purpose: nothing to fall back from, nothing to log
+            self._cond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
