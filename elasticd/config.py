@@ -54,6 +54,10 @@ class Timeouts:
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "
         "that died unrevoked; a deputy that left the coordinator out takes its place.", 0.0)
+    round_poll_s: float = _seconds(
+        "While a broken generation's rendezvous is open, how often the coordinator reads the job again "
+        "with no change seen: a watch event that a loaded etcd or host delivers late must not hold the "
+        "round (otherwise the coordinator wakes on each change, or every keepalive_s).", 0.25)
     lease_ttl_s: float = _seconds(
         "TTL of a member's etcd lease: a member that stops renewing is gone after this.", 3.0
     )

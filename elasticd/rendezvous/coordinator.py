@@ -178,11 +178,21 @@ class Coordinator:
             except Exception:  # a defect must not end the job's only coordinator in silence
                 log.exception("coordinator_round_crashed")
                 until = None
-            wait_s = self._timeouts.keepalive_s
-            if until is not None:
-                wait_s = min(wait_s, max(0.0, until - self._clock()))
-            self._wake.wait(wait_s)
+            self._wake.wait(round_wait_s(until, self._window, self._clock(), self._timeouts))
         self._stop.set()
+
+
+def round_wait_s(until: float | None, window: Window | None, now: float, timeouts: Timeouts) -> float:
+    """How long the coordinator waits for a change before its next round: until the time its last
+    round named (a join window, a last call), else ``round_poll_s`` while a broken generation's
+    rendezvous is open (members are arriving: a late watch event must not hold them), else
+    ``keepalive_s``. Pure."""
+    wait_s = timeouts.keepalive_s
+    if until is not None:
+        return min(wait_s, max(0.0, until - now))
+    if window is not None and window.broken_at is not None:
+        return min(wait_s, timeouts.round_poll_s)
+    return wait_s
 
 
 class Seat:
