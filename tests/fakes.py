@@ -149,7 +149,7 @@ class FakeKeyValueStore:
         self._notify(changed)
         return rows
 
-    def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+    def put_many(self, items: Sequence[tuple[str, bytes, int]], what: str = "put_many") -> int:
         with self._lock:
             changed = self._begin()
             lost = [lease for _, _, lease in items if lease and lease not in self._leases]
@@ -161,22 +161,11 @@ class FakeKeyValueStore:
             revision = self.revision
         self._notify(changed)
         if lost:
-            raise LeaseLost(f"put_many: the lease {lost[0]} no longer exists")
+            raise LeaseLost(f"{what}: the lease {lost[0]} no longer exists")
         return revision
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        with self._lock:
-            changed = self._begin()
-            raise_lost = bool(lease) and lease not in self._leases
-            if not raise_lost:
-                self.revision += 1
-                self._put(key, value, lease)
-                changed.append(key)
-            revision = self.revision
-        self._notify(changed)
-        if raise_lost:
-            raise LeaseLost(f"put: the lease {lease} no longer exists")
-        return revision
+        return FakeKeyValueStore.put_many(self, [(key, value, lease)], "put")
 
     def delete(self, key: str) -> None:
         with self._lock:

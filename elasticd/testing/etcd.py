@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd.errors import ConfigError
-from elasticd.testing.localcluster import free_port
+from elasticd.agent.restart import pick_free_port
 
 ETCD_START_TIMEOUT_S = 20.0  # etcd usually answers in well under a second
 
@@ -62,8 +62,11 @@ class EtcdServer:
         self.extra_hosts = tuple(extra_hosts)
         self.tls = tls
         self.name = name
-        self.client_port = free_port(host)
-        self.peer_port = free_port(host)
+        # Below the kernel's ephemeral range: a test that kills and restarts etcd on the same ports
+        # must not find one taken meanwhile by an outgoing connection (a worker's, to its peers),
+        # as a port the kernel handed out (bind to 0) was, now and then (EADDRINUSE at restart).
+        self.client_port = pick_free_port()
+        self.peer_port = pick_free_port()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
         self.proc: subprocess.Popen[bytes] | None = None
