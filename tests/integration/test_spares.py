@@ -1,6 +1,6 @@
 """Warm spares for real: agents started with ``--spares 1`` (and a ``--standby`` node), a real etcd,
 real gloo workers. A crashed worker's place goes to the spare that was already waiting, the crashed
-slot comes back as a spare; a frozen (hung) worker is replaced the same way; waiting spares change
+slot comes back as a spare; then, in the same job, a frozen (hung) worker is replaced the same way; waiting spares change
 no generation; a standby node replaces a lost one. Every run ends with the audit checker.
 """
 
@@ -24,6 +24,7 @@ from tests.integration.test_ops import status_json
 STEPS = 700  # ~18 s at 40 steps/s: long enough for each fault and its replacement
 QUIET_S = 20.0  # waiting spares must change no generation over this long
 QUIET_STEPS = 1400  # the standby test: the quiet phase, then a node loss
+CRASH_HANG_STEPS = 1300  # ~33 s: a spare's restart, a crash and its spare's restart, then a hang
 
 
 def _program(job: AgentJob, node: str, steps: int = STEPS) -> list[str]:
@@ -49,12 +50,15 @@ def _at_full_size(job: AgentJob, node: str, world: int, since: float) -> bool:
     return any(float(r["t"]) > since and r["world_size"] == world for r in job.commits(node))  # type: ignore[arg-type]
 
 
-@pytest.mark.timeout(200)
-def test_a_crashed_worker_is_replaced_by_the_waiting_spare_and_comes_back_as_one(agent_job):
-    job = agent_job(lease_ttl_s=10)  # a survivor that waited for the lease would show it
+@pytest.mark.timeout(240)
+def test_a_crashed_and_then_a_hung_worker_are_each_replaced_by_a_waiting_spare(agent_job):
+    # A 10 s lease (a survivor that waited for the crashed worker's lease would show it) and a
+    # frozen worker's lease revoked by its agent (stopped_worker_s), killed as hung once the job
+    # went on without it for hang_timeout_s; both places go to spares at the next step boundary.
+    job = agent_job(lease_ttl_s=10, hang_timeout_s=3)
     # max_workers 4: the job runs at 2, below it; the spares must still wait (the job is at its full size)
-    a = job.start("a", "--nnodes", "1:4", "--spares", "1", program=_program(job, "a"))
-    b = job.start("b", "--nnodes", "1:4", "--spares", "1", program=_program(job, "b"))
+    a = job.start("a", "--nnodes", "1:4", "--spares", "1", program=_program(job, "a", CRASH_HANG_STEPS))
+    b = job.start("b", "--nnodes", "1:4", "--spares", "1", program=_program(job, "b", CRASH_HANG_STEPS))
     job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 90, "both workers to train together")
     job.wait_for(lambda: len(_started(a, True)) == 1 and len(_started(b, True)) == 1, 10, "a spare on each node")
     # elasticctl status shows them: a spare on each node, the job healthy
@@ -67,54 +71,39 @@ def test_a_crashed_worker_is_replaced_by_the_waiting_spare_and_comes_back_as_one
     os.kill(_started(a, True)[0], signal.SIGKILL)
     job.wait_for(lambda: len(_started(a, True)) == 2, 20, "the dead spare restarted")
     assert len(_generations(job, "a", quiet_from)) == 1, job.logs_tail()
+    # a crash: b's spare, already running before the kill, is in the generation after it
     (victim,) = _started(b, False)
     (spare,) = _started(b, True)
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     job.wait_for(lambda: _at_full_size(job, "a", 2, killed_at), 30, "the job back at 2 workers")
-    # the spare, already running before the kill, is in the generation after it
     job.wait_for(lambda: bool(_members_of(spare, b)), 10, "the spare's recovered line")
     back = min(float(r["t"]) for r in job.commits("a") if float(r["t"]) > killed_at and r["world_size"] == 2)  # type: ignore[arg-type]
     print(f"full size again {back - killed_at:.3f} s after the SIGKILL")
     # the crashed slot came back as a spare, and the job stays at 2 while it waits
     job.wait_for(lambda: len(_started(b, True)) == 2, 30, "the crashed slot restarted as a spare")
-    assert a.wait(150) == 0, job.logs_tail()
-    assert b.wait(30) == 0, job.logs_tail()
-    rep = check_dir(job.dir, 2048)
-    assert rep.ok, rep.violations
-    assert rep.last_step == STEPS
-    assert not [r for r in job.commits("a") if r["world_size"] > 2]  # never past its full size
-
-
-@pytest.mark.timeout(200)
-def test_a_hung_worker_is_replaced_by_a_spare(agent_job):
-    # a frozen worker: the agent revokes its lease (stopped_worker_s) and, once the job went on
-    # without it for hang_timeout_s, kills it as hung; its place goes to the spare meanwhile
-    job = agent_job(lease_ttl_s=2, keepalive_s=0.5, hang_timeout_s=3)
-    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
-    b = job.start("b", "--nnodes", "1:2", "--spares", "1", program=_program(job, "b"))
-    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5 and len(_started(b, True)) == 1, 90,
-                 "both workers to train together, a spare waiting")
-    (victim,) = _started(b, False)
-    (spare,) = _started(b, True)
+    # a hang: a's worker frozen; a's waiting spare (the restarted one) takes its place
+    (frozen,) = _started(a, False)
+    a_spare = _started(a, True)[-1]
     frozen_at = time.time()
-    os.kill(victim, signal.SIGSTOP)
+    os.kill(frozen, signal.SIGSTOP)
     try:
-        job.wait_for(lambda: _at_full_size(job, "a", 2, frozen_at + 0.1) and _members_of(spare, b), 30,
-                     "the spare in the frozen worker's place")
-        job.wait_for(lambda: bool(b.events("worker_hung")), 20, "the agent to find the frozen worker hung")
+        job.wait_for(lambda: _at_full_size(job, "b", 2, frozen_at + 0.1) and _members_of(a_spare, a), 30,
+                     "a spare in the frozen worker's place")
+        job.wait_for(lambda: bool(a.events("worker_hung")), 20, "the agent to find the frozen worker hung")
     finally:
         try:
-            os.kill(victim, signal.SIGCONT)
+            os.kill(frozen, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert int(b.events("worker_hung")[0]["pid"]) == victim  # type: ignore[call-overload]
+    assert int(a.events("worker_hung")[0]["pid"]) == frozen  # type: ignore[call-overload]
     assert a.wait(150) == 0, job.logs_tail()
     assert b.wait(30) == 0, job.logs_tail()
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations
-    assert rep.last_step == STEPS
-    synced = [r for r in read_lines([job.audit_path("b")]) if r["event"] == "sync" and float(r["t"]) > frozen_at]  # type: ignore[arg-type]
+    assert rep.last_step == CRASH_HANG_STEPS
+    assert not [r for r in job.commits("a") if r["world_size"] > 2]  # never past its full size
+    synced = [r for r in read_lines([job.audit_path("a")]) if r["event"] == "sync" and float(r["t"]) > frozen_at]  # type: ignore[arg-type]
     assert synced and synced[0]["world_size"] == 2
 
 
