@@ -363,7 +363,9 @@ class NodeRelay:
             except (KeyError, ValueError):
                 pass
             c.sock.close()
-        log.warning("relay_clients_dropped", node=self._node, dropped=len(dropped))
+        # a worker that exited, or one stopped long enough to fill its socket's buffer (it reads
+        # etcd itself once it runs again): not an error of the relay
+        log.info("relay_clients_dropped", node=self._node, dropped=len(dropped))
 
     # -- the workers' puts ----------------------------------------------------------------------
 
@@ -410,9 +412,10 @@ class NodeRelay:
                 self._puts.put((client, decode_request(body)))
         except BlockingIOError:
             return
-        except (OSError, EOFError, RelayError) as exc:
-            if not isinstance(exc, EOFError):
-                log.warning("relay_client_refused", node=self._node, error=str(exc)[:200])
+        except RelayError as exc:  # not what a worker sends: refused
+            log.warning("relay_client_refused", node=self._node, error=str(exc)[:200])
+            self._drop([client])
+        except (OSError, EOFError):  # the worker went away (exited, killed)
             self._drop([client])
 
     def _write_loop(self) -> None:

@@ -45,7 +45,7 @@ class RelayedStore:
 
     def __init__(self, inner: KeyValueStore, keys: Keys, path: str, timeouts: Timeouts, retry: RetryPolicy,
                  clock: Clock = time.monotonic) -> None:
-        self._inner, self._timeouts, self._clock = inner, timeouts, clock
+        self._inner, self._timeouts, self._retry, self._clock = inner, timeouts, retry, clock
         self._view_prefixes = tuple(keys.member_view)
         self._watched = frozenset(keys.member_watch)
         # a view read waits for the relay at most as long as its own read could take
@@ -133,12 +133,41 @@ class RelayedStore:
             subs = dict(self._subs)
         log.warning("relay_lost", reason=why, then="reading and watching etcd directly")
         for sub, (prefix, cb) in subs.items():
-            try:
-                self._direct_cancel[sub] = self._inner.watch_prefix(prefix, cb)
-            except EtcdUnavailable as exc:
-                log.warning("relay_fallback_watch_failed", prefix=prefix, error=str(exc)[:200])
+            self._watch_directly(sub, prefix, cb)
         for _, cb in subs.values():
             cb()  # read again, directly
+
+    def _watch_directly(self, sub: int, prefix: str, cb: Callable[[], None]) -> None:
+        """Arm ``sub``'s watch on etcd itself; while etcd does not answer (an outage), again on a
+        thread every ``etcd_reconnect_max_s``, for at most ``etcd_outage_s``."""
+        deadline = self._clock() + self._timeouts.etcd_outage_s
+
+        def arm() -> bool:
+            try:
+                cancel = self._inner.watch_prefix(prefix, cb)
+            except EtcdUnavailable:
+                return False
+            with self._cond:
+                kept = sub in self._subs
+                if kept:
+                    self._direct_cancel[sub] = cancel
+            if not kept:  # cancelled meanwhile
+                cancel()
+            return True
+
+        def rearm() -> None:
+            while self._clock() < deadline:
+                with self._cond:
+                    if sub not in self._subs:
+                        return
+                time.sleep(self._retry.etcd_reconnect_max_s)
+                if arm():
+                    cb()  # what it missed meanwhile
+                    return
+            log.warning("relay_fallback_watch_failed", prefix=prefix, bound_s=self._timeouts.etcd_outage_s)
+
+        if not arm():
+            threading.Thread(target=rearm, name="elasticd-relay-rewatch", daemon=True).start()
 
     # -- reads ----------------------------------------------------------------------------------
 
