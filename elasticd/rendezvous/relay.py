@@ -229,6 +229,15 @@ class _Client:
         self.buf = bytearray()
         self.lock = threading.Lock()
 
+    def connected(self) -> bool:
+        """The worker has not shut its end (it does so before it writes etcd itself)."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True  # nothing to read: still there
+        except OSError:
+            return False
+
     def send_now(self, data: bytes) -> bool:
         """Send ``data`` whole without waiting; False (drop the client) when its buffer is full (a
         stopped worker) or it went away: a message half sent would corrupt its stream."""
@@ -430,6 +439,11 @@ class NodeRelay:
                     batch.append(self._puts.get_nowait())
                 except queue.Empty:
                     break
+            # A worker that left this relay (it heard nothing for relay_stale_s: this agent was
+            # stopped) writes its records itself: one queued here must not land after its own.
+            batch = [(c, r) for c, r in batch if c.connected()]
+            if not batch:
+                continue
             for client, reply in self._write(batch):
                 if not client.send_now(encode_reply(reply)):
                     self._drop([client])

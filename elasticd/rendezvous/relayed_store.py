@@ -129,6 +129,12 @@ class RelayedStore:
             if self._direct:
                 return
             self._direct = True
+            # Shut the socket before any write of this member goes to etcd directly: the relay
+            # drops what it queued for a worker that shut its end (a stopped agent, continued).
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._cond.notify_all()
             subs = dict(self._subs)
         log.warning("relay_lost", reason=why, then="reading and watching etcd directly")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
@@ -181,4 +182,40 @@ def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only
         for s in stores:
             s.close()
         relay.close()
+        client.close()
+
+
+def test_a_put_queued_by_a_stopped_relay_never_lands_over_the_workers_own_newer_write(
+        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
+    """The relay is SIGSTOPped with a worker's put in its socket; the worker leaves it after
+    relay_stale_s, writes that record and a newer one itself; when the relay continues, the queued
+    put is dropped (the worker shut its end first), so the newer record stays."""
+    from elasticd.rendezvous.relayed_store import RelayedStore
+
+    keys = Keys("/elasticd", f"relaystale{time.monotonic_ns()}")
+    path = str(tmp_path / "relay.sock")
+    relay = Proc(["tests/programs/relay_node.py", etcd_server.endpoint, keys.job.rsplit("/", 1)[1], "n0", path],
+                 tmp_path / "relay.out")
+    procs.append(relay)
+    _wait(lambda: '"relay"' in relay.text(), 30, "the relay to listen", procs)
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
+    store = RelayedStore(client, keys, path, T, RetryPolicy())
+    try:
+        lease = client.grant_lease(30)
+        key = keys.ready("n0.0.1")
+        store.put(key, b"v0", lease=lease)  # through the relay
+        assert store.relayed and client.get(key).value == b"v0"  # type: ignore[union-attr]
+        os.kill(relay.proc.pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: psutil.Process(relay.proc.pid).status() == psutil.STATUS_STOPPED, 5, "the relay stopped")
+            t0 = time.monotonic()
+            store.put(key, b"v1", lease=lease)  # queued in the stopped relay's socket; then directly
+            assert not store.relayed and time.monotonic() - t0 <= T.relay_stale_s + 1.0
+            store.put(key, b"v2", lease=lease)  # the worker's newer record
+        finally:
+            os.kill(relay.proc.pid, signal.SIGCONT)
+        time.sleep(1.5)  # the relay runs again: its queued v1 must not land
+        assert client.get(key).value == b"v2"  # type: ignore[union-attr]
+    finally:
+        store.close()
         client.close()
