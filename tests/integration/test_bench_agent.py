@@ -16,7 +16,8 @@ import pytest
 from elasticd.testing.localcluster import REPO_ROOT
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.soak  # a benchmark run (~11 s): `pytest -m soak tests/integration/test_bench_agent.py`; what it
+@pytest.mark.timeout(180)  # measures is in the default suite (test_node_agent.py, test_agent_faults.py)
 def test_bench_agent_measures_crash_drain_and_node_loss_with_no_step_lost(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "1", "--spare-reps", "0", "--json",
                            "--workdir", str(tmp_path)],

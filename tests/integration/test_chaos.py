@@ -68,7 +68,7 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
     netns = not _why_not_netns()  # the reason is printed by the run when it falls back
     code, report, err = _run_chaos(
         tmp_path / "chaos", 170,
-        "--minutes", "1", "--mean-interval-s", "2.5", "--warmup-s", "3", "--etcd-members", "3",
+        "--minutes", "1", "--mean-interval-s", "2.5", "--warmup-s", "2", "--etcd-members", "3",
         "--min-nodes", "1", "--seed", "3", "--netns" if netns else "--no-netns",
         "--relay", "mixed",  # both ways of following the job (rendezvous.relay) under the same faults
     )
