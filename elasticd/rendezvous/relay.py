@@ -25,196 +25,48 @@ The rules that keep a relayed view as good as a read of its own (``serve``, pure
   the relay did not answer within the bound of a put of the worker's own is made directly (a put is
   idempotent).
 
-This module holds the messages, the rule and the agent's side (``NodeRelay``); the worker's side is
-``rendezvous.relayed_store``. Never decides anything of the rendezvous; never imports etcd3 or torch.
+This module is the agent's side (``NodeRelay``); the messages and the rule are
+``rendezvous.relay_messages``, the worker's side ``rendezvous.relayed_store``. Never decides anything of the rendezvous; never imports etcd3 or torch.
 """
 
 from __future__ import annotations
 
-import base64
-import enum
-import json
 import os
 import queue
+import select
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.rendezvous.relay_messages import (
+    HEADER,
+    LEASE_LOST,
+    MAX_FRAME,
+    Frame,
+    PutRequest,
+    RelayError,
+    Reply,
+    decode_request,
+    encode_frame,
+    encode_reply,
+)
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import DECODE_ERRORS
 from elasticd.wire.roster import bucket_of, buckets_for, is_sparse
 from elasticd.wire.snapshot import parse_snapshot
 
 log = structlog.get_logger(__name__)
 
-MAX_FRAME = 1 << 24  # bytes: a frame longer than this is refused (a view is ~1 kB, a roster bucket more)
-HEADER = struct.Struct(">I")  # each frame: its length, then that many bytes of JSON
 LISTEN_BACKLOG = 256  # a node's workers connect at once when the agent starts them
 MAX_BATCH = 100  # puts in one transaction (etcd's default --max-txn-ops is 128)
 RECV_CHUNK = 65536
-
-
-class RelayError(Exception):
-    """A frame that is not one a relay sends (the worker stops listening to it)."""
-
-
-@dataclass(frozen=True)
-class Frame:
-    """What a relay sends: its newest good read and its newest failure."""
-
-    seq: int
-    read_at: float = 0.0  # CLOCK_MONOTONIC when the newest good read began (0: none yet)
-    view: tuple[KeyValue, ...] = ()  # that read of Keys.member_view
-    extra: tuple[KeyValue, ...] = ()  # ... and the single keys read with it (this node's roster bucket)
-    error: str = ""  # the newest read after it failed: why (etcd did not answer)
-    error_at: float = 0.0  # ... and when that failure ended
-
-
-def _kv_json(kv: KeyValue) -> list[object]:
-    return [kv.key, base64.b64encode(kv.value).decode(), kv.mod_revision, kv.create_revision, kv.lease]
-
-
-def _kv_of(row: object) -> KeyValue:
-    if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and isinstance(row[1], str)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in row[2:])):
-        raise RelayError(f"not a key-value row: {str(row)[:80]}")
-    return KeyValue(row[0], base64.b64decode(row[1], validate=True), row[2], row[3], row[4])
-
-
-def encode_frame(frame: Frame) -> bytes:
-    """``frame`` as sent: its length, then JSON."""
-    body = json.dumps({"seq": frame.seq, "read_at": frame.read_at, "view": [_kv_json(kv) for kv in frame.view],
-                       "extra": [_kv_json(kv) for kv in frame.extra], "error": frame.error,
-                       "error_at": frame.error_at}, separators=(",", ":")).encode()
-    return HEADER.pack(len(body)) + body
-
-
-def decode_frame(body: bytes) -> Frame:
-    """The frame whose JSON is ``body`` (without its length).
-
-    Raises:
-        RelayError: ``body`` is not a frame.
-    """
-    return _frame_of(_object(body))
-
-
-def _frame_of(d: dict[str, object]) -> Frame:
-    try:
-        seq, read_at, error, error_at, view, extra = d["seq"], d["read_at"], d["error"], d["error_at"], d["view"], d["extra"]
-        if not (_ints(seq) and isinstance(read_at, (int, float)) and isinstance(error, str)
-                and isinstance(error_at, (int, float)) and isinstance(view, list) and isinstance(extra, list)):
-            raise RelayError("a field of the wrong type")
-        return Frame(seq=seq, read_at=float(read_at), view=tuple(_kv_of(r) for r in view),  # type: ignore[arg-type]
-                     extra=tuple(_kv_of(r) for r in extra), error=error, error_at=float(error_at))
-    except (ValueError, KeyError, TypeError) as exc:  # base64's (binascii.Error is a ValueError)
-        raise RelayError(f"malformed frame: {exc}") from exc
-
-
-@dataclass(frozen=True)
-class PutRequest:
-    """A worker's leased put, sent to its relay."""
-
-    id: int
-    key: str
-    value: bytes
-    lease: int
-
-
-@dataclass(frozen=True)
-class Reply:
-    """The relay's answer to a ``PutRequest``: the revision written, or why not."""
-
-    id: int
-    revision: int = 0
-    error: str = ""  # "" written; LEASE_LOST: the lease is gone; else etcd did not answer, and why
-
-
-LEASE_LOST = "lease_lost"
-
-
-def _framed(d: dict[str, object]) -> bytes:
-    body = json.dumps(d, separators=(",", ":")).encode()
-    return HEADER.pack(len(body)) + body
-
-
-def encode_request(r: PutRequest) -> bytes:
-    return _framed({"put": r.id, "key": r.key, "value": base64.b64encode(r.value).decode(), "lease": r.lease})
-
-
-def encode_reply(r: Reply) -> bytes:
-    return _framed({"reply": r.id, "revision": r.revision, "error": r.error})
-
-
-def _object(body: bytes) -> dict[str, object]:
-    try:
-        d = json.loads(body)
-    except ValueError as exc:
-        raise RelayError(f"malformed message: {exc}") from exc
-    if not isinstance(d, dict):
-        raise RelayError("not an object")
-    return d
-
-
-def _ints(*values: object) -> bool:
-    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
-
-
-def decode_request(body: bytes) -> PutRequest:
-    """The put request whose JSON is ``body``.
-
-    Raises:
-        RelayError: ``body`` is not one.
-    """
-    d = _object(body)
-    key, value = d.get("key"), d.get("value")
-    if not (_ints(d.get("put"), d.get("lease")) and isinstance(key, str) and isinstance(value, str)):
-        raise RelayError("not a put request")
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except ValueError as exc:
-        raise RelayError(f"a put request's value: {exc}") from exc
-    return PutRequest(d["put"], key, raw, d["lease"])  # type: ignore[arg-type]
-
-
-def decode_message(body: bytes) -> Frame | Reply:
-    """What a relay sent: a frame, or the reply to a put.
-
-    Raises:
-        RelayError: neither.
-    """
-    d = _object(body)
-    if "reply" in d:
-        if not (_ints(d["reply"], d.get("revision")) and isinstance(d.get("error"), str)):
-            raise RelayError("a reply of the wrong shape")
-        return Reply(d["reply"], d["revision"], d["error"])  # type: ignore[arg-type]
-    return _frame_of(d)
-
-
-class Serve(enum.Enum):
-    VIEW = "view"  # the frame's read answers the member
-    FAIL = "fail"  # the relay's read after ``since`` failed: etcd did not answer
-    WAIT = "wait"  # no read after ``since`` yet: wait for the next frame
-
-
-def serve(frame: Frame | None, since: float) -> Serve:
-    """Whether ``frame`` answers a member's view read that needs a read begun at ``since`` or later. Pure."""
-    if frame is None:
-        return Serve.WAIT
-    if frame.read_at >= since and frame.read_at > 0:
-        return Serve.VIEW
-    if frame.error and frame.error_at >= since:
-        return Serve.FAIL
-    return Serve.WAIT
 
 
 # -- the agent's side ---------------------------------------------------------------------------
@@ -228,14 +80,18 @@ class _Client:
         self.sock = sock
         self.buf = bytearray()
         self.lock = threading.Lock()
+        self.gone = False  # dropped: shut down; the serve thread closes it (it owns the fds)
 
     def connected(self) -> bool:
-        """The worker has not shut its end (it does so before it writes etcd itself)."""
+        """The worker has not shut its end (it does so before it writes etcd itself), whatever it
+        sent before that is still unread."""
+        if self.gone:
+            return False
+        p = select.poll()
         try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True  # nothing to read: still there
-        except OSError:
+            p.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return not p.poll(0)
+        except (OSError, ValueError):  # closed
             return False
 
     def send_now(self, data: bytes) -> bool:
@@ -259,7 +115,9 @@ class NodeRelay:
         self._lock = threading.Lock()
         self._frame = Frame(seq=0)
         self._clients: list[_Client] = []
+        self._closing: list[_Client] = []  # dropped, to be closed by the serve thread
         self._puts: queue.Queue[tuple[_Client, PutRequest]] = queue.Queue()
+        self._carry: tuple[_Client, PutRequest] | None = None  # the write loop's next batch starts with it
         self._changed = threading.Event()  # a watched key changed: read now
         self._send = threading.Event()  # a new read or failure: send now
         self._stop = threading.Event()
@@ -345,9 +203,12 @@ class NodeRelay:
                     f = self._frame
                     self._frame = Frame(f.seq + 1, f.read_at, f.view, f.extra, str(exc)[:300] or "etcd unavailable",
                                         self._clock())
-            except DECODE_ERRORS as exc:  # a garbage generation record: the members' own parse reports it
-                log.warning("relay_read_failed", error=str(exc)[:200])
-                continue
+            except Exception as exc:
+                log.exception("relay_read_failed", node=self._node)
+                with self._lock:
+                    f = self._frame
+                    self._frame = Frame(f.seq + 1, f.read_at, f.view, f.extra,
+                                        f"the relay's read failed: {type(exc).__name__}: {exc}"[:300], self._clock())
             else:
                 with self._lock:
                     self._frame = Frame(self._frame.seq + 1, began, tuple(view), tuple(extra))
@@ -362,25 +223,42 @@ class NodeRelay:
             self._drop([c for c in clients if not c.send_now(data)])
 
     def _drop(self, dropped: list[_Client]) -> None:
+        """Shut these clients down; the serve thread unregisters and closes them (a socket closed
+        here could have its fd reused by an accept while another thread still holds it)."""
+        dropped = [c for c in dropped if not c.gone]
         if not dropped:
             return
         with self._lock:
             self._clients = [c for c in self._clients if c not in dropped]
+            for c in dropped:
+                c.gone = True
+                self._closing.append(c)
         for c in dropped:
+            with c.lock:
+                try:
+                    c.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        # a worker that exited, or one stopped long enough to fill its socket's buffer (it reads
+        # etcd itself once it runs again): not an error of the relay
+        log.info("relay_clients_dropped", node=self._node, dropped=len(dropped))
+
+    def _close_dropped(self) -> None:
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for c in closing:
             try:
                 self._selector.unregister(c.sock)
             except (KeyError, ValueError):
                 pass
             c.sock.close()
-        # a worker that exited, or one stopped long enough to fill its socket's buffer (it reads
-        # etcd itself once it runs again): not an error of the relay
-        log.info("relay_clients_dropped", node=self._node, dropped=len(dropped))
 
     # -- the workers' puts ----------------------------------------------------------------------
 
     def _serve_loop(self) -> None:
         """Accept workers and read their put requests (one thread: a selector is not shared)."""
         while not self._stop.is_set():
+            self._close_dropped()
             try:
                 ready = self._selector.select(self._timeouts.relay_heartbeat_s)
             except (OSError, ValueError):
@@ -388,14 +266,18 @@ class NodeRelay:
             for key, _ in ready:
                 if key.data is None:
                     self._accept()
-                else:
+                elif not key.data.gone:
                     self._receive(key.data)
 
     def _accept(self) -> None:
         assert self._sock is not None
         try:
             conn, _ = self._sock.accept()
-        except OSError:
+        except BlockingIOError:
+            return
+        except OSError as exc:  # out of fds (EMFILE): do not spin on a listener that stays readable
+            log.warning("relay_accept_failed", node=self._node, error=str(exc)[:200])
+            self._stop.wait(self._timeouts.relay_heartbeat_s)
             return
         conn.setblocking(False)
         client = _Client(conn)
@@ -430,15 +312,24 @@ class NodeRelay:
     def _write_loop(self) -> None:
         """Write what the workers sent meanwhile in one transaction (at most ``MAX_BATCH`` puts)."""
         while not self._stop.is_set():
-            try:
-                batch = [self._puts.get(timeout=self._timeouts.relay_heartbeat_s)]
-            except queue.Empty:
-                continue
+            if self._carry is not None:
+                batch, self._carry = [self._carry], None
+            else:
+                try:
+                    batch = [self._puts.get(timeout=self._timeouts.relay_heartbeat_s)]
+                except queue.Empty:
+                    continue
+            keys = {batch[0][1].key}
             while len(batch) < MAX_BATCH:
                 try:
-                    batch.append(self._puts.get_nowait())
+                    item = self._puts.get_nowait()
                 except queue.Empty:
                     break
+                if item[1].key in keys:  # etcd refuses a key twice in one transaction: next batch
+                    self._carry = item
+                    break
+                keys.add(item[1].key)
+                batch.append(item)
             # A worker that left this relay (it heard nothing for relay_stale_s: this agent was
             # stopped) writes its records itself: one queued here must not land after its own.
             batch = [(c, r) for c, r in batch if c.connected()]
@@ -456,12 +347,15 @@ class NodeRelay:
             return [(c, Reply(r.id, error=str(exc)[:300] or "etcd unavailable")) for c, r in batch]
         except LeaseLost:
             pass  # one of them: each alone, so the others are written
+        except Exception as exc:
+            log.exception("relay_write_failed", node=self._node)
+            return [(c, Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])) for c, r in batch]
         out = []
         for c, r in batch:
             try:
                 out.append((c, Reply(r.id, self._store.put(r.key, r.value, r.lease))))
             except LeaseLost:
                 out.append((c, Reply(r.id, error=LEASE_LOST)))
-            except EtcdUnavailable as exc:
-                out.append((c, Reply(r.id, error=str(exc)[:300] or "etcd unavailable")))
+            except Exception as exc:  # noqa: BLE001 (EtcdUnavailable, or refused: answer it)
+                out.append((c, Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])))
         return out

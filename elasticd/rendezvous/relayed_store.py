@@ -19,7 +19,7 @@ import structlog
 
 from elasticd.config import RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.rendezvous.relay import (
+from elasticd.rendezvous.relay_messages import (
     HEADER,
     LEASE_LOST,
     MAX_FRAME,
@@ -57,7 +57,7 @@ class RelayedStore:
         self._subs: dict[int, tuple[str, Callable[[], None]]] = {}
         self._direct_cancel: dict[int, Callable[[], None]] = {}
         self._next_sub = 0
-        self._job = keys.job + "/"  # the job's own keys
+        self._relayed_prefixes = (keys.member(""), keys.ready(""))  # the puts sent to the relay
         self._ids = itertools.count(1)
         self._pending: dict[int, list[Reply | None]] = {}  # put id -> [its reply], when it came
         self._send_lock = threading.Lock()
@@ -93,10 +93,11 @@ class RelayedStore:
                     self._on_frame(message)
         except TimeoutError:
             self._fall_back(f"nothing from the relay for {self._timeouts.relay_stale_s:g} s (relay_stale_s)")
-        except (OSError, RelayError, EOFError) as exc:
+        except Exception as exc:  # noqa: BLE001 (a broken or hostile relay: whatever it is, leave it)
             self._fall_back(f"{type(exc).__name__}: {exc}"[:200])
         finally:
-            self._sock.close()
+            with self._send_lock:  # not while a put is being sent on it
+                self._sock.close()
 
     def _recv_exactly(self, n: int) -> bytes:
         buf = bytearray()
@@ -237,14 +238,15 @@ class RelayedStore:
             self._dirty_since = self._clock()
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        """A leased record of the job (member, ready, progress) goes through the relay, which
-        writes its workers' puts together; the rest, or when the relay does not answer, directly.
+        """A member or ready record goes through the relay, which writes its workers' puts
+        together; the rest (the progress record, from the keepalive thread, which must never wait
+        on the relay), or when the relay does not answer, directly.
 
         Raises:
             LeaseLost: ``lease`` is gone.
             EtcdUnavailable: etcd did not answer (the relay's attempts or this member's own).
         """
-        if lease and key.startswith(self._job) and key not in self._watched and not self._direct:
+        if lease and key.startswith(self._relayed_prefixes) and not self._direct:
             got = self._relayed_put(PutRequest(next(self._ids), key, value, lease))
             if got is not None:
                 return got
@@ -271,9 +273,11 @@ class RelayedStore:
                 while slot[0] is None and not self._direct:
                     left = deadline - self._clock()
                     if left <= 0:
-                        return None
+                        break
                     self._cond.wait(left)
             reply = slot[0]
+            if reply is None:  # leave the relay first: what it still holds for me is then dropped
+                self._fall_back(f"the relay did not answer a put within {self._wait_s:g} s")
         finally:
             with self._cond:
                 self._pending.pop(request.id, None)

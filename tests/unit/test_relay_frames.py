@@ -1,4 +1,4 @@
-"""The node relay's pure parts (``rendezvous.relay``): the frame codec, its refusal of anything a
+"""The node relay's pure parts (``rendezvous.relay_messages``): the frame codec, its refusal of anything a
 relay does not send, and the rule that says whether a frame answers a member's view read."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from elasticd.config import ConfigError, Timeouts
-from elasticd.rendezvous.relay import (
+from elasticd.rendezvous.relay_messages import (
     LEASE_LOST,
     Frame,
     PutRequest,
@@ -52,8 +52,10 @@ def test_a_frame_round_trips_with_binary_values_and_its_length_prefix() -> None:
     json.dumps({"seq": 1, "read_at": 0, "view": [["k", "", True, 1, 0]], "extra": [], "error": "",
                 "error_at": 0}).encode(),
     json.dumps({"seq": 1, "read_at": 0, "view": {}, "extra": [], "error": "", "error_at": 0}).encode(),
+    b'{"seq": 1, "read_at": Infinity, "view": [], "extra": [], "error": "", "error_at": 0}',
+    b"[" * 100000 + b"]" * 100000,
 ], ids=["garbage", "a list", "no fields", "seq a string", "value not base64", "short row", "bool revision",
-        "view not a list"])
+        "view not a list", "a time not finite", "nested too deep"])
 def test_anything_but_a_frame_is_refused(raw: bytes) -> None:
     with pytest.raises(RelayError):
         decode_frame(raw)
@@ -93,7 +95,10 @@ def test_put_requests_and_replies_round_trip_and_are_told_apart_from_frames() ->
     json.dumps({"put": "1", "key": "k", "value": "", "lease": 1}).encode(),
     json.dumps({"put": 1, "key": 5, "value": "", "lease": 1}).encode(),
     json.dumps({"put": 1, "key": "k", "value": "", "lease": True}).encode(),
-], ids=["a list", "value not base64", "id a string", "key a number", "bool lease"])
+    json.dumps({"put": 1, "key": "k", "value": "", "lease": 2**63}).encode(),
+    json.dumps({"put": 1, "key": "k", "value": "", "lease": -1}).encode(),
+], ids=["a list", "value not base64", "id a string", "key a number", "bool lease", "lease too large",
+        "lease negative"])
 def test_anything_but_a_put_request_is_refused(raw: bytes) -> None:
     with pytest.raises(RelayError):
         decode_request(raw)

@@ -1,0 +1,178 @@
+"""The node relay's messages and the rule that serves a relayed view (``rendezvous.relay``).
+
+Owns the frames a relay sends (``Frame``: its newest good read of the members' view and its newest
+failure), the put requests a worker sends and their replies, their codecs (a length, then JSON;
+anything else is refused with ``RelayError``), and ``serve``: whether a frame answers a member's
+view read. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+from elasticd.store.kv import KeyValue
+
+MAX_FRAME = 1 << 24  # bytes: a frame longer than this is refused (a view is ~1 kB, a roster bucket more)
+HEADER = struct.Struct(">I")  # each frame: its length, then that many bytes of JSON
+
+
+class RelayError(Exception):
+    """A frame that is not one a relay sends (the worker stops listening to it)."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """What a relay sends: its newest good read and its newest failure."""
+
+    seq: int
+    read_at: float = 0.0  # CLOCK_MONOTONIC when the newest good read began (0: none yet)
+    view: tuple[KeyValue, ...] = ()  # that read of Keys.member_view
+    extra: tuple[KeyValue, ...] = ()  # ... and the single keys read with it (this node's roster bucket)
+    error: str = ""  # the newest read after it failed: why (etcd did not answer)
+    error_at: float = 0.0  # ... and when that failure ended
+
+
+def _kv_json(kv: KeyValue) -> list[object]:
+    return [kv.key, base64.b64encode(kv.value).decode(), kv.mod_revision, kv.create_revision, kv.lease]
+
+
+def _kv_of(row: object) -> KeyValue:
+    if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and isinstance(row[1], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in row[2:])):
+        raise RelayError(f"not a key-value row: {str(row)[:80]}")
+    return KeyValue(row[0], base64.b64decode(row[1], validate=True), row[2], row[3], row[4])
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """``frame`` as sent: its length, then JSON."""
+    body = json.dumps({"seq": frame.seq, "read_at": frame.read_at, "view": [_kv_json(kv) for kv in frame.view],
+                       "extra": [_kv_json(kv) for kv in frame.extra], "error": frame.error,
+                       "error_at": frame.error_at}, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def decode_frame(body: bytes) -> Frame:
+    """The frame whose JSON is ``body`` (without its length).
+
+    Raises:
+        RelayError: ``body`` is not a frame.
+    """
+    return _frame_of(_object(body))
+
+
+def _frame_of(d: dict[str, object]) -> Frame:
+    try:
+        seq, read_at, error, error_at, view, extra = d["seq"], d["read_at"], d["error"], d["error_at"], d["view"], d["extra"]
+        if not (_ints(seq) and isinstance(read_at, (int, float)) and isinstance(error, str)
+                and isinstance(error_at, (int, float)) and isinstance(view, list) and isinstance(extra, list)):
+            raise RelayError("a field of the wrong type")
+        if not (math.isfinite(read_at) and math.isfinite(error_at)):
+            raise RelayError("a time that is not finite")
+        return Frame(seq=seq, read_at=float(read_at), view=tuple(_kv_of(r) for r in view),  # type: ignore[arg-type]
+                     extra=tuple(_kv_of(r) for r in extra), error=error, error_at=float(error_at))
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:  # base64's (binascii.Error is a ValueError)
+        raise RelayError(f"malformed frame: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """A worker's leased put, sent to its relay."""
+
+    id: int
+    key: str
+    value: bytes
+    lease: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The relay's answer to a ``PutRequest``: the revision written, or why not."""
+
+    id: int
+    revision: int = 0
+    error: str = ""  # "" written; LEASE_LOST: the lease is gone; else etcd did not answer, and why
+
+
+LEASE_LOST = "lease_lost"
+
+
+def _framed(d: dict[str, object]) -> bytes:
+    body = json.dumps(d, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def encode_request(r: PutRequest) -> bytes:
+    return _framed({"put": r.id, "key": r.key, "value": base64.b64encode(r.value).decode(), "lease": r.lease})
+
+
+def encode_reply(r: Reply) -> bytes:
+    return _framed({"reply": r.id, "revision": r.revision, "error": r.error})
+
+
+def _object(body: bytes) -> dict[str, object]:
+    try:
+        d = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise RelayError(f"malformed message: {exc}") from exc
+    if not isinstance(d, dict):
+        raise RelayError("not an object")
+    return d
+
+
+def _ints(*values: object) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def decode_request(body: bytes) -> PutRequest:
+    """The put request whose JSON is ``body``.
+
+    Raises:
+        RelayError: ``body`` is not one.
+    """
+    d = _object(body)
+    key, value = d.get("key"), d.get("value")
+    lease = d.get("lease")
+    if not (_ints(d.get("put"), lease) and isinstance(key, str) and isinstance(value, str)
+            and 0 <= lease < 2**63):  # type: ignore[operator]
+        raise RelayError("not a put request")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError as exc:
+        raise RelayError(f"a put request's value: {exc}") from exc
+    return PutRequest(d["put"], key, raw, d["lease"])  # type: ignore[arg-type]
+
+
+def decode_message(body: bytes) -> Frame | Reply:
+    """What a relay sent: a frame, or the reply to a put.
+
+    Raises:
+        RelayError: neither.
+    """
+    d = _object(body)
+    if "reply" in d:
+        if not (_ints(d["reply"], d.get("revision")) and isinstance(d.get("error"), str)):
+            raise RelayError("a reply of the wrong shape")
+        return Reply(d["reply"], d["revision"], d["error"])  # type: ignore[arg-type]
+    return _frame_of(d)
+
+
+class Serve(enum.Enum):
+    VIEW = "view"  # the frame's read answers the member
+    FAIL = "fail"  # the relay's read after ``since`` failed: etcd did not answer
+    WAIT = "wait"  # no read after ``since`` yet: wait for the next frame
+
+
+def serve(frame: Frame | None, since: float) -> Serve:
+    """Whether ``frame`` answers a member's view read that needs a read begun at ``since`` or later. Pure."""
+    if frame is None:
+        return Serve.WAIT
+    if frame.read_at >= since and frame.read_at > 0:
+        return Serve.VIEW
+    if frame.error and frame.error_at >= since:
+        return Serve.FAIL
+    return Serve.WAIT
