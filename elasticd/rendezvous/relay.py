@@ -6,7 +6,7 @@ a change of membership costs etcd one watch event and one read per worker. With 
 ``Keys.member_view`` (and, for a large generation, this node's roster bucket) once per change and
 at least every ``relay_heartbeat_s``, and sends each read to its workers over a Unix socket. A
 worker's ``RelayedStore`` answers the membership's view reads and watches from those frames and
-sends its leased records (member, ready, progress) to the relay, which writes what its workers
+sends its member and ready records to the relay, which writes what its workers
 sent meanwhile in one transaction (``put_many``: a node's registrations and ready records are one
 request, not one per worker); everything else (its lease and renewals, the coordinator's full reads,
 the unleased writes) goes straight to etcd. Each worker keeps its own lease, so a crashed worker is

@@ -1,7 +1,7 @@
 """A worker's side of its node's relay (``RelayedStore``; the relay and its rules: ``rendezvous.relay``).
 
 A ``KeyValueStore`` that answers the membership's view reads and watches from the frames its node's
-relay sends, sends its leased puts (member, ready and progress records) to the relay, which batches
+relay sends, sends its member and ready records to the relay, which batches
 them, and everything else straight to etcd. When the relay goes quiet for ``relay_stale_s``, breaks
 or sends something malformed, it reads, watches and writes etcd itself from then on. Never imports
 etcd3 or torch.
