@@ -122,7 +122,7 @@ class Agent(AgentDaemon):
         self._drain_acted = False
         self._last_exit: dict[int, str] = {}
         self._since: float | None = None  # wall clock of the node id claim
-        self._relay_path = ""  # this node's relay socket, while the relay runs
+        self._relay: NodeRelay | None = None  # this node's relay, while it runs
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -178,7 +178,7 @@ class Agent(AgentDaemon):
             return AgentOutcome(EXIT_OK, f"stopped while waiting for the node id: {claim.reason}")
         self._presence = presence
         self._presence.start()
-        relay = self._start_relay() if c.relay else None
+        self._relay = self._start_relay() if c.relay else None
         if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
             self._reader = JobReader(self._store, self._keys, self._clock, job_read_interval_s(
                 c, live_consumers=self._metrics is not None or self._notifier.enabled))
@@ -188,10 +188,9 @@ class Agent(AgentDaemon):
                 self._presence.event(EventKind.NODE_DRAINED, node=c.node_id)
             return outcome
         finally:
-            if relay is not None:
-                relay.close()
-                os.rmdir(os.path.dirname(relay.path))
-            self._relay_path = ""
+            if self._relay is not None:
+                _close_relay(self._relay)
+                self._relay = None
             # Bounded: the last events, the drain request and the node record (its lease) go now.
             self._presence.close(2 * c.timeouts.etcd_request_s)
             self._presence = None
@@ -206,10 +205,8 @@ class Agent(AgentDaemon):
             relay.start()
         except (OSError, EtcdUnavailable) as exc:
             log.warning("relay_not_started", error=str(exc)[:200])
-            relay.close()
-            os.rmdir(os.path.dirname(relay.path))
+            _close_relay(relay)
             return None
-        self._relay_path = relay.path
         return relay
 
     def _on_drain_request(self, request: DrainRecord | None) -> None:
@@ -418,7 +415,7 @@ class Agent(AgentDaemon):
         c = self._config
         slot = self.snapshot.slots[local_rank]
         spare = c.starts_spare(local_rank, slot.starts)
-        env = c.worker_env(local_rank, spare, self._relay_path)  # NCCL's watchdog settings are defaults: the agent's own environment wins
+        env = c.worker_env(local_rank, spare, self._relay.path if self._relay is not None else "")  # NCCL's watchdog settings are defaults: the agent's own environment wins
         pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(env), nccl_environ(env.timeouts)))
         if isinstance(pid, WorkerExit):
             e = pid
@@ -462,3 +459,9 @@ class Agent(AgentDaemon):
                 continue
             log.info("worker_lease_revoked", local_rank=local_rank, pid=pid, member=member, lease=lease,
                      took_s=round(self._clock() - started, 4))
+
+
+def _close_relay(relay: NodeRelay) -> None:
+    """Stop ``relay`` and remove the directory of its socket (``Agent._start_relay`` made it)."""
+    relay.close()
+    os.rmdir(os.path.dirname(relay.path))

@@ -162,6 +162,7 @@ class NodeRelay:
                 pass
         for t in self._threads:
             t.join(timeout=self._timeouts.etcd_request_s * 2)
+        self._close_dropped()  # the serve thread has stopped: those it had still to close
         with self._lock:
             for c in self._clients:
                 c.sock.close()
@@ -173,10 +174,6 @@ class NodeRelay:
             os.unlink(self.path)
         except OSError:
             pass
-
-    def clients(self) -> int:
-        with self._lock:
-            return len(self._clients)
 
     # -- the view -------------------------------------------------------------------------------
 
