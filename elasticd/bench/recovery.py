@@ -7,7 +7,9 @@ table, or one JSON object with ``--json``). It runs local jobs of the default wo
 
 * ``recovery_sigkill_s`` / ``recovery_sigstop_s``: fault injected into a worker -> the survivors'
   first commit in a new generation (audit ``commit`` lines' ``t``);
-* ``join_s``: a newcomer's audit ``start`` line -> its first ``commit`` line;
+* ``join_s``: a newcomer's audit ``start`` line -> its first ``commit`` line, and ``join_pause_s``:
+  what the join cost the members training meanwhile (their last commit before the generation that
+  took the newcomer in -> the first commit in it);
 * ``overhead_ratio``: elastic step time / plain torch DDP (``agents/mlp_ddp.py``) step time, each
   the wall time of steps 50..1000 / the steps (the jobs' throughput), one job of each per
   repetition in alternating order; the elastic workers keep their audit lines in memory until
@@ -131,6 +133,7 @@ class FaultRep:
     sigstop_s: float | None = None
     sigstop_victim_rank: int | None = None
     join_s: float | None = None
+    join_pause_s: float | None = None
     join_transferred_bytes: int | None = None
     exit_after_final_s: float | None = None
     timeline: dict[str, dict[str, float | None]] = field(default_factory=dict)
@@ -224,6 +227,14 @@ def fault_timeline(evs: Sequence[Record], fault_t: float, old_gen: int, new_gen:
     }
 
 
+def join_pause(job: BenchJob, generation: int) -> float | None:
+    """The members' pause at a join: the last commit before ``generation`` -> its first commit."""
+    commits = [c for w in job.workers for c in w.commits]
+    before = [field_float(c, "t") for c in commits if field_int(c, "generation") < generation]
+    inside = [field_float(c, "t") for c in commits if field_int(c, "generation") == generation]
+    return min(inside) - max(before) if before and inside else None
+
+
 def join_timeline(evs: Sequence[Record], newcomer: int, start_t: float, gen: int,
                   commit_t: float) -> dict[str, float | None]:
     """Seconds after the newcomer's ``start`` line at which each part of its join happened."""
@@ -275,6 +286,7 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
         assert newcomer.start_t is not None
         joined = newcomer.commits[0]
         out.join_s = field_float(joined, "t") - newcomer.start_t
+        out.join_pause_s = join_pause(job, field_int(joined, "generation"))
         join_marks = (newcomer.index, newcomer.start_t, field_int(joined, "generation"), field_float(joined, "t"))
 
         # SIGSTOP: nothing breaks until the victim's lease expires; then the survivors move on.
@@ -635,6 +647,7 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
         "recovery_sigstop_s": median_of(f.sigstop_s for f in faults),
         "lease_ttl_s": s.lease_ttl_s,
         "join_s": median_of(f.join_s for f in faults),
+        "join_pause_s": median_of(f.join_pause_s for f in faults),
         "overhead_ratio": median_of(o.ratio for o in overheads),
         "transfer_ratio": median_of(ratios),
         "transfer_vs_send_ratio": median_of(send_ratios),
@@ -675,6 +688,7 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
             "recovery_sigstop_s": samples(f.sigstop_s for f in faults),
             "sigstop_victim_rank": [f.sigstop_victim_rank for f in faults],
             "join_s": samples(f.join_s for f in faults),
+            "join_pause_s": samples(f.join_pause_s for f in faults),
             "exit_after_final_s": samples(f.exit_after_final_s for f in faults),
             "overhead_ratio": samples(o.ratio for o in overheads),
             "elastic_step_s": samples(o.elastic_step_s for o in overheads),
@@ -723,6 +737,7 @@ def render_recovery(result: Mapping[str, object]) -> str:
         f"{'recovery_sigstop_s':<22}{fmt(fig['recovery_sigstop_s']):>10}   {spread('recovery_sigstop_s'):<26}"
         f"lease TTL {ttl:g} s; target <= {ttl + 1:g} s",
         f"{'join_s':<22}{fmt(fig['join_s']):>10}   {spread('join_s'):<26}newcomer start -> its first commit",
+        f"{'join_pause_s':<22}{fmt(fig['join_pause_s']):>10}   {spread('join_pause_s'):<26}the members' last commit before the join's generation -> its first",
         f"{'overhead_ratio':<22}{fmt(fig['overhead_ratio']):>10}   {spread('overhead_ratio'):<26}"
         "elastic / DDP mean step time; target <= 1.03",
         f"{'transfer_ratio':<22}{fmt(fig['transfer_ratio']):>10}   {spread('transfer_ratio'):<26}"

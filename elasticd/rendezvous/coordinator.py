@@ -26,7 +26,16 @@ import structlog
 
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.rendezvous.decide import ActionKind, Window, candidates_of, generation_broken, judge, publish_decision
+from elasticd.rendezvous.decide import (
+    ActionKind,
+    Window,
+    candidates_of,
+    generation_broken,
+    join_window_closes_at,
+    judge,
+    publish_decision,
+    waiting_newcomers,
+)
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -60,7 +69,7 @@ class Coordinator:
         self._elected = elected  # False: a deputy (publishes, writes no verdict, needs no election)
         self._take_over = take_over  # a deputy's: claim the role from a coordinator it left out
         self._window: Window | None = None  # the current round (None: nobody waits)
-        self._candidates: frozenset[str] = frozenset()
+        self._newcomers: frozenset[str] = frozenset()
         self._broken_seen = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -88,9 +97,10 @@ class Coordinator:
             action = None
         else:
             action = publish_decision(snap, window, now, self._world, self._timeouts)
+        closes = join_window_closes_at(snap, window, now, self._world, self._timeouts)
         if self._elected:
             error = action.error if action is not None and action.kind is ActionKind.STATE_LOST else ""
-            verdict = judge(snap, self._world, error)
+            verdict = judge(snap, self._world, error, join_open=closes is not None)
             if verdict is not None and verdict != snap.verdict:  # None: nothing to say (a stale one says nothing)
                 self._store.compare_and_put(self._keys.verdict, snap.verdict_revision, encode(verdict))
         if action is None:
@@ -119,19 +129,21 @@ class Coordinator:
                     # (a newcomer, a verdict) does not wait for its lease to end.
                     self._take_over(snap.coordinator_revision)
             return now  # read again at once: the verdict on the new generation, or the winner's record
+        if closes is not None:  # the members are told of the newcomers when their window closes
+            return closes if action.until is None else min(action.until, closes)
         return action.until
 
     def _track(self, snap: Snapshot, now: float) -> Window | None:
         """The round's window on this clock: when members began to wait, when the set of waiting
-        members last changed, when the generation was first seen broken."""
-        cands = frozenset(r.member_id for r in candidates_of(snap))
-        if not cands:
-            self._window, self._candidates = None, cands
+        newcomers last changed, when the generation was first seen broken."""
+        if not candidates_of(snap):
+            self._window, self._newcomers = None, frozenset()
             return None
-        window = self._window or Window(entered_at=now, candidates_changed_at=now)
-        if cands != self._candidates:
-            window = replace(window, candidates_changed_at=now)
-            self._candidates = cands
+        newcomers = waiting_newcomers(snap)
+        window = self._window or Window(entered_at=now, newcomers_changed_at=now)
+        if newcomers != self._newcomers:
+            window = replace(window, newcomers_changed_at=now)
+            self._newcomers = newcomers
         broken = snap.generation.generation if snap.generation and generation_broken(snap) else 0
         if broken != self._broken_seen:
             self._broken_seen = broken

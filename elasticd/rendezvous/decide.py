@@ -40,7 +40,9 @@ class Window:
     """What this process saw of the current round, on its own monotonic clock."""
 
     entered_at: float
-    candidates_changed_at: float
+    # When the set of waiting newcomers (``waiting_newcomers``) last changed: the join window runs
+    # from it. Members of the current generation arriving at the rendezvous do not move it.
+    newcomers_changed_at: float
     broken_at: float | None = None  # when this member first saw the current generation broken
 
 
@@ -255,7 +257,7 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
     old = set(g.members) if g else set()
     newcomers = {m for m in ids - old if not is_spare(snap, m)}
-    settle = window.candidates_changed_at + timeouts.join_window_s
+    settle = window.newcomers_changed_at + timeouts.join_window_s
     if newcomers and len(chosen) < world.max_workers and now < settle:
         return Action(ActionKind.WAIT, "join window open", until=settle)
     rank0 = snap.members[chosen[0].member_id]
@@ -292,12 +294,39 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
     )
 
 
-def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord | None:
+def waiting_newcomers(snap: Snapshot) -> frozenset[str]:
+    """The ready candidates outside the current generation (every candidate before the first one):
+    whose arrivals open and extend the join window. Pure."""
+    old = set(snap.generation.members) if snap.generation else set()
+    return frozenset(r.member_id for r in candidates_of(snap) if r.member_id not in old)
+
+
+def join_window_closes_at(snap: Snapshot, window: Window | None, now: float, world: WorldConfig,
+                          timeouts: Timeouts) -> float | None:
+    """While newcomers that a regroup of the current generation would admit are inside their join
+    window, when it closes (``join_window_s`` after the set of waiting newcomers last changed);
+    None when it is over, cut short (taking them in brings the generation to ``max_workers``), or
+    nobody new waits. Until then the generation's members are not told of the newcomers (``judge``):
+    they train on, since a regroup would only wait for the window to close (it cost every join
+    ~0.25 s of training). Pure."""
+    g = snap.generation
+    if g is None or window is None:
+        return None
+    admitted = newcomers_admitted(snap, g, world)
+    if not admitted or g.world_size + len(admitted) >= world.max_workers:
+        return None
+    closes = window.newcomers_changed_at + timeouts.join_window_s
+    return closes if now < closes else None
+
+
+def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool = False) -> VerdictRecord | None:
     """The coordinator's verdict on the current generation of a full snapshot (pure), or None when
     there is nothing to say (a healthy generation, nobody waiting to be admitted, no lost state,
     one model, or a finished job whose members are leaving): members take no verdict for a healthy
-    one. ``error``: the job's state is lost (``publish_decision``). A verdict already stored for the generation keeps its reason to abandon:
-    members that leave one by one must not rewrite a record that every member watches."""
+    one. ``error``: the job's state is lost (``publish_decision``). ``join_open``: the newcomers'
+    join window is still open (``join_window_closes_at``): they are not announced yet. A verdict
+    already stored for the generation keeps its reason to abandon: members that leave one by one
+    must not rewrite a record that every member watches."""
     g = snap.generation
     if g is None:
         sigs = {r.signature for r in snap.ready.values() if r.member_id in snap.members}
@@ -315,7 +344,7 @@ def judge(snap: Snapshot, world: WorldConfig, error: str = "") -> VerdictRecord 
             what, ids = ("lost their lease", lost) if lost else ("left the generation", left)
             more = f" and {len(ids) - VERDICT_IDS} more" if len(ids) > VERDICT_IDS else ""
             abandon = f"members {what}: {ids[:VERDICT_IDS]}{more}"
-    pending = bool(newcomers_admitted(snap, g, world))
+    pending = not join_open and bool(newcomers_admitted(snap, g, world))
     orphaned = not any(m in snap.members for m in g.members)
     if not (abandon or pending or orphaned or error):
         return None

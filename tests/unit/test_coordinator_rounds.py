@@ -88,6 +88,41 @@ def test_a_lost_member_is_judged_once_and_the_survivors_regroup() -> None:
     assert decode_verdict(store.get(KEYS.verdict).value).generation == g.generation  # type: ignore[union-attr]
 
 
+def test_members_train_through_a_newcomers_join_window_and_regroup_once_it_closed() -> None:
+    """Issue 10 (ETTR): the verdict's pending flag (which stops the members at their next step) is
+    written when the newcomer's join window closes, not when it arrives, and the members' arrival at
+    the rendezvous does not open the window again: one regroup, no idle join window."""
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(60)
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=2, max_workers=4))
+    _member(store, "a.0.1", lease, step=0)
+    _member(store, "b.0.2", lease, step=0)
+    c.round()
+    clock.advance(T.join_window_s)
+    c.round()
+    g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g.members == ("a.0.1", "b.0.2")
+    c.round()
+    clock.advance(5.0)  # training
+    _member(store, "n.0.3", lease)  # a newcomer
+    arrived = clock()
+    until = c.round()
+    assert store.get(KEYS.verdict) is None  # not yet: a and b train on through the window
+    assert until == pytest.approx(arrived + T.join_window_s)
+    clock.advance(T.join_window_s)
+    c.round()
+    kv = store.get(KEYS.verdict)
+    assert kv is not None and decode_verdict(kv.value).pending == 1 and not decode_verdict(kv.value).abandon
+    clock.advance(0.05)  # a and b reach their step boundary
+    _member(store, "a.0.1", lease, step=9, prev=g.generation)
+    c.round()
+    _member(store, "b.0.2", lease, step=9, prev=g.generation)
+    assert c.round() == clock()  # published at once: their arrival did not reopen the window
+    g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g2.members == ("a.0.1", "b.0.2", "n.0.3") and g2.reason == "join"
+
+
 def test_a_coordinator_whose_record_names_another_stands_down() -> None:
     clock = ManualClock()
     store = FakeKeyValueStore(clock)

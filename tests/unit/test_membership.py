@@ -14,7 +14,16 @@ from dataclasses import asdict, dataclass, field
 import pytest
 
 from elasticd.config import Timeouts, WorldConfig
-from elasticd.rendezvous.decide import Action, ActionKind, Me, Window, next_action
+from elasticd.rendezvous.decide import (
+    Action,
+    ActionKind,
+    Me,
+    Window,
+    join_window_closes_at,
+    judge,
+    next_action,
+    waiting_newcomers,
+)
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
@@ -82,10 +91,10 @@ def me(mid: str, last_gen: int = 0, sig: str = SIG) -> Me:
 
 def settled(entered: float = NOW - 10.0, changed: float = NOW - 10.0) -> Window:
     """A window whose join window and last call are long over."""
-    return Window(entered_at=entered, candidates_changed_at=changed)
+    return Window(entered_at=entered, newcomers_changed_at=changed)
 
 
-FRESH = Window(entered_at=NOW - 0.1, candidates_changed_at=NOW - 0.1)  # both still open at NOW
+FRESH = Window(entered_at=NOW - 0.1, newcomers_changed_at=NOW - 0.1)  # both still open at NOW
 
 W1 = WorldConfig(min_workers=1, max_workers=8)
 
@@ -519,3 +528,58 @@ def test_ready_records_written_before_the_generation_record_are_consumed(
     s = parse_snapshot(keys, kvs)
     assert sorted(s.ready) == left and sorted(s.ready_order) == left
     assert not s.malformed
+
+
+# -- a join window does not stop the generation's members (issue 10: ETTR) -----------------------
+# The members of a healthy generation are told of newcomers (the verdict's pending flag) only once
+# the newcomers' join window is over: a regroup earlier would only wait for it to close. The window
+# runs from the last change of the set of waiting newcomers, not of every ready candidate, so the
+# members' own arrival at the rendezvous does not open it again.
+
+G2_AB = gen(2, ["a", "b"])
+W4 = WorldConfig(min_workers=1, max_workers=4)
+
+
+@pytest.mark.parametrize(("name", "s", "window", "world", "closes"), [
+    ("a newcomer arrived 0.1 s ago: open until 0.25 s after it",
+     snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), Window(NOW - 0.1, NOW - 0.1), W4, NOW + 0.15),
+    ("a second newcomer 0.05 s ago extends it",
+     snap(G2_AB, alive=["a", "b", "n", "m"], ready_recs=[ready("n"), ready("m")]), Window(NOW - 0.3, NOW - 0.05),
+     WorldConfig(min_workers=1, max_workers=8), NOW + 0.2),
+    ("over", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), Window(NOW - 0.3, NOW - 0.3), W4, None),
+    ("cut short: taking the newcomers in brings the generation to max_workers",
+     snap(G2_AB, alive=["a", "b", "n", "m"], ready_recs=[ready("n"), ready("m")]), Window(NOW - 0.1, NOW - 0.1),
+     W4, None),
+    ("nobody new waits (members regroup)",
+     snap(G2_AB, alive=["a", "b"], ready_recs=[ready("a", 3, 2, 0)]), Window(NOW - 0.1, NOW - 0.1), W4, None),
+    ("a standby beyond max_workers is no newcomer to admit",
+     snap(gen(2, ["a", "b", "c", "d"]), alive=["a", "b", "c", "d", "n"], ready_recs=[ready("n")]),
+     Window(NOW - 0.1, NOW - 0.1), W4, None),
+    ("no generation yet: the first one's join window is publish_decision's",
+     snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n")]), Window(NOW - 0.1, NOW - 0.1), W4, None),
+    ("no window", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), None, W4, None),
+])
+def test_join_window_closes_at(name: str, s: Snapshot, window: Window | None, world: WorldConfig,
+                               closes: float | None) -> None:
+    got = join_window_closes_at(s, window, NOW, world, T)
+    assert got == (pytest.approx(closes) if closes is not None else None), name
+
+
+def test_judge_announces_newcomers_only_once_their_window_closed_and_a_break_at_once() -> None:
+    waiting = snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")])
+    assert judge(waiting, W4, join_open=True) is None  # nothing to say yet: the members train on
+    v = judge(waiting, W4)
+    assert v is not None and v.pending == 1 and not v.abandon
+    broken = snap(G2_AB, alive=["a", "n"], ready_recs=[ready("n")])  # b lost its lease
+    v = judge(broken, W4, join_open=True)
+    assert v is not None and "b" in v.abandon and v.pending == 0
+
+
+def test_the_members_own_arrival_does_not_reopen_the_join_window() -> None:
+    """Publish as soon as every member came, once the window of the newcomer has closed (before,
+    each member's ready record moved it and the members waited another join_window_s)."""
+    s = snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n"), ready("a", 5, 2, 0), ready("b", 5, 2, 1)])
+    assert waiting_newcomers(s) == frozenset({"n"})
+    action = decide(s, me("a", 2), window=Window(NOW - 0.4, NOW - 0.3))
+    assert action.kind is ActionKind.PUBLISH and action.record is not None
+    assert action.record.members == ("a", "b", "n") and action.record.reason == "join"
