@@ -41,8 +41,9 @@ class Timeouts:
 
     join_s: float = _seconds("Bound on one whole rendezvous (joining a generation).", 120.0)
     join_window_s: float = _seconds(
-        "After the set of waiting members last changed, how long to wait for more before a "
-        "generation that adds newcomers is published (skipped at max size).",
+        "After the set of waiting newcomers last changed, how long to wait for more before a "
+        "generation that adds them is published (skipped at max size); the members train on "
+        "meanwhile and are told of the newcomers when it closes.",
         0.25,
     )
     last_call_s: float = _seconds(
