@@ -51,6 +51,10 @@ class Timeouts:
         "the rendezvous yet; the rest are left out and rejoin as newcomers.",
         0.3,
     )
+    probe_s: float = _seconds(
+        "How long the coordinator waits for a missing member's store port to answer a connect: refused, "
+        "its process is gone and the round goes on without it; no answer, it keeps its last call "
+        "(rendezvous.probe).", 0.05)
     coordinator_grace_s: float = _seconds(
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "

@@ -36,6 +36,7 @@ from elasticd.rendezvous.decide import (
     publish_decision,
     waiting_newcomers,
 )
+from elasticd.rendezvous.probe import refused, to_probe
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -70,6 +71,7 @@ class Coordinator:
         self._take_over = take_over  # a deputy's: claim the role from a coordinator it left out
         self._window: Window | None = None  # the current round (None: nobody waits)
         self._newcomers: frozenset[str] = frozenset()
+        self._probed: dict[str, bool] = {}  # member -> its store port refused a connect (this round window)
         self._broken_seen = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -96,7 +98,8 @@ class Coordinator:
         if window is None:
             action = None
         else:
-            action = publish_decision(snap, window, now, self._world, self._timeouts)
+            live = self._without_gone(snap, window)
+            action = publish_decision(live, window, now, self._world, self._timeouts)
         closes = join_window_closes_at(snap, window, now, self._world, self._timeouts)
         if self._elected:
             error = action.error if action is not None and action.kind is ActionKind.STATE_LOST else ""
@@ -121,7 +124,7 @@ class Coordinator:
                 log.info("generation_published", generation=record.generation,
                          world_size=record.world_size, members=list(record.members[:16]),
                          cause=action.reason, by="coordinator" if self._elected else "deputy")
-                self._window = None
+                self._window, self._probed = None, {}
                 if self._take_over is not None and snap.coordinator is not None \
                         and snap.coordinator.member_id not in record.members:
                     # The coordinator did not come to this rendezvous (dead, unrevoked, or stopped):
@@ -133,11 +136,31 @@ class Coordinator:
             return closes if action.until is None else min(action.until, closes)
         return action.until
 
+    def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
+        """``snap`` without the members of the broken generation that have not come to the
+        rendezvous and whose host refuses their store port (``rendezvous.probe``): their process
+        is gone, and no last call is held for them. Each is asked once per round window."""
+        g = snap.generation
+        if g is None or window.broken_at is None:
+            return snap
+        ready = {r.member_id for r in candidates_of(snap)}
+        missing = [m for m in g.members if m in snap.members and m not in ready]
+        for rec in to_probe(missing, snap.members, self._probed):
+            self._probed[rec.member_id] = refused(rec.host, rec.store_port, self._timeouts.probe_s)
+            if self._probed[rec.member_id]:
+                log.info("member_gone", member=rec.member_id, generation=g.generation,
+                         why=f"its store port {rec.host}:{rec.store_port} refuses connections")
+        gone = {m for m in missing if self._probed.get(m)}
+        if not gone:
+            return snap
+        return replace(snap, members={m: r for m, r in snap.members.items() if m not in gone})
+
     def _track(self, snap: Snapshot, now: float) -> Window | None:
         """The round's window on this clock: when members began to wait, when the set of waiting
         newcomers last changed, when the generation was first seen broken."""
         if not candidates_of(snap):
             self._window, self._newcomers = None, frozenset()
+            self._probed = {}
             return None
         newcomers = waiting_newcomers(snap)
         window = self._window or Window(entered_at=now, newcomers_changed_at=now)

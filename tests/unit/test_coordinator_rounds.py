@@ -3,6 +3,8 @@ when it publishes, what verdict it writes and how often, and that a stale one st
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from elasticd.config import Timeouts, WorldConfig
@@ -11,6 +13,7 @@ from elasticd.rendezvous.decide import Window
 from elasticd.rendezvous.reader import JobReader
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
+    AbortRecord,
     CoordinatorRecord,
     MemberRecord,
     ReadyRecord,
@@ -183,3 +186,61 @@ T_POLL = Timeouts(keepalive_s=1.5, lease_ttl_s=4.0, round_poll_s=0.25)
 ])
 def test_round_wait_s(until: float | None, window: Window | None, now: float, expected: float) -> None:
     assert round_wait_s(until, window, now, T_POLL) == pytest.approx(expected)
+
+
+def _listening() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(4)
+    return s
+
+
+def _member_at(store: FakeKeyValueStore, name: str, lease: int, port: int, step: int = -1, prev: int = 0,
+               ready: bool = True) -> None:
+    store.put(KEYS.member(name), encode(MemberRecord(name, name.split(".")[0], 0, 1, "127.0.0.1", port, "s")),
+              lease=lease)
+    if ready:
+        store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
+
+
+@pytest.mark.parametrize("gone", [True, False])
+def test_a_missing_member_whose_port_refuses_is_left_out_at_once_else_it_gets_its_last_call(gone: bool) -> None:
+    """A node lost with its agent: nobody revoked its worker's lease, but the port the worker
+    advertised refuses connections, so the survivors' generation is published without the last
+    call (rendezvous.probe). A port that still accepts (a live or a stopped process) decides nothing."""
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(60)
+    socks = [_listening() for _ in range(3)]
+    ports = [s.getsockname()[1] for s in socks]
+    try:
+        c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3))
+        names = ["a.0.1", "b.0.2", "c.0.3"]
+        for name, port in zip(names, ports, strict=True):
+            _member_at(store, name, lease, port, step=0)
+        c.round()
+        clock.advance(T.join_window_s)
+        c.round()
+        g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+        assert g.world_size == 3
+        if gone:
+            socks[2].close()  # c's process is gone; its lease lives on
+        clock.advance(5.0)
+        # a's all_reduce broke (c's sockets closed): a aborts the generation; a and b come
+        store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "gradient all_reduce failed")))
+        _member_at(store, "a.0.1", lease, ports[0], step=7, prev=g.generation)
+        _member_at(store, "b.0.2", lease, ports[1], step=7, prev=g.generation)
+        until = c.round()
+        g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+        if gone:
+            assert g2.generation == g.generation + 1 and g2.members == ("a.0.1", "b.0.2") and until == clock()
+
+        else:
+            assert g2.generation == g.generation and until == pytest.approx(clock() + T.last_call_s)
+            clock.advance(T.last_call_s)
+            c.round()
+            g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+            assert g2.members == ("a.0.1", "b.0.2") and g2.reason == "aborted"
+    finally:
+        for s in socks:
+            s.close()
