@@ -71,7 +71,8 @@ class Coordinator:
         self._take_over = take_over  # a deputy's: claim the role from a coordinator it left out
         self._window: Window | None = None  # the current round (None: nobody waits)
         self._newcomers: frozenset[str] = frozenset()
-        self._probed: dict[str, bool] = {}  # member -> its store port refused a connect (this round window)
+        self._probed: dict[str, bool] = {}  # member -> its store port refused a connect (in _probed_generation)
+        self._probed_generation = 0
         self._broken_seen = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -124,7 +125,7 @@ class Coordinator:
                 log.info("generation_published", generation=record.generation,
                          world_size=record.world_size, members=list(record.members[:16]),
                          cause=action.reason, by="coordinator" if self._elected else "deputy")
-                self._window, self._probed = None, {}
+                self._window = None
                 if self._take_over is not None and snap.coordinator is not None \
                         and snap.coordinator.member_id not in record.members:
                     # The coordinator did not come to this rendezvous (dead, unrevoked, or stopped):
@@ -139,19 +140,25 @@ class Coordinator:
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the
         rendezvous and whose host refuses their store port (``rendezvous.probe``): their process
-        is gone, and no last call is held for them. Each is asked once per round window."""
+        is gone, and no last call is held for them. Each is asked once per generation. Never all
+        of the generation's members that are left: on a probe alone the job's state is not given
+        up (their leases decide that, as before)."""
         g = snap.generation
         if g is None or window.broken_at is None:
             return snap
+        if g.generation != self._probed_generation:
+            self._probed, self._probed_generation = {}, g.generation
         ready = {r.member_id for r in candidates_of(snap)}
         missing = [m for m in g.members if m in snap.members and m not in ready]
-        for rec in to_probe(missing, snap.members, self._probed):
-            self._probed[rec.member_id] = refused(rec.host, rec.store_port, self._timeouts.probe_s)
-            if self._probed[rec.member_id]:
+        ask = to_probe(missing, snap.members, self._probed)
+        answers = refused([(r.host, r.store_port) for r in ask], self._timeouts.probe_s) if ask else []
+        for rec, gone_now in zip(ask, answers, strict=True):
+            self._probed[rec.member_id] = gone_now
+            if gone_now:
                 log.info("member_gone", member=rec.member_id, generation=g.generation,
                          why=f"its store port {rec.host}:{rec.store_port} refuses connections")
         gone = {m for m in missing if self._probed.get(m)}
-        if not gone:
+        if not gone or all(m in gone for m in g.members if m in snap.members):
             return snap
         return replace(snap, members={m: r for m, r in snap.members.items() if m not in gone})
 
@@ -159,8 +166,7 @@ class Coordinator:
         """The round's window on this clock: when members began to wait, when the set of waiting
         newcomers last changed, when the generation was first seen broken."""
         if not candidates_of(snap):
-            self._window, self._newcomers = None, frozenset()
-            self._probed = {}
+            self._window, self._newcomers, self._broken_seen = None, frozenset(), 0
             return None
         newcomers = waiting_newcomers(snap)
         window = self._window or Window(entered_at=now, newcomers_changed_at=now)

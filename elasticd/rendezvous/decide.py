@@ -295,10 +295,12 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
 
 
 def waiting_newcomers(snap: Snapshot) -> frozenset[str]:
-    """The ready candidates outside the current generation (every candidate before the first one):
-    whose arrivals open and extend the join window. Pure."""
+    """The ready candidates outside the current generation (every candidate before the first one),
+    spares aside (no join window waits for them): whose arrivals open and extend the join window.
+    Pure."""
     old = set(snap.generation.members) if snap.generation else set()
-    return frozenset(r.member_id for r in candidates_of(snap) if r.member_id not in old)
+    return frozenset(r.member_id for r in candidates_of(snap)
+                     if r.member_id not in old and not is_spare(snap, r.member_id))
 
 
 def join_window_closes_at(snap: Snapshot, window: Window | None, now: float, world: WorldConfig,
@@ -310,10 +312,13 @@ def join_window_closes_at(snap: Snapshot, window: Window | None, now: float, wor
     they train on, since a regroup would only wait for the window to close (it cost every join
     ~0.25 s of training). Pure."""
     g = snap.generation
-    if g is None or window is None:
+    if g is None or window is None or generation_broken(snap):  # a broken one is left at once anyway
         return None
     admitted = newcomers_admitted(snap, g, world)
-    if not admitted or g.world_size + len(admitted) >= world.max_workers:
+    if not any(not is_spare(snap, m) for m in admitted):  # spares: no join window (publish_decision)
+        return None
+    outside = [r for r in candidates_of(snap) if r.member_id not in g.members]
+    if g.world_size + len(outside) >= world.max_workers:  # cut short, as publish_decision does
         return None
     closes = window.newcomers_changed_at + timeouts.join_window_s
     return closes if now < closes else None
@@ -344,7 +349,9 @@ def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool =
             what, ids = ("lost their lease", lost) if lost else ("left the generation", left)
             more = f" and {len(ids) - VERDICT_IDS} more" if len(ids) > VERDICT_IDS else ""
             abandon = f"members {what}: {ids[:VERDICT_IDS]}{more}"
-    pending = not join_open and bool(newcomers_admitted(snap, g, world))
+    # newcomers are announced once their join window closed; to members that leave the generation
+    # anyway (abandon) at once, so a window opening and closing never rewrites the record
+    pending = bool(newcomers_admitted(snap, g, world)) and (not join_open or bool(abandon))
     orphaned = not any(m in snap.members for m in g.members)
     if not (abandon or pending or orphaned or error):
         return None

@@ -45,8 +45,10 @@ def test_two_failures_and_a_join_end_like_a_fault_free_run(local_job):
     ref_job, ref = _run_fault_free(local_job)
     ref_params = _final(ref_job, 0)
 
-    # a long join window so that the three starters land in one generation despite min_workers=1
-    job = local_job(min_workers=1, join_window_s=3)
+    # a join window long enough for the three starters (they register within ~0.1 s) to land in
+    # one generation despite min_workers=1, short enough for the newcomer to join well before the
+    # end (the members train on through its window)
+    job = local_job(min_workers=1, join_window_s=1.5)
     for i in range(3):
         job.spawn(*ARGS, "--save-final", str(job.dir / f"final{i}.pt"))
     job.wait_for(lambda: job.committed() >= 40, 90, "step 40")

@@ -118,12 +118,16 @@ def fault_free(etcd_server, tmp_path_factory):
 def test_two_failures_and_a_join_end_like_a_fault_free_run(local_job, fault_free) -> None:
     ref_final, ref = fault_free
 
-    job = local_job(min_workers=1, join_window_s=3)
+    # The starters land in one generation (a 1.5 s join window). Slower steps than the reference
+    # (the sleep changes no number): the members train on through the newcomer's join window, and
+    # the newcomer (a fresh Python importing torch, ~2-3 s here) must be in before the last step.
+    job = local_job(min_workers=1, join_window_s=1.5)
+    args = (*ARGS[:-1], "0.15")
     for i in range(3):
-        job.spawn(*ARGS, "--save-final", str(job.dir / f"final{i}.pt"), program="agents/recipe.py")
+        job.spawn(*args, "--save-final", str(job.dir / f"final{i}.pt"), program="agents/recipe.py")
     job.wait_for(lambda: job.committed() >= 8, 120, "step 8")
     job.workers[0].signal(signal.SIGKILL)
-    job.spawn(*ARGS, "--save-final", str(job.dir / "final3.pt"), program="agents/recipe.py")
+    job.spawn(*args, "--save-final", str(job.dir / "final3.pt"), program="agents/recipe.py")
     job.wait_for(lambda: job.committed(worker=3) > 0 and job.committed() >= 20, 120, "the join and step 20")
     job.workers[1].signal(signal.SIGKILL)
     codes = job.wait_all(180)

@@ -244,3 +244,27 @@ def test_a_missing_member_whose_port_refuses_is_left_out_at_once_else_it_gets_it
     finally:
         for s in socks:
             s.close()
+
+
+def test_the_last_members_of_a_generation_are_not_given_up_on_a_probe_alone() -> None:
+    """Every member of the generation left refuses its port and none came, a newcomer waits: no
+    STATE_LOST is declared and nothing is published on the probe alone (their leases decide)."""
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(60)
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3), me="n.0.9")
+    for name in ("a.0.1", "b.0.2"):
+        _member_at(store, name, lease, 1, step=0)  # port 1: nothing listens (refused)
+    c.round()
+    clock.advance(T.join_window_s)
+    c.round()
+    g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    clock.advance(5.0)
+    store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "boom")))
+    _member_at(store, "n.0.9", lease, 1, step=-1)  # a newcomer without the state
+    for _ in range(3):
+        c.round()
+        clock.advance(T.last_call_s)
+    assert decode_generation(store.get(KEYS.generation).value).generation == g.generation  # type: ignore[union-attr]
+    verdict = store.get(KEYS.verdict)
+    assert verdict is None or not decode_verdict(verdict.value).error

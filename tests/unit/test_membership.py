@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pytest
 
@@ -537,6 +537,10 @@ def test_ready_records_written_before_the_generation_record_are_consumed(
 # members' own arrival at the rendezvous does not open it again.
 
 G2_AB = gen(2, ["a", "b"])
+
+
+def _with_spare(s: Snapshot, mid: str) -> Snapshot:
+    return replace(s, members={**s.members, mid: replace(s.members[mid], spare=1)})
 W4 = WorldConfig(min_workers=1, max_workers=4)
 
 
@@ -558,6 +562,14 @@ W4 = WorldConfig(min_workers=1, max_workers=4)
     ("no generation yet: the first one's join window is publish_decision's",
      snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n")]), Window(NOW - 0.1, NOW - 0.1), W4, None),
     ("no window", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), None, W4, None),
+    ("a broken generation is left at once: no window", snap(G2_AB, alive=["a", "n"], ready_recs=[ready("n")]),
+     Window(NOW - 0.1, NOW - 0.1), W4, None),
+    ("a spare alone: no join window (publish_decision waits none for spares)",
+     _with_spare(snap(G2_AB, alive=["a", "b", "s"], ready_recs=[ready("s")]), "s"), Window(NOW - 0.1, NOW - 0.1),
+     W4, None),
+    ("a newcomer and a spare bring it to max_workers: cut short",
+     _with_spare(snap(G2_AB, alive=["a", "b", "n", "s"], ready_recs=[ready("n"), ready("s")]), "s"),
+     Window(NOW - 0.1, NOW - 0.1), W4, None),
 ])
 def test_join_window_closes_at(name: str, s: Snapshot, window: Window | None, world: WorldConfig,
                                closes: float | None) -> None:
@@ -571,8 +583,10 @@ def test_judge_announces_newcomers_only_once_their_window_closed_and_a_break_at_
     v = judge(waiting, W4)
     assert v is not None and v.pending == 1 and not v.abandon
     broken = snap(G2_AB, alive=["a", "n"], ready_recs=[ready("n")])  # b lost its lease
-    v = judge(broken, W4, join_open=True)
-    assert v is not None and "b" in v.abandon and v.pending == 0
+    v = judge(broken, W4, join_open=True)  # the members leave anyway: pending as without a window,
+    assert v is not None and "b" in v.abandon and v.pending == 1  # so the record is not rewritten
+    spare = _with_spare(snap(G2_AB, alive=["a", "b", "n", "s"], ready_recs=[ready("n"), ready("s")]), "s")
+    assert waiting_newcomers(spare) == frozenset({"n"})  # a spare's arrival does not move the window
 
 
 def test_the_members_own_arrival_does_not_reopen_the_join_window() -> None:

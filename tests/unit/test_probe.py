@@ -32,16 +32,34 @@ def test_to_probe(missing: list[str], asked: set[str], expected: list[str]) -> N
     assert [r.member_id for r in to_probe(missing, members, asked)] == expected
 
 
-def test_a_closed_port_is_refused_a_listening_one_is_not() -> None:
+def test_a_closed_port_is_refused_a_listening_one_is_not_and_a_name_is_not_resolved() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        assert not refused("127.0.0.1", port, 0.5)  # a live process (or a stopped one: the kernel accepts)
-    assert refused("127.0.0.1", port, 0.5)  # nothing listens any more: the process is gone
+        # a live process (or a stopped one: the kernel accepts); a host name is never resolved
+        assert refused([("127.0.0.1", port), ("localhost", port)], 0.5) == [False, False]
+    assert refused([("127.0.0.1", port), ("localhost", port)], 0.5) == [True, False]  # nothing listens any more
 
 
-@pytest.mark.parametrize(("host", "port"), [("127.0.0.1", 0), ("127.0.0.1", 70000),
-                                            ("", -1)])
+@pytest.mark.parametrize(("host", "port"), [("127.0.0.1", 0), ("127.0.0.1", 70000), ("", -1), ("::1x", 80),
+                                            ("\x00", 80)])
 def test_no_answer_decides_nothing(host: str, port: int) -> None:
-    assert not refused(host, port, 0.2)
+    assert refused([(host, port)], 0.2) == [False]
+
+
+def test_many_are_asked_under_one_deadline() -> None:
+    socks = [socket.socket() for _ in range(4)]
+    try:
+        ports = []
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        for s in socks[:2]:
+            s.listen(1)
+        for s in socks[2:]:
+            s.close()  # bound, never listened: refused
+        assert refused([("127.0.0.1", p) for p in ports], 0.5) == [False, False, True, True]
+    finally:
+        for s in socks:
+            s.close()
