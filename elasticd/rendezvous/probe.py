@@ -74,11 +74,11 @@ def refused(targets: Sequence[tuple[str, int]], timeout_s: float) -> list[bool]:
             if left <= 0:
                 break
             for key, _ in sel.select(left):
-                s = key.fileobj
-                assert isinstance(s, socket.socket)
-                sel.unregister(s)
-                out[waiting.pop(s)] = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED
-                s.close()
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                sel.unregister(sock)
+                out[waiting.pop(sock)] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED
+                sock.close()
     finally:
         for s in waiting:
             s.close()
