@@ -227,9 +227,9 @@ def fault_timeline(evs: Sequence[Record], fault_t: float, old_gen: int, new_gen:
     }
 
 
-def join_pause(job: BenchJob, generation: int) -> float | None:
-    """The members' pause at a join: the last commit before ``generation`` -> its first commit."""
-    commits = [c for w in job.workers for c in w.commits]
+def join_pause(commits: Sequence[Record], generation: int) -> float | None:
+    """The members' pause at a join: the last commit before ``generation`` -> its first commit
+    (None without both). Pure."""
     before = [field_float(c, "t") for c in commits if field_int(c, "generation") < generation]
     inside = [field_float(c, "t") for c in commits if field_int(c, "generation") == generation]
     return min(inside) - max(before) if before and inside else None
@@ -286,7 +286,7 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
         assert newcomer.start_t is not None
         joined = newcomer.commits[0]
         out.join_s = field_float(joined, "t") - newcomer.start_t
-        out.join_pause_s = join_pause(job, field_int(joined, "generation"))
+        out.join_pause_s = join_pause([c for w in job.workers for c in w.commits], field_int(joined, "generation"))
         join_marks = (newcomer.index, newcomer.start_t, field_int(joined, "generation"), field_float(joined, "t"))
 
         # SIGSTOP: nothing breaks until the victim's lease expires; then the survivors move on.

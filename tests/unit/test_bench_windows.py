@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elasticd.bench.common import BenchError
-from elasticd.bench.recovery import window_step_times
+from elasticd.bench.recovery import join_pause, window_step_times
 
 
 def test_mean_is_window_wall_time_over_steps_and_median_is_of_single_steps() -> None:
@@ -33,3 +33,11 @@ def test_mean_is_the_median_over_workers() -> None:
 def test_no_consecutive_steps_is_an_error() -> None:
     with pytest.raises(BenchError):
         window_step_times([[(1, 0.0, 1)], []], lo=1)
+
+
+def test_join_pause_is_the_last_commit_before_the_join_generation_to_its_first() -> None:
+    commits = [{"t": 1.0, "generation": 2}, {"t": 1.1, "generation": 2}, {"t": 1.5, "generation": 3},
+               {"t": 1.2, "generation": 2}, {"t": 1.6, "generation": 3}, {"t": 2.0, "generation": 4}]
+    assert join_pause(commits, 3) == pytest.approx(0.3)
+    assert join_pause(commits, 5) is None  # no commit in it
+    assert join_pause(commits[2:3], 3) is None  # none before it
