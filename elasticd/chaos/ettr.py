@@ -1,6 +1,7 @@
 """A chaos run's ETTR (effective training time ratio), from its commits (pure).
 
-Owns the fault-free step time (measured in the warm-up windows, per world size), the steps committed
+Owns the fault-free step time (measured in the warm-up windows, per world size; and, as a second
+baseline, the median of the faulted window's quiet steps: ``quiet_step_by_world``), the steps committed
 in the faulted window per world size, and ETTR: the sum, over those steps, of the fault-free step
 time at each one's world size, divided by the faulted wall time (and the old figure, every step at
 one fault-free step time). It never judges a run: a low ETTR is reported, not failed.
@@ -9,6 +10,7 @@ one fault-free step time). It never judges a run: a low ETTR is reported, not fa
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
 from elasticd.chaos.evidence import Commit, Window
@@ -56,6 +58,35 @@ def fault_free_step_by_world(commits: Sequence[Commit], windows: Sequence[Window
             total, n = sums.get(c.world_size, (0.0, 0))
             sums[c.world_size] = (total + c.t - prev.t, n + 1)
     return {world: total / n for world, (total, n) in sorted(sums.items())}
+
+
+QUIET_AFTER_S = 3.0  # a step time counts as quiet this long after the last fault ...
+QUIET_BEFORE_S = 0.5  # ... and this long before the next
+QUIET_MIN_STEPS = 100  # quiet step times a world size needs for a baseline of its own
+
+
+def quiet_step_by_world(commits: Sequence[Commit], faults: Sequence[float], window: Window) -> dict[int, float]:
+    """world size -> the median step time of the quiet steps of the faulted ``window``: pairs of
+    consecutive steps (first commits, one generation) that end at least ``QUIET_BEFORE_S`` before
+    the next fault and begin at least ``QUIET_AFTER_S`` after the last one. Thousands of steps over
+    the whole run, where the warm-up measures ~10 s of it: a second fault-free baseline, for the
+    machine's speed drifts (a warm-up 6 % slower than the run's quiet steps made one run's ETTR
+    0.98 that was 0.95 by this one). A world size with fewer than ``QUIET_MIN_STEPS`` is absent. Pure."""
+    first = first_commits(commits)
+    times = sorted(faults)
+    durations: dict[int, list[float]] = {}
+    for step, c in first.items():
+        prev = first.get(step - 1)
+        if prev is None or (prev.generation, prev.world_size) != (c.generation, c.world_size):
+            continue
+        if not (window.start <= prev.t and c.t <= window.end):
+            continue
+        k = bisect.bisect_right(times, prev.t)
+        after_last = prev.t - times[k - 1] if k else float("inf")
+        before_next = times[k] - c.t if k < len(times) else float("inf")
+        if after_last >= QUIET_AFTER_S and before_next >= QUIET_BEFORE_S:
+            durations.setdefault(c.world_size, []).append(c.t - prev.t)
+    return {w: statistics.median(d) for w, d in sorted(durations.items()) if len(d) >= QUIET_MIN_STEPS}
 
 
 def baseline_world(world: int, measured: Iterable[int]) -> int | None:

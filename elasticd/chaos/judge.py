@@ -21,6 +21,7 @@ from elasticd.chaos.ettr import (
     ettr,
     ettr_by_world,
     fault_free_step_by_world,
+    quiet_step_by_world,
     fault_free_step_s,
     steps_by_world,
 )
@@ -271,6 +272,8 @@ class Verdict:
     faulted_steps_by_world: Mapping[int, int] = field(default_factory=dict)
     ettr_single: float | None = None  # every step at the fault-free step time at --nodes
     cost_by_kind: Mapping[str, tuple[int, float]] = field(default_factory=dict)  # ettr.cost_by_kind
+    quiet_step_s_by_world: Mapping[int, float] = field(default_factory=dict)  # ettr.quiet_step_by_world
+    ettr_quiet: float | None = None  # by the quiet steps' median step time at each world size
 
     @property
     def ok(self) -> bool:
@@ -345,13 +348,16 @@ def judge(ev: Evidence) -> Verdict:
     step_s = fault_free_step_s(times, ev.warmup.start, ev.warmup.end) if ev.warmup else None
     by_world = fault_free_step_by_world(ev.commits, ev.warmups)
     faulted_by_world: dict[int, int] = {}
-    ratio = single = None
+    ratio = single = quiet_ratio = None
     costs: dict[str, tuple[int, float]] = {}
+    quiet: dict[int, float] = {}
     if ev.faulted is not None:
         wall_s = ev.faulted.end - ev.faulted.start
         faulted_by_world = steps_by_world(ev.commits, ev.faulted)
         ratio = ettr_by_world(faulted_by_world, by_world, wall_s)
         single = ettr(sum(faulted_by_world.values()), step_s, wall_s)
         costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], by_world, ev.faulted)
+        quiet = quiet_step_by_world(ev.commits, [f.t for f in ev.faults], ev.faulted)
+        quiet_ratio = ettr_by_world(faulted_by_world, quiet, wall_s)
     return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, sum(faulted_by_world.values()),
-                   by_world, faulted_by_world, single, costs)
+                   by_world, faulted_by_world, single, costs, quiet, quiet_ratio)

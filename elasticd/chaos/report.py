@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from elasticd.chaos.ettr import QUIET_AFTER_S
 from elasticd.chaos.evidence import Evidence
 from elasticd.chaos.judge import Verdict
 from elasticd.chaos.schedule import Settings
@@ -67,6 +68,8 @@ def render_table(report: Report) -> str:
         lines.append("link down         " + ", ".join(f"{d.node} {d.start - rel:.1f}s+{d.end - d.start:.1f}s"
                                                       for d in ev.link_down))
     ettr_text = f"{v.ettr:.3f}" if v.ettr is not None else "-"
+    quiet_text = f"{v.ettr_quiet:.3f}" if v.ettr_quiet is not None else "-"
+    quiet_world = ", ".join(f"world {w}: {t * 1000:.1f} ms" for w, t in v.quiet_step_s_by_world.items()) or "too few"
     single_text = f"{v.ettr_single:.3f}" if v.ettr_single is not None else "-"
     step_text = f"{v.step_s * 1000:.1f} ms" if v.step_s is not None else "-"
     faulted = f"{ev.faulted.end - ev.faulted.start:.1f} s" if ev.faulted else "-"
@@ -78,6 +81,8 @@ def render_table(report: Report) -> str:
         f"fault-free step   {per_world} (warm-up, {s.warmup_s:g} s per world size)",
         f"ETTR              {ettr_text} ({at_world}, each x its world size's fault-free step time / {faulted} "
         f"faulted{unmeasured})",
+        f"ETTR quiet steps  {quiet_text} (the same, each x the median step time of the faulted window's quiet "
+        f"steps at its world size, {QUIET_AFTER_S:g} s after a fault: {quiet_world})",
         f"ETTR 1 baseline   {single_text} ({v.faulted_steps} steps x {step_text} fault-free at world {s.nodes} / "
         f"{faulted} faulted)",
         f"steps             {v.steps.last_step}/{ev.target_steps}",
@@ -115,6 +120,8 @@ def report_to_dict(report: Report) -> dict[str, object]:
                    for f in ev.faults],
         "ettr": v.ettr,
         "ettr_single_baseline": v.ettr_single,
+        "ettr_quiet_steps": v.ettr_quiet,
+        "quiet_step_s_by_world": {str(w): t for w, t in v.quiet_step_s_by_world.items()},
         "cost_by_kind": {k: {"faults": n, "lost_s": round(s_, 3)} for k, (n, s_) in v.cost_by_kind.items()},
         "fault_free_step_s": v.step_s,
         "fault_free_step_s_by_world": {str(w): t for w, t in v.step_s_by_world.items()},

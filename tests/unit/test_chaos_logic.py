@@ -15,6 +15,7 @@ from elasticd.chaos.ettr import (
     ettr,
     ettr_by_world,
     fault_free_step_by_world,
+    quiet_step_by_world,
     fault_free_step_s,
     steps_by_world,
 )
@@ -303,6 +304,30 @@ def test_steps_by_world_counts_each_step_once_within_the_window(rows, window, wa
 def test_ettr_by_world(steps, step_s, wall_s, want) -> None:
     got = ettr_by_world(steps, step_s, wall_s)
     assert got == (None if want is None else pytest.approx(want))
+
+
+# 300 steps at world 4, 0.05 s apart, from T0 (15 s); every 50th step takes 0.5 s (a slow step)
+QUIET = [Commit("node-0", i + 1, 1, 0, 4, T0 + 0.05 * i + 0.45 * (i // 50)) for i in range(300)]
+
+
+@pytest.mark.parametrize("faults, window, want", [
+    ([], Window(T0, T0 + 100), {4: 0.05}),                 # the median: slow steps do not move it
+    ([T0 + 2.0], Window(T0, T0 + 100), {4: 0.05}),          # steps within 3 s after the fault left out
+    ([T0 + 2.0 * i for i in range(1, 20)], Window(T0, T0 + 100), {}),  # a fault every 2 s: too few quiet steps
+    ([], Window(T0 + 50, T0 + 100), {}),                   # outside the window
+])
+def test_quiet_step_by_world_is_the_median_of_steps_far_from_faults(faults, window, want) -> None:
+    got = quiet_step_by_world(QUIET, faults, window)
+    assert got == {w: pytest.approx(t) for w, t in want.items()}
+
+
+def test_quiet_steps_leave_out_the_seconds_after_a_fault_and_before_the_next() -> None:
+    fast = [Commit("n", i + 1, 1, 0, 3, T0 + 0.01 * i) for i in range(200)]  # 2 s of 0.01 s steps
+    slow = [Commit("n", 201 + i, 1, 0, 3, T0 + 2.0 + 0.1 * i) for i in range(300)]  # then 0.1 s steps
+    # a fault at 2 s: 150 fast steps end 0.5 s before it; the slow ones count from 3 s after it (270)
+    assert quiet_step_by_world(fast + slow, [T0 + 2.0], Window(T0, T0 + 60))[3] == pytest.approx(0.1)
+    assert quiet_step_by_world(fast, [T0 + 1.6], Window(T0, T0 + 60)) == {3: pytest.approx(0.01)}  # 110 before it
+    assert quiet_step_by_world(fast, [T0 + 1.0], Window(T0, T0 + 60)) == {}  # 50: too few
 
 
 # 10 steps at world 3 from T0 + 0.0 (0.1 s apart), a 1 s gap, 10 at world 2 from T0 + 2.0 (0.2 s apart)
