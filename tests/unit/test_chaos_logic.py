@@ -15,8 +15,8 @@ from elasticd.chaos.ettr import (
     ettr,
     ettr_by_world,
     fault_free_step_by_world,
-    quiet_step_by_world,
     fault_free_step_s,
+    quiet_step_by_world,
     steps_by_world,
 )
 from elasticd.chaos.evidence import (
