@@ -155,7 +155,7 @@ class Coordinator:
         for rec, gone_now in zip(ask, answers, strict=True):
             self._probed[rec.member_id] = gone_now
             if gone_now:
-                log.info("member_gone", member=rec.member_id, generation=g.generation,
+                log.info("member_gone", gone=rec.member_id, generation=g.generation,
                          why=f"its store port {rec.host}:{rec.store_port} refuses connections")
         gone = {m for m in missing if self._probed.get(m)}
         if not gone or all(m in gone for m in g.members if m in snap.members):
