@@ -33,8 +33,10 @@ from elasticd.rendezvous.decide import (
     generation_broken,
     join_window_closes_at,
     judge,
+    missing_members,
     publish_decision,
     waiting_newcomers,
+    without_gone,
 )
 from elasticd.rendezvous.probe import refused, to_probe
 from elasticd.retry import Clock
@@ -140,16 +142,14 @@ class Coordinator:
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the
         rendezvous and whose host refuses their store port (``rendezvous.probe``): their process
-        is gone, and no last call is held for them. Each is asked once per generation. Never all
-        of the generation's members that are left: on a probe alone the job's state is not given
-        up (their leases decide that, as before)."""
+        is gone, and no last call is held for them (``decide.without_gone``). Each is asked once
+        per generation."""
         g = snap.generation
         if g is None or window.broken_at is None:
             return snap
         if g.generation != self._probed_generation:
             self._probed, self._probed_generation = {}, g.generation
-        ready = {r.member_id for r in candidates_of(snap)}
-        missing = [m for m in g.members if m in snap.members and m not in ready]
+        missing = missing_members(snap, {r.member_id for r in candidates_of(snap)})
         ask = to_probe(missing, snap.members, self._probed)
         answers = refused([(r.host, r.store_port) for r in ask], self._timeouts.probe_s) if ask else []
         for rec, gone_now in zip(ask, answers, strict=True):
@@ -157,10 +157,7 @@ class Coordinator:
             if gone_now:
                 log.info("member_gone", gone=rec.member_id, generation=g.generation,
                          why=f"its store port {rec.host}:{rec.store_port} refuses connections")
-        gone = {m for m in missing if self._probed.get(m)}
-        if not gone or all(m in gone for m in g.members if m in snap.members):
-            return snap
-        return replace(snap, members={m: r for m, r in snap.members.items() if m not in gone})
+        return without_gone(snap, {m for m in missing if self._probed.get(m)})
 
     def _track(self, snap: Snapshot, now: float) -> Window | None:
         """The round's window on this clock: when members began to wait, when the set of waiting

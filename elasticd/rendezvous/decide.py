@@ -8,7 +8,7 @@ No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membersh
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -96,6 +96,22 @@ def spare_target(g: GenerationRecord | None, world: WorldConfig) -> int:
     return min(world.max_workers, max(full_size(g), world.min_workers))
 
 
+def missing_members(snap: Snapshot, ready: Collection[str]) -> list[str]:
+    """The current generation's members that are alive but not among ``ready``, in rank order. Pure."""
+    g = snap.generation
+    return [m for m in (g.members if g else ()) if m in snap.members and m not in ready]
+
+
+def without_gone(snap: Snapshot, gone: Collection[str]) -> Snapshot:
+    """``snap`` without the members in ``gone`` (their processes are gone: ``rendezvous.probe``),
+    unless none of the current generation's live members would be left: on that alone the job's
+    state is not given up (their leases decide). Pure."""
+    g = snap.generation
+    if not gone or g is None or all(m in gone for m in g.members if m in snap.members):
+        return snap
+    return replace(snap, members={m: r for m, r in snap.members.items() if m not in gone})
+
+
 def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldConfig) -> list[ReadyRecord]:
     """The members of the next generation, in rank order (pure): the ready candidates that are not
     spares (``rank_order``, up to ``max_workers``), then spares up to ``spare_target``: last those of
@@ -113,9 +129,7 @@ def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldCon
         per_node[node] = per_node.get(node, 0) + 1
     # A node whose member of the generation is alive but not ready is suspect: lost with all its
     # processes, their leases not expired yet (a crashed worker's agent revokes its lease at once).
-    ready_ids = {r.member_id for r in pool}
-    g = snap.generation
-    suspect = {snap.members[m].node for m in (g.members if g else ()) if m in snap.members and m not in ready_ids}
+    suspect = {snap.members[m].node for m in missing_members(snap, {r.member_id for r in pool})}
     spares = sorted((r for r in pool if is_spare(snap, r.member_id)), key=lambda r: (
         snap.members[r.member_id].node in suspect, per_node.get(snap.members[r.member_id].node, 0),
         snap.members[r.member_id].standby, snap.ready_order.get(r.member_id, 0), r.member_id))
@@ -215,7 +229,7 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
     ids = {r.member_id for r in cands}
     broken = generation_broken(snap)
     if g is not None:
-        missing = [m for m in g.members if m in snap.members and m not in ids]
+        missing = missing_members(snap, ids)
         if missing and not broken:
             if me not in g.members and g.world_size >= world.max_workers:
                 return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "

@@ -21,8 +21,10 @@ from elasticd.rendezvous.decide import (
     Window,
     join_window_closes_at,
     judge,
+    missing_members,
     next_action,
     waiting_newcomers,
+    without_gone,
 )
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
@@ -597,3 +599,15 @@ def test_the_members_own_arrival_does_not_reopen_the_join_window() -> None:
     action = decide(s, me("a", 2), window=Window(NOW - 0.4, NOW - 0.3))
     assert action.kind is ActionKind.PUBLISH and action.record is not None
     assert action.record.members == ("a", "b", "n") and action.record.reason == "join"
+
+
+@pytest.mark.parametrize(("name", "alive", "gone", "left"), [
+    ("a gone member is left out", ["a", "b", "n"], {"b"}, ["a", "n"]),
+    ("nothing gone", ["a", "b", "n"], set(), ["a", "b", "n"]),
+    ("never every live member of the generation: their leases decide", ["a", "b", "n"], {"a", "b"}, ["a", "b", "n"]),
+    ("a dead one already without a record", ["a", "n"], {"a"}, ["a", "n"]),
+])
+def test_without_gone(name: str, alive: list[str], gone: set[str], left: list[str]) -> None:
+    s = snap(G2_AB, alive=alive, ready_recs=[ready("n")])
+    assert sorted(without_gone(s, gone).members) == left, name
+    assert missing_members(s, {"n"}) == [m for m in ("a", "b") if m in alive]
