@@ -274,6 +274,7 @@ class Verdict:
     cost_by_kind: Mapping[str, tuple[int, float]] = field(default_factory=dict)  # ettr.cost_by_kind
     quiet_step_s_by_world: Mapping[int, float] = field(default_factory=dict)  # ettr.quiet_step_by_world
     ettr_quiet: float | None = None  # by the quiet steps' median step time at each world size
+    cost_baseline: str = ""  # the step times cost_by_kind counts against: "quiet steps", "warm-up" ("": none)
 
     @property
     def ok(self) -> bool:
@@ -351,13 +352,17 @@ def judge(ev: Evidence) -> Verdict:
     ratio = single = quiet_ratio = None
     costs: dict[str, tuple[int, float]] = {}
     quiet: dict[int, float] = {}
+    cost_baseline = ""
     if ev.faulted is not None:
         wall_s = ev.faulted.end - ev.faulted.start
         faulted_by_world = steps_by_world(ev.commits, ev.faulted)
         ratio = ettr_by_world(faulted_by_world, by_world, wall_s)
         single = ettr(sum(faulted_by_world.values()), step_s, wall_s)
-        costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], by_world, ev.faulted)
         quiet = quiet_step_by_world(ev.commits, [f.t for f in ev.faults], ev.faulted)
         quiet_ratio = ettr_by_world(faulted_by_world, quiet, wall_s)
+        # The costs against the quiet steps where there are enough of them: thousands of steps over
+        # the whole run, where the warm-up's ~10 s can be a few % off (costs below zero, stop 18)
+        cost_baseline = "quiet steps" if quiet else "warm-up" if by_world else ""
+        costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], quiet or by_world, ev.faulted)
     return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, sum(faulted_by_world.values()),
-                   by_world, faulted_by_world, single, costs, quiet, quiet_ratio)
+                   by_world, faulted_by_world, single, costs, quiet, quiet_ratio, cost_baseline)

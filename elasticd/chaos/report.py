@@ -42,7 +42,8 @@ def render_table(report: Report) -> str:
     lines = [f"== chaos: seed {s.seed}, {s.minutes:g} min of faults (mean interval {s.mean_interval_s:g} s), "
              f"{s.nodes} nodes (min {s.min_nodes}, max {s.max_nodes}), etcd {s.etcd_members} member(s), "
              f"lease TTL {ev.lease_ttl_s:g} s, hosts {'netns' if s.netns else 'loopback'} ==", "",
-             f"{'FAULT':<22}{'INJECTED':<10}COST (training time lost until the next fault: total, mean)"]
+             f"{'FAULT':<22}{'INJECTED':<10}COST (training time lost until the next fault: total, mean"
+             + (f"; against the {v.cost_baseline} step time)" if v.cost_baseline else ")")]
     for kind, n in injected_counts(report).items():
         cost = v.cost_by_kind.get(kind)
         lines.append(f"{kind:<22}{n:<10}" + (f"{cost[1]:6.1f} s  {cost[1] / cost[0]:5.2f} s" if cost else "-"))
@@ -123,6 +124,7 @@ def report_to_dict(report: Report) -> dict[str, object]:
         "ettr_quiet_steps": v.ettr_quiet,
         "quiet_step_s_by_world": {str(w): t for w, t in v.quiet_step_s_by_world.items()},
         "cost_by_kind": {k: {"faults": n, "lost_s": round(s_, 3)} for k, (n, s_) in v.cost_by_kind.items()},
+        "cost_baseline": v.cost_baseline or None,  # "quiet steps" or "warm-up": what cost_by_kind counts against
         "fault_free_step_s": v.step_s,
         "fault_free_step_s_by_world": {str(w): t for w, t in v.step_s_by_world.items()},
         "faulted_steps": v.faulted_steps,

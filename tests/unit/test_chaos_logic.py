@@ -474,6 +474,29 @@ def test_ettr_takes_each_steps_world_size_and_the_report_shows_both_figures() ->
             empty["faulted_steps_by_world"], empty["ettr_baseline_substituted"]) == (None, None, {}, {}, {})
 
 
+@pytest.mark.parametrize("quiet_steps, baseline, cost", [
+    # 150 steps at 0.12 s after a fault and a 1 s regroup, on a machine slower than its warm-up
+    # (0.1 s): against the quiet steps the fault costs its 0.9 s (18.9 s less 150 x 0.12), not 3.9 s
+    (150, "quiet steps", 18.9 - 150 * 0.12),
+    (50, "warm-up", 18.9 - 50 * 0.1),  # too few quiet steps: the warm-up's step time
+])
+def test_fault_costs_count_against_the_quiet_steps_when_there_are_enough(quiet_steps, baseline, cost) -> None:
+    faulted = run_of(3, 2, 12, 5, 2.0, 0.12) + run_of(3, 3, 17, quiet_steps, 3.5, 0.12)
+    ev = Evidence(
+        target_steps=16 + quiet_steps, commits=tuple(WARM[:33] + faulted), finals=(Final("node-0", 16 + quiet_steps, "x"),),
+        audit_violations=(), faults=(FaultRecord(T0 + 2.5, "worker_kill", "node-1"),), etcd_down=(), samples=(),
+        lives=(), tracebacks=(), agents=(), warmup=WARM_WINDOWS[0], warmups=WARM_WINDOWS[:1],
+        faulted=Window(T0 + 2.0, T0 + 21.4), lease_ttl_s=2.0)
+    v = judge(ev)
+    assert v.cost_baseline == baseline
+    assert v.cost_by_kind == {"worker_kill": (1, pytest.approx(cost))}
+    settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 16 + quiet_steps, 5.0)
+    report = Report(settings, ev, v, T0, "/tmp/x")
+    assert f"total, mean; against the {baseline} step time)" in render_table(report)
+    assert f"{'worker_kill':<22}{1:<10}{cost:6.1f} s  {cost:5.2f} s" in render_table(report)
+    assert json.loads(json.dumps(report_to_dict(report)))["cost_baseline"] == baseline
+
+
 @pytest.mark.parametrize("rows, finals, kw, name", [
     (steady(10) + [(10, 2, 1.5)] + steady(12, gen=2, start=1.6)[10:], [Final("a", 12, "x")], {},
      "steps exactly once"),
