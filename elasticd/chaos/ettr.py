@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from elasticd.chaos.evidence import Commit, Window
 
@@ -41,19 +41,24 @@ def first_commits(commits: Sequence[Commit]) -> dict[int, Commit]:
     return out
 
 
+def step_pairs(commits: Sequence[Commit]) -> Iterator[tuple[Commit, Commit]]:
+    """(step - 1, step) for each step whose first commit and its predecessor's are in one generation
+    at one world size: each pair is one step time (a regroup between two generations is none)."""
+    first = first_commits(commits)
+    for step, c in first.items():
+        prev = first.get(step - 1)
+        if prev is not None and (prev.generation, prev.world_size) == (c.generation, c.world_size):
+            yield prev, c
+
+
 def fault_free_step_by_world(commits: Sequence[Commit], windows: Sequence[Window]) -> dict[int, float]:
     """world size -> mean seconds per step in the warm-up ``windows``, by the commit lines' world size.
 
-    Each pair of consecutive steps whose first commits both fall in one window, in one generation
-    at one world size, gives one step time of that size (a regroup between two generations is no
-    step time). A world size with no such pair is absent.
+    Each pair of consecutive steps (``step_pairs``) whose first commits both fall in one window
+    gives one step time of that size. A world size with no such pair is absent.
     """
-    first = first_commits(commits)
     sums: dict[int, tuple[float, int]] = {}
-    for step, c in first.items():
-        prev = first.get(step - 1)
-        if prev is None or (prev.generation, prev.world_size) != (c.generation, c.world_size):
-            continue
+    for prev, c in step_pairs(commits):
         if any(w.start <= prev.t and c.t <= w.end for w in windows):
             total, n = sums.get(c.world_size, (0.0, 0))
             sums[c.world_size] = (total + c.t - prev.t, n + 1)
@@ -67,18 +72,14 @@ QUIET_MIN_STEPS = 100  # quiet step times a world size needs for a baseline of i
 
 def quiet_step_by_world(commits: Sequence[Commit], faults: Sequence[float], window: Window) -> dict[int, float]:
     """world size -> the median step time of the quiet steps of the faulted ``window``: pairs of
-    consecutive steps (first commits, one generation) that end at least ``QUIET_BEFORE_S`` before
+    consecutive steps (``step_pairs``) that end at least ``QUIET_BEFORE_S`` before
     the next fault and begin at least ``QUIET_AFTER_S`` after the last one. Thousands of steps over
     the whole run, where the warm-up measures ~10 s of it: a second fault-free baseline, for the
     machine's speed drifts (a warm-up 6 % slower than the run's quiet steps made one run's ETTR
     0.98 that was 0.95 by this one). A world size with fewer than ``QUIET_MIN_STEPS`` is absent. Pure."""
-    first = first_commits(commits)
     times = sorted(faults)
     durations: dict[int, list[float]] = {}
-    for step, c in first.items():
-        prev = first.get(step - 1)
-        if prev is None or (prev.generation, prev.world_size) != (c.generation, c.world_size):
-            continue
+    for prev, c in step_pairs(commits):
         if not (window.start <= prev.t and c.t <= window.end):
             continue
         k = bisect.bisect_right(times, prev.t)

@@ -362,7 +362,8 @@ def judge(ev: Evidence) -> Verdict:
         quiet_ratio = ettr_by_world(faulted_by_world, quiet, wall_s)
         # The costs against the quiet steps where there are enough of them: thousands of steps over
         # the whole run, where the warm-up's ~10 s can be a few % off (costs below zero, stop 18)
-        cost_baseline = "quiet steps" if quiet else "warm-up" if by_world else ""
-        costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], quiet or by_world, ev.faulted)
+        cost_baseline, cost_step_s = (("quiet steps", quiet) if quiet else
+                                      ("warm-up", by_world) if by_world else ("", {}))
+        costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], cost_step_s, ev.faulted)
     return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, sum(faulted_by_world.values()),
                    by_world, faulted_by_world, single, costs, quiet, quiet_ratio, cost_baseline)
