@@ -266,7 +266,18 @@ class ChaosRun:
         self.say(f"started agent {log_name} (pid {proc.pid})")
         return node
 
+    def reap_agents(self) -> None:
+        """Record the exit code of every agent that has exited since the last call (once each)."""
+        for n in self.nodes:
+            if n.code is None and n.proc.proc is not None and n.proc.proc.poll() is not None:
+                n.code = n.proc.proc.returncode
+                self.on_agent_exit(n)
+
     def live_nodes(self) -> list[Node]:
+        """The agents still running. An agent found exited here has its exit recorded first: the run
+        ends when this list is empty, and an exit seen only by ``alive()`` would reach the judge as
+        "still running at the end"."""
+        self.reap_agents()
         return [n for n in self.nodes if n.code is None and n.expected != "duplicate" and n.proc.alive()]
 
     def worker_pids(self, node: Node) -> list[int]:
@@ -520,10 +531,7 @@ class ChaosRun:
                 life.ended_t = now_t
                 life.close_open(life.cut_off, now_t)
                 life.close_open(life.rejoining, now_t)
-        for n in self.nodes:
-            if n.code is None and n.proc.proc is not None and n.proc.proc.poll() is not None:
-                n.code = n.proc.proc.returncode
-                self.on_agent_exit(n)
+        self.reap_agents()
         if self.etcd_busy_until is not None or self.down_since is not None:
             self.poll_etcd()
 
@@ -703,6 +711,7 @@ class ChaosRun:
     def stop_all(self) -> None:
         """Stop every process this run started: each agent with its workers (by process group; a
         stopped one is continued first so that it dies), and etcd (idempotent)."""
+        self.reap_agents()  # an agent that exited on its own is judged by its code, not killed here
         for t in self.timed:
             if t.what.startswith("SIGCONT"):
                 t.action()

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 
 import pytest
 
+from elasticd.chaos.__main__ import ChaosRun, Node
 from elasticd.chaos.ettr import (
     baseline_world,
     cost_by_kind,
@@ -66,6 +68,7 @@ from elasticd.chaos.schedule import (
     skipped_kinds,
 )
 from elasticd.errors import ConfigError
+from elasticd.testing.localcluster import WorkerProcess
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -797,3 +800,16 @@ def test_a_cut_host_need_not_be_dropped_while_etcd_cannot_expire_its_lease() -> 
     ("mixed", 2, True),
 ])
 def test_which_agents_run_with_relay_on(relay: str, node: int, expected: bool) -> None:    assert relayed(relay, node) is expected
+
+
+def test_an_agent_that_exits_between_two_polls_is_recorded_with_its_code_not_as_still_running(tmp_path) -> None:
+    # CI once judged an agent "still running at the end" after it had logged its exit: the run's
+    # loop ended when alive() (which reaps) saw it gone, before the poll that records the code.
+    settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 10, 5.0)
+    run = ChaosRun(settings, tmp_path, lambda _text: None)
+    run.last_step = 10  # finished: an exit is not replaced
+    proc = WorkerProcess([sys.executable, "-c", "print('bye')"], {}, tmp_path / "agent-node-0.log").start()
+    run.nodes.append(Node("node-0", proc))
+    assert proc.wait(30.0) == 0
+    assert run.live_nodes() == []
+    assert run.nodes[0].code == 0 and run.nodes[0].message == "bye"
