@@ -59,6 +59,11 @@ class Timeouts:
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "
         "that died unrevoked; a deputy that left the coordinator out takes its place.", 0.0)
+    deputy_step_s: float = _seconds(
+        "While the coordinator has said nothing about a broken generation (no verdict), each further "
+        "tier of deputies (two ranks, spread over the rank order; up to four tiers) begins its own "
+        "rounds this much later than the tier before it: covers a coordinator lost together with rank 0 "
+        "and 1 (rendezvous.decide.deputy_starts_s).", 0.5)
     round_poll_s: float = _seconds(
         "While a broken generation's rendezvous is open, how often the coordinator reads the job again "
         "with no change seen: a watch event that a loaded etcd or host delivers late must not hold the "

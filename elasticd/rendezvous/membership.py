@@ -38,7 +38,8 @@ from elasticd.errors import (
     StateLost,
 )
 from elasticd.rendezvous.coordinator import Coordinator, Seat
-from elasticd.rendezvous.decide import ActionKind, Me, member_action, should_resume
+from elasticd.rendezvous.decide import ActionKind, Me, member_action, should_resume, verdict_on
+from elasticd.rendezvous.deputy import DEPUTY_RANKS, deputy_starts_s, deputy_tier
 from elasticd.rendezvous.lease import Lease, Reachability, Renewal
 from elasticd.rendezvous.member import Joined, MemberState, Standing
 from elasticd.rendezvous.publish import Publisher
@@ -376,10 +377,12 @@ class Membership:
             prev_rank=prev.rank_of(self.member_id) if prev and self.member_id in prev.members else 0,
             signature=self.record.signature,
         )
-        # A deputy (rank 0 or 1 of the generation it leaves) publishes itself when the coordinator
-        # is late by coordinator_grace_s: one that died unrevoked holds the role until its lease ends.
-        deputy = self._new_coordinator(elected=False) if prev and ready.prev_rank < DEPUTY_RANKS \
-            and self.member_id in prev.members else None
+        # A deputy (a few ranks of the generation it leaves, in tiers) publishes itself when the
+        # coordinator is late (deputy.deputy_starts_s): one that died unrevoked holds the role
+        # until its lease ends.
+        tier = deputy_tier(ready.prev_rank, prev.world_size) if prev and self.member_id in prev.members else None
+        deputy = self._new_coordinator(elected=False) if tier is not None else None
+        deputy_at: float | None = None  # seconds into this rendezvous: the deputy's rounds begin
         last_reason = ""
         excused = {"etcd": 0.0, "standby": 0.0}  # seconds not counted against deadline
         bounds = {"etcd": self._timeouts.etcd_outage_s, "standby": self._timeouts.standby_s}
@@ -426,9 +429,10 @@ class Membership:
                     # (wire.snapshot.consumed), so I say again that I wait.
                     ready_written = False
                     continue
-                if action.kind is ActionKind.WAIT and deputy is not None \
-                        and self._clock() - started >= self._timeouts.coordinator_grace_s:
-                    until = deputy.round()
+                if action.kind is ActionKind.WAIT and deputy is not None:
+                    deputy_at = deputy_starts_s(tier, verdict_on(view) is not None, self._timeouts)
+                    if deputy_at is not None and self._clock() - started >= deputy_at:
+                        until = deputy.round()
             except EtcdUnavailable as exc:
                 excuse, last_reason = "etcd", f"etcd unreachable: {str(exc)[:200]}"
                 self._etcd.answered(False, str(exc))
@@ -466,8 +470,8 @@ class Membership:
             wait_s = self._timeouts.keepalive_s
             if until is not None:
                 wait_s = min(wait_s, max(0.0, until - now))
-            elif deputy is not None and now - started < self._timeouts.coordinator_grace_s:
-                wait_s = min(wait_s, started + self._timeouts.coordinator_grace_s - now)
+            elif deputy_at is not None and now - started < deputy_at:
+                wait_s = min(wait_s, started + deputy_at - now)
             self._changed.wait(max(0.0, min(wait_s, deadline.at - deadline.clock() + sum(excused.values()))))
 
     def _joined(self, record: GenerationRecord, started: float, snap: Snapshot, excused_s: float = 0.0) -> Joined:
@@ -491,6 +495,3 @@ class Membership:
     def publish_progress(self, payload: Mapping[str, object]) -> None:
         """Best-effort progress record for ``elasticctl`` (leased: it vanishes with the member)."""
         self._publish.progress(payload, self._lease.id)
-
-
-DEPUTY_RANKS = 2  # ranks of a generation whose members deputize for a late coordinator

@@ -160,3 +160,58 @@ def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
         assert not any("error" in r for m in alive for r in m.lines())
     finally:
         store.close()
+
+
+def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_deputy_tier(
+        etcd_server, members: list[Member], tmp_path: Path) -> None:
+    """The coordinator and both deputies of tier 0 die unrevoked at once (one node lost holding
+    them, or a node lost while another's link is down): with nobody to write a verdict, the next
+    tier (rank 2, ``deputy_step_s`` later) publishes the survivors' generation, well before the
+    coordinator's lease ends. Before the tiers, the survivors waited for that lease (the chaos run's
+    5.75 s stall)."""
+    job = f"tiers{time.monotonic_ns()}"
+    keys = Keys("/elasticd", job)
+    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        for i in range(5):
+            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", 2, 5, 0.0))
+
+        def latest(m: Member) -> dict[str, object]:
+            return max((r for r in m.lines() if "generation" in r), key=lambda r: r["generation"],  # type: ignore[arg-type, return-value]
+                       default={})
+
+        _wait(lambda: all(latest(m).get("world") == 5 for m in members)
+              and len({latest(m)["generation"] for m in members}) == 1, 60, "one generation of all five")
+        generation = int(latest(members[0])["generation"])  # type: ignore[call-overload]
+        kv = store.get(keys.coordinator)
+        assert kv is not None
+        coordinator = decode(CoordinatorRecord, kv.value).member_id
+        victims = [m for m in members if latest(m)["rank"] in (0, 1) or m.member_id() == coordinator]
+        alive = [m for m in members if m not in victims]
+        for v in victims:  # unrevoked: their leases live on for up to the TTL
+            v.proc.send_signal(signal.SIGKILL)
+        for v in victims:
+            v.proc.wait(10)
+        killed_at = time.time()
+        # what a survivor's failed all_reduce writes
+        store.put(keys.abort, encode(AbortRecord(generation=generation, member_id=alive[0].member_id() or "",
+                                                 reason="peer lost")))
+
+        def first_after(m: Member) -> float | None:
+            ts = [float(r["t"]) for r in m.lines()  # type: ignore[arg-type]
+                  if r.get("generation", 0) > generation and r.get("world") == len(alive)]  # type: ignore[operator]
+            return min(ts) if ts else None
+
+        _wait(lambda: all(first_after(m) is not None for m in alive), TTL_S + 10, "a generation of the survivors")
+        took = max(first_after(m) or 0.0 for m in alive) - killed_at
+        keepalive = Timeouts().keepalive_s
+        # without a later tier, the coordinator's lease had to end: took >= TTL - 2 keepalives
+        assert took < TTL_S - 2 * keepalive, f"the survivors' generation took {took:.2f} s (TTL {TTL_S:g} s)"
+        last = [latest(m) for m in alive]
+        assert len({r["generation"] for r in last}) == 1 and sorted(r["rank"] for r in last) == list(range(len(alive)))  # type: ignore[type-var]
+        assert not any("error" in r for m in alive for r in m.lines())
+        _wait(lambda: (kv := store.get(keys.coordinator)) is not None
+              and decode(CoordinatorRecord, kv.value).member_id in {m.member_id() for m in alive}, TTL_S + 5,
+              "a live coordinator")
+    finally:
+        store.close()

@@ -10,6 +10,7 @@ import pytest
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.rendezvous.coordinator import Coordinator, NotCoordinator, round_wait_s
 from elasticd.rendezvous.decide import Window
+from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
 from elasticd.rendezvous.reader import JobReader
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
@@ -268,3 +269,34 @@ def test_the_last_members_of_a_generation_are_not_given_up_on_a_probe_alone() ->
     assert decode_generation(store.get(KEYS.generation).value).generation == g.generation  # type: ignore[union-attr]
     verdict = store.get(KEYS.verdict)
     assert verdict is None or not decode_verdict(verdict.value).error
+
+
+@pytest.mark.parametrize(("world", "tiers"), [
+    (1, [0]),
+    (2, [0, 0]),
+    (3, [0, 0, 2]),  # tier 1 = ranks 0, 1; tier 2 = ranks 1, 2
+    (4, [0, 0, 1, 2]),  # tier 1 = ranks 1, 2: rank 1 is tier 0 already
+    (5, [0, 0, 1, 2, 3]),  # a small job: every rank deputizes, the later ones later
+    (12, [0, 0, None, 1, 1, None, 2, 2, None, 3, 3, None]),
+    (8, [0, 0, 1, 1, 2, 2, 3, 3]),
+    # 4 nodes x 8 GPUs: one deputy pair per node, not four pairs on node 0
+    (32, [0, 0] + [None] * 6 + [1, 1] + [None] * 6 + [2, 2] + [None] * 6 + [3, 3] + [None] * 6),
+])
+def test_deputy_tiers_are_spread_over_the_rank_order(world: int, tiers: list[int | None]) -> None:
+    assert [deputy_tier(r, world) for r in range(world)] == tiers
+
+
+@pytest.mark.parametrize(("tier", "heard", "grace", "want"), [
+    (None, False, 0.0, None),      # not a deputy
+    (0, False, 0.0, 0.0),          # rank 0 and 1: at once, by default
+    (0, True, 0.0, 0.0),           # ... also beside a coordinator at work
+    (0, True, 0.4, 0.4),           # ... after coordinator_grace_s
+    (1, False, 0.0, 0.5),          # later tiers: one deputy_step_s (0.5 s) per tier
+    (3, False, 0.4, 1.9),
+    (1, True, 0.0, None),          # not while the coordinator's verdict on the generation is there
+    (3, True, 0.0, None),
+])
+def test_deputy_starts_by_tier_and_only_while_the_coordinator_is_silent(
+        tier: int | None, heard: bool, grace: float, want: float | None) -> None:
+    got = deputy_starts_s(tier, heard, Timeouts(coordinator_grace_s=grace, deputy_step_s=0.5))
+    assert got == (None if want is None else pytest.approx(want))
