@@ -70,6 +70,7 @@ class FakeKeyValueStore:
         self._watches: list[_Watch] = []
         self._lock = threading.RLock()
         self.calls = 0  # how many store operations were made (for tests that count round trips)
+        self.term = 1  # etcd's raft term (a test raises it: a new leader, which refreshed every lease)
 
     # -- internals (call with the lock held) --------------------------------------------------
 
@@ -230,6 +231,17 @@ class FakeKeyValueStore:
                 ttl = found.ttl_s
         self._notify(changed)
         return ttl
+
+    def raft_term(self) -> int:
+        return self.term
+
+    def new_leader(self) -> None:
+        """What etcd does when a new leader is elected: a higher raft term, and every lease refreshed
+        to its full TTL (etcd's lessor ``Promote``)."""
+        with self._lock:
+            self.term += 1
+            for lease in self._leases.values():
+                lease.expires_at = self.clock() + lease.ttl_s
 
     def revoke_lease(self, lease: int) -> None:
         with self._lock:

@@ -123,6 +123,18 @@ def decide_claim(
                          "is alive")
 
 
+def wait_began(began: float, seen_term: int, term: int, now: float) -> tuple[float, int]:
+    """When the wait for a held node record's lease counts from, and the raft term seen with it.
+    Pure. A higher raft term than the one seen means a new etcd leader since, and a new leader
+    refreshes every lease to its full TTL (plus its election timeout, which ``CLAIM_MARGIN_S``
+    covers): the crashed agent's lease then lives a whole TTL more, so the wait begins again. An
+    agent restarted after a crash while etcd elected a leader (or came back from an outage) was
+    otherwise refused its own node id, and ``RestartPreventExitStatus=2`` kept it down."""
+    if term > seen_term:
+        return (now if seen_term else began), term
+    return began, seen_term
+
+
 def agent_source(node: str, pid: int | None = None) -> str:
     """The writer id of a node agent in events: ``agent.<node>.<pid>``."""
     return f"agent.{node}.{os.getpid() if pid is None else pid}"
@@ -193,11 +205,17 @@ class NodePresence:
         key = self._keys.node(self._node)
         ttl = self._timeouts.lease_ttl_s
         started = self._clock()
-        lease = 0
+        lease = term = 0
         announced = False
         while True:
+            held = self._store.get(key)
             now = self._clock()
-            decision = decide_claim(self._store.get(key), lease, now - started, ttl)
+            began, seen = wait_began(started, term, self._store.raft_term(), now)
+            if began != started:
+                log.info("node_id_wait_restarted", node=self._node, term=seen,
+                         reason="etcd elected a new leader, which refreshed the holder's lease")
+            started, term = began, seen
+            decision = decide_claim(held, lease, now - started, ttl)
             if decision.kind is ClaimKind.CLAIM:
                 if not lease or self._store.refresh_lease(lease) <= 0:
                     lease = self._store.grant_lease(ttl)

@@ -116,6 +116,9 @@ class CountingStore:
         self._n("revoke_lease")
         self._inner.revoke_lease(lease)
 
+    def raft_term(self) -> int:
+        return self._inner.raft_term()
+
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         self._n("watches")
 

@@ -320,6 +320,9 @@ class RelayedStore:
     def revoke_lease(self, lease: int) -> None:
         self._inner.revoke_lease(lease)
 
+    def raft_term(self) -> int:
+        return self._inner.raft_term()
+
     def close(self) -> None:
         """Stop listening to the relay (the inner store stays open; reads and writes go to it)."""
         with self._cond:

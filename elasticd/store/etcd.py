@@ -88,6 +88,7 @@ class EtcdClient:
         self._ca_cert = (config.ca_cert or system_ca_bundle()) if config.tls else None
         self._index = 0
         self._lock = threading.Lock()
+        self._raft_term = 0  # the highest raft term seen in a get's answer (raft_term())
         # One client per endpoint, made once: a failover moves between them. (Making a new one at
         # each failover left the old channels and their watcher threads behind: through etcd
         # outages under chaos a worker grew to 400 threads.)
@@ -227,7 +228,11 @@ class EtcdClient:
         value, meta = self._call("get", lambda c: c.get(key), key)
         if value is None or meta is None:
             return None
+        self._raft_term = max(self._raft_term, int(meta.response_header.raft_term))
         return KeyValue(key, value, meta.mod_revision, meta.create_revision, meta.lease_id)
+
+    def raft_term(self) -> int:
+        return self._raft_term
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         """Every key under ``prefix``, in key order: ``pages`` joined. Should etcd compact the

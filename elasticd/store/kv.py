@@ -72,6 +72,11 @@ class KeyValueStore(Protocol):
 
     def revoke_lease(self, lease: int) -> None: ...
 
+    def raft_term(self) -> int:
+        """The highest etcd raft term seen in an answer to ``get`` (0: none seen). A higher one means
+        a new leader since, which refreshed every lease to its full TTL (``presence.wait_began``)."""
+        ...
+
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` (no arguments) after any change under ``prefix``; return a canceller."""
         ...

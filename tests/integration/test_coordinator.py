@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,22 @@ def members(tmp_path: Path) -> Iterator[list[Member]]:
         m.stop()
 
 
+@contextmanager
+def _job(etcd_server, members: list[Member], tmp_path: Path, name: str, n: int, min_workers: int,  # type: ignore[no-untyped-def]
+         max_workers: int, grace_s: float) -> Iterator[tuple[str, Keys, EtcdClient]]:
+    """A fresh job of ``n`` member processes (nodes n0..), and a client of the test's own."""
+    job = f"{name}{time.monotonic_ns()}"
+    keys = Keys("/elasticd", job)
+    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        for i in range(n):
+            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", min_workers,
+                                  max_workers, grace_s))
+        yield job, keys, store
+    finally:
+        store.close()
+
+
 def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not cond():
@@ -77,12 +94,7 @@ def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_comp
     """No agent revokes the victim's lease (as on a node that died with its agent): with deputies,
     rank 0 or 1 of the old generation publishes after ``coordinator_grace_s``; without them (a grace
     longer than the test), a new coordinator is elected when the victim's lease ends."""
-    job = f"coord{time.monotonic_ns()}"
-    keys = Keys("/elasticd", job)
-    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
-    try:
-        for i in range(3):
-            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", 3, 4, grace_s))
+    with _job(etcd_server, members, tmp_path, "coord", 3, 3, 4, grace_s) as (job, keys, store):
         _wait(lambda: all(any(r.get("generation") == 1 for r in m.lines()) for m in members), 60, "generation 1")
         kv = store.get(keys.coordinator)
         assert kv is not None
@@ -118,8 +130,6 @@ def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_comp
         _wait(lambda: (kv := store.get(keys.coordinator)) is not None
               and decode(CoordinatorRecord, kv.value).member_id != coordinator, bound + 5, "a new coordinator")
         assert not any("error" in r for m in alive for r in m.lines())
-    finally:
-        store.close()
 
 
 def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
@@ -128,12 +138,7 @@ def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
     that the others form without it (after the abort their failed collective writes) consumed its
     old ready record: it must not come back as a candidate (it once did: the next generation was
     published at once with the dead member, and the job stood still until its lease ended)."""
-    job = f"unrevoked{time.monotonic_ns()}"
-    keys = Keys("/elasticd", job)
-    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
-    try:
-        for i in range(3):
-            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", 2, 4, 0.0))
+    with _job(etcd_server, members, tmp_path, "unrevoked", 3, 2, 4, 0.0) as (job, keys, store):
         _wait(lambda: all(any(r.get("generation") == 1 for r in m.lines()) for m in members), 60, "generation 1")
         kv = store.get(keys.coordinator)
         assert kv is not None
@@ -158,8 +163,6 @@ def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
         record = decode_generation(store.get(keys.generation).value)  # type: ignore[union-attr]
         assert record.world_size == 2 and victim_id not in record.members
         assert not any("error" in r for m in alive for r in m.lines())
-    finally:
-        store.close()
 
 
 def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_deputy_tier(
@@ -169,12 +172,7 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
     tier (rank 2, ``deputy_step_s`` later) publishes the survivors' generation, well before the
     coordinator's lease ends. Before the tiers, the survivors waited for that lease (the chaos run's
     5.75 s stall)."""
-    job = f"tiers{time.monotonic_ns()}"
-    keys = Keys("/elasticd", job)
-    store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
-    try:
-        for i in range(5):
-            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", 2, 5, 0.0))
+    with _job(etcd_server, members, tmp_path, "tiers", 5, 2, 5, 0.0) as (job, keys, store):
 
         def latest(m: Member) -> dict[str, object]:
             return max((r for r in m.lines() if "generation" in r), key=lambda r: r["generation"],  # type: ignore[arg-type, return-value]
@@ -213,5 +211,3 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
         _wait(lambda: (kv := store.get(keys.coordinator)) is not None
               and decode(CoordinatorRecord, kv.value).member_id in {m.member_id() for m in alive}, TTL_S + 5,
               "a live coordinator")
-    finally:
-        store.close()

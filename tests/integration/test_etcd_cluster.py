@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.errors import EtcdUnavailable
+from elasticd.store.etcd import EtcdClient
 from elasticd.testing.audit import first_commit_times
 from elasticd.testing.etcd import ETCD_START_TIMEOUT_S, EtcdCluster
 from tests.conftest import LocalJob
@@ -74,3 +77,34 @@ def test_follower_and_leader_loss_lose_nothing_and_stall_nothing(cluster: EtcdCl
         assert max(gaps) < LEASE_TTL_S + 2.0, (max(gaps), json.dumps(sorted(gaps)[-5:]))
     finally:
         job.stop()
+
+
+def test_a_new_leader_shows_as_a_higher_raft_term_and_refreshes_every_lease(cluster: EtcdCluster) -> None:
+    """What an agent's node-id claim relies on (``presence.wait_began``): after an election, reads
+    answer with a higher raft term, and a lease nobody renews lives a full TTL past the election,
+    beyond the TTL it was granted with."""
+    store = EtcdClient(EtcdConfig(endpoints=cluster.endpoints), Timeouts(), RetryPolicy())
+    try:
+        store.put("/t/term", b"x")
+        assert store.get("/t/term") is not None
+        before = store.raft_term()
+        assert before >= 1
+        lease = store.grant_lease(LEASE_TTL_S)
+        store.put("/t/leased", b"x", lease=lease)
+        granted = time.monotonic()
+        time.sleep(LEASE_TTL_S / 2)
+        cluster.kill(_leader(cluster))
+        deadline = time.monotonic() + ETCD_START_TIMEOUT_S
+        while store.raft_term() <= before:
+            assert time.monotonic() < deadline, "no higher raft term after the leader was killed"
+            try:
+                store.get("/t/term")
+            except EtcdUnavailable:
+                time.sleep(0.1)
+        elected = time.monotonic()
+        # unrenewed, it would have ended at granted + TTL; the new leader gave it a TTL from its election
+        while time.monotonic() < max(granted + LEASE_TTL_S + 0.75, elected + 0.5):
+            time.sleep(0.05)
+        assert store.get("/t/leased") is not None, "the lease was not refreshed by the new leader"
+    finally:
+        store.close()

@@ -18,6 +18,7 @@ from elasticd.agent.presence import (
     NodePresence,
     decide_claim,
     describe_holder,
+    wait_began,
 )
 from elasticd.config import Timeouts
 from elasticd.store.kv import KeyValue
@@ -156,3 +157,56 @@ def test_after_losing_its_lease_an_agent_does_not_overwrite_a_node_id_claimed_me
     assert len(taken) == 1 and "pid 1111" in str(taken[0]["holder"]), logs
     kv = store.get(KEYS.node("a"))
     assert kv is not None and kv.lease == other and decode_node(kv.value).agent_pid == 1111
+
+
+@pytest.mark.parametrize(("began", "seen", "term", "now", "want"), [
+    (10.0, 0, 5, 11.0, (10.0, 5)),   # the first term seen: the wait goes on from when it began
+    (10.0, 5, 5, 12.0, (10.0, 5)),   # the same leader
+    (10.0, 5, 4, 12.0, (10.0, 5)),   # an answer from a member that lags: nothing new
+    (10.0, 5, 6, 12.5, (12.5, 6)),   # a new leader refreshed the holder's lease: wait anew
+    (10.0, 0, 0, 12.0, (10.0, 0)),   # a store that tells no term
+])
+def test_a_new_etcd_leader_restarts_the_wait(began: float, seen: int, term: int, now: float,
+                                             want: tuple[float, int]) -> None:
+    assert wait_began(began, seen, term, now) == want
+
+
+class LeaderChanges(Waits):
+    """``Waits`` that also has etcd elect a new leader (which refreshes every lease) at the given
+    moments of the wait."""
+
+    def __init__(self, store: FakeKeyValueStore, at: list[float]) -> None:
+        super().__init__(store)
+        self.at = sorted(at)
+
+    def __call__(self, seconds: float) -> None:
+        super().__call__(seconds)
+        while self.at and self.total >= self.at[0]:
+            self.at.pop(0)
+            self.store.new_leader()
+
+
+def test_a_crashed_agents_record_kept_alive_by_etcd_elections_is_still_waited_out_and_claimed() -> None:
+    # Each new leader refreshes the dead agent's lease to a full TTL: at 2 s and 4 s of the wait it
+    # lives until 7 s, past the bound TTL + margin (5 s) counted from the start. The chaos run found
+    # a replacement agent refused its own node id this way (exit 2, which systemd does not restart).
+    store = FakeKeyValueStore(ManualClock())
+    _other_agent(store)  # nobody renews it
+    wait = LeaderChanges(store, [2.0, 4.0])
+    with capture_logs() as logs:
+        decision = _presence(store).claim(record(pid=2222), wait, lambda: False, "job")
+    assert decision.kind is ClaimKind.CLAIMED, decision.reason
+    assert 4.0 + TTL <= wait.total < 4.0 + TTL + CLAIM_MARGIN_S
+    assert sum(1 for e in logs if e["event"] == "node_id_wait_restarted") == 2
+    kv = store.get(KEYS.node("a"))
+    assert kv is not None and decode_node(kv.value).agent_pid == 2222
+
+
+def test_a_live_agent_is_still_refused_across_an_etcd_election() -> None:
+    store = FakeKeyValueStore(ManualClock())
+    other = _other_agent(store)
+    wait = LeaderChanges(store, [1.0])
+    wait.renewed = [other]  # its agent renews it
+    decision = _presence(store).claim(record(pid=2222), wait, lambda: False, "job")
+    assert decision.kind is ClaimKind.REFUSE
+    assert 1.0 + TTL + CLAIM_MARGIN_S <= wait.total <= 1.0 + TTL + CLAIM_MARGIN_S + 1.0
