@@ -63,7 +63,7 @@ class Timeouts:
         "While the coordinator has said nothing about a broken generation (no verdict), each further "
         "tier of deputies (two ranks, spread over the rank order; up to four tiers) begins its own "
         "rounds this much later than the tier before it: covers a coordinator lost together with rank 0 "
-        "and 1 (rendezvous.decide.deputy_starts_s).", 0.5)
+        "and 1 (rendezvous.deputy.deputy_starts_s).", 0.5)
     round_poll_s: float = _seconds(
         "While a broken generation's rendezvous is open, how often the coordinator reads the job again "
         "with no change seen: a watch event that a loaded etcd or host delivers late must not hold the "

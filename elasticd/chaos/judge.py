@@ -160,17 +160,20 @@ def final_findings(finals: Sequence[Final], last_step: int) -> list[str]:
 
 
 def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife], slack_s: float,
-                    seen_margin_s: float = 0.5, etcd_down: Sequence[Window] = ()) -> list[str]:
+                    seen_margin_s: float = 0.5, etcd_down: Sequence[Window] = (),
+                    lease_ttl_s: float = 0.0) -> list[str]:
     """Where ``elasticctl status`` disagreed with the live workers by more than ``slack_s``.
 
     At a sample taken over [t0, t1], a worker registered before t0 - slack, alive until after t1 and
-    not stopped (or cut off by a link down) since t0 - slack must be listed; one gone, or stopped
+    not stopped (or cut off by a link down) since t0 - slack, nor out of reach around an etcd outage
+    that ended after t0 - slack, must be listed; one gone, or stopped
     (or cut off) the whole time, since before t0 - slack must not be; every listed pid must be a
     worker of this run. ``seen_margin_s`` covers the delay with which a death is seen (the loop
-    polls).
+    polls). ``etcd_down``: when etcd was down; ``lease_ttl_s``: how long a lease outlives etcd's return.
     """
     out = []
     known = {w.pid: w for w in lives}
+    kept = after_etcd_returns(etcd_down, lease_ttl_s)
     for s in samples:
         if s.error:
             continue
@@ -181,13 +184,18 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
                      and (w.left_t is None or w.left_t > s.t1 + seen_margin_s))
             out_of_reach = (*w.paused, *w.cut_off)
             paused = any(p.end >= since and p.start <= s.t1 for p in (*out_of_reach, *w.rejoining))
+            # One out of reach (its lease revoked or expired) around an etcd outage registers again
+            # only once etcd answers: it gets the slack from etcd's return.
+            relisting = any(d.start <= s.t1 and d.end + slack_s >= s.t0 and any(
+                p.end >= d.start - slack_s and p.start <= d.end for p in (*out_of_reach, *w.rejoining))
+                for d in etcd_down)
             if (w.registered_t is not None and w.registered_t <= since and alive and not paused
-                    and w.pid not in listed):
+                    and not relisting and w.pid not in listed):
                 out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is live (registered "
                            f"{s.t0 - w.registered_t:.1f} s before) but not listed")
             # A worker that left while etcd was down keeps its lease (no revoke could land) until a
-            # TTL after etcd's return: listing it meanwhile is right (``etcd_down`` is extended so).
-            lease_kept = any(d.start <= s.t1 and d.end + slack_s >= s.t0 for d in etcd_down)
+            # TTL after etcd's return: listing it meanwhile is right.
+            lease_kept = any(d.start <= s.t1 and d.end + slack_s >= s.t0 for d in kept)
             gone = not lease_kept and ((w.ended_t is not None and w.ended_t <= since) or any(
                 p.start <= since and p.end >= s.t1 for p in out_of_reach))
             if gone and w.pid in listed:
@@ -314,8 +322,8 @@ def judge(ev: Evidence) -> Verdict:
                          None if finished else ev.end_t)
     counted = [s for s in stalls if s.counted_s > limit]
     finals = final_findings(ev.finals, steps.last_step)
-    status = status_findings(ev.samples, ev.lives, ev.lease_ttl_s + 1.0,
-                             etcd_down=after_etcd_returns(ev.etcd_down, ev.lease_ttl_s))
+    status = status_findings(ev.samples, ev.lives, ev.lease_ttl_s + 1.0, etcd_down=ev.etcd_down,
+                             lease_ttl_s=ev.lease_ttl_s)
     bad_agents, not_refused = agent_findings(ev.agents)
     inv = [
         Invariant("steps exactly once", not steps.repeats and not steps.lost,

@@ -39,7 +39,7 @@ from elasticd.errors import (
 )
 from elasticd.rendezvous.coordinator import Coordinator, Seat
 from elasticd.rendezvous.decide import ActionKind, Me, member_action, should_resume, verdict_on
-from elasticd.rendezvous.deputy import DEPUTY_RANKS, deputy_starts_s, deputy_tier
+from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
 from elasticd.rendezvous.lease import Lease, Reachability, Renewal
 from elasticd.rendezvous.member import Joined, MemberState, Standing
 from elasticd.rendezvous.publish import Publisher
@@ -58,7 +58,7 @@ from elasticd.wire.records import (
 )
 from elasticd.wire.snapshot import Snapshot
 
-__all__ = ["DEPUTY_RANKS", "Joined", "Membership", "Standing"]  # Joined, Standing: re-exported from .member
+__all__ = ["Joined", "Membership", "Standing"]  # Joined, Standing: re-exported from .member
 
 log = structlog.get_logger(__name__)
 

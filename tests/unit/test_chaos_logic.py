@@ -191,6 +191,21 @@ def test_status_must_list_the_live_workers_within_the_slack(life, listed, proble
     assert len(status_findings([s], [life], SLACK)) == problems
 
 
+@pytest.mark.parametrize(("down", "problems"), [
+    ((), 1),                                 # continued 4 s before the sample: must be listed by now
+    ((Window(T0 + 5.5, T0 + 9.5),), 0),      # ... but etcd was down from its stop until 0.5 s before
+    ((Window(T0 + 5.5, T0 + 6.0),), 1),      # etcd back a whole slack before the sample: listed by now
+    ((Window(T0 - 20, T0 - 19),), 1),        # an outage long before its stop excuses nothing
+])
+def test_a_worker_that_lost_its_record_around_an_etcd_outage_gets_the_slack_from_etcds_return(
+        down: tuple[Window, ...], problems: int) -> None:
+    # stopped at T0 + 4 (its agent revoked its lease), continued at T0 + 6; sampled at T0 + 10.
+    # The chaos run (stop 19, seed 13) flagged one sampled 0.8 s after etcd came back.
+    life = WorkerLife(11, "n0", T0, None, (Window(T0 + 4, T0 + 6),))
+    assert len(status_findings([sample(10.0)], [life], SLACK, etcd_down=down)) == problems
+    assert status_findings([sample(10.0, 11)], [life], SLACK, etcd_down=down) == []
+
+
 def test_status_listing_an_unknown_pid_is_a_finding_and_failed_samples_are_skipped() -> None:
     lives = [WorkerLife(11, "n0", T0, None)]
     (problem,) = status_findings([sample(10.0, 11, 99)], lives, SLACK)
@@ -782,7 +797,8 @@ def test_a_worker_that_left_while_etcd_was_down_may_be_listed_until_a_ttl_after_
     life = WorkerLife(11, "n0", T0, T0 + 2)  # gone at T0 + 2, during an outage
     s = sample(10.0, 11)
     assert len(status_findings([s], [life], SLACK)) == 1
-    assert status_findings([s], [life], SLACK, etcd_down=[Window(T0 + 1, T0 + 8 + 2.0)]) == []
+    assert status_findings([s], [life], SLACK, etcd_down=[Window(T0 + 1, T0 + 8)], lease_ttl_s=2.0) == []
+    assert len(status_findings([s], [life], SLACK, etcd_down=[Window(T0 + 1, T0 + 4)], lease_ttl_s=2.0)) == 1
 
 
 def test_a_cut_host_need_not_be_dropped_while_etcd_cannot_expire_its_lease() -> None:
