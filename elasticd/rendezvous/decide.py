@@ -102,12 +102,23 @@ def missing_members(snap: Snapshot, ready: Collection[str]) -> list[str]:
     return [m for m in (g.members if g else ()) if m in snap.members and m not in ready]
 
 
+def holds_state(g: GenerationRecord, cands: Iterable[ReadyRecord]) -> bool:
+    """Whether a waiting member holds generation ``g``'s state: a member of it at the step it began
+    from or later (every member that synced it is; one that joined it but never saw it built is
+    not, nor is a newcomer). Pure."""
+    return any(r.member_id in g.members and r.committed_step >= g.committed_step for r in cands)
+
+
 def without_gone(snap: Snapshot, gone: Collection[str]) -> Snapshot:
     """``snap`` without the members in ``gone`` (their processes are gone: ``rendezvous.probe``),
-    unless none of the current generation's live members would be left: on that alone the job's
-    state is not given up (their leases decide). Pure."""
+    unless no live member of the current generation that may hold its state would be left (one not
+    ready yet may; a ready one below the step it began from does not): on that alone the job's state
+    is not given up (their leases decide). Pure."""
     g = snap.generation
-    if not gone or g is None or all(m in gone for m in g.members if m in snap.members):
+    if not gone or g is None:
+        return snap
+    kept = [m for m in g.members if m in snap.members and m not in gone]
+    if not any(m not in snap.ready or snap.ready[m].committed_step >= g.committed_step for m in kept):
         return snap
     return replace(snap, members={m: r for m, r in snap.members.items() if m not in gone})
 
@@ -236,10 +247,11 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
                               f"max_workers {world.max_workers}", standby=True)
             return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
                           f"members {missing[:VERDICT_IDS]} to reach a step boundary")
-        if missing and not any(r.member_id in g.members for r in cands):
-            # Only members of the generation hold its state. Publishing without any of them while
-            # some live would start over from older state (a newcomer alone would train from step
-            # 0): wait for them. Bounded by their leases (and the agent's hang detection).
+        if missing and not holds_state(g, cands):
+            # Only members of the generation that synced it hold its state (one that joined it but
+            # never saw it built holds nothing). Publishing without any of them while some live
+            # would start over from older state (a newcomer alone would train from step 0): wait
+            # for them. Bounded by their leases (and the agent's hang detection).
             return Action(ActionKind.WAIT, f"waiting for the live members {missing[:VERDICT_IDS]} of "
                           f"generation {g.generation}, which hold its state")
         # The last call starts when the round began or the generation was seen broken, whichever
@@ -252,7 +264,10 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         return Action(ActionKind.WAIT, f"{len(chosen)} ready < min_workers {world.min_workers}")
     best = max(r.committed_step for r in cands)
     resume = g is None and best > 0  # a first generation from state loaded from disk
-    if g is not None and not any(m in snap.members for m in g.members):
+    if g is not None and not (any(m in snap.members for m in g.members) and holds_state(g, cands)):
+        # nobody alive holds the generation's state: every member gone, or the live ones never
+        # synced it (they joined generations that were never built; stop 19's chaos run of seed
+        # 14 published such a generation from step 0 and the job started over)
         newest = max(g.committed_step, snap.committed_step)
         ck = snap.checkpoint
         if best < newest and ck is None:

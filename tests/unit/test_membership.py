@@ -196,6 +196,22 @@ CASES = [
          snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n", -1)]), me("n"),
          window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.31), kind=ActionKind.PUBLISH, members=("a", "n"),
          generation=4, reason="member_lost"),
+    # Stop 19 (chaos, seed 14): generation 56 = the one member holding step 2511 and three that
+    # joined generations never built (they hold nothing); with the holder late, a deputy published
+    # the three alone, from step 0, and the job started over. Members of a generation hold its
+    # state only from the step it began at.
+    Case("never built: its members that hold nothing wait for the live one that holds the state",
+         snap(gen(56, ["h", "x", "y"], step=2511), alive=["h", "x", "y"],
+              ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)], aborted=56), me("x", 56),
+         window=settled(), kind=ActionKind.WAIT),
+    Case("never built: with the holder gone as well, the state is lost",
+         snap(gen(56, ["h", "x", "y"], step=2511), alive=["x", "y"],
+              ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)]), me("x", 56),
+         window=settled(), kind=ActionKind.STATE_LOST),
+    Case("never built: the holder came, it leads the next generation",
+         snap(gen(56, ["h", "x", "y"], step=2511), alive=["h", "x", "y"],
+              ready_recs=[ready("h", 2511, 56, 0), ready("x", 0, 56, 1), ready("y", -1, 56, 2)]), me("x", 56),
+         window=settled(), kind=ActionKind.PUBLISH, members=("h", "x", "y"), generation=57),
     # -- first generation, join window, min/max workers -----------------------------------------
     Case("start: join window open after the last arrival",
          snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]), me("a"),
@@ -599,6 +615,15 @@ def test_the_members_own_arrival_does_not_reopen_the_join_window() -> None:
     action = decide(s, me("a", 2), window=Window(NOW - 0.4, NOW - 0.3))
     assert action.kind is ActionKind.PUBLISH and action.record is not None
     assert action.record.members == ("a", "b", "n") and action.record.reason == "join"
+
+
+def test_the_probe_alone_never_takes_out_the_last_member_that_holds_the_state() -> None:
+    # x and y joined generation 56 but never synced it (below its step): h alone holds it
+    g56 = gen(56, ["h", "x", "y"], step=2511)
+    s = snap(g56, alive=["h", "x", "y"], ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)])
+    assert sorted(without_gone(s, {"h"}).members) == ["h", "x", "y"]
+    synced = snap(g56, alive=["h", "x", "y"], ready_recs=[ready("x", 2511, 56, 1), ready("y", -1, 56, 2)])
+    assert sorted(without_gone(synced, {"h"}).members) == ["x", "y"]
 
 
 @pytest.mark.parametrize(("name", "alive", "gone", "left"), [
