@@ -52,9 +52,18 @@ class Timeouts:
         0.3,
     )
     probe_s: float = _seconds(
-        "How long the coordinator waits for a missing member's store port to answer a connect: refused, "
-        "its process is gone and the round goes on without it; no answer, it keeps its last call "
-        "(rendezvous.probe).", 0.05)
+        "How long a connect to a member's store port may go unanswered before its host counts as out "
+        "of reach (rendezvous.probe): the coordinator leaves a missing member of a broken generation "
+        "out at once when its host refuses the connect (its process is gone) or does not answer within "
+        "this (a host down or cut off), and keeps its last call when it accepts; the reach check "
+        "(reach_check_s) asks with the same bound. A lost SYN costs a rejoin, never a step.", 0.25)
+    reach_check_s: float = _seconds(
+        "A member whose collective has waited this long, while it is the coordinator or rank 0 or 1 "
+        "of its generation, asks the hosts of every member of the generation whether they still "
+        "answer (rendezvous.reach; again every reach_check_s while the wait lasts): a member whose "
+        "host is out of reach or whose process is gone gets the generation aborted at once, instead "
+        "of holding it until its lease expires (a host lost with its power or its link). 0: off "
+        "(may be 0).", 0.5)
     coordinator_grace_s: float = _seconds(
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "
@@ -122,7 +131,7 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            zero_ok = f.name == "coordinator_grace_s" and value == 0 and not isinstance(value, bool)
+            zero_ok = f.name in ("coordinator_grace_s", "reach_check_s") and value == 0 and not isinstance(value, bool)
             if not (zero_ok or _positive_finite(value)):
                 raise ConfigError(f"{f.name}: must be a positive, finite number of seconds, got {value!r}")
         if self.keepalive_s * 2 > self.lease_ttl_s:

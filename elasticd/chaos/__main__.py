@@ -50,9 +50,8 @@ from elasticd.chaos.netns import (
     host_index,
     ip_addresses_and_routes,
     netns_plan,
-    netns_unusable,
-    probe_netns,
     subnets_in_use,
+    unusable_here,
     use_netns,
 )
 from elasticd.chaos.report import Report, render_table, report_to_dict
@@ -786,12 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ip = shutil.which("ip")
     pid = os.getpid()
-    if args.netns is False:
-        no_netns = "--no-netns"
-    else:
-        euid = os.geteuid()
-        probed = probe_netns(ip, pid) if euid == 0 and ip is not None else ""
-        no_netns = netns_unusable(euid, ip, probed)
+    no_netns = "--no-netns" if args.netns is False else unusable_here(pid)
     try:
         netns = use_netns(args.netns, no_netns)
         settings = make_settings(args, netns)

@@ -10,7 +10,9 @@ never decides which host to cut or when.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -159,6 +161,14 @@ def probe_netns(ip: str, pid: int) -> str:
             except RuntimeError:
                 pass  # never made, or gone with its peer
     return ""
+
+
+def unusable_here(pid: int) -> str:
+    """Why network-namespace hosts cannot be made on this machine now ("" when they can): not
+    root, no ``ip``, or what the probe (``probe_netns``, under names made from ``pid``) met."""
+    ip = shutil.which("ip")
+    euid = os.geteuid()
+    return netns_unusable(euid, ip, probe_netns(ip, pid) if euid == 0 and ip is not None else "")
 
 
 def ip_addresses_and_routes(ip: str) -> str:

@@ -38,7 +38,7 @@ from elasticd.rendezvous.decide import (
     waiting_newcomers,
     without_gone,
 )
-from elasticd.rendezvous.probe import refused, to_probe
+from elasticd.rendezvous.probe import Answer, answers, to_probe
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -60,6 +60,7 @@ class Coordinator:
         self, store: KeyValueStore, keys: Keys, member_id: str, world: WorldConfig, timeouts: Timeouts,
         clock: Clock, read: Callable[[], Snapshot], published_event: Callable[[GenerationRecord], tuple[str, bytes]],
         elected: bool = True, take_over: Callable[[int], None] | None = None,
+        noted: tuple[int, frozenset[str]] = (0, frozenset()),
     ) -> None:
         self._store = store
         self._keys = keys
@@ -73,8 +74,11 @@ class Coordinator:
         self._take_over = take_over  # a deputy's: claim the role from a coordinator it left out
         self._window: Window | None = None  # the current round (None: nobody waits)
         self._newcomers: frozenset[str] = frozenset()
-        self._probed: dict[str, bool] = {}  # member -> its store port refused a connect (in _probed_generation)
+        self._probed: dict[str, bool] = {}  # member -> gone: its host refused or did not answer (in _probed_generation)
         self._probed_generation = 0
+        # (generation, members) a reach check found out of reach while the generation was stuck
+        # (rendezvous.reach): left out without being asked again. Set by the reach thread.
+        self._noted = noted
         self._broken_seen = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -139,24 +143,37 @@ class Coordinator:
             return closes if action.until is None else min(action.until, closes)
         return action.until
 
+    def note_gone(self, generation: int, members: frozenset[str]) -> None:
+        """A reach check found ``members`` of ``generation`` out of reach (``rendezvous.reach``):
+        the rendezvous after it leaves them out without asking their hosts again."""
+        self._noted = (generation, members)
+
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the
-        rendezvous and whose host refuses their store port (``rendezvous.probe``): their process
-        is gone, and no last call is held for them (``decide.without_gone``). Each is asked once
-        per generation."""
+        rendezvous and whose host refuses their store port (their process is gone) or does not
+        answer within ``probe_s`` (the host is down or cut off) (``rendezvous.probe``), or that a
+        reach check found so: no last call is held for them (``decide.without_gone``). Each is
+        asked once per generation."""
         g = snap.generation
         if g is None or window.broken_at is None:
             return snap
         if g.generation != self._probed_generation:
             self._probed, self._probed_generation = {}, g.generation
+        noted_generation, noted = self._noted
+        if noted_generation == g.generation:
+            for m in noted:
+                self._probed.setdefault(m, True)
         missing = missing_members(snap, {r.member_id for r in candidates_of(snap)})
         ask = to_probe(missing, snap.members, self._probed)
-        answers = refused([(r.host, r.store_port) for r in ask], self._timeouts.probe_s) if ask else []
-        for rec, gone_now in zip(ask, answers, strict=True):
+        got = answers([(r.host, r.store_port) for r in ask], self._timeouts.probe_s) if ask else []
+        for rec, answer in zip(ask, got, strict=True):
+            gone_now = answer in (Answer.REFUSED, Answer.UNREACHABLE)
             self._probed[rec.member_id] = gone_now
             if gone_now:
+                why = "refuses connections" if answer is Answer.REFUSED else \
+                    f"does not answer within probe_s ({self._timeouts.probe_s:g} s): its host is out of reach"
                 log.info("member_gone", gone=rec.member_id, generation=g.generation,
-                         why=f"its store port {rec.host}:{rec.store_port} refuses connections")
+                         why=f"its store port {rec.host}:{rec.store_port} {why}")
         return without_gone(snap, {m for m in missing if self._probed.get(m)})
 
     def _track(self, snap: Snapshot, now: float) -> Window | None:
@@ -275,6 +292,12 @@ class Seat:
             elif not mine and self._coordinator is not None:
                 self._coordinator.stop()
                 self._coordinator = None
+
+    def note_gone(self, generation: int, members: frozenset[str]) -> None:
+        """Hand a reach check's finding to this member's coordinator, if it runs one."""
+        with self._lock:
+            if self._coordinator is not None:
+                self._coordinator.note_gone(generation, members)
 
     def take_over(self, revision: int, lease: int) -> None:
         """Claim the role from the coordinator whose record is at ``revision`` (by compare-and-set:

@@ -6,8 +6,8 @@ answers it lately (``Reachability``); the commit vote's ``stale`` and ``reached_
 raise a short TTL to its minimum, and rounds to whole seconds), when the last granted renewal was
 asked, and the SIGCONT count then (``continued``): together they say whether the lease is fresh.
 
-Never writes a key, never starts a thread, and never decides what a lost lease means (the
-membership does). The keepalive thread renews and reads it while the training thread may grant a
+Never writes a key, never starts a thread (``Reachability.background`` is the loop of the
+membership's own), and never decides what a lost lease means (the membership does). The keepalive thread renews and reads it while the training thread may grant a
 new one: each field is written in one assignment, and a renewal's answer counts only for the lease
 it was asked for.
 """
@@ -17,15 +17,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
-from elasticd.errors import LeaseLost
+from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.rendezvous import continued
 from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -156,3 +159,20 @@ class Reachability:
     def lately(self, within_s: float) -> bool:
         """The last request was answered, less than ``within_s`` ago."""
         return self._ok and self._clock() - self._ok_at < within_s
+
+    def background(self, stop: threading.Event, wake: threading.Event, ask: Callable[[], T],
+                   then: Callable[[T], None], every_s: float) -> None:
+        """A background thread's loop until ``stop``: on ``wake`` (or every ``every_s``) ``ask``
+        etcd, note whether it answered, and ``then`` act on the answer."""
+        while not stop.is_set():
+            wake.wait(every_s)
+            wake.clear()
+            if stop.is_set():
+                return
+            try:
+                answer = ask()
+            except EtcdUnavailable as exc:
+                self.answered(False, str(exc))
+                continue
+            self.answered(True)
+            then(answer)

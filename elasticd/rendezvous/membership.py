@@ -11,20 +11,21 @@ Owns the membership protocol over a ``store.kv.KeyValueStore`` (satisfied by ``s
   the current generation must be abandoned (a member lost its lease or left, the generation was
   aborted or superseded), or newcomers wait to join.
 
-It runs the keepalive and watcher threads and the join loop; what they keep lives beside it: the
-lease and whether etcd answers (``rendezvous.lease``), the hot-path flags (``rendezvous.watch``),
-and the job records a member writes besides its presence (``rendezvous.publish``).
+It runs the keepalive, watcher and reach threads and the join loop; what they keep lives beside it:
+the lease and whether etcd answers (``rendezvous.lease``), the hot-path flags (``rendezvous.watch``),
+the check on a collective stuck on a host gone from the network (``rendezvous.reach``), and the job
+records a member writes besides its presence (``rendezvous.publish``).
 
 Never imports etcd3 or torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TypeVar
 
 import structlog
 
@@ -43,6 +44,7 @@ from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
 from elasticd.rendezvous.lease import Lease, Reachability, Renewal
 from elasticd.rendezvous.member import Joined, MemberState, Standing
 from elasticd.rendezvous.publish import Publisher
+from elasticd.rendezvous.reach import ReachCheck
 from elasticd.rendezvous.reader import JobReader
 from elasticd.rendezvous.watch import GenerationWatch
 from elasticd.retry import Clock, Deadline
@@ -61,8 +63,6 @@ from elasticd.wire.snapshot import Snapshot
 __all__ = ["Joined", "Membership", "Standing"]  # Joined, Standing: re-exported from .member
 
 log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
 
 
 class Membership:
@@ -104,6 +104,8 @@ class Membership:
         self._etcd = Reachability(clock)  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
         self._joining = False  # a join() runs (on the training thread)
+        self.reach = ReachCheck(member.member_id, timeouts, clock, self.snapshot, self._publish.abort_now,
+                                self._seat.note_gone, self._seat.running, lambda: self._watch.abandon)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -133,7 +135,8 @@ class Membership:
                             bound_s=round(deadline.remaining_s(), 1))
                 self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
         self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.member_watch]
-        for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop)):
+        for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop),
+                             ("elasticd-reach", lambda: self.reach.run(self._stop))):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -147,10 +150,8 @@ class Membership:
         self._renew.set()
         self._seat.stop()
         for cancel in self._cancel_watches:
-            try:
+            with contextlib.suppress(EtcdUnavailable):
                 cancel()
-            except EtcdUnavailable:
-                pass
         try:
             self._lease.revoke()
         except (EtcdUnavailable, LeaseLost) as exc:
@@ -196,27 +197,10 @@ class Membership:
         """Ask the keepalive thread for a renewal now (a step waits for one)."""
         self._renew.set()
 
-    def _background(self, wake: threading.Event, ask: Callable[[], T], then: Callable[[T], None],
-                    every_s: float) -> None:
-        """A background thread: on ``wake`` (or every ``every_s``) ``ask`` etcd, note whether it
-        answered, and ``then`` act on the answer."""
-        while not self._stop.is_set():
-            wake.wait(every_s)
-            wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                answer = ask()
-            except EtcdUnavailable as exc:
-                self._etcd.answered(False, str(exc))
-                continue
-            self._etcd.answered(True)
-            then(answer)
-
     def _keepalive_loop(self) -> None:
         # The renewal first: a step may be waiting for it (a vote of "stale"); the progress writes
         # after it, and only while etcd answers (each could spend the retry budget).
-        self._background(self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s)
+        self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s)
 
     def _renewed(self, renewal: Renewal) -> None:
         self._lease.keep(renewal)
@@ -228,7 +212,8 @@ class Membership:
     def _watch_loop(self) -> None:
         # Watches deliver changes at once (and a broken one is re-armed and read again); the poll
         # every view_poll_s is a safety net.
-        self._background(self._view_changed, self._watched_view, self._on_view, self._timeouts.view_poll_s)
+        self._etcd.background(self._stop, self._view_changed, self._watched_view, self._on_view,
+                              self._timeouts.view_poll_s)
 
     def _watched_view(self) -> Snapshot | None:
         # While a join runs, it reads the view (and campaigns) itself on the same changes.
@@ -268,7 +253,8 @@ class Membership:
     def _new_coordinator(self, elected: bool) -> Coordinator:
         take_over = None if elected else (lambda revision: self._seat.take_over(revision, self._lease.id))
         return Coordinator(self._store, self._keys, self.member_id, self._world, self._timeouts, self._clock,
-                           self.snapshot, self._publish.published_event, elected=elected, take_over=take_over)
+                           self.snapshot, self._publish.published_event, elected=elected, take_over=take_over,
+                           noted=self.reach.out_of_reach)
 
     def is_coordinator(self) -> bool:
         """This member runs the job's coordinator now."""
@@ -477,6 +463,7 @@ class Membership:
     def _joined(self, record: GenerationRecord, started: float, snap: Snapshot, excused_s: float = 0.0) -> Joined:
         self._watch.enter(record, snap.generation_revision)
         self._watch.assess(snap)
+        self.reach.joined(record.generation, record.rank_of(self.member_id))
         return Joined(record, record.rank_of(self.member_id), self._clock() - started, excused_s)
 
     def publish_checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:

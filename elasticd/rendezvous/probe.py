@@ -1,18 +1,30 @@
-"""Whether members' processes are gone, asked of their hosts (``refused``), and which missing
-members of a broken generation to ask about (``to_probe``, pure).
+"""Whether members' processes are gone or their hosts out of reach, asked of their hosts with a TCP
+connect to the store port each advertised (``answers``), and which missing members of a
+broken generation to ask about (``to_probe``, pure).
 
 Every worker listens on the store port it advertised in its member record for as long as it lives
-(``worker.process_group.StoreServer``). A TCP connect to it that the host refuses means nothing
-listens there: the process is gone. Its lease says nothing yet when no agent revoked it (the node
-was lost with its agent while its host still answers, or the worker runs without an agent) and
-would hold the round for ``last_call_s``; the coordinator leaves such a member out at once
-(``Coordinator``). Any other answer decides nothing: a connect that is accepted (a stopped
-process's port still accepts), times out (a host that is down, a link down), or an address that is
-not a numeric IP (no name is resolved here) leaves the member to its last call and its lease.
+(``worker.process_group.StoreServer``), and its host's kernel answers a connect to it even while the
+process is stopped or busy. So:
 
-A live member left out by mistake (a firewall that rejects with a reset) costs a rejoin, never a
-step: the commit rule keeps a member that is left out behind, never ahead; and the coordinator
-never leaves out, on a probe alone, the last members of a generation that hold its state.
+* ``REFUSED``: nothing listens there; the process is gone. Its lease says nothing yet when no agent
+  revoked it (the node was lost with its agent while its host still answers, or the worker runs
+  without an agent) and would hold the round for ``last_call_s``;
+* ``UNREACHABLE``: no answer within the bound, or the network said the host cannot be reached: the
+  host is down or cut off (a link down, a lost node). Its lease would hold the generation until it
+  expires (the lease TTL: 30 s in a large job), while nothing can reach it anyway;
+* ``ACCEPTED``: the process lives (perhaps stopped: its port still accepts); its lease decides;
+* ``UNASKED``: an address that is not a numeric IP (no name is resolved here: a DNS outage must
+  not hold a round), a port out of range, or a local error: decides nothing.
+
+The coordinator leaves a missing member of a broken generation out at once when its answer is
+``REFUSED`` or ``UNREACHABLE`` (``Coordinator``), and a member stuck in a collective asks its
+generation's hosts (``rendezvous.reach``). A live member left out by mistake (a firewall that
+rejects with a reset, a lost SYN) costs a rejoin, never a step: the commit rule keeps a member that
+is left out behind, never ahead; and the coordinator never leaves out, on a probe alone, the last
+members of a generation that hold its state.
+
+Every connect is closed with a reset (``SO_LINGER`` 0), never into ``TIME_WAIT``: a prober that
+asks thousands of hosts again and again must not run out of local ports.
 """
 
 from __future__ import annotations
@@ -20,13 +32,25 @@ from __future__ import annotations
 import errno
 import selectors
 import socket
+import struct
 import time
 from collections.abc import Collection, Mapping, Sequence
+from enum import StrEnum
 
 from elasticd.wire.records import MemberRecord
 
 PROBE_MAX = 8  # missing members a round asks about at most: a node's workers; a large rendezvous just begun waits
+PROBE_BATCH = 256  # connects in flight at once (file descriptors), each batch under its own bound
 _PENDING = {errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN, errno.EALREADY}
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN}
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+class Answer(StrEnum):
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+    UNREACHABLE = "unreachable"
+    UNASKED = "unasked"
 
 
 def to_probe(missing: Sequence[str], members: Mapping[str, MemberRecord], asked: Collection[str]) -> list[MemberRecord]:
@@ -48,26 +72,51 @@ def _numeric(host: str, port: int) -> tuple[socket.AddressFamily, tuple[object, 
     return family, sockaddr
 
 
-def refused(targets: Sequence[tuple[str, int]], timeout_s: float) -> list[bool]:
-    """For each (host, port), whether the host refused a TCP connect to it within ``timeout_s``:
-    all are asked at once, non-blocking, under one deadline."""
-    out = [False] * len(targets)
+def _of_error(err: int) -> Answer:
+    if err == 0:
+        return Answer.ACCEPTED
+    if err == errno.ECONNREFUSED:
+        return Answer.REFUSED
+    return Answer.UNREACHABLE if err in _UNREACHABLE else Answer.UNASKED
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    except OSError:
+        pass
+    s.close()
+
+
+def answers(targets: Sequence[tuple[str, int]], timeout_s: float) -> list[Answer]:
+    """For each (host, port), what a TCP connect to it got within ``timeout_s`` (see ``Answer``):
+    up to ``PROBE_BATCH`` are asked at once, non-blocking, each batch under one deadline."""
+    out = [Answer.UNASKED] * len(targets)
+    for start in range(0, len(targets), PROBE_BATCH):
+        _ask(targets, range(start, min(start + PROBE_BATCH, len(targets))), timeout_s, out)
+    return out
+
+
+def _ask(targets: Sequence[tuple[str, int]], batch: range, timeout_s: float, out: list[Answer]) -> None:
     sel = selectors.DefaultSelector()
     waiting: dict[socket.socket, int] = {}
     try:
-        for i, (host, port) in enumerate(targets):
-            addr = _numeric(host, port)
+        for i in batch:
+            addr = _numeric(*targets[i])
             if addr is None:
                 continue
-            s = socket.socket(addr[0], socket.SOCK_STREAM)
+            try:
+                s = socket.socket(addr[0], socket.SOCK_STREAM)
+            except OSError:  # out of descriptors: decides nothing
+                continue
             s.setblocking(False)
             err = s.connect_ex(addr[1])
             if err in _PENDING:
                 waiting[s] = i
                 sel.register(s, selectors.EVENT_WRITE)
                 continue
-            out[i] = err == errno.ECONNREFUSED
-            s.close()
+            out[i] = _of_error(err)
+            _close(s)
         deadline = time.monotonic() + timeout_s
         while waiting:
             left = deadline - time.monotonic()
@@ -77,10 +126,11 @@ def refused(targets: Sequence[tuple[str, int]], timeout_s: float) -> list[bool]:
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 sel.unregister(sock)
-                out[waiting.pop(sock)] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED
-                sock.close()
+                out[waiting.pop(sock)] = _of_error(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+                _close(sock)
+        for i in waiting.values():  # no answer within the bound
+            out[i] = Answer.UNREACHABLE
     finally:
         for s in waiting:
-            s.close()
+            _close(s)
         sel.close()
-    return out

@@ -68,6 +68,20 @@ class Publisher:
         t = threading.Thread(target=self._publish_abort, args=(rec,), name="elasticd-abort", daemon=True)
         t.start()
 
+    def abort_now(self, generation: int, reason: str) -> bool | None:
+        """Mark ``generation`` broken with one attempt, on this thread (a reach check's: a prober
+        that is itself cut off must not write it once its link is back, long after).
+
+        Returns:
+            True: written; False: lost the race; None: it (or a newer generation) was aborted already.
+
+        Raises:
+            EtcdUnavailable: etcd could not be reached within the store's retry bound.
+        """
+        rec = AbortRecord(generation=generation, member_id=self._member_id, reason=reason[:200])
+        return self._put_unless_newer(self._keys.abort, encode(rec), lambda raw: decode_abort(raw).generation,
+                                      rec.generation)
+
     def _publish_abort(self, rec: AbortRecord) -> None:
         deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
         failures = 0

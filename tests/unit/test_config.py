@@ -29,6 +29,22 @@ def test_timeouts_as_timedelta() -> None:
     assert t.td("keepalive") == timedelta(seconds=1.5)
 
 
+@pytest.mark.parametrize(("fields", "ok"), [
+    ({"reach_check_s": 0}, True),              # the reach check off
+    ({"coordinator_grace_s": 0}, True),
+    ({"reach_check_s": -0.5}, False),
+    ({"reach_check_s": float("inf")}, False),
+    ({"probe_s": 0}, False),                  # a connect needs some time to be answered
+    ({"last_call_s": 0}, False),
+])
+def test_only_some_timeouts_may_be_zero(fields: dict[str, float], ok: bool) -> None:
+    if ok:
+        Timeouts(**fields)
+    else:
+        with pytest.raises(ConfigError, match=next(iter(fields))):
+            Timeouts(**fields)
+
+
 @pytest.mark.parametrize(
     ("text", "parsed"),
     [

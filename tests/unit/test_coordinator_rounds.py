@@ -204,11 +204,14 @@ def _member_at(store: FakeKeyValueStore, name: str, lease: int, port: int, step:
         store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
 
 
-@pytest.mark.parametrize("gone", [True, False])
-def test_a_missing_member_whose_port_refuses_is_left_out_at_once_else_it_gets_its_last_call(gone: bool) -> None:
+@pytest.mark.parametrize("how", ["refused", "unreachable", "noted", "alive"])
+def test_a_missing_member_whose_port_refuses_or_whose_host_is_silent_is_left_out_at_once(how: str) -> None:
     """A node lost with its agent: nobody revoked its worker's lease, but the port the worker
-    advertised refuses connections, so the survivors' generation is published without the last
-    call (rendezvous.probe). A port that still accepts (a live or a stopped process) decides nothing."""
+    advertised refuses connections (``refused``), or its host does not answer at all (``unreachable``:
+    a host down or cut off; here an accept queue that is full, so the kernel drops the SYN), or the
+    reach check of a stuck member found it so (``noted``, ``rendezvous.reach``): the survivors'
+    generation is published without the last call (rendezvous.probe). A port that still accepts (a
+    live or a stopped process) decides nothing: it gets its last call."""
     clock = ManualClock()
     store = FakeKeyValueStore(clock)
     lease = store.grant_lease(60)
@@ -224,18 +227,28 @@ def test_a_missing_member_whose_port_refuses_is_left_out_at_once_else_it_gets_it
         c.round()
         g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
         assert g.world_size == 3
-        if gone:
+        if how == "refused":
             socks[2].close()  # c's process is gone; its lease lives on
+        elif how == "unreachable":  # c's host is gone: nothing answers its port
+            filler = socket.socket()
+            socks.append(filler)
+            socks[2].close()
+            socks[2] = socket.socket()
+            socks[2].bind(("127.0.0.1", 0))
+            socks[2].listen(0)
+            filler.connect(socks[2].getsockname())
+            _member_at(store, "c.0.3", lease, socks[2].getsockname()[1], ready=False)
+        elif how == "noted":
+            c.note_gone(g.generation, frozenset({"c.0.3"}))
         clock.advance(5.0)
-        # a's all_reduce broke (c's sockets closed): a aborts the generation; a and b come
+        # a's all_reduce broke (or a reach check aborted it): a and b come
         store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "gradient all_reduce failed")))
         _member_at(store, "a.0.1", lease, ports[0], step=7, prev=g.generation)
         _member_at(store, "b.0.2", lease, ports[1], step=7, prev=g.generation)
         until = c.round()
         g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
-        if gone:
+        if how != "alive":
             assert g2.generation == g.generation + 1 and g2.members == ("a.0.1", "b.0.2") and until == clock()
-
         else:
             assert g2.generation == g.generation and until == pytest.approx(clock() + T.last_call_s)
             clock.advance(T.last_call_s)

@@ -1,16 +1,21 @@
 """``rendezvous.probe``: which missing members a round asks about (a table), and what a refused,
-an accepted and an unanswerable connect say (real sockets on loopback)."""
+an accepted, an unanswered and an unaskable connect say (real sockets on loopback)."""
 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
-from elasticd.rendezvous.probe import PROBE_MAX, refused, to_probe
+from elasticd.rendezvous.probe import PROBE_BATCH, PROBE_MAX, Answer, answers, to_probe
 from elasticd.wire.records import MemberRecord
 
 pytestmark = pytest.mark.timeout(30)
+
+A, R, U, N = Answer.ACCEPTED, Answer.REFUSED, Answer.UNREACHABLE, Answer.UNASKED
 
 
 def _rec(mid: str, port: int = 1) -> MemberRecord:
@@ -32,20 +37,40 @@ def test_to_probe(missing: list[str], asked: set[str], expected: list[str]) -> N
     assert [r.member_id for r in to_probe(missing, members, asked)] == expected
 
 
-def test_a_closed_port_is_refused_a_listening_one_is_not_and_a_name_is_not_resolved() -> None:
+@contextmanager
+def _silent_port() -> Iterator[int]:
+    """A port whose host never answers a connect: its accept queue is full (backlog 0 holds one
+    connection, never accepted), so the kernel drops every further SYN, as a host that is gone
+    or cut off answers nothing."""
+    with socket.socket() as srv, socket.socket() as filler:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        filler.connect(("127.0.0.1", port))
+        yield port
+
+
+def test_a_closed_port_is_refused_a_listening_one_accepts_and_a_name_is_not_resolved() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
         # a live process (or a stopped one: the kernel accepts); a host name is never resolved
-        assert refused([("127.0.0.1", port), ("localhost", port)], 0.5) == [False, False]
-    assert refused([("127.0.0.1", port), ("localhost", port)], 0.5) == [True, False]  # nothing listens any more
+        assert answers([("127.0.0.1", port), ("localhost", port)], 0.5) == [A, N]
+    assert answers([("127.0.0.1", port), ("localhost", port)], 0.5) == [R, N]  # nothing listens any more
+
+
+def test_a_host_that_does_not_answer_is_unreachable_once_the_bound_ran_out() -> None:
+    with _silent_port() as port:
+        t0 = time.monotonic()
+        assert answers([("127.0.0.1", port)], 0.2) == [U]
+        assert 0.19 <= time.monotonic() - t0 < 2.0
 
 
 @pytest.mark.parametrize(("host", "port"), [("127.0.0.1", 0), ("127.0.0.1", 70000), ("", -1), ("::1x", 80),
                                             ("\x00", 80)])
-def test_no_answer_decides_nothing(host: str, port: int) -> None:
-    assert refused([(host, port)], 0.2) == [False]
+def test_no_address_decides_nothing(host: str, port: int) -> None:
+    assert answers([(host, port)], 0.2) == [N]
 
 
 def test_many_are_asked_under_one_deadline() -> None:
@@ -56,10 +81,32 @@ def test_many_are_asked_under_one_deadline() -> None:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
         for s in socks[:2]:
-            s.listen(1)
+            s.listen(8)
         for s in socks[2:]:
             s.close()  # bound, never listened: refused
-        assert refused([("127.0.0.1", p) for p in ports], 0.5) == [False, False, True, True]
+        with _silent_port() as silent:
+            t0 = time.monotonic()
+            got = answers([("127.0.0.1", p) for p in ports] + [("127.0.0.1", silent)] * 3, 0.3)
+            took = time.monotonic() - t0
+        assert got == [A, A, R, R, U, U, U]
+        assert took < 1.0  # one bound for all, not one each
     finally:
         for s in socks:
             s.close()
+
+
+def _closing_to(port: int) -> int:
+    """Sockets to 127.0.0.1:``port`` left closing after their close (/proc/net/tcp: FIN_WAIT1 04,
+    FIN_WAIT2 05, TIME_WAIT 06): a connection closed with a reset leaves none."""
+    rows = [line.split() for line in open("/proc/net/tcp").read().splitlines()[1:]]
+    return sum(1 for r in rows if r[2] == f"0100007F:{port:04X}" and r[3] in ("04", "05", "06"))
+
+
+def test_more_than_a_batch_are_all_asked_and_no_time_wait_is_left_behind() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(PROBE_BATCH * 2)
+        port = s.getsockname()[1]
+        got = answers([("127.0.0.1", port)] * (PROBE_BATCH + 3), 1.0)
+        assert got == [A] * (PROBE_BATCH + 3)
+        assert _closing_to(port) == 0  # each closed with a reset: a prober never runs out of ports
