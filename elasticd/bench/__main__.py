@@ -9,6 +9,8 @@ node agents) and prints its figures: a table, or one JSON object with ``--json``
 * ``checkpoint``: durable checkpoints' step overhead, write throughput and resume time
   (``bench.checkpoint``);
 * ``outage``: what an etcd outage with no membership change costs (``bench.outage``);
+* ``host-loss``: a host gone from the network (its link cut, on netns hosts), the reach check
+  against the lease alone (``bench.hostloss``);
 * ``rendezvous``: the rendezvous with many lightweight members on one local etcd, and a model of
   its cost at fleet scale (``bench.rendezvous``).
 
@@ -24,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from elasticd.bench import agent, checkpoint, outage, recovery, rendezvous
+from elasticd.bench import agent, checkpoint, hostloss, outage, recovery, rendezvous
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "an etcd outage with no membership change: commit rate during it vs before, steps lost, "
         "regroups (elasticd.bench.outage)",
         outage.add_args, outage.run_cmd,
+    ),
+    "host-loss": Subcommand(
+        "a host's link cut (network-namespace hosts, as root): the survivors' recovery with the reach "
+        "check against the lease alone, in the same run (elasticd.bench.hostloss)",
+        hostloss.add_args, hostloss.run_cmd,
     ),
     "rendezvous": Subcommand(
         "N lightweight members (threads in processes, no torch) on one local etcd: a join round and a "

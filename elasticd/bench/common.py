@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import metadata
@@ -202,18 +202,22 @@ class BenchJob:
         self.workers: list[BenchWorker] = []
         workdir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, *args: str) -> BenchWorker:
+    def spawn(self, *args: str, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None) -> BenchWorker:
+        """Start a worker of the workload with ``args``; ``prefix`` runs it elsewhere (``ip netns
+        exec NS``), ``env`` overrides its ``ELASTICD_*`` variables (its address, its node)."""
         i = len(self.workers)
         audit = self.dir / f"audit{i}.jsonl"
-        env = {
+        full_env = {
             **self.env,
             "ELASTICD_ETCD_ENDPOINTS": self.etcd.endpoint,
             "ELASTICD_JOB_ID": self.job_id,
             "ELASTICD_NODE_ID": "bench",
             "ELASTICD_LOCAL_RANK": str(i),
             "OMP_NUM_THREADS": "1",
+            **(env or {}),
         }
-        proc = WorkerProcess(python_program(WORKLOAD, *args, "--audit", str(audit)), env, self.dir / f"worker{i}.log")
+        proc = WorkerProcess([*prefix, *python_program(WORKLOAD, *args, "--audit", str(audit))], full_env,
+                             self.dir / f"worker{i}.log")
         w = BenchWorker(i, proc, audit)
         self.workers.append(w)
         proc.start()

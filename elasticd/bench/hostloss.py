@@ -1,0 +1,189 @@
+"""``python -m elasticd.bench host-loss``: a host gone from the network, noticed by the reach check
+(``rendezvous.reach``) against the lease alone, measured in the same run.
+
+Owns the ``host-loss`` benchmark. Needs root and a working ``ip netns``: every worker of
+``agents/mlp.py`` runs on a network-namespace host of its own, joined to a bridge by a veth pair
+(``chaos.netns``: made by the bench, deleted on every way out; traffic only to those addresses), and
+etcd also listens on the bridge's address. Two jobs of ``workers`` workers, one after the other:
+
+* ``reach``: the default settings (``reach_check_s`` 0.5 s, ``probe_s`` 0.25 s);
+* ``lease``: the baseline, ``reach_check_s = 0``: the survivors wait for the cut host's lease.
+
+In each, ``reps`` times, the link of host ``rep % workers`` is taken down (``ip link set ...
+down`` on its bridge-side veth): ``host_loss_recovery_s`` is the cut -> the survivors' first commit
+in a newer generation (one without it). The link comes back up once they committed; the host's
+worker rejoins (``rejoin_s``: link up -> its first commit in the full-size generation) before the
+next cut. Then the workers drain, and the audit logs of both jobs are checked.
+
+Figures: ``host_loss_recovery_s`` (median, reach), ``host_loss_recovery_lease_s`` (median, lease),
+``recovery_ratio`` = reach / lease (target <= 0.6 at a 2 s lease; the lease's part grows with the
+TTL, the reach check's does not), ``rejoin_s`` (median, reach), ``steps_lost`` (both jobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from elasticd.bench.common import (
+    DATASET_SIZE,
+    PHASE_TIMEOUT_S,
+    BenchError,
+    BenchJob,
+    LeaseSettings,
+    field_float,
+    field_int,
+    fmt,
+    lost_steps,
+    median_of,
+    progress,
+    run_subcommand,
+)
+from elasticd.chaos.netns import NetnsHosts, ip_addresses_and_routes, netns_plan, subnets_in_use, unusable_here
+from elasticd.testing.audit import check_dir
+from elasticd.testing.etcd import EtcdServer
+
+MODES = {"reach": {}, "lease": {"ELASTICD_REACH_CHECK_S": "0"}}  # the baseline: the reach check off
+TARGETS = {"recovery_ratio": "<= 0.6", "steps_lost": "0"}
+WARMUP_STEPS = 30  # committed at full size before the first cut
+SETTLE_S = 1.0  # after a rejoin, before the next cut
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What one job measured."""
+
+    recovery_s: list[float]
+    rejoin_s: list[float]
+    steps_lost: int
+    violations: list[str]
+    errors: list[str]
+
+
+@dataclass(frozen=True)
+class HostLossSettings(LeaseSettings):
+    """What ``host-loss`` runs; printed next to the figures."""
+
+    workers: int = 3
+    reps: int = 5
+    step_sleep_s: float = 0.02
+
+
+def _cuts(job: BenchJob, net: NetnsHosts, s: HostLossSettings) -> tuple[list[float], list[float]]:
+    """``reps`` cuts of one running job: (recovery times, rejoin times)."""
+    recoveries, rejoins = [], []
+    for rep in range(s.reps):
+        i = rep % s.workers
+        host, cut = net.host(i), job.workers[i]
+        generation = job.generation()
+        net.set_link(host, up=False)
+        cut_at = time.time()
+        try:
+            first = job.first_commit_after(cut_at, generation, PHASE_TIMEOUT_S, f"the survivors without host {i}")
+        finally:
+            net.set_link(host, up=True)
+        up_at = time.time()
+        recoveries.append(field_float(first, "t") - cut_at)
+        job.wait_until(lambda: any(field_float(c, "t") > up_at and field_int(c, "world_size") == s.workers
+                                   for c in cut.commits), PHASE_TIMEOUT_S, f"host {i} rejoining")
+        rejoins.append(min(field_float(c, "t") for c in cut.commits if field_float(c, "t") > up_at) - up_at)
+        progress(f"cut {rep + 1}/{s.reps} (host {i}): the survivors went on after {recoveries[-1]:.3f} s, "
+                 f"it rejoined {rejoins[-1]:.3f} s after its link came back")
+        time.sleep(SETTLE_S)
+    return recoveries, rejoins
+
+
+def _job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings, workdir: Path) -> JobRun:
+    bridge = net.plan.bridge_addr
+    job = BenchJob(etcd, workdir / mode, f"hostloss-{mode}", {**s.worker_env(2), **MODES[mode]})
+    try:
+        for i in range(s.workers):
+            host = net.host(i)
+            job.spawn("--steps", "100000000", "--step-sleep", str(s.step_sleep_s), prefix=net.exec_prefix(host),
+                      env={"ELASTICD_ETCD_ENDPOINTS": etcd.endpoint_on(bridge), "ELASTICD_NODE_ID": f"host{i}",
+                           "ELASTICD_ADVERTISE_ADDR": host.addr})
+        job.wait_until(lambda: job.world_size() == s.workers and job.max_step() >= WARMUP_STEPS,
+                       PHASE_TIMEOUT_S, f"{s.workers} workers training")
+        progress(f"{mode}: {s.workers} workers on netns hosts train; cutting links")
+        recoveries, rejoins = _cuts(job, net, s)
+        for w in job.workers:
+            w.proc.signal(signal.SIGTERM)  # drain: finish the step, leave
+        codes = job.wait_exit(PHASE_TIMEOUT_S)
+        rep = check_dir(job.dir, DATASET_SIZE)
+        failed = [f"worker {i} exited {c}" for i, c in enumerate(codes) if c not in (0, None)]
+        return JobRun([round(r, 3) for r in recoveries], [round(r, 3) for r in rejoins], lost_steps(rep),
+                      rep.violations, failed)
+    finally:
+        job.stop()
+
+
+def run_host_loss(s: HostLossSettings, workdir: Path) -> dict[str, object]:
+    """Both jobs, on netns hosts made for the run.
+
+    Raises:
+        BenchError: netns hosts cannot be had here, or a phase timed out.
+    """
+    why = unusable_here(os.getpid())
+    ip = shutil.which("ip")
+    if why or ip is None:
+        raise BenchError(f"host-loss needs network-namespace hosts: {why or 'no ip binary'}")
+    net = NetnsHosts(netns_plan(os.getpid(), subnets_in_use(ip_addresses_and_routes(ip))), ip, progress)
+    etcd: EtcdServer | None = None
+    try:
+        net.setup()
+        etcd = EtcdServer(extra_hosts=[net.plan.bridge_addr]).start()
+        runs = {mode: _job(mode, etcd, net, s, workdir) for mode in MODES}
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        net.remove()
+    reach, lease = median_of(runs["reach"].recovery_s), median_of(runs["lease"].recovery_s)
+    figures = {
+        "host_loss_recovery_s": reach, "host_loss_recovery_lease_s": lease,
+        "recovery_ratio": round(reach / lease, 3) if reach is not None and lease else None,
+        "rejoin_s": median_of(runs["reach"].rejoin_s),
+        "steps_lost": sum(r.steps_lost for r in runs.values()),
+    }
+    return {"settings": asdict(s), "figures": figures, "targets": TARGETS,
+            "runs": {mode: asdict(r) for mode, r in runs.items()},
+            "violations": [v for r in runs.values() for v in r.violations],
+            "errors": [e for r in runs.values() for e in r.errors]}
+
+
+def render(result: Mapping[str, object]) -> str:
+    fig, runs, st = result["figures"], result["runs"], result["settings"]
+    assert isinstance(fig, dict) and isinstance(runs, dict) and isinstance(st, dict)
+    lines = [f"a host's link cut, {st['reps']} times per job, {st['workers']} workers on netns hosts, "
+             f"lease TTL {st['lease_ttl_s']:g} s: the reach check against the lease alone (reach_check_s = 0)",
+             f"{'figure':<28} {'value':>10}  target"]
+    for name, value in fig.items():
+        lines.append(f"{name:<28} {fmt(value):>10}  {TARGETS.get(name, '')}")
+    for mode, r in runs.items():
+        lines.append(f"{mode}: recovery {r['recovery_s']}, rejoin {r['rejoin_s']}")
+    for key in ("violations", "errors"):
+        if result[key]:
+            lines.append(f"{key}: {result[key]}")
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """``host-loss``'s flags."""
+    d = HostLossSettings()
+    p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--reps", type=int, default=d.reps, help="cuts per job")
+    p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
+    p.add_argument("--keepalive-s", type=float, default=d.keepalive_s)
+    p.add_argument("--step-sleep", type=float, default=d.step_sleep_s)
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    """``host-loss``: run it, print the figures; 1 when a step was lost or a worker failed."""
+    s = HostLossSettings(workers=args.workers, reps=args.reps, lease_ttl_s=args.lease_ttl_s,
+                         keepalive_s=args.keepalive_s, step_sleep_s=args.step_sleep)
+    return run_subcommand(args, "elasticd-bench-hostloss-", lambda workdir: run_host_loss(s, workdir), render)
