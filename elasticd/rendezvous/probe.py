@@ -23,8 +23,10 @@ rejects with a reset, a lost SYN) costs a rejoin, never a step: the commit rule 
 is left out behind, never ahead; and the coordinator never leaves out, on a probe alone, the last
 members of a generation that hold its state.
 
-Every connect is closed with a reset (``SO_LINGER`` 0), never into ``TIME_WAIT``: a prober that
-asks thousands of hosts again and again must not run out of local ports.
+An accepted connect is closed normally (a reset would make the peer's TCPStore warn that it
+cannot read the address of a client gone before its accept): it waits out ``TIME_WAIT`` on the
+prober's side, per destination, so a prober's local ports do not run out at the rates asked here
+(the reach check backs off within a wait: ``rendezvous.reach``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import errno
 import selectors
 import socket
-import struct
 import time
 from collections.abc import Collection, Mapping, Sequence
 from enum import StrEnum
@@ -43,7 +44,6 @@ PROBE_MAX = 8  # missing members a round asks about at most: a node's workers; a
 PROBE_BATCH = 256  # connects in flight at once (file descriptors), each batch under its own bound
 _PENDING = {errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN, errno.EALREADY}
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN}
-_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 class Answer(StrEnum):
@@ -80,14 +80,6 @@ def _of_error(err: int) -> Answer:
     return Answer.UNREACHABLE if err in _UNREACHABLE else Answer.UNASKED
 
 
-def _close(s: socket.socket) -> None:
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-    except OSError:
-        pass
-    s.close()
-
-
 def answers(targets: Sequence[tuple[str, int]], timeout_s: float) -> list[Answer]:
     """For each (host, port), what a TCP connect to it got within ``timeout_s`` (see ``Answer``):
     up to ``PROBE_BATCH`` are asked at once, non-blocking, each batch under one deadline."""
@@ -116,7 +108,7 @@ def _ask(targets: Sequence[tuple[str, int]], batch: range, timeout_s: float, out
                 sel.register(s, selectors.EVENT_WRITE)
                 continue
             out[i] = _of_error(err)
-            _close(s)
+            s.close()
         deadline = time.monotonic() + timeout_s
         while waiting:
             left = deadline - time.monotonic()
@@ -127,10 +119,10 @@ def _ask(targets: Sequence[tuple[str, int]], batch: range, timeout_s: float, out
                 assert isinstance(sock, socket.socket)
                 sel.unregister(sock)
                 out[waiting.pop(sock)] = _of_error(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
-                _close(sock)
+                sock.close()
         for i in waiting.values():  # no answer within the bound
             out[i] = Answer.UNREACHABLE
     finally:
         for s in waiting:
-            _close(s)
+            s.close()
         sel.close()

@@ -11,8 +11,9 @@ generation's members (``rendezvous.probe.answers``, bounded by ``probe_s``): if 
 at once, and the coordinator leaves that member out of the next one without a last call.
 
 Only the coordinator and ranks 0 and 1 of the generation ask (``is_prober``): up to three probers
-of N hosts, once per ``reach_check_s`` while they wait, so the cost is O(N) connects per stuck
-episode for the whole job, O(1) per member. A prober that is itself the one cut off reaches
+of N hosts, at ``reach_check_s`` into a wait and then at doubling intervals (``check_due``), so the
+cost is O(N) connects per stuck wait for the whole job, O(1) per member, and nothing while steps
+finish within ``reach_check_s``. A prober that is itself the one cut off reaches
 nobody, etcd included, so its abort is never written (one attempt, no retry). A false alarm (a lost
 SYN) costs one regroup, never a step: every member that is alive comes to the rendezvous.
 
@@ -50,10 +51,12 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Checked:
-    """The last reach check: the wait it was about, and when it was made."""
+    """The last reach check: the wait it was about, when it was made, and how many checks that
+    wait has had."""
 
     waiting: Waiting
     at: float
+    count: int = 1
 
 
 class Stuck:
@@ -74,11 +77,18 @@ class Stuck:
 
 
 def check_due(waiting: Waiting | None, last: Checked | None, now: float, reach_check_s: float) -> bool:
-    """Whether to ask the generation's hosts now: a wait has lasted ``reach_check_s``, and this
-    wait was not asked about in the last ``reach_check_s`` (0: never). Pure."""
+    """Whether to ask the generation's hosts now (0: never): a wait has lasted ``reach_check_s``,
+    and, if this wait was asked about already, the interval since has doubled with each check
+    (``reach_check_s``, 2x, 4x, ...): a host cut off is found at the first, and a long wait for a
+    stopped peer (whose lease decides) asks a few times, not every ``reach_check_s``. Pure."""
     if waiting is None or reach_check_s <= 0 or now - waiting.since < reach_check_s:
         return False
-    return last is None or last.waiting != waiting or now - last.at >= reach_check_s
+    return last is None or last.waiting != waiting or now - last.at >= reach_check_s * 2 ** last.count
+
+
+def next_checked(waiting: Waiting, last: Checked | None, now: float) -> Checked:
+    """The record of a check of ``waiting`` made at ``now`` after ``last``. Pure."""
+    return Checked(waiting, now, last.count + 1 if last is not None and last.waiting == waiting else 1)
 
 
 def is_prober(rank: int, coordinator: bool) -> bool:
@@ -131,7 +141,7 @@ class ReachCheck:
             if not check_due(waiting, last, now, self._timeouts.reach_check_s):
                 continue
             assert waiting is not None
-            last = Checked(waiting, now)
+            last = next_checked(waiting, last, now)
             generation, rank = self._rank
             if waiting.generation != generation or self._abandoned() or not is_prober(rank, self._coordinator()):
                 continue

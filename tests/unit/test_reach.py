@@ -13,6 +13,7 @@ from elasticd.rendezvous.reach import (
     Waiting,
     check_due,
     is_prober,
+    next_checked,
     out_of_reach,
     reach_poll_s,
 )
@@ -24,8 +25,10 @@ W = Waiting(generation=7, since=100.0)
     (None, None, 200.0, 0.5, False),                           # not in a collective
     (W, None, 100.4, 0.5, False),                              # a short wait (the usual all_reduce)
     (W, None, 100.5, 0.5, True),                               # waited reach_check_s: ask
-    (W, Checked(W, 100.5), 100.9, 0.5, False),                 # asked about this wait just now
-    (W, Checked(W, 100.5), 101.0, 0.5, True),                  # ... and again every reach_check_s
+    (W, Checked(W, 100.5), 101.4, 0.5, False),                 # asked about this wait just now
+    (W, Checked(W, 100.5), 101.5, 0.5, True),                  # ... again 2 x reach_check_s later
+    (W, Checked(W, 101.5, 2), 103.4, 0.5, False),              # ... then 4 x: a long wait asks a few times
+    (W, Checked(W, 101.5, 2), 103.5, 0.5, True),
     (W, Checked(Waiting(7, 90.0), 95.0), 100.5, 0.5, True),    # an earlier wait's check says nothing
     (W, Checked(Waiting(6, 100.0), 100.5), 100.6, 0.5, True),  # nor one of another generation
     (W, None, 1000.0, 0.0, False),                             # off
@@ -73,3 +76,11 @@ def test_stuck_holds_the_current_wait() -> None:
     assert s.current() == Waiting(4, 11.0)
     s.ended()
     assert s.current() is None
+
+
+def test_next_checked_counts_the_checks_of_one_wait() -> None:
+    first = next_checked(W, None, 100.5)
+    assert first == Checked(W, 100.5, 1)
+    assert next_checked(W, first, 101.5) == Checked(W, 101.5, 2)
+    other = Waiting(7, 200.0)
+    assert next_checked(other, Checked(W, 101.5, 2), 200.5) == Checked(other, 200.5, 1)
