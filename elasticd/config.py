@@ -56,7 +56,8 @@ class Timeouts:
         "of reach (rendezvous.probe): the coordinator leaves a missing member of a broken generation "
         "out at once when its host refuses the connect (its process is gone) or does not answer within "
         "this (a host down or cut off), and keeps its last call when it accepts; the reach check "
-        "(reach_check_s) asks with the same bound. A lost SYN costs a rejoin, never a step.", 0.25)
+        "(reach_check_s) asks with the same bound. A host still silent halfway through gets a second "
+        "connect (one lost SYN does not count); a false alarm costs a rejoin, never a step.", 0.25)
     reach_check_s: float = _seconds(
         "A member whose collective has waited this long, while it is the coordinator or rank 0 or 1 "
         "of its generation, asks the hosts of every member of the generation whether they still "

@@ -48,6 +48,8 @@ from elasticd.wire.snapshot import Snapshot
 
 log = structlog.get_logger(__name__)
 
+DEPUTY_PROBE_S = 0.05  # a deputy's bound on asking missing members' hosts (it asks within its own join)
+
 
 class NotCoordinator(Exception):
     """The job's ``coordinator`` record names another member (or none): this one stops."""
@@ -60,7 +62,7 @@ class Coordinator:
         self, store: KeyValueStore, keys: Keys, member_id: str, world: WorldConfig, timeouts: Timeouts,
         clock: Clock, read: Callable[[], Snapshot], published_event: Callable[[GenerationRecord], tuple[str, bytes]],
         elected: bool = True, take_over: Callable[[int], None] | None = None,
-        noted: tuple[int, frozenset[str]] = (0, frozenset()),
+        noted: Callable[[], tuple[int, frozenset[str]]] = lambda: (0, frozenset()),
     ) -> None:
         self._store = store
         self._keys = keys
@@ -76,8 +78,8 @@ class Coordinator:
         self._newcomers: frozenset[str] = frozenset()
         self._probed: dict[str, bool] = {}  # member -> gone: its host refused or did not answer (in _probed_generation)
         self._probed_generation = 0
-        # (generation, members) a reach check found out of reach while the generation was stuck
-        # (rendezvous.reach): left out without being asked again. Set by the reach thread.
+        # (generation, members) this member's reach check found out of reach while the generation
+        # was stuck (rendezvous.reach): left out without being asked again
         self._noted = noted
         self._broken_seen = 0
         self._wake = threading.Event()
@@ -143,31 +145,29 @@ class Coordinator:
             return closes if action.until is None else min(action.until, closes)
         return action.until
 
-    def note_gone(self, generation: int, members: frozenset[str]) -> None:
-        """A reach check found ``members`` of ``generation`` out of reach (``rendezvous.reach``):
-        the rendezvous after it leaves them out without asking their hosts again."""
-        self._noted = (generation, members)
-
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the
-        rendezvous and whose host refuses their store port (their process is gone) or does not
-        answer within ``probe_s`` (the host is down or cut off) (``rendezvous.probe``), or that a
-        reach check found so: no last call is held for them (``decide.without_gone``). Each is
-        asked once per generation."""
+        rendezvous and whose host refuses their store port (their process is gone) or, asked by the
+        elected coordinator, does not answer within ``probe_s`` (the host is down or cut off)
+        (``rendezvous.probe``), or that this member's reach check found so: no last call is held
+        for them (``decide.without_gone``). Each is asked once per generation. A deputy asks on the
+        training thread, within its own join: it waits ``DEPUTY_PROBE_S`` at most, and a host that
+        does not answer that soon keeps its last call."""
         g = snap.generation
         if g is None or window.broken_at is None:
             return snap
         if g.generation != self._probed_generation:
             self._probed, self._probed_generation = {}, g.generation
-        noted_generation, noted = self._noted
+        noted_generation, noted = self._noted()
         if noted_generation == g.generation:
             for m in noted:
                 self._probed.setdefault(m, True)
         missing = missing_members(snap, {r.member_id for r in candidates_of(snap)})
         ask = to_probe(missing, snap.members, self._probed)
-        got = answers([(r.host, r.store_port) for r in ask], self._timeouts.probe_s) if ask else []
+        bound = self._timeouts.probe_s if self._elected else min(self._timeouts.probe_s, DEPUTY_PROBE_S)
+        got = answers([(r.host, r.store_port) for r in ask], bound) if ask else []
         for rec, answer in zip(ask, got, strict=True):
-            gone_now = answer in (Answer.REFUSED, Answer.UNREACHABLE)
+            gone_now = answer is Answer.REFUSED or (answer is Answer.UNREACHABLE and self._elected)
             self._probed[rec.member_id] = gone_now
             if gone_now:
                 why = "refuses connections" if answer is Answer.REFUSED else \
@@ -292,12 +292,6 @@ class Seat:
             elif not mine and self._coordinator is not None:
                 self._coordinator.stop()
                 self._coordinator = None
-
-    def note_gone(self, generation: int, members: frozenset[str]) -> None:
-        """Hand a reach check's finding to this member's coordinator, if it runs one."""
-        with self._lock:
-            if self._coordinator is not None:
-                self._coordinator.note_gone(generation, members)
 
     def take_over(self, revision: int, lease: int) -> None:
         """Claim the role from the coordinator whose record is at ``revision`` (by compare-and-set:

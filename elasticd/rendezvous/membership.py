@@ -105,7 +105,7 @@ class Membership:
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
         self._joining = False  # a join() runs (on the training thread)
         self.reach = ReachCheck(member.member_id, timeouts, clock, self.snapshot, self._publish.abort_now,
-                                self._seat.note_gone, self._seat.running, lambda: self._watch.abandon)
+                                self._seat.running, lambda: self._watch.abandon)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -254,7 +254,7 @@ class Membership:
         take_over = None if elected else (lambda revision: self._seat.take_over(revision, self._lease.id))
         return Coordinator(self._store, self._keys, self.member_id, self._world, self._timeouts, self._clock,
                            self.snapshot, self._publish.published_event, elected=elected, take_over=take_over,
-                           noted=self.reach.out_of_reach)
+                           noted=lambda: self.reach.out_of_reach)
 
     def is_coordinator(self) -> bool:
         """This member runs the job's coordinator now."""

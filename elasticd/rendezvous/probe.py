@@ -38,6 +38,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from enum import StrEnum
 
+from elasticd.retry import Clock
 from elasticd.wire.records import MemberRecord
 
 PROBE_MAX = 8  # missing members a round asks about at most: a node's workers; a large rendezvous just begun waits
@@ -80,49 +81,79 @@ def _of_error(err: int) -> Answer:
     return Answer.UNREACHABLE if err in _UNREACHABLE else Answer.UNASKED
 
 
-def answers(targets: Sequence[tuple[str, int]], timeout_s: float) -> list[Answer]:
+def answers(targets: Sequence[tuple[str, int]], timeout_s: float, clock: Clock = time.monotonic) -> list[Answer]:
     """For each (host, port), what a TCP connect to it got within ``timeout_s`` (see ``Answer``):
-    up to ``PROBE_BATCH`` are asked at once, non-blocking, each batch under one deadline."""
+    up to ``PROBE_BATCH`` are asked at once, non-blocking, each batch under one deadline (so the
+    whole takes at most ceil(len / PROBE_BATCH) x ``timeout_s``). A target still silent halfway
+    through gets a second connect (a second SYN: Linux resends a lost one only after a second), and
+    the first answer of either counts: one lost packet does not make a live host unreachable."""
     out = [Answer.UNASKED] * len(targets)
     for start in range(0, len(targets), PROBE_BATCH):
-        _ask(targets, range(start, min(start + PROBE_BATCH, len(targets))), timeout_s, out)
+        _Batch(targets, out, clock).ask(range(start, min(start + PROBE_BATCH, len(targets))), timeout_s)
     return out
 
 
-def _ask(targets: Sequence[tuple[str, int]], batch: range, timeout_s: float, out: list[Answer]) -> None:
-    sel = selectors.DefaultSelector()
-    waiting: dict[socket.socket, int] = {}
-    try:
-        for i in batch:
-            addr = _numeric(*targets[i])
-            if addr is None:
-                continue
-            try:
-                s = socket.socket(addr[0], socket.SOCK_STREAM)
-            except OSError:  # out of descriptors: decides nothing
-                continue
-            s.setblocking(False)
-            err = s.connect_ex(addr[1])
-            if err in _PENDING:
-                waiting[s] = i
-                sel.register(s, selectors.EVENT_WRITE)
-                continue
-            out[i] = _of_error(err)
-            s.close()
-        deadline = time.monotonic() + timeout_s
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for key, _ in sel.select(left):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
-                sel.unregister(sock)
-                out[waiting.pop(sock)] = _of_error(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
-                sock.close()
-        for i in waiting.values():  # no answer within the bound
-            out[i] = Answer.UNREACHABLE
-    finally:
-        for s in waiting:
-            s.close()
-        sel.close()
+class _Batch:
+    """One batch of connects in flight, up to two per target."""
+
+    def __init__(self, targets: Sequence[tuple[str, int]], out: list[Answer], clock: Clock) -> None:
+        self._targets, self._out, self._clock = targets, out, clock
+        self._sel = selectors.DefaultSelector()
+        self._waiting: dict[socket.socket, int] = {}
+        self._addrs: dict[int, tuple[socket.AddressFamily, tuple[object, ...]]] = {}
+        self._decided: set[int] = set()
+
+    def _settle(self, i: int, answer: Answer) -> None:
+        if i not in self._decided:
+            self._decided.add(i)
+            self._out[i] = answer
+
+    def _connect(self, i: int) -> None:
+        family, sockaddr = self._addrs[i]
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # out of descriptors: decides nothing
+            return
+        s.setblocking(False)
+        err = s.connect_ex(sockaddr)
+        if err in _PENDING:
+            self._waiting[s] = i
+            self._sel.register(s, selectors.EVENT_WRITE)
+            return
+        self._settle(i, _of_error(err))
+        s.close()
+
+    def _open(self) -> set[int]:
+        return {i for i in self._waiting.values() if i not in self._decided}
+
+    def ask(self, batch: range, timeout_s: float) -> None:
+        try:
+            for i in batch:
+                addr = _numeric(*self._targets[i])
+                if addr is not None:
+                    self._addrs[i] = addr
+                    self._connect(i)
+            start = self._clock()
+            resend_at, deadline, resent = start + timeout_s / 2, start + timeout_s, False
+            while self._open():
+                now = self._clock()
+                if not resent and now >= resend_at:
+                    resent = True
+                    for i in self._open():
+                        self._connect(i)
+                    continue
+                left = (deadline if resent else resend_at) - now
+                if left <= 0:
+                    break
+                for key, _ in self._sel.select(left):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    self._sel.unregister(sock)
+                    self._settle(self._waiting.pop(sock), _of_error(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)))
+                    sock.close()
+            for i in self._open():  # no answer within the bound
+                self._settle(i, Answer.UNREACHABLE)
+        finally:
+            for s in self._waiting:
+                s.close()
+            self._sel.close()

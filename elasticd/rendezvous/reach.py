@@ -1,24 +1,29 @@
 """A generation stuck on a host that is gone from the network: noticed by asking, not by waiting
-for its lease (``Stuck``, and the pure rules ``check_due``, ``is_prober``, ``out_of_reach``).
+for its lease (``ReachCheck``, and the pure rules ``check_due``, ``is_prober``, ``out_of_reach``,
+``verdict``).
 
 A member whose host loses power, panics or is cut off sends nothing more: no reset closes its
-peers' connections, so their collective waits, and its lease holds the generation until it expires
-(the lease TTL: 2 s at least, 30 s in a large job). Its peers cannot tell it from a slow one by
-waiting; but a slow or stopped process's kernel still answers a TCP connect, and a host that is
-gone does not. So a member whose collective has waited ``reach_check_s`` asks the hosts of its
-generation's members (``rendezvous.probe.answers``, bounded by ``probe_s``): if one does not answer
-(``UNREACHABLE``) or nothing listens on its port any more (``REFUSED``), it aborts the generation
-at once, and the coordinator leaves that member out of the next one without a last call.
+peers' connections, so their gradient all_reduce waits, and its lease holds the generation until it
+expires (the lease TTL: 2 s at least, 30 s in a large job). Its peers cannot tell it from a slow one
+by waiting; but a slow or stopped process's kernel still answers a TCP connect, and a host that is
+gone does not. So a member whose all_reduce has waited ``reach_check_s`` (its wait in ``finish``,
+the transfer's own tail included) asks the hosts of its generation's members
+(``rendezvous.probe.answers``, bounded by ``probe_s``, with a second connect halfway through to a
+host still silent: a single lost SYN, which Linux resends only after a second, must not cost a
+regroup). If a host does not answer (``UNREACHABLE``) or nothing listens on its port
+any more (``REFUSED``), it aborts the generation at once, and the coordinator leaves that member
+out of the next one without a last call.
 
 Only the coordinator and ranks 0 and 1 of the generation ask (``is_prober``): up to three probers
-of N hosts, at ``reach_check_s`` into a wait and then at doubling intervals (``check_due``), so the
-cost is O(N) connects per stuck wait for the whole job, O(1) per member, and nothing while steps
-finish within ``reach_check_s``. A prober that is itself the one cut off reaches
-nobody, etcd included, so its abort is never written (one attempt, no retry). A false alarm (a lost
-SYN) costs one regroup, never a step: every member that is alive comes to the rendezvous.
+of N hosts, at ``reach_check_s`` into a wait and then after doubling intervals (``check_due``), so
+the cost is O(N) connects per stuck wait for the whole job, O(1) per member, and nothing while the
+all_reduce's waits stay within ``reach_check_s``. A prober that finds most hosts silent is more
+likely the one cut off: it does nothing and the leases decide (``verdict``); so does a generation
+of two whose prober cannot write the abort (it reaches no etcd either). A false alarm costs a
+regroup or two (the member comes to the next rendezvous, or rejoins), never a step.
 
-The executor is ``ReachCheck``, run on a thread of the ``Membership``; the training thread marks
-its waits (``Stuck.began``/``ended``). Never imports etcd3 or torch.
+The training thread marks its waits (``ReachCheck.began``/``ended``); the ``Membership`` runs the
+thread. Never imports etcd3 or torch.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 import structlog
 
 from elasticd.config import Timeouts
-from elasticd.errors import EtcdUnavailable
+from elasticd.errors import ElasticdError
 from elasticd.rendezvous.probe import Answer, answers
 from elasticd.retry import Clock
 from elasticd.wire.records import MemberRecord
@@ -102,6 +107,33 @@ def out_of_reach(members: Sequence[str], answers: Sequence[Answer]) -> list[str]
     return [m for m, a in zip(members, answers, strict=True) if a in (Answer.UNREACHABLE, Answer.REFUSED)]
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a reach check makes of its answers (``verdict``)."""
+
+    abort: bool
+    why: str
+
+
+def verdict(asked: Sequence[str], gone: Sequence[str], unreachable: int, still_waiting: bool) -> Verdict:
+    """Whether to abort the generation after asking the hosts of ``asked``: ``gone`` did not answer
+    or refused (``unreachable`` of them did not answer), and whether the collective still waits.
+    Pure.
+
+    Not when all answered, or the wait ended meanwhile; nor when more than half of several hosts
+    asked do not answer: a prober cut off itself sees every host silent, and a majority gone at once
+    is left to the leases."""
+    if not gone:
+        return Verdict(False, "every host answered")
+    if not still_waiting:
+        return Verdict(False, "the collective finished meanwhile")
+    if len(asked) > 1 and 2 * unreachable > len(asked):
+        return Verdict(False, f"{unreachable} of {len(asked)} hosts do not answer: this one is likely cut off; "
+                              f"the leases decide")
+    return Verdict(True, f"members out of reach: {list(gone[:8])}{f' and {len(gone) - 8} more' if len(gone) > 8 else ''} "
+                         f"(their hosts do not answer or their processes are gone)")
+
+
 def reach_poll_s(reach_check_s: float) -> float:
     """How often the reach thread looks at the wait: a fraction of ``reach_check_s``. Pure."""
     return min(REACH_POLL_MAX_S, reach_check_s / 4) if reach_check_s > 0 else REACH_POLL_MAX_S
@@ -109,26 +141,33 @@ def reach_poll_s(reach_check_s: float) -> float:
 
 class ReachCheck:
     """The reach thread of one member (``run``): while this member is a prober of the generation it
-    waits in, ask that generation's hosts every ``reach_check_s`` of a wait, and abort it when one
-    is out of reach. Reads the job's member records once per generation."""
+    waits in, ask that generation's hosts, and abort it when one is out of reach (``verdict``).
+    Reads the job's member records once per generation, at its first check."""
 
     def __init__(self, member_id: str, timeouts: Timeouts, clock: Clock, read: Callable[[], Snapshot],
                  abort_now: Callable[[int, str], bool | None],
-                 note_gone: Callable[[int, frozenset[str]], None],
                  coordinator: Callable[[], bool], abandoned: Callable[[], bool]) -> None:
         self._member_id = member_id
         self._timeouts = timeouts
         self._clock = clock
         self._read = read  # the whole job (a full reader's snapshot)
-        self._abort_now = abort_now  # one attempt: a prober cut off itself must not write it later
-        self._note_gone = note_gone  # to this member's coordinator, if it runs one
+        self._abort_now = abort_now  # one write, never retried later
         self._coordinator = coordinator
         self._abandoned = abandoned  # the generation is being left already
-        self.stuck = Stuck()  # written by the training thread
+        self._stuck = Stuck()  # written by the training thread
         self._rank = (0, -1)  # (generation, this member's rank in it), as last joined
         self._records: tuple[int, list[MemberRecord]] = (0, [])  # the members asked about, per generation
-        # the last finding, (generation, members): a deputy's rounds leave them out without asking again
+        self._unasked_logged = 0  # the generation whose unaskable addresses were logged
+        # the last finding, (generation, members): this member's coordinator and deputy rounds leave
+        # them out without asking again
         self.out_of_reach: tuple[int, frozenset[str]] = (0, frozenset())
+
+    def began(self, generation: int) -> None:
+        """The training thread waits for a collective of ``generation`` from now on."""
+        self._stuck.began(generation, self._clock())
+
+    def ended(self) -> None:
+        self._stuck.ended()
 
     def joined(self, generation: int, rank: int) -> None:
         self._rank = (generation, rank)
@@ -137,7 +176,7 @@ class ReachCheck:
         last: Checked | None = None
         every_s = reach_poll_s(self._timeouts.reach_check_s)
         while not stop.wait(every_s):
-            waiting, now = self.stuck.current(), self._clock()
+            waiting, now = self._stuck.current(), self._clock()
             if not check_due(waiting, last, now, self._timeouts.reach_check_s):
                 continue
             assert waiting is not None
@@ -147,11 +186,14 @@ class ReachCheck:
                 continue
             try:
                 self.check(waiting)
-            except EtcdUnavailable as exc:
+            except (ElasticdError, OSError) as exc:  # an etcd outage, a refusal, no descriptors: next time
                 log.warning("reach_check_failed", generation=waiting.generation, error=str(exc)[:200])
 
-    def check(self, waiting: Waiting) -> None:
-        """Ask the hosts of the generation ``waiting`` is in; abort it if one is out of reach.
+    def _still_waiting(self, waiting: Waiting) -> bool:
+        return self._stuck.current() == waiting and not self._abandoned()
+
+    def check(self, waiting: Waiting) -> Verdict:
+        """Ask the hosts of the generation ``waiting`` is in; abort it if the verdict says so.
 
         Raises:
             EtcdUnavailable: the job could not be read, or the abort not written.
@@ -160,20 +202,29 @@ class ReachCheck:
         if self._records[0] != g:
             snap = self._read()
             if snap.generation is None or snap.generation.generation != g:
-                return  # superseded meanwhile: the watcher says so
+                return Verdict(False, "superseded meanwhile")  # the watcher says so
             self._records = (g, [snap.members[m] for m in snap.generation.members
                                  if m in snap.members and m != self._member_id])
         records = self._records[1]
         started = self._clock()
         ids = [r.member_id for r in records]
-        gone = out_of_reach(ids, answers([(r.host, r.store_port) for r in records], self._timeouts.probe_s))
-        log.info("reach_checked", generation=g, asked=len(ids), out_of_reach=gone[:8],
+        first = answers([(r.host, r.store_port) for r in records], self._timeouts.probe_s, self._clock)
+        if Answer.UNASKED in first and self._unasked_logged != g:
+            self._unasked_logged = g
+            log.warning("reach_check_unaskable", generation=g, why="not a numeric address (advertise_addr)",
+                        members=[m for m, a in zip(ids, first, strict=True) if a is Answer.UNASKED][:8])
+        gone = out_of_reach(ids, first)
+        unreachable = sum(1 for a in first if a is Answer.UNREACHABLE)
+        if verdict(ids, gone, unreachable, True).abort:
+            # noted before the abort is written: the members learn the abort at once, and this
+            # member's rendezvous (its coordinator, or its deputy rounds) must know them gone by then
+            # (also when another prober's abort ended the wait first)
+            self.out_of_reach = (g, frozenset(gone))
+        v = verdict(ids, gone, unreachable, self._still_waiting(waiting))
+        log.info("reach_checked", generation=g, asked=len(ids), out_of_reach=gone[:8], abort=v.abort, why=v.why,
                  waited_s=round(started - waiting.since, 3), took_s=round(self._clock() - started, 3))
-        if not gone or self.stuck.current() != waiting:
-            return  # all answered, or the collective finished meanwhile
-        self.out_of_reach = (g, frozenset(gone))
-        self._note_gone(*self.out_of_reach)
-        more = f" and {len(gone) - 8} more" if len(gone) > 8 else ""
-        written = self._abort_now(g, f"members out of reach: {gone[:8]}{more} (their hosts do not answer "
-                                  f"or their processes are gone)")
+        if not v.abort:
+            return v
+        written = self._abort_now(g, v.why)
         log.warning("members_out_of_reach", generation=g, gone=gone[:8], aborted=written is True)
+        return v

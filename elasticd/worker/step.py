@@ -93,7 +93,7 @@ class StepProtocol:
             (loss * share if share != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         if not last:
             return False
-        self._membership.reach.stuck.began(group.generation, self._clock())  # a long wait is checked on (rendezvous.reach)
+        self._membership.reach.began(group.generation)  # a long wait is checked on (rendezvous.reach)
         try:
             summed = self._reducer.finish(Deadline.after(self._timeouts.td("collective")),
                                           self._membership.must_abandon, self._timeouts.abort_poll_s)
@@ -101,7 +101,7 @@ class StepProtocol:
             self._reducer.cancel()
             raise
         finally:
-            self._membership.reach.stuck.ended()
+            self._membership.reach.ended()
         op.tally = Tally.from_slots(summed)
         st = self._membership.standing()  # the fence as of the sum, not of commit() (user code runs between)
         op.fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,

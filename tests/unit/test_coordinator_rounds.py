@@ -34,10 +34,13 @@ def _member(store: FakeKeyValueStore, name: str, lease: int, step: int = -1, pre
     store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
 
 
-def _coordinator(store: FakeKeyValueStore, clock: ManualClock, world: WorldConfig, me: str = "a.0.1") -> Coordinator:
+def _coordinator(store: FakeKeyValueStore, clock: ManualClock, world: WorldConfig, me: str = "a.0.1",
+                 noted: list[tuple[int, frozenset[str]]] | None = None, elected: bool = True) -> Coordinator:
     store.put(KEYS.coordinator, encode(CoordinatorRecord(me, "a")))
+    finding = noted if noted is not None else [(0, frozenset())]
     return Coordinator(store, KEYS, me, world, T, clock, JobReader(store, KEYS, "a").snapshot,
-                       lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"))
+                       lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"), elected=elected,
+                       noted=lambda: finding[-1])
 
 
 def test_it_waits_for_min_workers_then_publishes_with_a_token_and_writes_no_verdict_when_healthy() -> None:
@@ -204,21 +207,23 @@ def _member_at(store: FakeKeyValueStore, name: str, lease: int, port: int, step:
         store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
 
 
-@pytest.mark.parametrize("how", ["refused", "unreachable", "noted", "alive"])
+@pytest.mark.parametrize("how", ["refused", "unreachable", "noted", "alive", "unreachable to a deputy"])
 def test_a_missing_member_whose_port_refuses_or_whose_host_is_silent_is_left_out_at_once(how: str) -> None:
     """A node lost with its agent: nobody revoked its worker's lease, but the port the worker
     advertised refuses connections (``refused``), or its host does not answer at all (``unreachable``:
     a host down or cut off; here an accept queue that is full, so the kernel drops the SYN), or the
     reach check of a stuck member found it so (``noted``, ``rendezvous.reach``): the survivors'
     generation is published without the last call (rendezvous.probe). A port that still accepts (a
-    live or a stopped process) decides nothing: it gets its last call."""
+    live or a stopped process) decides nothing: it gets its last call. So does a silent host asked
+    by a deputy, which asks within its own join and waits DEPUTY_PROBE_S at most."""
     clock = ManualClock()
     store = FakeKeyValueStore(clock)
     lease = store.grant_lease(60)
     socks = [_listening() for _ in range(3)]
     ports = [s.getsockname()[1] for s in socks]
+    noted: list[tuple[int, frozenset[str]]] = [(0, frozenset())]
     try:
-        c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3))
+        c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3), noted=noted)
         names = ["a.0.1", "b.0.2", "c.0.3"]
         for name, port in zip(names, ports, strict=True):
             _member_at(store, name, lease, port, step=0)
@@ -227,9 +232,11 @@ def test_a_missing_member_whose_port_refuses_or_whose_host_is_silent_is_left_out
         c.round()
         g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
         assert g.world_size == 3
+        if how == "unreachable to a deputy":
+            c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3), elected=False)
         if how == "refused":
             socks[2].close()  # c's process is gone; its lease lives on
-        elif how == "unreachable":  # c's host is gone: nothing answers its port
+        elif how.startswith("unreachable"):  # c's host is gone: nothing answers its port
             filler = socket.socket()
             socks.append(filler)
             socks[2].close()
@@ -239,7 +246,7 @@ def test_a_missing_member_whose_port_refuses_or_whose_host_is_silent_is_left_out
             filler.connect(socks[2].getsockname())
             _member_at(store, "c.0.3", lease, socks[2].getsockname()[1], ready=False)
         elif how == "noted":
-            c.note_gone(g.generation, frozenset({"c.0.3"}))
+            noted.append((g.generation, frozenset({"c.0.3"})))
         clock.advance(5.0)
         # a's all_reduce broke (or a reach check aborted it): a and b come
         store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "gradient all_reduce failed")))
@@ -247,7 +254,7 @@ def test_a_missing_member_whose_port_refuses_or_whose_host_is_silent_is_left_out
         _member_at(store, "b.0.2", lease, ports[1], step=7, prev=g.generation)
         until = c.round()
         g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
-        if how != "alive":
+        if how in ("refused", "unreachable", "noted"):
             assert g2.generation == g.generation + 1 and g2.members == ("a.0.1", "b.0.2") and until == clock()
         else:
             assert g2.generation == g.generation and until == pytest.approx(clock() + T.last_call_s)

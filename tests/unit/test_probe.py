@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,3 +128,22 @@ def test_a_workers_store_is_asked_without_a_warning_in_its_log() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["20"], done.stdout
     assert "TCPStore" not in done.stderr and "[W" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_second_connect_halfway_through_is_answered_where_the_first_was_lost() -> None:
+    """The first SYN is dropped (the accept queue is full), then the server makes room: the second
+    connect, sent halfway through the bound, is accepted. Linux would resend the first SYN only
+    after a second, past the bound: without the second connect the host would count as unreachable."""
+    with socket.socket() as srv, socket.socket() as filler:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        filler.connect(("127.0.0.1", port))
+        room = threading.Timer(0.15, lambda: srv.accept()[0].close())
+        room.start()
+        try:
+            t0 = time.monotonic()
+            assert answers([("127.0.0.1", port)], 0.6) == [A]
+            assert time.monotonic() - t0 < 0.55
+        finally:
+            room.cancel()

@@ -1,14 +1,24 @@
 """``rendezvous.reach``: when a stuck member asks its generation's hosts, who asks, and what the
-answers make of the members (tables)."""
+answers make of the members (tables); the executor against real sockets on loopback (a host gone
+from the network stands as a port whose accept queue is full: the kernel drops the SYN)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 
+from elasticd.config import Timeouts
+from elasticd.errors import EtcdUnavailable
 from elasticd.rendezvous.probe import Answer
 from elasticd.rendezvous.reach import (
     REACH_POLL_MAX_S,
     Checked,
+    ReachCheck,
     Stuck,
     Waiting,
     check_due,
@@ -16,7 +26,10 @@ from elasticd.rendezvous.reach import (
     next_checked,
     out_of_reach,
     reach_poll_s,
+    verdict,
 )
+from elasticd.wire.records import GenerationRecord, MemberRecord
+from elasticd.wire.snapshot import Snapshot
 
 W = Waiting(generation=7, since=100.0)
 
@@ -84,3 +97,154 @@ def test_next_checked_counts_the_checks_of_one_wait() -> None:
     assert next_checked(W, first, 101.5) == Checked(W, 101.5, 2)
     other = Waiting(7, 200.0)
     assert next_checked(other, Checked(W, 101.5, 2), 200.5) == Checked(other, 200.5, 1)
+
+
+@pytest.mark.parametrize(("asked", "gone", "unreachable", "waiting", "abort"), [
+    (["b", "c", "d"], [], 0, True, False),            # every host answered
+    (["b", "c", "d"], ["c"], 1, True, True),          # one host gone from the network
+    (["b", "c", "d"], ["c"], 0, True, True),          # one process gone (its port refuses)
+    (["b", "c", "d"], ["c"], 1, False, False),        # the all_reduce finished meanwhile
+    (["b", "c", "d"], ["b", "c"], 2, True, False),    # most silent: this host is likely the one cut off
+    (["b", "c", "d"], ["b", "c"], 0, True, True),     # two processes gone: their ports refuse
+    (["b", "c", "d", "e"], ["b", "c"], 2, True, True),  # half is not most
+    (["b"], ["b"], 1, True, True),                    # a generation of two: the abort's write decides
+])
+def test_verdict(asked: list[str], gone: list[str], unreachable: int, waiting: bool, abort: bool) -> None:
+    v = verdict(asked, gone, unreachable, waiting)
+    assert v.abort is abort
+    if abort:
+        assert all(m in v.why for m in gone)
+
+
+# -- the executor, against real sockets on loopback ----------------------------------------------
+
+
+class _Job:
+    """What a ``ReachCheck`` reads and writes, recorded: the job's members on real ports."""
+
+    def __init__(self, ports: dict[str, int], generation: int = 7) -> None:
+        self.members = {m: MemberRecord(m, m, 0, 1, "127.0.0.1", p, "s") for m, p in ports.items()}
+        self.record = GenerationRecord(generation, tuple(ports), "127.0.0.1", 1, "s", 0, "start")
+        self.reads = 0
+        self.aborts: list[tuple[int, str]] = []
+        self.etcd_down = False
+        self.abandoned = False
+
+    def read(self) -> Snapshot:
+        self.reads += 1
+        return Snapshot(generation=self.record, members=self.members)
+
+    def abort_now(self, generation: int, why: str) -> bool | None:
+        if self.etcd_down:
+            raise EtcdUnavailable("etcd did not answer")
+        self.aborts.append((generation, why))
+        return True
+
+    def check(self, rank: int = 0, coordinator: bool = False, **timeouts: float) -> ReachCheck:
+        rc = ReachCheck("a", Timeouts(probe_s=0.2, **timeouts), time.monotonic, self.read, self.abort_now,
+                        lambda: coordinator, lambda: self.abandoned)
+        rc.joined(self.record.generation, rank)
+        return rc
+
+
+@contextmanager
+def _hosts(*kinds: str) -> Iterator[dict[str, int]]:
+    """A port per kind: ``live`` (listening), ``silent`` (a full accept queue: the kernel drops
+    every SYN, as a host gone from the network answers nothing), ``gone`` (nothing listens)."""
+    socks: list[socket.socket] = []
+    ports: dict[str, int] = {}
+    try:
+        for i, kind in enumerate(kinds):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if kind == "live":
+                s.listen(16)
+            elif kind == "silent":
+                s.listen(0)
+                filler = socket.socket()
+                socks.append(filler)
+                filler.connect(("127.0.0.1", port))
+            ports[f"{kind}{i}"] = port
+        yield ports
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _waiting(rc: ReachCheck, job: _Job) -> Waiting:
+    rc.began(job.record.generation)
+    w = rc._stuck.current()
+    assert w is not None
+    return w
+
+
+def test_a_silent_host_gets_the_generation_aborted_and_is_noted() -> None:
+    with _hosts("live", "silent", "live") as ports:
+        job = _Job({"a": 1, **ports})
+        rc = job.check()
+        v = rc.check(_waiting(rc, job))
+        assert v.abort and job.aborts and job.aborts[0][0] == 7 and "silent1" in job.aborts[0][1]
+        assert rc.out_of_reach == (7, frozenset({"silent1"}))  # for this member's coordinator or deputy rounds
+        rc.check(_waiting(rc, job))
+        assert job.reads == 1  # the members' records are read once per generation
+
+
+def test_a_closed_port_is_a_process_gone_and_aborts_too() -> None:
+    with _hosts("live", "gone") as ports:
+        job = _Job({"a": 1, **ports})
+        rc = job.check()
+        assert rc.check(_waiting(rc, job)).abort and rc.out_of_reach == (7, frozenset({"gone1"}))
+
+
+@pytest.mark.parametrize("case", ["all answer", "wait ended", "abandoned", "most silent", "superseded"])
+def test_nothing_is_aborted(case: str) -> None:
+    kinds = ("silent", "silent", "live") if case == "most silent" else ("live", "live") if case == "all answer" \
+        else ("live", "silent", "live")
+    with _hosts(*kinds) as ports:
+        job = _Job({"a": 1, **ports})
+        rc = job.check()
+        w = _waiting(rc, job)
+        if case == "wait ended":
+            rc.ended()
+        elif case == "abandoned":
+            job.abandoned = True
+        elif case == "superseded":
+            job.record = GenerationRecord(8, job.record.members, "127.0.0.1", 1, "s", 0, "aborted")
+        v = rc.check(w)
+        assert not v.abort and job.aborts == [], v
+        # what was found still counts for this member's rendezvous when another prober's abort, or
+        # the end of the wait, came first; a majority silent or nobody silent notes nothing
+        assert rc.out_of_reach == ((7, frozenset({"silent1"})) if case in ("wait ended", "abandoned")
+                                   else (0, frozenset()))
+
+
+def test_a_prober_that_cannot_write_the_abort_fails_the_check() -> None:
+    with _hosts("live", "silent", "live") as ports:
+        job = _Job({"a": 1, **ports})
+        job.etcd_down = True
+        rc = job.check()
+        with pytest.raises(EtcdUnavailable):
+            rc.check(_waiting(rc, job))
+        assert job.aborts == []
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(("rank", "coordinator", "asks"), [(0, False, True), (2, True, True), (2, False, False)])
+def test_the_thread_asks_only_as_a_prober_of_a_long_wait(rank: int, coordinator: bool, asks: bool) -> None:
+    with _hosts("live", "silent", "live") as ports:
+        job = _Job({"a": 1, **ports})
+        rc = job.check(rank=rank, coordinator=coordinator, reach_check_s=0.2)
+        stop = threading.Event()
+        t = threading.Thread(target=rc.run, args=(stop,), daemon=True)
+        t.start()
+        try:
+            rc.began(7)
+            deadline = time.monotonic() + 5
+            while not job.aborts and time.monotonic() < deadline and (asks or time.monotonic() < deadline - 4):
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            t.join(5)
+        assert bool(job.aborts) is asks and job.reads == int(asks)
