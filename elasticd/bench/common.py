@@ -169,6 +169,15 @@ def fmt(x: float | int | None, digits: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
+def figure_rows(figures: Mapping[str, object], targets: Mapping[str, str], width: int) -> list[str]:
+    """A table's header and one row per figure: its name, its value (``fmt``), its target."""
+    rows = [f"{'figure':<{width}} {'value':>10}  target"]
+    for name, value in figures.items():
+        shown = fmt(value) if isinstance(value, (int, float)) or value is None else str(value)
+        rows.append(f"{name:<{width}} {shown:>10}  {targets.get(name, '')}")
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # A local job whose audit logs are followed while it runs
 

@@ -39,7 +39,7 @@ from elasticd.bench.common import (
     LeaseSettings,
     field_float,
     field_int,
-    fmt,
+    figure_rows,
     lost_steps,
     median_of,
     progress,
@@ -161,9 +161,7 @@ def render(result: Mapping[str, object]) -> str:
     assert isinstance(fig, dict) and isinstance(runs, dict) and isinstance(st, dict)
     lines = [f"a host's link cut, {st['reps']} times per job, {st['workers']} workers on netns hosts, "
              f"lease TTL {st['lease_ttl_s']:g} s: the reach check against the lease alone (reach_check_s = 0)",
-             f"{'figure':<28} {'value':>10}  target"]
-    for name, value in fig.items():
-        lines.append(f"{name:<28} {fmt(value):>10}  {TARGETS.get(name, '')}")
+             *figure_rows(fig, TARGETS, 28)]
     for mode, r in runs.items():
         lines.append(f"{mode}: recovery {r['recovery_s']}, rejoin {r['rejoin_s']}")
     for key in ("violations", "errors"):

@@ -29,7 +29,7 @@ from elasticd.bench.common import (
     WORKLOAD,
     BenchError,
     LeaseSettings,
-    fmt,
+    figure_rows,
     lost_steps,
     run_subcommand,
 )
@@ -121,9 +121,7 @@ def render(result: Mapping[str, object]) -> str:
     assert isinstance(fig, dict)
     lines = [f"etcd outage of {result['outage_measured_s']} s with no membership change "
              f"({result['settings']['workers']} workers)",  # type: ignore[index]
-             f"{'figure':<22} {'value':>10}  target"]
-    for name, value in fig.items():
-        lines.append(f"{name:<22} {fmt(value):>10}  {OUTAGE_TARGETS.get(name, '')}")
+             *figure_rows(fig, OUTAGE_TARGETS, 22)]
     if result["violations"]:
         lines.append(f"audit violations: {result['violations']}")
     return "\n".join(lines)

@@ -3,7 +3,7 @@ measures its figures.
 
 Not a timed test: the figures are not asserted against their target, only that every cut was
 measured in both jobs, the cut hosts rejoined, and nothing was lost or repeated. The reach check
-itself is in the default suite (``test_reach.py``).
+itself is in the default suite (``test_link_cut.py``).
 """
 
 from __future__ import annotations
