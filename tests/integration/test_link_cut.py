@@ -26,7 +26,7 @@ from tests.jobs import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 1200       # ~30 s of training at 3 workers with the sleep below
+STEPS = 600        # ~15 s of training at 3 workers with the sleep below; the cut and the rejoin take the first ~200
 CUT_MAX_S = 8.0    # the link stays down at most this long: well inside the lease (TTL 10 s)
 LEASE_TTL_S = 10
 
