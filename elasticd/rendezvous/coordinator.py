@@ -38,7 +38,7 @@ from elasticd.rendezvous.decide import (
     waiting_newcomers,
     without_gone,
 )
-from elasticd.rendezvous.probe import Answer, answers, to_probe
+from elasticd.rendezvous.probe import GONE, Answer, answers, to_probe
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -167,7 +167,7 @@ class Coordinator:
         bound = self._timeouts.probe_s if self._elected else min(self._timeouts.probe_s, DEPUTY_PROBE_S)
         got = answers([(r.host, r.store_port) for r in ask], bound) if ask else []
         for rec, answer in zip(ask, got, strict=True):
-            gone_now = answer is Answer.REFUSED or (answer is Answer.UNREACHABLE and self._elected)
+            gone_now = answer in GONE and (self._elected or answer is Answer.REFUSED)
             self._probed[rec.member_id] = gone_now
             if gone_now:
                 why = "refuses connections" if answer is Answer.REFUSED else \

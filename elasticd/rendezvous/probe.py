@@ -54,6 +54,9 @@ class Answer(StrEnum):
     UNASKED = "unasked"
 
 
+GONE = frozenset({Answer.REFUSED, Answer.UNREACHABLE})  # answers that say a member is gone (or cut off)
+
+
 def to_probe(missing: Sequence[str], members: Mapping[str, MemberRecord], asked: Collection[str]) -> list[MemberRecord]:
     """The missing members to ask about now: none while more than ``PROBE_MAX`` are missing (the
     members of a large generation are still arriving), and each member once. Pure."""

@@ -36,7 +36,7 @@ import structlog
 
 from elasticd.config import Timeouts
 from elasticd.errors import ElasticdError
-from elasticd.rendezvous.probe import Answer, answers
+from elasticd.rendezvous.probe import GONE, Answer, answers
 from elasticd.retry import Clock
 from elasticd.wire.records import MemberRecord
 from elasticd.wire.snapshot import Snapshot
@@ -104,7 +104,7 @@ def is_prober(rank: int, coordinator: bool) -> bool:
 
 def out_of_reach(members: Sequence[str], answers: Sequence[Answer]) -> list[str]:
     """The members whose host did not answer or whose port is closed, in the order given. Pure."""
-    return [m for m, a in zip(members, answers, strict=True) if a in (Answer.UNREACHABLE, Answer.REFUSED)]
+    return [m for m, a in zip(members, answers, strict=True) if a in GONE]
 
 
 @dataclass(frozen=True)
