@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import elasticd  # noqa: E402
+from elasticd.errors import ConfigError  # noqa: E402
 from elasticd.log import configure_logging  # noqa: E402
 
 
@@ -51,6 +52,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the model and data on cuda:<ELASTICD_LOCAL_RANK> (modulo the GPUs visible)")
+    p.add_argument("--fp16", action="store_true",
+                   help="fp16 autocast with a torch.amp.GradScaler given to the trainer (needs --device cuda)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,19 +91,42 @@ def checkpoint_settings(args: argparse.Namespace) -> elasticd.CheckpointConfig:
     return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
+def pick_device(args: argparse.Namespace) -> torch.device:
+    """``--device``: the CPU, or this worker's GPU (``ELASTICD_LOCAL_RANK`` modulo the GPUs visible).
+
+    Raises:
+        ConfigError: cuda (or --fp16) asked for where CUDA is not available.
+    """
+    if args.device == "cpu":
+        if args.fp16:
+            raise ConfigError("--fp16 needs --device cuda")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available here")
+    device = torch.device("cuda", elasticd.worker_env_from_environ().local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
     torch.set_num_threads(1)
-    x, y = make_dataset(args.samples, args.features, args.classes, args.seed)
+    try:
+        device = pick_device(args)
+    except elasticd.ElasticdError as exc:
+        print(f"elasticd: fatal: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    x, y = (t.to(device) for t in make_dataset(args.samples, args.features, args.classes, args.seed))
     # Every worker builds the same initial weights; rank 0's are sent to the others at the first sync anyway.
-    model = make_model(args.features, args.hidden, args.classes, args.seed)
+    model = make_model(args.features, args.hidden, args.classes, args.seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda") if args.fp16 else None
     try:
         trainer = elasticd.ElasticTrainer(
             model, optimizer, dataset_size=args.samples, global_batch_size=args.global_batch,
             seed=args.seed, audit_path=args.audit, audit_in_memory=args.audit_in_memory,
-            checkpoint=checkpoint_settings(args),
+            checkpoint=checkpoint_settings(args), scaler=scaler,
         )
         # SIGTERM (what systemd and the agent send on stop): finish the current step, then leave.
         signal.signal(signal.SIGTERM, lambda *_: trainer.drain())
@@ -106,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             for batch in trainer.batches(max_steps=args.steps):
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
-                loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
-                trainer.step(loss)
+                with torch.autocast(device.type, dtype=torch.float16, enabled=args.fp16):
+                    loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
+                trainer.step(scaler.scale(loss) if scaler is not None else loss)  # commit() steps the scaler
             if args.save_final and trainer.step_count >= args.steps:
-                torch.save(model.state_dict(), args.save_final)
+                torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.save_final)
     except elasticd.ElasticdError as exc:
         print(f"elasticd: fatal: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

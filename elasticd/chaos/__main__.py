@@ -238,7 +238,8 @@ class ChaosRun:
         return python_program(
             "agents/mlp.py", "--steps", str(self.s.steps), "--samples", str(SAMPLES),
             "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(self.s.step_sleep_s),
-            "--audit", str(self.audit_dir / f"{audit_name}.jsonl"),
+            "--audit", str(self.audit_dir / f"{audit_name}.jsonl"), "--device", self.s.device,
+            *(["--fp16"] if self.s.fp16 else []),
         )
 
     def start_agent(self, name: str, duplicate: bool = False) -> Node:

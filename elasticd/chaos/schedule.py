@@ -251,6 +251,8 @@ class Settings:
     netns: bool = False       # every node a network-namespace host (else: loopback)
     link_down_s: float = 0.0
     relay: str = "off"        # the agents' relay setting: off, on, or mixed (on for even node numbers)
+    device: str = "cpu"       # the workload's --device: cpu, or cuda (the model on the GPU; groups stay gloo)
+    fp16: bool = False        # the workload's --fp16: autocast and a GradScaler (cuda only)
 
 
 
@@ -296,6 +298,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--relay", choices=RELAY_CHOICES, default="off",
                    help="the agents' relay setting (rendezvous.relay): off, on, or mixed (on for the even node "
                    "numbers: both paths under the same faults); default off")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where each worker's model trains (agents/mlp.py --device): cuda puts every worker's model "
+                   "on a GPU (several may share one); the groups stay gloo. Default cpu")
+    p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler (agents/mlp.py --fp16; "
+                   "needs --device cuda)")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
@@ -332,11 +339,13 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
     if link_down_s <= TIMEOUTS.lease_ttl_s:
         raise ConfigError(f"--link-down-s: must be more than the lease TTL ({TIMEOUTS.lease_ttl_s:g} s), "
                           f"got {link_down_s}")
+    if args.fp16 and args.device != "cuda":
+        raise ConfigError("--fp16: needs --device cuda")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     return Settings(
         minutes=args.minutes, mean_interval_s=args.mean_interval_s, seed=seed,
         kinds=parse_faults(args.faults, args.etcd_members, netns), nodes=args.nodes, min_nodes=args.min_nodes,
         max_nodes=max_nodes, etcd_members=args.etcd_members, etcd_outage_s=args.etcd_outage_s,
         step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s, netns=netns, link_down_s=link_down_s,
-        relay=args.relay,
+        relay=args.relay, device=args.device, fp16=args.fp16,
     )
