@@ -174,21 +174,29 @@ def _wait_in_order(works: list[dist.Work], done: queue.SimpleQueue[int | Runtime
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], extra: int, device: torch.device) -> None:
+    """Gradients of parameters of one dtype on one device, flat in ``buffer`` (on their device).
+    Where the group's device differs (NCCL with a model on the CPU, gloo with one on a GPU), the
+    all_reduce runs on ``staging``, a copy of the buffer on the group's device."""
+
+    def __init__(self, params: list[torch.nn.Parameter], extra: int, comm_device: torch.device) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
         self.extra = extra
         self.ready = 0
         self.work: dist.Work | None = None
-        self.renew(device)
+        self.comm_device = comm_device
+        self.renew()
 
-    def renew(self, device: torch.device) -> None:
+    def renew(self) -> None:
         """A new buffer (and new ``.grad`` views at the next ``bind_grads``). The old one is left
         to a collective that was abandoned, not ended: a peer that was frozen or cut off can still
         complete it later through the retired group, and it would then write its sum into the
         gradients of a step in the next generation (seen under chaos: ranks' parameters diverged)."""
+        device = self.params[0].device
         self.buffer = torch.zeros(self.numel + self.extra, dtype=self.params[0].dtype, device=device)
+        self.staging = (None if same_device(device, self.comm_device)
+                        else torch.zeros(self.numel + self.extra, dtype=self.buffer.dtype, device=self.comm_device))
         self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
         self.views = []
         offset = 0
@@ -205,6 +213,17 @@ class _Bucket:
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
 
+    def outbound(self) -> torch.Tensor:
+        """The tensor the all_reduce sums: the buffer, or its copy on the group's device."""
+        if self.staging is None:
+            return self.buffer
+        return self.staging.copy_(self.buffer)
+
+    def inbound(self) -> None:
+        """After the all_reduce completed: the sum into the buffer (so into ``.grad``)."""
+        if self.staging is not None:
+            self.buffer.copy_(self.staging)
+
     def gather_grads(self) -> None:
         """Copy in any gradient that is not the bucket's view (user code replaced ``.grad``)."""
         for p, view in zip(self.params, self.views, strict=True):
@@ -214,6 +233,18 @@ class _Bucket:
             elif g.data_ptr() != view.data_ptr():
                 view.copy_(g)
                 p.grad = view
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one (``cuda`` and ``cuda:<current>`` are). Pure but for the current CUDA device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    if a.index is not None and b.index is not None:
+        return False
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 class GradientReducer:
@@ -241,7 +272,8 @@ class GradientReducer:
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(trainable):
-            if current and (size + p.numel() * p.element_size() > bucket_cap_bytes or p.dtype != current[0].dtype):
+            if current and (size + p.numel() * p.element_size() > bucket_cap_bytes or p.dtype != current[0].dtype
+                            or p.device != current[0].device):
                 self._buckets.append(_Bucket(current, 0, device))
                 current, size = [], 0
             current.append(p)
@@ -298,7 +330,7 @@ class GradientReducer:
             assert len(slots) == bucket.extra, (len(slots), bucket.extra)
             bucket.buffer[bucket.numel :] = torch.tensor(slots, dtype=bucket.buffer.dtype,
                                                            device=bucket.buffer.device)
-        flat = bucket.buffer
+        flat = bucket.outbound()
         group = self._group
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
@@ -326,6 +358,8 @@ class GradientReducer:
             for b in self._buckets:
                 assert b.work is not None
                 wait(b.work, group, deadline, abandon, poll_s, "gradient all_reduce")
+            for b in self._buckets:
+                b.inbound()
         finally:
             self._group, self._vote = None, None
         vb = self._vote_bucket
@@ -337,5 +371,5 @@ class GradientReducer:
         self._group, self._vote = None, None
         for b in self._buckets:
             if b.work is not None:
-                b.renew(b.buffer.device)
+                b.renew()
             b.work = None

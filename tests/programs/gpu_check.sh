@@ -1,5 +1,6 @@
 #!/bin/bash
-# The GPU checks, in one go (not part of the test suite): bash tests/programs/gpu_check.sh OUTDIR
+# The GPU checks, in one go (not part of the test suite): bash tests/programs/gpu_check.sh OUTDIR [PART...]
+# (PART: smoke, job, chaos; default all three)
 # Needs one CUDA GPU, torch with NCCL, etcd on PATH and elasticd's dependencies importable.
 # 1. tests/programs/nccl_smoke.py: the NCCL build/abort/rebuild sequence on one GPU.
 # 2. tests/programs/gpu_job.py: a NCCL job through a real agent with the model on the GPU, fp16 and
@@ -9,17 +10,25 @@
 # Each part is bounded by `timeout`; its work dir is packed into OUTDIR when it fails.
 set -u
 out=${1:?OUTDIR}
+shift
+parts=" ${*:-smoke job chaos} "
 mkdir -p "$out"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 status=0
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"
 etcd --version | head -1
+if [[ $parts == *" smoke "* ]]; then
 echo "== 1. nccl_smoke"; timeout 120 python3 tests/programs/nccl_smoke.py || status=1
+fi
+if [[ $parts == *" job "* ]]; then
 echo "== 2. gpu_job"; rm -rf /tmp/gpu-job
 timeout 300 python3 tests/programs/gpu_job.py --workdir /tmp/gpu-job || { status=1; tar czf "$out/gpu_job.tgz" -C /tmp gpu-job; }
+fi
+if [[ $parts == *" chaos "* ]]; then
 echo "== 3. chaos on the GPU"; rm -rf /tmp/gpu-chaos
-timeout 300 python3 -m elasticd.chaos --minutes 1 --mean-interval-s 6 --warmup-s 5 --no-netns --device cuda --fp16 \
+timeout 200 python3 -m elasticd.chaos --minutes 1 --mean-interval-s 5 --warmup-s 5 --no-netns --device cuda --fp16 \
     --seed 1 --workdir /tmp/gpu-chaos --json > "$out/chaos.json" || { status=1; tar czf "$out/chaos.tgz" -C /tmp gpu-chaos; }
 head -c 6000 "$out/chaos.json"; echo
+fi
 echo "== status $status"
 exit $status

@@ -11,9 +11,10 @@ so this runs the NCCL path of the real product end to end at that size; ``python
    ``GradScaler``) with durable checkpoints. etcd is SIGKILLed and restarted on its data dir while
    the job trains: with no membership change, training goes on. Every step 1..N is committed
    exactly once; the worker's log names the NCCL backend; the agent exits 0.
-2. The whole job lost (a fresh etcd): a second job on the same checkpoint directory resumes on the GPU from the checkpoint at step N
-   (model, optimizer and scaler state) and commits exactly N+1..M; its final model differs from
-   the first's (it trained on).
+2. The whole job lost (a fresh etcd): a second job on the same checkpoint directory resumes on the
+   GPU from the checkpoint at step N (model, optimizer and scaler state) and commits exactly
+   N+1..M; its final model differs from the first's (it trained on).
+3. NCCL groups with the model on the CPU (mlp.py's default on a GPU node): 100 steps once each.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def commits(audit: Path) -> list[int]:
     return [int(str(r["step"])) for r in read_lines([audit]) if r.get("event") == "commit"]
 
 
-def run_job(workdir: Path, etcd: EtcdServer, name: str, steps: int, kill_etcd: bool, cpu: bool) -> WorkerProcess:
+def run_job(workdir: Path, etcd: EtcdServer, name: str, steps: int, kill_etcd: bool, cpu: bool,
+            model_on_cpu: bool = False) -> WorkerProcess:
     config = workdir / "elasticd.toml"
     config.write_text("# every setting from the flags\n")
     audit = workdir / f"{name}.jsonl"
-    device = ["--device", "cpu"] if cpu else ["--device", "cuda", "--fp16"]
+    device = ["--device", "cpu"] if cpu or model_on_cpu else ["--device", "cuda", "--fp16"]
     program = python_program("agents/mlp.py", *device, "--steps", str(steps),
-                             "--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every-steps", "100",
+                             "--checkpoint-dir", str(workdir / f"ckpt-{name}" if model_on_cpu else workdir / "ckpt"), "--checkpoint-every-steps", "100",
                              "--audit", str(audit), "--save-final", str(workdir / f"{name}-final.pt"),
                              "--step-sleep", "0.01")
     argv = local_agent_argv(config, [etcd.endpoint], "gpu", "node-0", "1:1", 2.0, 0.5, program,
@@ -118,6 +120,14 @@ def main() -> int:
         second = torch.load(workdir / "second-final.pt")
         check(any(not torch.equal(first[k], second[k]) for k in first), "second: trained on from the first's state")
         check(all(bool(torch.isfinite(v).all()) for v in second.values()), "second: final parameters finite")
+        # 3. NCCL groups with the model on the CPU (agents/mlp.py's default on a GPU node: backend
+        # auto is NCCL there): the gradients cross to the GPU for the all_reduce and back
+        etcd.stop(remove_data=False)
+        etcd = EtcdServer(data_dir=str(workdir / "etcd-third")).start()
+        agent = run_job(workdir, etcd, "third", 100, kill_etcd=False, cpu=args.cpu, model_on_cpu=True)
+        third = commits(workdir / "third.jsonl")
+        check(sorted(third) == list(range(1, 101)), f"third (model on the CPU, {backend} groups): steps 1..100 once each")
+        check(f'"backend": "{backend}"' in agent.log_text(), f"third: the worker's groups are {backend} groups")
         summary = {"first_commits": STEPS_1, "second_first_step": min(steps), "log_lines": len(log.splitlines())}
         print(json.dumps(summary), flush=True)
     finally:
