@@ -3,7 +3,8 @@
 Owns ``Vote`` (what each member puts in the vote slots of its last gradient bucket), ``Tally`` (the
 slots summed by the all_reduce, so every member reads the same numbers), ``Fence`` (what this member
 knows locally once the sum arrived) and ``commit_outcome``, which turns them into a ``Verdict``.
-Imports nothing but the standard library: no torch, no etcd, no clock (``now`` is passed in).
+``needs_ack`` and ``ack_outcome`` are the ack round (below). Imports nothing but the standard
+library: no torch, no etcd, no clock (``now`` is passed in).
 
 Why the fence is part of the vote. A member used to check its own lease *after* the all_reduce and
 refuse to commit alone when the lease looked stale: after an etcd restart one member's renewal
@@ -35,9 +36,20 @@ never expired, as after a leader election or an outage, whose new leader extends
 TTL; the executor asks for one within ``lease_confirm_s``), or that it was stopped and continued since
 it last renewed its lease (its agent may have revoked the lease: ``continued.py``), does not apply
 the step. A member continued from a stop also votes "stale" until a renewal asked after the
-continue succeeds (or fails with the lease gone, a veto), so every member retries the step. That member is then
-behind, never ahead: it re-registers as a newcomer and rank 0 of the next generation, chosen for
-holding the newest step, sends it the state. No step is ever applied twice.
+continue succeeds (or fails with the lease gone, a veto), so every member retries the step.
+
+The ack round: a local refusal is made everyone's. Such a refusal used to leave the refusing
+member behind while the others applied the step (a split commit; the audit allowed a missing line
+at the last step of a generation), and if those others then died before the regroup, the
+survivors did the step again: a step committed in two generations. Now, whenever the tally alone
+does not settle the step (``needs_ack``), every member sends one more tiny all_reduce, the ack:
+1 if its own verdict is COMMIT, else 0, and applies the step only if every member sent 1
+(``ack_outcome``). A member that refuses makes every member refuse; the generation is then
+aborted and the step is done, once, in the next one. What is left is the ack's own window: a
+member that sent its 1 and was stopped, cut off or killed before its own ack sum arrived, while
+another member's did and that member applied; if the members that applied then all die before
+the regroup, the survivors redo the step (README, known limits). Closing that needs a
+roll-forward at the regroup (the survivors hold the summed gradients), not built.
 """
 
 from __future__ import annotations
@@ -113,12 +125,9 @@ class Verdict:
     confirmable: bool = False  # ABORT lifted by a renewal granted after the sum (Fence.confirmed)
 
 
-def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
-    """Decide what this member does with a step whose all_reduce completed. Pure.
-
-    Every branch but the last two is a function of ``tally`` alone, which is the same on every
-    member, so those decisions are unanimous.
-    """
+def _settled_by_tally(tally: Tally, world_size: int) -> Verdict | None:
+    """The verdict that ``tally`` alone gives (the same on every member), or None: then each
+    member's own fence decides, and the ack round makes the decision everyone's."""
     if tally.voters != world_size:
         return Verdict(Outcome.ABORT, f"{tally.voters} votes in a generation of {world_size}")
     if tally.vetoes:
@@ -127,6 +136,34 @@ def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> V
     if tally.stale and tally.fresh_reached:
         return Verdict(Outcome.RETRY, f"{tally.stale} member(s) wait for a lease renewal while etcd "
                        f"answers {tally.fresh_reached} with a fresh lease")
+    return None
+
+
+def needs_ack(tally: Tally, world_size: int) -> bool:
+    """Whether the members send the ack round for this step: the tally does not settle it. Pure,
+    and a function of the tally alone, so every member of the generation sends it or none does."""
+    return _settled_by_tally(tally, world_size) is None
+
+
+def ack_outcome(verdict: Verdict, acks: int, world_size: int) -> Verdict:
+    """The verdict after the ack round: ``acks`` is the sum of every member's ack (1 for a COMMIT
+    verdict, else 0). A COMMIT stands only if every member acked it; otherwise nobody applies the
+    step (a refusal of one member, made everyone's). Pure."""
+    if verdict.outcome is not Outcome.COMMIT or acks == world_size:
+        return verdict
+    return Verdict(Outcome.ABORT, f"{world_size - acks} member(s) refused the step after the vote")
+
+
+def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
+    """Decide what this member would do with a step whose all_reduce completed. Pure.
+
+    The branches of ``_settled_by_tally`` are functions of ``tally`` alone, which is the same on
+    every member, so those decisions are unanimous. The others read this member's fence; the
+    ack round (``needs_ack``, ``ack_outcome``) then makes them unanimous.
+    """
+    settled = _settled_by_tally(tally, world_size)
+    if settled is not None:
+        return settled
     if fence.continued:
         return Verdict(Outcome.ABORT, "this process was stopped and continued since its last lease renewal: its "
                        "agent may have revoked the lease and its peers given up on the step", unanimous=False)
