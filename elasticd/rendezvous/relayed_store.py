@@ -184,6 +184,10 @@ class RelayedStore:
         now = self._clock()
         since = max(self._dirty_since, now - 2 * self._timeouts.relay_heartbeat_s)
         deadline = now + self._wait_s
+        # After my own write to a watched key (a generation I published, an abort) the relay's
+        # next view shows it within milliseconds; if it does not within relay_heartbeat_s (its
+        # agent is stopped, say), I read etcd myself once rather than wait relay_stale_s for it.
+        own_write_by = now + self._timeouts.relay_heartbeat_s if self._dirty_since >= since else None
         with self._cond:
             while not self._direct:
                 verdict = serve(self._frame, since)
@@ -196,6 +200,10 @@ class RelayedStore:
                 left = deadline - self._clock()
                 if left <= 0:
                     raise EtcdUnavailable(f"this node's relay sent no view within {self._wait_s:g} s")
+                if own_write_by is not None:
+                    if own_write_by - self._clock() <= 0:
+                        break
+                    left = min(left, own_write_by - self._clock())
                 self._cond.wait(left)
         return self._inner.get_prefixes(prefixes)
 

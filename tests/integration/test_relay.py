@@ -219,3 +219,40 @@ def test_a_put_queued_by_a_stopped_relay_never_lands_over_the_workers_own_newer_
     finally:
         store.close()
         client.close()
+
+
+def test_after_its_own_write_a_member_whose_relay_is_stopped_reads_etcd_itself_within_a_heartbeat(
+        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
+    """A worker that publishes (its coordinator) or aborts writes a watched key directly, then reads
+    its view, which must show that write. With its relay SIGSTOPped, it used to wait relay_stale_s
+    for the relay to be declared lost (seen under chaos: a relayed coordinator learned its own
+    generation 2 s late); now it reads etcd itself once after relay_heartbeat_s, and stays on the
+    relay."""
+    from elasticd.rendezvous.relayed_store import RelayedStore
+
+    keys = Keys("/elasticd", f"relayown{time.monotonic_ns()}")
+    path = str(tmp_path / "relay.sock")
+    relay = Proc(["tests/programs/relay_node.py", etcd_server.endpoint, keys.job.rsplit("/", 1)[1], "n0", path],
+                 tmp_path / "relay.out")
+    procs.append(relay)
+    _wait(lambda: '"relay"' in relay.text(), 30, "the relay to listen", procs)
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
+    store = RelayedStore(client, keys, path, T, RetryPolicy())
+    try:
+        store.get_prefixes(keys.member_view)  # served by the relay
+        assert store.relayed
+        os.kill(relay.proc.pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: psutil.Process(relay.proc.pid).status() == psutil.STATUS_STOPPED, 5, "the relay stopped")
+            store.put(keys.abort, b"mine")  # not leased: straight to etcd, and a watched key
+            t0 = time.monotonic()
+            view = store.get_prefixes(keys.member_view)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(relay.proc.pid, signal.SIGCONT)
+        assert any(kv.key == keys.abort and kv.value == b"mine" for kv in view), view
+        assert took < T.relay_heartbeat_s + 0.5 < T.relay_stale_s, took
+        assert store.relayed  # one read of its own; the relay was not given up
+    finally:
+        store.close()
+        client.close()
