@@ -143,14 +143,11 @@ class StepProtocol:
         if not needs_ack(op.tally, group.world_size):
             return verdict
         ack = torch.tensor([1.0 if verdict.outcome is Outcome.COMMIT else 0.0], device=group.device)
-        self._membership.reach.began(group.generation)  # a host lost during the ack is asked about too
         try:
             all_reduce(ack, group, dist.ReduceOp.SUM, Deadline.after(self._timeouts.td("collective")),
                        self._membership.must_abandon, self._timeouts.abort_poll_s)
         except CollectiveError as exc:
             return Verdict(Outcome.ABORT, f"the ack round failed: {exc}")
-        finally:
-            self._membership.reach.ended()
         return ack_outcome(verdict, round(float(ack.item())), group.world_size)
 
     @property
