@@ -3,8 +3,7 @@
 Owns ``Vote`` (what each member puts in the vote slots of its last gradient bucket), ``Tally`` (the
 slots summed by the all_reduce, so every member reads the same numbers), ``Fence`` (what this member
 knows locally once the sum arrived) and ``commit_outcome``, which turns them into a ``Verdict``.
-``needs_ack`` and ``ack_outcome`` are the ack round (below). Imports nothing but the standard
-library: no torch, no etcd, no clock (``now`` is passed in).
+Imports nothing but the standard library: no torch, no etcd, no clock (``now`` is passed in).
 
 Why the fence is part of the vote. A member used to check its own lease *after* the all_reduce and
 refuse to commit alone when the lease looked stale: after an etcd restart one member's renewal
@@ -28,28 +27,21 @@ commit *before* the sum, and every member decides from the same sum:
   until the renewals landed);
 * otherwise the step is committed by every member (and the members regroup after it if one asked).
 
-What stays local: a member that learns, after the sum, that its generation was fenced, that its
-own lease has expired by its clock while etcd answered members at vote time (it was frozen past its
-lease, and its peers may have given up on the step) unless etcd then grants it a renewal (the
-verdict is ``confirmable``: a lease id never comes back, so a granted renewal proves the lease
-never expired, as after a leader election or an outage, whose new leader extends every lease by its
-TTL; the executor asks for one within ``lease_confirm_s``), or that it was stopped and continued since
-it last renewed its lease (its agent may have revoked the lease: ``continued.py``), does not apply
-the step. A member continued from a stop also votes "stale" until a renewal asked after the
-continue succeeds (or fails with the lease gone, a veto), so every member retries the step.
-
-The ack round: a local refusal is made everyone's. Such a refusal used to leave the refusing
-member behind while the others applied the step (a split commit; the audit allowed a missing line
-at the last step of a generation), and if those others then died before the regroup, the
-survivors did the step again: a step committed in two generations. Now, whenever the tally alone
-does not settle the step (``needs_ack``), every member sends one more tiny all_reduce, the ack:
-1 if its own verdict is COMMIT, else 0, and applies the step only if every member sent 1
-(``ack_outcome``). A member that refuses makes every member refuse; the generation is then
-aborted and the step is done, once, in the next one. What is left is the ack's own window: a
-member that sent its 1 and was stopped, cut off or killed before its own ack sum arrived, while
-another member's did and that member applied; if the members that applied then all die before
-the regroup, the survivors redo the step (README, known limits). Closing that needs a
-roll-forward at the regroup (the survivors hold the summed gradients), not built.
+What stays local: a member that learns, after the sum, that its generation was fenced or its
+lease is gone does not apply the step. Two more refusals are ``confirmable``: its own lease has
+expired by its clock while etcd answered members at vote time (it was frozen past its lease, and
+its peers may have given up on the step), or it was stopped and continued since it last renewed
+its lease (its agent may have revoked the lease: ``continued.py``). The executor then asks etcd for
+a renewal within ``lease_confirm_s``; a granted one proves the lease never ended (a lease id never
+comes back: an agent's revocation, or an expiry, is final), so no peer gave up on this member and
+the step is applied with the others (a leader election or an outage only held the renewals back;
+a short stop landing after the vote used to make the stopped member refuse a step its peers
+applied: a split commit). A member continued from a stop before its vote votes "stale" until a
+renewal asked after the continue succeeds (or fails with the lease gone, a veto), so every member
+retries the step. A member that refuses is behind, never ahead: it re-registers as a newcomer and
+rank 0 of the next generation, chosen for holding the newest step, sends it the state. If every
+member that applied dies before that regroup, the survivors do the step again (README, known
+limits).
 """
 
 from __future__ import annotations
@@ -125,9 +117,12 @@ class Verdict:
     confirmable: bool = False  # ABORT lifted by a renewal granted after the sum (Fence.confirmed)
 
 
-def _settled_by_tally(tally: Tally, world_size: int) -> Verdict | None:
-    """The verdict that ``tally`` alone gives (the same on every member), or None: then each
-    member's own fence decides, and the ack round makes the decision everyone's."""
+def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
+    """Decide what this member does with a step whose all_reduce completed. Pure.
+
+    Every branch but the last two is a function of ``tally`` alone, which is the same on every
+    member, so those decisions are unanimous.
+    """
     if tally.voters != world_size:
         return Verdict(Outcome.ABORT, f"{tally.voters} votes in a generation of {world_size}")
     if tally.vetoes:
@@ -136,40 +131,13 @@ def _settled_by_tally(tally: Tally, world_size: int) -> Verdict | None:
     if tally.stale and tally.fresh_reached:
         return Verdict(Outcome.RETRY, f"{tally.stale} member(s) wait for a lease renewal while etcd "
                        f"answers {tally.fresh_reached} with a fresh lease")
-    return None
-
-
-def needs_ack(tally: Tally, world_size: int) -> bool:
-    """Whether the members send the ack round for this step: the tally does not settle it. Pure,
-    and a function of the tally alone, so every member of the generation sends it or none does."""
-    return _settled_by_tally(tally, world_size) is None
-
-
-def ack_outcome(verdict: Verdict, acks: int, world_size: int) -> Verdict:
-    """The verdict after the ack round: ``acks`` is the sum of every member's ack (1 for a COMMIT
-    verdict, else 0). A COMMIT stands only if every member acked it; otherwise nobody applies the
-    step (a refusal of one member, made everyone's). Pure."""
-    if verdict.outcome is not Outcome.COMMIT or acks == world_size:
-        return verdict
-    return Verdict(Outcome.ABORT, f"{world_size - acks} member(s) refused the step after the vote")
-
-
-def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
-    """Decide what this member would do with a step whose all_reduce completed. Pure.
-
-    The branches of ``_settled_by_tally`` are functions of ``tally`` alone, which is the same on
-    every member, so those decisions are unanimous. The others read this member's fence; the
-    ack round (``needs_ack``, ``ack_outcome``) then makes them unanimous.
-    """
-    settled = _settled_by_tally(tally, world_size)
-    if settled is not None:
-        return settled
-    if fence.continued:
-        return Verdict(Outcome.ABORT, "this process was stopped and continued since its last lease renewal: its "
-                       "agent may have revoked the lease and its peers given up on the step", unanimous=False)
     if fence.fenced or fence.lease_lost:
         why = "my lease is gone" if fence.lease_lost else "my generation was superseded or aborted"
         return Verdict(Outcome.ABORT, f"{why} after the vote", unanimous=False)
+    if fence.continued and not fence.confirmed:
+        return Verdict(Outcome.ABORT, "this process was stopped and continued since its last lease renewal: its "
+                       "agent may have revoked the lease and its peers given up on the step", unanimous=False,
+                       confirmable=True)
     if tally.reached_etcd and not fence.confirmed and now >= fence.renewed_at + fence.lease_ttl_s:
         return Verdict(Outcome.ABORT, f"my lease expired by my clock {now - fence.renewed_at - fence.lease_ttl_s:.2f} s "
                        f"before the sum arrived (this process was frozen, or etcd held its renewals)",

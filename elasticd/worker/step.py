@@ -4,7 +4,7 @@ Owns ``StepResult`` (a committed step, as every member committed it) and ``StepP
 micro-batch's backward accumulates into the reducer's buckets (weighted by its part of the share);
 the last one runs the bucketed all_reduce whose last bucket carries this member's ``commit.Vote``;
 ``decide`` turns the summed vote and this member's fence into a ``commit.Verdict`` and bounds how
-long a step may be deferred; ``agree`` runs the ack round that makes a local refusal everyone's. Never applies a step (the trainer does: optimizers, counters, records)
+long a step may be deferred. Never applies a step (the trainer does: optimizers, counters, records)
 and never re-rendezvouses.
 """
 
@@ -15,15 +15,14 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
-import torch.distributed as dist
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError
 from elasticd.rendezvous.member import Standing
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Clock, Deadline
-from elasticd.worker.collectives import GradientReducer, all_reduce
-from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, ack_outcome, commit_outcome, needs_ack
+from elasticd.worker.collectives import GradientReducer
+from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.process_group import Group
 from elasticd.worker.sampler import Batch
 
@@ -118,7 +117,9 @@ class StepProtocol:
         verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
         if verdict.confirmable and op.standing is not None and self._membership.confirm_lease(op.standing):
             log.info("lease_confirmed", generation=group.generation, rank=group.rank, after=verdict.reason)
-            op.fence = replace(op.fence, confirmed=True)
+            st = self._membership.standing()  # what the watcher learned meanwhile (after a stop: the backlog)
+            op.fence = replace(op.fence, confirmed=True, fenced=op.fence.fenced or st.fenced,
+                               lease_lost=op.fence.lease_lost or st.lease_lost)
             verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
         if verdict.outcome is not Outcome.RETRY:
             self._deferred_since = None
@@ -130,25 +131,6 @@ class StepProtocol:
             self._deferred_since = None
             return Verdict(Outcome.ABORT, f"deferred for over 2 x lease_ttl_s: {verdict.reason}")
         return verdict
-
-    def agree(self, group: Group, op: OpenStep, verdict: Verdict) -> Verdict:
-        """The ack round (``commit.needs_ack``): when the tally alone does not settle the step,
-        every member sums its ack (1: its verdict is COMMIT) and the step is applied only if every
-        member acked it (``commit.ack_outcome``). Bounded like the gradient all_reduce.
-
-        An ack that failed, timed out or was abandoned is an ABORT here; a member whose own ack sum
-        arrived may have applied the step (the window ``commit.py`` describes).
-        """
-        assert op.tally is not None
-        if not needs_ack(op.tally, group.world_size):
-            return verdict
-        ack = torch.tensor([1.0 if verdict.outcome is Outcome.COMMIT else 0.0], device=group.device)
-        try:
-            all_reduce(ack, group, dist.ReduceOp.SUM, Deadline.after(self._timeouts.td("collective")),
-                       self._membership.must_abandon, self._timeouts.abort_poll_s)
-        except CollectiveError as exc:
-            return Verdict(Outcome.ABORT, f"the ack round failed: {exc}")
-        return ack_outcome(verdict, round(float(ack.item())), group.world_size)
 
     @property
     def deferring(self) -> bool:

@@ -409,9 +409,8 @@ class ElasticTrainer:
 
     def commit(self) -> StepResult | None:
         """Apply the step whose gradients ``backward`` averaged if the commit rule says every member
-        does (``commit.commit_outcome``, then the ack round when the tally does not settle it): the
-        optimizers step (through the ``scaler``, with the ``linear_scaling`` factor), then the
-        counters. Returns the committed step, or None (retried).
+        does (``commit.commit_outcome``): the optimizers step (through the ``scaler``, with the
+        ``linear_scaling`` factor), then the counters. Returns the committed step, or None (retried).
 
         Raises:
             RestartsExhausted: the same step failed more often than ``retry.step_retries``.
@@ -424,7 +423,7 @@ class ElasticTrainer:
         assert self.group is not None and self._protocol is not None
         group, batch = self.group, op.batch
         first = not self._protocol.deferring
-        verdict = self._protocol.agree(group, op, self._protocol.decide(group, op))
+        verdict = self._protocol.decide(group, op)
         if verdict.outcome is not Outcome.COMMIT:
             self._optimizers.skip()
             if verdict.outcome is Outcome.ABORT:
@@ -436,7 +435,8 @@ class ElasticTrainer:
         self._optimizers.step()
         c, sampler = self.state.counters, self._sampler()
         c.step = batch.step
-        c.epoch, c.position = sampler.normalize(*sampler.after(batch), group.world_size)
+        c.epoch, c.position = sampler.after(batch)
+        c.epoch, c.position = sampler.normalize(c.epoch, c.position, group.world_size)
         self._failures_this_step = 0
         result = StepResult(c.step, op.tally.loss, group.generation, group.world_size, self._clock() - op.started)
         self.last_result = result
