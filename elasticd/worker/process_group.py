@@ -131,10 +131,15 @@ class GroupFactory:
         self._bases: dict[int, tuple[Store, str]] = {}  # generation -> its base store and token
 
     def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> Store:
+        # Rank 0 too talks to its own server through a client connection of its own, never through
+        # the server's store object: a c10d store runs one call at a time per connection, and an
+        # abandoned build left stuck in gloo's connect (a member that arrived and died before it
+        # published its address) holds its connection for up to group_build_s. A build given up
+        # drops the connection (``_meet``), so the next generation's build opens a fresh one.
         if (host, port) == (self._addr, self._server.port) or (
             port == self._server.port and host in (self._server.host, "127.0.0.1", "localhost")
         ):
-            return self._server.store
+            host = self._server.host
         if self._client_addr == (host, port) and self._client is not None:
             return self._client
         self._client, self._client_addr = None, None  # drop the old connection before opening one
