@@ -185,21 +185,26 @@ def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only
         client.close()
 
 
-def test_a_put_queued_by_a_stopped_relay_never_lands_over_the_workers_own_newer_write(
-        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
-    """The relay is SIGSTOPped with a worker's put in its socket; the worker leaves it after
-    relay_stale_s, writes that record and a newer one itself; when the relay continues, the queued
-    put is dropped (the worker shut its end first), so the newer record stays."""
+def _relay_and_store(etcd_server, procs: list[Proc], tmp_path: Path, keys: Keys):  # type: ignore[no-untyped-def]
+    """A relay process for ``keys``' job, and a worker's store in this process: (relay, etcd client, RelayedStore)."""
     from elasticd.rendezvous.relayed_store import RelayedStore
 
-    keys = Keys("/elasticd", f"relaystale{time.monotonic_ns()}")
     path = str(tmp_path / "relay.sock")
     relay = Proc(["tests/programs/relay_node.py", etcd_server.endpoint, keys.job.rsplit("/", 1)[1], "n0", path],
                  tmp_path / "relay.out")
     procs.append(relay)
     _wait(lambda: '"relay"' in relay.text(), 30, "the relay to listen", procs)
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
-    store = RelayedStore(client, keys, path, T, RetryPolicy())
+    return relay, client, RelayedStore(client, keys, path, T, RetryPolicy())
+
+
+def test_a_put_queued_by_a_stopped_relay_never_lands_over_the_workers_own_newer_write(
+        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
+    """The relay is SIGSTOPped with a worker's put in its socket; the worker leaves it after
+    relay_stale_s, writes that record and a newer one itself; when the relay continues, the queued
+    put is dropped (the worker shut its end first), so the newer record stays."""
+    keys = Keys("/elasticd", f"relaystale{time.monotonic_ns()}")
+    relay, client, store = _relay_and_store(etcd_server, procs, tmp_path, keys)
     try:
         lease = client.grant_lease(30)
         key = keys.ready("n0.0.1")
@@ -228,16 +233,8 @@ def test_after_its_own_write_a_member_whose_relay_is_stopped_reads_etcd_itself_w
     for the relay to be declared lost (seen under chaos: a relayed coordinator learned its own
     generation 2 s late); now it reads etcd itself once after relay_heartbeat_s, and stays on the
     relay."""
-    from elasticd.rendezvous.relayed_store import RelayedStore
-
     keys = Keys("/elasticd", f"relayown{time.monotonic_ns()}")
-    path = str(tmp_path / "relay.sock")
-    relay = Proc(["tests/programs/relay_node.py", etcd_server.endpoint, keys.job.rsplit("/", 1)[1], "n0", path],
-                 tmp_path / "relay.out")
-    procs.append(relay)
-    _wait(lambda: '"relay"' in relay.text(), 30, "the relay to listen", procs)
-    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
-    store = RelayedStore(client, keys, path, T, RetryPolicy())
+    relay, client, store = _relay_and_store(etcd_server, procs, tmp_path, keys)
     try:
         store.get_prefixes(keys.member_view)  # served by the relay
         assert store.relayed
