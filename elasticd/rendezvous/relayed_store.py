@@ -201,9 +201,10 @@ class RelayedStore:
                 if left <= 0:
                     raise EtcdUnavailable(f"this node's relay sent no view within {self._wait_s:g} s")
                 if own_write_by is not None:
-                    if own_write_by - self._clock() <= 0:
-                        break
-                    left = min(left, own_write_by - self._clock())
+                    own_left = own_write_by - self._clock()
+                    if own_left <= 0:
+                        break  # read etcd myself, below
+                    left = min(left, own_left)
                 self._cond.wait(left)
         return self._inner.get_prefixes(prefixes)
 
