@@ -261,12 +261,13 @@ def difference(before: Mapping[str, float], after: Mapping[str, float]) -> dict[
 
 
 def round_times(start: float, published: float | None, learned: Iterable[float]) -> dict[str, float | None]:
-    """A round's times from its start (wall clock): to the generation record, to the first and the
-    last member's join() return."""
-    got = list(learned)
+    """A round's times from its start (wall clock): to the generation record, to the first, the
+    median and the last member's join() return."""
+    got = sorted(learned)
     return {"published_s": None if published is None else round(published - start, 3),
-            "first_learned_s": round(min(got) - start, 3) if got else None,
-            "all_learned_s": round(max(got) - start, 3) if got else None}
+            "first_learned_s": round(got[0] - start, 3) if got else None,
+            "median_learned_s": round(got[len(got) // 2] - start, 3) if got else None,
+            "all_learned_s": round(got[-1] - start, 3) if got else None}
 
 
 

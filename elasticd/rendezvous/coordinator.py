@@ -27,6 +27,7 @@ import structlog
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.rendezvous.decide import (
+    Action,
     ActionKind,
     Window,
     candidates_of,
@@ -39,6 +40,7 @@ from elasticd.rendezvous.decide import (
     without_gone,
 )
 from elasticd.rendezvous.probe import GONE, Answer, answers, to_probe
+from elasticd.rendezvous.survivors import survivors_generation
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
@@ -104,6 +106,12 @@ class Coordinator:
         if self._elected and (snap.coordinator is None or snap.coordinator.member_id != self._member_id):
             raise NotCoordinator(snap.coordinator.member_id if snap.coordinator else "")
         window = self._track(snap, now)
+        survivors = survivors_generation(snap, self._world)
+        if survivors is not None:
+            # a lost lease alone broke the generation: its survivors go on at once, no ready round
+            # and no verdict (the new generation tells every member all there is to know)
+            return self._publish(snap, Action(ActionKind.PUBLISH, survivors.reason, record=survivors,
+                                              expected_revision=snap.generation_revision), now)
         if window is None:
             action = None
         else:
@@ -118,32 +126,37 @@ class Coordinator:
         if action is None:
             return None
         if action.kind is ActionKind.PUBLISH:
-            assert action.record is not None
-            record = replace(action.record, token=secrets.token_hex(16))
-            pointer, buckets = encode_generation(record, lambda m: snap.members[m].node)
-            won = self._store.compare_and_put(
-                self._keys.generation, action.expected_revision,
-                pointer,  # consumes its members' ready records (wire.snapshot.consumed)
-                # its roster (a large generation), the history: in the same transaction
-                put_keys={self._keys.roster(record.generation, b): v for b, v in buckets.items()}
-                | dict([self._published_event(record)]),
-                delete_ranges=[self._keys.rosters_before(record.generation)],
-            )
-            if won:
-                log.info("generation_published", generation=record.generation,
-                         world_size=record.world_size, members=list(record.members[:16]),
-                         cause=action.reason, by="coordinator" if self._elected else "deputy")
-                self._window = None
-                if self._take_over is not None and snap.coordinator is not None \
-                        and snap.coordinator.member_id not in record.members:
-                    # The coordinator did not come to this rendezvous (dead, unrevoked, or stopped):
-                    # the deputy that published without it takes its place, so the next round
-                    # (a newcomer, a verdict) does not wait for its lease to end.
-                    self._take_over(snap.coordinator_revision)
-            return now  # read again at once: the verdict on the new generation, or the winner's record
+            return self._publish(snap, action, now)
         if closes is not None:  # the members are told of the newcomers when their window closes
             return closes if action.until is None else min(action.until, closes)
         return action.until
+
+    def _publish(self, snap: Snapshot, action: Action, now: float) -> float:
+        """Publish ``action.record`` by compare-and-set; returns ``now`` (read again at once: the
+        verdict on the new generation, or the winner's record)."""
+        assert action.record is not None
+        record = replace(action.record, token=secrets.token_hex(16))
+        pointer, buckets = encode_generation(record, lambda m: snap.members[m].node)
+        won = self._store.compare_and_put(
+            self._keys.generation, action.expected_revision,
+            pointer,  # consumes its members' ready records (wire.snapshot.consumed)
+            # its roster (a large generation), the history: in the same transaction
+            put_keys={self._keys.roster(record.generation, b): v for b, v in buckets.items()}
+            | dict([self._published_event(record)]),
+            delete_ranges=[self._keys.rosters_before(record.generation)],
+        )
+        if won:
+            log.info("generation_published", generation=record.generation,
+                     world_size=record.world_size, members=list(record.members[:16]),
+                     cause=action.reason, by="coordinator" if self._elected else "deputy")
+            self._window = None
+            if self._take_over is not None and snap.coordinator is not None \
+                    and snap.coordinator.member_id not in record.members:
+                # The coordinator did not come to this rendezvous (dead, unrevoked, or stopped):
+                # the deputy that published without it takes its place, so the next round
+                # (a newcomer, a verdict) does not wait for its lease to end.
+                self._take_over(snap.coordinator_revision)
+        return now
 
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the

@@ -314,6 +314,7 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         committed_step=chosen[0].committed_step,
         reason=reason,
         full_size=min(world.max_workers, max(full_size(g), len(chosen))),
+        holders=sum(1 for r in chosen if r.committed_step == chosen[0].committed_step),
     )
     return Action(
         ActionKind.PUBLISH,
@@ -442,6 +443,7 @@ class Health:
     reason: str
     fenced: bool  # and never commit in it again (superseded, aborted, or my lease is gone)
     join_pending: bool | None  # newcomers would be admitted by a regroup (None: this read cannot tell)
+    superseded: bool = False  # a newer generation is published
 
 
 def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldConfig) -> tuple[str, ...]:
@@ -475,7 +477,7 @@ def assess_health(view: Snapshot, current: GenerationRecord, me: str, joined_rev
         # garbage written by hand: reported by the reader; not a reason to stop training
         return Health(False, "", False, None)
     if view.generation is None or view.generation.generation != current.generation:
-        return Health(True, "generation superseded", True, None)
+        return Health(True, "generation superseded", True, None, view.generation is not None)
     if view.aborted >= current.generation:
         return Health(True, "generation aborted", True, None)
     v = verdict_on(view)

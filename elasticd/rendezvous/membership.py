@@ -148,6 +148,7 @@ class Membership:
         self._stop.set()
         self._on_change()
         self._renew.set()
+        self.reach.wake()
         self._seat.stop()
         for cancel in self._cancel_watches:
             with contextlib.suppress(EtcdUnavailable):
@@ -352,10 +353,17 @@ class Membership:
 
     def _join(self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None) -> Joined:
         started = self._clock()
-        prev = self._watch.current
+        prev, superseded_in = self._watch.current, self._watch.superseded_in
         self._watch.leave()
         me = Me(self.member_id, self.record.signature, prev.generation if prev else 0,
                 spare=bool(self.record.spare) and prev is None)  # a spare until a generation takes it
+        if superseded_in is not None and not self._watch.lease_lost:
+            # the generation I leave was superseded by one that may take me as I am (a leave
+            # without a ready round: rendezvous.survivors): join it without writing my record
+            first = member_action(superseded_in, me, self._world)
+            if first.kind is ActionKind.JOIN:
+                assert first.record is not None
+                return self._joined(first.record, started, superseded_in)
         ready = ReadyRecord(
             member_id=self.member_id,
             committed_step=committed_step,

@@ -43,7 +43,7 @@ from elasticd.wire.snapshot import Snapshot
 
 log = structlog.get_logger(__name__)
 
-REACH_POLL_MAX_S = 0.1  # how often the reach thread looks at the training thread's wait, at most
+REACH_IDLE_S = 5.0  # the reach thread's sleep with no wait in progress, at most (a wait that begins wakes it)
 
 
 @dataclass(frozen=True)
@@ -66,19 +66,49 @@ class Checked:
 
 class Stuck:
     """The training thread's current wait in a collective, read by the reach thread. One attribute
-    holding an immutable value: a write and a read never tear."""
+    holding an immutable value: a write and a read never tear. The reach thread sleeps while no wait
+    is in progress (``sleep``) and the training thread wakes it when one begins: 1,000 members'
+    reach threads looking ten times a second cost this machine ~0.2 s of CPU a second."""
 
     def __init__(self) -> None:
         self._waiting: Waiting | None = None
+        self._idle = False  # the reach thread sleeps with no wait to watch: began() wakes it
+        self._wake = threading.Event()
 
     def began(self, generation: int, now: float) -> None:
         self._waiting = Waiting(generation, now)
+        if self._idle:  # one attribute read per step; the event only when the reach thread sleeps idle
+            self._idle = False
+            self._wake.set()
 
     def ended(self) -> None:
         self._waiting = None
 
     def current(self) -> Waiting | None:
         return self._waiting
+
+    def sleep(self, bound_s: float) -> None:
+        """The reach thread's sleep while no wait is in progress: until one begins, ``wake``, or ``bound_s``."""
+        self._idle = True
+        if self._waiting is None:  # read after the flag is up: a wait begun before it is seen here
+            self._wake.wait(bound_s)
+        self._idle = False
+        self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+
+def reach_sleep_s(waiting: Waiting | None, last: Checked | None, now: float, reach_check_s: float) -> float | None:
+    """How long the reach thread sleeps before it looks again: until the wait in progress is due a
+    check (``check_due``), or None when no wait is in progress or the check is off (it sleeps until
+    a wait begins). Pure."""
+    if waiting is None or reach_check_s <= 0:
+        return None
+    due = waiting.since + reach_check_s
+    if last is not None and last.waiting == waiting:
+        due = max(due, last.at + reach_check_s * 2 ** last.count)
+    return max(0.0, due - now)
 
 
 def check_due(waiting: Waiting | None, last: Checked | None, now: float, reach_check_s: float) -> bool:
@@ -134,11 +164,6 @@ def verdict(asked: Sequence[str], gone: Sequence[str], unreachable: int, still_w
                          f"(their hosts do not answer or their processes are gone)")
 
 
-def reach_poll_s(reach_check_s: float) -> float:
-    """How often the reach thread looks at the wait: a fraction of ``reach_check_s``. Pure."""
-    return min(REACH_POLL_MAX_S, reach_check_s / 4) if reach_check_s > 0 else REACH_POLL_MAX_S
-
-
 class ReachCheck:
     """The reach thread of one member (``run``): while this member is a prober of the generation it
     waits in, ask that generation's hosts, and abort it when one is out of reach (``verdict``).
@@ -172,12 +197,20 @@ class ReachCheck:
     def joined(self, generation: int, rank: int) -> None:
         self._rank = (generation, rank)
 
+    def wake(self) -> None:
+        """End the reach thread's idle sleep (its member closes)."""
+        self._stuck.wake()
+
     def run(self, stop: threading.Event) -> None:
         last: Checked | None = None
-        every_s = reach_poll_s(self._timeouts.reach_check_s)
-        while not stop.wait(every_s):
+        while not stop.is_set():
             waiting, now = self._stuck.current(), self._clock()
             if not check_due(waiting, last, now, self._timeouts.reach_check_s):
+                wait_s = reach_sleep_s(waiting, last, now, self._timeouts.reach_check_s)
+                if wait_s is None:
+                    self._stuck.sleep(REACH_IDLE_S)
+                else:
+                    stop.wait(wait_s)
                 continue
             assert waiting is not None
             last = next_checked(waiting, last, now)

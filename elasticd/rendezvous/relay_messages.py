@@ -13,7 +13,7 @@ import enum
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elasticd.store.kv import KeyValue
 
@@ -159,6 +159,40 @@ def decode_message(body: bytes) -> Frame | Reply:
             raise RelayError("a reply of the wrong shape")
         return Reply(d["reply"], d["revision"], d["error"])  # type: ignore[arg-type]
     return _frame_of(d)
+
+
+_VIEW_FIELD = b',"view":'  # where a frame's body leaves its head (seq, read_at) for its read (encode_frame)
+
+
+class MessageReader:
+    """A worker's decoding of what its relay sends, remembering the last frame: a heartbeat that
+    repeats that frame's read (the same bytes from ``"view"`` on: the view, the roster bucket and
+    the error fields) is decoded from its head alone (``seq``, ``read_at``), so its view is not
+    parsed again. 1,000 members each parsing their view twice a second cost this machine about a
+    tenth of a core."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._frame: Frame | None = None
+
+    def decode(self, body: bytes) -> Frame | Reply:
+        """What a relay sent (``decode_message``).
+
+        Raises:
+            RelayError: neither a frame nor a reply.
+        """
+        cut = body.find(_VIEW_FIELD)
+        if self._frame is not None and cut > 0 and body[cut:] == self._tail:
+            head = _object(body[:cut] + b"}")
+            seq, read_at = head.get("seq"), head.get("read_at")
+            if set(head) == {"seq", "read_at"} and _ints(seq) and isinstance(read_at, (int, float)) \
+                    and not isinstance(read_at, bool) and math.isfinite(read_at):
+                self._frame = replace(self._frame, seq=seq, read_at=float(read_at))  # type: ignore[arg-type]
+                return self._frame
+        message = decode_message(body)
+        if isinstance(message, Frame):
+            self._tail, self._frame = (body[cut:], message) if cut > 0 else (b"", None)
+        return message
 
 
 class Serve(enum.Enum):

@@ -24,11 +24,11 @@ from elasticd.rendezvous.relay_messages import (
     LEASE_LOST,
     MAX_FRAME,
     Frame,
+    MessageReader,
     PutRequest,
     RelayError,
     Reply,
     Serve,
-    decode_message,
     encode_request,
     serve,
 )
@@ -81,12 +81,13 @@ class RelayedStore:
     # -- frames ---------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
+        reader = MessageReader()
         try:
             while True:
                 (length,) = HEADER.unpack(self._recv_exactly(HEADER.size))
                 if length > MAX_FRAME:
                     raise RelayError(f"a frame of {length} bytes (at most {MAX_FRAME})")
-                message = decode_message(self._recv_exactly(length))
+                message = reader.decode(self._recv_exactly(length))
                 if isinstance(message, Reply):
                     self._on_reply(message)
                 else:

@@ -36,6 +36,9 @@ class GenerationWatch:
         self.fenced = False
         self.join_pending = False
         self.lease_lost = False
+        # the view in which the current generation was seen superseded: the join looks in it
+        # first (a generation of the survivors that includes this member needs no ready record)
+        self.superseded_in: Snapshot | None = None
 
     def leave(self) -> None:
         """A join begins: no current generation, nothing to abandon, no one waiting."""
@@ -52,6 +55,7 @@ class GenerationWatch:
             self.abandon = False
             self.fenced = False
             self.abandon_reason = ""
+            self.superseded_in = None
 
     def assess(self, view: Snapshot) -> None:
         """Raise the flags that ``view`` (a member's view) calls for (none when no generation is current)."""
@@ -61,6 +65,8 @@ class GenerationWatch:
                 return
             h = assess_health(view, current, self._member_id, self._joined_revision, self.lease_lost)
             self.fenced = self.fenced or h.fenced
+            if h.superseded and self.superseded_in is None:
+                self.superseded_in = view
             if h.abandon and not self.abandon:
                 self.abandon, self.abandon_reason = True, h.reason
                 log.warning("generation_abandon_requested", generation=current.generation, cause=h.reason)

@@ -58,6 +58,10 @@ class GenerationRecord:
     # The job's full size: the largest world size it reached (up to max_workers), carried from
     # generation to generation; spares are taken while a generation is smaller (0: this one's size).
     full_size: int = 0
+    # How many of the first ranks held the newest step (``committed_step``) when it was published
+    # (the rank order puts them first); 0: unknown (a record made by hand or before this field).
+    # A leave without a ready round needs its first survivor among them (``rendezvous.survivors``).
+    holders: int = 0
 
     @property
     def world_size(self) -> int:

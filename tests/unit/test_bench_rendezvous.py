@@ -167,8 +167,9 @@ def test_parse_metrics_sums_counters_and_skips_watch_and_health_calls() -> None:
 def test_difference_and_round_times() -> None:
     assert difference({"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 2.5, "c": 1.0}) == {"a": 3.0, "b": 0.5, "c": 1.0}
     assert round_times(100.0, 100.5, [101.0, 103.25, 102.0]) == {
-        "published_s": 0.5, "first_learned_s": 1.0, "all_learned_s": 3.25}
-    assert round_times(100.0, None, []) == {"published_s": None, "first_learned_s": None, "all_learned_s": None}
+        "published_s": 0.5, "first_learned_s": 1.0, "median_learned_s": 2.0, "all_learned_s": 3.25}
+    assert round_times(100.0, None, []) == {"published_s": None, "first_learned_s": None, "median_learned_s": None,
+                                            "all_learned_s": None}
 
 
 def test_counting_store_counts_reads_bytes_publishes_and_watch_notifications() -> None:

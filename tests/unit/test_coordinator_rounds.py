@@ -62,37 +62,65 @@ def test_it_waits_for_min_workers_then_publishes_with_a_token_and_writes_no_verd
     assert c.round() is None and store.get(KEYS.verdict) is None  # healthy, nobody waiting: nothing to say
 
 
-def test_a_lost_member_is_judged_once_and_the_survivors_regroup() -> None:
+def test_a_lost_member_is_judged_once_and_the_survivors_regroup_when_the_first_may_not_hold_the_newest_step() -> None:
+    """The ready round: the lost member was the only one at the newest step when the generation was
+    published (``holders`` 1), so the survivors must say which step they hold."""
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    keep, gone = store.grant_lease(60), store.grant_lease(60)
+    world = WorldConfig(job_id="j", min_workers=1, max_workers=3)
+    c = _coordinator(store, clock, world)
+    _member(store, "a.0.1", gone, step=6)
+    _member(store, "b.0.2", keep, step=5)
+    _member(store, "c.0.3", keep, step=5)
+    c.round()
+    clock.advance(1.0)
+    c.round()
+    g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g.world_size == 3 and g.holders == 1 and g.committed_step == 6
+    store.revoke_lease(gone)
+    c.round()
+    assert decode_generation(store.get(KEYS.generation).value).generation == g.generation  # type: ignore[union-attr]
+    kv = store.get(KEYS.verdict)
+    assert kv is not None
+    verdict = decode_verdict(kv.value)
+    assert verdict.generation == g.generation and "a.0.1" in verdict.abandon
+    c.round()
+    assert store.get(KEYS.verdict).mod_revision == kv.mod_revision  # type: ignore[union-attr]  # not rewritten
+    # the survivors come back to the rendezvous: the next generation is theirs
+    _member(store, "b.0.2", keep, step=6, prev=g.generation)
+    _member(store, "c.0.3", keep, step=6, prev=g.generation)
+    c.round()
+    g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g2.members == ("b.0.2", "c.0.3") and g2.reason == "member_lost" and g2.token != g.token
+    assert g2.committed_step == 6 and g2.holders == 2
+    # the new generation is healthy: nothing to say, and the stale verdict on the old one stays as it was
+    assert c.round() is None
+    assert decode_verdict(store.get(KEYS.verdict).value).generation == g.generation  # type: ignore[union-attr]
+
+
+def test_a_lost_lease_publishes_the_survivors_generation_at_once_with_no_ready_round_and_no_verdict() -> None:
+    """Issue 13 (a leave in one round): the survivors keep their order and need not write anything."""
     clock = ManualClock()
     store = FakeKeyValueStore(clock)
     keep, gone = store.grant_lease(60), store.grant_lease(60)
     world = WorldConfig(job_id="j", min_workers=1, max_workers=3)
     c = _coordinator(store, clock, world)
     _member(store, "a.0.1", keep, step=5)
-    _member(store, "b.0.2", keep, step=5)
-    _member(store, "c.0.3", gone, step=5)
+    _member(store, "b.0.2", gone, step=5)
+    _member(store, "c.0.3", keep, step=5)
     c.round()
     clock.advance(1.0)
     c.round()
     g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
-    assert g.world_size == 3
+    assert g.members == ("a.0.1", "b.0.2", "c.0.3") and g.holders == 3
     store.revoke_lease(gone)
-    c.round()
-    kv = store.get(KEYS.verdict)
-    assert kv is not None
-    verdict = decode_verdict(kv.value)
-    assert verdict.generation == g.generation and "c.0.3" in verdict.abandon
-    c.round()
-    assert store.get(KEYS.verdict).mod_revision == kv.mod_revision  # type: ignore[union-attr]  # not rewritten
-    # the survivors come back to the rendezvous: the next generation is theirs
-    _member(store, "a.0.1", keep, step=5, prev=g.generation)
-    _member(store, "b.0.2", keep, step=5, prev=g.generation)
-    c.round()
+    assert c.round() == clock()  # published: read again at once
     g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
-    assert g2.members == ("a.0.1", "b.0.2") and g2.reason == "member_lost" and g2.token != g.token
-    # the new generation is healthy: nothing to say, and the stale verdict on the old one stays as it was
-    assert c.round() is None
-    assert decode_verdict(store.get(KEYS.verdict).value).generation == g.generation  # type: ignore[union-attr]
+    assert g2.generation == g.generation + 1 and g2.members == ("a.0.1", "c.0.3")
+    assert g2.reason == "member_lost" and g2.committed_step == 5 and g2.holders == 2 and g2.token != g.token
+    assert store.get(KEYS.verdict) is None  # the new generation says it all
+    assert c.round() is None and store.get(KEYS.verdict) is None
 
 
 def test_members_train_through_a_newcomers_join_window_and_regroup_once_it_closed() -> None:

@@ -16,7 +16,6 @@ from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable
 from elasticd.rendezvous.probe import Answer
 from elasticd.rendezvous.reach import (
-    REACH_POLL_MAX_S,
     Checked,
     ReachCheck,
     Stuck,
@@ -25,7 +24,7 @@ from elasticd.rendezvous.reach import (
     is_prober,
     next_checked,
     out_of_reach,
-    reach_poll_s,
+    reach_sleep_s,
     verdict,
 )
 from elasticd.wire.records import GenerationRecord, MemberRecord
@@ -75,9 +74,47 @@ def test_out_of_reach_needs_an_answer_per_member() -> None:
         out_of_reach(["a", "b"], [A])
 
 
-@pytest.mark.parametrize(("check_s", "poll_s"), [(0.5, REACH_POLL_MAX_S), (0.2, 0.05), (0.0, REACH_POLL_MAX_S)])
-def test_reach_poll_s(check_s: float, poll_s: float) -> None:
-    assert reach_poll_s(check_s) == pytest.approx(poll_s)
+WS = Waiting(3, 10.0)
+
+
+@pytest.mark.parametrize(("waiting", "last", "now", "check_s", "sleep_s"), [
+    (None, None, 10.0, 0.5, None),  # no wait in progress: sleep until one begins
+    (WS, None, 10.0, 0.0, None),  # the check is off
+    (WS, None, 10.1, 0.5, 0.4),  # until the wait has lasted reach_check_s
+    (WS, None, 11.0, 0.5, 0.0),  # due already
+    (WS, Checked(WS, 10.5, 1), 10.6, 0.5, 0.9),  # asked once: again reach_check_s x 2 after
+    (WS, Checked(WS, 11.5, 2), 11.5, 0.5, 2.0),  # asked twice: x 4
+    (WS, Checked(Waiting(3, 9.0), 9.5, 3), 10.2, 0.5, 0.3),  # the last check was of another wait
+])
+def test_reach_sleep_s(waiting: Waiting | None, last: Checked | None, now: float, check_s: float,
+                       sleep_s: float | None) -> None:
+    got = reach_sleep_s(waiting, last, now, check_s)
+    assert got == (None if sleep_s is None else pytest.approx(sleep_s))
+    if got is not None and got > 0:  # it wakes exactly when check_due turns
+        assert not check_due(waiting, last, now + got - 1e-6, check_s) and check_due(waiting, last, now + got, check_s)
+
+
+def test_the_idle_reach_thread_is_woken_by_a_wait_that_begins_and_by_wake() -> None:
+    stuck = Stuck()
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        t0 = time.monotonic()
+        stuck.sleep(5.0)
+        woke.append(time.monotonic() - t0)
+
+    for poke in (lambda: stuck.began(1, time.monotonic()), stuck.wake):
+        stuck.ended()
+        t = threading.Thread(target=sleeper)
+        t.start()
+        time.sleep(0.1)  # asleep by now
+        poke()
+        t.join(2.0)
+        assert woke and woke[-1] < 1.0
+    stuck.began(2, time.monotonic())  # a wait in progress: no sleep at all
+    t0 = time.monotonic()
+    stuck.sleep(5.0)
+    assert time.monotonic() - t0 < 0.5
 
 
 def test_stuck_holds_the_current_wait() -> None:

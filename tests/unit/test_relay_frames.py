@@ -11,6 +11,7 @@ from elasticd.config import ConfigError, Timeouts
 from elasticd.rendezvous.relay_messages import (
     LEASE_LOST,
     Frame,
+    MessageReader,
     PutRequest,
     RelayError,
     Reply,
@@ -40,6 +41,31 @@ def test_a_frame_round_trips_with_binary_values_and_its_length_prefix() -> None:
     assert decode_frame(data[4:]) == f
     failed = Frame(seq=5, read_at=12.5, view=(KV,), error="etcd down", error_at=13.0)
     assert decode_frame(body(failed)) == failed
+
+
+def test_a_heartbeat_repeating_the_last_read_is_decoded_from_its_head_and_any_other_in_full() -> None:
+    reader = MessageReader()
+    first = Frame(seq=4, read_at=12.5, view=(KV,), extra=(ROSTER,))
+    got = reader.decode(body(first))
+    assert got == first
+    beat = reader.decode(body(Frame(seq=5, read_at=13.0, view=(KV,), extra=(ROSTER,))))
+    assert beat == Frame(seq=5, read_at=13.0, view=(KV,), extra=(ROSTER,))
+    assert isinstance(beat, Frame) and beat.view is got.view  # not parsed again
+    for changed in (Frame(seq=6, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,)),  # a new read
+                    Frame(seq=7, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,), error="etcd down",
+                          error_at=15.0)):  # a failed read after it
+        assert reader.decode(body(changed)) == changed
+    assert reader.decode(encode_reply(Reply(3, 9))[4:]) == Reply(3, 9)  # replies pass through
+    assert reader.decode(body(Frame(seq=8, read_at=16.0, view=(KV, ROSTER), extra=(ROSTER,), error="etcd down",
+                                    error_at=15.0))).read_at == 16.0  # type: ignore[union-attr]
+    # a head that is not a frame's is refused as in full, even with the last frame's tail
+    tail = body(first)[body(first).find(b',"view":'):]
+    reader.decode(body(first))
+    for bad in (b'{"seq":"9","read_at":1.0' + tail, b'{"seq":9,"read_at":1e999' + tail):
+        with pytest.raises(RelayError):
+            reader.decode(bad)
+    extra_field = b'{"seq":9,"read_at":1.0,"x":1' + tail  # decoded in full, as decode_message does
+    assert reader.decode(extra_field) == decode_message(extra_field)
 
 
 @pytest.mark.parametrize("raw", [
