@@ -441,7 +441,7 @@ class Health:
 
     abandon: bool  # leave the generation at the next chance (a wait in it ends now)
     reason: str
-    fenced: bool  # and never commit in it again (superseded, aborted, or my lease is gone)
+    fenced: bool  # and never commit in it again (superseded by one without me, aborted, or my lease is gone)
     join_pending: bool | None  # newcomers would be admitted by a regroup (None: this read cannot tell)
     superseded: bool = False  # a newer generation is published
 
@@ -477,7 +477,11 @@ def assess_health(view: Snapshot, current: GenerationRecord, me: str, joined_rev
         # garbage written by hand: reported by the reader; not a reason to stop training
         return Health(False, "", False, None)
     if view.generation is None or view.generation.generation != current.generation:
-        return Health(True, "generation superseded", True, None, view.generation is not None)
+        # Fenced unless the newer generation takes me (the survivors of a lost member, published at
+        # once: rendezvous.survivors): it cannot train without me, so a step whose sum I hold is
+        # still mine to apply with the peers that applied it.
+        fenced = view.generation is None or me not in view.generation.members
+        return Health(True, "generation superseded", fenced, None, view.generation is not None)
     if view.aborted >= current.generation:
         return Health(True, "generation aborted", True, None)
     v = verdict_on(view)

@@ -211,3 +211,43 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
         _wait(lambda: (kv := store.get(keys.coordinator)) is not None
               and decode(CoordinatorRecord, kv.value).member_id in {m.member_id() for m in alive}, TTL_S + 5,
               "a live coordinator")
+
+
+def test_a_member_whose_lease_is_revoked_is_left_in_one_round_and_no_survivor_writes_a_ready_record(
+        etcd_server, members: list[Member], tmp_path: Path) -> None:
+    """Issue 13 (a leave in one round, ``rendezvous.survivors``): a member SIGKILLed and its lease
+    revoked, as its agent does. The survivors' generation is published at once, in their old rank
+    order, and each of them joins it without writing a ``ready`` record."""
+    with _job(etcd_server, members, tmp_path, "leave", 4, 2, 4, Timeouts().coordinator_grace_s) as (job, keys, store):
+        _wait(lambda: all(any(r.get("generation") == 1 and r.get("world") == 4 for r in m.lines()) for m in members),
+              60, "generation 1 of 4")
+        g1 = decode_generation(store.get(keys.generation).value)  # type: ignore[union-attr]
+        assert g1.holders == 4
+        kv = store.get(keys.coordinator)
+        assert kv is not None
+        coordinator = decode(CoordinatorRecord, kv.value).member_id
+        # not the coordinator (its failover is another test), not rank 0
+        victim = next(m for m in members if m.member_id() not in (coordinator, g1.members[0]))
+        victim_id = victim.member_id()
+        assert victim_id is not None
+        record = store.get(keys.member(victim_id))
+        assert record is not None
+        before = max(kv.mod_revision for kv in store.get_prefix(keys.ready("")))
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        left_at = time.time()
+        store.revoke_lease(record.lease)
+        survivors = [m for m in members if m is not victim]
+
+        def learned() -> bool:
+            return all(any(r.get("generation") == 2 and r.get("world") == 3 for r in m.lines()) for m in survivors)
+
+        _wait(learned, 30, "generation 2 of the three survivors")
+        took = max(float(r["t"]) for m in survivors for r in m.lines() if r.get("generation") == 2)  # type: ignore[arg-type]
+        g2 = decode_generation(store.get(keys.generation).value)  # type: ignore[union-attr]
+        assert g2.generation == 2 and g2.members == tuple(m for m in g1.members if m != victim_id)
+        assert g2.reason == "member_lost" and g2.holders == 3
+        assert max(kv.mod_revision for kv in store.get_prefix(keys.ready(""))) == before  # nobody wrote one
+        assert store.get(keys.verdict) is None  # nor was a verdict needed
+        assert took - left_at < TTL_S, took - left_at  # far below the lease (it was revoked)
+        assert not any("error" in r for m in survivors for r in m.lines())

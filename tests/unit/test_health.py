@@ -36,7 +36,12 @@ CASES = [
      False, False, None, ""),
     ("garbage generation record: not a reason to stop", snap(None, ABC, generation_revision=60), False, W,
      False, False, None, ""),
-    ("superseded", snap(gen(4, ["a", "b"]), ABC, generation_revision=70), False, W, True, True, None, "superseded"),
+    ("superseded without me", snap(gen(4, ["b", "c"]), ABC, generation_revision=70), False, W, True, True, None,
+     "superseded"),
+    # the survivors of a lost member (rendezvous.survivors): it cannot train without me, so a step
+    # whose sum I hold is still mine to apply (a split otherwise)
+    ("superseded by one that takes me", snap(gen(4, ["a", "b"]), ABC, generation_revision=70), False, W, True,
+     False, None, "superseded"),
     ("aborted", snap(G3_ABC, ABC, aborted=3), False, W, True, True, None, "aborted"),
     ("an abort of an older generation is history", snap(G3_ABC, ABC, aborted=2), False, W, False, False, False, ""),
     ("a member lost its lease", snap(G3_ABC, ("a", "b")), False, W, True, False, False, "lost their lease"),
