@@ -44,7 +44,7 @@ ETCD_METRICS = {"etcd_debugging_mvcc_events_total": "watch_events", "etcd_mvcc_p
 DEFAULT_READS_PER_MEMBER = 2.0
 VIEW_FIXED_B = 1024  # a member's view without the roster: generation pointer, verdict, coordinator, ... (framed)
 COORDINATED_FIXED_REQUESTS = 1  # a member's requests in a round besides its reads: its ready put
-COORDINATOR_READS = 2.0  # the coordinator's reads of the job on a join's critical path (leave: twice)  # no round measured: a member's two readers (join loop, watcher) read once each
+COORDINATOR_READS = 2.0  # the coordinator's reads of the job on a round's critical path  # no round measured: a member's two readers (join loop, watcher) read once each
 
 @dataclass(frozen=True)
 class Sizes:
@@ -163,23 +163,25 @@ def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts
     and reads ``members/`` and ``ready/``; a member watches the generation, abort, finished,
     verdict and coordinator records and reads its small view and its node's roster bucket
     (``Sizes.view``). Join: each ready put reaches the coordinator (N events), the generation put
-    every member (N): 2N; leave, M = N-1 survivors: the verdict (M), their ready puts (M), the
-    generation (M): 3M. Critical path, join: a ready put, the coordinator's reads of the job (the
-    one in flight missed it, the next sees it: ``COORDINATOR_READS``), the publish, then one sweep
-    of the members' reads (view and bucket: 2 requests each); leave: the revoke, the coordinator's
-    reads, the verdict, a sweep, the trainer's poll (``abort_poll_s``), the ready puts, the
-    coordinator's reads, the publish, a sweep. ``reads_per_member`` (measured) gives the round's
-    etcd CPU and bytes, not its time.
+    every member (N): 2N. Leave (since stop 24: ``rendezvous.survivors``, no ready round), M = N-1
+    survivors: the leaver's key and the generation reach the coordinator (2), the generation every
+    survivor (M): M + 2, and no member writes. Critical path, join: a ready put, the coordinator's
+    reads of the job (the one in flight missed it, the next sees it: ``COORDINATOR_READS``), the
+    publish, then one sweep of the members' reads (view and bucket: 2 requests each); leave: the
+    revoke, the coordinator's reads, the publish, the same sweep, and the trainer's poll
+    (``abort_poll_s``) before each survivor joins from the view it read. ``reads_per_member``
+    (measured) gives the round's etcd CPU and bytes, not its time.
 
     ``per_node`` > 1: node relays (``rendezvous.relay``): a node's relay watches and reads for its
-    ``per_node`` members, so the sweeps read etcd once per node (``readers``) and the generation and
-    verdict reach one watcher per node; the ready puts still reach the coordinator one each."""
+    ``per_node`` members, so the sweeps read etcd once per node (``readers``) and the generation
+    reaches one watcher per node; the ready puts of a join still reach the coordinator one each."""
     m = n - 1 if leave else n
     nodes = math.ceil(m / per_node)
-    events = m + 2 * nodes if leave else m + nodes
-    return RoundCounts(m, m * COORDINATED_FIXED_REQUESTS, events, sizes.view(n), reads_per_member, 2.0 * (2 if leave else 1),
-                       4 if leave else 2, timeouts.abort_poll_s if leave else 0.0,
-                       coordinator_reads=COORDINATOR_READS * (2 if leave else 1), full_bytes=sizes.full_read(n),
+    watchers = nodes if per_node > 1 else m
+    events = watchers + 2 if leave else m + watchers
+    return RoundCounts(m, 0 if leave else m * COORDINATED_FIXED_REQUESTS, events, sizes.view(n), reads_per_member,
+                       2.0, 2, timeouts.abort_poll_s if leave else 0.0,
+                       coordinator_reads=COORDINATOR_READS, full_bytes=sizes.full_read(n),
                        readers=nodes if per_node > 1 else 0)
 
 

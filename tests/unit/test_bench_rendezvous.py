@@ -100,7 +100,8 @@ def test_coordinated_protocol_events_are_linear_and_reads_small(n: int) -> None:
     t = Timeouts()
     join = coordinated_protocol(n, 3.0, SIZES, t, leave=False)
     leave = coordinated_protocol(n, 3.0, SIZES, t, leave=True)
-    assert (join.events, leave.events) == (2 * n, 3 * (n - 1))  # the bound: <= 3N per change
+    assert (join.events, leave.events) == (2 * n, (n - 1) + 2)  # the bound: <= 3N per change
+    assert leave.requests == 0 and leave.sweeps == join.sweeps  # a leave: no ready round (rendezvous.survivors)
     assert join.read_bytes == leave.read_bytes == SIZES.view(n) < 8 * 1024  # a member's read stays small
     assert join.full_bytes == SIZES.full_read(n) and join.coordinator_reads == COORDINATOR_READS
     before = current_protocol(n, 3.0, SIZES, t, leave=False)
@@ -114,7 +115,7 @@ def test_node_relays_read_once_per_node_and_cut_the_events_to_the_nodes(n: int) 
     leave = coordinated_protocol(n, 3.0, SIZES, t, leave=True, per_node=8)
     nodes, survivors = -(-n // 8), -(-(n - 1) // 8)
     assert (join.readers, leave.readers) == (nodes, survivors)
-    assert (join.events, leave.events) == (n + nodes, (n - 1) + 2 * survivors)  # ready puts: one each still
+    assert (join.events, leave.events) == (n + nodes, survivors + 2)  # a join's ready puts: one each still
     alone = coordinated_protocol(n, 3.0, SIZES, t, leave=False)
     assert alone.readers == 0
     c = Costs(request_rtt_s=0.001, write_rtt_s=0.001, etcd_per_request_s=3e-4, etcd_per_event_s=5e-6,

@@ -62,20 +62,25 @@ def test_it_waits_for_min_workers_then_publishes_with_a_token_and_writes_no_verd
     assert c.round() is None and store.get(KEYS.verdict) is None  # healthy, nobody waiting: nothing to say
 
 
-def test_a_lost_member_is_judged_once_and_the_survivors_regroup_when_the_first_may_not_hold_the_newest_step() -> None:
-    """The ready round: the lost member was the only one at the newest step when the generation was
-    published (``holders`` 1), so the survivors must say which step they hold."""
+def _three_published(steps: dict[str, int], lost: str) -> tuple[FakeKeyValueStore, Coordinator, int, int]:
+    """Members at ``steps`` (the ``lost`` one under a lease of its own) and the coordinator's
+    generation of the three, published: (store, coordinator, the others' lease, the lost one's)."""
     clock = ManualClock()
     store = FakeKeyValueStore(clock)
     keep, gone = store.grant_lease(60), store.grant_lease(60)
-    world = WorldConfig(job_id="j", min_workers=1, max_workers=3)
-    c = _coordinator(store, clock, world)
-    _member(store, "a.0.1", gone, step=6)
-    _member(store, "b.0.2", keep, step=5)
-    _member(store, "c.0.3", keep, step=5)
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3))
+    for name, step in steps.items():
+        _member(store, name, gone if name == lost else keep, step=step)
     c.round()
     clock.advance(1.0)
     c.round()
+    return store, c, keep, gone
+
+
+def test_a_lost_member_is_judged_once_and_the_survivors_regroup_when_the_first_may_not_hold_the_newest_step() -> None:
+    """The ready round: the lost member was the only one at the newest step when the generation was
+    published (``holders`` 1), so the survivors must say which step they hold."""
+    store, c, keep, gone = _three_published({"a.0.1": 6, "b.0.2": 5, "c.0.3": 5}, lost="a.0.1")
     g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
     assert g.world_size == 3 and g.holders == 1 and g.committed_step == 6
     store.revoke_lease(gone)
@@ -101,17 +106,8 @@ def test_a_lost_member_is_judged_once_and_the_survivors_regroup_when_the_first_m
 
 def test_a_lost_lease_publishes_the_survivors_generation_at_once_with_no_ready_round_and_no_verdict() -> None:
     """Issue 13 (a leave in one round): the survivors keep their order and need not write anything."""
-    clock = ManualClock()
-    store = FakeKeyValueStore(clock)
-    keep, gone = store.grant_lease(60), store.grant_lease(60)
-    world = WorldConfig(job_id="j", min_workers=1, max_workers=3)
-    c = _coordinator(store, clock, world)
-    _member(store, "a.0.1", keep, step=5)
-    _member(store, "b.0.2", gone, step=5)
-    _member(store, "c.0.3", keep, step=5)
-    c.round()
-    clock.advance(1.0)
-    c.round()
+    store, c, keep, gone = _three_published({"a.0.1": 5, "b.0.2": 5, "c.0.3": 5}, lost="b.0.2")
+    clock = store.clock
     g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
     assert g.members == ("a.0.1", "b.0.2", "c.0.3") and g.holders == 3
     store.revoke_lease(gone)
