@@ -357,7 +357,7 @@ class Membership:
         self._watch.leave()
         me = Me(self.member_id, self.record.signature, prev.generation if prev else 0,
                 spare=bool(self.record.spare) and prev is None)  # a spare until a generation takes it
-        if superseded_in is not None and not self._watch.lease_lost:
+        if prev is not None and superseded_in is not None and not self._watch.lease_lost:
             # the generation I leave was superseded by one that may take me as I am (a leave
             # without a ready round: rendezvous.survivors): join it without writing my record
             first = member_action(superseded_in, me, self._world)

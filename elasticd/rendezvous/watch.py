@@ -46,6 +46,7 @@ class GenerationWatch:
             self.current = None
             self.abandon = False
             self.join_pending = False
+            self.superseded_in = None  # the join took it (a failed join must not act on it again)
 
     def enter(self, record: GenerationRecord, revision: int) -> None:
         """This member joined ``record``, published at ``revision``."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.rendezvous.membership import Membership
+from elasticd.retry import Deadline
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import CoordinatorRecord, GenerationRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore, ManualClock
@@ -79,3 +80,28 @@ def test_a_lease_lost_again_while_re_registering_is_retried_in_the_join() -> Non
     m._register()
     joined = m.join(-1, Deadline.after(10))
     assert joined.generation == 1 and store.fails == 0
+
+
+def test_a_generation_that_superseded_mine_and_takes_me_is_joined_without_a_ready_record() -> None:
+    """A leave in one round (rendezvous.survivors): the survivors' generation is seen by the watch,
+    which does not fence this member (the generation cannot train without it), and the join takes
+    it from that view at once, writing nothing. The view is used once: a join that begins later
+    reads the job as usual."""
+    store = FakeKeyValueStore(ManualClock())
+    a = _member(store, "a")
+    _member(store, "b")
+    _member(store, "c")
+    g3 = _publish(store, 3, ("a", "b", "c"))
+    a._joined(g3, 0.0, a.view())
+    _publish(store, 4, ("a", "c"))  # b's lease was revoked: the survivors, in their old order
+    a._watch.assess(a.view())
+    assert a.must_abandon() and a.abandon_reason == "generation superseded" and not a.vote()[0]  # no veto
+    joined = a.join(0, Deadline.after(1.0))
+    assert (joined.record.generation, joined.rank, joined.world_size) == (4, 0, 2)
+    assert store.get(KEYS.ready("a")) is None
+    assert a._watch.superseded_in is None  # entered: nothing left to act on
+    _publish(store, 5, ("c",))  # without a: fenced, and the view is dropped when a join begins
+    a._watch.assess(a.view())
+    assert a._watch.fenced and a._watch.superseded_in is not None
+    a._watch.leave()
+    assert a._watch.superseded_in is None
