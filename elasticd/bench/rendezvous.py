@@ -313,9 +313,8 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
 
 
 FIGURES = ("register_s", "published_s", "first_learned_s", "median_learned_s", "all_learned_s", "generations",
-           "window_s", "etcd_requests",
-           "etcd_puts", "etcd_txns", "etcd_ranges", "etcd_deletes", "etcd_watch_events", "etcd_bytes_sent",
-           "etcd_cpu_s", "member_cpu_s")
+           "window_s", "etcd_requests", "etcd_puts", "etcd_txns", "etcd_ranges", "etcd_deletes", "etcd_watch_events",
+           "etcd_bytes_sent", "etcd_cpu_s", "member_cpu_s")
 
 
 def render(result: Mapping[str, object]) -> str:

@@ -87,6 +87,12 @@ def full_size(g: GenerationRecord | None) -> int:
     return max(g.full_size, g.world_size) if g is not None else 0
 
 
+def carried_full_size(g: GenerationRecord | None, size: int, world: WorldConfig) -> int:
+    """The full size the generation after ``g`` records, with ``size`` members: the largest reached,
+    never past ``max_workers``. Pure."""
+    return min(world.max_workers, max(full_size(g), size))
+
+
 def spare_target(g: GenerationRecord | None, world: WorldConfig) -> int:
     """How many members spares may bring a generation up to: the job's full size (at least
     ``min_workers``), never past ``max_workers``; none before a first generation (spares replace,
@@ -313,7 +319,7 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         signature=job_sig,
         committed_step=chosen[0].committed_step,
         reason=reason,
-        full_size=min(world.max_workers, max(full_size(g), len(chosen))),
+        full_size=carried_full_size(g, len(chosen), world),
         holders=sum(1 for r in chosen if r.committed_step == chosen[0].committed_step),
     )
     return Action(

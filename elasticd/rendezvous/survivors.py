@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elasticd.config import WorldConfig
-from elasticd.rendezvous.decide import candidates_of, choose_members, full_size, is_spare
+from elasticd.rendezvous.decide import candidates_of, carried_full_size, choose_members, is_spare
 from elasticd.wire.records import GenerationRecord, ReadyRecord
 from elasticd.wire.snapshot import Snapshot
 
@@ -51,22 +51,23 @@ def survivors_generation(snap: Snapshot, world: WorldConfig) -> GenerationRecord
         return None
     if snap.finished is not None and snap.finished.generation >= g.generation:
         return None
-    survivors = [m for m in g.members if m in snap.members]
+    ranked = [(rank, m) for rank, m in enumerate(g.members) if m in snap.members]  # old ranks: one pass
+    survivors = [m for _, m in ranked]
     if len(survivors) == len(g.members) or len(survivors) < world.min_workers:
         return None
-    if g.rank_of(survivors[0]) >= g.holders:
+    if ranked[0][0] >= g.holders:
         return None  # the first survivor may not hold the newest step: the steps must be asked
     # A survivor that came to the rendezvous says what it holds; one below the step the generation
     # began from never synced it (the generation may never have been built).
     stand_ins: list[ReadyRecord] = []
-    for m in survivors:
+    for rank, m in ranked:
         came = snap.ready.get(m)
         if came is not None and came.prev_generation == g.generation and came.signature == g.signature:
             if came.committed_step < g.committed_step:
                 return None
             stand_ins.append(replace(came, committed_step=g.committed_step))
         else:
-            stand_ins.append(ReadyRecord(m, g.committed_step, g.generation, g.rank_of(m), g.signature))
+            stand_ins.append(ReadyRecord(m, g.committed_step, g.generation, rank, g.signature))
     spares = [r for r in candidates_of(snap) if is_spare(snap, r.member_id)]
     chosen = choose_members(snap, stand_ins + spares, world)
     if [r.member_id for r in chosen[: len(survivors)]] != survivors:
@@ -80,6 +81,6 @@ def survivors_generation(snap: Snapshot, world: WorldConfig) -> GenerationRecord
         signature=g.signature,
         committed_step=g.committed_step,
         reason=REASON,
-        full_size=min(world.max_workers, max(full_size(g), len(chosen))),
-        holders=sum(1 for m in survivors if g.rank_of(m) < g.holders),
+        full_size=carried_full_size(g, len(chosen), world),
+        holders=sum(1 for rank, _ in ranked if rank < g.holders),
     )
