@@ -295,6 +295,9 @@ class WorkerEnv:
     spare: bool = field(default=False, metadata={
         "doc": "This worker starts as a warm spare: it waits outside every generation until one needs it."})
     standby: bool = field(default=False, metadata={"doc": "... a spare of a standby node (taken last)."})
+    stop_after_sum: int = field(default=0, metadata={
+        "doc": "Fault injection: the worker stops itself (SIGSTOP) once, right after the gradient sum of this "
+               "step arrives and before it reads its fence (the window of a refusal after the sum); 0: never."})
     relay_socket: str = field(default="", metadata={
         "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
                "of the job and its watches come from it; empty: from etcd."})
@@ -305,6 +308,8 @@ class WorkerEnv:
             raise ConfigError(f"backend: must be one of auto, gloo, nccl, got {self.backend!r}")
         if self.local_rank < 0:
             raise ConfigError(f"local_rank: must be >= 0, got {self.local_rank}")
+        if self.stop_after_sum < 0:
+            raise ConfigError(f"stop_after_sum: must be >= 0 (0: never), got {self.stop_after_sum}")
         check_name("node_id", self.node_id)
 
 

@@ -42,6 +42,7 @@ class Commit:
     rank: int
     world_size: int
     t: float
+    sum_generation: int = 0  # the generation whose sum it applied (its own, unless rolled forward)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def membership_closed_times(log_text: str) -> dict[int, float]:
 def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Commit]:
     """The commit lines of (node, audit record) pairs."""
     return [Commit(node, as_int(r["step"]), as_int(r["generation"]), as_int(r["rank"]), as_int(r["world_size"]),
-                   as_float(r["t"]))
+                   as_float(r["t"]), as_int(r.get("sum_generation", r["generation"])))
             for node, r in pairs if r.get("event") == "commit"]
 
 

@@ -95,25 +95,34 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             gen_of_row = int(r["generation"])  # type: ignore[call-overload]
             last_of_generation[gen_of_row] = max(last_of_generation.get(gen_of_row, 0), step)
     for step in rep.steps:
-        rows = commits[step]
-        gens = {int(r["generation"]) for r in rows}  # type: ignore[call-overload]
+        all_rows = commits[step]
+        # A step rolled forward applies the sum of the generation that refused it (``sum_generation``):
+        # that generation's commit, not a second one.
+        gens = {int(r.get("sum_generation", r["generation"])) for r in all_rows}  # type: ignore[call-overload]
         if len(gens) != 1:
             v.append(f"step {step} committed in several generations {sorted(gens)} (repeated)")
             continue
-        gen = gens.pop()
-        world = int(rows[0]["world_size"])  # type: ignore[call-overload]
-        ranks = sorted(int(r["rank"]) for r in rows)  # type: ignore[call-overload]
-        if len(set(ranks)) != len(ranks) or not set(ranks) <= set(range(world)):
-            v.append(f"step {step}: committed by ranks {ranks} of a world of {world}")
-        # A rank may lack a line only for the last step of its generation: it contributed and then
-        # died (or was fenced off) before logging, which is also why the generation ended there.
-        absent = sorted(set(range(world)) - set(ranks))
-        if absent and step != last_of_generation[gen]:
-            v.append(f"step {step}: ranks {absent} of generation {gen} did not commit it, yet the generation went on")
-        batch_keys = {(int(r["epoch"]), int(r["position"]), int(r.get("global_size", 0))) for r in rows}  # type: ignore[call-overload]
+        by_gen: dict[int, list[dict[str, object]]] = defaultdict(list)
+        for r in all_rows:
+            by_gen[int(r["generation"])].append(r)  # type: ignore[call-overload]
+        absent_of: dict[int, list[int]] = {}
+        for gen, gen_rows in sorted(by_gen.items()):
+            world = int(gen_rows[0]["world_size"])  # type: ignore[call-overload]
+            ranks = sorted(int(r["rank"]) for r in gen_rows)  # type: ignore[call-overload]
+            if len(set(ranks)) != len(ranks) or not set(ranks) <= set(range(world)):
+                v.append(f"step {step}: committed by ranks {ranks} of a world of {world}")
+            # A rank may lack a line only for the last step of its generation: it contributed and
+            # then died (or was fenced off) before logging, which is also why the generation ended there.
+            absent_of[gen] = sorted(set(range(world)) - set(ranks))
+            if absent_of[gen] and step != last_of_generation[gen]:
+                v.append(f"step {step}: ranks {absent_of[gen]} of generation {gen} did not commit it, yet the generation went on")
+        # the samples: of one generation's shares (all of them where some generation has all)
+        gen = min(absent_of, key=lambda g: (len(absent_of[g]), -g))
+        rows, absent, world = by_gen[gen], absent_of[gen], int(by_gen[gen][0]["world_size"])  # type: ignore[call-overload]
+        batch_keys = {(int(r["epoch"]), int(r["position"]), int(r.get("global_size", 0))) for r in all_rows}  # type: ignore[call-overload]
         if len(batch_keys) != 1:
             v.append(f"step {step}: ranks disagree on the global batch {sorted(batch_keys)}")
-        losses = [float(r["loss"]) for r in rows]  # type: ignore[arg-type]
+        losses = [float(r["loss"]) for r in all_rows]  # type: ignore[arg-type]
         if max(losses) - min(losses) > loss_rtol * max(1.0, abs(losses[0])):
             v.append(f"step {step}: ranks disagree on the loss {losses}")
         rep.losses[step] = losses[0]

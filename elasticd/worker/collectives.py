@@ -365,6 +365,26 @@ class GradientReducer:
         vb = self._vote_bucket
         return [float(x) for x in vb.buffer[vb.numel :].tolist()]
 
+    def kept_sums(self) -> list[torch.Tensor]:
+        """Copies of every bucket's gradient sum, as ``finish`` left it (``rollforward.KeptSum``)."""
+        return [b.grads.clone() for b in self._buckets]
+
+    def replace_sums(self, group: Group, kept: Sequence[torch.Tensor] | None, root: int, deadline: Deadline,
+                     abandon: Abandon, poll_s: float) -> None:
+        """After ``finish``: every rank's gradient sums become ``root``'s ``kept`` ones (a broadcast
+        per bucket, bounded like every collective; the vote slots keep this step's sum).
+
+        Raises:
+            CollectiveError: a broadcast failed, timed out, or the generation was abandoned.
+        """
+        if kept is not None:
+            for b, k in zip(self._buckets, kept, strict=True):
+                b.grads.copy_(k)
+        works = [start_broadcast(b.outbound()[: b.numel], root, group) for b in self._buckets]
+        for b, work in zip(self._buckets, works, strict=True):
+            wait(work, group, deadline, abandon, poll_s, "kept-sum broadcast")
+            b.inbound()
+
     def cancel(self) -> None:
         """Forget a step whose collectives will never be waited for (its group is being retired).
         Every bucket that went out gets a new buffer (``_Bucket.renew``)."""

@@ -180,11 +180,12 @@ class Journal:
             log.warning("checkpoint_failure_publish_failed", step=step, error=str(exc2))
 
     def committed(self, batch: Batch, step: int, loss: float, generation: int, world_size: int,
-                  duration_s: float) -> None:
+                  duration_s: float, sum_generation: int | None = None) -> None:
         """Every member committed ``step`` (from ``batch``): the log line, the audit line, the
         progress record, and (rank 0, first commit of a recovery generation) the ``recovered``
         event, from the fault noticed to this commit. Queues the event only; the write happens off
-        this thread."""
+        this thread. ``sum_generation``: a step rolled forward applied that generation's sum (the
+        audit line says so: it is that generation's commit, not a second one)."""
         now = self._clock()
         set_moment(step=step)  # every line of every thread from now on (one dict update)
         if now - self._logged_at >= self._log_interval_s:
@@ -195,7 +196,8 @@ class Journal:
             self._audit_line({"event": "commit", "step": step, "generation": generation,
                              "rank": batch.rank, "world_size": batch.world_size, "epoch": batch.epoch,
                              "position": batch.position, "global_size": batch.global_size,
-                             "indices": batch.indices, "loss": loss, "t": time.time()})
+                             "indices": batch.indices, "loss": loss, "t": time.time(),
+                             **({"sum_generation": sum_generation} if sum_generation is not None else {})})
         self._publish_progress(step, generation, batch.rank, duration_s)
         if batch.rank == 0 and self._samples is not None and now - self._progress_evented_at >= self._progress_event_s:
             self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)

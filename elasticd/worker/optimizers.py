@@ -40,13 +40,14 @@ class Optimizers:
         self.scaler = scaler
         self.factor = 1.0  # linear_scaling: every learning rate times this at a step
 
-    def step(self) -> None:
+    def step(self, factor: float | None = None) -> None:
         """Every optimizer steps (through the scaler, then its ``update``), with the learning
-        rates times ``factor`` for this step only."""
-        saved = [[g["lr"] for g in o.param_groups] for o in self.all] if self.factor != 1.0 else []
+        rates times ``factor`` (default: ``self.factor``) for this step only."""
+        factor = self.factor if factor is None else factor
+        saved = [[g["lr"] for g in o.param_groups] for o in self.all] if factor != 1.0 else []
         for o in self.all if saved else ():
             for g in o.param_groups:
-                g["lr"] = g["lr"] * self.factor
+                g["lr"] = g["lr"] * factor
         try:
             for o in self.all:
                 if self.scaler is not None:

@@ -29,6 +29,7 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.records import GenerationRecord, MemberRecord
 from elasticd.worker.collectives import barrier
 from elasticd.worker.process_group import Group, GroupFactory, StoreServer
+from elasticd.worker.rollforward import RollForward
 from elasticd.worker.state import ChecksumAhead, TrainingState
 from elasticd.worker.sync import SyncReport, sync_state
 
@@ -78,7 +79,7 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
 
 def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, timeouts: Timeouts, *,
            previous: GenerationRecord | None, has_state: Callable[[], bool], disk_seq: Callable[[], int | None],
-           resume: Callable[[int], int] | None) -> Rejoined:
+           resume: Callable[[int], int] | None, rolls: RollForward | None = None) -> Rejoined:
     """Join the newest generation and hold rank 0's state in its new group.
 
     Args:
@@ -91,6 +92,8 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
         has_state: whether this member holds state now (a resume during the rendezvous loads some).
         disk_seq: the seq of the checkpoint this member's state was loaded from, if it was.
         resume: loads the newest checkpoint when no live member holds state (None: no directory).
+        rolls: this member's kept sum (told to the others in the sync) and, after it, the roll the
+            sync decided (``rollforward``).
 
     Raises:
         CollectiveError, CheckpointTransferError: the join deadline passed with no generation joined.
@@ -132,7 +135,10 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
                                               membership.must_abandon)
 
             report = sync_state(group, state, sync_deadline, membership.must_abandon, timeouts.abort_poll_s,
-                                lineage, subgroup=subgroup, retire=factory.retire, own_checksum=own)
+                                lineage, subgroup=subgroup, retire=factory.retire, own_checksum=own,
+                                kept=rolls.slots() if rolls is not None else None)
+            if rolls is not None:
+                rolls.synced(report.roll)
             return Rejoined(group, joined, report)
         except (CollectiveError, CheckpointTransferError) as exc:
             log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])

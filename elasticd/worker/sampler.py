@@ -156,11 +156,14 @@ class ElasticSampler:
             return epoch + 1, 0
         return epoch, position
 
-    def batch(self, step: int, epoch: int, position: int, rank: int, world_size: int) -> Batch:
+    def batch(self, step: int, epoch: int, position: int, rank: int, world_size: int,
+              size: int | None = None) -> Batch:
         """This rank's share of the global batch that starts at ``position`` of ``epoch``.
 
         The batch is split into ``world_size`` contiguous shares whose sizes differ by at most one.
-        An endless stream's shares are the global sample numbers themselves.
+        An endless stream's shares are the global sample numbers themselves. ``size``: the global
+        batch another generation took from here (a step rolled forward: ``rollforward``); None:
+        this world size's.
 
         Raises:
             ValueError: ``rank`` is not in a world of ``world_size``.
@@ -168,7 +171,7 @@ class ElasticSampler:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         epoch, position = self.normalize(epoch, position, world_size)
-        size = self.global_size(world_size)
+        size = self.global_size(world_size) if size is None else size
         take = size if self.dataset_size is None else min(size, self.dataset_size - position)
         lo = position + rank * take // world_size
         hi = position + (rank + 1) * take // world_size

@@ -2,14 +2,17 @@
 
 Owns ``StepResult`` (a committed step, as every member committed it) and ``StepProtocol``: a step opens with this rank's whole share of the global batch; each
 micro-batch's backward accumulates into the reducer's buckets (weighted by its part of the share);
-the last one runs the bucketed all_reduce whose last bucket carries this member's ``commit.Vote``;
+the last one runs the bucketed all_reduce whose last bucket carries this member's ``commit.Vote``
+(and, for a step rolled forward, puts the kept sum in place of the gradients: ``rollforward``);
 ``decide`` turns the summed vote and this member's fence into a ``commit.Verdict`` and bounds how
-long a step may be deferred. Never applies a step (the trainer does: optimizers, counters, records)
-and never re-rendezvouses.
+long a step may be deferred; a member that refuses a step alone keeps its sum. Never applies a step
+(the trainer does: optimizers, counters, records) and never re-rendezvouses.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +27,7 @@ from elasticd.retry import Clock, Deadline
 from elasticd.worker.collectives import GradientReducer
 from elasticd.worker.commit import Fence, Outcome, Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.process_group import Group
+from elasticd.worker.rollforward import KeptSum, Roll, RollForward
 from elasticd.worker.sampler import Batch
 
 log = structlog.get_logger(__name__)
@@ -52,20 +56,25 @@ class OpenStep:
     fence: Fence | None = None  # what this member knew locally when the sum arrived
     summed_at: float = 0.0  # ... and when (monotonic)
     standing: Standing | None = None  # this member's standing then (a later granted renewal confirms the lease)
+    verdict: Verdict | None = None  # the commit rule's, once the sum arrived
+    roll: Roll | None = None  # the step applies a kept sum (its gradients were replaced)
 
 
 class StepProtocol:
     """The per-step collective protocol of one member."""
 
     def __init__(self, reducer: GradientReducer, membership: Membership, drain: threading.Event,
-                 timeouts: Timeouts, clock: Clock) -> None:
+                 timeouts: Timeouts, clock: Clock, stop_after_sum: int = 0) -> None:
         self._reducer, self._membership, self._drain = reducer, membership, drain
         self._timeouts, self._clock = timeouts, clock
         self._deferred_since: float | None = None  # monotonic: the step is being deferred since then
+        self._stop_after_sum = stop_after_sum  # WorkerEnv.stop_after_sum (fault injection)
+        self.rolls = RollForward()
 
     def backward(self, group: Group, op: OpenStep, micro: Batch, loss: torch.Tensor) -> bool:
-        """This micro-batch's backward; at the last one, the all_reduce. True once the averaged
-        gradients are in ``.grad`` and ``op.tally`` holds the summed vote.
+        """This micro-batch's backward; at the last one, the all_reduce and the verdict
+        (``op.verdict``). True once the averaged gradients are in ``.grad`` and ``op.tally`` holds
+        the summed vote (then ``op.verdict`` says whether this member applies the step).
 
         Raises:
             CollectiveError: the all_reduce failed, timed out or its generation was abandoned
@@ -102,11 +111,31 @@ class StepProtocol:
             raise
         finally:
             self._membership.reach.ended()
+        if whole.step == self._stop_after_sum:  # fault injection: a stop between the sum and the fence, once
+            self._stop_after_sum = 0
+            os.kill(os.getpid(), signal.SIGSTOP)
         op.tally = Tally.from_slots(summed)
         st = self._membership.standing()  # the fence as of the sum, not of commit() (user code runs between)
         op.fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
                          lease_ttl_s=st.lease_ttl_s, continued=st.continued)
         op.summed_at, op.standing = self._clock(), st
+        op.roll = self.rolls.rolling(whole.step)
+        if op.roll is not None:
+            try:
+                self._reducer.replace_sums(group, self.rolls.source_sums(group.rank), op.roll.source,
+                                           Deadline.after(self._timeouts.td("collective")),
+                                           self._membership.must_abandon, self._timeouts.abort_poll_s)
+            except CollectiveError:
+                self._reducer.cancel()
+                raise
+        op.verdict = self.decide(group, op)
+        if op.verdict.outcome is Outcome.ABORT and not op.verdict.unanimous:
+            # Refused here alone: the others may apply it. Keep the sum (rollforward).
+            self.rolls.keep(KeptSum(whole.step, group.generation, op.roll.generation if op.roll else group.generation,
+                                    whole.global_size, op.roll.world_size if op.roll else group.world_size,
+                                    self._reducer.kept_sums()))
+            log.warning("step_sum_kept", generation=group.generation, rank=group.rank, step=whole.step,
+                        reason=op.verdict.reason)
         return True
 
     def decide(self, group: Group, op: OpenStep) -> Verdict:
@@ -124,18 +153,15 @@ class StepProtocol:
         if verdict.outcome is not Outcome.RETRY:
             self._deferred_since = None
             return verdict
-        if self._deferred_since is None:
+        if self._deferred_since is None:  # logged once, at its first RETRY
             self._deferred_since = now
+            log.info("step_deferred", generation=group.generation, rank=group.rank, step=op.batch.step,
+                     reason=verdict.reason)
             return verdict
         if now - self._deferred_since > 2 * self._timeouts.lease_ttl_s:
             self._deferred_since = None
             return Verdict(Outcome.ABORT, f"deferred for over 2 x lease_ttl_s: {verdict.reason}")
         return verdict
-
-    @property
-    def deferring(self) -> bool:
-        """A step is being deferred (logged once, at its first RETRY)."""
-        return self._deferred_since is not None
 
     def forget(self) -> None:
         """The step failed or the group changed: a new deferral starts afresh."""

@@ -36,6 +36,7 @@ from elasticd.worker.collectives import (
 )
 from elasticd.worker.process_group import Group
 from elasticd.worker.checksum import checksum_key, state_hasher
+from elasticd.worker.rollforward import KEPT_SLOTS, Roll, roll_forward
 from elasticd.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
@@ -53,6 +54,7 @@ class SyncReport:
     checksum: int
     step: int
     duration_s: float
+    roll: Roll | None = None  # the next step applies a kept sum (``rollforward``)
 
 
 SubgroupBuilder = Callable[[Group, Sequence[int], str], Group]
@@ -63,14 +65,15 @@ _UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
 def sync_state(
     group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float,
     lineage: int, subgroup: SubgroupBuilder | None = None, retire: Retire | None = None,
-    own_checksum: int | None = None,
+    own_checksum: int | None = None, kept: Sequence[int] | None = None,
 ) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
 
-    1. One small all_reduce tells every rank each rank's (step, lineage) and the sizes of rank 0's
-       JSON layout and arena. A rank *needs* the state unless it holds rank 0's step from rank 0's
-       lineage (the generation in which both last held the same state); a rank without state
-       always needs it.
+    1. One small all_reduce tells every rank each rank's (step, lineage), its kept sum if any, and
+       the sizes of rank 0's JSON layout and arena. A rank *needs* the state unless it holds rank
+       0's step from rank 0's lineage (the generation in which both last held the same state); a
+       rank without state always needs it. A kept sum computed on rank 0's state makes the next
+       step a roll (``rollforward.roll_forward``, in the report).
     2. If some rank needs it, rank 0 sends the layout and its arena in ``TRANSFER_CHUNKS`` pieces,
        all launched at once (the receivers know every size from step 1), only to those ranks where
        it can (``plan_transfer``): by point-to-point sends when they are few, else by a broadcast
@@ -87,6 +90,7 @@ def sync_state(
         subgroup: builds a group of some of ``group``'s ranks (``GroupFactory.build_subgroup``);
             None: transfers always use the whole group.
         retire: lets go of a subgroup after its transfer (``GroupFactory.retire``).
+        kept: this rank's kept sum (``KeptSum.slots()``), or None.
         own_checksum: ``state.checksum()`` of this rank's state as it is now, computed ahead (the
             trainer hashes while it rendezvouses, so rank 0 and the ranks that receive nothing do
             not hash on the transfer's critical path); None: computed here. A stale value cannot
@@ -103,13 +107,18 @@ def sync_state(
     me, world = group.rank, group.world_size
     step = state.counters.step
     layout, arena = state.pack() if me == 0 else (b"", None)
-    probe = [_UNSET] * (2 + 2 * world)
+    probe = [_UNSET] * (2 + (2 + KEPT_SLOTS) * world)
     if arena is not None:
         probe[0], probe[1] = len(layout), arena.numel()
     probe[2 + 2 * me], probe[3 + 2 * me] = step, lineage
+    at = 2 + 2 * world + KEPT_SLOTS * me
+    if kept is not None:
+        probe[at : at + KEPT_SLOTS] = kept
     got = _max_reduce(probe, group, deadline, abandon, poll_s)
     n_layout, n_arena = got[0], got[1]
-    steps, lineages = got[2::2], got[3::2]
+    steps, lineages = got[2 : 2 + 2 * world : 2], got[3 : 2 + 2 * world : 2]
+    keeps = [got[2 + 2 * world + KEPT_SLOTS * r : 2 + 2 * world + KEPT_SLOTS * (r + 1)] for r in range(world)]
+    roll = roll_forward(steps, lineages, [k if k[0] != _UNSET else None for k in keeps])
     newest = max(range(world), key=lambda r: steps[r])
     if steps[newest] != steps[0]:
         raise CheckpointTransferError(f"rank 0 holds step {steps[0]} but rank {newest} holds {steps[newest]}")
@@ -138,10 +147,14 @@ def sync_state(
         raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}: "
                            f"ranks {diverged} differ from rank 0")
     assert mine is not None
-    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started)
+    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started, roll)
     log.info("state_synced", generation=group.generation, rank=me, step=report.step,
              transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
              duration_s=round(report.duration_s, 4))
+    if roll is not None:
+        log.warning("step_rolled_forward", generation=group.generation, rank=me, step=roll.step,
+                    sum_generation=roll.generation, source=roll.source,
+                    why="the step was refused here and applied by members lost since: its kept sum is applied")
     return report
 
 

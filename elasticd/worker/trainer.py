@@ -201,7 +201,8 @@ class ElasticTrainer:
             load_initial(self._init_from, self.model, {"optimizer": self.optimizer, **self.state.registered()})
         self._store, self._factory, self._membership = connect(env, self.state.signature, self._store)
         self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
-        self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts, self._clock)
+        self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts, self._clock,
+                                      env.stop_after_sum)
         self._journal.open(self._membership, self._store, self._membership.member_id, started_wall)
         self._failed_at = self._clock()
 
@@ -308,7 +309,9 @@ class ElasticTrainer:
                         return
                 assert self.group is not None
                 c, sampler = self.state.counters, self._sampler()
-                whole = sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size)
+                roll = self._protocol.rolls.rolling(c.step + 1) if self._protocol else None  # its generation's batch
+                whole = sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size,
+                                      roll.global_size if roll else None)
                 self._open = OpenStep(whole, self._clock())
                 for micro in split_micro(whole, self.accumulation_steps):
                     self._pending = micro
@@ -365,10 +368,9 @@ class ElasticTrainer:
         return self.data.make_sampler(self.state.counters, self.group.world_size if self.group else 1)
 
     def drain(self) -> None:
-        """Leave the job gracefully: the next step's vote asks every member to regroup; once that
-        step is committed everywhere (or at a regroup, whichever comes first), ``batches()`` stops
-        and ``close()`` revokes the lease, so the others go on without it, losing nothing. Safe to
-        call from a signal handler."""
+        """Leave the job gracefully: the next step's vote asks every member to regroup; once that step is
+        committed everywhere (or at a regroup), ``batches()`` stops and ``close()`` revokes the lease, so
+        the others go on without it, losing nothing. Safe to call from a signal handler."""
         self._drain_requested.set()
 
     @property
@@ -389,9 +391,10 @@ class ElasticTrainer:
         gradients over the generation (each rank weighted by its share of the global batch).
 
         Returns:
-            True when the averaged gradients are in ``.grad`` (clip or unscale them now, then call
-            ``commit()``); False for a micro-batch before the last, or if the all_reduce failed
-            (nothing is applied; the step is retried in the next generation).
+            True when the averaged gradients are in ``.grad`` and the commit rule says this member
+            applies them (clip or unscale them now, then call ``commit()``); False for a micro-batch
+            before the last, or if the all_reduce failed or the rule refused (nothing is applied;
+            the step is taken again, in this group or the next).
 
         Raises:
             RestartsExhausted: the same step failed more often than ``retry.step_retries``.
@@ -401,38 +404,33 @@ class ElasticTrainer:
         assert micro is not None and op is not None, "backward() called without a batch from batches()"
         assert self.group is not None and self._protocol is not None
         try:
-            return self._protocol.backward(self.group, op, micro, loss)
+            if not self._protocol.backward(self.group, op, micro, loss):
+                return False
         except CollectiveError as exc:
             self._open = None
             self._fail(exc)
             return False
+        if op.verdict is None or op.verdict.outcome is Outcome.COMMIT:
+            return True
+        self._open = None  # not applied here: the same step is taken again (in this group or the next)
+        self._optimizers.skip()
+        if op.verdict.outcome is Outcome.ABORT:
+            self._fail(CollectiveError(f"step {op.batch.step} not committed: {op.verdict.reason}"))
+        return False
 
     def commit(self) -> StepResult | None:
-        """Apply the step whose gradients ``backward`` averaged if the commit rule says every member
-        does (``commit.commit_outcome``): the optimizers step (through the ``scaler``, with the
-        ``linear_scaling`` factor), then the counters. Returns the committed step, or None (retried).
-
-        Raises:
-            RestartsExhausted: the same step failed more often than ``retry.step_retries``.
-        """
+        """Apply the step whose gradients ``backward`` averaged and the commit rule passed
+        (``commit.commit_outcome``): the optimizers step (through the ``scaler``, with the
+        ``linear_scaling`` factor), then the counters. Returns the committed step, or None (retried)."""
         op, self._open = self._open, None
         if op is None:
             return None  # its backward failed: nothing to apply, the step is retried
         if op.tally is None:
             raise RuntimeError("commit() must follow a backward(loss) that returned True")
-        assert self.group is not None and self._protocol is not None
-        group, batch = self.group, op.batch
-        first = not self._protocol.deferring
-        verdict = self._protocol.decide(group, op)
-        if verdict.outcome is not Outcome.COMMIT:
-            self._optimizers.skip()
-            if verdict.outcome is Outcome.ABORT:
-                self._fail(CollectiveError(f"step {batch.step} not committed: {verdict.reason}"))
-            elif first:
-                log.info("step_deferred", generation=group.generation, rank=group.rank, step=batch.step,
-                         reason=verdict.reason)
-            return None
-        self._optimizers.step()
+        assert self.group is not None and self._protocol is not None and op.verdict is not None
+        group, batch, verdict, roll = self.group, op.batch, op.verdict, op.roll
+        self._optimizers.step(self.data.rolled_factor(self.state.counters, roll.world_size if roll else None))
+        self._protocol.rolls.committed(batch.step)
         c, sampler = self.state.counters, self._sampler()
         c.step = batch.step
         c.epoch, c.position = sampler.after(batch)
@@ -447,7 +445,7 @@ class ElasticTrainer:
             self._need_rendezvous, self._cause, self._cause_detail = True, "regroup", ""
             self._failed_at = self._clock()
         self._journal.committed(batch, result.step, result.loss, result.generation, result.world_size,
-                                result.duration_s)
+                                result.duration_s, sum_generation=roll.generation if roll else None)
         # rank 0 saves at the next batch, after the script's own post-step code (scheduler, EMA)
         self._save_due = group.rank == 0
         return result
@@ -474,7 +472,7 @@ class ElasticTrainer:
 
     def _recover(self) -> None:
         """Rendezvous, rebuild the group in-process, and sync the state from rank 0 (``rejoin``)."""
-        assert self._membership is not None and self._factory is not None
+        assert self._membership is not None and self._factory is not None and self._protocol is not None
         self._factory.retire(self.group)
         self.group = None
         ck = self.checkpoints
@@ -483,7 +481,7 @@ class ElasticTrainer:
             previous=self.joined.record if self.joined is not None and self._has_state else None,
             has_state=lambda: self._has_state or ck.resumed_from is not None,
             disk_seq=lambda: ck.resumed_from.manifest.seq if ck.resumed_from is not None and not self._has_state else None,
-            resume=ck.resume if self.checkpoint.enabled else None,
+            resume=ck.resume if self.checkpoint.enabled else None, rolls=self._protocol.rolls,
         )
         self.group, self.joined = done.group, done.joined
         self._has_state, self._need_rendezvous = True, False

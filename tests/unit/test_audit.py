@@ -192,3 +192,36 @@ def test_check_dir_reads_every_worker_log(tmp_path: Path) -> None:
     assert rep.last_step == 9 and rep.generations == {1: 3, 2: 2, 3: 4}
     (tmp_path / "audit0.jsonl").unlink()
     assert not check_dir(tmp_path, DATASET).ok  # rank 0's commits are gone
+
+
+def rolled(records: list[Record], step: int, applied_by: list[int], into: int, world: int) -> list[Record]:
+    """``step`` applied in its generation by ``applied_by`` only, then rolled forward into generation
+    ``into`` of ``world`` ranks (the same global batch, split anew; ``sum_generation``: the first)."""
+    first = commits(records, step)
+    gen = first[0]["generation"]
+    out = [r for r in records if not (r["event"] == "commit" and r["step"] == step and r["rank"] not in applied_by)]
+    b0 = first[0]
+    sampler = ElasticSampler(DATASET, int(b0["global_size"]), seed=1)  # type: ignore[call-overload]
+    for rank in range(world):
+        b = sampler.batch(step, int(b0["epoch"]), int(b0["position"]), rank, world)  # type: ignore[call-overload]
+        out.append({"event": "commit", "step": step, "generation": into, "sum_generation": gen, "rank": rank,
+                    "world_size": world, "epoch": b.epoch, "position": b.position, "global_size": b.global_size,
+                    "indices": list(b.indices), "loss": b0["loss"]})
+    return out
+
+
+def test_a_step_rolled_forward_is_its_generations_commit_not_a_repeat() -> None:
+    # step 6 (the last of generation 2) applied by rank 0 of 2; rank 1 refused it and the next
+    # generation (3 here, the one that follows) applied the kept sum: one commit, no sample twice
+    records = rolled(copy.deepcopy(CLEAN), 6, applied_by=[0], into=3, world=4)
+    rep = check(records, DATASET)
+    assert rep.ok, rep.violations
+
+
+def test_a_rolled_step_that_names_another_generation_is_a_repeat() -> None:
+    records = rolled(copy.deepcopy(CLEAN), 6, applied_by=[0], into=3, world=4)
+    for r in records:
+        if r.get("sum_generation") is not None:
+            r["sum_generation"] = 3  # it claims to be generation 3's own: the step was done again
+    rep = check(records, DATASET)
+    assert any("step 6" in v and "repeated" in v and "[2, 3]" in v for v in rep.violations), rep.violations

@@ -79,6 +79,7 @@ FULL_ENV = {
     "ELASTICD_SPARE": "true",
     "ELASTICD_STANDBY": "yes",
     "ELASTICD_RELAY_SOCKET": "/run/elasticd-relay/relay.sock",
+    "ELASTICD_STOP_AFTER_SUM": "17",
     "ELASTICD_RELAY_HEARTBEAT_S": "0.4",
     "ELASTICD_ROUND_POLL_S": "0.3",
     "ELASTICD_PROBE_S": "0.07",
@@ -110,6 +111,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.events_keep == 42
     assert (env.spare, env.standby) == (True, True)
     assert env.relay_socket == "/run/elasticd-relay/relay.sock"
+    assert env.stop_after_sum == 17
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
     assert env.checkpoint == CheckpointConfig(checkpoint_dir="/data/ckpt", checkpoint_every_steps=50,
                                               checkpoint_every_s=30.0, checkpoint_keep=5, checkpoint_wait_s=20.0,
