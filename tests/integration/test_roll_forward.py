@@ -50,7 +50,8 @@ def test_a_step_refused_after_the_sum_by_the_only_survivor_is_rolled_forward_not
     # stopped; continued, it learns that its lease is gone and refuses STEP (it cannot know its
     # peers applied it). Two newcomers join it. Before the roll-forward, the new generation did
     # STEP again (its commit lines in two generations); now worker 1's kept sum is applied, once.
-    job = local_job(min_workers=3, max_workers=3)
+    # members sharing one GPU: gloo groups (NCCL takes one rank of a communicator per device)
+    job = local_job(min_workers=3, max_workers=3, backend="gloo")
 
     def spawn(**extra: object):
         program, *args = workload
