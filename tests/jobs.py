@@ -1,12 +1,15 @@
-"""Helpers shared by the job fixtures: a bounded wait, and a factory that stops every job it made."""
+"""Helpers shared by the job fixtures: a bounded wait, a factory that stops every job it made, and
+the roll-forward scenario that two test modules play (``refuse_and_lose_appliers``)."""
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 POLL_S = 0.05  # how often a bounded wait looks again
 
@@ -44,3 +47,51 @@ def job_factory(build: Callable[[Path, dict[str, object]], J], root: Path) -> It
     finally:
         for job in jobs:
             job.stop()
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def audit_commits(job: Any, worker: int) -> list[dict[str, Any]]:
+    """The commit lines of the ``worker``-th worker's audit log."""
+    p = job.dir / f"audit{worker}.jsonl"
+    if not p.exists():
+        return []
+    return [r for r in map(json.loads, p.read_text().splitlines()) if r["event"] == "commit"]
+
+
+def refuse_and_lose_appliers(job: Any, spawn: Callable[..., Any], step: int) -> Any:
+    """The roll-forward scenario (``worker.rollforward``), with real faults: of three workers
+    (``spawn()`` starts one), worker 1 stops itself right after the gradient sum of ``step`` arrives,
+    before it reads its fence (``ELASTICD_STOP_AFTER_SUM``); workers 0 and 2 apply the step and are
+    SIGKILLed before any regroup; worker 1's lease (2 s) runs out while it is stopped, so continued,
+    it cannot confirm it and refuses the step; two newcomers join it. Returns worker 1."""
+    spawn()
+    victim = spawn(stop_after_sum=step)
+    spawn()
+    job.wait_for(lambda: _stopped(victim.pid), 90, f"worker 1 stopped after the sum of step {step}")
+    job.wait_for(lambda: all(any(r["step"] == step for r in audit_commits(job, w)) for w in (0, 2)), 10,
+                 f"workers 0 and 2 applied step {step}")
+    for w in (0, 2):
+        job.workers[w].signal(signal.SIGKILL)
+    assert not any(r["step"] >= step for r in audit_commits(job, 1))
+    time.sleep(4.0)  # past worker 1's 2 s lease: etcd ends it, so it cannot confirm it
+    victim.signal(signal.SIGCONT)
+    spawn()
+    spawn()
+    return victim
+
+
+def assert_rolled_once(job: Any, step: int, log: str) -> None:
+    """``step`` was applied by workers 0 and 2 in its generation and then rolled forward by the next
+    generation's three (``sum_generation`` naming the first), never done again; the log says so."""
+    rows = [r for w in range(len(job.workers)) for r in audit_commits(job, w) if r["step"] == step]
+    first = {r["generation"] for r in rows if "sum_generation" not in r}
+    rolled = [r for r in rows if "sum_generation" in r]
+    assert len(first) == 1 and len(rolled) == 3, rows
+    assert {r["sum_generation"] for r in rolled} == first and {r["generation"] for r in rolled} != first
+    assert "step_sum_kept" in log and "step_rolled_forward" in log
