@@ -128,6 +128,7 @@ _BIG_WIDTH = 2048  # ~34 MB of state with momentum: more than the sockets buffer
 def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
     from elasticd.errors import CollectiveError
     from elasticd.retry import Deadline
+    from elasticd.worker.rollforward import KEPT_SLOTS
     from elasticd.worker.sync import _UNSET, _max_reduce, sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
@@ -136,7 +137,7 @@ def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], re
         # The receiver's side of sync_state's first collective, exactly as sync_state makes it
         # (a newcomer: step 0, no lineage), so rank 0 goes on into the point-to-point sends; then
         # the receiver freezes or dies before it takes a byte.
-        probe = [_UNSET] * 6
+        probe = [_UNSET] * (2 + (2 + KEPT_SLOTS) * 2)  # sizes, (step, lineage) and a kept sum per rank
         probe[4], probe[5] = 0, -1
         _max_reduce(probe, group, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
         res_q.put({"rank": 1, "probed": True})
