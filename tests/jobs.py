@@ -79,7 +79,7 @@ def refuse_and_lose_appliers(job: Any, spawn: Callable[..., Any], step: int) -> 
     for w in (0, 2):
         job.workers[w].signal(signal.SIGKILL)
     assert not any(r["step"] >= step for r in audit_commits(job, 1))
-    time.sleep(4.0)  # past worker 1's 2 s lease: etcd ends it, so it cannot confirm it
+    time.sleep(3.0)  # past worker 1's 2 s lease: etcd ends it, so it cannot confirm it
     victim.signal(signal.SIGCONT)
     spawn()
     spawn()

@@ -15,6 +15,7 @@ import pytest
 pytestmark = pytest.mark.timeout(180)
 
 STOPS = 8
+STEPS = 190  # ~15 s at the slow workers' 0.08 s: the stops (~9 s from step 20) end well before the job
 STOP_S = 0.3  # well inside the 2 s lease: nobody's lease expires, nobody leaves
 
 
@@ -39,7 +40,7 @@ def test_a_member_continued_after_its_vote_confirms_its_lease_and_applies_the_st
     # (no agent revoked it: a revoked lease never comes back), and it applies the step with them.
     job = local_job(min_workers=3)
     for sleep in ("0.08", "0", "0.08"):
-        job.spawn("--steps", "260", "--step-sleep", sleep)
+        job.spawn("--steps", str(STEPS), "--step-sleep", sleep)
     job.wait_for(lambda: job.committed() >= 20, 60, "20 committed steps")
     stopped = job.workers[1]
     rng = random.Random(7)
@@ -52,7 +53,7 @@ def test_a_member_continued_after_its_vote_confirms_its_lease_and_applies_the_st
     assert codes == [0, 0, 0], job.logs_tail()
     rep = job.audit()
     assert rep.ok, rep.violations
-    assert rep.last_step == 260 and len(set(rep.final_checksums)) == 1
+    assert rep.last_step == STEPS and len(set(rep.final_checksums)) == 1
     split = {step: sorted(ranks) for step, (world, ranks) in ranks_per_step(job).items() if len(ranks) != world}
     assert not split, f"steps applied by only some members of their generation: {split}"
     log = job.workers[1].log_text()
