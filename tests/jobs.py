@@ -79,7 +79,17 @@ def refuse_and_lose_appliers(job: Any, spawn: Callable[..., Any], step: int) -> 
     for w in (0, 2):
         job.workers[w].signal(signal.SIGKILL)
     assert not any(r["step"] >= step for r in audit_commits(job, 1))
-    time.sleep(3.0)  # past worker 1's 2 s lease: etcd ends it, so it cannot confirm it
+    # worker 1's lease ends while it is stopped (etcd removes its member key), so it cannot confirm it
+    from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+    from elasticd.store.etcd import EtcdClient
+    from elasticd.wire.keys import Keys
+
+    store = EtcdClient(EtcdConfig(endpoints=(job.etcd.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        gone = Keys("/elasticd", job.job_id).member("")
+        job.wait_for(lambda: not store.get_prefix(gone), 15, "every member's lease to end")
+    finally:
+        store.close()
     victim.signal(signal.SIGCONT)
     spawn()
     spawn()

@@ -90,10 +90,12 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
     per_epoch: dict[int, list[int]] = defaultdict(list)
     spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     last_of_generation: dict[int, int] = {}  # generation -> its last committed step
+    first_of_generation: dict[int, int] = {}  # ... and its first
     for step in rep.steps:
         for r in commits[step]:
             gen_of_row = int(r["generation"])  # type: ignore[call-overload]
             last_of_generation[gen_of_row] = max(last_of_generation.get(gen_of_row, 0), step)
+            first_of_generation[gen_of_row] = min(first_of_generation.get(gen_of_row, step), step)
     for step in rep.steps:
         all_rows = commits[step]
         # A step rolled forward applies the sum of the generation that refused it (``sum_generation``):
@@ -105,6 +107,12 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         by_gen: dict[int, list[dict[str, object]]] = defaultdict(list)
         for r in all_rows:
             by_gen[int(r["generation"])].append(r)  # type: ignore[call-overload]
+        for gen, gen_rows in sorted(by_gen.items()):  # a roll applies an earlier generation's sum, first thing
+            if any("sum_generation" in r for r in gen_rows) and not (
+                    all(int(r.get("sum_generation", -1)) < gen for r in gen_rows)  # type: ignore[call-overload]
+                    and step == first_of_generation[gen]):
+                v.append(f"step {step}: generation {gen} claims the sum of another generation, yet it is not "
+                         f"a roll (every line of its first step naming an earlier generation)")
         absent_of: dict[int, list[int]] = {}
         for gen, gen_rows in sorted(by_gen.items()):
             world = int(gen_rows[0]["world_size"])  # type: ignore[call-overload]

@@ -366,8 +366,9 @@ class GradientReducer:
         return [float(x) for x in vb.buffer[vb.numel :].tolist()]
 
     def kept_sums(self) -> list[torch.Tensor]:
-        """Copies of every bucket's gradient sum, as ``finish`` left it (``rollforward.KeptSum``)."""
-        return [b.grads.clone() for b in self._buckets]
+        """Copies of every bucket's gradient sum, as ``finish`` left it, in host memory (a GPU's
+        memory is the model's: ``rollforward.KeptSum``)."""
+        return [b.grads.detach().to("cpu", copy=True) for b in self._buckets]
 
     def replace_sums(self, group: Group, kept: Sequence[torch.Tensor] | None, root: int, deadline: Deadline,
                      abandon: Abandon, poll_s: float) -> None:

@@ -138,7 +138,7 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
                                 lineage, subgroup=subgroup, retire=factory.retire, own_checksum=own,
                                 kept=rolls.slots() if rolls is not None else None)
             if rolls is not None:
-                rolls.synced(report.roll)
+                rolls.synced(report.roll, rec.generation)
             return Rejoined(group, joined, report)
         except (CollectiveError, CheckpointTransferError) as exc:
             log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])

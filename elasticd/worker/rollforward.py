@@ -88,17 +88,22 @@ class RollForward:
         self.roll: Roll | None = None
 
     def keep(self, kept: KeptSum) -> None:
-        self.kept, self.roll = kept, None
+        """Keep ``kept`` (a refused step's sum; or, on a rolled step, the sum every member got)."""
+        self.kept = kept
 
     def slots(self) -> list[int] | None:
         return self.kept.slots() if self.kept is not None else None
 
-    def synced(self, roll: Roll | None) -> None:
-        """After a sync: arm ``roll``; a kept sum that it does not use can never apply again (the
-        state moved past it, or is of another lineage), so it is dropped."""
+    def synced(self, roll: Roll | None, generation: int) -> None:
+        """After a sync in ``generation``: arm ``roll``. A kept sum that it does not use can never
+        apply again (the state moved past it, or is of another lineage), so it is dropped; one it
+        uses now sits on this generation's state (every member holds the state it was computed on),
+        so a rolled step that fails is rolled again at the next sync, not done again."""
         self.roll = roll
         if roll is None:
             self.kept = None
+        elif self.kept is not None:
+            self.kept.base_lineage = generation
 
     def rolling(self, step: int) -> Roll | None:
         """The roll if ``step`` is the step it applies."""

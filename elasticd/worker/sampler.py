@@ -190,8 +190,9 @@ class ElasticSampler:
         last, the next step's (first micro-)batch, whose position advances by the global batch and
         rolls over into the next epoch the way the trainer does after a commit.
         """
-        if batch.micro + 1 < batch.micro_count:
-            share = self.batch(batch.step, batch.epoch, batch.position, batch.rank, batch.world_size)
+        if batch.micro + 1 < batch.micro_count:  # the same global batch (a rolled step's may be another size)
+            share = self.batch(batch.step, batch.epoch, batch.position, batch.rank, batch.world_size,
+                               batch.global_size)
             return split_micro(share, batch.micro_count)[batch.micro + 1]
         epoch, position = self.normalize(*self.after(batch), batch.world_size)
         share = self.batch(batch.step + 1, epoch, position, batch.rank, batch.world_size)

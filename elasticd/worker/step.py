@@ -128,6 +128,10 @@ class StepProtocol:
             except CollectiveError:
                 self._reducer.cancel()
                 raise
+            if self.rolls.kept is None or self.rolls.kept.step != whole.step:  # every member now holds the
+                # sum: should the rolled step fail, the next sync can roll it again without its source
+                self.rolls.keep(KeptSum(whole.step, group.generation, op.roll.generation, whole.global_size,
+                                        op.roll.world_size, self._reducer.kept_sums()))
         op.verdict = self.decide(group, op)
         if op.verdict.outcome is Outcome.ABORT and not op.verdict.unanimous:
             # Refused here alone: the others may apply it. Keep the sum (rollforward).

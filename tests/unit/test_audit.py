@@ -225,3 +225,16 @@ def test_a_rolled_step_that_names_another_generation_is_a_repeat() -> None:
             r["sum_generation"] = 3  # it claims to be generation 3's own: the step was done again
     rep = check(records, DATASET)
     assert any("step 6" in v and "repeated" in v and "[2, 3]" in v for v in rep.violations), rep.violations
+
+
+def test_a_roll_must_be_its_generations_first_step_and_name_an_earlier_generation() -> None:
+    late = rolled(copy.deepcopy(CLEAN), 6, applied_by=[0], into=3, world=4)
+    for r in late:
+        if r["event"] == "commit" and r["step"] == 7:
+            r["sum_generation"] = 2  # a later step of generation 3 claims generation 2's sum
+    assert any("step 7" in v and "not a roll" in v for v in check(late, DATASET).violations)
+    ahead = rolled(copy.deepcopy(CLEAN), 6, applied_by=[0], into=3, world=4)
+    for r in ahead:
+        if r.get("sum_generation") is not None:
+            r["generation"], r["sum_generation"] = 1, 2  # "rolled" from a later generation
+    assert not check(ahead, DATASET).ok

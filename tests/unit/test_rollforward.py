@@ -32,8 +32,9 @@ def kept(step: int, base: int, gen: int, size: int = 64, world: int = 3) -> list
     ([-1, -1], [-1, -1], [None, kept(0, -1, 4)], None),
     # several keepers of the same sum: the lowest rank sends it
     ([9, 9, 9], [4, 4, 4], [None, kept(10, 4, 4), kept(10, 4, 4)], Roll(10, 4, 64, 3, source=1)),
-    # a step refused again while it was being rolled keeps its first generation; the newest wins
-    ([9, 9, 9], [6, 6, 6], [kept(10, 6, 2), None, kept(10, 6, 5)], Roll(10, 5, 64, 3, source=2)),
+    # a rolled step that failed: its sum (of generation 2) sits on generation 6's state, which
+    # every member of 6 held; the next sync (rank 0 at 9 of lineage 6) rolls it again
+    ([9, 9, 9], [6, 6, 6], [None, kept(10, 6, 2), kept(10, 6, 2)], Roll(10, 2, 64, 3, source=1)),
 ])
 def test_roll_forward(steps, lineages, keeps, want) -> None:
     assert roll_forward(steps, lineages, keeps) == want
@@ -46,13 +47,16 @@ def test_a_kept_sum_lives_until_the_sync_that_does_not_use_it_or_the_commit_of_i
     rf.keep(KeptSum(10, 4, 4, 64, 3, sums))
     assert rf.slots() == [10, 4, 4, 64, 3]
     roll = Roll(10, 4, 64, 3, source=1)
-    rf.synced(roll)
+    rf.synced(roll, 5)
     assert rf.rolling(10) == roll and rf.rolling(11) is None
     assert rf.source_sums(1) is sums and rf.source_sums(0) is None  # rank 1 sends, the others receive
+    # it now sits on generation 5's state: a failed rolled step is rolled again by the next sync
+    assert rf.slots() == [10, 5, 4, 64, 3]
+    assert roll_forward([9, 9], [5, 5], [None, rf.slots()]) == Roll(10, 4, 64, 3, source=1)
     rf.committed(10)
     assert rf.slots() is None and rf.rolling(10) is None
     rf.keep(KeptSum(12, 6, 6, 64, 3, sums))
-    rf.synced(None)  # the sync said the state is past it (or of another lineage): it can never apply
+    rf.synced(None, 7)  # the sync said the state is past it (or of another lineage): it can never apply
     assert rf.slots() is None
 
 
