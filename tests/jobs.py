@@ -97,7 +97,7 @@ def refuse_and_lose_appliers(job: Any, spawn: Callable[..., Any], step: int) -> 
 
 
 def assert_rolled_once(job: Any, step: int, log: str) -> None:
-    """``step`` was applied by workers 0 and 2 in its generation and then rolled forward by the next
+    """``step`` was applied by workers 0 and 2 in its generation and then rolled forward by a later
     generation's three (``sum_generation`` naming the first), never done again; the log says so."""
     rows = [r for w in range(len(job.workers)) for r in audit_commits(job, w) if r["step"] == step]
     first = {r["generation"] for r in rows if "sum_generation" not in r}
