@@ -128,19 +128,25 @@ class StepProtocol:
             except CollectiveError:
                 self._reducer.cancel()
                 raise
-            if self.rolls.kept is None or self.rolls.kept.step != whole.step:  # every member now holds the
-                # sum: should the rolled step fail, the next sync can roll it again without its source
-                self.rolls.keep(KeptSum(whole.step, group.generation, op.roll.generation, whole.global_size,
-                                        op.roll.world_size, self._reducer.kept_sums()))
+            # every member now holds the sum: should the rolled step fail, the next sync rolls it again
+            self._keep_sum(group, whole, op.roll)
         op.verdict = self.decide(group, op)
         if op.verdict.outcome is Outcome.ABORT and not op.verdict.unanimous:
             # Refused here alone: the others may apply it. Keep the sum (rollforward).
-            self.rolls.keep(KeptSum(whole.step, group.generation, op.roll.generation if op.roll else group.generation,
-                                    whole.global_size, op.roll.world_size if op.roll else group.world_size,
-                                    self._reducer.kept_sums()))
+            self._keep_sum(group, whole, op.roll)
             log.warning("step_sum_kept", generation=group.generation, rank=group.rank, step=whole.step,
                         reason=op.verdict.reason)
         return True
+
+    def _keep_sum(self, group: Group, whole: Batch, roll: Roll | None) -> None:
+        """Keep this step's gradient sum, on this generation's state (once per step: a rolled step
+        refused here is kept already)."""
+        kept = self.rolls.kept
+        if kept is not None and kept.step == whole.step and kept.base_lineage == group.generation:
+            return
+        self.rolls.keep(KeptSum(whole.step, group.generation, roll.generation if roll else group.generation,
+                                whole.global_size, roll.world_size if roll else group.world_size,
+                                self._reducer.kept_sums()))
 
     def decide(self, group: Group, op: OpenStep) -> Verdict:
         """The commit rule's verdict on ``op`` for this member. A RETRY deferred for over twice the
