@@ -99,7 +99,8 @@ class Timeouts:
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
     lease_renew_s: float = _seconds(
         "Bound on a lease renewal's first attempt (doubling up to etcd_request_s): one held by an etcd "
-        "member that lost its leader moves on early, so steps wait less for a renewal.", 0.5)
+        "member that lost its leader moves on early, so steps wait less for a renewal; a renewal out "
+        "for longer makes the member's commit vote say etcd does not answer it.", 0.5)
     lease_confirm_s: float = _seconds(
         "How long a member whose lease expired by its own clock when a step's sum arrived waits for "
         "etcd to grant a renewal (an etcd leader election or the end of an outage holds renewals): "

@@ -9,6 +9,7 @@ node agents) and prints its figures: a table, or one JSON object with ``--json``
 * ``checkpoint``: durable checkpoints' step overhead, write throughput and resume time
   (``bench.checkpoint``);
 * ``outage``: what an etcd outage with no membership change costs (``bench.outage``);
+* ``leader``: what the loss of the etcd leader costs, in a 3-member cluster (``bench.leader``);
 * ``host-loss``: a host gone from the network (its link cut, on netns hosts), the reach check
   against the lease alone (``bench.hostloss``);
 * ``rendezvous``: the rendezvous with many lightweight members on one local etcd, and a model of
@@ -26,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from elasticd.bench import agent, checkpoint, hostloss, outage, recovery, rendezvous
+from elasticd.bench import agent, checkpoint, hostloss, leader, outage, recovery, rendezvous
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "an etcd outage with no membership change: commit rate during it vs before, steps lost, "
         "regroups (elasticd.bench.outage)",
         outage.add_args, outage.run_cmd,
+    ),
+    "leader": Subcommand(
+        "the etcd leader SIGKILLed in a 3-member cluster while a job trains: commit rate after each kill "
+        "vs before, time lost per kill, steps lost, regroups (elasticd.bench.leader)",
+        leader.add_args, leader.run_cmd,
     ),
     "host-loss": Subcommand(
         "a host's link cut (network-namespace hosts, as root): the survivors' recovery with the reach "

@@ -59,7 +59,7 @@ def rate(times: dict[int, float], start: float, end: float) -> float:
     return sum(1 for t in times.values() if start <= t < end) / (end - start)
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -79,7 +79,7 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
                                   "--audit", str(workdir / f"audit{i}.jsonl"))
             workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)},
                                          workdir / f"worker{i}.log").start())
-        _wait(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
+        wait_until(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
         before_start = time.time()
         time.sleep(s.window_s)
         killed_at = time.time()

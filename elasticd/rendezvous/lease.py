@@ -14,6 +14,7 @@ it was asked for.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,14 +136,20 @@ class Lease:
 
 
 class Reachability:
-    """Whether etcd answers this member's background requests: the last answer, and when. Each
-    outage is logged once, when it begins and when it ends."""
+    """Whether etcd answers this member's background requests: the last answer, and when, and the
+    requests it holds now. Each outage is logged once, when it begins and when it ends.
+
+    A request held past its bound counts as "not answering" at once, before the client's retries
+    give up: in an etcd leader election every renewal hangs, while the last answer (just before the
+    election) still looked recent; a member counted as "answered by etcd" then made every step wait
+    for the others' renewals (``commit.commit_outcome``'s retry) for the whole election."""
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._ok = True  # the last etcd request of the background threads was answered
         self._ok_at = clock()  # ... and when the last answer came
         self._down_logged = False
+        self._held: dict[int, tuple[float, float]] = {}  # thread -> (asked at, bound) of a request out now
 
     def answered(self, ok: bool, error: str = "") -> None:
         """Note whether etcd answered a request (``error``: why not)."""
@@ -157,22 +164,31 @@ class Reachability:
             log.info("etcd_reachable_again")
 
     def lately(self, within_s: float) -> bool:
-        """The last request was answered, less than ``within_s`` ago."""
-        return self._ok and self._clock() - self._ok_at < within_s
+        """The last request was answered, less than ``within_s`` ago, and no request is held past
+        its bound now."""
+        now = self._clock()
+        if any(now - asked > bound for asked, bound in list(self._held.values())):
+            return False
+        return self._ok and now - self._ok_at < within_s
 
     def background(self, stop: threading.Event, wake: threading.Event, ask: Callable[[], T],
-                   then: Callable[[T], None], every_s: float) -> None:
+                   then: Callable[[T], None], every_s: float, held_s: float = math.inf) -> None:
         """A background thread's loop until ``stop``: on ``wake`` (or every ``every_s``) ``ask``
-        etcd, note whether it answered, and ``then`` act on the answer."""
+        etcd, note whether it answered, and ``then`` act on the answer. A request unanswered for
+        over ``held_s`` makes ``lately`` False until it returns."""
+        me = threading.get_ident()
         while not stop.is_set():
             wake.wait(every_s)
             wake.clear()
             if stop.is_set():
                 return
+            self._held[me] = (self._clock(), held_s)
             try:
                 answer = ask()
             except EtcdUnavailable as exc:
                 self.answered(False, str(exc))
                 continue
+            finally:
+                self._held.pop(me, None)
             self.answered(True)
             then(answer)

@@ -103,6 +103,7 @@ class Membership:
         self._reader = JobReader(store, keys, member.node)
         self._etcd = Reachability(clock)  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
+        self._progress_due = threading.Event()  # a renewal was granted: publish the progress
         self._joining = False  # a join() runs (on the training thread)
         self.reach = ReachCheck(member.member_id, timeouts, clock, self.snapshot, self._publish.abort_now,
                                 self._seat.running, lambda: self._watch.abandon)
@@ -136,6 +137,8 @@ class Membership:
                 self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
         self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.member_watch]
         for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop),
+                             ("elasticd-progress", lambda: self._publish.progress_loop(
+                                 self._stop, self._progress_due, lambda: self._lease.id, self._timeouts.keepalive_s)),
                              ("elasticd-reach", lambda: self.reach.run(self._stop))):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -148,6 +151,7 @@ class Membership:
         self._stop.set()
         self._on_change()
         self._renew.set()
+        self._progress_due.set()
         self.reach.wake()
         self._seat.stop()
         for cancel in self._cancel_watches:
@@ -199,13 +203,14 @@ class Membership:
         self._renew.set()
 
     def _keepalive_loop(self) -> None:
-        # The renewal first: a step may be waiting for it (a vote of "stale"); the progress writes
-        # after it, and only while etcd answers (each could spend the retry budget).
-        self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s)
+        # Renewals only: a step may be waiting for one (a vote of "stale"). The progress writes
+        # follow each granted renewal on a thread of their own (_progress_loop).
+        self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s,
+                              held_s=self._timeouts.lease_renew_s)
 
     def _renewed(self, renewal: Renewal) -> None:
         self._lease.keep(renewal)
-        self._publish.flush_progress(self._lease.id)
+        self._progress_due.set()
         if renewal.ttl_s <= 0 and renewal.lease == self._lease.id:
             self._watch.lose_lease(renewal.lease)
             self._on_change()
@@ -277,7 +282,8 @@ class Membership:
         """(veto, stale, reached_etcd) for this member's commit vote (``commit.Vote``): veto when
         the generation was superseded or aborted or the lease is gone; stale when the lease is not
         certainly alive (a renewal is then asked for at once); reached_etcd when the last request
-        of the background threads was answered, within the last two keepalive intervals."""
+        of the background threads was answered, within the last two keepalive intervals, and no
+        renewal is held by etcd for over ``lease_renew_s`` now (a leader election holds them)."""
         stale = not self.lease_fresh()
         if stale:
             self._renew.set()

@@ -163,6 +163,19 @@ class Publisher:
         """Hand over the newest progress; the next ``flush_progress`` writes it."""
         self._progress = payload
 
+    def progress_loop(self, stop: threading.Event, due: threading.Event, lease: Callable[[], int],
+                      poll_s: float) -> None:
+        """A thread's loop until ``stop``: ``flush_progress`` each time ``due`` is set (after each
+        granted renewal, so only while etcd answers). Off the keepalive thread: a put that etcd
+        holds (in a leader election each attempt waits up to ``etcd_request_s``) held the next
+        renewal back there, so leases went stale and steps were retried (stop 26, bench leader)."""
+        while not stop.is_set():
+            if not due.wait(poll_s):
+                continue
+            due.clear()
+            if not stop.is_set():
+                self.flush_progress(lease())
+
     def flush_progress(self, lease: int) -> None:
         """Write the progress handed over since the last flush, if any (and, from rank 0, the
         committed step)."""

@@ -52,6 +52,7 @@ class OpenStep:
     started: float
     weighted_loss: list[float] = field(default_factory=lambda: [0.0])  # read by the vote closure
     voted_drain: list[bool] = field(default_factory=lambda: [False])  # its vote asked to regroup for a drain
+    voted: list[Vote] = field(default_factory=list)  # this member's vote, once sent (for the logs)
     tally: Tally | None = None  # the summed vote, once the all_reduce completed
     fence: Fence | None = None  # what this member knew locally when the sum arrived
     summed_at: float = 0.0  # ... and when (monotonic)
@@ -84,13 +85,15 @@ class StepProtocol:
         if micro.micro == 0:
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
-            membership, draining, wl, vd = self._membership, self._drain, op.weighted_loss, op.voted_drain
+            membership, draining, wl, vd, voted = (self._membership, self._drain, op.weighted_loss, op.voted_drain,
+                                                   op.voted)
 
             def vote() -> list[float]:  # called right before the last bucket goes out
                 veto, stale, reached = membership.vote()
                 vd[0] = draining.is_set()  # only a drain the others were told of may end here
                 regroup = membership.join_pending() or vd[0]
-                return Vote(wl[0], veto, regroup, stale, reached).slots()
+                voted[:] = [Vote(wl[0], veto, regroup, stale, reached)]
+                return voted[0].slots()
 
             # begin() zeroes the gradients: they are views into its buckets
             self._reducer.begin(group, whole.weight, vote, sync=micro.micro_count == 1)
@@ -163,10 +166,15 @@ class StepProtocol:
         if verdict.outcome is not Outcome.RETRY:
             self._deferred_since = None
             return verdict
+        # Every member renews now: a renewal that etcd holds (a leader election) soon makes this
+        # member's vote "not answered" (Reachability), which ends the retry; a granted one ends it too.
+        self._membership.renew_soon()
         if self._deferred_since is None:  # logged once, at its first RETRY
             self._deferred_since = now
+            mine = op.voted[0] if op.voted else None
             log.info("step_deferred", generation=group.generation, rank=group.rank, step=op.batch.step,
-                     reason=verdict.reason)
+                     reason=verdict.reason, my_lease_stale=mine.stale if mine else None,
+                     etcd_answered_me=mine.reached_etcd if mine else None)
             return verdict
         if now - self._deferred_since > 2 * self._timeouts.lease_ttl_s:
             self._deferred_since = None
