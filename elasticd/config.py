@@ -64,7 +64,13 @@ class Timeouts:
         "answer (rendezvous.reach; again at doubling intervals while the wait lasts): a member whose "
         "host is out of reach or whose process is gone gets the generation aborted at once, instead "
         "of holding it until its lease expires (a host lost with its power or its link). 0: off "
-        "(may be 0).", 0.5)
+        "(may be 0). A job whose waits for the sum stay short asks sooner: at four times its longest "
+        "recent wait, at least reach_check_min_s (rendezvous.reach.reach_after_s).", 0.5)
+    reach_check_min_s: float = _seconds(
+        "The earliest a reach check asks, in a job whose recent waits for the sum were all short (it "
+        "asks at four times the longest of the last 32, between this and reach_check_s): a host cut "
+        "off from such a job is left behind sooner; one whose waits are long is asked about at "
+        "reach_check_s as before.", 0.1)
     coordinator_grace_s: float = _seconds(
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "
@@ -143,6 +149,9 @@ class Timeouts:
             )
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s: etcd grants leases of at least 1 s, got {self.lease_ttl_s}")
+        if self.reach_check_min_s > self.reach_check_s > 0:
+            raise ConfigError(f"reach_check_min_s: must be at most reach_check_s ({self.reach_check_s}), "
+                              f"got {self.reach_check_min_s}")
         if self.relay_stale_s <= 2 * self.relay_heartbeat_s:
             raise ConfigError(f"relay_stale_s: must be more than twice relay_heartbeat_s ({self.relay_heartbeat_s}), "
                               f"got {self.relay_stale_s}")

@@ -178,6 +178,17 @@ def figure_rows(figures: Mapping[str, object], targets: Mapping[str, str], width
     return rows
 
 
+def figures_table(title: str, result: Mapping[str, object], targets: Mapping[str, str], width: int) -> str:
+    """A benchmark's printed result: ``title``, its figures against ``targets``, and the audit's
+    violations, if any."""
+    fig = result["figures"]
+    assert isinstance(fig, dict)
+    lines = [title, *figure_rows(fig, targets, width)]
+    if result.get("violations"):
+        lines.append(f"audit violations: {result['violations']}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # A local job whose audit logs are followed while it runs
 

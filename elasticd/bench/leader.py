@@ -24,7 +24,6 @@ Every process it starts is tracked by PID and killed in ``finally``.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import time
 from collections.abc import Mapping
@@ -33,17 +32,16 @@ from pathlib import Path
 
 from elasticd.bench.common import (
     DATASET_SIZE,
-    WORKLOAD,
     BenchError,
     LeaseSettings,
-    figure_rows,
+    figures_table,
     lost_steps,
     run_subcommand,
 )
-from elasticd.bench.outage import PHASE_TIMEOUT_S, WARMUP_STEPS, rate, wait_until
+from elasticd.bench.outage import drain, rate, start_workers
 from elasticd.testing.audit import check_dir, first_commit_times
 from elasticd.testing.etcd import ETCD_START_TIMEOUT_S, EtcdCluster
-from elasticd.testing.localcluster import WorkerProcess, python_program
+from elasticd.testing.localcluster import WorkerProcess
 
 LEADER_TARGETS = {"leader_rate_ratio": ">= 0.95", "steps_lost": "0", "regroups": "0", "worker_failures": "0"}
 SETTLE_S = 3.0  # after a killed member is back: the cluster and the leases settle before the next baseline
@@ -65,31 +63,14 @@ def gaps_within(times: Mapping[int, float], start: float, end: float) -> list[fl
     return [b - a for a, b in zip(inside, inside[1:], strict=False)]
 
 
-def _leader(cluster: EtcdCluster) -> int:
-    deadline = time.monotonic() + ETCD_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = cluster.leader_index()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise BenchError("the etcd cluster has no leader")
-
-
 def run_leader(s: LeaderSettings, workdir: Path) -> dict[str, object]:
     cluster = EtcdCluster(3, data_root=str(workdir / "etcd")).start()
     workers: list[WorkerProcess] = []
     try:
-        env = {"ELASTICD_ETCD_ENDPOINTS": ",".join(cluster.endpoints), "ELASTICD_JOB_ID": "leader",
-               "ELASTICD_NODE_ID": "bench", **s.worker_env(s.workers)}
-        for i in range(s.workers):
-            argv = python_program(WORKLOAD, "--steps", "100000000", "--step-sleep", str(s.step_sleep_s),
-                                  "--audit", str(workdir / f"audit{i}.jsonl"))
-            workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)},
-                                         workdir / f"worker{i}.log").start())
-        wait_until(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
+        start_workers(s, ",".join(cluster.endpoints), "leader", s.workers, s.step_sleep_s, workdir, workers)
         windows: list[tuple[float, float, float]] = []  # (baseline start, kill, window end), wall clock
         for _ in range(s.reps):
-            victim = _leader(cluster)
+            victim = cluster.wait_for_leader(time.monotonic() + ETCD_START_TIMEOUT_S)
             quiet_at = time.time()
             time.sleep(s.window_s)
             killed_at = time.time()
@@ -101,9 +82,7 @@ def run_leader(s: LeaderSettings, workdir: Path) -> dict[str, object]:
                     raise BenchError(f"a worker exited after a leader kill; see {w.log_path}")
             cluster.start_member(victim, time.monotonic() + ETCD_START_TIMEOUT_S)
             time.sleep(SETTLE_S)
-        for w in workers:
-            w.signal(signal.SIGTERM)  # drain: finish the step, leave
-        codes = [w.wait(PHASE_TIMEOUT_S) for w in workers]
+        codes = drain(workers)
         times = first_commit_times(workdir)
         rep = check_dir(workdir, DATASET_SIZE)
         quiet = [rate(times, a, k) for a, k, _ in windows]
@@ -129,15 +108,10 @@ def run_leader(s: LeaderSettings, workdir: Path) -> dict[str, object]:
 
 
 def render(result: Mapping[str, object]) -> str:
-    fig = result["figures"]
-    assert isinstance(fig, dict)
     st = result["settings"]
     assert isinstance(st, dict)
-    lines = [f"etcd leader SIGKILLed {st['reps']} times in a 3-member cluster ({st['workers']} workers, "
-             f"{st['window_s']} s windows)", *figure_rows(fig, LEADER_TARGETS, 24)]
-    if result["violations"]:
-        lines.append(f"audit violations: {result['violations']}")
-    return "\n".join(lines)
+    return figures_table(f"etcd leader SIGKILLed {st['reps']} times in a 3-member cluster ({st['workers']} "
+                         f"workers, {st['window_s']} s windows)", result, LEADER_TARGETS, 24)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

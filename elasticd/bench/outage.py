@@ -29,7 +29,7 @@ from elasticd.bench.common import (
     WORKLOAD,
     BenchError,
     LeaseSettings,
-    figure_rows,
+    figures_table,
     lost_steps,
     run_subcommand,
 )
@@ -68,18 +68,31 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
     raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def start_workers(lease: LeaseSettings, endpoints: str, job_id: str, count: int, step_sleep_s: float,
+                  workdir: Path, workers: list[WorkerProcess]) -> None:
+    """Start ``count`` workers of the default workload into ``workers`` (the caller stops them) and
+    wait for the warm-up steps."""
+    env = {"ELASTICD_ETCD_ENDPOINTS": endpoints, "ELASTICD_JOB_ID": job_id, "ELASTICD_NODE_ID": "bench",
+           **lease.worker_env(count)}
+    for i in range(count):
+        argv = python_program(WORKLOAD, "--steps", "100000000", "--step-sleep", str(step_sleep_s),
+                              "--audit", str(workdir / f"audit{i}.jsonl"))
+        workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)}, workdir / f"worker{i}.log").start())
+    wait_until(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
+
+
+def drain(workers: list[WorkerProcess]) -> list[int | None]:
+    """SIGTERM every worker (each finishes its step and leaves); their exit codes (None: still running)."""
+    for w in workers:
+        w.signal(signal.SIGTERM)
+    return [w.wait(PHASE_TIMEOUT_S) for w in workers]
+
+
 def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
     etcd = EtcdServer().start()
     workers: list[WorkerProcess] = []
     try:
-        env = {"ELASTICD_ETCD_ENDPOINTS": etcd.endpoint, "ELASTICD_JOB_ID": "outage",
-               "ELASTICD_NODE_ID": "bench", **s.worker_env(s.workers)}
-        for i in range(s.workers):
-            argv = python_program(WORKLOAD, "--steps", "100000000", "--step-sleep", str(s.step_sleep_s),
-                                  "--audit", str(workdir / f"audit{i}.jsonl"))
-            workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)},
-                                         workdir / f"worker{i}.log").start())
-        wait_until(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
+        start_workers(s, etcd.endpoint, "outage", s.workers, s.step_sleep_s, workdir, workers)
         before_start = time.time()
         time.sleep(s.window_s)
         killed_at = time.time()
@@ -92,9 +105,7 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
         back_at = time.time()
         time.sleep(s.window_s)
         after_end = time.time()
-        for w in workers:
-            w.signal(signal.SIGTERM)  # drain: finish the step, leave
-        codes = [w.wait(PHASE_TIMEOUT_S) for w in workers]
+        codes = drain(workers)
         times = first_commit_times(workdir)
         rep = check_dir(workdir, DATASET_SIZE)
         before = rate(times, before_start, killed_at)
@@ -117,14 +128,10 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
 
 
 def render(result: Mapping[str, object]) -> str:
-    fig = result["figures"]
-    assert isinstance(fig, dict)
-    lines = [f"etcd outage of {result['outage_measured_s']} s with no membership change "
-             f"({result['settings']['workers']} workers)",  # type: ignore[index]
-             *figure_rows(fig, OUTAGE_TARGETS, 22)]
-    if result["violations"]:
-        lines.append(f"audit violations: {result['violations']}")
-    return "\n".join(lines)
+    st = result["settings"]
+    assert isinstance(st, dict)
+    return figures_table(f"etcd outage of {result['outage_measured_s']} s with no membership change "
+                         f"({st['workers']} workers)", result, OUTAGE_TARGETS, 22)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -282,6 +282,20 @@ class EtcdCluster:
                     return i
         return None
 
+    def wait_for_leader(self, deadline: float) -> int:
+        """The index of the member that leads, once one does (``leader_index``), polled until
+        ``deadline`` (monotonic).
+
+        Raises:
+            RuntimeError: no member led by then.
+        """
+        while time.monotonic() < deadline:
+            found = self.leader_index()
+            if found is not None:
+                return found
+            time.sleep(0.1)
+        raise RuntimeError("the etcd cluster has no leader")
+
     def has_quorum(self) -> bool:
         """Whether some running member answers its health check (which needs a leader)."""
         return any(m.healthy() for m in self.members)

@@ -39,16 +39,6 @@ def cluster() -> Iterator[EtcdCluster]:
         c.stop()
 
 
-def _leader(cluster: EtcdCluster) -> int:
-    deadline = time.monotonic() + ETCD_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = cluster.leader_index()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise AssertionError("no etcd leader")
-
-
 def test_follower_and_leader_loss_lose_nothing_and_stall_nothing(cluster: EtcdCluster, tmp_path: Path) -> None:
     job = LocalJob(_Endpoints(",".join(cluster.endpoints)), tmp_path / "job", min_workers=2)  # type: ignore[arg-type]
     try:
@@ -56,7 +46,7 @@ def test_follower_and_leader_loss_lose_nothing_and_stall_nothing(cluster: EtcdCl
             job.spawn("--steps", "100000", *SLOW)
         job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
         for which in ("follower", "leader"):
-            leader = _leader(cluster)
+            leader = cluster.wait_for_leader(time.monotonic() + ETCD_START_TIMEOUT_S)
             victim = leader if which == "leader" else (leader + 1) % 3
             cluster.kill(victim)
             at = job.committed()
@@ -93,7 +83,7 @@ def test_a_new_leader_shows_as_a_higher_raft_term_and_refreshes_every_lease(clus
         store.put("/t/leased", b"x", lease=lease)
         granted = time.monotonic()
         time.sleep(LEASE_TTL_S / 2)
-        cluster.kill(_leader(cluster))
+        cluster.kill(cluster.wait_for_leader(time.monotonic() + ETCD_START_TIMEOUT_S))
         deadline = time.monotonic() + ETCD_START_TIMEOUT_S
         while store.raft_term() <= before:
             assert time.monotonic() < deadline, "no higher raft term after the leader was killed"

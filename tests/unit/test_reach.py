@@ -23,7 +23,9 @@ from elasticd.rendezvous.reach import (
     check_due,
     is_prober,
     next_checked,
+    RECENT_WAITS,
     out_of_reach,
+    reach_after_s,
     reach_sleep_s,
     verdict,
 )
@@ -104,7 +106,7 @@ def test_the_idle_reach_thread_is_woken_by_a_wait_that_begins_and_by_wake() -> N
         woke.append(time.monotonic() - t0)
 
     for poke in (lambda: stuck.began(1, time.monotonic()), stuck.wake):
-        stuck.ended()
+        stuck.ended(time.monotonic())
         t = threading.Thread(target=sleeper)
         t.start()
         time.sleep(0.1)  # asleep by now
@@ -124,8 +126,34 @@ def test_stuck_holds_the_current_wait() -> None:
     assert s.current() == Waiting(3, 10.0)
     s.began(4, 11.0)
     assert s.current() == Waiting(4, 11.0)
-    s.ended()
+    s.ended(11.25)
     assert s.current() is None
+    assert s.recent() == (0.25,)  # how long it lasted
+    s.ended(12.0)  # no wait in progress: nothing recorded
+    assert s.recent() == (0.25,)
+    for i in range(RECENT_WAITS + 5):
+        s.began(5, 20.0 + i)
+        s.ended(20.0 + i + 0.01 * i)
+    assert len(s.recent()) == RECENT_WAITS and s.recent()[-1] == pytest.approx(0.01 * (RECENT_WAITS + 4))
+
+
+SHORT = [0.01] * RECENT_WAITS
+
+
+@pytest.mark.parametrize(("recent", "min_s", "max_s", "after_s"), [
+    ([], 0.1, 0.5, 0.5),                           # nothing seen yet: the setting
+    ([0.01] * (RECENT_WAITS // 2 - 1), 0.1, 0.5, 0.5),  # too few waits seen (a new generation's first steps)
+    (SHORT, 0.1, 0.5, 0.1),                        # short waits: at the floor
+    ([*SHORT[1:], 0.03], 0.1, 0.5, 0.12),          # four times the longest recent wait
+    ([*SHORT[1:], 0.3], 0.1, 0.5, 0.5),            # a straggler's long wait: no earlier than the setting
+    (SHORT, 0.1, 0.0, 0.0),                        # off stays off
+    (SHORT, 0.5, 0.5, 0.5),                        # the floor at the setting: as before
+])
+def test_a_job_whose_waits_stay_short_asks_sooner(recent: list[float], min_s: float, max_s: float,
+                                                   after_s: float) -> None:
+    """Stop 26: a host cut off from the chaos soak's job (waits of a few ms) was asked about only
+    after 0.5 s; the survivors now ask at four times their longest recent wait, within the settings."""
+    assert reach_after_s(recent, min_s, max_s) == pytest.approx(after_s)
 
 
 def test_next_checked_counts_the_checks_of_one_wait() -> None:
@@ -285,3 +313,12 @@ def test_the_thread_asks_only_as_a_prober_of_a_long_wait(rank: int, coordinator:
             stop.set()
             t.join(5)
         assert bool(job.aborts) is asks and job.reads == int(asks)
+
+
+def test_reach_check_min_s_is_at_most_reach_check_s() -> None:
+    from elasticd.errors import ConfigError
+
+    Timeouts(reach_check_s=0.5, reach_check_min_s=0.5)
+    Timeouts(reach_check_s=0.0, reach_check_min_s=0.1)  # the check off: the floor says nothing
+    with pytest.raises(ConfigError, match="reach_check_min_s"):
+        Timeouts(reach_check_s=0.5, reach_check_min_s=0.6)

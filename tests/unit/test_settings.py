@@ -84,6 +84,7 @@ FULL_ENV = {
     "ELASTICD_ROUND_POLL_S": "0.3",
     "ELASTICD_PROBE_S": "0.07",
     "ELASTICD_REACH_CHECK_S": "0.9",
+    "ELASTICD_REACH_CHECK_MIN_S": "0.15",
     "ELASTICD_RELAY_STALE_S": "1.7",
     "ELASTICD_CHECKPOINT_DIR": "/data/ckpt",
     "ELASTICD_CHECKPOINT_EVERY_STEPS": "50",
@@ -103,7 +104,7 @@ def test_from_environ_parses_every_variable() -> None:
         join_s=50.0, join_window_s=0.5, last_call_s=0.6, coordinator_grace_s=0.4, view_poll_s=4.0, lease_ttl_s=4.0, keepalive_s=1.5,
         collective_s=11.0, group_build_s=12.0, group_abort_s=16.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, lease_renew_s=0.4, lease_confirm_s=1.5, etcd_outage_s=300.0, standby_s=3600.0,
         abort_poll_s=0.05, shutdown_grace_s=14.0, progress_event_s=3.0, relay_heartbeat_s=0.4, relay_stale_s=1.7,
-        round_poll_s=0.3, probe_s=0.07, reach_check_s=0.9, deputy_step_s=0.8,
+        round_poll_s=0.3, probe_s=0.07, reach_check_s=0.9, reach_check_min_s=0.15, deputy_step_s=0.8,
     )
     assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0, etcd_reconnect_max_s=0.25,
                                     step_retries=4)
