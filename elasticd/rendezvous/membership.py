@@ -105,6 +105,7 @@ class Membership:
         self._renew = threading.Event()  # renew now (a commit waits for a renewal)
         self._progress_due = threading.Event()  # a renewal was granted: publish the progress
         self._joining = False  # a join() runs (on the training thread)
+        self._confirming = False  # a step's sum waits for confirm_generation: the watcher reads etcd itself
         self.reach = ReachCheck(member.member_id, timeouts, clock, self.snapshot, self._publish.abort_now,
                                 self._seat.running, lambda: self._watch.abandon)
 
@@ -221,30 +222,28 @@ class Membership:
         self._etcd.background(self._stop, self._view_changed, self._watched_view, self._on_view,
                               self._timeouts.view_poll_s)
 
-    def _watched_view(self) -> Snapshot | None:
-        # While a join runs, it reads the view (and campaigns) itself on the same changes.
-        return None if self._joining else self.view()
+    def _watched_view(self) -> tuple[float, bool, Snapshot] | None:
+        # A join reads the view (and campaigns) itself; a sum's confirmation wants etcd's own view.
+        direct, asked_at = self._confirming, self._clock()
+        return None if self._joining else (asked_at, direct, self._reader.view(direct))
 
     def view(self) -> Snapshot:
-        """This member's view of the job (``JobReader.view``).
-
-        Raises:
-            EtcdUnavailable: etcd could not be reached within the retry bound.
-        """
+        """This member's view of the job (``JobReader.view``). Raises EtcdUnavailable: etcd could
+        not be reached within the retry bound."""
         return self._reader.view()
 
     def snapshot(self) -> Snapshot:
-        """All of the job's rendezvous keys (``JobReader.snapshot``).
-
-        Raises:
-            EtcdUnavailable: etcd could not be reached within the retry bound.
-        """
+        """All of the job's rendezvous keys (``JobReader.snapshot``). Raises EtcdUnavailable: etcd
+        could not be reached within the retry bound."""
         return self._reader.snapshot()
 
-    def _on_view(self, view: Snapshot | None) -> None:
-        if view is None:
+    def _on_view(self, answer: tuple[float, bool, Snapshot] | None) -> None:
+        if answer is None:
             return
+        asked_at, direct, view = answer
         self._watch.assess(view)
+        if direct:
+            self._watch.assessed_direct(asked_at)
         try:
             self._elect(view)
         except EtcdUnavailable as exc:
@@ -266,7 +265,6 @@ class Membership:
         """This member runs the job's coordinator now."""
         return self._seat.running()
 
-    # -- hot-path flags ---------------------------------------------------------------------
 
     def lease_fresh(self) -> bool:
         """This member's lease is certainly alive: renewed less than ``TTL - keepalive_s`` ago (the
@@ -306,6 +304,16 @@ class Membership:
                                    Deadline.after(self._timeouts.lease_confirm_s, self._clock),
                                    lambda: self._watch.lease_lost or self._stop.is_set(), self._timeouts.keepalive_s)
 
+    def confirm_generation(self, since: float) -> bool:
+        """Whether a view read from etcd itself after ``since`` (monotonic) still has this member's
+        generation current, waited for at most ``lease_confirm_s`` (the watcher reads at once)."""
+        self._confirming = True
+        try:
+            return self._watch.confirm_current(since, self._view_changed.set, Deadline.after(
+                self._timeouts.lease_confirm_s, self._clock), self._stop.is_set, self._timeouts.abort_poll_s)
+        finally:
+            self._confirming = False
+
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
         return self._watch.abandon
@@ -321,13 +329,11 @@ class Membership:
     # -- rendezvous -------------------------------------------------------------------------
 
     def abort(self, generation: int, reason: str) -> None:
-        """Mark ``generation`` broken so every member leaves it at once.
-
-        Written off the training thread (which goes on to the rendezvous at once), and retried
-        while etcd is unreachable, up to ``etcd_outage_s``: members waiting in a collective of that
-        generation learn it as soon as etcd answers (they also leave when they see this member's
-        ready record). Written by compare-and-set, and never over an abort of a newer generation.
-        """
+        """Mark ``generation`` broken so every member leaves it at once. Written off the training
+        thread (which goes on to the rendezvous at once), and retried while etcd is unreachable, up
+        to ``etcd_outage_s``: members waiting in a collective of that generation learn it as soon as
+        etcd answers (they also leave when they see this member's ready record). Written by
+        compare-and-set, and never over an abort of a newer generation."""
         self._publish.abort(generation, reason)
 
     def join(
@@ -481,12 +487,8 @@ class Membership:
         return Joined(record, record.rank_of(self.member_id), self._clock() - started, excused_s)
 
     def publish_checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
-        """Record the job's latest good durable checkpoint (best effort).
-
-        Args:
-            only_if_newer: write only if the key is absent or names an older step (by
-                compare-and-set, so a concurrent save is never overwritten by an older record).
-        """
+        """Record the job's latest good durable checkpoint (best effort); ``only_if_newer``: only if the
+        key is absent or names an older step (compare-and-set: never over a concurrent newer save)."""
         self._publish.checkpoint(record, only_if_newer)
 
     def mark_finished(self, generation: int, step: int) -> None:

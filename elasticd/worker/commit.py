@@ -28,7 +28,13 @@ commit *before* the sum, and every member decides from the same sum:
 * otherwise the step is committed by every member (and the members regroup after it if one asked).
 
 What stays local: a member that learns, after the sum, that its generation was fenced or its
-lease is gone does not apply the step. Two more refusals are ``confirmable``: its own lease has
+lease is gone does not apply the step. Nor, unless a view read from etcd after the sum shows its
+generation still current (``check_generation``), does a member whose sum came after a wait long
+enough for a reach check (``rendezvous.reach``) to have left it out: a member cut off from the
+network gets its sum *late*, once its link is back, because the peers that left it out still
+have the abandoned all_reduce pending in gloo and complete it with its data; its watch had not
+caught up with the abort, and it applied the step its peers did again without it (stop 26:
+``test_link_cut.py``, ``bench host-loss``). Two more refusals are ``confirmable``: its own lease has
 expired by its clock while etcd answered members at vote time (it was frozen past its lease, and
 its peers may have given up on the step), or it was stopped and continued since it last renewed
 its lease (its agent may have revoked the lease: ``continued.py``). The executor then asks etcd for
@@ -46,6 +52,7 @@ limits).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -100,6 +107,9 @@ class Fence:
     lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum; see Membership)
     continued: bool = False  # stopped and continued since its last renewal was asked (continued.py)
     confirmed: bool = False  # etcd granted a renewal answered after the sum: the lease never expired
+    waited_s: float = 0.0  # how long it waited for the sum (its all_reduce's wait)
+    reach_s: float = math.inf  # the shortest wait after which a reach check may ask (inf: the check is off)
+    current: bool = False  # a view read from etcd after the sum still had its generation current
 
 
 class Outcome(StrEnum):
@@ -115,6 +125,7 @@ class Verdict:
     regroup: bool = False  # COMMIT: re-rendezvous after this step
     unanimous: bool = True  # False: a local refusal (this member is behind the others, never ahead)
     confirmable: bool = False  # ABORT lifted by a renewal granted after the sum (Fence.confirmed)
+    check_generation: bool = False  # ABORT lifted by a view read after the sum (Fence.current)
 
 
 def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> Verdict:
@@ -134,6 +145,10 @@ def commit_outcome(tally: Tally, world_size: int, fence: Fence, now: float) -> V
     if fence.fenced or fence.lease_lost:
         why = "my lease is gone" if fence.lease_lost else "my generation was superseded or aborted"
         return Verdict(Outcome.ABORT, f"{why} after the vote", unanimous=False)
+    if tally.reached_etcd and fence.waited_s >= fence.reach_s and not fence.current:
+        return Verdict(Outcome.ABORT, f"the sum arrived after a {fence.waited_s:.2f} s wait, long enough for a reach "
+                       f"check to have left this member out (its peers' abandoned all_reduce can complete late)",
+                       unanimous=False, check_generation=True)
     if fence.continued and not fence.confirmed:
         return Verdict(Outcome.ABORT, "this process was stopped and continued since its last lease renewal: its "
                        "agent may have revoked the lease and its peers given up on the step", unanimous=False,

@@ -11,6 +11,7 @@ long a step may be deferred; a member that refuses a step alone keeps its sum. N
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -106,6 +107,7 @@ class StepProtocol:
         if not last:
             return False
         self._membership.reach.began(group.generation)  # a long wait is checked on (rendezvous.reach)
+        began = self._clock()
         try:
             summed = self._reducer.finish(Deadline.after(self._timeouts.td("collective")),
                                           self._membership.must_abandon, self._timeouts.abort_poll_s)
@@ -119,9 +121,11 @@ class StepProtocol:
             os.kill(os.getpid(), signal.SIGSTOP)
         op.tally = Tally.from_slots(summed)
         st = self._membership.standing()  # the fence as of the sum, not of commit() (user code runs between)
-        op.fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
-                         lease_ttl_s=st.lease_ttl_s, continued=st.continued)
         op.summed_at, op.standing = self._clock(), st
+        t = self._timeouts
+        op.fence = Fence(fenced=st.fenced, lease_lost=st.lease_lost, renewed_at=st.renewed_at,
+                         lease_ttl_s=st.lease_ttl_s, continued=st.continued, waited_s=op.summed_at - began,
+                         reach_s=t.reach_check_min_s if t.reach_check_s > 0 else math.inf)
         op.roll = self.rolls.rolling(whole.step)
         if op.roll is not None:
             try:
@@ -157,6 +161,15 @@ class StepProtocol:
         assert op.tally is not None and op.fence is not None, "decide() after backward() returned True"
         now = op.summed_at
         verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
+        if verdict.check_generation:  # one view read from etcd itself, within lease_confirm_s
+            current = self._membership.confirm_generation(op.summed_at)
+            st = self._membership.standing()
+            log.info("generation_checked", generation=group.generation, rank=group.rank, step=op.batch.step,
+                     current=current, after=verdict.reason)
+            op.fence = replace(op.fence, current=current, fenced=op.fence.fenced or st.fenced,
+                               lease_lost=op.fence.lease_lost or st.lease_lost)
+            if current or st.fenced or st.lease_lost:  # else etcd did not answer: the refusal stands
+                verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
         if verdict.confirmable and op.standing is not None and self._membership.confirm_lease(op.standing):
             log.info("lease_confirmed", generation=group.generation, rank=group.rank, after=verdict.reason)
             st = self._membership.standing()  # what the watcher learned meanwhile (after a stop: the backlog)

@@ -1,6 +1,6 @@
 """A host gone from the network is left behind by asking, not by waiting for its lease
 (``rendezvous.reach``): three workers of ``agents/mlp.py``, each on a network-namespace host of its
-own (a veth pair to a bridge this test makes), with a 10 s lease. The link of one host is taken
+own (a veth pair to a bridge this test makes), with a 10 s lease; the cut host's worker is the slow one. The link of one host is taken
 down (``ip link set ... down``) for at most 8 s: its lease cannot expire meanwhile (renewed at
 most 1 s before the cut), so the other two can commit without it only if the reach check
 noticed that its host no longer answers. Before it, they waited in the all_reduce until the link
@@ -26,7 +26,8 @@ from tests.jobs import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 600        # ~15 s of training at 3 workers with the sleep below; the cut and the rejoin take the first ~200
+STEPS = 250        # the cut and the rejoin take the first ~150 (the survivors run fast without the slow host)
+CUT_SLEEP_S = 0.1  # the cut host's worker sleeps this long before each step's backward, its peers 0.02 s
 CUT_MAX_S = 8.0    # the link stays down at most this long: well inside the lease (TTL 10 s)
 LEASE_TTL_S = 10
 
@@ -77,8 +78,15 @@ def test_a_host_cut_off_is_left_behind_before_its_lease_ends_and_rejoins(net: Ne
                 "ELASTICD_NODE_ID": f"node-{i}", "ELASTICD_ADVERTISE_ADDR": host.addr, "ELASTICD_MIN_WORKERS": "2",
                 "ELASTICD_LEASE_TTL_S": str(LEASE_TTL_S), "ELASTICD_KEEPALIVE_S": "1",
             }
+            # The cut host is the slow one: the cut lands (most likely) while it sleeps, before it sends
+            # its gradients, so they go out while its link is down; its peers wait in the all_reduce,
+            # leave it out (the reach check), commit the step without it; once the link is back their
+            # abandoned all_reduce, still pending in gloo, completes with its gradients and sends it
+            # the sum *late*. Before stop 26 it applied that step (its watch had not caught up with
+            # the abort): the step committed in two generations. Now it reads etcd first and refuses.
+            sleep = CUT_SLEEP_S if i == 2 else 0.02
             program = net.exec_prefix(host) + python_program(
-                "agents/mlp.py", "--steps", str(STEPS), "--step-sleep", "0.02", "--audit", str(audits[i]))
+                "agents/mlp.py", "--steps", str(STEPS), "--step-sleep", str(sleep), "--audit", str(audits[i]))
             workers.append(WorkerProcess(program, env, tmp_path / f"worker{i}.log").start())
 
         def at_three() -> bool:
@@ -108,6 +116,8 @@ def test_a_host_cut_off_is_left_behind_before_its_lease_ends_and_rejoins(net: Ne
             return bool(mine) and float(mine[-1]["t"]) > cut_at and mine[-1]["world_size"] == 3
 
         wait_until(rejoined, 60, "the cut-off worker rejoining once its link is back", tail)
+        late = [e for e in workers[2].log_text().splitlines() if '"generation_checked"' in e]
+        print(f"the cut-off worker's late sums, checked against etcd: {late}")
         codes = [w.wait(120) for w in workers]
         assert codes == [0, 0, 0], tail()
         report = check_dir(tmp_path, 2048)

@@ -92,6 +92,23 @@ CASES = [
      fence(renewed_at=NOW - 30.0, continued=True), Outcome.ABORT, False, False),
     ("continued, but everyone retries anyway", tally(stale=1, reached=2), fence(continued=True), Outcome.RETRY,
      False, True),
+    # Stop 26: a member cut off from the network got its sum late, once its link was back (its peers'
+    # abandoned all_reduce, still pending in gloo, completed with its data after a reach check had
+    # left it out), and applied a step its peers did again without it. A sum after a wait long
+    # enough for a reach check is applied only once a view read from etcd after it shows the
+    # generation still current.
+    ("a sum after a wait long enough for a reach check: refuse unless the generation is current", tally(),
+     fence(waited_s=0.45, reach_s=0.1), Outcome.ABORT, False, False),
+    ("... and the view read after it shows it current: commit", tally(),
+     fence(waited_s=0.45, reach_s=0.1, current=True), Outcome.COMMIT, False, True),
+    ("... or shows it aborted: refuse (the fence)", tally(),
+     fence(waited_s=0.45, reach_s=0.1, fenced=True), Outcome.ABORT, False, False),
+    ("a short wait needs no read", tally(), fence(waited_s=0.05, reach_s=0.1), Outcome.COMMIT, False, True),
+    ("the reach check off: no read", tally(), fence(waited_s=5.0), Outcome.COMMIT, False, True),
+    ("a long wait in an etcd outage: nobody could leave anyone out, commit", tally(stale=3, reached=0),
+     fence(renewed_at=NOW - 30.0, waited_s=0.45, reach_s=0.1), Outcome.COMMIT, False, True),
+    ("current, but frozen past my lease: the lease rule still asks for a renewal", tally(),
+     fence(waited_s=3.0, reach_s=0.1, current=True, renewed_at=NOW - 2.5), Outcome.ABORT, False, False),
 ]
 
 
@@ -113,6 +130,14 @@ def test_only_the_refusals_a_granted_renewal_can_lift_are_confirmable() -> None:
         v = commit_outcome(tally(), WORLD, f, NOW)
         assert (v.outcome, v.confirmable) == (Outcome.ABORT, False), v.reason
     assert not commit_outcome(tally(vetoes=1), WORLD, fence(renewed_at=NOW - 2.0), NOW).confirmable
+
+
+def test_only_a_late_sum_asks_for_a_view_read() -> None:
+    late = commit_outcome(tally(), WORLD, fence(waited_s=0.45, reach_s=0.1), NOW)
+    assert (late.check_generation, late.confirmable) == (True, False), late.reason
+    for f in (OK, fence(renewed_at=NOW - 2.0), fence(fenced=True, waited_s=0.45, reach_s=0.1),
+              fence(waited_s=0.45, reach_s=0.1, current=True)):
+        assert not commit_outcome(tally(), WORLD, f, NOW).check_generation
 
 
 def test_every_member_decides_alike_from_the_same_tally() -> None:

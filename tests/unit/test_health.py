@@ -123,3 +123,40 @@ def test_members_leaving_a_finished_job_are_not_judged_lost() -> None:
     assert judge(gone, W) is not None
     assert judge(replace(gone, finished=FinishedRecord(generation=3, step=100)), W) is None
     assert judge(replace(gone, finished=FinishedRecord(generation=2, step=50)), W) is not None  # an older finish
+
+
+@pytest.mark.parametrize(("then", "current"), [
+    ("same generation", True),             # the view read after the sum still has it: apply
+    ("aborted", False),                    # a reach check aborted it meanwhile: refuse
+    ("superseded", False),                 # the survivors' generation without me: refuse
+    ("no read", False),                    # etcd did not answer in time: the refusal stands
+])
+def test_a_late_sum_is_confirmed_by_a_view_read_after_it(then: str, current: bool) -> None:
+    """Stop 26: ``GenerationWatch.confirm_current`` waits for a view read from etcd itself after
+    the sum (the watcher is cued), and says whether the generation is still current."""
+    import threading
+    import time as _time
+
+    from elasticd.rendezvous.watch import GenerationWatch
+    from elasticd.retry import Deadline
+
+    w = GenerationWatch("a")
+    w.enter(G3_ABC, revision=5)
+    w.assessed_direct(NOW - 1.0)  # a read before the sum says nothing about it
+    views = {"same generation": snap(G3_ABC, alive=["a", "b", "c"], generation_revision=5),
+             "aborted": snap(G3_ABC, alive=["a", "b", "c"], aborted=3, generation_revision=5),
+             "superseded": snap(gen(4, ["b", "c"]), alive=["b", "c"], generation_revision=9)}
+    cued = threading.Event()
+
+    def watcher() -> None:  # the watcher thread: reads on the cue, assesses, notes a direct read
+        if cued.wait(5) and then in views:
+            w.assess(views[then])
+            w.assessed_direct(NOW + 0.01)
+
+    t = threading.Thread(target=watcher)
+    t.start()
+    started = _time.monotonic()
+    got = w.confirm_current(NOW, cued.set, Deadline.after(0.5), lambda: False, 0.02)
+    t.join(5)
+    assert got is current
+    assert _time.monotonic() - started < (0.45 if then != "no read" else 1.0)
