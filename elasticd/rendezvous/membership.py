@@ -205,7 +205,7 @@ class Membership:
 
     def _keepalive_loop(self) -> None:
         # Renewals only: a step may be waiting for one (a vote of "stale"). The progress writes
-        # follow each granted renewal on a thread of their own (_progress_loop).
+        # follow each granted renewal on a thread of their own (Publisher.progress_loop).
         self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s,
                               held_s=self._timeouts.lease_renew_s)
 
@@ -304,10 +304,10 @@ class Membership:
                                    Deadline.after(self._timeouts.lease_confirm_s, self._clock),
                                    lambda: self._watch.lease_lost or self._stop.is_set(), self._timeouts.keepalive_s)
 
-    def confirm_generation(self, since: float) -> bool:
-        """Whether a view read from etcd itself after ``since`` (monotonic) still has this member's
-        generation current, waited for at most ``lease_confirm_s`` (the watcher reads at once)."""
-        self._confirming = True
+    def confirm_generation(self) -> bool:
+        """Whether a view read from etcd itself from now on still has this member's generation
+        current, waited for at most ``lease_confirm_s`` (the watcher reads at once)."""
+        self._confirming, since = True, self._clock()
         try:
             return self._watch.confirm_current(since, self._view_changed.set, Deadline.after(
                 self._timeouts.lease_confirm_s, self._clock), self._stop.is_set, self._timeouts.abort_poll_s)

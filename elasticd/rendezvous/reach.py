@@ -121,8 +121,8 @@ class Stuck:
 def reach_after_s(recent: Sequence[float], min_s: float, max_s: float) -> float:
     """How long a wait for the sum lasts before a reach check asks (what ``check_due`` takes as
     ``reach_check_s``): ``REACH_WAIT_FACTOR`` times the longest of the ``recent`` waits, within
-    [``min_s``, ``max_s``]; ``max_s`` until ``RECENT_WAITS`` // 2 waits were seen (a new member,
-    a new generation's first steps), and 0 (off) when ``max_s`` is 0. Pure."""
+    [``min_s``, ``max_s``]; ``max_s`` until this member has seen ``RECENT_WAITS`` // 2 waits (a new
+    member; the history is kept across its generations), and 0 (off) when ``max_s`` is 0. Pure."""
     if max_s <= 0 or len(recent) < RECENT_WAITS // 2:
         return max_s
     return min(max_s, max(min_s, REACH_WAIT_FACTOR * max(recent)))

@@ -137,6 +137,9 @@ class StepProtocol:
                 raise
             # every member now holds the sum: should the rolled step fail, the next sync rolls it again
             self._keep_sum(group, whole, op.roll)
+            # the broadcast is a wait for the sum too (it can complete late as well): count it in
+            op.summed_at = self._clock()
+            op.fence = replace(op.fence, waited_s=op.summed_at - began)
         op.verdict = self.decide(group, op)
         if op.verdict.outcome is Outcome.ABORT and not op.verdict.unanimous:
             # Refused here alone: the others may apply it. Keep the sum (rollforward).
@@ -162,7 +165,7 @@ class StepProtocol:
         now = op.summed_at
         verdict = commit_outcome(op.tally, group.world_size, op.fence, now)
         if verdict.check_generation:  # one view read from etcd itself, within lease_confirm_s
-            current = self._membership.confirm_generation(op.summed_at)
+            current = self._membership.confirm_generation()
             st = self._membership.standing()
             log.info("generation_checked", generation=group.generation, rank=group.rank, step=op.batch.step,
                      current=current, after=verdict.reason)
