@@ -308,6 +308,12 @@ class WorkerEnv:
     stop_after_sum: int = field(default=0, metadata={
         "doc": "Fault injection: the worker stops itself (SIGSTOP) once, right after the gradient sum of this "
                "step arrives and before it reads its fence (the window of a refusal after the sum); 0: never."})
+    miss_sum_at: int = field(default=0, metadata={
+        "doc": "Fault injection: once, at this step, the worker drops the gradient sum that arrived and fails the "
+               "step, as a member whose all_reduce broke in its last hop while its peers got the sum; 0: never."})
+    kill_after_apply: int = field(default=0, metadata={
+        "doc": "Fault injection: the worker SIGKILLs itself right after applying this step, before a later sum "
+               "or sync confirms it; 0: never."})
     relay_socket: str = field(default="", metadata={
         "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
                "of the job and its watches come from it; empty: from etcd."})
@@ -318,8 +324,9 @@ class WorkerEnv:
             raise ConfigError(f"backend: must be one of auto, gloo, nccl, got {self.backend!r}")
         if self.local_rank < 0:
             raise ConfigError(f"local_rank: must be >= 0, got {self.local_rank}")
-        if self.stop_after_sum < 0:
-            raise ConfigError(f"stop_after_sum: must be >= 0 (0: never), got {self.stop_after_sum}")
+        for name in ("stop_after_sum", "miss_sum_at", "kill_after_apply"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0: never), got {getattr(self, name)}")
         check_name("node_id", self.node_id)
 
 

@@ -15,12 +15,13 @@ import math
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
 
-from elasticd.config import Timeouts
+from elasticd.config import Timeouts, WorkerEnv
 from elasticd.errors import CollectiveError
 from elasticd.rendezvous.member import Standing
 from elasticd.rendezvous.membership import Membership
@@ -32,6 +33,8 @@ from elasticd.worker.rollforward import KeptSum, Roll, RollForward
 from elasticd.worker.sampler import Batch
 
 log = structlog.get_logger(__name__)
+
+MISSED_SUM_WAIT_S = 0.3  # Injected.miss_sum_at: how long the member waits before it fails the step
 
 
 @dataclass(frozen=True)
@@ -62,15 +65,29 @@ class OpenStep:
     roll: Roll | None = None  # the step applies a kept sum (its gradients were replaced)
 
 
+@dataclass
+class Injected:
+    """Fault injection, each at one step, once (``WorkerEnv``: ``stop_after_sum``, ``miss_sum_at``,
+    ``kill_after_apply``; 0: never)."""
+
+    stop_after_sum: int = 0  # SIGSTOP itself between the sum and the fence
+    miss_sum_at: int = 0  # drop the sum that arrived and fail the step (its last hop broke here alone)
+    kill_after_apply: int = 0  # SIGKILL itself as it begins the step after this one (applied, unconfirmed)
+
+    @classmethod
+    def of(cls, env: WorkerEnv) -> Injected:
+        return cls(env.stop_after_sum, env.miss_sum_at, env.kill_after_apply)
+
+
 class StepProtocol:
     """The per-step collective protocol of one member."""
 
     def __init__(self, reducer: GradientReducer, membership: Membership, drain: threading.Event,
-                 timeouts: Timeouts, clock: Clock, stop_after_sum: int = 0) -> None:
+                 timeouts: Timeouts, clock: Clock, injected: Injected | None = None) -> None:
         self._reducer, self._membership, self._drain = reducer, membership, drain
         self._timeouts, self._clock = timeouts, clock
         self._deferred_since: float | None = None  # monotonic: the step is being deferred since then
-        self._stop_after_sum = stop_after_sum  # WorkerEnv.stop_after_sum (fault injection)
+        self._injected = injected if injected is not None else Injected()
         self.rolls = RollForward()
 
     def backward(self, group: Group, op: OpenStep, micro: Batch, loss: torch.Tensor) -> bool:
@@ -82,8 +99,10 @@ class StepProtocol:
             CollectiveError: the all_reduce failed, timed out or its generation was abandoned
                 (the reducer forgot the step).
         """
-        whole, last = op.batch, micro.micro == micro.micro_count - 1
+        whole, last, inj = op.batch, micro.micro == micro.micro_count - 1, self._injected
         if micro.micro == 0:
+            if inj.kill_after_apply and whole.step == inj.kill_after_apply + 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: applied, not yet confirmed
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
             membership, draining, wl, vd, voted = (self._membership, self._drain, op.weighted_loss, op.voted_drain,
@@ -116,8 +135,13 @@ class StepProtocol:
             raise
         finally:
             self._membership.reach.ended()
-        if whole.step == self._stop_after_sum:  # fault injection: a stop between the sum and the fence, once
-            self._stop_after_sum = 0
+        if whole.step == inj.miss_sum_at:  # fault injection: this member's last hop broke, once
+            inj.miss_sum_at = 0
+            self._reducer.cancel()
+            time.sleep(MISSED_SUM_WAIT_S)  # it waits for a sum that does not come; its peers go on
+            raise CollectiveError(f"the sum of step {whole.step} dropped here (fault injection: miss_sum_at)")
+        if whole.step == inj.stop_after_sum:  # fault injection: a stop between the sum and the fence, once
+            inj.stop_after_sum = 0
             os.kill(os.getpid(), signal.SIGSTOP)
         op.tally = Tally.from_slots(summed)
         st = self._membership.standing()  # the fence as of the sum, not of commit() (user code runs between)

@@ -42,7 +42,7 @@ from elasticd.worker.process_group import Group, GroupFactory
 from elasticd.worker.rejoin import connect, goodbye, rejoin
 from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler, split_micro
 from elasticd.worker.state import TrainingState
-from elasticd.worker.step import OpenStep, StepProtocol, StepResult
+from elasticd.worker.step import Injected, OpenStep, StepProtocol, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -202,7 +202,7 @@ class ElasticTrainer:
         self._store, self._factory, self._membership = connect(env, self.state.signature, self._store)
         self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
         self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts, self._clock,
-                                      env.stop_after_sum)
+                                      Injected.of(env))
         self._journal.open(self._membership, self._store, self._membership.member_id, started_wall)
         self._failed_at = self._clock()
 

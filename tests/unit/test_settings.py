@@ -80,6 +80,8 @@ FULL_ENV = {
     "ELASTICD_STANDBY": "yes",
     "ELASTICD_RELAY_SOCKET": "/run/elasticd-relay/relay.sock",
     "ELASTICD_STOP_AFTER_SUM": "17",
+    "ELASTICD_MISS_SUM_AT": "18",
+    "ELASTICD_KILL_AFTER_APPLY": "19",
     "ELASTICD_RELAY_HEARTBEAT_S": "0.4",
     "ELASTICD_ROUND_POLL_S": "0.3",
     "ELASTICD_PROBE_S": "0.07",
@@ -112,7 +114,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.events_keep == 42
     assert (env.spare, env.standby) == (True, True)
     assert env.relay_socket == "/run/elasticd-relay/relay.sock"
-    assert env.stop_after_sum == 17
+    assert (env.stop_after_sum, env.miss_sum_at, env.kill_after_apply) == (17, 18, 19)
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
     assert env.checkpoint == CheckpointConfig(checkpoint_dir="/data/ckpt", checkpoint_every_steps=50,
                                               checkpoint_every_s=30.0, checkpoint_keep=5, checkpoint_wait_s=20.0,
@@ -303,6 +305,9 @@ def test_an_empty_password_file_is_a_clear_error(tmp_path) -> None:
     ("ELASTICD_CHECKPOINT_KEEP", "0", r"^checkpoint_keep: must be an integer >= 1"),
     ("ELASTICD_CHECKPOINT_WAIT_S", "0", r"^checkpoint_wait_s: must be a positive"),
     ("ELASTICD_CHECKPOINT_KEEP", "three", r"^ELASTICD_CHECKPOINT_KEEP: expected a int"),
+    ("ELASTICD_STOP_AFTER_SUM", "-1", r"^stop_after_sum: must be >= 0 \(0: never\)"),
+    ("ELASTICD_MISS_SUM_AT", "-3", r"^miss_sum_at: must be >= 0 \(0: never\), got -3"),
+    ("ELASTICD_KILL_AFTER_APPLY", "-2", r"^kill_after_apply: must be >= 0"),
 ])
 def test_bad_checkpoint_settings_name_the_setting(variable: str, value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

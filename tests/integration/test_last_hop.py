@@ -1,0 +1,41 @@
+"""A step that one member applied and its peers never got the sum of is not committed twice.
+
+gloo's all_reduce is not atomic: a member may receive the whole sum while its peers' last receive
+never comes (a link that dies right after that member's own last receive, or a slow member whose
+late sum its peers' abandoned all_reduce completes). That member applies the step; if it is then
+lost, its peers do the step again without it. The step is committed only once: a member's commit
+line goes out when the step is confirmed (a later all_reduce of the same group completed, or a
+sync kept its state), so the lost member's application, never confirmed, is not a commit (README:
+how a step is committed). The split is made exactly by fault injection (``ELASTICD_MISS_SUM_AT``:
+two members drop the sum that arrived and fail the step; ``ELASTICD_KILL_AFTER_APPLY``: the third,
+which applied it, SIGKILLs itself as it begins the next step). Real gloo workers, a real etcd."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+STEP = 30  # the split step
+STEPS = 70
+
+
+def test_a_step_applied_by_a_member_lost_before_its_confirmation_is_done_once_by_the_survivors(local_job):
+    job = local_job(min_workers=2, join_window_s=3)  # the three start together (the join window waits for the third)
+    for _ in range(2):
+        job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", miss_sum_at=STEP)
+    lost = job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", kill_after_apply=STEP)
+    codes = job.wait_all(120)
+    assert codes[:2] == [0, 0] and codes[2] == -9, job.logs_tail()
+    rep = job.audit()
+    # without the confirmation: "step 30 committed in several generations" (the lost member's
+    # line in the first generation, the survivors' in the next)
+    assert rep.ok, rep.violations
+    assert rep.last_step == STEPS and len(set(rep.final_checksums)) == 1
+    lost_steps = [r["step"] for r in map(json.loads, (job.dir / "audit2.jsonl").read_text().splitlines())
+                  if r["event"] == "commit"]
+    assert lost_steps and max(lost_steps) == STEP - 1, lost_steps  # it applied STEP, never committed it
+    for w in job.workers[:2]:
+        assert f"the sum of step {STEP} dropped here" in w.log_text()
