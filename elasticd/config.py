@@ -30,9 +30,7 @@ def _seconds(doc: str, default: float) -> float:
 
 
 def _positive_finite(value: object) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 @dataclass(frozen=True)
@@ -166,17 +164,15 @@ class RetryPolicy:
     """Bounds on the two places that retry: idempotent etcd calls, and a whole training step."""
 
     etcd_attempts: int = field(default=6, metadata={"doc": "Attempts of one idempotent etcd call."})
-    etcd_backoff_initial_s: float = field(
-        default=0.05, metadata={"doc": "First backoff between etcd attempts (exponential, jittered)."}
-    )
+    etcd_backoff_initial_s: float = field(default=0.05, metadata={
+        "doc": "First backoff between etcd attempts (exponential, jittered)."})
     etcd_backoff_max_s: float = field(default=1.0, metadata={"doc": "Largest backoff between etcd attempts."})
     etcd_reconnect_max_s: float = field(default=0.5, metadata={
         "doc": "Longest wait between two attempts to reconnect to an etcd endpoint that went away "
                "(gRPC's own default grows to 120 s, so a restarted etcd would be noticed seconds "
                "late, after the leases it restored had expired)."})
-    step_retries: int = field(
-        default=8, metadata={"doc": "Times one step may fail and be retried before the worker gives up."}
-    )
+    step_retries: int = field(default=8, metadata={
+        "doc": "Times one step may fail and be retried before the worker gives up."})
 
     def __post_init__(self) -> None:
         for name in ("etcd_attempts", "step_retries"):
@@ -217,9 +213,7 @@ class WorldConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
         if self.min_workers > self.max_workers:
-            raise ConfigError(
-                f"min_workers: must be <= max_workers ({self.max_workers}), got {self.min_workers}"
-            )
+            raise ConfigError(f"min_workers: must be <= max_workers ({self.max_workers}), got {self.min_workers}")
 
 
 EVENTS_KEEP_DOC = ("Most events kept in the job's history in etcd (events/); each writer prunes the "
@@ -308,12 +302,10 @@ class WorkerEnv:
     stop_after_sum: int = field(default=0, metadata={
         "doc": "Fault injection: the worker stops itself (SIGSTOP) once, right after the gradient sum of this "
                "step arrives and before it reads its fence (the window of a refusal after the sum); 0: never."})
-    miss_sum_at: int = field(default=0, metadata={
-        "doc": "Fault injection: once, at this step, the worker drops the gradient sum that arrived and fails the "
-               "step, as a member whose all_reduce broke in its last hop while its peers got the sum; 0: never."})
-    kill_after_apply: int = field(default=0, metadata={
-        "doc": "Fault injection: the worker SIGKILLs itself right after applying this step, before a later sum "
-               "or sync confirms it; 0: never."})
+    miss_sum_at: int = field(default=0, metadata={"doc": "Fault injection: once, at this step, the worker drops the "
+                                                  "sum that arrived and fails the step (its last hop broke); 0: never."})
+    kill_after_apply: int = field(default=0, metadata={"doc": "Fault injection: the worker SIGKILLs itself as it "
+                                                       "begins the step after this one (applied, unconfirmed); 0: never."})
     relay_socket: str = field(default="", metadata={
         "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
                "of the job and its watches come from it; empty: from etcd."})

@@ -67,18 +67,19 @@ def audit_commits(job: Any, worker: int) -> list[dict[str, Any]]:
 def refuse_and_lose_appliers(job: Any, spawn: Callable[..., Any], step: int) -> Any:
     """The roll-forward scenario (``worker.rollforward``), with real faults: of three workers
     (``spawn()`` starts one), worker 1 stops itself right after the gradient sum of ``step`` arrives,
-    before it reads its fence (``ELASTICD_STOP_AFTER_SUM``); workers 0 and 2 apply the step and are
-    SIGKILLed before any regroup; worker 1's lease (2 s) runs out while it is stopped, so continued,
-    it cannot confirm it and refuses the step; two newcomers join it. Returns worker 1."""
-    spawn()
+    before it reads its fence (``ELASTICD_STOP_AFTER_SUM``); workers 0 and 2 apply the step and
+    SIGKILL themselves as they begin the next one (``ELASTICD_KILL_AFTER_APPLY``: before any regroup,
+    and before anything confirmed the step, so it is not their commit); worker 1's lease (2 s) runs
+    out while it is stopped, so continued, it cannot confirm it and refuses the step; two newcomers
+    join it. Returns worker 1."""
+    spawn(kill_after_apply=step)
     victim = spawn(stop_after_sum=step)
-    spawn()
+    spawn(kill_after_apply=step)
     job.wait_for(lambda: _stopped(victim.pid), 90, f"worker 1 stopped after the sum of step {step}")
-    job.wait_for(lambda: all(any(r["step"] == step for r in audit_commits(job, w)) for w in (0, 2)), 10,
-                 f"workers 0 and 2 applied step {step}")
-    for w in (0, 2):
-        job.workers[w].signal(signal.SIGKILL)
-    assert not any(r["step"] >= step for r in audit_commits(job, 1))
+    job.wait_for(lambda: not job.workers[0].alive() and not job.workers[2].alive(), 10,
+                 f"workers 0 and 2 to apply step {step} and end")
+    assert [job.workers[w].proc.returncode for w in (0, 2)] == [-9, -9], job.logs_tail()
+    assert not any(r["step"] >= step for w in range(3) for r in audit_commits(job, w))
     # worker 1's lease ends while it is stopped (etcd removes its member key), so it cannot confirm it
     from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
     from elasticd.store.etcd import EtcdClient
@@ -97,11 +98,13 @@ def refuse_and_lose_appliers(job: Any, spawn: Callable[..., Any], step: int) -> 
 
 
 def assert_rolled_once(job: Any, step: int, log: str) -> None:
-    """``step`` was applied by workers 0 and 2 in its generation and then rolled forward by a later
-    generation's three (``sum_generation`` naming the first), never done again; the log says so."""
+    """``step``, applied by workers 0 and 2 in its generation (who were lost before it was confirmed),
+    was rolled forward by a later generation's three (``sum_generation`` naming the first: that
+    generation's commit), never done again; the log says so."""
     rows = [r for w in range(len(job.workers)) for r in audit_commits(job, w) if r["step"] == step]
-    first = {r["generation"] for r in rows if "sum_generation" not in r}
+    before = [r for w in range(len(job.workers)) for r in audit_commits(job, w) if r["step"] == step - 1]
     rolled = [r for r in rows if "sum_generation" in r]
-    assert len(first) == 1 and len(rolled) == 3, rows
-    assert {r["sum_generation"] for r in rolled} == first and {r["generation"] for r in rolled} != first
+    assert len(rolled) == 3 == len(rows), rows
+    assert {r["sum_generation"] for r in rolled} == {r["generation"] for r in before}, (rows, before)
+    assert all(r["generation"] > r["sum_generation"] for r in rolled)
     assert "step_sum_kept" in log and "step_rolled_forward" in log

@@ -66,6 +66,7 @@ class Checkpoints:
                 wait_s=c.checkpoint_wait_s, on_saved=self._journal.checkpoint_saved, on_failed=self.on_failed,
             )
         if self._writer.due(step):
+            self._journal.confirm()  # the step becomes durable: rank 0's commit line goes out with it
             self._generation[0] = generation
             self._writer.save(self._state, generation)
 

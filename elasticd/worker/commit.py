@@ -46,8 +46,9 @@ applied: a split commit). A member continued from a stop before its vote votes "
 renewal asked after the continue succeeds (or fails with the lease gone, a veto), so every member
 retries the step. A member that refuses is behind, never ahead: it re-registers as a newcomer and
 rank 0 of the next generation, chosen for holding the newest step, sends it the state. If every
-member that applied dies before that regroup, the survivors do the step again (README, known
-limits).
+member that applied dies before that regroup, the survivors apply its kept sum (``rollforward``);
+and what a member applied is its commit only once a later sum or sync confirms it (``journal``),
+so a member that got a sum its peers never did, and was lost, committed nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The worker's bookkeeping: what it records about its own training, and where.
 
 Owns ``Journal``: the audit file (one JSON line per start, sync, resume and commit, and a final
-one); the throttled ``step_committed`` log line and the ``recovered`` one; the progress record
+one; a step this member applied becomes a commit line only once confirmed, ``confirm``: a later
+sum of the same group, a sync whose rank 0 holds them, a durable save; else ``discard``); the throttled
+``step_committed`` log line and the ``recovered`` one; the progress record
 (handed to the membership's keepalive thread, ``Membership.set_progress``); the job's ``recovered``
 event, which rank 0 queues (``EventLog``) at the first commit of a recovery generation; and the
 job's ``checkpoint`` and ``save_failed`` records (on the checkpoint writer's thread, or at a resume
@@ -83,6 +85,8 @@ class Journal:
         self._last_recovery_cause: str | None = None
         # Rank 0 of a generation that was a recovery: what to record at its first commit.
         self._unrecorded_recovery: dict[str, object] | None = None
+        # Steps applied here and not yet confirmed (``confirm``): (step, its audit line or None)
+        self._unconfirmed: list[tuple[int, dict[str, object] | None]] = []
 
     def open(self, membership: Membership, store: KeyValueStore, member_id: str, started_wall: float) -> None:
         """Bind to ``membership`` (progress and checkpoint records) and ``store`` (failed saves,
@@ -103,8 +107,29 @@ class Journal:
             if log_ is not None:
                 log_.close(timeout_s)
 
-    def close(self, step: int, checksum: Callable[[], int]) -> None:
-        """The audit file's last line (the step and ``checksum()`` of the state held), then close it."""
+    def confirm(self) -> None:
+        """Every member of the generation applied the steps this member applied since the last
+        confirmation (a later all_reduce of the same group completed, or a sync kept this member's
+        state): their commit lines go out now (README: how a step is committed)."""
+        for _, record in self._unconfirmed:
+            if record is not None:
+                self._audit_line(record)
+        self._unconfirmed.clear()
+
+    def discard(self, why: str) -> None:
+        """The steps applied here since the last confirmation are not the job's (a sync replaced
+        this member's state, or it leaves without a confirmation): their commit lines never go out."""
+        if self._unconfirmed:
+            log.warning("steps_discarded", steps=[step for step, _ in self._unconfirmed], reason=why)
+        self._unconfirmed.clear()
+
+    def close(self, step: int, checksum: Callable[[], int], confirmed: bool) -> None:
+        """Settle the unconfirmed steps (``confirmed``: ``confirm``, else ``discard``), then the
+        audit file's last line (the step and ``checksum()`` of the state held), and close it."""
+        if confirmed:
+            self.confirm()
+        else:
+            self.discard("left the job before a later sum or sync confirmed them")
         if self._audit is None:
             return
         self._audit_line({"event": "final", "step": step, "checksum": f"{checksum():016x}"})
@@ -119,7 +144,13 @@ class Journal:
                   step_time_s: float | None) -> None:
         """This member joined ``group`` and holds rank 0's state (``report``). ``cause``: why it
         rendezvoused ("start" for a worker's first join, which is not a recovery); ``failed_at``:
-        when (monotonic) the fault was noticed."""
+        when (monotonic) the fault was noticed. The steps applied here since the last confirmation
+        are the job's if they are rank 0's history (``SyncReport.kept``: this member is rank 0, or
+        of its lineage and not ahead of it), and not if this member was on a branch the job left."""
+        if report.kept:
+            self.confirm()
+        else:
+            self.discard("this member's state is not of rank 0's lineage: a branch the job left")
         self._unrecorded_recovery = None
         if cause != "start":
             self.recoveries += 1
@@ -181,23 +212,23 @@ class Journal:
 
     def committed(self, batch: Batch, step: int, loss: float, generation: int, world_size: int,
                   duration_s: float, sum_generation: int | None = None) -> None:
-        """Every member committed ``step`` (from ``batch``): the log line, the audit line, the
-        progress record, and (rank 0, first commit of a recovery generation) the ``recovered``
-        event, from the fault noticed to this commit. Queues the event only; the write happens off
-        this thread. ``sum_generation``: a step rolled forward applied that generation's sum (the
-        audit line says so: it is that generation's commit, not a second one)."""
+        """This member applied ``step`` (from ``batch``): the log line, the progress record, and
+        (rank 0, first commit of a recovery generation) the ``recovered`` event, from the fault
+        noticed to this commit, now; the audit line once the step is confirmed (``confirm``: every
+        member applied it; ``discard``: it is not the job's). Queues the event only; the write
+        happens off this thread. ``sum_generation``: a step rolled forward applied that
+        generation's sum (the audit line says so: it is that generation's commit, not a second one)."""
         now = self._clock()
         set_moment(step=step)  # every line of every thread from now on (one dict update)
         if now - self._logged_at >= self._log_interval_s:
             self._logged_at = now
             log.info("step_committed", generation=generation, rank=batch.rank, step=step,
                      loss=round(loss, 6), world_size=world_size, duration_s=round(duration_s, 5))
-        if self._audit is not None:
-            self._audit_line({"event": "commit", "step": step, "generation": generation,
-                             "rank": batch.rank, "world_size": batch.world_size, "epoch": batch.epoch,
-                             "position": batch.position, "global_size": batch.global_size,
-                             "indices": batch.indices, "loss": loss, "t": time.time(),
-                             **({"sum_generation": sum_generation} if sum_generation is not None else {})})
+        self._unconfirmed.append((step, None if self._audit is None else {
+            "event": "commit", "step": step, "generation": generation, "rank": batch.rank,
+            "world_size": batch.world_size, "epoch": batch.epoch, "position": batch.position,
+            "global_size": batch.global_size, "indices": batch.indices, "loss": loss, "t": time.time(),
+            **({"sum_generation": sum_generation} if sum_generation is not None else {})}))
         self._publish_progress(step, generation, batch.rank, duration_s)
         if batch.rank == 0 and self._samples is not None and now - self._progress_evented_at >= self._progress_event_s:
             self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)

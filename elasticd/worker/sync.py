@@ -55,6 +55,7 @@ class SyncReport:
     step: int
     duration_s: float
     roll: Roll | None = None  # the next step applies a kept sum (``rollforward``)
+    kept: bool = True  # what this rank applied is rank 0's history: it is rank 0, or of its lineage, not ahead
 
 
 SubgroupBuilder = Callable[[Group, Sequence[int], str], Group]
@@ -124,6 +125,7 @@ def sync_state(
         raise CheckpointTransferError(f"rank 0 holds step {steps[0]} but rank {newest} holds {steps[newest]}")
     needy = [r for r in range(1, world)
              if lineages[r] < 0 or (steps[r], lineages[r]) != (steps[0], lineages[0])]
+    kept = me == 0 or (lineages[me] == lineages[0] >= 0 and steps[me] <= steps[0])  # behind: a prefix of it
     transferred = 0
     mine: int | None = None
     for attempt in range(2):
@@ -147,7 +149,7 @@ def sync_state(
         raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}: "
                            f"ranks {diverged} differ from rank 0")
     assert mine is not None
-    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started, roll)
+    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started, roll, kept)
     log.info("state_synced", generation=group.generation, rank=me, step=report.step,
              transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
              duration_s=round(report.duration_s, 4))

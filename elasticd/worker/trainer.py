@@ -208,14 +208,14 @@ class ElasticTrainer:
 
     def close(self, clean: bool = True) -> None:
         """Leave the job: a due save, a goodbye barrier when every member finished together, then
-        revoke the lease, drop the group, stop the threads (``rank`` keeps the last rank). Idempotent."""
+        revoke the lease, drop the group, stop the threads (``rank`` keeps the last rank); its last
+        steps, unconfirmed, are commits if the job ended together (else discarded). Idempotent."""
         if self._closed:
             return
         self._closed = True
         if clean:
             self._save_if_due()  # a save due after the last commit (the loop was left with break)
-        if self.group is not None:
-            self._last_rank, self._last_world = self.group.rank, self.group.world_size
+        self._last_rank, self._last_world = (self.group.rank, self.group.world_size) if self.group else (-1, 0)
         if clean and self._finished_together and self._membership is not None:
             goodbye(self.group, self._membership, self.env.timeouts, self.state.counters.step)
         self.checkpoints.close()
@@ -228,7 +228,7 @@ class ElasticTrainer:
             self._factory.retire(self.group)
             self._factory.drain(Deadline.after(self.env.timeouts.collective_s + 1.0))
         self.group = None
-        self._journal.close(self.state.counters.step, self.state.checksum)
+        self._journal.close(self.state.counters.step, self.state.checksum, confirmed=clean and self._finished_together)
 
     @property
     def step_count(self) -> int:
@@ -406,6 +406,7 @@ class ElasticTrainer:
         try:
             if not self._protocol.backward(self.group, op, micro, loss):
                 return False
+            self._journal.confirm()  # the whole group summed this step: each applied the one before
         except CollectiveError as exc:
             self._open = None
             self._fail(exc)

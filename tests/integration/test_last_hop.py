@@ -39,3 +39,21 @@ def test_a_step_applied_by_a_member_lost_before_its_confirmation_is_done_once_by
     assert lost_steps and max(lost_steps) == STEP - 1, lost_steps  # it applied STEP, never committed it
     for w in job.workers[:2]:
         assert f"the sum of step {STEP} dropped here" in w.log_text()
+
+
+def test_a_member_that_missed_a_sum_its_peers_applied_commits_the_step_before_it_with_them(local_job):
+    # The split the other way round, nobody lost: one member drops the sum its two peers applied.
+    # At the regroup it is behind rank 0 in the same lineage: it receives rank 0's state, and the
+    # step before, which it applied with the others, is still its commit (a sync that only asked
+    # "was my state kept?" discarded it: "ranks [..] did not commit it, yet the generation went on").
+    job = local_job(min_workers=3, join_window_s=3)
+    behind = job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", miss_sum_at=STEP)
+    for _ in range(2):
+        job.spawn("--steps", str(STEPS), "--step-sleep", "0.02")
+    assert job.wait_all(120) == [0, 0, 0], job.logs_tail()
+    rep = job.audit()
+    assert rep.ok, rep.violations
+    assert rep.last_step == STEPS and len(set(rep.final_checksums)) == 1
+    mine = [r for r in map(json.loads, (job.dir / "audit0.jsonl").read_text().splitlines()) if r["event"] == "commit"]
+    assert STEP - 1 in {r["step"] for r in mine} and STEP not in {r["step"] for r in mine}, mine
+    assert f"the sum of step {STEP} dropped here" in behind.log_text()
