@@ -96,6 +96,11 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             gen_of_row = int(r["generation"])  # type: ignore[call-overload]
             last_of_generation[gen_of_row] = max(last_of_generation.get(gen_of_row, 0), step)
             first_of_generation[gen_of_row] = min(first_of_generation.get(gen_of_row, step), step)
+    absent_at_last: dict[int, set[int]] = {}  # generation -> the ranks without a line for its last step
+    for gen, last in last_of_generation.items():
+        rows_at_last = [r for r in commits[last] if int(r["generation"]) == gen]  # type: ignore[call-overload]
+        absent_at_last[gen] = set(range(int(rows_at_last[0]["world_size"]))) - {  # type: ignore[call-overload]
+            int(r["rank"]) for r in rows_at_last}  # type: ignore[call-overload]
     for step in rep.steps:
         all_rows = commits[step]
         # A step rolled forward applies the sum of the generation that refused it (``sum_generation``):
@@ -119,10 +124,14 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             ranks = sorted(int(r["rank"]) for r in gen_rows)  # type: ignore[call-overload]
             if len(set(ranks)) != len(ranks) or not set(ranks) <= set(range(world)):
                 v.append(f"step {step}: committed by ranks {ranks} of a world of {world}")
-            # A rank may lack a line only for the last step of its generation: it contributed and
-            # then died (or was fenced off) before logging, which is also why the generation ended there.
+            # A rank may lack a line only for the last step of its generation (it contributed and then
+            # died, or was fenced off, before logging: which is also why the generation ended there),
+            # and for the one before it if it lacks the last too: a line is written once the step is
+            # confirmed, by the next sum (README: confirmation), and it died before that sum reached it.
             absent_of[gen] = sorted(set(range(world)) - set(ranks))
-            if absent_of[gen] and step != last_of_generation[gen]:
+            last = last_of_generation[gen]
+            if absent_of[gen] and step != last and not (
+                    step == last - 1 and set(absent_of[gen]) <= absent_at_last.get(gen, set())):
                 v.append(f"step {step}: ranks {absent_of[gen]} of generation {gen} did not commit it, yet the generation went on")
         # the samples: of one generation's shares (all of them where some generation has all)
         gen = min(absent_of, key=lambda g: (len(absent_of[g]), -g))

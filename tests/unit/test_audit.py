@@ -151,6 +151,25 @@ def test_a_rank_that_died_after_contributing_to_the_last_step_of_its_generation_
     assert check(records, DATASET).ok
 
 
+def test_a_rank_that_died_after_contributing_to_the_last_step_lacks_the_one_before_too() -> None:
+    # its line for the step before is written once the last step's sum confirms it, and it died first
+    records = copy.deepcopy(CLEAN)
+    for step in (5, 6):  # the last two of generation 2
+        records.remove(commits(records, step)[1])
+    assert check(records, DATASET).ok
+
+
+def test_a_rank_without_the_step_before_the_last_but_with_the_last_is_a_violation() -> None:
+    records = copy.deepcopy(CLEAN)
+    records.remove(commits(records, 5)[1])
+    rep = check(records, DATASET)
+    assert any("step 5" in v and "ranks [1]" in v and "went on" in v for v in rep.violations), rep.violations
+    records = copy.deepcopy(CLEAN)
+    for step in (4, 6):  # the last step and one two before it
+        records.remove(commits(records, step)[1])
+    assert any("step 4" in v and "went on" in v for v in check(records, DATASET).violations)
+
+
 def test_ranks_disagree_on_the_loss() -> None:
     records = copy.deepcopy(CLEAN)
     commits(records, 2)[1]["loss"] = 0.75
