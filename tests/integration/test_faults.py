@@ -217,7 +217,7 @@ def test_etcd_restarts_mixed_with_worker_kills_repeat_no_step(local_job, etcd_se
     for _ in range(3):
         job.spawn("--steps", "100000", *SLOW)
     job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
-    for round_ in range(4):
+    for round_ in range(3):
         etcd_server.kill()
         time.sleep(0.5 + 0.5 * round_)
         etcd_server.start()

@@ -46,7 +46,7 @@ def test_a_member_that_missed_a_sum_its_peers_applied_commits_the_step_before_it
     # At the regroup it is behind rank 0 in the same lineage: it receives rank 0's state, and the
     # step before, which it applied with the others, is still its commit (a sync that only asked
     # "was my state kept?" discarded it: "ranks [..] did not commit it, yet the generation went on").
-    job = local_job(min_workers=3, join_window_s=3)
+    job = local_job(min_workers=3)
     behind = job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", miss_sum_at=STEP)
     for _ in range(2):
         job.spawn("--steps", str(STEPS), "--step-sleep", "0.02")

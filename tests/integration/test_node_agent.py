@@ -25,6 +25,7 @@ from tests.jobs import job_factory, wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
 MLP = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", "300"]
+STOPPED_STEPS = 650  # ~20 s: the three stops and rejoins take ~300 steps from step 5 (x2 for a loaded machine)
 _ids = itertools.count()
 
 
@@ -171,8 +172,8 @@ def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigc
     # gradients went out, while its sum arrived but its peer's did not, is the split commit that
     # continued.py prevents (without it, a step shows in two generations in about one run in four).
     job = agent_job(lease_ttl_s=10, stopped_worker_s=0.5)
-    a = job.start("a", "--nnodes", "1:2", steps=900)
-    b = job.start("b", "--nnodes", "1:2", steps=900)
+    a = job.start("a", "--nnodes", "1:2", steps=STOPPED_STEPS)
+    b = job.start("b", "--nnodes", "1:2", steps=STOPPED_STEPS)
     job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
     victim = _worker_pid(b)
     for _ in range(3):
@@ -196,7 +197,7 @@ def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigc
     assert len(b.events("worker_started")) == 1, "the stopped worker is not killed or restarted"
     rep = check_dir(job.dir, 2048)
     assert rep.ok, rep.violations
-    assert rep.last_step == 900 and len(set(rep.final_checksums)) == 1
+    assert rep.last_step == STOPPED_STEPS and len(set(rep.final_checksums)) == 1
 
 
 @pytest.mark.timeout(120)
