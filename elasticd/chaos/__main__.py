@@ -35,6 +35,7 @@ from elasticd.chaos.evidence import (
     StatusSample,
     Window,
     WorkerLife,
+    discarded_steps,
     membership_closed_times,
     parse_commits,
     parse_finals,
@@ -755,9 +756,13 @@ class ChaosRun:
         agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line())
                        for n in self.nodes)
         left: dict[int, float] = {}
+        discarded: dict[str, int] = {}
         for log in sorted(self.workdir.glob("agent-*.log")):
-            for pid, t in membership_closed_times(log.read_text(errors="replace")).items():
+            text = log.read_text(errors="replace")
+            for pid, t in membership_closed_times(text).items():
                 left[pid] = min(t, left.get(pid, t))
+            for reason, n in discarded_steps(text).items():
+                discarded[reason] = discarded.get(reason, 0) + n
         lives = tuple(WorkerLife(pid, life.node, life.registered_t, life.ended_t,
                                  tuple(Window(a, b) for a, b in life.paused),
                                  tuple(Window(a, b) for a, b in life.cut_off),
@@ -774,6 +779,7 @@ class ChaosRun:
             problems=tuple(self.problems), end_t=time.time(), warmups=tuple(self.warmups),
             link_down=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_downs),
             max_world=self.s.max_nodes,  # one worker per node
+            discarded=discarded,
         )
 
 

@@ -108,17 +108,20 @@ class Journal:
                 log_.close(timeout_s)
 
     def confirm(self) -> None:
-        """Every member of the generation applied the steps this member applied since the last
-        confirmation (a later all_reduce of the same group completed, or a sync kept this member's
-        state): their commit lines go out now (README: how a step is committed)."""
+        """The steps this member applied since the last confirmation are the job's: a later
+        all_reduce of the same group completed (every member applied them), a sync found them in
+        rank 0's history (``recovered``), or rank 0 starts a durable save of them
+        (``Checkpoints.maybe_save``). Their commit lines go out now (README: how a step is committed)."""
         for _, record in self._unconfirmed:
             if record is not None:
                 self._audit_line(record)
         self._unconfirmed.clear()
 
     def discard(self, why: str) -> None:
-        """The steps applied here since the last confirmation are not the job's (a sync replaced
-        this member's state, or it leaves without a confirmation): their commit lines never go out."""
+        """The steps applied here since the last confirmation are not the job's: a sync found this
+        member off rank 0's lineage or ahead of it (a branch the job left), or it leaves without a
+        confirmation (a drain, a failed step, the job finished by the others). Their commit lines
+        never go out."""
         if self._unconfirmed:
             log.warning("steps_discarded", steps=[step for step, _ in self._unconfirmed], reason=why)
         self._unconfirmed.clear()

@@ -125,7 +125,7 @@ def sync_state(
         raise CheckpointTransferError(f"rank 0 holds step {steps[0]} but rank {newest} holds {steps[newest]}")
     needy = [r for r in range(1, world)
              if lineages[r] < 0 or (steps[r], lineages[r]) != (steps[0], lineages[0])]
-    kept = me == 0 or (lineages[me] == lineages[0] >= 0 and steps[me] <= steps[0])  # behind: a prefix of it
+    in_history = me == 0 or (lineages[me] == lineages[0] >= 0 and steps[me] <= steps[0])  # behind: a prefix
     transferred = 0
     mine: int | None = None
     for attempt in range(2):
@@ -149,7 +149,7 @@ def sync_state(
         raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}: "
                            f"ranks {diverged} differ from rank 0")
     assert mine is not None
-    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started, roll, kept)
+    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started, roll, in_history)
     log.info("state_synced", generation=group.generation, rank=me, step=report.step,
              transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
              duration_s=round(report.duration_s, 4))

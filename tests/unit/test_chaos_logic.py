@@ -771,6 +771,32 @@ def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> No
     assert membership_closed_times(log) == {2994: 1795484061.876257}
 
 
+def test_discarded_steps_are_counted_by_reason_and_reported() -> None:
+    from dataclasses import replace
+
+    from elasticd.chaos.evidence import discarded_steps
+
+    branch = "this member's state is not of rank 0's lineage: a branch the job left"
+    log = "\n".join([
+        '{"steps": [15711], "reason": "%s", "event": "steps_discarded"}' % branch,
+        '{"steps": [19933, 19934], "reason": "left the job", "event": "steps_discarded"}',
+        '{"steps": [7], "reason": "%s", "event": "steps_discarded"}' % branch,
+        '{"event": "step_committed", "steps": [1]}',
+        'not json "steps_discarded"',
+        '{"event": "steps_discarded", "reason": "no steps key"}',
+    ])
+    assert discarded_steps(log) == {branch: 2, "left the job": 2}
+    assert discarded_steps("") == {}
+    settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 37, 5.0)
+    ev = replace(evidence([], []), discarded={"left the job": 2})
+    report = Report(settings, ev, judge(ev), T0, "/tmp/x")
+    assert "steps discarded   2 (applied by a member, never confirmed: the others committed them; " \
+           "2 left the job)" in render_table(report)
+    assert json.loads(json.dumps(report_to_dict(report)))["steps_discarded"] == {"left the job": 2}
+    bare = Report(settings, evidence([], []), judge(evidence([], [])), T0, "/tmp/x")
+    assert "steps discarded   0 (" in render_table(bare) and report_to_dict(bare)["steps_discarded"] == {}
+
+
 def test_a_stall_after_etcd_returns_is_excused_for_a_lease_ttl_when_a_member_had_to_leave() -> None:
     """The 30-minute soak (seed 4): a link down, then the etcd leader killed. At its return etcd
     gives every lease its whole TTL again, so the cut host was seen gone a TTL after that."""
