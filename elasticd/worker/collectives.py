@@ -178,8 +178,12 @@ class _Bucket:
     Where the group's device differs (NCCL with a model on the CPU, gloo with one on a GPU), the
     all_reduce runs on ``staging``, a copy of the buffer on the group's device."""
 
-    def __init__(self, params: list[torch.nn.Parameter], extra: int, comm_device: torch.device) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], extra: int, comm_device: torch.device,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
+        """``dtype`` and ``device``: the buffer's, for a bucket of no parameters (the vote alone)."""
         self.params = params
+        self.dtype = params[0].dtype if dtype is None else dtype
+        self.device = params[0].device if device is None else device
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
         self.extra = extra
@@ -193,8 +197,8 @@ class _Bucket:
         to a collective that was abandoned, not ended: a peer that was frozen or cut off can still
         complete it later through the retired group, and it would then write its sum into the
         gradients of a step in the next generation (seen under chaos: ranks' parameters diverged)."""
-        device = self.params[0].device
-        self.buffer = torch.zeros(self.numel + self.extra, dtype=self.params[0].dtype, device=device)
+        device = self.device
+        self.buffer = torch.zeros(self.numel + self.extra, dtype=self.dtype, device=device)
         self.staging = (None if same_device(device, self.comm_device)
                         else torch.zeros(self.numel + self.extra, dtype=self.buffer.dtype, device=self.comm_device))
         self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
@@ -235,6 +239,15 @@ class _Bucket:
                 p.grad = view
 
 
+def vote_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the vote slots need when the last gradient bucket is of ``dtype``: None (they ride
+    in that bucket) where it counts every member exactly and keeps the loss to float32's precision
+    (float32, float64), else float32 in a bucket of their own, one more small all_reduce per step.
+    bfloat16 counts exactly only to 256 and float16 to 2,048: a larger generation's voter count
+    would round, and every step would abort. Pure."""
+    return None if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether two devices are one (``cuda`` and ``cuda:<current>`` are). Pure but for the current CUDA device."""
     if a.type != b.type:
@@ -258,7 +271,9 @@ class GradientReducer:
     launched last carries the vote slots (``commit.Vote``): each rank writes its vote there just
     before that bucket is launched (so the vote says what the member knew as late as possible) and
     reads the sum once the bucket completes. An all_reduce only completes on a rank after every rank
-    contributed, so a completed vote is every member's vote.
+    contributed, so a completed vote is every member's vote. Where that bucket's dtype would round
+    the vote (bfloat16, float16: ``vote_dtype``), the slots go in a float32 bucket of their own,
+    launched after every gradient bucket.
     """
 
     VOTE_SLOTS = VOTE_SLOTS
@@ -278,7 +293,12 @@ class GradientReducer:
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
-        self._buckets.append(_Bucket(current, self.VOTE_SLOTS, device))
+        own = vote_dtype(current[0].dtype)
+        if own is None:
+            self._buckets.append(_Bucket(current, self.VOTE_SLOTS, device))
+        else:  # launched last, after every gradient bucket (``finish``): the vote is still the latest word
+            self._buckets.append(_Bucket(current, 0, device))
+            self._buckets.append(_Bucket([], self.VOTE_SLOTS, device, own, current[0].device))
         self._vote_bucket = self._buckets[-1]
         self._where = {id(p): b for b in self._buckets for p in b.params}
         self._group: Group | None = None
@@ -381,8 +401,9 @@ class GradientReducer:
         if kept is not None:
             for b, k in zip(self._buckets, kept, strict=True):
                 b.grads.copy_(k)
-        works = [start_broadcast(b.outbound()[: b.numel], root, group) for b in self._buckets]
-        for b, work in zip(self._buckets, works, strict=True):
+        sent = [b for b in self._buckets if b.numel]  # not the vote's own bucket (no gradients)
+        works = [start_broadcast(b.outbound()[: b.numel], root, group) for b in sent]
+        for b, work in zip(sent, works, strict=True):
             wait(work, group, deadline, abandon, poll_s, "kept-sum broadcast")
             b.inbound()
 
