@@ -45,6 +45,7 @@ from elasticd.store.credentials import (  # noqa: F401 (re-exported: the etcd ac
     read_password,
     system_ca_bundle,
 )
+from elasticd.store.etcd_watch import ClosedWatchStub, PacedWatchStub
 from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,11 @@ READ_PAGE = 1000  # keys per page of a listing (get_prefix: status, events, drai
 READ_RESTARTS = 3  # a listing whose revision etcd compacted between two pages starts over at most so often
 
 
+class _AuthUnanswered(EtcdUnavailable):
+    """No answer to a new client's authentication (etcd is down or unreachable): worth waiting for,
+    unlike credentials that etcd rejected."""
+
+
 class EtcdClient:
     """etcd access for elasticd: every call bounded, retried when idempotent, errors translated."""
 
@@ -93,26 +99,52 @@ class EtcdClient:
         # each failover left the old channels and their watcher threads behind: through etcd
         # outages under chaos a worker grew to 400 threads.)
         self._clients: dict[int, etcd3.Etcd3Client] = {}
-        self._client = self._first_client()
+        self._client: etcd3.Etcd3Client | None = None
+        try:
+            self._client = self._first_client()
+        except _AuthUnanswered as exc:
+            # With a user, etcd3 authenticates as it makes the client. An agent or worker started
+            # while etcd is down must wait for it like any call does (its caller's etcd_outage_s),
+            # not exit (a worker's exit would spend its agent's restart budget on the outage): the
+            # first call connects (``_late_client``).
+            log.warning("etcd_not_answering_at_start", error=str(exc)[:300])
 
     def _first_client(self) -> etcd3.Etcd3Client:
         """Connect to the first endpoint that accepts us (only authentication talks to etcd here).
 
         Raises:
-            EtcdUnavailable: no endpoint accepted the credentials.
+            EtcdUnavailable: an endpoint rejected the credentials, and none accepted them.
+            _AuthUnanswered: no endpoint answered.
         """
-        failure: EtcdUnavailable | None = None
+        failures: list[EtcdUnavailable] = []
         for index in range(len(self._endpoints)):
             try:
                 client = self._connect(index)
             except EtcdUnavailable as exc:
-                failure = exc
+                failures.append(exc)
                 continue
             self._index = index
             self._clients[index] = client
             return client
-        assert failure is not None
-        raise failure
+        rejected = [f for f in failures if not isinstance(f, _AuthUnanswered)]
+        raise (rejected or failures)[-1]
+
+    def _late_client(self) -> etcd3.Etcd3Client:
+        """The client, for an ``EtcdClient`` made while no endpoint answered its authentication.
+
+        Raises:
+            _RetryableRpc: still no endpoint answers (the call's retries, then its caller's bound on
+                an outage, cover it).
+            EtcdUnavailable: an endpoint rejected the credentials.
+        """
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = self._first_client()
+                except _AuthUnanswered as exc:
+                    raise _RetryableRpc(str(exc)) from exc
+                log.info("etcd_connected_late", endpoint="%s:%d" % self._endpoints[self._index])
+            return self._client
 
     def _connect(self, index: int) -> etcd3.Etcd3Client:
         """A client of endpoint ``index``; with a user it authenticates (one bounded request).
@@ -135,7 +167,7 @@ class EtcdClient:
                 # plaintext channel ("insufficient security level"), and as metadata, which etcd reads.
                 client.call_credentials = None
                 client.watcher._credentials = None
-            client.watcher._watch_stub = _PacedWatchStub(client.watcher._watch_stub,
+            client.watcher._watch_stub = PacedWatchStub(client.watcher._watch_stub,
                                                          self._retry.etcd_reconnect_max_s)
             return client
         except OSError as exc:  # settings checked that the files exist; a value built in code was not
@@ -144,7 +176,7 @@ class EtcdClient:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
             details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
             if code in _TRANSIENT_CODES:
-                raise EtcdUnavailable(f"etcd at {host}:{port} did not answer authenticate: {code}: "
+                raise _AuthUnanswered(f"etcd at {host}:{port} did not answer authenticate: {code}: "
                                       f"{details}") from exc
             raise EtcdUnavailable(f"etcd at {host}:{port} rejected the credentials of user {user!r}: "
                                   f"{code}: {details}") from exc
@@ -191,7 +223,7 @@ class EtcdClient:
         in a ``PermissionDenied``."""
 
         def attempt() -> _T:
-            client = self._client
+            client = self._client or self._late_client()
             try:
                 return fn(client)
             except _TRANSIENT:
@@ -444,54 +476,19 @@ class EtcdClient:
         return self._call(what, lambda c: fn(c.channel, c.metadata))
 
     def close(self) -> None:
-        for client in {id(c): c for c in (*self._clients.values(), self._client)}.values():
+        for client in {id(c): c for c in (*self._clients.values(), self._client) if c is not None}.values():
             _close_client(client)
 
 
 def _close_client(client: etcd3.Etcd3Client) -> None:
-    """Close an etcd3 client, ending its watcher thread quietly (``_ClosedWatchStub``)."""
+    """Close an etcd3 client, ending its watcher thread quietly (``ClosedWatchStub``)."""
     watcher = getattr(client, "watcher", None)
     if watcher is not None:
-        watcher._watch_stub = _ClosedWatchStub()
+        watcher._watch_stub = ClosedWatchStub()
     try:
         client.close()
     except (*_TRANSIENT, grpc.RpcError):
         pass
-
-
-class _PacedWatchStub:
-    """Wraps etcd3's watch stub so that its watcher opens a new stream at most once per
-    ``interval_s``.
-
-    etcd3 0.12's watcher thread re-opens its stream at once, in an endless loop, whenever it
-    breaks; while etcd is down every attempt fails at once, and the loop spun a core (measured: a
-    fifth of a core per worker, half the training rate through an etcd outage on 2 cores).
-    """
-
-    def __init__(self, inner: Any, interval_s: float) -> None:
-        self._inner, self._interval_s, self._last = inner, interval_s, float("-inf")
-
-    def Watch(self, *args: object, **kwargs: object) -> Any:
-        wait = self._last + self._interval_s - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        self._last = time.monotonic()
-        try:
-            return self._inner.Watch(*args, **kwargs)
-        except ValueError as exc:  # "Channel closed!": the client was closed while this one waited
-            raise SystemExit from exc  # ends etcd3's watcher thread quietly, as _ClosedWatchStub does
-
-
-class _ClosedWatchStub:
-    """Stands in for etcd3's watch stub once the client is closed.
-
-    etcd3 0.12's watcher thread re-opens its stream in an endless loop; on a closed channel that
-    raises ValueError and prints a traceback from a long-lived process. SystemExit ends the thread
-    quietly (``threading`` ignores it).
-    """
-
-    def Watch(self, *args: object, **kwargs: object) -> None:
-        raise SystemExit
 
 
 def _key_values(rows: Iterable[tuple[bytes, Any]]) -> list[KeyValue]:

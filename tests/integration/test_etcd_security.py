@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.testing.audit import check_dir
 from elasticd.testing.etcd import EtcdServer, EtcdTls
 from elasticd.testing.localcluster import REPO_ROOT
-from tests.integration.test_node_agent import AgentJob
+from tests.integration.test_node_agent import AgentJob, _worker_pid
+from tests.jobs import wait_until
 
 OPENSSL = shutil.which("openssl")
 CTL = [sys.executable, "-c", "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())"]
@@ -180,6 +183,44 @@ def test_auth_a_job_runs_as_its_user_and_elasticctl_needs_the_password(tmp_path:
         assert no_password.returncode == 2
         assert no_password.stderr.startswith("elasticctl: etcd_user: a user needs a password"), no_password.stderr
     finally:
+        server.stop()
+
+
+@pytest.mark.timeout(150)
+def test_auth_a_worker_started_while_etcd_is_down_waits_for_it_and_spends_no_restart(tmp_path: Path) -> None:
+    """With a user, etcd3 authenticates as it makes its client: a worker its agent restarted during an
+    etcd outage exited at once (EtcdUnavailable), and the agent spent its restart budget on the
+    outage (with max_restarts 1: it gave up). The client now connects at its first call, which waits
+    for etcd as every call does (up to etcd_outage_s)."""
+    server = EtcdServer().start()
+    job = None
+    try:
+        _enable_auth(server.endpoint, "trainer1", "s3cret-pw", "/elasticd")
+        password_file = tmp_path / "etcd-password"
+        password_file.write_text("s3cret-pw\n")
+        job = AgentJob(server, tmp_path / "job", lease_ttl_s=2, keepalive_s=0.5, etcd_user="trainer1",
+                       etcd_password_file=password_file, max_restarts=1)
+        a = job.start("a", "--nnodes", "1:2", steps=400)
+        b = job.start("b", "--nnodes", "1:2", steps=400)
+        job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
+        victim = _worker_pid(b)
+        server.kill()  # the data dir stays: the same etcd comes back below
+        os.kill(victim, signal.SIGKILL)
+        job.wait_for(lambda: len(b.events("worker_started")) == 2, 30, "b to restart its worker during the outage")
+        wait_until(lambda: b.events("etcd_not_answering_at_start") or b.proc.poll() is not None, 30,
+                   "the restarted worker to meet the outage", job.logs_tail)
+        assert b.proc.poll() is None, job.logs_tail()
+        assert not b.events("restarts_exhausted")
+        server.start()
+        assert a.wait(120) == 0, job.logs_tail()
+        assert b.wait(60) == 0, job.logs_tail()
+        assert len(b.events("worker_started")) == 2 and b.events("etcd_connected_late"), job.logs_tail()
+        rep = check_dir(job.dir, 2048)
+        assert rep.ok, rep.violations
+        assert rep.last_step == 400
+    finally:
+        if job is not None:
+            job.stop()
         server.stop()
 
 
