@@ -200,8 +200,8 @@ def test_auth_a_worker_started_while_etcd_is_down_waits_for_it_and_spends_no_res
         password_file.write_text("s3cret-pw\n")
         job = AgentJob(server, tmp_path / "job", lease_ttl_s=2, keepalive_s=0.5, etcd_user="trainer1",
                        etcd_password_file=password_file, max_restarts=1)
-        a = job.start("a", "--nnodes", "1:2", steps=400)
-        b = job.start("b", "--nnodes", "1:2", steps=400)
+        a = job.start("a", "--nnodes", "1:2", steps=250)
+        b = job.start("b", "--nnodes", "1:2", steps=250)
         job.wait_for(lambda: job.commits_at_world("a", 2) >= 5, 60, "both workers to train together")
         victim = _worker_pid(b)
         server.kill()  # the data dir stays: the same etcd comes back below
@@ -217,7 +217,7 @@ def test_auth_a_worker_started_while_etcd_is_down_waits_for_it_and_spends_no_res
         assert len(b.events("worker_started")) == 2 and b.events("etcd_connected_late"), job.logs_tail()
         rep = check_dir(job.dir, 2048)
         assert rep.ok, rep.violations
-        assert rep.last_step == 400
+        assert rep.last_step == 250
     finally:
         if job is not None:
             job.stop()
