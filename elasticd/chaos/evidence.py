@@ -11,12 +11,12 @@ text it is given, never a file or a process, and never judges.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from elasticd.testing.audit import as_float, as_int
+from elasticd.testing.localcluster import events_in
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -90,23 +90,10 @@ class WorkerLife:
     left_t: float | None = None
 
 
-def log_events(log_text: str, event: str) -> Iterator[dict[str, Any]]:
-    """The JSON lines of a log whose ``event`` is ``event`` (other lines, and lines cut short, skipped)."""
-    for line in log_text.splitlines():
-        if f'"{event}"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == event:
-            yield rec
-
-
 def membership_closed_times(log_text: str) -> dict[int, float]:
     """pid -> wall time of the worker's first ``membership_closed`` line in an agent's log (pure)."""
     out: dict[int, float] = {}
-    for rec in log_events(log_text, "membership_closed"):
+    for rec in events_in(log_text, "membership_closed"):
         try:
             pid = int(str(rec["member"]).split(".")[2])
             t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
@@ -121,12 +108,10 @@ def discarded_steps(log_text: str) -> dict[str, int]:
     (``steps_discarded`` lines: a branch the job left, or a leave before a confirmation). Counted,
     not judged: the audit holds no commit line for them, and the other members commit them."""
     out: dict[str, int] = {}
-    for rec in log_events(log_text, "steps_discarded"):
-        try:
-            n, reason = len(rec["steps"]), str(rec["reason"])
-        except (KeyError, TypeError):
-            continue
-        out[reason] = out.get(reason, 0) + n
+    for rec in events_in(log_text, "steps_discarded"):
+        steps, reason = rec.get("steps"), rec.get("reason")
+        if isinstance(steps, list) and isinstance(reason, str):
+            out[reason] = out.get(reason, 0) + len(steps)
     return out
 
 
@@ -202,4 +187,4 @@ class Evidence:
     link_down: tuple[LinkDown, ...] = ()
     warmups: tuple[Window, ...] = ()  # every warm-up window, one per world size (``warmup`` first)
     max_world: int = 0  # the job's max_workers (a host beyond it is a standby); 0: unknown
-    discarded: Mapping[str, int] | None = None  # reason -> steps applied, then discarded unconfirmed
+    discarded: Mapping[str, int] = field(default_factory=dict)  # reason -> steps applied, then discarded unconfirmed

@@ -88,8 +88,8 @@ def render_table(report: Report) -> str:
         f"{faulted} faulted)",
         f"steps             {v.steps.last_step}/{ev.target_steps}",
         f"generations       {len(v.steps.generations)}",
-        f"steps discarded   {sum((ev.discarded or {}).values())} (applied by a member, never confirmed: "
-        f"the others committed them; {'; '.join(f'{n} {r}' for r, n in (ev.discarded or {}).items()) or 'none'})",
+        f"steps discarded   {sum(ev.discarded.values())} (applied by a member, never confirmed: "
+        f"the others committed them; {'; '.join(f'{n} {r}' for r, n in ev.discarded.items()) or 'none'})",
         f"status samples    {len(ev.samples)}",
         f"result            {'PASS' if v.ok else 'FAIL'}",
         f"work dir          {report.workdir}",
@@ -136,7 +136,7 @@ def report_to_dict(report: Report) -> dict[str, object]:
         "steps": v.steps.last_step,
         "target_steps": ev.target_steps,
         "generations": len(v.steps.generations),
-        "steps_discarded": dict(ev.discarded or {}),
+        "steps_discarded": dict(ev.discarded),
         "repeats": {str(k): list(g) for k, g in v.steps.repeats.items()},
         "lost": list(v.steps.lost),
         "status_samples": len(ev.samples),

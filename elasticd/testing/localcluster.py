@@ -105,13 +105,10 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def log_events(log_path: Path, name: str) -> list[dict[str, object]]:
-    """The JSON log lines of event ``name`` in a process's log file (an agent's log holds its
-    workers' lines too); a line garbled by a concurrent writer, or a traceback, is skipped."""
-    if not log_path.exists():
-        return []
-    out = []
-    for line in log_path.read_text(errors="replace").splitlines():
+def events_in(log_text: str, name: str) -> Iterator[dict[str, object]]:
+    """The JSON log lines of event ``name`` in a log's text (pure); a line garbled by a concurrent
+    writer, cut short by a kill, or a traceback, is skipped."""
+    for line in log_text.splitlines():
         if f'"{name}"' not in line:
             continue
         try:
@@ -119,8 +116,13 @@ def log_events(log_path: Path, name: str) -> list[dict[str, object]]:
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("event") == name:
-            out.append(rec)
-    return out
+            yield rec
+
+
+def log_events(log_path: Path, name: str) -> list[dict[str, object]]:
+    """The JSON log lines of event ``name`` in a process's log file (an agent's log holds its
+    workers' lines too): ``events_in`` of the file."""
+    return list(events_in(log_path.read_text(errors="replace"), name)) if log_path.exists() else []
 
 
 class AuditTail:
