@@ -87,6 +87,9 @@ class Journal:
         self._unrecorded_recovery: dict[str, object] | None = None
         # Steps applied here and not yet confirmed (``confirm``): (step, its audit line or None)
         self._unconfirmed: list[tuple[int, dict[str, object] | None]] = []
+        self._on_confirm: list[Callable[[int], None]] = []  # told the newest step confirmed
+        self._on_discard: list[Callable[[list[int]], None]] = []  # told the steps discarded
+        self.confirmed_step = 0  # the newest step this member knows committed (0: none yet)
 
     def open(self, membership: Membership, store: KeyValueStore, member_id: str, started_wall: float) -> None:
         """Bind to ``membership`` (progress and checkpoint records) and ``store`` (failed saves,
@@ -107,24 +110,42 @@ class Journal:
             if log_ is not None:
                 log_.close(timeout_s)
 
+    def on_confirm(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(step)`` whenever steps are confirmed here (``step``: the newest of them)."""
+        self._on_confirm.append(listener)
+
+    def on_discard(self, listener: Callable[[list[int]], None]) -> None:
+        """Call ``listener(steps)`` whenever applied steps are discarded here."""
+        self._on_discard.append(listener)
+
     def confirm(self) -> None:
         """The steps this member applied since the last confirmation are the job's: a later
         all_reduce of the same group completed (every member applied them), a sync found them in
         rank 0's history (``recovered``), or rank 0 starts a durable save of them
         (``Checkpoints.maybe_save``). Their commit lines go out now (README: how a step is committed)."""
+        if not self._unconfirmed:
+            return
         for _, record in self._unconfirmed:
             if record is not None:
                 self._audit_line(record)
+        newest = self._unconfirmed[-1][0]
         self._unconfirmed.clear()
+        self.confirmed_step = max(self.confirmed_step, newest)
+        for listener in self._on_confirm:
+            listener(newest)
 
     def discard(self, why: str) -> None:
         """The steps applied here since the last confirmation are not the job's: a sync found this
         member off rank 0's lineage or ahead of it (a branch the job left), or it leaves without a
         confirmation (a drain, a failed step, the job finished by the others). Their commit lines
         never go out."""
-        if self._unconfirmed:
-            log.warning("steps_discarded", steps=[step for step, _ in self._unconfirmed], reason=why)
+        if not self._unconfirmed:
+            return
+        steps = [step for step, _ in self._unconfirmed]
+        log.warning("steps_discarded", steps=steps, reason=why)
         self._unconfirmed.clear()
+        for listener in self._on_discard:
+            listener(steps)
 
     def close(self, step: int, checksum: Callable[[], int], confirmed: bool) -> None:
         """Settle the unconfirmed steps (``confirmed``: ``confirm``, else ``discard``), then the
