@@ -103,12 +103,7 @@ class Timeouts:
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
     lease_renew_s: float = _seconds(
         "Bound on a lease renewal's first attempt (doubling up to etcd_request_s): one held by an etcd "
-        "member that lost its leader moves on early, so steps wait less for a renewal; a renewal out "
-        "for longer makes the member's commit vote say etcd does not answer it.", 0.5)
-    lease_confirm_s: float = _seconds(
-        "How long a member whose lease expired by its own clock when a step's sum arrived waits for "
-        "etcd to grant a renewal (an etcd leader election or the end of an outage holds renewals): "
-        "granted, the lease never expired and the step is applied; not, the member leaves the step.", 2.0)
+        "member that lost its leader moves on early, so the next renewal is asked sooner.", 0.5)
     etcd_outage_s: float = _seconds(
         "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
         "within a rendezvous, on top of join_s), and an agent at its start, before giving up. "
@@ -301,7 +296,7 @@ class WorkerEnv:
     standby: bool = field(default=False, metadata={"doc": "... a spare of a standby node (taken last)."})
     stop_after_sum: int = field(default=0, metadata={
         "doc": "Fault injection: the worker stops itself (SIGSTOP) once, right after the gradient sum of this "
-               "step arrives and before it reads its fence (the window of a refusal after the sum); 0: never."})
+               "step arrives and before it applies the step; 0: never."})
     miss_sum_at: int = field(default=0, metadata={"doc": "Fault injection: once, at this step, the worker drops the "
                                                   "sum that arrived and fails the step (its last hop broke); 0: never."})
     kill_after_apply: int = field(default=0, metadata={"doc": "Fault injection: the worker SIGKILLs itself as it "

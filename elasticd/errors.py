@@ -79,6 +79,11 @@ class CheckpointModelChanged(ModelMismatch):
     can resume from; starting over from step 1 is allowed only with ``checkpoint_allow_new_model``."""
 
 
+class ProtocolViolation(FatalError):
+    """The step protocol's own invariant broke (a bug, never a fault): a member was about to
+    contribute to a step before applying the one whose sum it received."""
+
+
 class StateCorrupt(FatalError):
     """Training state differs between ranks after a sync, or a record is unreadable."""
 
@@ -88,7 +93,12 @@ class StateLost(FatalError):
 
 
 class JobFinished(ElasticdError):
-    """The job already reached its target step; a late joiner has nothing to do."""
+    """The job already reached its target step; a late joiner has nothing to do. ``generation``
+    and ``step``: the ``finished`` record's (-1 where none was read)."""
+
+    def __init__(self, reason: str, generation: int = -1, step: int = -1) -> None:
+        super().__init__(reason)
+        self.generation, self.step = generation, step
 
 
 class RestartsExhausted(FatalError):

@@ -515,8 +515,9 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
                 own = None if newcomer else ChecksumAhead(state).result(Deadline.after(60))
                 barrier()
                 t0 = time.perf_counter()
+                state.lineage = -1 if newcomer else 1
                 report = sync_state(group, state, Deadline.after(timeouts.checkpoint_transfer_s), never,
-                                    timeouts.abort_poll_s, -1 if newcomer else 1, subgroup=subgroup,
+                                    timeouts.abort_poll_s, subgroup=subgroup,
                                     retire=factory.retire, own_checksum=own)
                 sync_s.append(time.perf_counter() - t0)
                 if not report.transferred_bytes:  # a survivor that held the state received nothing

@@ -44,7 +44,6 @@ class Commit:
     rank: int
     world_size: int
     t: float
-    sum_generation: int = 0  # the generation whose sum it applied (its own, unless rolled forward)
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def discarded_steps(log_text: str) -> dict[str, int]:
 def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Commit]:
     """The commit lines of (node, audit record) pairs."""
     return [Commit(node, as_int(r["step"]), as_int(r["generation"]), as_int(r["rank"]), as_int(r["world_size"]),
-                   as_float(r["t"]), as_int(r.get("sum_generation", r["generation"])))
+                   as_float(r["t"]))
             for node, r in pairs if r.get("event") == "commit"]
 
 

@@ -76,7 +76,7 @@ def step_findings(commits: Sequence[Commit]) -> StepFindings:
     step rolled forward counts as the commit of the generation whose sum it applied."""
     gens_of: dict[int, set[int]] = {}
     for c in commits:
-        gens_of.setdefault(c.step, set()).add(c.sum_generation or c.generation)
+        gens_of.setdefault(c.step, set()).add(c.generation)
     last = max(gens_of, default=0)
     repeats = {s: tuple(sorted(g)) for s, g in sorted(gens_of.items()) if len(g) > 1}
     lost = tuple(s for s in range(1, last + 1) if s not in gens_of)

@@ -1,5 +1,5 @@
-"""What a member is and what it got: ``Joined`` (a rendezvous' outcome), ``Standing`` (its own
-standing, for the commit fence), ``MemberState``, and ``new_member_id``. Pure data."""
+"""What a member is and what it got: ``Joined`` (a rendezvous' outcome), ``MemberState``, and
+``new_member_id``. Pure data."""
 
 from __future__ import annotations
 
@@ -27,19 +27,6 @@ class Joined:
     @property
     def world_size(self) -> int:
         return self.record.world_size
-
-
-@dataclass(frozen=True)
-class Standing:
-    """One member's own standing (monotonic seconds)."""
-
-    fenced: bool  # its generation was superseded or aborted (seen in etcd)
-    lease_lost: bool  # etcd said its lease is gone
-    renewed_at: float  # when it last asked for a renewal that etcd granted
-    lease_ttl_s: float  # the TTL etcd granted (at least etcd's minimum)
-    continued: bool  # stopped and continued since that renewal was asked (continued.py)
-    grants: int = 0  # renewals etcd granted so far (Lease.grants): a later one proves the lease alive
-    lease: int = 0  # the lease they were granted for
 
 
 class MemberState(StrEnum):

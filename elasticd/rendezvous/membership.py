@@ -42,7 +42,7 @@ from elasticd.rendezvous.coordinator import Coordinator, Seat
 from elasticd.rendezvous.decide import ActionKind, Me, member_action, should_resume, verdict_on
 from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
 from elasticd.rendezvous.lease import Lease, Reachability, Renewal
-from elasticd.rendezvous.member import Joined, MemberState, Standing
+from elasticd.rendezvous.member import Joined, MemberState
 from elasticd.rendezvous.publish import Publisher
 from elasticd.rendezvous.reach import ReachCheck
 from elasticd.rendezvous.reader import JobReader
@@ -60,7 +60,7 @@ from elasticd.wire.records import (
 )
 from elasticd.wire.snapshot import Snapshot
 
-__all__ = ["Joined", "Membership", "Standing"]  # Joined, Standing: re-exported from .member
+__all__ = ["Joined", "Membership"]  # Joined: re-exported from .member
 
 log = structlog.get_logger(__name__)
 
@@ -102,10 +102,9 @@ class Membership:
         self._threads: list[threading.Thread] = []
         self._reader = JobReader(store, keys, member.node)
         self._etcd = Reachability(clock)  # whether the background threads' requests are answered
-        self._renew = threading.Event()  # renew now (a commit waits for a renewal)
+        self._renew = threading.Event()  # renew now
         self._progress_due = threading.Event()  # a renewal was granted: publish the progress
         self._joining = False  # a join() runs (on the training thread)
-        self._confirming = False  # a step's sum waits for confirm_generation: the watcher reads etcd itself
         self.reach = ReachCheck(member.member_id, timeouts, clock, self.snapshot, self._publish.abort_now,
                                 self._seat.running, lambda: self._watch.abandon)
 
@@ -199,15 +198,10 @@ class Membership:
         """Hand the latest progress to the keepalive thread, which publishes it (off the hot path)."""
         self._publish.set_progress(payload)
 
-    def renew_soon(self) -> None:
-        """Ask the keepalive thread for a renewal now (a step waits for one)."""
-        self._renew.set()
-
     def _keepalive_loop(self) -> None:
-        # Renewals only: a step may be waiting for one (a vote of "stale"). The progress writes
-        # follow each granted renewal on a thread of their own (Publisher.progress_loop).
-        self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s,
-                              held_s=self._timeouts.lease_renew_s)
+        # Renewals only: the progress writes follow each granted renewal on a thread of their own
+        # (Publisher.progress_loop), so a slow put never holds a renewal back.
+        self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s)
 
     def _renewed(self, renewal: Renewal) -> None:
         self._lease.keep(renewal)
@@ -222,10 +216,9 @@ class Membership:
         self._etcd.background(self._stop, self._view_changed, self._watched_view, self._on_view,
                               self._timeouts.view_poll_s)
 
-    def _watched_view(self) -> tuple[float, bool, Snapshot] | None:
-        # A join reads the view (and campaigns) itself; a sum's confirmation wants etcd's own view.
-        direct, asked_at = self._confirming, self._clock()
-        return None if self._joining else (asked_at, direct, self._reader.view(direct))
+    def _watched_view(self) -> Snapshot | None:
+        # A join reads the view (and campaigns) itself.
+        return None if self._joining else self._reader.view()
 
     def view(self) -> Snapshot:
         """This member's view of the job (``JobReader.view``). Raises EtcdUnavailable: etcd could
@@ -237,13 +230,10 @@ class Membership:
         could not be reached within the retry bound."""
         return self._reader.snapshot()
 
-    def _on_view(self, answer: tuple[float, bool, Snapshot] | None) -> None:
-        if answer is None:
+    def _on_view(self, view: Snapshot | None) -> None:
+        if view is None:
             return
-        asked_at, direct, view = answer
         self._watch.assess(view)
-        if direct:
-            self._watch.assessed_direct(asked_at)
         try:
             self._elect(view)
         except EtcdUnavailable as exc:
@@ -266,53 +256,10 @@ class Membership:
         return self._seat.running()
 
 
-    def lease_fresh(self) -> bool:
-        """This member's lease is certainly alive: renewed less than ``TTL - keepalive_s`` ago (the
-        TTL etcd granted), by a renewal asked after this process last continued from a stop (its
-        agent revokes the lease of a worker stopped for ``stopped_worker_s``: see continued.py)."""
-        return self._lease.fresh(self._timeouts.keepalive_s)
-
-    def continued_since_renewal(self) -> bool:
-        """This process was stopped and continued since it asked for its last granted renewal."""
-        return self._lease.continued_since_renewal()
-
-    def vote(self) -> tuple[bool, bool, bool]:
-        """(veto, stale, reached_etcd) for this member's commit vote (``commit.Vote``): veto when
-        the generation was superseded or aborted or the lease is gone; stale when the lease is not
-        certainly alive (a renewal is then asked for at once); reached_etcd when the last request
-        of the background threads was answered, within the last two keepalive intervals, and no
-        renewal is held by etcd for over ``lease_renew_s`` now (a leader election holds them)."""
-        stale = not self.lease_fresh()
-        if stale:
-            self._renew.set()
-        # Answered lately: the background threads ask every keepalive_s, so two intervals without
-        # an answer mean etcd is not answering, before the client's retries have given up.
-        reached = self._etcd.lately(2 * self._timeouts.keepalive_s)
-        return self._watch.fenced or self._watch.lease_lost, stale, reached
-
-    def standing(self) -> Standing:
-        """What this member knows of its own standing now (the commit rule's ``Fence`` is built
-        from it once a step's vote is summed)."""
-        return Standing(fenced=self._watch.fenced, lease_lost=self._watch.lease_lost, renewed_at=self._lease.renewed_at,
-                        lease_ttl_s=self._lease.granted_ttl_s, continued=self.continued_since_renewal(),
-                        grants=self._lease.grants, lease=self._lease.id)
-
-    def confirm_lease(self, standing: Standing) -> bool:
-        """Whether etcd grants this member's lease a renewal after ``standing`` was taken, waited
-        for at most ``lease_confirm_s`` (``Lease.confirm``; the keepalive thread asks at once)."""
-        return self._lease.confirm(standing.lease, standing.grants, self._renew,
-                                   Deadline.after(self._timeouts.lease_confirm_s, self._clock),
-                                   lambda: self._watch.lease_lost or self._stop.is_set(), self._timeouts.keepalive_s)
-
-    def confirm_generation(self) -> bool:
-        """Whether a view read from etcd itself from now on still has this member's generation
-        current, waited for at most ``lease_confirm_s`` (the watcher reads at once)."""
-        self._confirming, since = True, self._clock()
-        try:
-            return self._watch.confirm_current(since, self._view_changed.set, Deadline.after(
-                self._timeouts.lease_confirm_s, self._clock), self._stop.is_set, self._timeouts.abort_poll_s)
-        finally:
-            self._confirming = False
+    def veto(self) -> bool:
+        """This member already knows its generation is abandoned: it was fenced (superseded without
+        it, or aborted), or its lease is gone (``commit.Vote.veto``)."""
+        return self._watch.fenced or self._watch.lease_lost
 
     def must_abandon(self) -> bool:
         """The current generation cannot finish: a member is gone, or it was aborted/superseded."""
@@ -428,7 +375,8 @@ class Membership:
                 last_reason = action.reason
                 if action.kind is ActionKind.FINISHED:
                     self._store.delete(self._keys.ready(self.member_id))
-                    raise JobFinished(action.reason)
+                    fin = view.finished
+                    raise JobFinished(action.reason, fin.generation if fin else -1, fin.step if fin else -1)
                 if action.kind is ActionKind.WAIT and view.generation_revision > ready_revision:
                     # A generation published after my ready record left me out (a standby, or
                     # a record the coordinator read too late): it consumed the record

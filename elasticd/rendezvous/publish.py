@@ -2,11 +2,11 @@
 
 Owns writing: the ``abort`` of a broken generation (off the training thread, retried through an
 etcd outage, by compare-and-set and never over an abort of a newer generation); the job's
-``committed`` step (from rank 0's progress); the latest good durable ``checkpoint`` (optionally by
-compare-and-set, never over a newer one); the ``finished`` record; this member's leased
-``progress`` record for ``elasticctl`` (the newest handed over, written from the keepalive
-thread); and the ``generation_published`` event that goes into the transaction publishing a
-generation.
+``committed`` step (from rank 0's progress); the latest good durable ``checkpoint`` (by
+compare-and-set, never over a newer one: ordered by step, then seq); the ``finished`` record;
+this member's leased ``progress`` record for ``elasticctl`` (the newest handed over, written from
+the keepalive thread); and the ``generation_published`` event that goes into the transaction
+publishing a generation.
 
 Never decides anything (the membership and the trainer say what to write and when), never writes
 the rendezvous keys (``members/``, ``ready/``, ``generation``), and never fails its caller: etcd
@@ -43,6 +43,7 @@ from elasticd.wire.records import (
 log = structlog.get_logger(__name__)
 
 EVENT_MEMBERS = 64  # members a generation_published event names (the first ranks; world_size counts all)
+CHECKPOINT_CAS_TRIES = 5  # compare-and-set rounds of one checkpoint record (each lost one re-reads it)
 
 
 class Publisher:
@@ -79,8 +80,8 @@ class Publisher:
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
         rec = AbortRecord(generation=generation, member_id=self._member_id, reason=reason[:200])
-        return self._put_unless_newer(self._keys.abort, encode(rec), lambda raw: decode_abort(raw).generation,
-                                      rec.generation)
+        return self._put_unless_newer(self._keys.abort, encode(rec), lambda raw: (decode_abort(raw).generation,),
+                                      (rec.generation,))
 
     def _publish_abort(self, rec: AbortRecord) -> None:
         deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
@@ -88,7 +89,7 @@ class Publisher:
         while not self._stop.is_set() and not deadline.expired():
             try:
                 written = self._put_unless_newer(self._keys.abort, encode(rec),
-                                                 lambda raw: decode_abort(raw).generation, rec.generation)
+                                                 lambda raw: (decode_abort(raw).generation,), (rec.generation,))
                 if written is None:
                     return  # already aborted (or a newer generation is): nothing to add
                 if written:
@@ -102,9 +103,12 @@ class Publisher:
                                 retrying_for_s=round(deadline.remaining_s(), 1))
                 self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
 
-    def _put_unless_newer(self, key: str, value: bytes, order: Callable[[bytes], int], mine: int) -> bool | None:
+    def _put_unless_newer(self, key: str, value: bytes, order: Callable[[bytes], tuple[int, ...]],
+                          mine: tuple[int, ...]) -> bool | None:
         """Write ``value`` by compare-and-set unless ``key`` holds a record whose ``order`` is at
-        least ``mine`` (a value that does not decode is replaced).
+        least ``mine`` (a value that does not decode is replaced). The compare is on the
+        mod_revision read (absent: the key must still be absent), so a record written between the
+        read and the write makes this one lose instead of overwriting it.
 
         Returns:
             True: written; False: lost the race to another writer; None: a record as new is there.
@@ -141,14 +145,28 @@ class Publisher:
         except EtcdUnavailable as exc:
             log.warning("committed_publish_failed", error=str(exc))
 
-    def checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
-        """Record the job's latest good durable checkpoint (see ``Membership.publish_checkpoint``)."""
+    def checkpoint(self, record: CheckpointRecord, only_if_newer: bool = True) -> None:
+        """Record the job's latest good durable checkpoint (see ``Membership.publish_checkpoint``),
+        always by compare-and-set: only over a missing record, one that does not decode, or one of
+        an older (step, seq), so the record never goes back (a writer that lost a race re-reads and
+        decides again, at most ``CHECKPOINT_CAS_TRIES`` times). ``only_if_newer`` changes nothing:
+        no write of this record is unconditional. Best effort: etcd unreachable is logged."""
+        def order(raw: bytes) -> tuple[int, ...]:
+            r = decode_checkpoint(raw)
+            return (r.step, r.seq)
+
         try:
-            if not only_if_newer:
-                self._store.put(self._keys.checkpoint, encode(record))
-                return
-            self._put_unless_newer(self._keys.checkpoint, encode(record),
-                                   lambda raw: decode_checkpoint(raw).step, record.step)
+            for _ in range(CHECKPOINT_CAS_TRIES):
+                written = self._put_unless_newer(self._keys.checkpoint, encode(record), order,
+                                                 (record.step, record.seq))
+                if written is None:
+                    log.info("checkpoint_publish_skipped", step=record.step, seq=record.seq,
+                             reason="the record names this checkpoint or a newer one")
+                    return
+                if written:
+                    return
+            log.warning("checkpoint_publish_lost", step=record.step, seq=record.seq, tries=CHECKPOINT_CAS_TRIES,
+                        reason="other writers changed the record between each read and write")
         except EtcdUnavailable as exc:
             log.warning("checkpoint_publish_failed", step=record.step, error=str(exc))
 

@@ -33,16 +33,15 @@ class JobReader:
         self._warned: set[str] = set()
         self._roster: tuple[int, GenerationRecord] | None = None  # (revision, my view of a large generation)
 
-    def view(self, direct: bool = False) -> Snapshot:
+    def view(self) -> Snapshot:
         """This member's view of the job, in one transaction (and one small read of its node's
         roster bucket the first time it sees a large generation); never another member's record,
-        so its cost does not grow with the job. ``direct``: read etcd itself, never the node
-        relay's view (``relayed_store.RelayedStore.direct``; which may be a heartbeat old).
+        so its cost does not grow with the job.
 
         Raises:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
-        view = self._parsed(self._keys.member_view, direct)
+        view = self._parsed(self._keys.member_view)
         g = view.generation
         if g is None or not is_sparse(g):
             return view
@@ -67,9 +66,8 @@ class JobReader:
         """
         return self._parsed(self._keys.rendezvous)
 
-    def _parsed(self, prefixes: tuple[str, ...], direct: bool = False) -> Snapshot:
-        store = getattr(self._store, "direct", self._store) if direct else self._store  # a RelayedStore's etcd
-        snap = parse_snapshot(self._keys, store.get_prefixes(prefixes))
+    def _parsed(self, prefixes: tuple[str, ...]) -> Snapshot:
+        snap = parse_snapshot(self._keys, self._store.get_prefixes(prefixes))
         for bad in snap.malformed:
             self._warn(bad)
         return snap

@@ -179,11 +179,6 @@ class RelayedStore:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    @property
-    def direct(self) -> KeyValueStore:
-        """The store under the relay (etcd itself): a read that must not be a heartbeat old."""
-        return self._inner
-
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         if tuple(prefixes) != self._view_prefixes:
             return self._inner.get_prefixes(prefixes)

@@ -12,14 +12,11 @@ every write holds one lock; each flag is one attribute, read without it.
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Callable
 
 import structlog
 
 from elasticd.rendezvous.decide import assess_health
-from elasticd.retry import Deadline
 from elasticd.wire.records import GenerationRecord
 from elasticd.wire.snapshot import Snapshot
 
@@ -42,8 +39,6 @@ class GenerationWatch:
         # the view in which the current generation was seen superseded: the join looks in it
         # first (a generation of the survivors that includes this member needs no ready record)
         self.superseded_in: Snapshot | None = None
-        self.direct_asked_at = -math.inf  # when the newest view read from etcd itself (past a relay) was asked for
-        self._direct = threading.Condition(self._lock)
 
     def leave(self) -> None:
         """A join begins: no current generation, nothing to abandon, no one waiting."""
@@ -81,25 +76,6 @@ class GenerationWatch:
             if h.join_pending and not self.join_pending:
                 log.info("join_requested", generation=current.generation)
             self.join_pending = h.join_pending
-
-    def assessed_direct(self, asked_at: float) -> None:
-        """The view just assessed was read from etcd itself, asked for at ``asked_at`` (monotonic)."""
-        with self._lock:
-            self.direct_asked_at = max(self.direct_asked_at, asked_at)
-            self._direct.notify_all()
-
-    def confirm_current(self, since: float, read_now: Callable[[], None], deadline: Deadline,
-                        stop: Callable[[], bool], poll_s: float) -> bool:
-        """Whether a view read from etcd itself, asked for after ``since``, still has this member's
-        generation current (not fenced, its lease not lost): ``read_now`` cues the watcher until
-        one is assessed, up to ``deadline``; False when none came by then (or ``stop``)."""
-        with self._lock:
-            while self.direct_asked_at < since:
-                if deadline.expired() or stop():
-                    return False
-                read_now()
-                self._direct.wait(min(deadline.remaining_s(), poll_s))
-            return not (self.fenced or self.lease_lost)
 
     def lose_lease(self, lease: int) -> None:
         """etcd said this member's lease ``lease`` is gone."""

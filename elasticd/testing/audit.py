@@ -90,12 +90,10 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
     per_epoch: dict[int, list[int]] = defaultdict(list)
     spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     last_of_generation: dict[int, int] = {}  # generation -> its last committed step
-    first_of_generation: dict[int, int] = {}  # ... and its first
     for step in rep.steps:
         for r in commits[step]:
             gen_of_row = int(r["generation"])  # type: ignore[call-overload]
             last_of_generation[gen_of_row] = max(last_of_generation.get(gen_of_row, 0), step)
-            first_of_generation[gen_of_row] = min(first_of_generation.get(gen_of_row, step), step)
     absent_at_last: dict[int, set[int]] = {}  # generation -> the ranks without a line for its last step
     for gen, last in last_of_generation.items():
         rows_at_last = [r for r in commits[last] if int(r["generation"]) == gen]  # type: ignore[call-overload]
@@ -103,21 +101,13 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             int(r["rank"]) for r in rows_at_last}  # type: ignore[call-overload]
     for step in rep.steps:
         all_rows = commits[step]
-        # A step rolled forward applies the sum of the generation that refused it (``sum_generation``):
-        # that generation's commit, not a second one.
-        gens = {int(r.get("sum_generation", r["generation"])) for r in all_rows}  # type: ignore[call-overload]
+        gens = {int(r["generation"]) for r in all_rows}  # type: ignore[call-overload]
         if len(gens) != 1:
             v.append(f"step {step} committed in several generations {sorted(gens)} (repeated)")
             continue
         by_gen: dict[int, list[dict[str, object]]] = defaultdict(list)
         for r in all_rows:
             by_gen[int(r["generation"])].append(r)  # type: ignore[call-overload]
-        for gen, gen_rows in sorted(by_gen.items()):  # a roll applies an earlier generation's sum, first thing
-            if any("sum_generation" in r for r in gen_rows) and not (
-                    all(int(r.get("sum_generation", -1)) < gen for r in gen_rows)  # type: ignore[call-overload]
-                    and step == first_of_generation[gen]):
-                v.append(f"step {step}: generation {gen} claims the sum of another generation, yet it is not "
-                         f"a roll (every line of its first step naming an earlier generation)")
         absent_of: dict[int, list[int]] = {}
         for gen, gen_rows in sorted(by_gen.items()):
             world = int(gen_rows[0]["world_size"])  # type: ignore[call-overload]
@@ -127,7 +117,7 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             # A rank may lack a line only for the last step of its generation (it contributed and then
             # died, or was fenced off, before logging: which is also why the generation ended there),
             # and for the one before it if it lacks the last too: a line is written once the step is
-            # confirmed, by the next sum (README: confirmation), and it died before that sum reached it.
+            # confirmed, by the next sum (docs/design/commit-protocol.md), and it died before that sum reached it.
             absent_of[gen] = sorted(set(range(world)) - set(ranks))
             last = last_of_generation[gen]
             if absent_of[gen] and step != last and not (

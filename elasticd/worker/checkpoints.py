@@ -1,6 +1,8 @@
 """One trainer's use of durable checkpoints: rank 0's saves, a member's resume, a starting file.
 
-Owns ``Checkpoints``: when rank 0 saves (``CheckpointWriter.due``) after a commit, what a member
+Owns ``Checkpoints``: when rank 0 saves (``CheckpointWriter.due``) after applying a step, and that
+the save becomes visible only once the ``Journal`` confirms its step (and is deleted when the journal
+discards it: a branch the job left, never published nor resumed from), what a member
 loads when the rendezvous finds no live state (``resume``: the newest good checkpoint of this
 model, or a refusal to start over when only another model's checkpoints are there), and
 ``load_initial``, which loads weights (and optionally optimizer, scheduler and other registered
@@ -20,8 +22,8 @@ import torch
 
 from elasticd.config import CheckpointConfig
 from elasticd.errors import CheckpointModelChanged, ConfigError
-from elasticd.worker.durable import CheckpointWriter, LoadedCheckpoint, load_latest, refuse_new_model
-from elasticd.worker.durable_format import job_dir, scan, signature_of
+from elasticd.worker.durable import CheckpointWriter
+from elasticd.worker.durable_format import LoadedCheckpoint, job_dir, load_latest, refuse_new_model, scan, signature_of
 from elasticd.worker.journal import Journal
 from elasticd.worker.state import TrainingState
 
@@ -38,7 +40,8 @@ class Checkpoints:
             job_id: the job (its checkpoints live in ``<checkpoint_dir>/<job_id>/``).
             node: this worker's node id (written into each manifest).
             state: the state saved and loaded.
-            journal: told of every save, failed save and resume.
+            journal: told of every save, failed save and resume; tells which steps are confirmed
+                (a pending save is published) or discarded (a pending save is deleted).
         """
         self.config = config
         self._job_id, self._node = job_id, node
@@ -48,6 +51,7 @@ class Checkpoints:
         # holding self kept the journal, the store client and the membership alive after close.
         self.on_failed = _failure_recorder(journal, self.directory, self._generation)
         self._writer: CheckpointWriter | None = None
+        self._verdicts_wired = False  # the journal's confirm/discard reach the writer
         self.resumed_from: LoadedCheckpoint | None = None  # the checkpoint this member's state came from
 
     @property
@@ -55,20 +59,37 @@ class Checkpoints:
         return job_dir(self.config.checkpoint_dir, self._job_id)
 
     def maybe_save(self, step: int, generation: int) -> None:
-        """Rank 0, after committing ``step``: start a background save if one is due."""
+        """Rank 0, after applying ``step``: start a background save if one is due.
+
+        The save confirms nothing: rank 0 may hold ``step`` alone (its peers never got the sum), so
+        the checkpoint is written now and becomes visible (manifest, ``checkpoint`` record, event,
+        retention) once the journal confirms a step at least ``step``; if the journal discards
+        ``step`` first, its files are deleted.
+        """
         if not self.config.saves:
             return
-        c = self.config
+        writer = self._writer_for_saves()
+        if writer.due(step):
+            self._generation[0] = generation
+            writer.save(self._state, generation, pending=self._journal.confirmed_step < step)
+
+    def _writer_for_saves(self) -> CheckpointWriter:
         if self._writer is None:
+            c = self.config
             self._writer = CheckpointWriter(
                 self.directory, job_id=self._job_id, node=self._node, signature=self._state.signature,
                 every_steps=c.checkpoint_every_steps, every_s=c.checkpoint_every_s, keep=c.checkpoint_keep,
                 wait_s=c.checkpoint_wait_s, on_saved=self._journal.checkpoint_saved, on_failed=self.on_failed,
             )
-        if self._writer.due(step):
-            self._journal.confirm()  # the step becomes durable: rank 0's commit line goes out with it
-            self._generation[0] = generation
-            self._writer.save(self._state, generation)
+        if not self._verdicts_wired:  # the journal keeps its listeners: wired once, to this writer
+            self._verdicts_wired = True
+            self._journal.on_confirm(self._writer.confirm)
+            self._journal.on_discard(self._writer.discard)
+        return self._writer
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no save is being written or settled (True), at most ``timeout_s``."""
+        return self._writer is None or self._writer.wait_idle(timeout_s)
 
     def resume(self, held_step: int) -> int:
         """Called by the rendezvous when no live member holds the job's state: load the newest good
@@ -91,13 +112,16 @@ class Checkpoints:
     def _refuse_unloadable(self) -> None:
         """Checkpoints of this model are there but none loads (damaged, or the registered state
         differs: a scheduler or an EMA added since): starting over from step 1 would silently drop
-        their progress, so stop unless ``checkpoint_allow_new_model``. Nothing is deleted.
+        their progress, so stop unless ``checkpoint_allow_new_model``. Nothing is deleted. A data
+        file without its manifest is no checkpoint (a save never confirmed, or cut off) and counts
+        for nothing here.
 
         Raises:
             CheckpointModelChanged: such checkpoints exist and the setting is off.
         """
         try:
-            steps = [e.step for e in scan(self.directory) if signature_of(e) == self._state.signature]
+            steps = [e.step for e in scan(self.directory)
+                     if e.manifest_path is not None and signature_of(e) == self._state.signature]
         except OSError:
             return
         if not steps:
@@ -112,8 +136,11 @@ class Checkpoints:
             f"checkpoint_allow_new_model to start over (nothing is deleted)")
 
     def close(self) -> None:
+        """Stop the writer: the work queued finishes (at most ``checkpoint_wait_s``); a save whose
+        step the journal has not confirmed by now is deleted, never published (settle the last
+        steps in the journal first)."""
         if self._writer is not None:
-            self._writer.close()  # the write in flight finishes (bounded) and is published
+            self._writer.close()
 
 
 def _failure_recorder(journal: Journal, directory: Path, generation: list[int]) -> Callable[[int, Exception], None]:

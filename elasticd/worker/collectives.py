@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
+from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost, ProtocolViolation
 from elasticd.retry import Deadline
 from elasticd.worker.commit import VOTE_SLOTS
 from elasticd.worker.process_group import Group
@@ -304,6 +304,10 @@ class GradientReducer:
         self._group: Group | None = None
         self._scale = 1.0
         self._vote: Callable[[], Sequence[float]] | None = None
+        self._step = 0
+        # (generation, step) whose sum ``finish`` delivered here and that is not applied yet (not the
+        # group itself: holding it kept retired groups alive)
+        self._unapplied: tuple[int, int] | None = None
         self._syncing = True  # False while micro-batches before the last accumulate (begin(sync=False))
         self._error: BaseException | None = None
         self._handles = [
@@ -315,17 +319,33 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
 
-    def begin(self, group: Group, scale: float, vote: Callable[[], Sequence[float]], sync: bool = True) -> None:
-        """Arm for one step: zero the gradients (this replaces ``optimizer.zero_grad``); this rank's
+    def begin(self, group: Group, step: int, scale: float, vote: Callable[[], Sequence[float]],
+              sync: bool = True) -> None:
+        """Arm for ``step``: zero the gradients (this replaces ``optimizer.zero_grad``); this rank's
         gradients will be multiplied by ``scale`` before the sum; ``vote`` is called (on the thread
         that launches it) right before the vote bucket goes out, and returns its slots. With
         ``sync=False`` (gradient accumulation, like DDP's ``no_sync``) backward only accumulates
-        into the buckets until ``sync_next``: the all_reduce runs once per step."""
+        into the buckets until ``sync_next``: the all_reduce runs once per step.
+
+        Raises:
+            ProtocolViolation: this rank received the sum of an earlier step in ``group`` and did
+                not apply it (``applied``): contributing now would confirm a step it does not hold.
+        """
+        if self._unapplied is not None and self._unapplied[0] == group.generation and self._unapplied[1] != step:
+            raise ProtocolViolation(
+                f"step {step}: rank {group.rank} of generation {group.generation} would contribute before "
+                f"applying step {self._unapplied[1]}, whose sum it received")
         self._group, self._scale, self._error, self._vote = group, scale, None, vote
+        self._step = step
         self._syncing = sync
         for b in self._buckets:
             b.ready, b.work = 0, None
             b.bind_grads()
+
+    def applied(self, step: int) -> None:
+        """This rank applied ``step``, whose sum ``finish`` delivered: it may contribute to the next one."""
+        if self._unapplied is not None and self._unapplied[1] == step:
+            self._unapplied = None
 
     def sync_next(self) -> None:
         """The next backward is the step's last micro-batch: launch each bucket as it completes."""
@@ -380,37 +400,16 @@ class GradientReducer:
                 wait(b.work, group, deadline, abandon, poll_s, "gradient all_reduce")
             for b in self._buckets:
                 b.inbound()
+            self._unapplied = (group.generation, self._step)
         finally:
             self._group, self._vote = None, None
         vb = self._vote_bucket
         return [float(x) for x in vb.buffer[vb.numel :].tolist()]
 
-    def kept_sums(self) -> list[torch.Tensor]:
-        """Copies of every bucket's gradient sum, as ``finish`` left it, in host memory (a GPU's
-        memory is the model's: ``rollforward.KeptSum``)."""
-        return [b.grads.detach().to("cpu", copy=True) for b in self._buckets]
-
-    def replace_sums(self, group: Group, kept: Sequence[torch.Tensor] | None, root: int, deadline: Deadline,
-                     abandon: Abandon, poll_s: float) -> None:
-        """After ``finish``: every rank's gradient sums become ``root``'s ``kept`` ones (a broadcast
-        per bucket, bounded like every collective; the vote slots keep this step's sum).
-
-        Raises:
-            CollectiveError: a broadcast failed, timed out, or the generation was abandoned.
-        """
-        if kept is not None:
-            for b, k in zip(self._buckets, kept, strict=True):
-                b.grads.copy_(k)
-        sent = [b for b in self._buckets if b.numel]  # not the vote's own bucket (no gradients)
-        works = [start_broadcast(b.outbound()[: b.numel], root, group) for b in sent]
-        for b, work in zip(sent, works, strict=True):
-            wait(work, group, deadline, abandon, poll_s, "kept-sum broadcast")
-            b.inbound()
-
     def cancel(self) -> None:
         """Forget a step whose collectives will never be waited for (its group is being retired).
         Every bucket that went out gets a new buffer (``_Bucket.renew``)."""
-        self._group, self._vote = None, None
+        self._group, self._vote, self._unapplied = None, None, None
         for b in self._buckets:
             if b.work is not None:
                 b.renew()

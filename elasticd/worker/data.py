@@ -87,14 +87,6 @@ class DataPlan:
             counters.reference_world = world_size
         return counters.reference_world
 
-    def rolled_factor(self, counters: Counters, world_size: int | None) -> float | None:
-        """The learning-rate factor of a step rolled forward from a generation of ``world_size``
-        (``rollforward``: applied as that generation applied it); None: not rolled, or no
-        ``linear_scaling`` (the optimizers' own factor)."""
-        if world_size is None or self.mode is not BatchMode.LINEAR_SCALING:
-            return None
-        return world_size / self.reference(counters, world_size)
-
     def make_sampler(self, counters: Counters, world_size: int) -> ElasticSampler:
         """The sampler, built at the first call once the batch size is known."""
         if self.sampler is None:

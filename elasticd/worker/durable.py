@@ -1,21 +1,23 @@
-"""Durable checkpoints on disk: the background writer, retention, verified loading.
+"""Durable checkpoints on disk: the background writer and its retention.
 
 Owns the on-disk store of one job (``<checkpoint_dir>/<job_id>/``, files in the ``durable_format``).
 ``CheckpointWriter.save`` is called by rank 0 at a step boundary: it copies the state's arena into a
 spare buffer and hands it to a writer thread (O_DIRECT where the filesystem allows it; checksums on a
 helper thread while the bytes are written), so training goes on; a new save waits only while the
 previous write runs (at most ``checkpoint_wait_s``, then it is skipped). A save writes a temp file,
-fsyncs and renames it, then the manifest, then fsyncs the directory: a crash at any point leaves the
-previous checkpoints intact and no half file that looks complete. ``load_latest`` loads the newest
-checkpoint that passes ``verify``, falling back to older ones. Retention (``removable``) keeps the
-``checkpoint_keep`` newest of the writer's model and never deletes another model's;
-``refuse_new_model`` stops a worker that finds only another model's checkpoints from starting over.
-Never decides who saves or when a job resumes (the trainer and ``membership`` do), never defines
+fsyncs and renames it, then writes and fsyncs the manifest under a temp name; the manifest is renamed
+into place, and the directory fsynced, once the saved step is confirmed committed
+(``CheckpointWriter.confirm``); a save of a discarded step is deleted (``discard``). A crash at any
+point leaves the previous checkpoints intact and no half file that looks complete. The reading side
+(``load_latest``, retention's choice ``removable``, ``refuse_new_model``) lives in
+``durable_format`` and is importable from here too. Never decides who saves, whether a step is
+committed or when a job resumes (the trainer, the ``Journal`` and ``membership`` do), never defines
 what a file holds (``durable_format`` does), and never talks to etcd (the callbacks do).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -31,22 +33,26 @@ from pathlib import Path
 import structlog
 import torch
 
-from elasticd.errors import CheckpointModelChanged, ModelMismatch, StateCorrupt
+from elasticd.worker.checksum import checksum_key, state_checksum
 from elasticd.worker.durable_format import (
     CHUNK_BYTES,
     FORMAT,
     VERSION,
-    Entry,
+    LoadedCheckpoint,
     Manifest,
     checkpoint_name,
     encode_prefix,
-    other_models,
+    load_latest,
+    new_model_refusal,
+    refuse_new_model,
+    removable,
     scan,
     signature_of,
-    verify,
 )
-from elasticd.worker.checksum import checksum_key, state_checksum
 from elasticd.worker.state import TrainingState
+
+__all__ = ["DIRECT_ALIGN", "CheckpointWriter", "LoadedCheckpoint", "SavedCheckpoint", "aligned_bytes",
+           "describe_failure", "load_latest", "new_model_refusal", "refuse_new_model", "removable"]
 
 log = structlog.get_logger(__name__)
 
@@ -57,21 +63,11 @@ STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """A checkpoint that is on disk and durable."""
+    """A checkpoint whose files are written and fsynced (visible once its manifest is in place)."""
 
-    path: Path
+    path: Path  # the data file
     manifest: Manifest
-    duration_s: float  # from the writer thread picking it up to the directory fsync after the manifest
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """A checkpoint that passed every check and is now this worker's state."""
-
-    path: Path
-    manifest: Manifest
-    rejected: tuple[str, ...]  # "<file>: <why>" for each newer one that failed a check
-    duration_s: float
+    duration_s: float  # from the writer thread picking it up to the fsync of its manifest
 
 
 def describe_failure(exc: Exception) -> tuple[str | None, str]:
@@ -149,6 +145,11 @@ def _write_parts(tmp: Path, parts: list[memoryview], size: int | None) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _tmp_path(directory: Path, name: str) -> Path:
+    """The temp name ``name`` is written under before it is renamed into place (``.*.tmp.*``)."""
+    return directory / f".{name}.tmp.{os.getpid()}"
+
+
 def _write_durably(directory: Path, name: str, parts: list[memoryview],
                    crc_job: Callable[[], None] | None = None, sync_dir: bool = True,
                    direct_size: int | None = None) -> None:
@@ -158,7 +159,7 @@ def _write_durably(directory: Path, name: str, parts: list[memoryview],
     ``crc_job`` runs on a helper thread while the bytes are written (both release the GIL).
     ``direct_size``: see ``_write_parts``.
     """
-    tmp = directory / f".{name}.tmp.{os.getpid()}"
+    tmp = _tmp_path(directory, name)
     helper: threading.Thread | None = None
     errors: list[BaseException] = []
     if crc_job is not None:
@@ -201,13 +202,30 @@ class _Job:
     layout: bytes
     payload: torch.Tensor  # the snapshot (the writer's spare buffer), not the live arena
     padded: memoryview  # the same bytes and zeros to a DIRECT_ALIGN multiple, page-aligned
+    pending: bool  # the step is not known committed: the checkpoint waits for ``confirm``
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A save whose files are written and fsynced, its manifest under a temp name (invisible)."""
+
+    step: int
+    saved: SavedCheckpoint
+    manifest_tmp: Path
 
 
 class CheckpointWriter:
     """Background saves of one member's state into ``directory`` (one job's directory).
 
-    Thread-safety: ``due``, ``save`` and ``close`` are called from the training thread; the writer
-    thread owns the files. ``on_saved``/``on_failed`` are called on the writer thread.
+    A save of a step not known committed (``save(..., pending=True)``) keeps its manifest under a
+    temp name, unseen by ``scan``: ``confirm`` of a step at least its own renames it into place and
+    publishes it (``on_saved``, retention); ``discard`` of its step or an earlier one deletes its
+    files, as does ``close``. The writer thread takes saves and verdicts in the order given, so a
+    verdict may come before or after the write ends.
+
+    Thread-safety: ``due``, ``save``, ``confirm``, ``discard`` and ``close`` are called from the
+    training thread; the writer thread owns the files. ``on_saved``/``on_failed`` are called on the
+    writer thread.
     """
 
     def __init__(
@@ -239,12 +257,16 @@ class CheckpointWriter:
         self._last_save_at = clock()
         self._spare: torch.Tensor | None = None  # n bytes over page-aligned memory (see aligned_bytes)
         self._spare_map: mmap.mmap | None = None
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # nothing queued or running (``_outstanding`` is 0)
         self._idle.set()
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self._lock = threading.Lock()
+        self._outstanding = 0  # saves and verdicts queued or running
+        self._queue: queue.Queue[_Job | Callable[[], None] | None] = queue.Queue()
+        self._unsettled: list[int] = []  # the training thread's: steps of pending saves without a verdict
+        self._pending: list[_Pending] = []  # the writer thread's: written, waiting for their verdict
         self._seq = -1  # the last seq used; read from the directory at the first save
         self._thread: threading.Thread | None = None
-        self.saved: list[SavedCheckpoint] = []
+        self.saved: list[SavedCheckpoint] = []  # published, oldest first
         self.failures = 0
 
     def due(self, step: int) -> bool:
@@ -257,8 +279,9 @@ class CheckpointWriter:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def save(self, state: TrainingState, generation: int) -> bool:
-        """Snapshot ``state`` now (at a step boundary) and write it in the background.
+    def save(self, state: TrainingState, generation: int, pending: bool = False) -> bool:
+        """Snapshot ``state`` now (at a step boundary) and write it in the background; published
+        once written, or with ``pending`` (its step not known committed) once confirmed (see the class).
 
         Waits for the previous write if it still runs, at most ``wait_s``.
 
@@ -278,60 +301,137 @@ class CheckpointWriter:
         self._spare.copy_(arena)  # the only work on the training thread: one memcpy
         c = state.counters
         assert self._spare_map is not None
-        job = _Job(c.step, generation, c.epoch, c.position, layout, self._spare, memoryview(self._spare_map))
+        job = _Job(c.step, generation, c.epoch, c.position, layout, self._spare, memoryview(self._spare_map), pending)
         self._last_save_at = self._clock()
-        self._idle.clear()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="elasticd-ckpt-writer", daemon=True)
             self._thread.start()
-        self._queue.put(job)
+        if pending:
+            self._unsettled.append(job.step)
+        self._submit(job)
         return True
 
+    def confirm(self, step: int) -> None:
+        """Every step up to ``step`` is committed: publish the pending saves of those steps (on the
+        writer thread, once written). Cheap when none is pending (called at every step)."""
+        if any(s <= step for s in self._unsettled):
+            self._unsettled = [s for s in self._unsettled if s > step]
+            self._submit(lambda: self._settle(step, confirmed=True))
+
+    def discard(self, steps: list[int]) -> None:
+        """``steps`` are a branch the job left: delete the pending saves of them and of any later
+        step (a state derived from a discarded one), on the writer thread, once written."""
+        first = min(steps, default=None)
+        if first is not None and any(s >= first for s in self._unsettled):
+            self._unsettled = [s for s in self._unsettled if s < first]
+            self._submit(lambda: self._settle(first, confirmed=False))
+
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no write runs (True), at most ``timeout_s``."""
+        """Wait until no save or verdict is queued or running (True), at most ``timeout_s``."""
         return self._idle.wait(timeout_s)
 
     def close(self) -> None:
-        """Let the write in flight finish (at most ``wait_s``), then stop the thread."""
+        """Let the work queued finish (at most ``wait_s``; past it the thread goes on alone, a daemon),
+        then delete the saves still pending (never published) and stop the thread."""
         if self._thread is None:
             return
-        if not self._idle.wait(self._wait_s):
+        finished = self._idle.wait(self._wait_s)
+        if not finished:
             log.warning("checkpoint_write_abandoned", reason=f"still writing after checkpoint_wait_s={self._wait_s}")
-            return  # a daemon thread: the process may exit; the temp file never looks complete
+        self._unsettled.clear()
         self._queue.put(None)
-        self._thread.join(self._wait_s)
-        self._thread = None
+        self._thread.join(self._wait_s if finished else 0.0)
+        if not self._thread.is_alive():
+            self._thread = None
+
+    def _submit(self, item: _Job | Callable[[], None]) -> None:
+        with self._lock:
+            self._outstanding += 1
+            self._idle.clear()
+        self._queue.put(item)
 
     # -- the writer thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
         _lower_priority()
         while True:
-            job = self._queue.get()
-            if job is None:
+            item = self._queue.get()
+            if item is None:
+                for p in self._pending:
+                    self._drop(p, "not confirmed when the writer closed")
                 return
             try:
-                saved = self._write(job)
-            except Exception as exc:  # the writer thread's top level: report it, and stay alive
-                self.failures += 1
-                code, text = describe_failure(exc)
-                log.error("checkpoint_save_failed", step=job.step, directory=str(self.directory), errno=code,
-                          error=text, exc_info=code is None,
-                          consequence="training goes on; the previous checkpoint is intact; the next save tries again")
-                if self._on_failed is not None:
-                    self._on_failed(job.step, exc)
-            else:
-                self.saved.append(saved)
-                log.info("checkpoint_saved", step=job.step, path=str(saved.path), seq=saved.manifest.seq,
-                         bytes=saved.manifest.file_bytes, duration_s=round(saved.duration_s, 4))
-                if self._on_saved is not None:
-                    self._on_saved(saved)
-                try:
-                    self._retain()
-                except OSError as exc:
-                    log.warning("checkpoint_retention_failed", directory=str(self.directory), error=str(exc))
+                if isinstance(item, _Job):
+                    self._run(item)
+                else:
+                    item()  # a verdict (``_settle``)
+            except Exception as exc:  # the writer thread's top level (a callback raised): stay alive
+                log.error("checkpoint_writer_error", error=f"{type(exc).__name__}: {exc}", exc_info=True)
             finally:
-                self._idle.set()
+                with self._lock:
+                    self._outstanding -= 1
+                    if not self._outstanding:
+                        self._idle.set()
+
+    def _run(self, job: _Job) -> None:
+        try:
+            pending = self._write(job)
+        except Exception as exc:  # any failure of the write: report it, and stay alive
+            self._failed(job.step, exc)
+            return
+        if not job.pending:
+            self._publish(pending)
+            return
+        self._pending.append(pending)
+        log.info("checkpoint_written", step=job.step, path=str(pending.saved.path), seq=pending.saved.manifest.seq,
+                 duration_s=round(pending.saved.duration_s, 4), visible="once its step is confirmed")
+
+    def _settle(self, step: int, confirmed: bool) -> None:
+        """Publish the pending saves of steps up to ``step``, or (not ``confirmed``) drop those from it."""
+        settled = [p for p in self._pending if (p.step <= step if confirmed else p.step >= step)]
+        self._pending = [p for p in self._pending if p not in settled]
+        for p in settled:
+            if confirmed:
+                self._publish(p)
+            else:
+                self._drop(p, f"step {step} was discarded: a branch the job left")
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        self.failures += 1
+        code, text = describe_failure(exc)
+        log.error("checkpoint_save_failed", step=step, directory=str(self.directory), errno=code,
+                  error=text, exc_info=code is None,
+                  consequence="training goes on; the previous checkpoint is intact; the next save tries again")
+        if self._on_failed is not None:
+            self._on_failed(step, exc)
+
+    def _publish(self, pending: _Pending) -> None:
+        """Rename the manifest into place and fsync the directory (it exists now); ``on_saved``; retention."""
+        saved = pending.saved
+        try:
+            os.rename(pending.manifest_tmp, saved.path.with_suffix(".json"))
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            self._drop(pending, "its manifest could not be renamed into place")
+            self._failed(saved.manifest.step, exc)
+            return
+        self.saved.append(saved)
+        log.info("checkpoint_saved", step=saved.manifest.step, path=str(saved.path), seq=saved.manifest.seq,
+                 bytes=saved.manifest.file_bytes, duration_s=round(saved.duration_s, 4))
+        if self._on_saved is not None:
+            self._on_saved(saved)
+        try:
+            self._retain()
+        except OSError as exc:
+            log.warning("checkpoint_retention_failed", directory=str(self.directory), error=str(exc))
+
+    def _drop(self, pending: _Pending, why: str) -> None:
+        """Delete a pending save's files (its manifest first: never a manifest without data; one
+        that cannot be deleted stays unseen, and retention removes it later)."""
+        for path in (pending.manifest_tmp, pending.saved.path):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        log.info("checkpoint_discarded", step=pending.step, seq=pending.saved.manifest.seq, reason=why)
 
     def _next_seq(self) -> int:
         if self._seq < 0:
@@ -339,7 +439,8 @@ class CheckpointWriter:
         self._seq += 1
         return self._seq
 
-    def _write(self, job: _Job) -> SavedCheckpoint:
+    def _write(self, job: _Job) -> _Pending:
+        """Write the data file (renamed into place) and the manifest (fsynced under its temp name)."""
         started = time.monotonic()
         self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)  # as its files: not for other users
         seq = self._next_seq()
@@ -362,8 +463,8 @@ class CheckpointWriter:
             sums["state"] = state_checksum(key, data[:total], total)
             sums["rest"] = zlib.crc32(data[total:], zlib.crc32(prefix))
 
-        # The directory is fsynced once, after both renames: until then a crash may keep either
-        # name or neither, and a manifest without its data file is rejected as incomplete.
+        # The directory is fsynced once, when the manifest is renamed into place (``_publish``): until
+        # then a crash may keep the data file or not, and without its manifest it is never loaded.
         _write_durably(self.directory, name + ".ckpt", [memoryview(prefix_map), job.padded[: _round_up(payload_bytes)]],
                        crc_job, sync_dir=False, direct_size=payload_offset + payload_bytes)
         manifest = Manifest(
@@ -371,129 +472,28 @@ class CheckpointWriter:
             generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",
             file_bytes=payload_offset + payload_bytes, header_bytes=header_bytes, payload_offset=payload_offset,
             payload_bytes=payload_bytes, state_bytes=total, state_checksum=sums["state"], crc32=sums["rest"],
-            epoch=job.epoch,
-            position=job.position, created=time.time(),
+            epoch=job.epoch, position=job.position, created=time.time(),
         )
-        _write_durably(self.directory, name + ".json", [memoryview(json.dumps(asdict(manifest), indent=1).encode())])
-        return SavedCheckpoint(self.directory / (name + ".ckpt"), manifest, time.monotonic() - started)
+        tmp = _tmp_path(self.directory, name + ".json")
+        _write_parts(tmp, [memoryview(json.dumps(asdict(manifest), indent=1).encode())], None)
+        saved = SavedCheckpoint(self.directory / (name + ".ckpt"), manifest, time.monotonic() - started)
+        return _Pending(job.step, saved, tmp)
 
     def _retain(self) -> None:
         """Keep the ``keep`` newest complete checkpoints of this model; remove its older ones, orphans
-        and stale temps (``removable``). Checkpoints of another model are never removed."""
-        entries = scan(self.directory)
+        and stale temps (``removable``); never another model's, nor this writer's pending saves."""
+        pending = {p.saved.manifest.seq for p in self._pending}
+        entries = [e for e in scan(self.directory) if e.seq not in pending]
         for e in removable([(e, signature_of(e)) for e in entries], self._signature, self._keep):
             for path in (e.manifest_path, e.data_path):  # manifest first: never a manifest without data
                 if path is not None:
                     path.unlink(missing_ok=True)
             log.info("checkpoint_removed", seq=e.seq, step=e.step, directory=str(self.directory))
         now = time.time()
+        pending_tmps = {p.manifest_tmp.name for p in self._pending}
         for tmp in self.directory.glob(".*.tmp.*"):
             try:
-                if now - tmp.stat().st_mtime > STALE_TMP_S:
+                if tmp.name not in pending_tmps and now - tmp.stat().st_mtime > STALE_TMP_S:
                     tmp.unlink(missing_ok=True)
             except FileNotFoundError:
                 pass
-
-
-def removable(entries: list[tuple[Entry, str | None]], signature: str, keep: int) -> list[Entry]:
-    """Which checkpoints retention deletes (pure): (entry, its model signature or None when no
-    file of it says) for each file group in the directory, the writer's signature, and ``keep``.
-
-    Of the writer's model (and of unknown ones: unreadable files, no checkpoint of anyone) the
-    ``keep`` newest complete checkpoints are kept, the older ones removed. A data file without a
-    manifest may be a save in progress by another writer: only one older than what is kept is
-    surely abandoned. A checkpoint whose files say another model signature is never removed: it
-    may be the only copy of another model's training (a job resumed with a changed model).
-    """
-    ours = [e for e, sig in entries if sig is None or sig == signature]
-    complete = sorted((e for e in ours if e.manifest_path is not None and e.data_path is not None),
-                      key=lambda e: e.seq, reverse=True)
-    kept = complete[:keep]
-    oldest_kept = min((e.seq for e in kept), default=0)
-    return [e for e in ours if e not in kept and not (e.manifest_path is None and e.seq >= oldest_kept)]
-
-
-def new_model_refusal(directory: Path, signature: str, others: dict[str, list[int]], allow: bool) -> str | None:
-    """Why a worker that found no checkpoint of its own model must not start over from step 1, or
-    None when it may (pure).
-
-    It may when nothing of another model is in the directory, or when the user allowed it
-    (``checkpoint_allow_new_model``). Otherwise the job would train a changed model from scratch
-    next to another model's training, which is almost always a mistake (a changed layer, the
-    wrong job id or directory).
-    """
-    if not others or allow:
-        return None
-    found = "; ".join(f"{sig[:12]}: {len(steps)} checkpoint(s), newest step {max(steps)}"
-                      for sig, steps in sorted(others.items()))
-    return (f"{directory} holds checkpoints of another model ({found}) and none of this worker's model "
-            f"{signature[:12]}; refusing to start over from step 1. Resume with the model that wrote them, "
-            f"or use another job id or checkpoint_dir, or set checkpoint_allow_new_model = true "
-            f"(ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL=1) to start this model from step 1 (the other "
-            f"model's checkpoints are kept)")
-
-
-def refuse_new_model(directory: Path, signature: str, allow: bool) -> None:
-    """A worker about to start from step 1 (it holds nothing and found no checkpoint of its model)
-    stops if ``directory`` holds another model's checkpoints, unless ``allow`` (``new_model_refusal``).
-
-    Raises:
-        CheckpointModelChanged: it must not start over (nothing is deleted).
-    """
-    others = other_models(directory, signature)
-    why = new_model_refusal(directory, signature, others, allow)
-    if why is not None:
-        log.error("checkpoint_model_changed", directory=str(directory), signature=signature[:12],
-                  others={sig[:12]: len(steps) for sig, steps in others.items()},
-                  action="stopping; nothing was deleted")
-        raise CheckpointModelChanged(why)
-    if others:
-        log.warning("checkpoint_new_model_started", directory=str(directory), signature=signature[:12],
-                    others={sig[:12]: len(steps) for sig, steps in others.items()},
-                    reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept")
-
-
-def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> LoadedCheckpoint | None:
-    """Load the newest good checkpoint of ``directory`` into ``state``, if it is newer than ``newer_than``.
-
-    Checkpoints are tried newest (highest seq) first. One that fails a check, or does not fit this
-    model, is logged (``checkpoint_rejected``, with the reason) and the previous one is tried.
-
-    Returns:
-        The checkpoint loaded, or None (no good checkpoint newer than ``newer_than``; ``state`` unchanged).
-    """
-    started = time.monotonic()
-    rejected: list[str] = []
-    try:
-        entries = scan(directory)
-    except OSError as exc:
-        log.error("checkpoint_dir_unreadable", directory=str(directory), error=str(exc))
-        return None
-    for entry in entries:
-        shown = entry.data_path or entry.manifest_path
-        assert shown is not None
-        if entry.step <= newer_than:
-            log.info("checkpoint_not_newer", path=str(shown), step=entry.step, held_step=newer_than)
-            return None
-        try:
-            man, layout, payload = verify(entry)
-            if man.signature != state.signature:
-                raise ValueError(f"model signature {man.signature[:12]} differs from this worker's "
-                                 f"{state.signature[:12]}")
-            state.unpack(layout, payload)
-        except (ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError, OSError,
-                ModelMismatch, StateCorrupt) as exc:
-            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
-            rejected.append(f"{shown.name}: {why}")
-            log.warning("checkpoint_rejected", path=str(shown), step=entry.step, seq=entry.seq, reason=why,
-                        action="trying the previous checkpoint")
-            continue
-        loaded = LoadedCheckpoint(entry.data_path or shown, man, tuple(rejected), time.monotonic() - started)
-        c = state.counters
-        log.info("checkpoint_loaded", path=str(loaded.path), step=c.step, epoch=c.epoch, position=c.position,
-                 seq=man.seq, state_checksum=f"{man.state_checksum:016x}", rejected=len(rejected),
-                 duration_s=round(loaded.duration_s, 4))
-        return loaded
-    if rejected:
-        log.error("checkpoint_none_usable", directory=str(directory), rejected=rejected)
-    return None

@@ -1,10 +1,14 @@
-"""The durable checkpoint's file format: magic, header, manifest, the directory scan, verification.
+"""The durable checkpoint's file format and its reading: magic, header, manifest, the directory
+scan, verification, loading, and which files retention removes.
 
-Owns what a checkpoint on disk is, and the checks a file must pass before anything of it is loaded;
-also which models' checkpoints a directory holds (``signature_of``, ``other_models``).
-Never writes a file (``durable.CheckpointWriter`` does), never decides which checkpoint to load or
-to delete (``durable.load_latest`` and ``durable.removable`` do), and never loads bytes into a
-``TrainingState``: ``verify`` returns the layout and the payload, and the caller unpacks them.
+Owns what a checkpoint on disk is, and the checks a file must pass before anything of it is loaded
+(``verify``); ``load_latest``, which loads the newest checkpoint that passes them into a
+``TrainingState``, falling back to older ones; ``removable``, retention's choice (the
+``checkpoint_keep`` newest of the writer's model are kept, another model's are never deleted);
+which models' checkpoints a directory holds (``signature_of``, ``other_models``), and
+``refuse_new_model``, which stops a worker that finds only another model's checkpoints from
+starting over. Never writes or deletes a file (``durable.CheckpointWriter`` does), and never
+decides who saves or when a job resumes (the trainer and ``membership`` do).
 
 Files of one checkpoint, in the directory of its job (``job_dir``: ``<checkpoint_dir>/<job_id>/``),
 ``<name> = <seq:08d>-step<step:012d>`` (``checkpoint_name``):
@@ -16,7 +20,8 @@ Files of one checkpoint, in the directory of its job (``job_dir``: ``<checkpoint
   (64 in files of earlier versions); the payload: the flat arena (model, optimizer and registered
   objects' tensors, the counters ``step, epoch, position``, then the CPU RNG state and each CUDA
   device's).
-* ``<name>.json``: the ``Manifest``, written after the data file is durable: step, seq, sizes, the
+* ``<name>.json``: the ``Manifest``, written after the data file is durable (under a temp name,
+  and renamed to this one once the saved step is confirmed committed): step, seq, sizes, the
   state checksum (``checksum.state_checksum``: an XXH3 hash of the state tensors' bytes, seeded
   with ``checksum.checksum_key`` of the layout; in version 2 files, seeded with the tensor entries
   only, ``legacy_checksum_key``) and a CRC-32 of every other byte of the file; together they cover
@@ -35,13 +40,19 @@ import json
 import os
 import re
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
+from elasticd.errors import CheckpointModelChanged, ModelMismatch, StateCorrupt
 from elasticd.worker.checksum import checksum_key, state_checksum
+from elasticd.worker.state import TrainingState
+
+log = structlog.get_logger(__name__)
 
 FORMAT = "elasticd-checkpoint"
 # 3: the checksum's seed covers the whole layout (param groups, optimizer scalars, registered
@@ -275,3 +286,121 @@ def other_models(directory: Path, signature: str) -> dict[str, list[int]]:
         if sig is not None and sig != signature:
             out.setdefault(sig, []).append(e.step)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Retention, a changed model, loading
+
+
+def removable(entries: list[tuple[Entry, str | None]], signature: str, keep: int) -> list[Entry]:
+    """Which checkpoints retention deletes (pure): (entry, its model signature or None when no
+    file of it says) for each file group in the directory, the writer's signature, and ``keep``.
+
+    Of the writer's model (and of unknown ones: unreadable files, no checkpoint of anyone) the
+    ``keep`` newest complete checkpoints are kept, the older ones removed. A data file without a
+    manifest may be a save in progress by another writer: only one older than what is kept is
+    surely abandoned. A checkpoint whose files say another model signature is never removed: it
+    may be the only copy of another model's training (a job resumed with a changed model).
+    """
+    ours = [e for e, sig in entries if sig is None or sig == signature]
+    complete = sorted((e for e in ours if e.manifest_path is not None and e.data_path is not None),
+                      key=lambda e: e.seq, reverse=True)
+    kept = complete[:keep]
+    oldest_kept = min((e.seq for e in kept), default=0)
+    return [e for e in ours if e not in kept and not (e.manifest_path is None and e.seq >= oldest_kept)]
+
+
+def new_model_refusal(directory: Path, signature: str, others: dict[str, list[int]], allow: bool) -> str | None:
+    """Why a worker that found no checkpoint of its own model must not start over from step 1, or
+    None when it may (pure).
+
+    It may when nothing of another model is in the directory, or when the user allowed it
+    (``checkpoint_allow_new_model``). Otherwise the job would train a changed model from scratch
+    next to another model's training, which is almost always a mistake (a changed layer, the
+    wrong job id or directory).
+    """
+    if not others or allow:
+        return None
+    found = "; ".join(f"{sig[:12]}: {len(steps)} checkpoint(s), newest step {max(steps)}"
+                      for sig, steps in sorted(others.items()))
+    return (f"{directory} holds checkpoints of another model ({found}) and none of this worker's model "
+            f"{signature[:12]}; refusing to start over from step 1. Resume with the model that wrote them, "
+            f"or use another job id or checkpoint_dir, or set checkpoint_allow_new_model = true "
+            f"(ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL=1) to start this model from step 1 (the other "
+            f"model's checkpoints are kept)")
+
+
+def refuse_new_model(directory: Path, signature: str, allow: bool) -> None:
+    """A worker about to start from step 1 (it holds nothing and found no checkpoint of its model)
+    stops if ``directory`` holds another model's checkpoints, unless ``allow`` (``new_model_refusal``).
+
+    Raises:
+        CheckpointModelChanged: it must not start over (nothing is deleted).
+    """
+    others = other_models(directory, signature)
+    why = new_model_refusal(directory, signature, others, allow)
+    if why is not None:
+        log.error("checkpoint_model_changed", directory=str(directory), signature=signature[:12],
+                  others={sig[:12]: len(steps) for sig, steps in others.items()},
+                  action="stopping; nothing was deleted")
+        raise CheckpointModelChanged(why)
+    if others:
+        log.warning("checkpoint_new_model_started", directory=str(directory), signature=signature[:12],
+                    others={sig[:12]: len(steps) for sig, steps in others.items()},
+                    reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept")
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint that passed every check and is now this worker's state."""
+
+    path: Path
+    manifest: Manifest
+    rejected: tuple[str, ...]  # "<file>: <why>" for each newer one that failed a check
+    duration_s: float
+
+
+def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> LoadedCheckpoint | None:
+    """Load the newest good checkpoint of ``directory`` into ``state``, if it is newer than ``newer_than``.
+
+    Checkpoints are tried newest (highest seq) first. One that fails a check, or does not fit this
+    model, is logged (``checkpoint_rejected``, with the reason) and the previous one is tried.
+
+    Returns:
+        The checkpoint loaded, or None (no good checkpoint newer than ``newer_than``; ``state`` unchanged).
+    """
+    started = time.monotonic()
+    rejected: list[str] = []
+    try:
+        entries = scan(directory)
+    except OSError as exc:
+        log.error("checkpoint_dir_unreadable", directory=str(directory), error=str(exc))
+        return None
+    for entry in entries:
+        shown = entry.data_path or entry.manifest_path
+        assert shown is not None
+        if entry.step <= newer_than:
+            log.info("checkpoint_not_newer", path=str(shown), step=entry.step, held_step=newer_than)
+            return None
+        try:
+            man, layout, payload = verify(entry)
+            if man.signature != state.signature:
+                raise ValueError(f"model signature {man.signature[:12]} differs from this worker's "
+                                 f"{state.signature[:12]}")
+            state.unpack(layout, payload)
+        except (ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError, OSError,
+                ModelMismatch, StateCorrupt) as exc:
+            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
+            rejected.append(f"{shown.name}: {why}")
+            log.warning("checkpoint_rejected", path=str(shown), step=entry.step, seq=entry.seq, reason=why,
+                        action="trying the previous checkpoint")
+            continue
+        loaded = LoadedCheckpoint(entry.data_path or shown, man, tuple(rejected), time.monotonic() - started)
+        c = state.counters
+        log.info("checkpoint_loaded", path=str(loaded.path), step=c.step, epoch=c.epoch, position=c.position,
+                 seq=man.seq, state_checksum=f"{man.state_checksum:016x}", rejected=len(rejected),
+                 duration_s=round(loaded.duration_s, 4))
+        return loaded
+    if rejected:
+        log.error("checkpoint_none_usable", directory=str(directory), rejected=rejected)
+    return None

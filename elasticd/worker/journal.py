@@ -2,7 +2,8 @@
 
 Owns ``Journal``: the audit file (one JSON line per start, sync, resume and commit, and a final
 one; a step this member applied becomes a commit line only once confirmed, ``confirm``: a later
-sum of the same group, a sync whose rank 0 holds them, a durable save; else ``discard``); the throttled
+collective of the same group completed, a completed sync holds it, or the job's goodbye barrier
+completed; else ``discard``); the throttled
 ``step_committed`` log line and the ``recovered`` one; the progress record
 (handed to the membership's keepalive thread, ``Membership.set_progress``); the job's ``recovered``
 event, which rank 0 queues (``EventLog``) at the first commit of a recovery generation; and the
@@ -85,8 +86,8 @@ class Journal:
         self._last_recovery_cause: str | None = None
         # Rank 0 of a generation that was a recovery: what to record at its first commit.
         self._unrecorded_recovery: dict[str, object] | None = None
-        # Steps applied here and not yet confirmed (``confirm``): (step, its audit line or None)
-        self._unconfirmed: list[tuple[int, dict[str, object] | None]] = []
+        # Steps applied here and not yet confirmed (``confirm``): (step, generation, its audit line or None)
+        self._unconfirmed: list[tuple[int, int, dict[str, object] | None]] = []
         self._on_confirm: list[Callable[[int], None]] = []  # told the newest step confirmed
         self._on_discard: list[Callable[[list[int]], None]] = []  # told the steps discarded
         self.confirmed_step = 0  # the newest step this member knows committed (0: none yet)
@@ -120,12 +121,12 @@ class Journal:
 
     def confirm(self) -> None:
         """The steps this member applied since the last confirmation are the job's: a later
-        all_reduce of the same group completed (every member applied them), a sync found them in
-        rank 0's history (``recovered``), or rank 0 starts a durable save of them
-        (``Checkpoints.maybe_save``). Their commit lines go out now (README: how a step is committed)."""
+        collective of the same group completed (every member applied them), a completed sync holds
+        them (``recovered``), or the job's goodbye barrier completed. Their commit lines go out now
+        (docs/design/commit-protocol.md)."""
         if not self._unconfirmed:
             return
-        for _, record in self._unconfirmed:
+        for _, _, record in self._unconfirmed:
             if record is not None:
                 self._audit_line(record)
         newest = self._unconfirmed[-1][0]
@@ -135,25 +136,32 @@ class Journal:
             listener(newest)
 
     def discard(self, why: str) -> None:
-        """The steps applied here since the last confirmation are not the job's: a sync found this
-        member off rank 0's lineage or ahead of it (a branch the job left), or it leaves without a
-        confirmation (a drain, a failed step, the job finished by the others). Their commit lines
-        never go out."""
+        """The steps applied here since the last confirmation are not this member's commits: a sync
+        replaced its state with one of another lineage (a branch the job left), or it leaves
+        without a confirmation (a drain, a failed step, the job finished by the others). Their
+        commit lines never go out."""
         if not self._unconfirmed:
             return
-        steps = [step for step, _ in self._unconfirmed]
+        steps = [step for step, _, _ in self._unconfirmed]
         log.warning("steps_discarded", steps=steps, reason=why)
         self._unconfirmed.clear()
         for listener in self._on_discard:
             listener(steps)
 
-    def close(self, step: int, checksum: Callable[[], int], confirmed: bool) -> None:
-        """Settle the unconfirmed steps (``confirmed``: ``confirm``, else ``discard``), then the
-        audit file's last line (the step and ``checksum()`` of the state held), and close it."""
-        if confirmed:
+    def finished(self, generation: int, step: int) -> None:
+        """The job's ``finished`` record names ``generation`` and ``step``: a goodbye barrier of that
+        generation completed somewhere, so every member of it applied that step. The steps applied
+        here are confirmed if they are that generation's, up to that step; else discarded."""
+        mine = self._unconfirmed[-1] if self._unconfirmed else None
+        if mine is not None and mine[1] == generation and mine[0] == step:
             self.confirm()
         else:
-            self.discard("left the job before a later sum or sync confirmed them")
+            self.discard(f"the job finished in generation {generation} at step {step} without them")
+
+    def close(self, step: int, checksum: Callable[[], int]) -> None:
+        """Discard the unconfirmed steps, then write the audit file's last line (the step and
+        ``checksum()`` of the state held), and close it."""
+        self.discard("left the job before a later collective or sync confirmed them")
         if self._audit is None:
             return
         self._audit_line({"event": "final", "step": step, "checksum": f"{checksum():016x}"})
@@ -168,13 +176,10 @@ class Journal:
                   step_time_s: float | None) -> None:
         """This member joined ``group`` and holds rank 0's state (``report``). ``cause``: why it
         rendezvoused ("start" for a worker's first join, which is not a recovery); ``failed_at``:
-        when (monotonic) the fault was noticed. The steps applied here since the last confirmation
-        are the job's if they are rank 0's history (``SyncReport.kept``: this member is rank 0, or
-        of its lineage and not ahead of it), and not if this member was on a branch the job left."""
-        if report.kept:
-            self.confirm()
-        else:
-            self.discard("this member's state is not of rank 0's lineage: a branch the job left")
+        when (monotonic) the fault was noticed. The steps applied here and not yet confirmed are the
+        job's: the completed sync proved every member holds them (those of a branch the job left
+        were discarded when the sync replaced this member's state)."""
+        self.confirm()
         self._unrecorded_recovery = None
         if cause != "start":
             self.recoveries += 1
@@ -200,7 +205,7 @@ class Journal:
 
     def resumed(self, loaded: LoadedCheckpoint) -> None:
         """This member loaded ``loaded`` from disk: the audit line, and the job's ``checkpoint``
-        record if it names an older step (best effort)."""
+        record if it is missing or names an older (step, seq) (compare-and-set, best effort)."""
         m = loaded.manifest
         self._audit_line({"event": "resume", "step": m.step, "epoch": m.epoch, "position": m.position,
                          "path": str(loaded.path), "seq": m.seq, "checksum": f"{m.state_checksum:016x}",
@@ -211,12 +216,14 @@ class Journal:
                 bytes=m.file_bytes, time=m.created), only_if_newer=True)
 
     def checkpoint_saved(self, saved: SavedCheckpoint) -> None:
-        """On the writer thread: publish the new checkpoint in etcd (best effort)."""
+        """On the writer thread, once the checkpoint is in place (its step confirmed): the job's
+        ``checkpoint`` record, by compare-and-set and never over a newer (step, seq) (a late
+        writer cannot set it back), and the ``checkpoint_saved`` event (best effort)."""
         m = saved.manifest
         if self._membership is not None:
             self._membership.publish_checkpoint(CheckpointRecord(
                 step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created))
+                bytes=m.file_bytes, time=m.created), only_if_newer=True)
         if self._events is not None:
             self._events.record(EventKind.CHECKPOINT_SAVED, step=m.step, generation=m.generation, seq=m.seq,
                                 bytes=m.file_bytes, duration_s=round(saved.duration_s, 4))
@@ -235,24 +242,22 @@ class Journal:
             log.warning("checkpoint_failure_publish_failed", step=step, error=str(exc2))
 
     def committed(self, batch: Batch, step: int, loss: float, generation: int, world_size: int,
-                  duration_s: float, sum_generation: int | None = None) -> None:
+                  duration_s: float) -> None:
         """This member applied ``step`` (from ``batch``): the log line, the progress record, and
         (rank 0, first commit of a recovery generation) the ``recovered`` event, from the fault
         noticed to this commit, now; the audit line once the step is confirmed (``confirm``: every
         member applied it; ``discard``: it is not the job's). Queues the event only; the write
-        happens off this thread. ``sum_generation``: a step rolled forward applied that
-        generation's sum (the audit line says so: it is that generation's commit, not a second one)."""
+        happens off this thread."""
         now = self._clock()
         set_moment(step=step)  # every line of every thread from now on (one dict update)
         if now - self._logged_at >= self._log_interval_s:
             self._logged_at = now
             log.info("step_committed", generation=generation, rank=batch.rank, step=step,
                      loss=round(loss, 6), world_size=world_size, duration_s=round(duration_s, 5))
-        self._unconfirmed.append((step, None if self._audit is None else {
+        self._unconfirmed.append((step, generation, None if self._audit is None else {
             "event": "commit", "step": step, "generation": generation, "rank": batch.rank,
             "world_size": batch.world_size, "epoch": batch.epoch, "position": batch.position,
-            "global_size": batch.global_size, "indices": batch.indices, "loss": loss, "t": time.time(),
-            **({"sum_generation": sum_generation} if sum_generation is not None else {})}))
+            "global_size": batch.global_size, "indices": batch.indices, "loss": loss, "t": time.time()}))
         self._publish_progress(step, generation, batch.rank, duration_s)
         if batch.rank == 0 and self._samples is not None and now - self._progress_evented_at >= self._progress_event_s:
             self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)

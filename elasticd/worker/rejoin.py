@@ -26,12 +26,11 @@ from elasticd.rendezvous.relayed_store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import GenerationRecord, MemberRecord
+from elasticd.wire.records import MemberRecord
 from elasticd.worker.collectives import barrier
 from elasticd.worker.process_group import Group, GroupFactory, StoreServer
-from elasticd.worker.rollforward import RollForward
 from elasticd.worker.state import ChecksumAhead, TrainingState
-from elasticd.worker.sync import SyncReport, sync_state
+from elasticd.worker.sync import Discard, SyncReport, sync_state
 
 log = structlog.get_logger(__name__)
 
@@ -78,22 +77,20 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
 
 
 def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, timeouts: Timeouts, *,
-           previous: GenerationRecord | None, has_state: Callable[[], bool], disk_seq: Callable[[], int | None],
-           resume: Callable[[int], int] | None, rolls: RollForward | None = None) -> Rejoined:
+           has_state: Callable[[], bool], disk_seq: Callable[[], int | None],
+           resume: Callable[[int], int] | None, discard: Discard | None = None) -> Rejoined:
     """Join the newest generation and hold rank 0's state in its new group.
 
     Args:
         membership: this member's rendezvous.
         factory: builds the generation's group (and the subgroups of a transfer).
-        state: this member's state (its step says what it holds).
+        state: this member's state (its step and lineage say what it holds).
         timeouts: the join, group-build and transfer bounds.
-        previous: the generation this member last held state in (None: it holds none, or only
-            state loaded from disk).
         has_state: whether this member holds state now (a resume during the rendezvous loads some).
         disk_seq: the seq of the checkpoint this member's state was loaded from, if it was.
         resume: loads the newest checkpoint when no live member holds state (None: no directory).
-        rolls: this member's kept sum (told to the others in the sync) and, after it, the roll the
-            sync decided (``rollforward``).
+        discard: told when the sync replaces this member's state with one of another lineage (its
+            unconfirmed steps are a branch the job left).
 
     Raises:
         CollectiveError, CheckpointTransferError: the join deadline passed with no generation joined.
@@ -117,15 +114,12 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
                 Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())), membership.must_abandon,
                 token=rec.token,
             )
-            # Survivors of the last generation at rank 0's step already hold its state, and so
-            # do members that all loaded the same checkpoint (its seq names that lineage).
+            # Members that all loaded the same checkpoint hold one lineage (its seq names it).
             seq = disk_seq()
-            if previous is not None:
-                lineage = previous.generation
-            elif seq is not None:
-                lineage = DISK_LINEAGE_BASE + seq
-            else:
-                lineage = -1
+            if seq is not None and state.lineage < 0:
+                state.lineage = DISK_LINEAGE_BASE + seq
+            if not has_state():
+                state.lineage = -1
             sync_deadline = Deadline.after(timeouts.td("checkpoint_transfer"))
             own = ahead.result(sync_deadline) if ahead is not None else None
             ahead = None  # a failed attempt may have changed the state: a retry hashes it anew
@@ -135,10 +129,7 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
                                               membership.must_abandon)
 
             report = sync_state(group, state, sync_deadline, membership.must_abandon, timeouts.abort_poll_s,
-                                lineage, subgroup=subgroup, retire=factory.retire, own_checksum=own,
-                                kept=rolls.slots() if rolls is not None else None)
-            if rolls is not None:
-                rolls.synced(report.roll, rec.generation)
+                                subgroup=subgroup, retire=factory.retire, own_checksum=own, discard=discard)
             return Rejoined(group, joined, report)
         except (CollectiveError, CheckpointTransferError) as exc:
             log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
@@ -148,14 +139,18 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
                 raise
 
 
-def goodbye(group: Group | None, membership: Membership, timeouts: Timeouts, step: int) -> None:
-    """Every member stopped at the same last step: a short barrier, so that no peer mistakes a
-    finished member for a lost one, and rank 0 marks the job finished. A failure is logged only."""
+def goodbye(group: Group | None, membership: Membership, timeouts: Timeouts, step: int) -> bool:
+    """Every member stopped at the same last step: a barrier, the commit point of the last step
+    (no later all_reduce confirms it), then the ``finished`` record, written by every member whose
+    barrier completed (a member that missed the barrier's last hop reads it at its rejoin). False
+    when the barrier did not complete (or the generation is abandoned): the last step is not
+    confirmed, and the member must rejoin holding it."""
     if group is None or membership.must_abandon():
-        return  # only when every rank stopped at the same max_steps is a collective sure to be matched
+        return False
     try:
         barrier(group, Deadline.after(timeouts.td("collective")), membership.must_abandon, timeouts.abort_poll_s)
-        if group.rank == 0:
-            membership.mark_finished(group.generation, step)
     except CollectiveError as exc:
-        log.warning("goodbye_barrier_failed", error=str(exc))
+        log.warning("goodbye_barrier_failed", generation=group.generation, rank=group.rank, error=str(exc)[:300])
+        return False
+    membership.mark_finished(group.generation, step)
+    return True

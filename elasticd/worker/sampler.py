@@ -162,8 +162,7 @@ class ElasticSampler:
 
         The batch is split into ``world_size`` contiguous shares whose sizes differ by at most one.
         An endless stream's shares are the global sample numbers themselves. ``size``: the global
-        batch another generation took from here (a step rolled forward: ``rollforward``); None:
-        this world size's.
+        batch to split (the one a step's first micro-batch took); None: this world size's.
 
         Raises:
             ValueError: ``rank`` is not in a world of ``world_size``.
@@ -190,7 +189,7 @@ class ElasticSampler:
         last, the next step's (first micro-)batch, whose position advances by the global batch and
         rolls over into the next epoch the way the trainer does after a commit.
         """
-        if batch.micro + 1 < batch.micro_count:  # the same global batch (a rolled step's may be another size)
+        if batch.micro + 1 < batch.micro_count:  # the same global batch
             share = self.batch(batch.step, batch.epoch, batch.position, batch.rank, batch.world_size,
                                batch.global_size)
             return split_micro(share, batch.micro_count)[batch.micro + 1]

@@ -1,7 +1,7 @@
 """Training state: what a member holds, its arena and its checksum.
 
 Owns ``TrainingState`` (the model's and the optimizer's state dicts, the state of the objects
-registered beside them, the step counter, the data position, the CPU and CUDA RNG states) and the
+registered beside them, the step counter, the data position, the CPU and CUDA RNG states, the lineage) and the
 flat "arena" its CPU tensors live in: the JSON layout that describes the arena, ``pack`` (the layout
 and the arena, as sent to newcomers and written to disk) and ``unpack`` (a peer's or a file's layout
 and buffer, decoded and checked before anything is loaded; data only, never pickled objects). Owns
@@ -94,6 +94,7 @@ class TrainingState:
         self.model = model
         self.optimizer = optimizer
         self.counters = Counters()
+        self.lineage = -1  # the generation whose sync last proved this state every member's (-1: none)
         self.signature = model_signature(model)
         self.device_rng: DeviceRng = device_rng if device_rng is not None else CudaRng()
         self._extras: dict[str, _Stateful] = {}

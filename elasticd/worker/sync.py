@@ -36,7 +36,6 @@ from elasticd.worker.collectives import (
 )
 from elasticd.worker.process_group import Group
 from elasticd.worker.checksum import checksum_key, state_hasher
-from elasticd.worker.rollforward import KEPT_SLOTS, Roll, roll_forward
 from elasticd.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
@@ -54,27 +53,25 @@ class SyncReport:
     checksum: int
     step: int
     duration_s: float
-    roll: Roll | None = None  # the next step applies a kept sum (``rollforward``)
-    kept: bool = True  # what this rank applied is rank 0's history: it is rank 0, or of its lineage, not ahead
 
 
 SubgroupBuilder = Callable[[Group, Sequence[int], str], Group]
+Discard = Callable[[str], None]
 Retire = Callable[[Group], None]
 _UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
 
 
 def sync_state(
     group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float,
-    lineage: int, subgroup: SubgroupBuilder | None = None, retire: Retire | None = None,
-    own_checksum: int | None = None, kept: Sequence[int] | None = None,
+    subgroup: SubgroupBuilder | None = None, retire: Retire | None = None,
+    own_checksum: int | None = None, discard: Discard | None = None,
 ) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
 
-    1. One small all_reduce tells every rank each rank's (step, lineage), its kept sum if any, and
-       the sizes of rank 0's JSON layout and arena. A rank *needs* the state unless it holds rank
-       0's step from rank 0's lineage (the generation in which both last held the same state); a
-       rank without state always needs it. A kept sum computed on rank 0's state makes the next
-       step a roll (``rollforward.roll_forward``, in the report).
+    1. One small all_reduce tells every rank each rank's (step, lineage) (``TrainingState.lineage``)
+       and the sizes of rank 0's JSON layout and arena. A rank *needs* the state unless it holds
+       rank 0's step from rank 0's lineage (the generation in which both last held the same
+       state); a rank without state always needs it.
     2. If some rank needs it, rank 0 sends the layout and its arena in ``TRANSFER_CHUNKS`` pieces,
        all launched at once (the receivers know every size from step 1), only to those ranks where
        it can (``plan_transfer``): by point-to-point sends when they are few, else by a broadcast
@@ -85,13 +82,17 @@ def sync_state(
        but differs gets the state in one more round (logged as ``state_diverged``); a difference
        after that, or on a rank that just received the state, is ``StateCorrupt``.
 
+    The lineage travels with the bytes: a rank that unpacks rank 0's state takes rank 0's lineage
+    at once, and its steps applied and not yet confirmed are ``discard``-ed then if that lineage
+    is not theirs (they are a branch the job left; a rank behind on rank 0's lineage keeps them:
+    rank 0's state holds them). Once every rank proved it holds the same bytes, every rank's
+    lineage is this generation.
+
     Args:
-        lineage: the generation in which this rank last synced (its state is the one every member
-            of that generation held, plus the steps they all committed); -1 without state.
         subgroup: builds a group of some of ``group``'s ranks (``GroupFactory.build_subgroup``);
             None: transfers always use the whole group.
         retire: lets go of a subgroup after its transfer (``GroupFactory.retire``).
-        kept: this rank's kept sum (``KeptSum.slots()``), or None.
+        discard: told why, when this rank's unconfirmed steps stop being part of its state.
         own_checksum: ``state.checksum()`` of this rank's state as it is now, computed ahead (the
             trainer hashes while it rendezvouses, so rank 0 and the ranks that receive nothing do
             not hash on the transfer's critical path); None: computed here. A stale value cannot
@@ -108,31 +109,26 @@ def sync_state(
     me, world = group.rank, group.world_size
     step = state.counters.step
     layout, arena = state.pack() if me == 0 else (b"", None)
-    probe = [_UNSET] * (2 + (2 + KEPT_SLOTS) * world)
+    probe = [_UNSET] * (2 + 2 * world)
     if arena is not None:
         probe[0], probe[1] = len(layout), arena.numel()
-    probe[2 + 2 * me], probe[3 + 2 * me] = step, lineage
-    at = 2 + 2 * world + KEPT_SLOTS * me
-    if kept is not None:
-        probe[at : at + KEPT_SLOTS] = kept
+    probe[2 + 2 * me], probe[3 + 2 * me] = step, state.lineage
     got = _max_reduce(probe, group, deadline, abandon, poll_s)
     n_layout, n_arena = got[0], got[1]
     steps, lineages = got[2 : 2 + 2 * world : 2], got[3 : 2 + 2 * world : 2]
-    keeps = [got[2 + 2 * world + KEPT_SLOTS * r : 2 + 2 * world + KEPT_SLOTS * (r + 1)] for r in range(world)]
-    roll = roll_forward(steps, lineages, [k if k[0] != _UNSET else None for k in keeps])
     newest = max(range(world), key=lambda r: steps[r])
     if steps[newest] != steps[0]:
         raise CheckpointTransferError(f"rank 0 holds step {steps[0]} but rank {newest} holds {steps[newest]}")
     needy = [r for r in range(1, world)
              if lineages[r] < 0 or (steps[r], lineages[r]) != (steps[0], lineages[0])]
-    in_history = me == 0 or (lineages[me] == lineages[0] >= 0 and steps[me] <= steps[0])  # behind: a prefix
     transferred = 0
     mine: int | None = None
     for attempt in range(2):
         if needy:
             mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, attempt,
                                     deadline, abandon, poll_s, subgroup, retire,
-                                    own_checksum if attempt == 0 else None)
+                                    own_checksum if attempt == 0 else None,
+                                    lambda: _adopt_lineage(state, lineages[0], discard))
             transferred += moved
         if mine is None:
             mine = own_checksum if attempt == 0 and own_checksum is not None else state.checksum()
@@ -149,15 +145,19 @@ def sync_state(
         raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}: "
                            f"ranks {diverged} differ from rank 0")
     assert mine is not None
-    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started, roll, in_history)
+    state.lineage = group.generation
+    report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started)
     log.info("state_synced", generation=group.generation, rank=me, step=report.step,
              transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
              duration_s=round(report.duration_s, 4))
-    if roll is not None:
-        log.warning("step_rolled_forward", generation=group.generation, rank=me, step=roll.step,
-                    sum_generation=roll.generation, source=roll.source,
-                    why="the step was refused here and applied by members lost since: its kept sum is applied")
     return report
+
+
+def _adopt_lineage(state: TrainingState, lineage: int, discard: Discard | None) -> None:
+    """This rank's state was just replaced by rank 0's, of ``lineage``."""
+    if state.lineage != lineage and discard is not None:
+        discard("this member's state was replaced by rank 0's, of another lineage: a branch the job left")
+    state.lineage = lineage
 
 
 def _max_reduce(values: list[int], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[int]:
@@ -265,6 +265,7 @@ def _transfer(
     group: Group, state: TrainingState, layout: bytes, arena: torch.Tensor | None, needy: Sequence[int],
     n_layout: int, n_arena: int, attempt: int, deadline: Deadline, abandon: Abandon,
     poll_s: float, subgroup: SubgroupBuilder | None, retire: Retire | None, own_checksum: int | None,
+    replaced: Callable[[], None],
 ) -> tuple[int | None, int]:
     """Rank 0's layout and arena to the ``needy`` ranks (``plan_transfer``). Returns this rank's
     checksum if it took part (None if not: it computes its own), and the bytes moved (0 if it did
@@ -313,6 +314,7 @@ def _transfer(
                     hasher.update(payload[a : min(b, total)].numpy().data)
         if receives:
             state.unpack(layout_bytes, payload.cpu())
+            replaced()
             streamed = state.streamed_checksum(hasher) if hasher is not None and dev.type == "cpu" else None
             mine = streamed if streamed is not None else state.checksum()
         return mine, n_layout + n_arena

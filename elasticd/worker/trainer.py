@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ import torch
 
 from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.errors import CollectiveError, ConfigError, JobFinished, RestartsExhausted
-from elasticd.rendezvous import continued
 from elasticd.rendezvous.membership import Joined, Membership
 from elasticd.retry import Clock, Deadline
 from elasticd.settings import worker_env_from_environ
@@ -34,6 +33,7 @@ from elasticd.worker.checkpoints import Checkpoints, load_initial
 from elasticd.worker.collectives import GradientReducer
 from elasticd.worker.data import DataPlan, collated
 from elasticd.worker.commit import Outcome
+from elasticd.worker.faults import injecting
 from elasticd.worker.durable import LoadedCheckpoint
 from elasticd.worker.journal import Journal
 from elasticd.worker.loader import ElasticLoader
@@ -42,7 +42,7 @@ from elasticd.worker.process_group import Group, GroupFactory
 from elasticd.worker.rejoin import connect, goodbye, rejoin
 from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler, split_micro
 from elasticd.worker.state import TrainingState
-from elasticd.worker.step import Injected, OpenStep, StepProtocol, StepResult
+from elasticd.worker.step import OpenStep, StepProtocol, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -123,7 +123,6 @@ class ElasticTrainer:
             ConfigError: a value is invalid.
         """
         self.env, self._clock = env or worker_env_from_environ(), clock
-        continued.install()  # the commit rule must know of a SIGSTOP during a step (see continued.py)
         self._optimizers = Optimizers(optimizer, scaler)
         optimizers = self._optimizers.all
         if accumulation_steps < 1:
@@ -200,24 +199,22 @@ class ElasticTrainer:
         if self._init_from is not None:
             load_initial(self._init_from, self.model, {"optimizer": self.optimizer, **self.state.registered()})
         self._store, self._factory, self._membership = connect(env, self.state.signature, self._store)
-        self._reducer = GradientReducer(list(self.model.parameters()), self._factory.device)
-        self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts, self._clock,
-                                      Injected.of(env))
+        self._reducer = injecting(GradientReducer(list(self.model.parameters()), self._factory.device), env)
+        self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts)
         self._journal.open(self._membership, self._store, self._membership.member_id, started_wall)
         self._failed_at = self._clock()
 
     def close(self, clean: bool = True) -> None:
-        """Leave the job: a due save, a goodbye barrier when every member finished together, then
-        revoke the lease, drop the group, stop the threads (``rank`` keeps the last rank); its last
-        steps, unconfirmed, are commits if the job ended together (else discarded). Idempotent."""
+        """Leave the job: a due save, then revoke the lease, drop the group, stop the threads
+        (``rank`` keeps the last rank). Steps applied here and never confirmed (a drain, a failure,
+        a loop left early) are discarded: they are not this member's commits. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if clean:
             self._save_if_due()  # a save due after the last commit (the loop was left with break)
         self._last_rank, self._last_world = (self.group.rank, self.group.world_size) if self.group else (-1, 0)
-        if clean and self._finished_together and self._membership is not None:
-            goodbye(self.group, self._membership, self.env.timeouts, self.state.counters.step)
+        self._journal.discard("left the job before a later collective or sync confirmed them")
         self.checkpoints.close()
         if self._membership is not None:
             self._membership.close()
@@ -228,7 +225,7 @@ class ElasticTrainer:
             self._factory.retire(self.group)
             self._factory.drain(Deadline.after(self.env.timeouts.collective_s + 1.0))
         self.group = None
-        self._journal.close(self.state.counters.step, self.state.checksum, confirmed=clean and self._finished_together)
+        self._journal.close(self.state.counters.step, self.state.checksum)
 
     @property
     def step_count(self) -> int:
@@ -284,6 +281,26 @@ class ElasticTrainer:
         except JobFinished as exc:
             log.info("job_already_finished", reason=str(exc))
             self._job_finished = True
+            # a barrier of my generation completed somewhere: every member applied its last step
+            self._journal.finished(exc.generation, exc.step)
+
+    def _finish(self, max_steps: int) -> bool:
+        """The job's end at ``max_steps``: the goodbye barrier confirms the last step. Where it does
+        not complete, this member rejoins holding its applied step (the newest, so the next
+        generation adopts it) and the job finishes there; a ``finished`` record read at the rejoin
+        settles it too. True when the job is finished; False when the state rank 0 sent is short of
+        ``max_steps`` (training goes on). Bounded by ``retry.step_retries``.
+        """
+        assert self._membership is not None
+        while not self._job_finished:
+            if goodbye(self.group, self._membership, self.env.timeouts, self.state.counters.step):
+                self._journal.confirm()
+                return True
+            self._fail(CollectiveError(f"the goodbye barrier at step {self.state.counters.step} did not complete"))
+            self._join_or_finish()
+            if not self._job_finished and self.state.counters.step < max_steps:
+                return False
+        return True
 
     def batches(self, max_steps: int) -> Iterator[Batch]:
         """Yield this rank's batch for each step until ``max_steps`` steps are committed: one per
@@ -294,40 +311,48 @@ class ElasticTrainer:
         self.data.check_ready()
         membership = self._started()
         try:
-            while self.state.counters.step < max_steps:
-                self._save_if_due()
+            while True:
+                yield from self._steps(membership, max_steps)
                 if self._drained or self._job_finished:
-                    return
-                if self._need_rendezvous or membership.must_abandon():
-                    if not self._need_rendezvous:
-                        self._fail(CollectiveError(membership.abandon_reason or "generation abandoned"))
-                    if self._drain_requested.is_set():  # leaving: the others regroup without it
-                        self._drained = True
-                        return
-                    self._join_or_finish()
-                    if self._job_finished:
-                        return
-                assert self.group is not None
-                c, sampler = self.state.counters, self._sampler()
-                roll = self._protocol.rolls.rolling(c.step + 1) if self._protocol else None  # its generation's batch
-                whole = sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size,
-                                      roll.global_size if roll else None)
-                self._open = OpenStep(whole, self._clock())
-                for micro in split_micro(whole, self.accumulation_steps):
-                    self._pending = micro
-                    yield micro
-                    if self._pending is not None:
-                        raise RuntimeError("call trainer.step(loss) or trainer.backward(loss) for every batch")
-                    if self._open is None:
-                        break  # the step failed (its all_reduce) or was committed
-                if self._open is not None and self._open.tally is not None:
-                    raise RuntimeError("trainer.commit() must follow a backward(loss) that returned True")
-                self._open = None
-            self._save_if_due()
-            self._finished_together = True
+                    break
+                if self._finish(max_steps):
+                    self._finished_together = True
+                    break
         finally:
             if self._auto:
                 self.close(clean=self._finished_together)
+
+    def _steps(self, membership: Membership, max_steps: int) -> Iterator[Batch]:
+        """This rank's batches until its state holds ``max_steps`` steps (or it drained, or the job
+        finished without it)."""
+        while self.state.counters.step < max_steps:
+            self._save_if_due()
+            if self._drained or self._job_finished:
+                return
+            if self._need_rendezvous or membership.must_abandon():
+                if not self._need_rendezvous:
+                    self._fail(CollectiveError(membership.abandon_reason or "generation abandoned"))
+                if self._drain_requested.is_set():  # leaving: the others regroup without it
+                    self._drained = True
+                    return
+                self._join_or_finish()
+                if self._job_finished:
+                    return
+            assert self.group is not None
+            c, sampler = self.state.counters, self._sampler()
+            whole = sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size)
+            self._open = OpenStep(whole, self._clock())
+            for micro in split_micro(whole, self.accumulation_steps):
+                self._pending = micro
+                yield micro
+                if self._pending is not None:
+                    raise RuntimeError("call trainer.step(loss) or trainer.backward(loss) for every batch")
+                if self._open is None:
+                    break  # the step failed (its all_reduce) or was applied
+            if self._open is not None and self._open.tally is not None:
+                raise RuntimeError("trainer.commit() must follow a backward(loss) that returned True")
+            self._open = None
+        self._save_if_due()
 
     def loader(self, data: Any, *, max_steps: int, batch_size: int | None = None, **dataloader_kwargs: Any
                ) -> Iterator[Any]:
@@ -411,27 +436,28 @@ class ElasticTrainer:
             self._open = None
             self._fail(exc)
             return False
-        if op.verdict is None or op.verdict.outcome is Outcome.COMMIT:
+        if op.verdict is None or op.verdict.outcome is Outcome.APPLY:
             return True
-        self._open = None  # not applied here: the same step is taken again (in this group or the next)
+        self._open = None  # nobody applies it: the same step is taken again in the next generation
         self._optimizers.skip()
-        if op.verdict.outcome is Outcome.ABORT:
-            self._fail(CollectiveError(f"step {op.batch.step} not committed: {op.verdict.reason}"))
+        self._fail(CollectiveError(f"step {op.batch.step} not applied: {op.verdict.reason}"))
         return False
 
     def commit(self) -> StepResult | None:
-        """Apply the step whose gradients ``backward`` averaged and the commit rule passed
-        (``commit.commit_outcome``): the optimizers step (through the ``scaler``, with the
-        ``linear_scaling`` factor), then the counters. Returns the committed step, or None (retried)."""
+        """Apply the step whose gradients ``backward`` averaged (the verdict of every member's vote,
+        ``commit.commit_outcome``, was APPLY): the optimizers step (through the ``scaler``, with the
+        ``linear_scaling`` factor), then the counters. The step is applied, and committed once a
+        later collective of this group confirms it (``confirmed_step``, ``on_commit``). Returns
+        the applied step, or None (its backward failed; the step is taken again)."""
         op, self._open = self._open, None
         if op is None:
             return None  # its backward failed: nothing to apply, the step is retried
         if op.tally is None:
             raise RuntimeError("commit() must follow a backward(loss) that returned True")
-        assert self.group is not None and self._protocol is not None and op.verdict is not None
-        group, batch, verdict, roll = self.group, op.batch, op.verdict, op.roll
-        self._optimizers.step(self.data.rolled_factor(self.state.counters, roll.world_size if roll else None))
-        self._protocol.rolls.committed(batch.step)
+        assert self.group is not None and self._reducer is not None and op.verdict is not None
+        group, batch, verdict = self.group, op.batch, op.verdict
+        self._optimizers.step()
+        self._reducer.applied(batch.step)
         c, sampler = self.state.counters, self._sampler()
         c.step = batch.step
         c.epoch, c.position = sampler.after(batch)
@@ -446,16 +472,27 @@ class ElasticTrainer:
             self._need_rendezvous, self._cause, self._cause_detail = True, "regroup", ""
             self._failed_at = self._clock()
         self._journal.committed(batch, result.step, result.loss, result.generation, result.world_size,
-                                result.duration_s, sum_generation=roll.generation if roll else None)
+                                result.duration_s)
         # rank 0 saves at the next batch, after the script's own post-step code (scheduler, EMA)
         self._save_due = group.rank == 0
         return result
 
+    @property
+    def confirmed_step(self) -> int:
+        """The newest step this member knows is committed: every member of its generation applied
+        it (a later collective of the group completed, a sync adopted it, or the job's goodbye
+        barrier completed). ``step_count`` may be one ahead: applied here, not yet confirmed."""
+        return self._journal.confirmed_step
+
+    def on_commit(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` each time steps are confirmed (``step``: the newest of them), on
+        the training thread. For a script's own side effects that must never act on a step the
+        job may still drop (publishing a metric, an evaluation, an export)."""
+        self._journal.on_confirm(callback)
+
     def _fail(self, exc: BaseException) -> None:
         assert self._membership is not None
         gen = self.group.generation if self.group else 0
-        if self._protocol is not None:
-            self._protocol.forget()
         self._failures_this_step += 1
         log.warning("step_failed", generation=gen, rank=self.group.rank if self.group else -1,
                     step=self.state.counters.step + 1, error=str(exc)[:300], attempt=self._failures_this_step)
@@ -479,10 +516,9 @@ class ElasticTrainer:
         ck = self.checkpoints
         done = rejoin(
             self._membership, self._factory, self.state, self.env.timeouts,
-            previous=self.joined.record if self.joined is not None and self._has_state else None,
             has_state=lambda: self._has_state or ck.resumed_from is not None,
             disk_seq=lambda: ck.resumed_from.manifest.seq if ck.resumed_from is not None and not self._has_state else None,
-            resume=ck.resume if self.checkpoint.enabled else None, rolls=self._protocol.rolls,
+            resume=ck.resume if self.checkpoint.enabled else None, discard=self._journal.discard,
         )
         self.group, self.joined = done.group, done.joined
         self._has_state, self._need_rendezvous = True, False

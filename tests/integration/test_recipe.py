@@ -34,7 +34,7 @@ import torch
 
 from elasticd.testing.audit import check, read_lines
 from elasticd.testing.localcluster import REPO_ROOT
-from tests.jobs import assert_rolled_once, refuse_and_lose_appliers
+from tests.jobs import assert_committed_once, stop_one_and_lose_the_others
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -42,7 +42,7 @@ STEPS = 40
 SAMPLES = 384
 ARGS = ("--steps", str(STEPS), "--samples", str(SAMPLES), "--warmup", "8", "--step-sleep", "0.01")
 TOL = 1.5e-3
-ROLLED_STEP = 20  # the step refused after the sum (test_a_step_refused_after_the_sum_...)
+STOPPED_STEP = 20  # the step whose sum one member holds while stopped (test_a_step_applied_after_a_stop_...)
 
 
 def _body(path: Path) -> list[str]:
@@ -144,11 +144,10 @@ def test_two_failures_and_a_join_end_like_a_fault_free_run(local_job, fault_free
     torch.testing.assert_close(_losses(rep), _losses(ref), rtol=0, atol=TOL)
 
 
-def test_a_step_refused_after_the_sum_by_the_survivor_of_its_appliers_is_rolled_forward(local_job, fault_free) -> None:
-    # Before the roll-forward (worker.rollforward) the new generation did the step again: its commit
-    # lines in two generations (audit: "repeated"), the curve one step off. Now the survivor's kept
-    # sum is applied once, the script's clipping, scheduler and EMA around it, and the run ends like
-    # the fault-free one.
+def test_a_step_applied_after_a_stop_by_the_survivor_of_its_appliers_is_committed_once(local_job, fault_free) -> None:
+    # The survivor applies the sum it holds once continued (the script's clipping, scheduler and EMA
+    # around it), rejoins as the holder of the newest state, and its sync confirms the step: never
+    # done again (audit: "repeated" would say so), and the run ends like the fault-free one.
     ref_final, ref = fault_free
     job = local_job(min_workers=3, max_workers=3)
 
@@ -156,13 +155,13 @@ def test_a_step_refused_after_the_sum_by_the_survivor_of_its_appliers_is_rolled_
         return job.spawn(*ARGS, "--save-final", str(job.dir / f"final{len(job.workers)}.pt"),
                          program="agents/recipe.py", **extra)
 
-    victim = refuse_and_lose_appliers(job, spawn, ROLLED_STEP)
+    stop_one_and_lose_the_others(job, spawn, STOPPED_STEP)
     codes = job.wait_all(150)
     assert codes[1:2] + codes[3:] == [0, 0, 0], job.logs_tail()
     rep = job.audit(SAMPLES)
-    assert rep.ok, rep.violations  # among them, without the roll-forward: "step 20 committed in several generations"
+    assert rep.ok, rep.violations
     assert rep.last_step == STEPS
-    assert_rolled_once(job, ROLLED_STEP, victim.log_text())
+    assert_committed_once(job, STOPPED_STEP)
     (final,) = _finals(job)
     _compare(final, ref_final)
     torch.testing.assert_close(_losses(rep), _losses(ref), rtol=0, atol=TOL)

@@ -69,7 +69,8 @@ def _worker(rank: int, world: int, layers: int, holders: list[int], port_q: Queu
     layout, arena = state.pack()
     needy = [r for r in range(world) if r not in holders]
     plan = plan_transfer(world, needy, len(layout) + arena.numel(), "gloo", True)
-    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s, 1 if holds else -1,
+    state.lineage = 1 if holds else -1
+    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s,
                         subgroup=lambda parent, ranks, name: factory.build_subgroup(
                             parent, ranks, name, Deadline.after(60), lambda: False),
                         retire=factory.retire)
@@ -128,7 +129,6 @@ _BIG_WIDTH = 2048  # ~34 MB of state with momentum: more than the sockets buffer
 def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
     from elasticd.errors import CollectiveError
     from elasticd.retry import Deadline
-    from elasticd.worker.rollforward import KEPT_SLOTS
     from elasticd.worker.sync import _UNSET, _max_reduce, sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
@@ -137,7 +137,7 @@ def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], re
         # The receiver's side of sync_state's first collective, exactly as sync_state makes it
         # (a newcomer: step 0, no lineage), so rank 0 goes on into the point-to-point sends; then
         # the receiver freezes or dies before it takes a byte.
-        probe = [_UNSET] * (2 + (2 + KEPT_SLOTS) * 2)  # sizes, (step, lineage) and a kept sum per rank
+        probe = [_UNSET] * (2 + 2 * 2)  # sizes, and (step, lineage) per rank
         probe[4], probe[5] = 0, -1
         _max_reduce(probe, group, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
         res_q.put({"rank": 1, "probed": True})
@@ -150,7 +150,8 @@ def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], re
     try:
         # The test touches ``flag`` as the membership watcher would raise "abandon" when the frozen
         # peer's lease expires; a dead peer needs no flag: its connections break.
-        sync_state(group, state, Deadline.after(60), lambda: os.path.exists(flag), timeouts.abort_poll_s, 1)
+        state.lineage = 1
+        sync_state(group, state, Deadline.after(60), lambda: os.path.exists(flag), timeouts.abort_poll_s)
         outcome["error"] = None
     except CollectiveError as exc:
         outcome["error"] = type(exc).__name__
@@ -218,7 +219,8 @@ def _scheduled_worker(rank: int, port_q: Queue[int], res_q: Queue[dict[str, obje
         for g, lr in zip(state.optimizer.param_groups, lrs):
             g["lr"] = lr
     before = state.checksum()
-    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s, 1)
+    state.lineage = 1
+    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
     res_q.put({"rank": rank, "before": before, "checksum": report.checksum, "after": state.checksum(),
                "transferred": report.transferred_bytes, "scheduler": sched.state_dict()})
     res_q.close()

@@ -1,19 +1,19 @@
 #!/bin/bash
 # The GPU checks, in one go (not part of the test suite): bash tests/programs/gpu_check.sh OUTDIR [PART...]
-# (PART: smoke, job, chaos, roll; default all four)
+# (PART: smoke, job, chaos, stop; default all four)
 # Needs one CUDA GPU, torch with NCCL, etcd on PATH and elasticd's dependencies (and pytest) importable.
 # 1. tests/programs/nccl_smoke.py: the NCCL build/abort/rebuild sequence on one GPU.
 # 2. tests/programs/gpu_job.py: a NCCL job through a real agent with the model on the GPU, fp16 and
 #    a GradScaler, an etcd SIGKILL + restart mid-run, then a resume from its durable checkpoint.
 # 3. python -m elasticd.chaos --device cuda --fp16: several members sharing the GPU (gloo groups,
 #    the model and optimizer state on the GPU) under a minute of seeded faults; every invariant.
-# 4. tests/integration/test_roll_forward.py: a step refused after the sum is rolled forward with the
-#    model, its gradients and the kept sum on the GPU (skipped by the suite where there is no GPU).
+# 4. tests/integration/test_stop_after_sum_gpu.py: a step whose sum a stopped member holds is committed
+#    once with the model and its gradients on the GPU (skipped by the suite where there is no GPU).
 # Each part is bounded by `timeout`; its work dir is packed into OUTDIR when it fails.
 set -u
 out=${1:?OUTDIR}
 shift
-parts=" ${*:-smoke job chaos roll} "
+parts=" ${*:-smoke job chaos stop} "
 mkdir -p "$out"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 status=0
@@ -32,10 +32,10 @@ timeout 200 python3 -m elasticd.chaos --minutes 1 --mean-interval-s 5 --warmup-s
     --seed 1 --workdir /tmp/gpu-chaos --json > "$out/chaos.json" || { status=1; tar czf "$out/chaos.tgz" -C /tmp gpu-chaos; }
 head -c 6000 "$out/chaos.json"; echo
 fi
-if [[ $parts == *" roll "* ]]; then
-echo "== 4. roll-forward on the GPU"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/integration/test_roll_forward.py 2>&1 | tail -30 \
-    | tee "$out/roll.txt"; grep -q " passed" "$out/roll.txt" && ! grep -q -E "failed|skipped" "$out/roll.txt" || status=1
+if [[ $parts == *" stop "* ]]; then
+echo "== 4. a stop after the sum on the GPU"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/integration/test_stop_after_sum_gpu.py 2>&1 | tail -30 \
+    | tee "$out/stop.txt"; grep -q " passed" "$out/stop.txt" && ! grep -q -E "failed|skipped" "$out/stop.txt" || status=1
 fi
 echo "== status $status"
 exit $status

@@ -41,24 +41,24 @@ def main() -> int:
     reducer = GradientReducer(list(model.parameters()), torch.device("cpu"))
 
     def vote() -> list[float]:
-        return Vote(0.0, False, False, False, True).slots()
+        return Vote(0.0, False, False).slots()
 
     x = torch.ones(1, 4)
     if rank == 1:
         time.sleep(1.5)  # rank 0 has abandoned its step and begun the next one by now
-        reducer.begin(group, 1.0, vote)
+        reducer.begin(group, 1, 1.0, vote)
         (1000.0 * model(x).sum()).backward()  # gradients of 1000: the late sum is ~1001
         reducer.finish(Deadline.after(20), lambda: False, 0.02)
         time.sleep(1.0)
         return 0
-    reducer.begin(group, 1.0, vote)
+    reducer.begin(group, 1, 1.0, vote)
     model(x).sum().backward()  # gradients of 1
     try:
         reducer.finish(Deadline.after(20), lambda: True, 0.02)  # abandoned at once
         raise AssertionError("the all_reduce completed without rank 1")
     except CollectiveError:
         reducer.cancel()
-    reducer.begin(group, 1.0, vote)  # the next step: new views
+    reducer.begin(group, 2, 1.0, vote)  # the next step: new views
     (2.0 * model(x).sum()).backward()  # gradients of 2
     time.sleep(3.0)  # rank 1 completes the old all_reduce meanwhile
     grad = model.weight.grad

@@ -855,12 +855,3 @@ def test_an_agent_that_exits_between_two_polls_is_recorded_with_its_code_not_as_
     assert proc.wait(30.0) == 0
     assert run.live_nodes() == []
     assert run.nodes[0].code == 0 and run.nodes[0].message == "bye"
-
-
-def test_step_findings_count_a_rolled_step_as_its_sum_generations_commit() -> None:
-    rows = [*commits((1, 1, 0.0), (2, 1, 0.1)), Commit("node-0", 2, 2, 0, 1, T0 + 0.5, sum_generation=1),
-            *commits((3, 2, 0.6))]
-    f = step_findings(rows)
-    assert dict(f.repeats) == {} and f.lost == () and f.last_step == 3
-    redone = [*commits((1, 1, 0.0), (2, 1, 0.1)), Commit("node-0", 2, 2, 0, 1, T0 + 0.5, sum_generation=2)]
-    assert dict(step_findings(redone).repeats) == {2: (1, 2)}

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.settings", "elasticd.retry", "elasticd.log", "elasticd.events",
                  "elasticd.store.kv", "elasticd.store.etcd", "elasticd.wire.keys", "elasticd.wire.records",
                  "elasticd.wire.snapshot", "elasticd.wire.ops", "elasticd.wire.restart", "elasticd.rendezvous.decide",
-                 "elasticd.rendezvous.membership", "elasticd.rendezvous.continued", "elasticd.rendezvous.lease",
+                 "elasticd.rendezvous.membership", "elasticd.rendezvous.lease",
                  "elasticd.rendezvous.publish", "elasticd.rendezvous.watch", "elasticd.agent.elastic",
                  "elasticd.agent.restart", "elasticd.agent.daemon", "elasticd.agent.elastic_decide",
                  "elasticd.agent.restart_decide", "elasticd.agent.supervisor", "elasticd.agent.presence",

@@ -95,7 +95,7 @@ def test_a_generation_that_superseded_mine_and_takes_me_is_joined_without_a_read
     a._joined(g3, 0.0, a.view())
     _publish(store, 4, ("a", "c"))  # b's lease was revoked: the survivors, in their old order
     a._watch.assess(a.view())
-    assert a.must_abandon() and a.abandon_reason == "generation superseded" and not a.vote()[0]  # no veto
+    assert a.must_abandon() and a.abandon_reason == "generation superseded" and not a.veto()  # no veto
     joined = a.join(0, Deadline.after(1.0))
     assert (joined.record.generation, joined.rank, joined.world_size) == (4, 0, 2)
     assert store.get(KEYS.ready("a")) is None

@@ -63,7 +63,6 @@ def test_a_low_precision_model_gets_a_float32_vote_bucket_of_its_own_launched_la
     vote = buckets[1]
     assert vote is reducer._vote_bucket  # noqa: SLF001
     assert vote.buffer.dtype == torch.float32 and vote.numel == 0 and vote.extra == reducer.VOTE_SLOTS
-    assert [b.numel() for b in reducer.kept_sums()] == [5, 0]
     reducer.close()
 
 
