@@ -110,6 +110,11 @@ class Timeouts:
         "Training with no membership change does not need etcd and goes on meanwhile.",
         600.0,
     )
+    resume_hold_s: float = _seconds(
+        "Once every lease of the job's last generation ended, how long until a generation resuming from older state "
+        "(the checkpoint, a member left behind) is published: one cut off from etcd trains on, and if it reconnects "
+        "meanwhile it rejoins with its newest step, none done twice. A new job never waits. Keep it below join_s.",
+        60.0)
     standby_s: float = _seconds(
         "How long a worker waits as a standby (the job is at max_workers and healthy) for a place "
         "before it gives up; this time does not count against join_s.",

@@ -54,6 +54,8 @@ class LocalJob:
             "ELASTICD_LOCAL_RANK": str(local_rank),
             "ELASTICD_LEASE_TTL_S": "2",
             "ELASTICD_KEEPALIVE_S": "0.5",
+            # a whole-job restart here has nothing cut off from etcd: no need to hold its resume
+            "ELASTICD_RESUME_HOLD_S": "1",
         }
         env.update({"ELASTICD_" + k: v for k, v in self.settings.items()})
         env.update({"ELASTICD_" + k.upper(): str(v) for k, v in extra.items()})

@@ -1,6 +1,6 @@
 """``python -m elasticd.bench leader``: what the loss of the etcd leader costs a training job.
 
-Owns the ``leader`` benchmark (issue 10, fix 3). One job of the chaos soak's workload
+Owns the ``leader`` benchmark. One job of the chaos soak's workload
 (``agents/mlp.py`` with ``step_sleep_s``, ``workers`` worker processes) trains on a real 3-member
 etcd cluster on loopback. Each repetition measures the commit rate over ``window_s`` with nothing
 happening (the baseline, in the same run, right before), SIGKILLs the etcd leader, measures the rate
@@ -14,9 +14,8 @@ less its commits at the baseline rate), ``max_gap_s`` (the longest time between 
 windows after the kills), ``steps_lost`` (missing or repeated, by ``audit.check``), ``regroups``
 (generations after the first: a leader election is no membership change) and ``worker_failures``.
 
-Stop 26 found each leader kill of the chaos soak stopping training ~0.8 s: a member whose last etcd
-answer came just before the election counted as "answered", so every step was retried until the
-others' renewals landed (``rendezvous.lease.Reachability``).
+No etcd answer enters a step's verdict, so a leader election costs training nothing but the
+renewals it holds back (which never stop a step).
 
 Every process it starts is tracked by PID and killed in ``finally``.
 """

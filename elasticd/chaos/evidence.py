@@ -122,7 +122,8 @@ def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Com
 
 
 def parse_finals(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Final]:
-    return [Final(node, as_int(r["step"]), str(r["checksum"])) for node, r in pairs if r.get("event") == "final"]
+    return [Final(node, as_int(r["step"]), str(r["checksum"])) for node, r in pairs
+            if r.get("event") == "final" and not r.get("branch")]  # a branch's bytes are not the job's
 
 
 

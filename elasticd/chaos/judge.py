@@ -72,8 +72,7 @@ class Invariant:
 
 
 def step_findings(commits: Sequence[Commit]) -> StepFindings:
-    """Every step 1..N committed exactly once across all generations: the repeats and the gaps. A
-    step rolled forward counts as the commit of the generation whose sum it applied."""
+    """Every step 1..N committed exactly once across all generations: the repeats and the gaps."""
     gens_of: dict[int, set[int]] = {}
     for c in commits:
         gens_of.setdefault(c.step, set()).add(c.generation)

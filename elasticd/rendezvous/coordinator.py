@@ -9,7 +9,10 @@ admitted members, whether the generation is orphaned, a lost state) when it diff
 stored, and publishes what ``decide.publish_decision`` says by compare-and-set on the generation
 record: a stale coordinator (stopped, then continued) can only lose that race. Rounds follow the
 changes: events that arrive during a round make one more round, so a burst of N joins costs a few
-reads of the job, not N.
+reads of the job, not N. The verdict on a generation with no live member says since when
+(``orphaned_at``, by the first judging coordinator's wall clock, kept by the next ones), and a
+resume without that generation waits ``resume_hold_s`` from it (``resume.resume_held_until``;
+logged once per generation, ``resume_held``).
 
 A deputy (``Membership.join``) runs the same rounds without the verdict when the coordinator is
 late. Never imports etcd3 or torch; decides nothing itself.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -65,6 +69,7 @@ class Coordinator:
         clock: Clock, read: Callable[[], Snapshot], published_event: Callable[[GenerationRecord], tuple[str, bytes]],
         elected: bool = True, take_over: Callable[[int], None] | None = None,
         noted: Callable[[], tuple[int, frozenset[str]]] = lambda: (0, frozenset()),
+        wall: Clock = time.time,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -83,7 +88,9 @@ class Coordinator:
         # (generation, members) this member's reach check found out of reach while the generation
         # was stuck (rendezvous.reach): left out without being asked again
         self._noted = noted
+        self._wall = wall  # the wall clock: the verdict's orphaned_at, read by other hosts too
         self._broken_seen = 0
+        self._held_logged = 0  # the generation whose resume hold was logged
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -102,7 +109,7 @@ class Coordinator:
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
         snap = self._read()
-        now = self._clock()
+        now, wall = self._clock(), self._wall()
         if self._elected and (snap.coordinator is None or snap.coordinator.member_id != self._member_id):
             raise NotCoordinator(snap.coordinator.member_id if snap.coordinator else "")
         window = self._track(snap, now)
@@ -116,11 +123,12 @@ class Coordinator:
             action = None
         else:
             live = self._without_gone(snap, window)
-            action = publish_decision(live, window, now, self._world, self._timeouts)
+            action = publish_decision(live, window, now, self._world, self._timeouts, wall=wall)
+            self._log_hold(snap, action, now)
         closes = join_window_closes_at(snap, window, now, self._world, self._timeouts)
         if self._elected:
             error = action.error if action is not None and action.kind is ActionKind.STATE_LOST else ""
-            verdict = judge(snap, self._world, error, join_open=closes is not None)
+            verdict = judge(snap, self._world, error, join_open=closes is not None, now=wall)
             if verdict is not None and verdict != snap.verdict:  # None: nothing to say (a stale one says nothing)
                 self._store.compare_and_put(self._keys.verdict, snap.verdict_revision, encode(verdict))
         if action is None:
@@ -157,6 +165,15 @@ class Coordinator:
                 # (a newcomer, a verdict) does not wait for its lease to end.
                 self._take_over(snap.coordinator_revision)
         return now
+
+    def _log_hold(self, snap: Snapshot, action: Action, now: float) -> None:
+        """Log a resume held (``resume.resume_held_until``) once per generation."""
+        g = snap.generation
+        if not action.resume_held or g is None or g.generation == self._held_logged or action.until is None:
+            return
+        self._held_logged = g.generation
+        log.info("resume_held", generation=g.generation, wait_s=round(action.until - now, 2),
+                 bound_s=self._timeouts.resume_hold_s, by="coordinator" if self._elected else "deputy")
 
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the

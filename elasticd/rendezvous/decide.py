@@ -1,7 +1,7 @@
 """The rendezvous decisions, pure: the coordinator's (``publish_decision``, ``judge``: from a
 full snapshot), a waiting member's (``member_action``, ``should_resume``: from its small view),
-a deputy's (``next_action``: both), the rank order, the resume rule, and ``assess_health``
-(whether a generation can go on, from a member's view).
+a deputy's (``next_action``: both), the rank order, the resume rules (``rendezvous.resume``), and
+``assess_health`` (whether a generation can go on, from a member's view).
 
 No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membership``.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from elasticd.config import Timeouts, WorldConfig
+from elasticd.rendezvous.resume import orphaned_since, resume_held_until, should_load_checkpoint
 from elasticd.wire.records import VERDICT_IDS, GenerationRecord, ReadyRecord, VerdictRecord
 from elasticd.wire.snapshot import Snapshot
 
@@ -55,6 +56,7 @@ class Action:
     expected_revision: int = 0
     error: str = ""
     standby: bool = False  # WAIT: the job is at max_workers and healthy; I wait for a place
+    resume_held: bool = False  # WAIT: a resume is held until ``until`` (``resume.resume_held_until``)
 
 
 def candidates_of(snap: Snapshot) -> list[ReadyRecord]:
@@ -179,24 +181,6 @@ def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecor
     return sorted(chosen, key=key)
 
 
-def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
-    """Whether a member about to rendezvous should look for a durable checkpoint (pure).
-
-    Yes when no member of the current generation is alive (or there is none), the job has not
-    finished, and this member holds nothing, or less than the newest step the job is known to have
-    reached (``generation``, ``committed`` or ``checkpoint`` record). While a generation has live
-    members they hold its newest state, and a newcomer gets it from rank 0.
-    """
-    g = snap.generation
-    if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
-        return False
-    if g is not None and any(m in snap.members for m in g.members):
-        return False
-    newest = max(g.committed_step if g else -1, snap.committed_step,
-                 snap.checkpoint.step if snap.checkpoint else -1)
-    return held_step < 0 or held_step < newest
-
-
 def next_action(
     snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
 ) -> Action:
@@ -236,10 +220,11 @@ def _mismatch(me: Me, job_sig: str) -> Action:
 
 
 def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldConfig, timeouts: Timeouts,
-                     me: str = "") -> Action:
+                     me: str = "", wall: float | None = None) -> Action:
     """What the coordinator does for the members waiting in ``snap``: WAIT (``standby`` when the
-    generation is healthy at ``max_workers`` and ``me`` is not in it), PUBLISH the next
-    generation, or STATE_LOST. Pure."""
+    generation is healthy at ``max_workers`` and ``me`` is not in it; ``resume_held``: a resume
+    is held, ``resume.resume_held_until``, which reads ``wall``), PUBLISH the next generation, or
+    STATE_LOST. Pure."""
     g = snap.generation
     job_sig = g.signature if g else _first_signature(snap)
     cands = candidates_of(snap)
@@ -290,6 +275,11 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
                           f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
                           f"{ck.node}); waiting for one that can")
         resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
+        held = resume_held_until(snap, window.entered_at if window.broken_at is None else window.broken_at, now,
+                                 timeouts, wall)
+        if resume and held is not None and now < held:
+            return Action(ActionKind.WAIT, f"resume held: every lease of generation {g.generation} ended, and it "
+                          "may be training cut off from etcd (resume_hold_s)", until=held, resume_held=True)
     old = set(g.members) if g else set()
     newcomers = {m for m in ids - old if not is_spare(snap, m)}
     settle = window.newcomers_changed_at + timeouts.join_window_s
@@ -360,14 +350,16 @@ def join_window_closes_at(snap: Snapshot, window: Window | None, now: float, wor
     return closes if now < closes else None
 
 
-def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool = False) -> VerdictRecord | None:
+def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool = False,
+          now: float = 0.0) -> VerdictRecord | None:
     """The coordinator's verdict on the current generation of a full snapshot (pure), or None when
     there is nothing to say (a healthy generation, nobody waiting to be admitted, no lost state,
     one model, or a finished job whose members are leaving): members take no verdict for a healthy
     one. ``error``: the job's state is lost (``publish_decision``). ``join_open``: the newcomers'
     join window is still open (``join_window_closes_at``): they are not announced yet. A verdict
     already stored for the generation keeps its reason to abandon: members that leave one by one
-    must not rewrite a record that every member watches."""
+    must not rewrite a record that every member watches. An orphaned generation's verdict says
+    since when (``resume.orphaned_since``, ``now`` being the caller's wall clock)."""
     g = snap.generation
     if g is None:
         sigs = {r.signature for r in snap.ready.values() if r.member_id in snap.members}
@@ -391,7 +383,8 @@ def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool =
     orphaned = not any(m in snap.members for m in g.members)
     if not (abandon or pending or orphaned or error):
         return None
-    return VerdictRecord(g.generation, g.signature, abandon, int(pending), int(orphaned), error)
+    return VerdictRecord(g.generation, g.signature, abandon, int(pending), int(orphaned), error,
+                         orphaned_since(snap, now))
 
 
 def verdict_on(view: Snapshot) -> VerdictRecord | None:

@@ -87,7 +87,7 @@ class Membership:
         self._world = world
         self._timeouts = timeouts
         self._clock = clock
-        self._lease = Lease(store, timeouts.lease_ttl_s, clock)
+        self._lease = Lease(store, timeouts.lease_ttl_s)
         self._state = MemberState.UNREGISTERED
         # A change seen by a watch wakes both the join loop and the watcher thread: one event each,
         # since a waiter that clears a shared one can swallow the other's wakeup.
@@ -101,7 +101,7 @@ class Membership:
         self._cancel_watches: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
         self._reader = JobReader(store, keys, member.node)
-        self._etcd = Reachability(clock)  # whether the background threads' requests are answered
+        self._etcd = Reachability()  # whether the background threads' requests are answered
         self._renew = threading.Event()  # renew now
         self._progress_due = threading.Event()  # a renewal was granted: publish the progress
         self._joining = False  # a join() runs (on the training thread)
@@ -204,7 +204,6 @@ class Membership:
         self._etcd.background(self._stop, self._renew, self._lease.renew, self._renewed, self._timeouts.keepalive_s)
 
     def _renewed(self, renewal: Renewal) -> None:
-        self._lease.keep(renewal)
         self._progress_due.set()
         if renewal.ttl_s <= 0 and renewal.lease == self._lease.id:
             self._watch.lose_lease(renewal.lease)

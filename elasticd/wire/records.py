@@ -7,6 +7,7 @@ is not exactly the dataclass it expects, and the readers list such a record as m
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, replace
 from typing import TypeVar
 
@@ -94,6 +95,10 @@ class VerdictRecord:
     pending: int  # 1: waiting members that a regroup now would admit
     orphaned: int  # 1: no member of the generation is alive (its state is only on disk)
     error: str  # non-empty: the job's state is lost (every member waiting raises StateLost)
+    # While orphaned: when (Unix time, by the writer's clock) a coordinator first judged it so, kept
+    # by every later coordinator; a resume waits ``resume_hold_s`` from it (0: not orphaned, or
+    # not recorded). Not leased: the generation's own records end with its leases.
+    orphaned_at: float = 0.0
 
 
 VERDICT_IDS = 8  # member ids named in a reason (for logs)
@@ -199,9 +204,11 @@ def _decode(cls: type, raw: bytes) -> object:
     for name, f in fields.items():
         if name not in data:
             continue
-        want = {"int": int, "str": str, "tuple[str, ...]": list}[str(f.type)]
+        want = {"int": int, "str": str, "float": (int, float), "tuple[str, ...]": list}[str(f.type)]
         if not isinstance(data[name], want) or isinstance(data[name], bool):
             raise ValueError(f"field {name} is not {f.type}")
+        if str(f.type) == "float":
+            data[name] = float(data[name])
     for name, f in fields.items():
         if str(f.type) == "tuple[str, ...]" and name in data:
             if not all(isinstance(m, str) for m in data[name]):
@@ -250,6 +257,8 @@ def decode_verdict(raw: bytes) -> VerdictRecord:
     rec = decode(VerdictRecord, raw)
     if rec.generation < 0 or rec.orphaned not in (0, 1) or rec.pending not in (0, 1):
         raise ValueError("generation must be >= 0, orphaned and pending 0 or 1")
+    if not math.isfinite(rec.orphaned_at) or rec.orphaned_at < 0:
+        raise ValueError("orphaned_at must be a finite time >= 0")
     return rec
 
 

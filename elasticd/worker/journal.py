@@ -91,6 +91,7 @@ class Journal:
         self._on_confirm: list[Callable[[int], None]] = []  # told the newest step confirmed
         self._on_discard: list[Callable[[list[int]], None]] = []  # told the steps discarded
         self.confirmed_step = 0  # the newest step this member knows committed (0: none yet)
+        self._discarded_last = -1  # the newest step discarded here
 
     def open(self, membership: Membership, store: KeyValueStore, member_id: str, started_wall: float) -> None:
         """Bind to ``membership`` (progress and checkpoint records) and ``store`` (failed saves,
@@ -143,6 +144,7 @@ class Journal:
         if not self._unconfirmed:
             return
         steps = [step for step, _, _ in self._unconfirmed]
+        self._discarded_last = steps[-1]
         log.warning("steps_discarded", steps=steps, reason=why)
         self._unconfirmed.clear()
         for listener in self._on_discard:
@@ -160,11 +162,15 @@ class Journal:
 
     def close(self, step: int, checksum: Callable[[], int]) -> None:
         """Discard the unconfirmed steps, then write the audit file's last line (the step and
-        ``checksum()`` of the state held), and close it."""
+        ``checksum()`` of the state held; ``branch`` when that step was discarded: a member whose
+        last application the job left holds bytes that are not the job's), and close it."""
         self.discard("left the job before a later collective or sync confirmed them")
         if self._audit is None:
             return
-        self._audit_line({"event": "final", "step": step, "checksum": f"{checksum():016x}"})
+        final: dict[str, object] = {"event": "final", "step": step, "checksum": f"{checksum():016x}"}
+        if step > self.confirmed_step and self._discarded_last == step:
+            final["branch"] = True  # its last step was discarded: these bytes are not the job's
+        self._audit_line(final)
         if self._audit_memory:
             self._audit.writelines(json.dumps(r) + "\n" for r in self._audit_memory)
             self._audit_memory.clear()
@@ -180,6 +186,7 @@ class Journal:
         job's: the completed sync proved every member holds them (those of a branch the job left
         were discarded when the sync replaced this member's state)."""
         self.confirm()
+        self._discarded_last = -1  # it holds the job's state now
         self._unrecorded_recovery = None
         if cause != "start":
             self.recoveries += 1
@@ -254,6 +261,7 @@ class Journal:
             self._logged_at = now
             log.info("step_committed", generation=generation, rank=batch.rank, step=step,
                      loss=round(loss, 6), world_size=world_size, duration_s=round(duration_s, 5))
+        self._discarded_last = -1
         self._unconfirmed.append((step, generation, None if self._audit is None else {
             "event": "commit", "step": step, "generation": generation, "rank": batch.rank,
             "world_size": batch.world_size, "epoch": batch.epoch, "position": batch.position,

@@ -32,6 +32,7 @@ _ids = itertools.count()
 def _env(**settings: object) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["ELASTICD_RESUME_HOLD_S"] = "1"  # a whole-job restart here has nothing cut off from etcd
     env.update({"ELASTICD_" + k.upper(): str(v) for k, v in settings.items()})
     return env
 
@@ -169,8 +170,8 @@ def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it
 def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigcont(agent_job):
     # A 10 s lease: without the agent's revocation the other worker would wait for it to expire.
     # Three stops, each at a random point of a step: a stop that lands after the stopped worker's
-    # gradients went out, while its sum arrived but its peer's did not, is the split commit that
-    # continued.py prevents (without it, a step shows in two generations in about one run in four).
+    # sum arrived leaves it holding a step its peer may redo without it; continued, it applies it as
+    # a branch that its rejoin discards (the audit: never a step in two generations).
     job = agent_job(lease_ttl_s=10, stopped_worker_s=0.5)
     a = job.start("a", "--nnodes", "1:2", steps=STOPPED_STEPS)
     b = job.start("b", "--nnodes", "1:2", steps=STOPPED_STEPS)

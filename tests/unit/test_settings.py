@@ -61,6 +61,7 @@ FULL_ENV = {
     "ELASTICD_ETCD_REQUEST_S": "1.25",
     "ELASTICD_LEASE_RENEW_S": "0.4",
     "ELASTICD_ETCD_OUTAGE_S": "300",
+    "ELASTICD_RESUME_HOLD_S": "20",
     "ELASTICD_STANDBY_S": "3600",
     "ELASTICD_ABORT_POLL_S": "0.05",
     "ELASTICD_SHUTDOWN_GRACE_S": "14",
@@ -103,7 +104,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.world == WorldConfig(job_id="job-42", min_workers=2, max_workers=6)
     assert env.timeouts == Timeouts(
         join_s=50.0, join_window_s=0.5, last_call_s=0.6, coordinator_grace_s=0.4, view_poll_s=4.0, lease_ttl_s=4.0, keepalive_s=1.5,
-        collective_s=11.0, group_build_s=12.0, group_abort_s=16.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, lease_renew_s=0.4, etcd_outage_s=300.0, standby_s=3600.0,
+        collective_s=11.0, group_build_s=12.0, group_abort_s=16.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, lease_renew_s=0.4, etcd_outage_s=300.0, resume_hold_s=20.0, standby_s=3600.0,
         abort_poll_s=0.05, shutdown_grace_s=14.0, progress_event_s=3.0, relay_heartbeat_s=0.4, relay_stale_s=1.7,
         round_poll_s=0.3, probe_s=0.07, reach_check_s=0.9, reach_check_min_s=0.15, deputy_step_s=0.8,
     )
