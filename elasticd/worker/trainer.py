@@ -336,8 +336,7 @@ class ElasticTrainer:
                     self._drained = True
                     return
                 self._join_or_finish()
-                if self._job_finished:
-                    return
+                continue  # the state rank 0 sent may hold every step already
             assert self.group is not None
             c, sampler = self.state.counters, self._sampler()
             whole = sampler.batch(c.step + 1, c.epoch, c.position, self.group.rank, self.group.world_size)
