@@ -15,8 +15,8 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-STOPS = 8
-STEPS = 190  # ~15 s at the slow workers' 0.08 s: the stops (~9 s from step 20) end well before the job
+STOPS = 6
+STEPS = 150  # ~12 s at the slow workers' 0.08 s: the stops (~7 s from step 20) end well before the job
 STOP_S = 0.3  # well inside the 2 s lease: nobody's lease expires, nobody leaves
 
 
@@ -69,7 +69,7 @@ def test_a_member_continued_after_its_vote_applies_the_step_with_its_peers(local
 def test_a_member_stopped_past_its_lease_after_its_vote_holds_the_survivors_at_most_the_ttl_plus_1_s(local_job):
     job = local_job(min_workers=2)
     for sleep in ("0.05", "0", "0.05"):
-        job.spawn("--steps", "260", "--step-sleep", sleep)
+        job.spawn("--steps", "150", "--step-sleep", sleep)
     job.wait_for(lambda: job.committed() >= 20, 60, "20 committed steps")
     stopped = job.workers[1]
     stopped.signal(signal.SIGSTOP)
