@@ -59,3 +59,19 @@ def test_vote_slots_round_trip_through_a_sum() -> None:
     assert Tally.from_slots(summed) == Tally(loss=1.0, vetoes=1, regroups=1, voters=3)
     with pytest.raises(ValueError):
         Tally.from_slots(summed[:-1])
+
+
+def test_the_step_path_hands_the_verdict_the_tally_and_the_world_size_and_reads_no_clock() -> None:
+    """``worker/step.py`` (one member's step) calls the verdict with the summed vote and the
+    generation's size only, and imports nothing that reads a clock, a lease or etcd."""
+    import elasticd.worker.step as step
+
+    tree = ast.parse(Path(step.__file__).read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "commit_outcome"]
+    assert [ast.unparse(a) for c in calls for a in c.args] == ["op.tally", "group.world_size"], calls
+    assert all(not c.keywords for c in calls)
+    modules = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    names = {alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for alias in n.names}
+    assert not modules & {"time", "elasticd.rendezvous.lease", "elasticd.store.etcd", "elasticd.store.kv"}, modules
+    assert not names & {"Clock", "Lease", "Reachability"}, names
