@@ -1,5 +1,5 @@
 """Helpers shared by the job fixtures: a bounded wait, a factory that stops every job it made, and
-the roll-forward scenario that two test modules play (``refuse_and_lose_appliers``)."""
+the stop-after-the-sum scenario that two test modules play (``stop_one_and_lose_the_others``)."""
 
 from __future__ import annotations
 

@@ -185,8 +185,8 @@ class Publisher:
                       poll_s: float) -> None:
         """A thread's loop until ``stop``: ``flush_progress`` each time ``due`` is set (after each
         granted renewal, so only while etcd answers). Off the keepalive thread: a put that etcd
-        holds (in a leader election each attempt waits up to ``etcd_request_s``) held the next
-        renewal back there, so leases went stale and steps were retried (stop 26, bench leader)."""
+        holds (in a leader election each attempt waits up to ``etcd_request_s``) would hold the
+        next renewal back, and a lease could end while its member lives."""
         while not stop.is_set():
             if not due.wait(poll_s):
                 continue
