@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import structlog
 
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.store.etcd import EtcdClient
 from elasticd.testing.audit import AuditReport, check_dir
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import WorkerProcess, python_program
@@ -25,6 +27,16 @@ def _fresh_structlog() -> Iterator[None]:
     """A test that configures logging (e.g. the CLI in-process) must not leak it into the next."""
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def client(etcd_server: EtcdServer) -> Iterator[EtcdClient]:
+    """A client of the module's etcd server, closed after the test."""
+    c = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 @pytest.fixture(scope="module")

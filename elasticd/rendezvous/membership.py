@@ -433,10 +433,10 @@ class Membership:
         self.reach.joined(record.generation, record.rank_of(self.member_id))
         return Joined(record, record.rank_of(self.member_id), self._clock() - started, excused_s)
 
-    def publish_checkpoint(self, record: CheckpointRecord, only_if_newer: bool = False) -> None:
-        """Record the job's latest good durable checkpoint (best effort); ``only_if_newer``: only if the
-        key is absent or names an older step (compare-and-set: never over a concurrent newer save)."""
-        self._publish.checkpoint(record, only_if_newer)
+    def publish_checkpoint(self, record: CheckpointRecord) -> None:
+        """Record the job's latest good durable checkpoint (best effort), by compare-and-set on
+        (step, seq): never over a newer one."""
+        self._publish.checkpoint(record)
 
     def mark_finished(self, generation: int, step: int) -> None:
         """Record that every member reached the target step together (late joiners stop)."""

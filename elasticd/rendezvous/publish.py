@@ -145,12 +145,12 @@ class Publisher:
         except EtcdUnavailable as exc:
             log.warning("committed_publish_failed", error=str(exc))
 
-    def checkpoint(self, record: CheckpointRecord, only_if_newer: bool = True) -> None:
+    def checkpoint(self, record: CheckpointRecord) -> None:
         """Record the job's latest good durable checkpoint (see ``Membership.publish_checkpoint``),
         always by compare-and-set: only over a missing record, one that does not decode, or one of
         an older (step, seq), so the record never goes back (a writer that lost a race re-reads and
-        decides again, at most ``CHECKPOINT_CAS_TRIES`` times). ``only_if_newer`` changes nothing:
-        no write of this record is unconditional. Best effort: etcd unreachable is logged."""
+        decides again, at most ``CHECKPOINT_CAS_TRIES`` times). Best effort: etcd unreachable is
+        logged."""
         def order(raw: bytes) -> tuple[int, ...]:
             r = decode_checkpoint(raw)
             return (r.step, r.seq)

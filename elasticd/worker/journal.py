@@ -220,7 +220,7 @@ class Journal:
         if self._membership is not None:
             self._membership.publish_checkpoint(CheckpointRecord(
                 step=m.step, path=str(loaded.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created), only_if_newer=True)
+                bytes=m.file_bytes, time=m.created))
 
     def checkpoint_saved(self, saved: SavedCheckpoint) -> None:
         """On the writer thread, once the checkpoint is in place (its step confirmed): the job's
@@ -230,7 +230,7 @@ class Journal:
         if self._membership is not None:
             self._membership.publish_checkpoint(CheckpointRecord(
                 step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created), only_if_newer=True)
+                bytes=m.file_bytes, time=m.created))
         if self._events is not None:
             self._events.record(EventKind.CHECKPOINT_SAVED, step=m.step, generation=m.generation, seq=m.seq,
                                 bytes=m.file_bytes, duration_s=round(saved.duration_s, 4))

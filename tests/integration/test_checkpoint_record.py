@@ -8,13 +8,12 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorkerEnv, WorldConfig
+from elasticd.config import Timeouts, WorkerEnv, WorldConfig
 from elasticd.rendezvous.membership import Membership
 from elasticd.rendezvous.publish import Publisher
 from elasticd.store.etcd import EtcdClient
@@ -28,15 +27,6 @@ from elasticd.worker.journal import Journal
 pytestmark = pytest.mark.timeout(60)
 
 _jobs = itertools.count()
-
-
-@pytest.fixture
-def client(etcd_server: Any) -> Iterator[EtcdClient]:
-    c = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _keys() -> Keys:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
+from elasticd.config import Timeouts, WorldConfig
 from elasticd.errors import EtcdUnavailable
 from elasticd.rendezvous.member import Joined
 from elasticd.rendezvous.membership import Membership
@@ -41,15 +41,6 @@ CK = CheckpointRecord(step=40, path="/ckpt/00000004-step000000000040.ckpt", node
 
 def _timeouts(hold_s: float) -> Timeouts:
     return Timeouts(lease_ttl_s=1.0, keepalive_s=0.25, join_s=30.0, resume_hold_s=hold_s)
-
-
-@pytest.fixture
-def client(etcd_server: Any) -> Iterator[EtcdClient]:
-    c = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 class _CutStore:

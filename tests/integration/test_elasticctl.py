@@ -12,13 +12,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from elasticd.cli import agent_main, ctl_main
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.ops.status import WorkerState, read_status
 from elasticd.store.etcd import EtcdClient
 from elasticd.testing.etcd import EtcdServer
@@ -38,15 +36,6 @@ def elasticctl(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     clean.update(env or {})
     return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], cwd=REPO_ROOT, env=clean,
                           capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-
-
-@pytest.fixture
-def client(etcd_server: EtcdServer) -> Iterator[EtcdClient]:
-    c = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture
