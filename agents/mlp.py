@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--audit-in-memory", action="store_true",
                    help="keep the audit lines in memory and write them at exit (fault-free measurements only)")
     p.add_argument("--save-final", default=None, help="write the final model state_dict here (torch.save)")
+    p.add_argument("--break-at-end", action="store_true", help="leave the loop with a break after the last step")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra compute per step (slows the demo and fault tests down)")
     # Durable checkpoints: each flag overrides its ELASTICD_CHECKPOINT_* variable.
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.autocast(device.type, dtype=torch.float16, enabled=args.fp16):
                     loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
                 trainer.step(scaler.scale(loss) if scaler is not None else loss)  # commit() steps the scaler
+                if args.break_at_end and trainer.step_count == args.steps:
+                    break  # the script's own end, as many DDP scripts have it
             if args.save_final and trainer.step_count >= args.steps:
                 torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.save_final)
     except elasticd.ElasticdError as exc:

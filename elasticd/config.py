@@ -281,6 +281,12 @@ class CheckpointConfig:
         return self.enabled and (self.checkpoint_every_steps > 0 or self.checkpoint_every_s > 0)
 
 
+AUDIT_DIR_DOC = (
+    "Directory of audit files: a trainer given no audit_path appends one JSON line per start, sync, "
+    "resume and committed step to <dir>/<job_id>/<node_id>.<local_rank>.jsonl (a restarted worker "
+    "appends to the same file). Empty: no audit file.")
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """Everything a worker process needs, as handed over by its launcher in ``ELASTICD_*`` variables
@@ -290,10 +296,13 @@ class WorkerEnv:
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    node_id: str = field(default_factory=socket.gethostname)
-    local_rank: int = 0
-    advertise_addr: str = "127.0.0.1"
-    backend: str = "auto"
+    node_id: str = field(default_factory=socket.gethostname, metadata={
+        "doc": "The node this worker runs on (its agent's node_id)."})
+    local_rank: int = field(default=0, metadata={"doc": "This worker's index among its node's workers."})
+    advertise_addr: str = field(default="127.0.0.1", metadata={
+        "doc": "Address this worker listens on for its peers (its agent's advertise_addr)."})
+    backend: str = field(default="auto", metadata={
+        "doc": "torch.distributed backend: auto (NCCL where CUDA is present, else gloo), gloo or nccl."})
     events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     spare: bool = field(default=False, metadata={
@@ -309,9 +318,12 @@ class WorkerEnv:
     relay_socket: str = field(default="", metadata={
         "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
                "of the job and its watches come from it; empty: from etcd."})
+    audit_dir: str = field(default="", metadata={"doc": AUDIT_DIR_DOC})
 
     def __post_init__(self) -> None:
         _check_events_keep(self.events_keep)
+        if "\0" in self.audit_dir:
+            raise ConfigError(f"audit_dir: not a valid path: {self.audit_dir!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"backend: must be one of auto, gloo, nccl, got {self.backend!r}")
         if self.local_rank < 0:
@@ -320,6 +332,14 @@ class WorkerEnv:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0 (0: never), got {getattr(self, name)}")
         check_name("node_id", self.node_id)
+
+    @property
+    def audit_file(self) -> Path | None:
+        """This worker's audit file under ``audit_dir``: ``<audit_dir>/<job_id>/<node_id>.<local_rank>.jsonl``
+        (a restarted worker appends to its predecessor's); None without ``audit_dir``."""
+        if not self.audit_dir:
+            return None
+        return Path(self.audit_dir) / self.world.job_id / f"{self.node_id}.{self.local_rank}.jsonl"
 
 
 
@@ -366,6 +386,10 @@ class AgentConfig:
     checkpoint_wait_s: float = field(default=CheckpointConfig.checkpoint_wait_s, metadata={
         "doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]})
     checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
+    audit_dir: Path | None = field(default=None, metadata={
+        "doc": "Directory of the workers' audit files, passed to them (ELASTICD_AUDIT_DIR): each appends to "
+               "<dir>/<job_id>/<node_id>.<local_rank>.jsonl unless its program gives the trainer an "
+               "audit_path; unset: no audit files. Elastic mode."})
     spares_per_node: int = field(default=0, metadata={
         "doc": "Warm spare workers this agent keeps besides nproc_per_node (--spares): each imports torch and "
                "the program, registers and waits outside every generation; when the job runs below its "
@@ -399,7 +423,7 @@ class AgentConfig:
     mode: str = field(default="elastic", metadata={
         "doc": "elastic: workers use the in-process worker API and the job goes on without a failed "
                "one; restart: unmodified torchrun scripts (RANK, WORLD_SIZE, MASTER_ADDR, ...), and "
-               "any failure restarts every worker of the job (group_restart.py)."})
+               "any failure restarts every worker of the job (agent/restart.py)."})
     hang_timeout_s: float = field(default=60.0, metadata={
         "doc": "A worker whose progress in etcd has not advanced for this long while the job's committed "
                "step grew is killed and restarted like a crashed one (0: never)."})
@@ -459,13 +483,16 @@ class AgentConfig:
             raise ConfigError(f"standby_node: must be true or false, got {self.standby_node!r}")
         if self.relay and self.mode != "elastic":
             raise ConfigError("relay: relays the elastic rendezvous (restart mode has its own)")
+        if self.audit_dir is not None and self.mode != "elastic":
+            raise ConfigError("audit_dir: the audit files are written by the elastic worker API (restart mode "
+                              "runs unmodified torchrun scripts)")
         if (self.spares_per_node or self.standby_node) and self.mode != "elastic":
             raise ConfigError("spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
                               "restarts every worker at once)")
-        if self.checkpoint_dir is not None:
-            text = str(self.checkpoint_dir)
-            if not text or "\0" in text:
-                raise ConfigError(f"checkpoint_dir: not a valid path: {text!r}")
+        for name in ("checkpoint_dir", "audit_dir"):
+            path = getattr(self, name)
+            if path is not None and (not str(path) or "\0" in str(path)):
+                raise ConfigError(f"{name}: not a valid path: {str(path)!r}")
         if self.mode not in AGENT_MODES:
             raise ConfigError(f"mode: must be one of {', '.join(AGENT_MODES)}, got {self.mode!r}")
         self.worker_env(0)  # validates node_id, advertise_addr, backend and events_keep as a worker would
@@ -488,7 +515,8 @@ class AgentConfig:
                          node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
                          backend=self.backend, events_keep=self.events_keep,
                          checkpoint=self.checkpoint_config(), spare=spare, standby=spare and self.standby_node,
-                         relay_socket=relay_socket)
+                         relay_socket=relay_socket,
+                         audit_dir=str(self.audit_dir) if self.audit_dir is not None else "")
 
     def checkpoint_config(self) -> CheckpointConfig:
         """The workers' durable-checkpoint settings."""

@@ -4,7 +4,7 @@ Owns the table of settings (``Setting``: each is a TOML key ``name``, a variable
 and a flag ``--<name>``), the one converter of a setting's text (``from_text``), the node agent's
 loader (``load_agent_config``: flag > variable > file > default), the worker environment contract
 both ways (``worker_env_from_environ``, ``worker_env_to_environ``), the checks that touch the
-filesystem (the etcd certificate and password files, ``checkpoint_dir``, the program), and the
+filesystem (the etcd certificate and password files, ``checkpoint_dir``, ``audit_dir``, the program), and the
 environments around the agent: of the processes it starts (``child_environ``) and what systemd
 hands it (``systemd_notify_environ``). It is the only module of the library that reads
 ``os.environ``.
@@ -197,9 +197,9 @@ def etcd_config(values: Mapping[str, object], where: str = "etcd") -> EtcdConfig
     return _build(EtcdConfig, values, where)
 
 
-def _check_checkpoint_dir(path: Path | None) -> None:
+def _check_directory(name: str, path: Path | None) -> None:
     if path is not None and path.exists() and not path.is_dir():
-        raise ConfigError(f"checkpoint_dir: {path} exists and is not a directory")
+        raise ConfigError(f"{name}: {path} exists and is not a directory")
 
 
 def _check_program(program: tuple[str, ...]) -> None:
@@ -464,12 +464,14 @@ def load_agent_config(
     prog = values.get("program")
     if isinstance(prog, tuple) and prog and str(prog[0]).endswith(".py"):
         values["program"] = (sys.executable, *prog)
-    ckpt = values.get("checkpoint_dir")
-    if isinstance(ckpt, str):
-        values["checkpoint_dir"] = Path(ckpt) if ckpt else None
+    for name in ("checkpoint_dir", "audit_dir"):
+        directory = values.get(name)
+        if isinstance(directory, str):
+            values[name] = Path(directory) if directory else None
     try:
         config = _assemble(values)
-        _check_checkpoint_dir(config.checkpoint_dir)
+        _check_directory("checkpoint_dir", config.checkpoint_dir)
+        _check_directory("audit_dir", config.audit_dir)
     except ConfigError as exc:
         raise ConfigError(_with_sources(str(exc), sources)) from exc
     _check_program(config.program)

@@ -1,6 +1,6 @@
 """``python -m elasticd.bench outage``: what an etcd outage with no membership change costs.
 
-Owns the ``outage`` benchmark (issue 10). One job of the default workload (``agents/mlp.py``,
+Owns the ``outage`` benchmark. One job of the default workload (``agents/mlp.py``,
 ``workers`` worker processes on a real local etcd) trains; the bench measures its commit rate over
 ``window_s`` (the baseline, in the same run), SIGKILLs etcd, measures the rate over the outage
 (``outage_s``, from the kill to the restart), restarts etcd on the same data dir and measures the

@@ -1,6 +1,6 @@
 """``python -m elasticd.bench rendezvous --members N [--per-process K]``: the rendezvous at scale.
 
-Owns running the ``rendezvous`` benchmark (issue 13, items 3 and 4). N lightweight members (the project's
+Owns running the ``rendezvous`` benchmark. N lightweight members (the project's
 own ``Membership``, each over its own ``EtcdClient``; no torch, no process group), K per process as
 threads, ceil(N/K) processes, against one local etcd that the bench starts. It measures the
 registration (all N at once), one join round (all N call ``join()`` at once, once all registered,

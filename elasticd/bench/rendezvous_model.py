@@ -1,4 +1,4 @@
-"""The ``rendezvous`` benchmark's model and report arithmetic, pure (issue 13, item 4).
+"""The ``rendezvous`` benchmark's model and report arithmetic, pure.
 
 Owns what the rendezvous bench computes without I/O: the sizes of the records a member writes
 (``Sizes``), the walls a stock etcd puts in the way of a generation of N (``walls``,
@@ -163,7 +163,7 @@ def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts
     and reads ``members/`` and ``ready/``; a member watches the generation, abort, finished,
     verdict and coordinator records and reads its small view and its node's roster bucket
     (``Sizes.view``). Join: each ready put reaches the coordinator (N events), the generation put
-    every member (N): 2N. Leave (since stop 24: ``rendezvous.survivors``, no ready round), M = N-1
+    every member (N): 2N. Leave (``rendezvous.survivors``, no ready round), M = N-1
     survivors: the leaver's key and the generation reach the coordinator (2), the generation every
     survivor (M): M + 2, and no member writes. Critical path, join: a ready put, the coordinator's
     reads of the job (the one in flight missed it, the next sees it: ``COORDINATOR_READS``), the

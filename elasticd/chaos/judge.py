@@ -369,7 +369,7 @@ def judge(ev: Evidence) -> Verdict:
         quiet = quiet_step_by_world(ev.commits, [f.t for f in ev.faults], ev.faulted)
         quiet_ratio = ettr_by_world(faulted_by_world, quiet, wall_s)
         # The costs against the quiet steps where there are enough of them: thousands of steps over
-        # the whole run, where the warm-up's ~10 s can be a few % off (costs below zero, stop 18)
+        # the whole run, where the warm-up's ~10 s can be a few % off (which gave costs below zero)
         cost_baseline, cost_step_s = (("quiet steps", quiet) if quiet else
                                       ("warm-up", by_world) if by_world else ("", {}))
         costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], cost_step_s, ev.faulted)

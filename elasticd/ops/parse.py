@@ -50,7 +50,7 @@ class Progress:
 
 @dataclass(frozen=True)
 class RestartStatus:
-    """A restart-mode job (``group_restart.py``): the agents' current round, from ``restart/``."""
+    """A restart-mode job (``agent/restart.py``): the agents' current round, from ``restart/``."""
 
     round: int
     world_size: int

@@ -257,8 +257,8 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
     resume = g is None and best > 0  # a first generation from state loaded from disk
     if g is not None and not (any(m in snap.members for m in g.members) and holds_state(g, cands)):
         # nobody alive holds the generation's state: every member gone, or the live ones never
-        # synced it (they joined generations that were never built; stop 19's chaos run of seed
-        # 14 published such a generation from step 0 and the job started over)
+        # synced it (they joined generations that were never built: publishing such a generation
+        # would start the job over from step 0)
         newest = max(g.committed_step, snap.committed_step)
         ck = snap.checkpoint
         if best < newest and ck is None:

@@ -442,6 +442,3 @@ class Membership:
         """Record that every member reached the target step together (late joiners stop)."""
         self._publish.finished(generation, step)
 
-    def publish_progress(self, payload: Mapping[str, object]) -> None:
-        """Best-effort progress record for ``elasticctl`` (leased: it vanishes with the member)."""
-        self._publish.progress(payload, self._lease.id)

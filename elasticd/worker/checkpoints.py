@@ -5,8 +5,8 @@ the save becomes visible only once the ``Journal`` confirms its step (and is del
 discards it: a branch the job left, never published nor resumed from), what a member
 loads when the rendezvous finds no live state (``resume``: the newest good checkpoint of this
 model, or a refusal to start over when only another model's checkpoints are there), and
-``load_initial``, which loads weights (and optionally optimizer, scheduler and other registered
-state) from a plain ``torch.save`` file with ``weights_only=True`` before the first rendezvous. Never
+``load_initial``, which maps the keys of a plain ``torch.save`` file (read with ``weights_only=True``)
+to the model, the optimizers, the registered objects and the step count before the first rendezvous. Never
 decides who is rank 0 or when a job resumes (the membership does), and never writes a file itself
 (``durable`` does).
 """
@@ -14,7 +14,8 @@ decides who is rank 0 or when a job resumes (the membership does), and never wri
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -24,10 +25,21 @@ from elasticd.config import CheckpointConfig
 from elasticd.errors import CheckpointModelChanged, ConfigError
 from elasticd.worker.durable import CheckpointWriter
 from elasticd.worker.durable_format import LoadedCheckpoint, job_dir, load_latest, refuse_new_model, scan, signature_of
+from elasticd.worker.extras import load_in_place
 from elasticd.worker.journal import Journal
 from elasticd.worker.state import TrainingState
 
 log = structlog.get_logger(__name__)
+
+# The spellings of a torch.save checkpoint's keys that load_initial maps (a registered name wins over them).
+MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module")
+OPTIMIZER_KEYS = ("optimizer", "opt", "optim", "optimizer_state_dict")
+OPTIMIZERS_KEY = "optimizers"  # a list of state dicts: the trainer's optimizers in order
+SCHEDULER_KEYS = ("scheduler", "sched", "lr_scheduler", "scheduler_state_dict")
+STEP_KEYS = ("step", "global_step", "iteration", "steps")  # an "epoch" is no step count
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_FIT_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError)
 
 
 class Checkpoints:
@@ -150,18 +162,102 @@ def _failure_recorder(journal: Journal, directory: Path, generation: list[int]) 
     return on_failed
 
 
-def load_initial(path: str | Path, model: torch.nn.Module, others: Mapping[str, object]) -> list[str]:
-    """Load a plain ``torch.save`` file into ``model`` (and the objects of ``others`` that it names),
-    with ``weights_only=True``: tensors and plain containers only, nothing is executed.
+@dataclass(frozen=True)
+class InitialLoad:
+    """What ``load_initial`` took from a file."""
 
-    The file is either a model ``state_dict`` or a dict with a ``"model"`` entry and, optionally,
-    entries named like ``others`` (``"optimizer"``, ``"scheduler"``, any registered name), each
-    loaded with that object's ``load_state_dict``. Returns the names loaded.
+    loaded: tuple[str, ...]  # "model", "optimizer" and registered names ("optimizer_1", "scheduler", ...)
+    unused: tuple[str, ...]  # the file's keys nothing was loaded from
+    step: int | None  # the file's step count; None: it holds none
+
+
+@dataclass
+class _Part:
+    """One object a file may load, and where the file holds its state: (key, index in the list
+    under that key, or None); the key "" is the whole file (a bare model state_dict)."""
+
+    name: str
+    obj: object
+    sources: list[tuple[str, int | None]] = field(default_factory=list)
+
+
+def load_initial(path: str | Path, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 registered: Mapping[str, object]) -> InitialLoad:
+    """Load a plain ``torch.save`` file into the trainer's objects, with ``weights_only=True``:
+    tensors and plain containers only, nothing is executed.
+
+    The file is a model ``state_dict``, or a dict whose keys are mapped as follows (a registered
+    name wins over every other spelling):
+
+    - the model: ``model``, ``model_state_dict``, ``state_dict`` or ``module``;
+    - the first optimizer: ``optimizer``, ``opt``, ``optim`` or ``optimizer_state_dict``; the
+      further ones by the names the trainer registers them under (``optimizer_1``, ...); or all of
+      them as a list under ``optimizers``, in the trainer's order;
+    - each registered object (or plain value) by its registered name; the one registered LR
+      scheduler, when exactly one is, also from ``scheduler``, ``sched``, ``lr_scheduler`` or
+      ``scheduler_state_dict``;
+    - the step count: ``step``, ``global_step``, ``iteration`` or ``steps``, an int (``epoch`` is
+      not read as one).
+
+    Each object is loaded with its ``load_state_dict`` (a registered plain value in place), the
+    model first, then the optimizers and the registered objects in the order of registration.
+    Every key not used is logged (``init_from_keys_unused``) and returned. The step is returned,
+    not applied: the trainer makes it its committed step count, and the data order starts at its
+    beginning (epoch 0, position 0), since such a file does not say where in the data it was.
+
+    Args:
+        optimizers: the trainer's optimizers, the first one first; the others are registered too.
+        registered: the registered objects by name (``TrainingState.registered``).
 
     Raises:
-        ConfigError: the file is missing, not loadable with ``weights_only``, or does not fit.
+        ConfigError: the file is missing, not loadable with ``weights_only``, holds no model
+            weights, holds two keys for one object (both ``optimizer`` and ``opt``) or two
+            different step counts, holds a step that is not an int >= 0, or does not fit.
     """
     p = Path(path)
+    data = _read(p)
+    parts = _parts(p, data, model, optimizers, registered)
+    step, step_keys = _step(p, data, set(registered))
+    loaded: list[str] = []
+    for part in parts:
+        if not part.sources:
+            continue
+        key, index = part.sources[0]
+        state = data if key == "" else data[key] if index is None else data[key][index]
+        if part.obj is model:
+            state = unwrapped(state, model)
+        try:
+            if callable(getattr(part.obj, "load_state_dict", None)):
+                part.obj.load_state_dict(state)  # type: ignore[attr-defined]
+            else:
+                load_in_place(part.obj, state)  # a registered plain value
+        except _FIT_ERRORS as exc:
+            raise ConfigError(f"init_from: {p}: {_where(key, index)} does not fit the {_what(part)}: "
+                              f"{str(exc)[:400]}") from exc
+        loaded.append(part.name)
+    used = set(data) if parts[0].sources == [("", None)] else {k for part in parts for k, _ in part.sources}
+    unused = tuple(str(k) for k in data if k not in used and k not in step_keys)
+    log.info("initial_state_loaded", path=str(p), parts=loaded, step=step)
+    if unused:
+        log.warning("init_from_keys_unused", path=str(p), keys=list(unused))
+    return InitialLoad(tuple(loaded), unused, step)
+
+
+def unwrapped(state: object, model: torch.nn.Module) -> object:
+    """A model state_dict saved from a ``DistributedDataParallel`` wrapper (every key ``module.``-
+    prefixed, as ``ddp.state_dict()`` writes it), with the prefix taken off when ``model`` itself
+    has no such keys; any other value as it is."""
+    if not isinstance(state, dict) or not state:
+        return state
+    keys = [k for k in state if isinstance(k, str)]
+    if len(keys) != len(state) or not all(k.startswith("module.") for k in keys):
+        return state
+    if any(k.startswith("module.") for k in model.state_dict()):
+        return state
+    return {k[len("module."):]: v for k, v in state.items()}
+
+
+def _read(p: Path) -> dict[object, object]:
     try:
         data = torch.load(p, map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
@@ -172,17 +268,81 @@ def load_initial(path: str | Path, model: torch.nn.Module, others: Mapping[str, 
                           f"{str(exc)[:300]}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"init_from: {p} holds a {type(data).__name__}, not a state_dict or a dict of them")
-    model_sd = data["model"] if "model" in data else data
-    loaded: list[str] = []
-    try:
-        model.load_state_dict(model_sd)
-        loaded.append("model")
-        if "model" in data:
-            for name, obj in others.items():
-                if name in data:
-                    obj.load_state_dict(data[name])  # type: ignore[attr-defined]
-                    loaded.append(name)
-    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise ConfigError(f"init_from: {p} does not fit this model: {str(exc)[:400]}") from exc
-    log.info("initial_state_loaded", path=str(p), parts=loaded)
-    return loaded
+    return data
+
+
+def _parts(p: Path, data: dict[object, object], model: torch.nn.Module,
+           optimizers: Sequence[torch.optim.Optimizer], registered: Mapping[str, object]) -> list[_Part]:
+    """The model, the optimizers and the registered objects, each with the keys of ``data`` that
+    hold its state.
+
+    Raises:
+        ConfigError: no model weights, an ``optimizers`` list of another length, or two keys for one object.
+    """
+    def present(keys: Sequence[str]) -> list[tuple[str, int | None]]:
+        return [(k, None) for k in keys if k in data and k not in registered]
+
+    head = _Part("model", model, present(MODEL_KEYS))
+    if not head.sources:
+        if not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
+            raise ConfigError(f"init_from: {p} holds no model weights: none of the keys {list(MODEL_KEYS)} is "
+                              f"there, and it is no model state_dict itself (its keys: {[str(k) for k in data][:8]})")
+        return [_Part("model", model, [("", None)])]  # a bare model state_dict: nothing else is in it
+    parts = [head, _Part("optimizer", optimizers[0], present(OPTIMIZER_KEYS))]
+    schedulers = [n for n, obj in registered.items() if isinstance(obj, _SCHEDULERS)]
+    for name, obj in registered.items():
+        keys = [name, *(k for k in SCHEDULER_KEYS if k != name)] if schedulers == [name] else [name]
+        parts.append(_Part(name, obj, [(k, None) for k in keys if k in data and (k == name or k not in registered)]))
+    if OPTIMIZERS_KEY in data and OPTIMIZERS_KEY not in registered:
+        listed = data[OPTIMIZERS_KEY]
+        if not isinstance(listed, (list, tuple)) or len(listed) != len(optimizers):
+            raise ConfigError(f"init_from: {p}: {OPTIMIZERS_KEY!r} holds {_count(listed)}, and the trainer has "
+                              f"{len(optimizers)} optimizer(s): it must be a list of their state dicts, in order")
+        for i, opt in enumerate(optimizers):
+            part = next((x for x in parts[1:] if x.obj is opt), None)
+            if part is None:
+                part = _Part(f"optimizer_{i}", opt)
+                parts.append(part)
+            part.sources.append((OPTIMIZERS_KEY, i))
+    for part in parts:
+        if len(part.sources) > 1:
+            both = " and ".join(_where(*s) for s in part.sources)
+            raise ConfigError(f"init_from: {p} holds both {both}, which would both load the {_what(part)}: "
+                              f"keep one of them in the file (or rename the other)")
+    return parts
+
+
+def _step(p: Path, data: dict[object, object], registered: set[str]) -> tuple[int | None, set[str]]:
+    """The file's step count and the keys it came from (several keys must agree).
+
+    Raises:
+        ConfigError: a step that is not an int >= 0, or two keys holding different steps.
+    """
+    found: dict[str, int] = {}
+    for key in STEP_KEYS:
+        if key not in data or key in registered:
+            continue
+        value = data[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype in _INT_DTYPES:
+            value = int(value.item())
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"init_from: {p}: {key!r} holds {value!r:.80}, which is no step count (an int >= 0)")
+        found[key] = value
+    if len(set(found.values())) > 1:
+        shown = " and ".join(f"{k!r} = {v}" for k, v in found.items())
+        raise ConfigError(f"init_from: {p} holds both {shown}, two different step counts: keep one of them in the "
+                          f"file (or rename the other)")
+    return next(iter(found.values()), None), set(found)
+
+
+def _where(key: str, index: int | None) -> str:
+    """How messages name a place in the file: 'opt', 'optimizers[1]', the file (a bare state_dict)."""
+    return "the file" if key == "" else repr(key) if index is None else f"'{key}[{index}]'"
+
+
+def _what(part: _Part) -> str:
+    return part.name if part.name in ("model", "optimizer") else f"registered {part.name!r} ({type(part.obj).__qualname__})"
+
+
+def _count(value: object) -> str:
+    return f"{len(value)} entries" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"

@@ -9,13 +9,17 @@ never decides membership.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
+
+import structlog
 
 from elasticd.errors import ConfigError
 from elasticd.worker.loader import ElasticLoader
 from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler
 from elasticd.worker.state import Counters
+
+log = structlog.get_logger(__name__)
 
 
 class DataPlan:
@@ -88,15 +92,37 @@ class DataPlan:
         return counters.reference_world
 
     def make_sampler(self, counters: Counters, world_size: int) -> ElasticSampler:
-        """The sampler, built at the first call once the batch size is known."""
+        """The sampler, built at the first call once the batch size is known; the global batch
+        is stated then (``global_batch`` log line)."""
         if self.sampler is None:
+            source = "global_batch_size"
             if self.global_batch is None:
                 assert self.per_rank_batch is not None, "loader() or global_batch_size sets the batch size"
                 per_rank = self.per_rank_batch * self.accumulation  # a step's share of one rank
-                linear = self.mode is BatchMode.LINEAR_SCALING
-                self.global_batch = per_rank if linear else per_rank * self.reference(counters, world_size)
+                if self.mode is BatchMode.LINEAR_SCALING:
+                    self.global_batch, source = per_rank, "per rank (linear_scaling)"
+                else:
+                    chose = self.reference_world is None and not counters.reference_world
+                    self.global_batch = per_rank * self.reference(counters, world_size)
+                    source = ("reference_world_size" if self.reference_world is not None
+                              else "first generation" if chose else "the job's first generation (synced)")
+            self._state_global_batch(source, self.reference_world or counters.reference_world or world_size)
             self.sampler = ElasticSampler(self.dataset_size, self.global_batch, self.seed, self.mode)
         return self.sampler
+
+    def _state_global_batch(self, source: str, reference: int) -> None:
+        """One line with the global batch and where it comes from; a warning when it is the first
+        generation's size times the per-rank batch (a job that starts with other workers trains
+        with another global batch)."""
+        fields = {"global_batch_size": self.global_batch, "per_rank_batch": self.per_rank_batch,
+                  "accumulation_steps": self.accumulation, "reference_world_size": reference,
+                  "batch_mode": str(self.mode), "source": source}
+        if source == "first generation":
+            log.warning("global_batch_from_first_generation", **fields,
+                        fix="set ElasticTrainer(reference_world_size=...) or global_batch_size=... so that "
+                            "the global batch does not depend on how many workers joined first")
+        else:
+            log.info("global_batch", **fields)
 
 
 def collated(loader: ElasticLoader, batches: Iterator[Batch]) -> Iterator[Any]:
@@ -107,3 +133,5 @@ def collated(loader: ElasticLoader, batches: Iterator[Batch]) -> Iterator[Any]:
             yield data
     finally:
         loader.close()
+        if isinstance(batches, Generator):
+            batches.close()  # a loop left early: the trainer's batches end here, not at a garbage collection

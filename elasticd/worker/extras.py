@@ -20,8 +20,10 @@ tensor                                                 ``{"$tensor": "<path>"}``
 Subclasses of int, float, str and dict (an ``OrderedDict``) decode as the built-in type; subclasses
 of list and tuple (a namedtuple) are refused, as is every other value (a function, a lambda, an
 arbitrary object): its state could not travel without pickling, and elasticd never pickles.
-Pure: never places a tensor anywhere (``state`` lays them out in its arena), never touches a file
-or a peer, and never executes anything it decodes.
+Owns ``load_in_place`` too: a decoded state into a registered plain value (a dict, a list or a
+tensor the user keeps a reference to), updating it in place. Never lays a tensor out anywhere
+(``state`` lays them out in its arena), never touches a file or a peer, and never executes anything
+it decodes.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ TENSOR, TUPLE, FLOAT, DICT = "$tensor", "$tuple", "$float", "$dict"
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 ROOT = "_"  # the path of a state dict that is itself a tensor
 _PATH_SEP = "."
+STATE_DICT_HINT = "Return plain data from state_dict()"  # what to do about a value that is not plain data
 
 
-def encode(value: object, label: str) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
+def encode(value: object, label: str, hint: str = STATE_DICT_HINT) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
     """The strict-JSON tree of ``value`` and its tensors, as (path, tensor) in the order met.
 
     A tensor's path joins the keys and indices that lead to it with "." (``state.0.exp_avg``);
@@ -51,12 +54,13 @@ def encode(value: object, label: str) -> tuple[JsonValue, list[tuple[str, torch.
 
     Args:
         label: names the owner of ``value`` in error messages ("registered object 'ema' (EMA)").
+        hint: the last sentence of the message about a value that is not plain data: what to do.
 
     Raises:
         ConfigError: ``value`` holds something that is neither a tensor nor plain data (the message
             names ``label`` and the path of that value), or refers to itself.
     """
-    enc = _Encoder(label)
+    enc = _Encoder(label, hint)
     return enc.value(value, ()), enc.tensors
 
 
@@ -81,8 +85,8 @@ def _describe(path: tuple[str, ...]) -> str:
 
 
 class _Encoder:
-    def __init__(self, label: str) -> None:
-        self.label = label
+    def __init__(self, label: str, hint: str) -> None:
+        self.label, self.hint = label, hint
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._paths: set[str] = set()
         self._open: set[int] = set()  # the containers on the way down: a cycle would never end
@@ -116,7 +120,7 @@ class _Encoder:
             f"{self.label}: the value at {_describe(path)} is a {type(v).__module__}.{type(v).__qualname__} "
             f"({_short(v)}), which is neither a tensor nor plain data (str, int, float, bool, None, and lists, "
             f"tuples and dicts of them); it cannot travel to other workers or into a checkpoint without "
-            f"pickling, which elasticd never does. Return plain data from state_dict()")
+            f"pickling, which elasticd never does. {self.hint}")
 
     def _container(self, v: object, path: tuple[str, ...], key: bool) -> JsonValue:
         if isinstance(v, list):
@@ -202,3 +206,70 @@ def like_devices(value: object, live: object) -> object:
         out = [like_devices(v, w) for v, w in zip(value, seq, strict=True)]
         return tuple(out) if isinstance(value, tuple) else out
     return value
+
+
+def load_in_place(live: object, value: object) -> None:
+    """Load ``value`` (a decoded state) into ``live`` (a registered plain value: a dict, a list or a
+    tensor) in place, so that every reference to ``live`` sees it.
+
+    A tensor of ``live`` is overwritten (``copy_``; the one at that place in ``value`` must be a
+    tensor of the same shape and dtype), a dict or a list of ``live`` keeps its identity and takes
+    the entries of ``value`` (``clear``/``update``, slice assignment; the tensors and containers in
+    it are loaded in place the same way, entries ``value`` adds are inserted, entries it lacks are
+    removed), and every other value (a number, a string, None, a tuple) is replaced. Everything is
+    checked before anything changes.
+
+    Raises:
+        ValueError: ``value`` does not fit ``live``: a tensor of another shape or dtype, or another
+            kind of value where ``live`` holds a tensor, a dict or a list (the message names the path).
+    """
+    _check_fits(live, value, ())
+    _assign(live, value)
+
+
+def _updated_in_place(v: object) -> bool:
+    return isinstance(v, (torch.Tensor, dict)) or type(v) is list
+
+
+def _kind(v: object) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {list(v.shape)}"
+    return f"a {type(v).__qualname__}"
+
+
+def _check_fits(live: object, value: object, path: tuple[str, ...]) -> None:
+    if isinstance(live, torch.Tensor):
+        fits = isinstance(value, torch.Tensor) and value.shape == live.shape and value.dtype == live.dtype
+    else:
+        fits = isinstance(value, dict) if isinstance(live, dict) else isinstance(value, list)
+    if not fits:
+        raise ValueError(f"the state being loaded holds {_kind(value)} at {_describe(path)}, where the registered "
+                         f"value holds {_kind(live)}")
+    if isinstance(live, dict):
+        assert isinstance(value, dict)
+        for k, v in value.items():
+            if k in live and _updated_in_place(live[k]):
+                _check_fits(live[k], v, (*path, str(k)))
+    elif isinstance(live, list):
+        assert isinstance(value, list)
+        for i, (mine, v) in enumerate(zip(live, value)):
+            if _updated_in_place(mine):
+                _check_fits(mine, v, (*path, str(i)))
+
+
+def _assign(live: object, value: object) -> object:
+    """``live`` holding ``value`` (checked by ``_check_fits``); the new entries are built before
+    ``live`` changes, so ``value`` may share parts with it."""
+    if isinstance(live, torch.Tensor):
+        with torch.no_grad():
+            live.copy_(value)  # type: ignore[arg-type]
+    elif isinstance(live, dict):
+        entries = {k: _assign(live[k], v) if k in live and _updated_in_place(live[k]) else v
+                   for k, v in value.items()}  # type: ignore[attr-defined]
+        live.clear()
+        live.update(entries)
+    elif isinstance(live, list):
+        items = [_assign(live[i], v) if i < len(live) and _updated_in_place(live[i]) else v
+                 for i, v in enumerate(value)]  # type: ignore[arg-type]
+        live[:] = items
+    return live

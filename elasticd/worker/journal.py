@@ -40,6 +40,7 @@ from elasticd.wire.ops import (
 )
 from elasticd.wire.records import CheckpointRecord, GenerationRecord
 from elasticd.worker.durable import LoadedCheckpoint, SavedCheckpoint, describe_failure
+from elasticd.worker.durable_format import Manifest
 from elasticd.worker.process_group import Group
 from elasticd.worker.sampler import Batch
 from elasticd.worker.state import Counters
@@ -217,23 +218,24 @@ class Journal:
         self._audit_line({"event": "resume", "step": m.step, "epoch": m.epoch, "position": m.position,
                          "path": str(loaded.path), "seq": m.seq, "checksum": f"{m.state_checksum:016x}",
                          "rejected": list(loaded.rejected), "t": time.time()})
-        if self._membership is not None:
-            self._membership.publish_checkpoint(CheckpointRecord(
-                step=m.step, path=str(loaded.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created))
+        self._publish_checkpoint(m, loaded.path)
 
     def checkpoint_saved(self, saved: SavedCheckpoint) -> None:
         """On the writer thread, once the checkpoint is in place (its step confirmed): the job's
         ``checkpoint`` record, by compare-and-set and never over a newer (step, seq) (a late
         writer cannot set it back), and the ``checkpoint_saved`` event (best effort)."""
         m = saved.manifest
-        if self._membership is not None:
-            self._membership.publish_checkpoint(CheckpointRecord(
-                step=m.step, path=str(saved.path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created))
+        self._publish_checkpoint(m, saved.path)
         if self._events is not None:
             self._events.record(EventKind.CHECKPOINT_SAVED, step=m.step, generation=m.generation, seq=m.seq,
                                 bytes=m.file_bytes, duration_s=round(saved.duration_s, 4))
+
+    def _publish_checkpoint(self, m: Manifest, path: Path) -> None:
+        """The job's ``checkpoint`` record for ``m`` at ``path`` (compare-and-set, best effort)."""
+        if self._membership is not None:
+            self._membership.publish_checkpoint(CheckpointRecord(
+                step=m.step, path=str(path), node=m.node, generation=m.generation, seq=m.seq,
+                bytes=m.file_bytes, time=m.created))
 
     def save_failed(self, step: int, exc: Exception, generation: int, directory: Path) -> None:
         """On the writer thread: record the failed save in etcd (``save_failed``, best effort), so

@@ -1,7 +1,9 @@
 """Elastic data loading: the trainer's batches, fetched and collated by a torch DataLoader.
 
 Owns ``ElasticLoader``: a ``torch.utils.data.DataLoader`` over a map-style dataset whose order is
-the ``ElasticSampler``'s, never the DataLoader's. For each ``Batch`` the trainer yields, ``iterate``
+the ``ElasticSampler``'s, never the DataLoader's; and the check of the DataLoader arguments that
+``ElasticTrainer.loader`` takes (``loader_arguments``: each one passed on, taken at the value that
+means what elasticd does, or refused with the reason). For each ``Batch`` the trainer yields, ``iterate``
 yields ``(batch, collate_fn([dataset[i] for i in batch.indices]))``. Never decides the order, the
 split or the step (that is ``sampler.py`` and the trainer), and never talks to the other ranks.
 
@@ -35,8 +37,9 @@ default collate does not).
 
 from __future__ import annotations
 
+import difflib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol, cast
@@ -65,12 +68,74 @@ DEFAULT_TIMEOUT_S = 300.0
 _EMPTY_COLLATE_ERRORS = (IndexError, KeyError, TypeError, ValueError, RuntimeError)
 
 _PORTING = (
-    "elasticd chooses the order of the samples and splits each global batch over whoever is present "
-    "(ElasticSampler), so a sampler or batch_sampler cannot be honoured. To port: pass the dataset and "
-    "drop the sampler, e.g. ElasticLoader.from_dataloader(DataLoader(dataset, num_workers=..., "
-    "collate_fn=...), sampler) or ElasticLoader(dataset, sampler, num_workers=...); the global batch "
-    "size and the seed are the trainer's"
+    "elasticd chooses the order of the samples and splits each global batch over whoever is present, "
+    "so a sampler or batch_sampler cannot be honoured. To port: pass the dataset and drop the sampler, "
+    "e.g. ElasticTrainer.loader(dataset, batch_size=..., num_workers=...); the order comes from "
+    "ElasticTrainer(seed=...)"
 )
+
+# The DataLoader arguments that ElasticTrainer.loader passes on as they are (ElasticLoader's keywords).
+LOADER_ARGUMENTS = ("num_workers", "collate_fn", "pin_memory", "prefetch_factor", "persistent_workers",
+                    "worker_init_fn", "timeout", "multiprocessing_context", "generator")
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """A DataLoader argument whose job elasticd does itself: the values that mean what elasticd does
+    are taken (and dropped); another is refused, with ``why`` and what to do."""
+
+    takes: tuple[object, ...]
+    why: str
+
+
+# Every other argument of torch 2.13's DataLoader (dataset and batch_size are ElasticTrainer.loader's own).
+_FIXED: dict[str, _Fixed] = {
+    "shuffle": _Fixed((None, True), "elasticd reads every epoch in a seeded random order (ElasticTrainer(seed=...)), "
+                                    "the same on every rank at any world size; remove shuffle (shuffle=True is "
+                                    "what elasticd does)"),
+    "drop_last": _Fixed((False,), "elasticd keeps an epoch's short last global batch and splits it over the ranks "
+                                  "present, so that every sample of an epoch is used once at any world size; remove "
+                                  "drop_last (drop_last=False is what elasticd does)"),
+    "sampler": _Fixed((None,), "elasticd chooses which samples each rank reads (a seeded order per epoch, each "
+                               "global batch split over the ranks present); remove it and pass the dataset (the "
+                               "order comes from ElasticTrainer(seed=...))"),
+    "batch_sampler": _Fixed((None,), "elasticd chooses which samples each rank reads and how many (batch_size here, "
+                                     "or ElasticTrainer(global_batch_size=...)); remove it and pass the dataset"),
+    "in_order": _Fixed((True,), "elasticd matches each prefetched batch to its step by the order of its requests; "
+                                "remove in_order (in_order=True is what elasticd does)"),
+    "pin_memory_device": _Fixed(("",), "torch deprecates it and pins on the current accelerator; remove it "
+                                       "(pin_memory=True pins)"),
+}
+
+
+def _shown(value: object) -> str:
+    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
+
+
+def loader_arguments(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``ElasticTrainer.loader`` checked, as ``ElasticLoader`` takes them. Pure.
+
+    ``LOADER_ARGUMENTS`` pass as they are. A DataLoader argument whose job elasticd does itself
+    (``_FIXED``: the order, the split, the epoch's end) is dropped at a value that means what elasticd
+    does (``shuffle=True``, ``drop_last=False``, ``sampler=None``, ``in_order=True``, ...).
+
+    Raises:
+        ConfigError: an unknown name (the message lists the accepted ones), or a value elasticd
+            cannot honour (the message says why and what to do).
+    """
+    unknown = sorted(set(given) - set(LOADER_ARGUMENTS) - set(_FIXED))
+    if unknown:
+        close = [m for name in unknown for m in difflib.get_close_matches(name, [*LOADER_ARGUMENTS, *_FIXED], n=1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        own = ", ".join(f"{name}={_shown(fixed.takes[-1])}" for name, fixed in _FIXED.items())
+        raise ConfigError(
+            f"ElasticTrainer.loader: unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hint}; "
+            f"it takes batch_size, {', '.join(LOADER_ARGUMENTS)} (and {own}: what elasticd does)")
+    for name, value in given.items():
+        fixed = _FIXED.get(name)
+        if fixed is not None and not any(value is v or (type(value) is type(v) and value == v) for v in fixed.takes):
+            raise ConfigError(f"ElasticTrainer.loader: {name}={_shown(value)} cannot be honoured: {fixed.why}")
+    return {name: value for name, value in given.items() if name in LOADER_ARGUMENTS}
 
 
 class MapDataset(Protocol):
@@ -206,10 +271,11 @@ class ElasticLoader:
     ) -> None:
         if isinstance(dataset, IterableDataset):
             raise ConfigError(
-                f"dataset: {type(dataset).__name__} is an IterableDataset; ElasticLoader needs a map-style "
-                "dataset (sample i is dataset[i]) because elasticd chooses which samples each rank reads. "
-                "For generated data use an endless stream: ElasticSampler(dataset_size=None, ...) yields "
-                "the global sample numbers, and a map-style dataset can generate sample i from seed + i")
+                f"dataset: {type(dataset).__name__} is an IterableDataset; ElasticTrainer.loader needs a "
+                "map-style dataset (sample i is dataset[i]) because elasticd chooses which samples each rank "
+                "reads. For generated data use the endless source: ElasticTrainer(dataset_size=None, ...) "
+                "and trainer.batches(), whose batches carry the global sample numbers (generate sample i "
+                "from seed + i)")
         if not callable(getattr(dataset, "__getitem__", None)):
             raise ConfigError(f"dataset: {type(dataset).__name__} has no __getitem__ (a map-style dataset is needed)")
         n = _length(dataset)
@@ -241,7 +307,7 @@ class ElasticLoader:
                 persistent_workers=self.persistent_workers,
             )
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"ElasticLoader: {exc}") from exc
+            raise ConfigError(f"ElasticTrainer.loader: {exc}") from exc
         self._iterator: Iterator[tuple[Tag, Any]] | None = None
         self._expected: Batch | None = None  # the batch the current iterator yields next
         self._closed = False
@@ -354,6 +420,8 @@ def _check_default_order(loader: DataLoader[Any]) -> None:
     )
     default_batches = bs is None or (type(bs) is BatchSampler and bs.sampler is s)
     if not default_sampler:
-        raise ConfigError(f"sampler: the DataLoader has its own sampler ({type(s).__name__}); {_PORTING}")
+        raise ConfigError(f"ElasticTrainer.loader: the DataLoader has its own sampler ({type(s).__name__}); "
+                          f"{_PORTING}")
     if not default_batches:
-        raise ConfigError(f"batch_sampler: the DataLoader has its own batch_sampler ({type(bs).__name__}); {_PORTING}")
+        raise ConfigError(f"ElasticTrainer.loader: the DataLoader has its own batch_sampler ({type(bs).__name__}); "
+                          f"{_PORTING}")

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -28,7 +29,7 @@ import torch
 from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
 from elasticd.retry import Deadline
 from elasticd.worker.checksum import MASK63, StateHasher, checksum_key, state_checksum
-from elasticd.worker.extras import JsonValue, decode, encode, like_devices
+from elasticd.worker.extras import STATE_DICT_HINT, JsonValue, decode, encode, like_devices, load_in_place
 from elasticd.worker.rng import CudaRng, DeviceRng, rng_states, split_rng_states
 
 log = structlog.get_logger(__name__)
@@ -41,6 +42,8 @@ _ALIGN = 64  # cache-line aligned: parameters live in the arena, and vector kern
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")  # no ".": it ends the name in "extra.<name>.<path>"
 _ADOPTED = ("model.", "optim.")  # tensors that come to live in the arena; a registered object's are copied
 _LOAD_ERRORS = (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError)
+_PLAIN_HINT = ("Keep only tensors and plain data in the registered value, or register an object whose "
+               "state_dict() and load_state_dict() convert it")
 
 
 @dataclass
@@ -60,6 +63,21 @@ class _Stateful(Protocol):
     def state_dict(self) -> object: ...
 
     def load_state_dict(self, state_dict: object) -> object: ...
+
+
+class _PlainValue:
+    """A registered plain value (a dict, a list or a tensor of plain data) as a stateful object: its
+    state dict is the value itself, and loading one updates the value in place (``load_in_place``),
+    so the caller's reference to it sees the state loaded."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def state_dict(self) -> object:
+        return self.value
+
+    def load_state_dict(self, state_dict: object) -> None:
+        load_in_place(self.value, state_dict)
 
 
 @dataclass
@@ -116,12 +134,21 @@ class TrainingState:
         register the same objects under the same names before it syncs or loads a checkpoint; a
         scheduler after the registered optimizer it drives.
 
+        ``obj`` may also be plain data, registered as it is: a dict, a list or a tensor built of
+        tensors, numbers, strings, bools, None and nested dicts and lists (an EMA kept as
+        ``{name: tensor}``, a list of tensors, counters as ``{"tokens": 0}``). It is its own state
+        dict, and loading a state updates it in place (``extras.load_in_place``): its tensors by
+        ``copy_`` (same shape and dtype), its dicts and lists keeping their identity, so the
+        caller's reference sees the state loaded. ``registered()`` gives the value itself.
+
         Raises:
             ConfigError: ``name`` is empty, not letters, digits, "_" and "-", or taken; ``obj`` lacks
-                ``state_dict``/``load_state_dict``, is this state's model or optimizer, or is
-                registered already; it is an LR scheduler bound to an optimizer that is neither
-                this state's nor a registered one; or its state dict holds a value that is neither
-                a tensor nor plain data (the message names the path of that value).
+                ``state_dict``/``load_state_dict`` and is not plain data held in a dict, a list or
+                a tensor (an int, a float, a str, a bool, None or a tuple cannot be updated in
+                place), is this state's model or optimizer, or is registered already; it is an LR
+                scheduler bound to an optimizer that is neither this state's nor a registered one;
+                or its state dict holds a value that is neither a tensor nor plain data (the
+                message names the path of that value).
         """
         label = f"registered object {name!r} ({type(obj).__qualname__})"
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -129,16 +156,14 @@ class TrainingState:
                               f"'_' and '-' (not starting with '-')")
         if name in self._extras:
             raise ConfigError(f"register: the name {name!r} is taken by a "
-                              f"{type(self._extras[name]).__qualname__}; each object needs its own name")
-        for method in ("state_dict", "load_state_dict"):
-            if not callable(getattr(obj, method, None)):
-                raise ConfigError(f"{label} has no {method}() method: only objects with state_dict() and "
-                                  f"load_state_dict(state_dict) can be registered")
+                              f"{type(_user_object(self._extras[name])).__qualname__}; each object needs its own name")
+        stateful = _as_stateful(name, obj, label)
+        label = _label(name, stateful)
         if obj is self.model or obj is self.optimizer:
             raise ConfigError(f"{label} is the trainer's {'model' if obj is self.model else 'optimizer'}, "
                               f"whose state is part of the training state already")
         for other, known in self._extras.items():
-            if known is obj:
+            if _user_object(known) is obj:
                 raise ConfigError(f"{label} is registered already, as {other!r}")
         schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if isinstance(obj, schedulers):
@@ -148,19 +173,18 @@ class TrainingState:
                                   f"{type(bound).__qualname__} that is neither the trainer's optimizer nor a "
                                   f"registered one); register that optimizer first, or build the scheduler "
                                   f"on the trainer's optimizer")
-        stateful = cast(_Stateful, obj)
-        _encode_checked(stateful.state_dict(), label)
+        _encode_registered(name, stateful)
         self._extras[name] = stateful
 
     def registered(self) -> dict[str, object]:
-        """The registered objects by name, in the order of registration."""
-        return dict(self._extras)
+        """The registered objects by name, in the order of registration (a plain value: the value itself)."""
+        return {name: _user_object(obj) for name, obj in self._extras.items()}
 
     def _encode_extras(self) -> tuple[dict[str, JsonValue], list[tuple[str, torch.Tensor]]]:
         trees: dict[str, JsonValue] = {}
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, obj in self._extras.items():
-            tree, found = _encode_checked(obj.state_dict(), f"registered object {name!r} ({type(obj).__qualname__})")
+            tree, found = _encode_registered(name, obj)
             trees[name] = tree
             tensors += [(f"extra.{name}.{path}", t) for path, t in found]
         return trees, tensors
@@ -346,14 +370,15 @@ class TrainingState:
                 try:
                     self._extras[name].load_state_dict(like_devices(value, before[id(self._extras[name])]))
                 except _LOAD_ERRORS as exc:
-                    raise StateCorrupt(f"registered object {name!r} refused the state being loaded: "
+                    raise StateCorrupt(f"{_label(name, self._extras[name])} refused the state being loaded: "
                                        f"{type(exc).__name__}: {exc}") from exc
         except StateCorrupt:
             for obj, sd in saved:
                 try:
                     obj.load_state_dict(sd)
                 except _LOAD_ERRORS as exc:  # an object that refuses its own state: say so, go on
-                    log.error("state_restore_failed", object=type(obj).__qualname__, error=str(exc)[:200])
+                    log.error("state_restore_failed", object=type(_user_object(obj)).__qualname__,
+                              error=str(exc)[:200])
             raise
         ours = self.model.state_dict()
         for name, t in d.model_sd.items():
@@ -465,13 +490,72 @@ class ChecksumAhead:
         return None if self._thread.is_alive() else self._value
 
 
-def _encode_checked(value: object, label: str) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
+def _as_stateful(name: str, obj: object, label: str) -> _Stateful:
+    """``obj`` itself if it has ``state_dict``/``load_state_dict``; plain data in a dict, a list or
+    a tensor wrapped in a ``_PlainValue``.
+
+    Raises:
+        ConfigError: ``obj`` has only one of the two methods, or none and is no such container (an
+            immutable value, which cannot be updated in place, is told so).
+    """
+    methods = [m for m in ("state_dict", "load_state_dict") if callable(getattr(obj, m, None))]
+    if len(methods) == 2:
+        return cast(_Stateful, obj)
+    if methods:
+        missing = "load_state_dict" if methods == ["state_dict"] else "state_dict"
+        raise ConfigError(f"{label} has no {missing}() method: only objects with state_dict() and "
+                          f"load_state_dict(state_dict), or plain data, can be registered")
+    if isinstance(obj, (dict, torch.Tensor)) or type(obj) is list:
+        return _PlainValue(obj)
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, tuple)):
+        raise ConfigError(
+            f"ElasticTrainer.register / ElasticTrainer(state=...): {name!r} is {_a(obj)}"
+            f"{'' if obj is None else f' ({reprlib.repr(obj)})'}, which cannot be updated in place: a newcomer or a checkpoint loads its state into the very "
+            f"object registered, and your reference to {_a(obj)} would never see it. Register a dict or a "
+            f"list that holds it, e.g. {reprlib.repr({name: obj})}, and read the value from there")
+    raise ConfigError(
+        f"{label} has no state_dict() method: only objects with state_dict() and load_state_dict(state_dict) "
+        f"can be registered, or plain data, updated in place: a dict, a list or a tensor built of tensors, "
+        f"numbers, strings, bools, None and nested dicts and lists (an EMA as {{name: tensor}}, counters "
+        f"as {{'tokens': 0}})")
+
+
+def _a(obj: object) -> str:
+    """``obj``'s type with its article: "an int", "a str", "None"."""
+    if obj is None:
+        return "None"
+    kind = type(obj).__qualname__
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
+
+
+def _user_object(obj: _Stateful) -> object:
+    """What the caller registered: the plain value a ``_PlainValue`` wraps, or the object itself."""
+    return obj.value if isinstance(obj, _PlainValue) else obj
+
+
+def _label(name: str, obj: _Stateful) -> str:
+    """How error messages name a registered object or plain value."""
+    what = "value" if isinstance(obj, _PlainValue) else "object"
+    return f"registered {what} {name!r} ({type(_user_object(obj)).__qualname__})"
+
+
+def _encode_registered(name: str, obj: _Stateful) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
+    """``extras.encode`` of a registered object's state dict (a plain value: the value itself).
+
+    Raises:
+        ConfigError: see ``_encode_checked``; the message names the object and the path.
+    """
+    hint = _PLAIN_HINT if isinstance(obj, _PlainValue) else STATE_DICT_HINT
+    return _encode_checked(obj.state_dict(), _label(name, obj), hint)
+
+
+def _encode_checked(value: object, label: str, hint: str) -> tuple[JsonValue, list[tuple[str, torch.Tensor]]]:
     """``extras.encode``, and every tensor one the arena can hold.
 
     Raises:
         ConfigError: see ``extras.encode``; or a tensor of a dtype or layout the arena cannot hold.
     """
-    tree, tensors = encode(value, label)
+    tree, tensors = encode(value, label, hint)
     for path, t in tensors:
         if str(t.dtype) not in _DTYPES or t.layout != torch.strided or t.device.type == "meta":
             raise ConfigError(f"{label}: the tensor at {path} is a {t.layout} {t.dtype} tensor on {t.device}; "

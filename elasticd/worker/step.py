@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elasticd.config import Timeouts
-from elasticd.errors import CollectiveError
+from elasticd.errors import CollectiveError, ConfigError
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Deadline
 from elasticd.worker.collectives import GradientReducer
@@ -67,6 +67,11 @@ class StepProtocol:
                 (the reducer forgot the step).
         """
         whole, last = op.batch, micro.micro == micro.micro_count - 1
+        if micro.micro_count > 1 and constant_divisor(loss) == micro.micro_count:
+            raise ConfigError(
+                f"ElasticTrainer.backward(loss): the loss is divided by {micro.micro_count}, the "
+                f"accumulation_steps; pass each micro-batch's own mean loss (elasticd weighs the "
+                f"micro-batches of a step itself, so a divided loss would scale the gradient down)")
         if micro.micro == 0:
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
@@ -99,3 +104,19 @@ class StepProtocol:
         op.tally = Tally.from_slots(summed)
         op.verdict = commit_outcome(op.tally, group.world_size)
         return True
+
+
+def constant_divisor(loss: torch.Tensor) -> float | None:
+    """The constant ``loss`` was divided by as its last operation (``x / c``, or ``x * (1 / c)``),
+    or None: how a loss divided by the accumulation steps, as DDP scripts do, is recognized."""
+    fn = loss.grad_fn
+    other = getattr(fn, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.requires_grad:
+        return None
+    value = float(other)
+    name = type(fn).__name__
+    if name.startswith("DivBackward"):
+        return value
+    if name.startswith("MulBackward") and value != 0.0:
+        return round(1.0 / value, 9)
+    return None

@@ -36,7 +36,7 @@ from elasticd.worker.commit import Outcome
 from elasticd.worker.faults import injecting
 from elasticd.worker.durable import LoadedCheckpoint
 from elasticd.worker.journal import Journal
-from elasticd.worker.loader import ElasticLoader
+from elasticd.worker.loader import ElasticLoader, loader_arguments
 from elasticd.worker.optimizers import Optimizers
 from elasticd.worker.process_group import Group, GroupFactory
 from elasticd.worker.rejoin import connect, goodbye, rejoin
@@ -105,14 +105,26 @@ class ElasticTrainer:
                 (this rank's share split in near-equal parts), and one all_reduce runs per step.
             scaler: a ``torch.amp.GradScaler``: its state travels and persists, and ``commit()``
                 steps the optimizers through it (then ``update()``).
-            init_from: a plain ``torch.save`` file (a model state_dict, or a dict with ``"model"``
-                and registered names) loaded with ``weights_only=True`` before the first
-                rendezvous; live state or a durable checkpoint, when there is one, wins.
-            state: objects to ``register`` by name (schedulers, an EMA, user counters).
+            init_from: a plain ``torch.save`` file loaded with ``weights_only=True`` at ``start()``,
+                before the first rendezvous: a model state_dict, or a dict whose keys are mapped
+                (``load_initial``): the model (``model``, ``model_state_dict``, ``state_dict``,
+                ``module``), the optimizer (``optimizer``, ``opt``, ``optim``,
+                ``optimizer_state_dict``; further ones as ``optimizer_1``, ... or all as a list
+                under ``optimizers``), the registered objects by name (the one registered LR
+                scheduler also from ``scheduler``, ``sched``, ``lr_scheduler``,
+                ``scheduler_state_dict``), and the step count (``step``, ``global_step``,
+                ``iteration``, ``steps``; not ``epoch``), which becomes ``step_count``, so the job
+                counts on from it; the data order starts at its beginning (epoch 0, position 0).
+                Keys it does not use are logged (``init_from_keys_unused``); two keys for one
+                object are a ``ConfigError``. Live state or a durable checkpoint, when there is
+                one, wins.
+            state: objects to ``register`` by name (schedulers, an EMA, user counters), or plain
+                values (a dict or list of tensors, numbers, strings), loaded in place.
             env, store: settings (by default the ``ELASTICD_*`` variables), the key-value store
                 (by default an etcd client for ``env.etcd``).
             audit_path: one JSON line per committed step and per sync appended here as it happens
-                (a worker killed with SIGKILL keeps every line it wrote; see ``Journal``).
+                (a worker killed with SIGKILL keeps every line it wrote; see ``Journal``). None: the
+                file ``env.audit_dir`` (``ELASTICD_AUDIT_DIR``) names, if set.
             audit_in_memory: keep the audit lines in memory until ``close()`` (fault-free runs only).
             log_interval_s: log ``step_committed`` at most this often (0: every step).
             checkpoint: durable checkpoints (directory, schedule, retention); by default the
@@ -141,6 +153,7 @@ class ElasticTrainer:
         self.accumulation_steps = accumulation_steps
         self._init_from = init_from
         self._store = store
+        audit_path = audit_path if audit_path is not None else self.env.audit_file  # ELASTICD_AUDIT_DIR
         self._journal = Journal(self.env, store, audit_path, audit_in_memory, log_interval_s, clock)
         # no callback into the trainer: a reference cycle kept closed trainers (and their store
         # connections) alive until a garbage collection
@@ -174,11 +187,14 @@ class ElasticTrainer:
         self.close(clean=exc[0] is None)
 
     def register(self, name: str, obj: object) -> None:
-        """Make ``obj`` (with ``state_dict()``/``load_state_dict()``: a scheduler, an EMA) part of the
-        state newcomers receive and checkpoints keep; the same names on every member, before ``start()``.
+        """Make ``obj`` part of the state newcomers receive and checkpoints keep; the same names on
+        every member, before ``start()``. ``obj`` has ``state_dict()``/``load_state_dict()`` (a
+        scheduler, an EMA class), or is plain data updated in place: a dict, a list or a tensor
+        of tensors, numbers, strings, bools and None (an EMA as ``{name: tensor}``, ``{"tokens": 0}``).
 
         Raises:
-            ConfigError: after ``start()``, a duplicate name, or a value neither tensor nor JSON.
+            ConfigError: after ``start()``, a duplicate name, an immutable value (an int: wrap it in a
+                dict), or a value neither tensor nor plain data.
         """
         if self._membership is not None:
             raise ConfigError(f"register({name!r}): register state before start(), on every member alike")
@@ -197,7 +213,9 @@ class ElasticTrainer:
         if env.backend != "nccl":
             torch.set_num_threads(1)  # workers share the node's cores; see README
         if self._init_from is not None:
-            load_initial(self._init_from, self.model, {"optimizer": self.optimizer, **self.state.registered()})
+            initial = load_initial(self._init_from, self.model, self.optimizers, self.state.registered())
+            if initial.step is not None:
+                self.state.counters.step = initial.step
         self._store, self._factory, self._membership = connect(env, self.state.signature, self._store)
         self._reducer = injecting(GradientReducer(list(self.model.parameters()), self._factory.device), env)
         self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts)
@@ -318,9 +336,19 @@ class ElasticTrainer:
                 if self._finish(max_steps):
                     self._finished_together = True
                     break
+        except GeneratorExit:  # the script left its loop (a ``break``)
+            if self._at_the_end(max_steps):  # right after the last step: the job ends as if it had not
+                self._finished_together = self._finish(max_steps)
+            raise
         finally:
             if self._auto:
                 self.close(clean=self._finished_together)
+
+    def _at_the_end(self, max_steps: int) -> bool:
+        """This member applied step ``max_steps`` and has no step open: a loop left here (a
+        ``break`` after the last step) ends the job like a loop that ran out."""
+        return (self.state.counters.step >= max_steps and self._open is None and self._pending is None
+                and self.group is not None and not (self._drained or self._job_finished or self._closed))
 
     def _steps(self, membership: Membership, max_steps: int) -> Iterator[Batch]:
         """This rank's batches until its state holds ``max_steps`` steps (or it drained, or the job
@@ -371,6 +399,7 @@ class ElasticTrainer:
             ConfigError: a DataLoader with its own sampler, an iterable dataset, no batch size, or a
                 dataset size that differs from the trainer's.
         """
+        dataloader_kwargs = loader_arguments(dataloader_kwargs)  # ConfigError before joining the job
         dataset = data.dataset if isinstance(data, torch.utils.data.DataLoader) else data
         self.data.use_dataset(dataset, batch_size)
         self._started()

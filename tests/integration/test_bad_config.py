@@ -1,5 +1,5 @@
 """Bad configuration stops the real entry points with exit 2 and one line naming what is wrong, before
-they reach etcd or write anything (issue 14): a config file that cannot be read as TOML, a job or
+they reach etcd or write anything: a config file that cannot be read as TOML, a job or
 node id that is not a name, ``https://`` mixed with plaintext endpoints, and a password that would
 cross the network in plaintext."""
 

@@ -215,7 +215,7 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
 
 def test_a_member_whose_lease_is_revoked_is_left_in_one_round_and_no_survivor_writes_a_ready_record(
         etcd_server, members: list[Member], tmp_path: Path) -> None:
-    """Issue 13 (a leave in one round, ``rendezvous.survivors``): a member SIGKILLed and its lease
+    """A leave in one round (``rendezvous.survivors``): a member SIGKILLed and its lease
     revoked, as its agent does. The survivors' generation is published at once, in their old rank
     order, and each of them joins it without writing a ``ready`` record."""
     with _job(etcd_server, members, tmp_path, "leave", 4, 2, 4, Timeouts().coordinator_grace_s) as (job, keys, store):

@@ -1,4 +1,4 @@
-"""A job on a real 3-member etcd cluster (issue 10): workers take every endpoint; a follower and
+"""A job on a real 3-member etcd cluster: workers take every endpoint; a follower and
 then the leader are SIGKILLed during training and started again. No step is lost or repeated, the
 members never regroup, and no gap between two commits is longer than lease TTL + 2 s."""
 

@@ -224,7 +224,7 @@ def test_auth_a_worker_started_while_etcd_is_down_waits_for_it_and_spends_no_res
         server.stop()
 
 
-# -- https:// means TLS (issue 14) -----------------------------------------------------------------
+# -- https:// means TLS --------------------------------------------------------------------------
 
 
 def _not_plaintext(proc: subprocess.CompletedProcess[str], endpoint: str) -> str:
@@ -273,7 +273,7 @@ def test_https_without_a_ca_file_trusts_the_system_ca_bundle(tls_etcd: EtcdServe
     assert json.loads(ok.stdout)["finished"], ok.stdout
 
 
-# -- per-job credentials (issue 14 item 3) ---------------------------------------------------------
+# -- per-job credentials --------------------------------------------------------------------------
 
 
 def _denied(proc: subprocess.CompletedProcess[str], job: str, user: str) -> None:

@@ -148,7 +148,7 @@ def test_garbage_written_into_etcd_is_reported_and_the_job_goes_on(local_job, et
 
 
 def test_an_etcd_outage_without_a_membership_change_does_not_stop_training(local_job, etcd_server):
-    """With no membership change the data plane does not need etcd (issue 10): through an outage
+    """With no membership change the data plane does not need etcd: through an outage
     of several lease TTLs (etcd SIGKILLed, restarted on the same data dir), training goes on, no
     worker exits, nothing regroups, and when etcd is back the leases are renewed in place."""
     job = local_job(min_workers=2)
@@ -183,8 +183,8 @@ def test_an_etcd_outage_without_a_membership_change_does_not_stop_training(local
 
 
 def test_a_standby_beyond_max_workers_waits_without_forcing_generations(local_job):
-    """Issue 10: a worker started while the job is at max_workers made every step vote a regroup
-    (generation 1 -> 107 in 18 s). Now it waits as a standby; when a member dies it takes its place."""
+    """A worker started while the job is at max_workers does not make every step vote a regroup (a
+    new generation every few steps): it waits as a standby; when a member dies it takes its place."""
     job = local_job(min_workers=1, max_workers=2)
     for _ in range(2):
         job.spawn("--steps", "100000", *SLOW)
@@ -210,7 +210,7 @@ def test_a_standby_beyond_max_workers_waits_without_forcing_generations(local_jo
 
 
 def test_etcd_restarts_mixed_with_worker_kills_repeat_no_step(local_job, etcd_server):
-    """The mix that committed steps twice in issue 10: etcd SIGKILLed and restarted, and a worker
+    """A mix that can commit a step twice: etcd SIGKILLed and restarted, and a worker
     SIGKILLed right after, again and again, with replacements joining. Every step is committed
     in exactly one generation, by every member of it (the audit checks both)."""
     job = local_job(min_workers=2)

@@ -272,8 +272,8 @@ def test_unreachable_etcd_is_a_clear_fatal_error_before_any_worker_starts(tmp_pa
 
 @pytest.mark.timeout(90)
 def test_an_agent_started_during_an_etcd_outage_waits_for_etcd_and_runs(tmp_path: Path) -> None:
-    """Issue 10: an agent started while etcd was down (a replacement node) exited 1 into systemd's
-    restart loop. It waits for etcd (up to etcd_outage_s) and then runs its workers."""
+    """An agent started while etcd is down (a replacement node) does not exit into systemd's restart
+    loop: it waits for etcd (up to etcd_outage_s) and then runs its workers."""
     server = EtcdServer()  # ports chosen, not started yet: an outage
     log_path = tmp_path / "agent.log"
     with log_path.open("wb") as out:
@@ -338,7 +338,7 @@ def test_agent_sends_ready_watchdog_status_and_stopping_to_its_notify_socket(age
 
 @pytest.mark.timeout(120)
 def test_a_second_agent_with_the_same_node_id_is_refused_and_the_first_trains_on(agent_job):
-    """Issue 10: the second agent exits 2 naming the first (host, pid, since when) after waiting out
+    """The second agent exits 2 naming the first (host, pid, since when) after waiting out
     one lease TTL (plus the margin) for a crashed agent's record; it starts no worker, and the first
     agent's worker goes on committing in the same generation."""
     from elasticd.agent.presence import CLAIM_MARGIN_S

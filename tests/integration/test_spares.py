@@ -22,7 +22,7 @@ from tests.integration.test_node_agent import (  # noqa: F401 (fixture)
 from tests.integration.test_ops import status_json
 
 STEPS = 700  # ~18 s at 40 steps/s: long enough for each fault and its replacement
-QUIET_S = 5.0  # waiting spares must change no generation over this long (the flood of issue 10: ~6 a second)
+QUIET_S = 5.0  # waiting spares must change no generation over this long (a flood would be several a second)
 QUIET_STEPS = 800  # the standby test: the quiet phase, then a node loss (~400 steps left for it)
 CRASH_HANG_STEPS = 800  # ~20 s: a spare's restart, a crash and its spare's restart, then a hang (done by step ~160 here: 5x)
 

@@ -1,4 +1,4 @@
-"""``elasticctl status`` health from live records, against a real etcd and real workers (issue 10):
+"""``elasticctl status`` health from live records, against a real etcd and real workers:
 a failed checkpoint save is shown and makes the job degraded; a generation record replaced by
 garbage does not make a training job look down; a job that commits nothing for longer than the
 stall bound is ``stalled``."""

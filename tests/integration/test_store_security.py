@@ -1,4 +1,4 @@
-"""Rank 0's c10d store while a real gloo job trains (issue 14 item 1): it listens on the advertised
+"""Rank 0's c10d store while a real gloo job trains: it listens on the advertised
 address only, and a stray client that reaches its port, without the generation's token from etcd,
 can neither find, read nor forge what the members exchange, through two generations."""
 

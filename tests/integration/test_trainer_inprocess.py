@@ -107,7 +107,7 @@ def test_drain_leaves_after_the_next_committed_step(etcd_server):
         assert trainer.drained and trainer.step_count == 4
 
 
-# -- the split step, accumulation, the endless source, init_from, loader input (issue 12) ----------
+# -- the split step, accumulation, the endless source, init_from, loader input ---------------------
 
 
 def test_rank_and_world_size_are_readable_before_the_loop(etcd_server):
@@ -178,14 +178,17 @@ def test_init_from_a_weights_only_torch_save_file(etcd_server, tmp_path):
     source = torch.nn.Linear(8, 3)
     sched_src = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(source.parameters(), lr=0.1), 2)
     path = tmp_path / "ck.pt"
-    torch.save({"model": source.state_dict(), "scheduler": {**sched_src.state_dict(), "last_epoch": 7}}, path)
+    torch.save({"model": source.state_dict(), "sched": {**sched_src.state_dict(), "last_epoch": 7}, "step": 7,
+                "epoch": 1}, path)
     trainer, model, x, y = _trainer(etcd_server, _job(), init_from=path)
     sched = torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2)
     trainer.register("scheduler", sched)
     with trainer:
         torch.testing.assert_close(model.weight, source.weight)
         assert sched.last_epoch == 7
-        assert _train(trainer, model, x, y, 1) == 1
+        assert trainer.step_count == 7  # the file's step count goes on
+        assert _train(trainer, model, x, y, 9) == 2
+        assert trainer.step_count == 9
 
 
 @pytest.mark.parametrize("content", ["missing", "pickle", "other_model"])

@@ -1,4 +1,4 @@
-"""etcd's permission denied in the node agent and its threads (issue 14): never retried, never a
+"""etcd's permission denied in the node agent and its threads: never retried, never a
 spin. The agent exits 2 with the one clear message at its start (both modes) and when etcd starts
 refusing it later (its presence and job-reader threads end and hand the error to the loop); the
 event writer drops its queue and stops. The store is the fake, refusing the job's keys as etcd

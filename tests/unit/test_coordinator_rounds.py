@@ -105,7 +105,7 @@ def test_a_lost_member_is_judged_once_and_the_survivors_regroup_when_the_first_m
 
 
 def test_a_lost_lease_publishes_the_survivors_generation_at_once_with_no_ready_round_and_no_verdict() -> None:
-    """Issue 13 (a leave in one round): the survivors keep their order and need not write anything."""
+    """A leave in one round: the survivors keep their order and need not write anything."""
     store, c, keep, gone = _three_published({"a.0.1": 5, "b.0.2": 5, "c.0.3": 5}, lost="b.0.2")
     clock = store.clock
     g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
@@ -120,7 +120,7 @@ def test_a_lost_lease_publishes_the_survivors_generation_at_once_with_no_ready_r
 
 
 def test_members_train_through_a_newcomers_join_window_and_regroup_once_it_closed() -> None:
-    """Issue 10 (ETTR): the verdict's pending flag (which stops the members at their next step) is
+    """The verdict's pending flag (which stops the members at their next step) is
     written when the newcomer's join window closes, not when it arrives, and the members' arrival at
     the rendezvous does not open the window again: one regroup, no idle join window."""
     clock = ManualClock()

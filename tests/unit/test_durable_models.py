@@ -1,6 +1,6 @@
 """Checkpoints of two models in one job directory: retention never deletes the other model's, and a
 worker that finds only another model's checkpoints refuses to start over from step 1 unless
-``checkpoint_allow_new_model`` is set (issue 10). Also: a failed save is published to etcd."""
+``checkpoint_allow_new_model`` is set. Also: a failed save is published to etcd."""
 
 from __future__ import annotations
 

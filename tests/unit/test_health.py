@@ -55,7 +55,7 @@ CASES = [
      True, False, False, "left the generation"),
     ("a newcomer with room: join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]), False, W,
      False, False, True, ""),
-    # The flood of issue 10: a standby beyond max_workers forced a generation every step.
+    # A standby beyond max_workers must not force a generation every step.
     ("a standby beyond max_workers: no join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]),
      False, W3, False, False, False, ""),
 ]

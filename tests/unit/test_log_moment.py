@@ -1,5 +1,5 @@
 """``log.set_moment``: the generation, rank and step of the moment on every line of every thread
-(issue 15: ``generation_published``, logged by the coordinator's thread, said step 13 after step 25)."""
+(``generation_published``, logged by the coordinator's thread, names the step of that moment)."""
 
 from __future__ import annotations
 

@@ -184,8 +184,8 @@ CASES = [
     Case("lost lease: a newcomer also waits through last call",
          snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]), me("n"),
          window=Window(NOW - 0.1, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
-    # Issue 10 (chaos): a newcomer waiting for long published a generation of itself alone when
-    # a member's lease expired, and trained from step 0 while the survivors held step 294.
+    # A newcomer waiting for long must not publish a generation of itself alone when a member's
+    # lease expires (it would train from step 0 while the survivors hold their newer step).
     Case("lost lease: a lone newcomer waits for the live members, who hold the state",
          snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[ready("n")]), me("n"),
          window=settled(), kind=ActionKind.WAIT),
@@ -196,7 +196,7 @@ CASES = [
          snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n", -1)]), me("n"),
          window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.31), kind=ActionKind.PUBLISH, members=("a", "n"),
          generation=4, reason="member_lost"),
-    # Stop 19 (chaos, seed 14): generation 56 = the one member holding step 2511 and three that
+    # A generation of the one member holding step 2511 and three that
     # joined generations never built (they hold nothing); with the holder late, a deputy published
     # the three alone, from step 0, and the job started over. Members of a generation hold its
     # state only from the step it began at.
@@ -522,7 +522,7 @@ def test_malformed_generation_does_not_restart_numbering() -> None:
     assert not late.ready and late.highest_generation_seen == 3
 
 
-# -- a published generation consumes its members' ready records by revision (issue 13) ------------
+# -- a published generation consumes its members' ready records by revision -----------------------
 
 
 def _kv(key: str, record: object, rev: int, create: int | None = None) -> KeyValue:
@@ -548,7 +548,7 @@ def test_ready_records_written_before_the_generation_record_are_consumed(
     assert not s.malformed
 
 
-# -- a join window does not stop the generation's members (issue 10: ETTR) -----------------------
+# -- a join window does not stop the generation's members ----------------------------------------
 # The members of a healthy generation are told of newcomers (the verdict's pending flag) only once
 # the newcomers' join window is over: a regroup earlier would only wait for it to close. The window
 # runs from the last change of the set of waiting newcomers, not of every ready candidate, so the

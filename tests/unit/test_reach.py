@@ -151,8 +151,8 @@ SHORT = [0.01] * RECENT_WAITS
 ])
 def test_a_job_whose_waits_stay_short_asks_sooner(recent: list[float], min_s: float, max_s: float,
                                                    after_s: float) -> None:
-    """Stop 26: a host cut off from the chaos soak's job (waits of a few ms) was asked about only
-    after 0.5 s; the survivors now ask at four times their longest recent wait, within the settings."""
+    """A host cut off from a job whose waits are a few ms is asked about at four times the longest
+    recent wait (within the settings), not only after reach_check_s."""
     assert reach_after_s(recent, min_s, max_s) == pytest.approx(after_s)
 
 

@@ -79,6 +79,7 @@ FULL_ENV = {
     "ELASTICD_SPARE": "true",
     "ELASTICD_STANDBY": "yes",
     "ELASTICD_RELAY_SOCKET": "/run/elasticd-relay/relay.sock",
+    "ELASTICD_AUDIT_DIR": "/data/audit",
     "ELASTICD_STOP_AFTER_SUM": "17",
     "ELASTICD_MISS_SUM_AT": "18",
     "ELASTICD_KILL_AFTER_APPLY": "19",
@@ -114,6 +115,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.events_keep == 42
     assert (env.spare, env.standby) == (True, True)
     assert env.relay_socket == "/run/elasticd-relay/relay.sock"
+    assert env.audit_dir == "/data/audit"
     assert (env.stop_after_sum, env.miss_sum_at, env.kill_after_apply) == (17, 18, 19)
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
     assert env.checkpoint == CheckpointConfig(checkpoint_dir="/data/ckpt", checkpoint_every_steps=50,
@@ -580,7 +582,7 @@ def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.Mo
     assert env["ELASTICD_LOCAL_RANK"] == "0"
 
 
-# -- https:// means TLS; a password in plaintext only to loopback, or with --insecure (issue 14) ------
+# -- https:// means TLS; a password in plaintext only to loopback, or with --insecure -----------------
 
 _REMOTE_AUTH = ("--etcd", "10.0.0.1:2379", "--etcd-user", "u")
 

@@ -71,7 +71,7 @@ def test_https_or_a_ca_file_makes_a_tls_channel(tmp_path: Path, endpoints: tuple
         client.close()
 
 
-# -- etcd's "permission denied" (issue 14): one clear error, never retried --------------------------
+# -- etcd's "permission denied": one clear error, never retried --------------------------
 
 ROLE_HINT = "-- see `elasticctl auth setup-job`"
 

@@ -125,7 +125,7 @@ def test_every_directive_is_preceded_by_a_comment() -> None:
     assert bare == [], "directives without a comment line right above them:\n" + "\n".join(bare)
 
 
-# The hardening (issue 14): with these (and ProtectSystem=strict, PrivateTmp=yes, ProtectHome=read-only,
+# The hardening: with these (and ProtectSystem=strict, PrivateTmp=yes, ProtectHome=read-only,
 # NotifyAccess=main), systemd 252's `systemd-analyze security --offline=yes` rates the unit 3.8 (the
 # target is at most 4.0; it was 9.0 as root). What is still counted against it is what training
 # needs: devices, W+X memory, the network, all system calls, and the clock (ProtectClock=, see the unit).
@@ -216,7 +216,7 @@ def test_the_install_creates_the_user_and_directories_the_unit_runs_with() -> No
 # -- systemd-analyze security ----------------------------------------------------------------------
 
 OFFLINE_SINCE = 250  # `systemd-analyze security --offline=` first shipped in systemd 250
-MAX_EXPOSURE = 4.0  # issue 14: "OK" or better on systemd's 0 (safe) to 10 (unsafe) scale
+MAX_EXPOSURE = 4.0  # "OK" or better on systemd's 0 (safe) to 10 (unsafe) scale
 
 
 def test_systemd_analyze_security_exposure(analyze: str) -> None:

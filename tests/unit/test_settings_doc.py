@@ -1,0 +1,42 @@
+"""docs/settings.md is the settings table of the code, rendered (``elasticd.settings_doc``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elasticd.settings import AGENT_SETTINGS, WORKER_VARIABLES
+from elasticd.settings_doc import ESSENTIAL, REGENERATE, TESTING_ONLY, default_text, render
+
+pytestmark = pytest.mark.timeout(30)
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+
+
+def test_the_page_is_the_rendered_table() -> None:
+    assert PAGE.read_text() == render(), f"docs/settings.md is stale: regenerate it with `{REGENERATE}`"
+
+
+def test_every_setting_and_variable_is_on_the_page() -> None:
+    page = PAGE.read_text()
+    for s in AGENT_SETTINGS.values():
+        assert f"| `{s.name}` |" in page, s.name
+    for s in WORKER_VARIABLES.values():
+        assert f"| `{s.variable}` |" in page, s.variable
+
+
+def test_the_groups_name_only_settings_that_exist() -> None:
+    assert set(ESSENTIAL) <= set(AGENT_SETTINGS)
+    assert set(TESTING_ONLY) <= set(WORKER_VARIABLES)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("lease_ttl_s", "3.0"),
+    ("node_id", "the host name"),
+    ("checkpoint_dir", "unset"),
+    ("relay", "false"),
+    ("etcd_endpoints", "127.0.0.1:2379"),
+])
+def test_defaults_are_shown_as_the_code_has_them(name: str, expected: str) -> None:
+    assert default_text(AGENT_SETTINGS[name]) == expected
