@@ -36,8 +36,10 @@ def make_dataset(n: int, features: int, classes: int, seed: int) -> tuple[torch.
 def make_model(features: int, hidden: int, classes: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(features, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(features, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
         torch.nn.Linear(hidden, classes),
     )
 
@@ -52,30 +54,51 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the model and data on cuda:<ELASTICD_LOCAL_RANK> (modulo the GPUs visible)")
-    p.add_argument("--fp16", action="store_true",
-                   help="fp16 autocast with a torch.amp.GradScaler given to the trainer (needs --device cuda)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the model and data on cuda:<ELASTICD_LOCAL_RANK> (modulo the GPUs visible)",
+    )
+    p.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 autocast with a torch.amp.GradScaler given to the trainer (needs --device cuda)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     add_workload_arguments(p)
     p.add_argument("--audit", default=None, help="append one JSON line per committed step here")
-    p.add_argument("--audit-in-memory", action="store_true",
-                   help="keep the audit lines in memory and write them at exit (fault-free measurements only)")
+    p.add_argument(
+        "--audit-in-memory",
+        action="store_true",
+        help="keep the audit lines in memory and write them at exit (fault-free measurements only)",
+    )
     p.add_argument("--save-final", default=None, help="write the final model state_dict here (torch.save)")
     p.add_argument("--break-at-end", action="store_true", help="leave the loop with a break after the last step")
-    p.add_argument("--step-sleep", type=float, default=0.0,
-                   help="seconds of extra compute per step (slows the demo and fault tests down)")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="seconds of extra compute per step (slows the demo and fault tests down)",
+    )
     # Durable checkpoints: each flag overrides its ELASTICD_CHECKPOINT_* variable.
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="directory of durable checkpoints (local or shared); resume from it when no member holds state")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="directory of durable checkpoints (local or shared); resume from it when no member holds state",
+    )
     p.add_argument("--checkpoint-every-steps", type=int, default=None, help="save every N committed steps")
     p.add_argument("--checkpoint-every-s", type=float, default=None, help="save every T seconds")
     p.add_argument("--checkpoint-keep", type=int, default=None, help="good checkpoints kept")
-    p.add_argument("--checkpoint-allow-new-model", action="store_true", default=None,
-                   help="start over from step 1 even if the directory holds another model's checkpoints (kept)")
+    p.add_argument(
+        "--checkpoint-allow-new-model",
+        action="store_true",
+        default=None,
+        help="start over from step 1 even if the directory holds another model's checkpoints (kept)",
+    )
     return p.parse_args(argv)
 
 
@@ -86,9 +109,13 @@ def checkpoint_settings(args: argparse.Namespace) -> elasticd.CheckpointConfig:
         ConfigError: a value is invalid.
     """
     base = elasticd.worker_env_from_environ().checkpoint
-    flags = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every_steps": args.checkpoint_every_steps,
-             "checkpoint_every_s": args.checkpoint_every_s, "checkpoint_keep": args.checkpoint_keep,
-             "checkpoint_allow_new_model": args.checkpoint_allow_new_model}
+    flags = {
+        "checkpoint_dir": args.checkpoint_dir,
+        "checkpoint_every_steps": args.checkpoint_every_steps,
+        "checkpoint_every_s": args.checkpoint_every_s,
+        "checkpoint_keep": args.checkpoint_keep,
+        "checkpoint_allow_new_model": args.checkpoint_allow_new_model,
+    }
     return dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -125,9 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     scaler = torch.amp.GradScaler("cuda") if args.fp16 else None
     try:
         trainer = elasticd.ElasticTrainer(
-            model, optimizer, dataset_size=args.samples, global_batch_size=args.global_batch,
-            seed=args.seed, audit_path=args.audit, audit_in_memory=args.audit_in_memory,
-            checkpoint=checkpoint_settings(args), scaler=scaler,
+            model,
+            optimizer,
+            dataset_size=args.samples,
+            global_batch_size=args.global_batch,
+            seed=args.seed,
+            audit_path=args.audit,
+            audit_in_memory=args.audit_in_memory,
+            checkpoint=checkpoint_settings(args),
+            scaler=scaler,
         )
         # SIGTERM (what systemd and the agent send on stop): finish the current step, then leave.
         signal.signal(signal.SIGTERM, lambda *_: trainer.drain())

@@ -19,8 +19,10 @@ import torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="an MLP classifier: AdamW, warmup + cosine LR, clipping, "
-                                "gradient accumulation, bf16 autocast, an EMA of the weights, a DataLoader")
+    p = argparse.ArgumentParser(
+        description="an MLP classifier: AdamW, warmup + cosine LR, clipping, "
+        "gradient accumulation, bf16 autocast, an EMA of the weights, a DataLoader"
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank and micro-batch")
     p.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
@@ -68,8 +70,11 @@ def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(args.features, args.hidden), torch.nn.LayerNorm(args.hidden), torch.nn.GELU(),
-        torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU(),
+        torch.nn.Linear(args.features, args.hidden),
+        torch.nn.LayerNorm(args.hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.GELU(),
         torch.nn.Linear(args.hidden, args.classes),
     )
 
@@ -77,10 +82,14 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
 def warmup_cosine(opt: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup from 10 % for ``warmup`` steps, then cosine decay to 1 % until ``total``."""
     lr = opt.param_groups[0]["lr"]
-    return torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=warmup),
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total - warmup), eta_min=lr * 0.01),
-    ], milestones=[warmup])
+    return torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=warmup),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total - warmup), eta_min=lr * 0.01),
+        ],
+        milestones=[warmup],
+    )
 
 
 class EMA:
@@ -113,8 +122,7 @@ def epochs(loader: torch.utils.data.DataLoader[Any], sampler: Any) -> Iterator[A
         yield from loader
 
 
-def load_checkpoint(path: str | None, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    sched: Any, ema: EMA) -> int:
+def load_checkpoint(path: str | None, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, ema: EMA) -> int:
     """Load ``path`` (if given and present) into the objects; the step it was saved at, or 0."""
     if not path or not os.path.exists(path):
         return 0
@@ -126,19 +134,36 @@ def load_checkpoint(path: str | None, model: torch.nn.Module, opt: torch.optim.O
     return int(ck["step"])
 
 
-def save_checkpoint(path: str | None, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    sched: Any, ema: EMA) -> None:
+def save_checkpoint(
+    path: str | None, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, ema: EMA
+) -> None:
     """A torch.save checkpoint (to a temporary file, then renamed), if a path is given."""
     if not path:
         return
     tmp = Path(path).with_suffix(".tmp")
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "ema": ema.state_dict()}, tmp)
+    torch.save(
+        {
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "ema": ema.state_dict(),
+        },
+        tmp,
+    )
     os.replace(tmp, path)
 
 
 def save_final(path: str | None, model: torch.nn.Module, ema: EMA, sched: Any) -> None:
     """The final parameters, EMA and scheduler state (for tests comparing runs), if a path is given."""
     if path:
-        torch.save({"model": model.state_dict(), "ema": ema.state_dict()["shadow"], "ema_updates": ema.updates,
-                    "lr": torch.tensor(sched.get_last_lr()), "last_epoch": torch.tensor(sched.last_epoch)}, path)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "ema": ema.state_dict()["shadow"],
+                "ema_updates": ema.updates,
+                "lr": torch.tensor(sched.get_last_lr()),
+                "last_epoch": torch.tensor(sched.last_epoch),
+            },
+            path,
+        )

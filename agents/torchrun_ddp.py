@@ -93,8 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         step, epoch, position = int(state["step"]), int(state["epoch"]), int(state["position"])
     model = DistributedDataParallel(net)
     if out:
-        out.write(json.dumps({"event": "start", "rank": rank, "world_size": world, "resumed_from": step,
-                              "restart_count": restart_count, "t": time.time()}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "event": "start",
+                    "rank": rank,
+                    "world_size": world,
+                    "resumed_from": step,
+                    "restart_count": restart_count,
+                    "t": time.time(),
+                }
+            )
+            + "\n"
+        )
     order = epoch_order(args.samples, args.seed, epoch)
     while step < args.steps:
         if position >= args.samples:
@@ -114,12 +125,31 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         step, position = step + 1, position + take
         if out:
-            out.write(json.dumps({"event": "step", "rank": rank, "world_size": world, "step": step,
-                                  "loss": float(loss.detach()) / world, "restart_count": restart_count,
-                                  "t": time.time()}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "event": "step",
+                        "rank": rank,
+                        "world_size": world,
+                        "step": step,
+                        "loss": float(loss.detach()) / world,
+                        "restart_count": restart_count,
+                        "t": time.time(),
+                    }
+                )
+                + "\n"
+            )
         if rank == 0 and (step % args.save_every == 0 or step == args.steps):
-            save_checkpoint(ckpt, {"model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                                   "step": step, "epoch": epoch, "position": position})
+            save_checkpoint(
+                ckpt,
+                {
+                    "model": net.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "epoch": epoch,
+                    "position": position,
+                },
+            )
     if args.out_dir:
         final = Path(args.out_dir) / f"final-rank{rank}.json"
         final.write_text(json.dumps({"rank": rank, "world_size": world, "step": step, "checksum": checksum(net)}))

@@ -8,8 +8,18 @@ from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.errors import ElasticdError, FatalError, TransientError
 from elasticd.settings import worker_env_from_environ
 
-__all__ = ["Batch", "BatchMode", "CheckpointConfig", "ElasticTrainer", "ElasticdError", "FatalError", "StepResult",
-           "TransientError", "WorkerEnv", "worker_env_from_environ"]
+__all__ = [
+    "Batch",
+    "BatchMode",
+    "CheckpointConfig",
+    "ElasticTrainer",
+    "ElasticdError",
+    "FatalError",
+    "StepResult",
+    "TransientError",
+    "WorkerEnv",
+    "worker_env_from_environ",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -231,85 +231,154 @@ def build_ctl_parser() -> argparse.ArgumentParser:
         "unreachable or bad input; of events: 0 listed, 2 no such job, etcd unreachable or bad input; etcd's "
         "permission denied: 2; of auth setup-job: 0 done, 1 etcd refused or unreachable, 2 bad input.",
     )
-    parser.add_argument("--etcd", type=_endpoints, default=None, metavar="[https://]HOST:PORT[,...]",
-                        help="etcd endpoints; https:// talks TLS, trusting the system's CA bundle unless "
-                        "--etcd-ca-cert is given (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)")
-    parser.add_argument("--prefix", type=_prefix, default=None,
-                        help="key prefix of all jobs (default: $ELASTICD_ETCD_PREFIX, else /elasticd)")
+    parser.add_argument(
+        "--etcd",
+        type=_endpoints,
+        default=None,
+        metavar="[https://]HOST:PORT[,...]",
+        help="etcd endpoints; https:// talks TLS, trusting the system's CA bundle unless "
+        "--etcd-ca-cert is given (default: $ELASTICD_ETCD_ENDPOINTS, else 127.0.0.1:2379)",
+    )
+    parser.add_argument(
+        "--prefix",
+        type=_prefix,
+        default=None,
+        help="key prefix of all jobs (default: $ELASTICD_ETCD_PREFIX, else /elasticd)",
+    )
     # TLS and auth, as the agent's etcd_* settings; the password only from a file or
     # $ELASTICD_ETCD_PASSWORD, never as a flag (a command line is visible to every local user).
     for name, help_text in CTL_SECURITY_FLAGS.items():
-        parser.add_argument("--etcd-" + name.replace("_", "-"), dest="etcd_" + name, default=None,
-                            metavar="FILE" if name != "user" else "NAME",
-                            help=f"{help_text} (default: $ELASTICD_ETCD_{name.upper()})")
-    parser.add_argument("--insecure", dest="etcd_insecure", action="store_const", const=True,
-                        default=None, help="allow the etcd user's password in plaintext to an etcd off loopback "
-                        "(without TLS) (default: $ELASTICD_ETCD_INSECURE)")
+        parser.add_argument(
+            "--etcd-" + name.replace("_", "-"),
+            dest="etcd_" + name,
+            default=None,
+            metavar="FILE" if name != "user" else "NAME",
+            help=f"{help_text} (default: $ELASTICD_ETCD_{name.upper()})",
+        )
+    parser.add_argument(
+        "--insecure",
+        dest="etcd_insecure",
+        action="store_const",
+        const=True,
+        default=None,
+        help="allow the etcd user's password in plaintext to an etcd off loopback "
+        "(without TLS) (default: $ELASTICD_ETCD_INSECURE)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    status = commands.add_parser("status", help="show a job's generation, members and health",
-                                 description="Show a job's generation, members and health.")
-    status.add_argument("--job", type=_job_id, default=None,
-                        help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    status = commands.add_parser(
+        "status",
+        help="show a job's generation, members and health",
+        description="Show a job's generation, members and health.",
+    )
+    status.add_argument("--job", type=_job_id, default=None, help="job id (default: $ELASTICD_JOB_ID, else 'default')")
     status.add_argument("--json", action="store_true", help="print one JSON object (per frame)")
     status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    status.add_argument("--interval", type=_positive_float, default=2.0, metavar="S",
-                        help="seconds between --watch frames (default: 2)")
+    status.add_argument(
+        "--interval", type=_positive_float, default=2.0, metavar="S", help="seconds between --watch frames (default: 2)"
+    )
     status.add_argument("--count", type=_positive_int, default=None, help=argparse.SUPPRESS)
-    status.add_argument("--min-workers", type=_positive_int, default=None, metavar="N",
-                        help="the job's min_workers (not stored in etcd): below it is 'down'")
-    status.add_argument("--max-workers", type=_positive_int, default=None, metavar="N",
-                        help="the job's max_workers (not stored in etcd): below it is 'degraded'")
-    status.add_argument("--stall-after-s", type=_non_negative_float, default=STALL_AFTER_S, metavar="S",
-                        help=f"no step committed for this long (or {STALL_STEP_FACTOR:g} step times if longer) "
-                        f"while every member is alive is 'stalled' (default: {STALL_AFTER_S:g}; 0: never)")
+    status.add_argument(
+        "--min-workers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the job's min_workers (not stored in etcd): below it is 'down'",
+    )
+    status.add_argument(
+        "--max-workers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the job's max_workers (not stored in etcd): below it is 'degraded'",
+    )
+    status.add_argument(
+        "--stall-after-s",
+        type=_non_negative_float,
+        default=STALL_AFTER_S,
+        metavar="S",
+        help=f"no step committed for this long (or {STALL_STEP_FACTOR:g} step times if longer) "
+        f"while every member is alive is 'stalled' (default: {STALL_AFTER_S:g}; 0: never)",
+    )
     drain = commands.add_parser(
-        "drain", help="ask a node's agent to drain (its workers finish their step and leave)",
+        "drain",
+        help="ask a node's agent to drain (its workers finish their step and leave)",
         description="Ask the agent of NODE to drain, as on SIGTERM: its workers finish their step and "
         "leave, the job goes on without them, the agent exits 0. Exit codes: 0 requested (with --wait: "
         "the node's members have left the generation), 2 unknown node, --wait timed out, etcd unreachable "
-        "or bad input.")
+        "or bad input.",
+    )
     drain.add_argument("node", type=_node_id, metavar="NODE", help="the node id (as in the nodes section of status)")
-    drain.add_argument("--job", type=_job_id, default=None,
-                       help="job id (default: $ELASTICD_JOB_ID, else 'default')")
-    drain.add_argument("--wait", action="store_true",
-                       help="return once the node's members have left the current generation")
-    drain.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
-                       help=f"with --wait: give up (exit 2) after S seconds (default: {DEFAULT_DRAIN_WAIT_S:g})")
-    events = commands.add_parser("events", help="show the job's membership and recovery history",
-                                 description="Show the job's events (generations published, recoveries, "
-                                 "worker exits and restarts, drains), newest last. Exit codes: 0 listed, "
-                                 "2 no such job, etcd unreachable or bad input.")
-    events.add_argument("--job", type=_job_id, default=None,
-                        help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    drain.add_argument("--job", type=_job_id, default=None, help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    drain.add_argument(
+        "--wait", action="store_true", help="return once the node's members have left the current generation"
+    )
+    drain.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help=f"with --wait: give up (exit 2) after S seconds (default: {DEFAULT_DRAIN_WAIT_S:g})",
+    )
+    events = commands.add_parser(
+        "events",
+        help="show the job's membership and recovery history",
+        description="Show the job's events (generations published, recoveries, "
+        "worker exits and restarts, drains), newest last. Exit codes: 0 listed, "
+        "2 no such job, etcd unreachable or bad input.",
+    )
+    events.add_argument("--job", type=_job_id, default=None, help="job id (default: $ELASTICD_JOB_ID, else 'default')")
     events.add_argument("--json", action="store_true", help="print one JSON object")
-    events.add_argument("--limit", type=_positive_int, default=None, metavar="N",
-                        help="only the newest N events (default: all kept, see events_keep)")
-    timeline = commands.add_parser("timeline", help="draw the job's history into one picture",
-                                   description="Draw the job's events into a PNG, SVG or HTML file: committed "
-                                   "steps and checkpoint saves, world size with each generation, fault and "
-                                   "recovery marked, and throughput, over time. Needs matplotlib "
-                                   "(pip install 'elasticd[plot]'). Exit codes: 0 written, 2 no such job, etcd "
-                                   "unreachable, no matplotlib, or bad input.")
-    timeline.add_argument("--job", type=_job_id, default=None,
-                          help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+    events.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="only the newest N events (default: all kept, see events_keep)",
+    )
+    timeline = commands.add_parser(
+        "timeline",
+        help="draw the job's history into one picture",
+        description="Draw the job's events into a PNG, SVG or HTML file: committed "
+        "steps and checkpoint saves, world size with each generation, fault and "
+        "recovery marked, and throughput, over time. Needs matplotlib "
+        "(pip install 'elasticd[plot]'). Exit codes: 0 written, 2 no such job, etcd "
+        "unreachable, no matplotlib, or bad input.",
+    )
+    timeline.add_argument(
+        "--job", type=_job_id, default=None, help="job id (default: $ELASTICD_JOB_ID, else 'default')"
+    )
     timeline.add_argument("--out", required=True, metavar="FILE", help="where to write: FILE.png, .svg or .html")
     timeline.set_defaults(json=False, limit=None)
     auth = commands.add_parser("auth", help="etcd users and roles for elasticd jobs").add_subparsers(
-        dest="auth_command", metavar="COMMAND", required=True)
-    setup = auth.add_parser("setup-job", help="create a job's own etcd role and user (as root)",
-                            description="As etcd's root user (--etcd-user root --etcd-password-file FILE before "
-                            "'auth'), create where missing the role elasticd-JOB with read-write on exactly "
-                            "PREFIX/JOB/ and the user JOB (or --user) with it; print how to use them. Exit codes: 0 "
-                            "done, 1 etcd refused (not root, authentication off) or unreachable, 2 bad input.")
+        dest="auth_command", metavar="COMMAND", required=True
+    )
+    setup = auth.add_parser(
+        "setup-job",
+        help="create a job's own etcd role and user (as root)",
+        description="As etcd's root user (--etcd-user root --etcd-password-file FILE before "
+        "'auth'), create where missing the role elasticd-JOB with read-write on exactly "
+        "PREFIX/JOB/ and the user JOB (or --user) with it; print how to use them. Exit codes: 0 "
+        "done, 1 etcd refused (not root, authentication off) or unreachable, 2 bad input.",
+    )
     setup.add_argument("job", type=_job_id, metavar="JOB", help="the job id")
-    setup.add_argument("--user", type=_user_name, default=None, metavar="NAME",
-                       help="the job's etcd user (default: the job id)")
-    setup.add_argument("--password-file", default=None, metavar="FILE",
-                       help="file whose first line is the user's password, set on it (default: a new user gets a "
-                       "generated one, printed once; a user that exists keeps its own)")
-    setup.add_argument("--prefix", dest="job_prefix", type=_prefix, default=None, metavar="PREFIX",
-                       help="key prefix of all jobs, as the global --prefix (default: $ELASTICD_ETCD_PREFIX, else "
-                       "/elasticd)")
+    setup.add_argument(
+        "--user", type=_user_name, default=None, metavar="NAME", help="the job's etcd user (default: the job id)"
+    )
+    setup.add_argument(
+        "--password-file",
+        default=None,
+        metavar="FILE",
+        help="file whose first line is the user's password, set on it (default: a new user gets a "
+        "generated one, printed once; a user that exists keeps its own)",
+    )
+    setup.add_argument(
+        "--prefix",
+        dest="job_prefix",
+        type=_prefix,
+        default=None,
+        metavar="PREFIX",
+        help="key prefix of all jobs, as the global --prefix (default: $ELASTICD_ETCD_PREFIX, else /elasticd)",
+    )
     return parser
 
 
@@ -349,8 +418,13 @@ def drain_query(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dr
     if args.timeout is not None and not args.wait:
         parser.error("--timeout only applies with --wait")
     etcd, job_id = _target(args)
-    return DrainQuery(etcd=etcd, job_id=job_id, node=args.node, wait=args.wait,
-                      timeout_s=args.timeout if args.timeout is not None else DEFAULT_DRAIN_WAIT_S)
+    return DrainQuery(
+        etcd=etcd,
+        job_id=job_id,
+        node=args.node,
+        wait=args.wait,
+        timeout_s=args.timeout if args.timeout is not None else DEFAULT_DRAIN_WAIT_S,
+    )
 
 
 def events_query(args: argparse.Namespace) -> EventsQuery:
@@ -383,8 +457,9 @@ def _ctl_client(etcd: EtcdConfig, err: TextIO) -> EtcdClient | None:
     from elasticd.store.etcd import EtcdClient
 
     # One attempt per endpoint plus one, so that failover can reach every endpoint once.
-    retry = RetryPolicy(etcd_attempts=len(etcd.endpoints) + 1,
-                        etcd_backoff_initial_s=CTL_BACKOFF_S, etcd_backoff_max_s=CTL_BACKOFF_S)
+    retry = RetryPolicy(
+        etcd_attempts=len(etcd.endpoints) + 1, etcd_backoff_initial_s=CTL_BACKOFF_S, etcd_backoff_max_s=CTL_BACKOFF_S
+    )
     try:
         return EtcdClient(etcd, CTL_TIMEOUTS, retry)
     except EtcdUnavailable as exc:
@@ -420,8 +495,9 @@ def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[floa
         client.close()
 
 
-def execute_drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO, err: TextIO,
-                  sleep: Callable[[float], None]) -> int:
+def execute_drain(
+    store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[float], None]
+) -> int:
     """The drain command on a given store: request, then (``--wait``) poll until done or timed out.
 
     Raises:
@@ -443,8 +519,7 @@ def execute_drain(store: DrainStore, keys: Keys, query: DrainQuery, out: TextIO,
             print(f"node {query.node!r} drained: {why}", file=out, flush=True)
             return EXIT_OK
         if time.monotonic() >= deadline:
-            print(f"{PROG}: node {query.node!r} not drained after {query.timeout_s:g} s: {why}", file=err,
-                  flush=True)
+            print(f"{PROG}: node {query.node!r} not drained after {query.timeout_s:g} s: {why}", file=err, flush=True)
             return EXIT_DOWN
         sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
 
@@ -529,12 +604,16 @@ def run_status(query: StatusQuery, out: TextIO, err: TextIO, sleep: Callable[[fl
         client.close()
 
 
-def _report(
-    store: PrefixReader, keys: Keys, query: StatusQuery, out: TextIO, err: TextIO, clear: bool
-) -> int:
+def _report(store: PrefixReader, keys: Keys, query: StatusQuery, out: TextIO, err: TextIO, clear: bool) -> int:
     try:
-        status = read_status(store, keys, now=time.time(), min_workers=query.min_workers,
-                             max_workers=query.max_workers, stall_after_s=query.stall_after_s)
+        status = read_status(
+            store,
+            keys,
+            now=time.time(),
+            min_workers=query.min_workers,
+            max_workers=query.max_workers,
+            stall_after_s=query.stall_after_s,
+        )
     except (EtcdUnavailable, PermissionDenied) as exc:
         print(unreachable_message(query.etcd, exc), file=err, flush=True)
         return EXIT_DOWN
@@ -562,8 +641,11 @@ def unreachable_message(etcd: EtcdConfig, exc: EtcdUnavailable | PermissionDenie
     where = ",".join(etcd.endpoints)
     if " rejected " in why:  # it answered: the credentials or the request were refused
         return f"{PROG}: {why} (check --etcd-user and --etcd-password-file or ELASTICD_ETCD_PASSWORD)"
-    head = f"{PROG}: {why}" if why.startswith(f"etcd at {where} did not answer") else (
-        f"{PROG}: etcd at {where} did not answer: {why}")
+    head = (
+        f"{PROG}: {why}"
+        if why.startswith(f"etcd at {where} did not answer")
+        else (f"{PROG}: etcd at {where} did not answer: {why}")
+    )
     hint = "set --etcd or ELASTICD_ETCD_ENDPOINTS"
     if etcd.tls:
         hint += "; with TLS, check --etcd-ca-cert, --etcd-cert-cert and --etcd-cert-key"
@@ -598,12 +680,14 @@ def _prefix(text: str) -> str:
 
 def _name(kind: str) -> Callable[[str], str]:
     """An argparse type: ``text`` checked as a name of ``kind`` (``config.check_name``)."""
+
     def parse(text: str) -> str:
         try:
             check_name(kind, text)
         except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
         return text
+
     return parse
 
 
@@ -666,8 +750,13 @@ TORCHRUN_ALIASES: dict[str, list[str]] = {
 }
 # Boolean settings that also have a switch taking no value (the setting's own flag takes true|false).
 SWITCHES = {"etcd_insecure": "--insecure", "standby_node": "--standby"}
-_AGENT_GROUPS = {"world": "job", "etcd": "etcd", "timeouts": "timeouts (seconds)",
-                 "retry": "etcd retries", "agent": "node agent"}
+_AGENT_GROUPS = {
+    "world": "job",
+    "etcd": "etcd",
+    "timeouts": "timeouts (seconds)",
+    "retry": "etcd retries",
+    "agent": "node agent",
+}
 
 
 def build_agent_parser() -> argparse.ArgumentParser:
@@ -686,10 +775,18 @@ def build_agent_parser() -> argparse.ArgumentParser:
         "role does not cover the job (permission denied), or the node id "
         "is held by another live agent of the job (node_id_taken, after waiting up to lease_ttl_s + 2 s).",
     )
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help=f"TOML config file (default: $ELASTICD_CONFIG, else {DEFAULT_CONFIG_FILE} if it exists)")
-    parser.add_argument("--nnodes", metavar="MIN:MAX", default=None,
-                        help="torchrun's node bounds: min/max_workers become MIN/MAX times nproc_per_node")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"TOML config file (default: $ELASTICD_CONFIG, else {DEFAULT_CONFIG_FILE} if it exists)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        metavar="MIN:MAX",
+        default=None,
+        help="torchrun's node bounds: min/max_workers become MIN/MAX times nproc_per_node",
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for s in AGENT_SETTINGS.values():
         if s.name == "program":
@@ -697,11 +794,18 @@ def build_agent_parser() -> argparse.ArgumentParser:
         if s.section not in groups:
             groups[s.section] = parser.add_argument_group(_AGENT_GROUPS[s.section])
         metavar = {int: "N", float: "S", bool: "true|false", tuple: "HOST:PORT[,...]"}.get(s.kind, "TEXT")
-        groups[s.section].add_argument(s.flag, *TORCHRUN_ALIASES.get(s.name, []), dest=s.name, default=None,
-                                       metavar=metavar, help=f"{s.doc} [{s.variable}]".replace("%", "%%"))
+        groups[s.section].add_argument(
+            s.flag,
+            *TORCHRUN_ALIASES.get(s.name, []),
+            dest=s.name,
+            default=None,
+            metavar=metavar,
+            help=f"{s.doc} [{s.variable}]".replace("%", "%%"),
+        )
         if s.name in SWITCHES:
-            groups[s.section].add_argument(SWITCHES[s.name], dest=s.name, action="store_const", const="true",
-                                           help=f"the same as {s.flag} true")
+            groups[s.section].add_argument(
+                SWITCHES[s.name], dest=s.name, action="store_const", const="true", help=f"the same as {s.flag} true"
+            )
     parser.add_argument("program", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
@@ -724,7 +828,7 @@ def parse_agent_command_line(
     program: list[str] = []
     if "--" in args_list:
         cut = args_list.index("--")
-        args_list, program = args_list[:cut], args_list[cut + 1:]
+        args_list, program = args_list[:cut], args_list[cut + 1 :]
     parser = build_agent_parser()
     args = parser.parse_args(args_list)
     if args.program:
@@ -732,8 +836,14 @@ def parse_agent_command_line(
             parser.error(f"unrecognized arguments before --: {' '.join(args.program)}")
         program = list(args.program)
     flags = {s.name: getattr(args, s.name) for s in AGENT_SETTINGS.values() if s.name != "program"}
-    return load_agent_config(flags, program=program, nnodes=args.nnodes, config_file=args.config,
-                             environ=environ, default_config_file=default_config_file)
+    return load_agent_config(
+        flags,
+        program=program,
+        nnodes=args.nnodes,
+        config_file=args.config,
+        environ=environ,
+        default_config_file=default_config_file,
+    )
 
 
 def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = None) -> int:
@@ -778,8 +888,10 @@ def agent_main(argv: Sequence[str] | None = None, *, stderr: TextIO | None = Non
             server = serve(metrics, config.metrics_addr, config.metrics_port)
         except OSError as exc:
             client.close()
-            print(f"{AGENT_PROG}: metrics_port: cannot listen on {config.metrics_addr}:{config.metrics_port}: "
-                  f"{exc}", file=err)
+            print(
+                f"{AGENT_PROG}: metrics_port: cannot listen on {config.metrics_addr}:{config.metrics_port}: {exc}",
+                file=err,
+            )
             return AGENT_EXIT_FATAL
     systemd = systemd_notify_environ()
     notifier = Notifier(systemd["NOTIFY_SOCKET"])

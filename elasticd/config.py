@@ -55,7 +55,9 @@ class Timeouts:
         "out at once when its host refuses the connect (its process is gone) or does not answer within "
         "this (a host down or cut off), and keeps its last call when it accepts; the reach check "
         "(reach_check_s) asks with the same bound. A host still silent halfway through gets a second "
-        "connect (one lost SYN does not count); a false alarm costs a rejoin, never a step.", 0.25)
+        "connect (one lost SYN does not count); a false alarm costs a rejoin, never a step.",
+        0.25,
+    )
     reach_check_s: float = _seconds(
         "A member whose collective has waited this long, while it is the coordinator or rank 0 or 1 "
         "of its generation, asks the hosts of every member of the generation whether they still "
@@ -63,32 +65,42 @@ class Timeouts:
         "host is out of reach or whose process is gone gets the generation aborted at once, instead "
         "of holding it until its lease expires (a host lost with its power or its link). 0: off "
         "(may be 0). A job whose waits for the sum stay short asks sooner: at four times its longest "
-        "recent wait, at least reach_check_min_s (rendezvous.reach.reach_after_s).", 0.5)
+        "recent wait, at least reach_check_min_s (rendezvous.reach.reach_after_s).",
+        0.5,
+    )
     reach_check_min_s: float = _seconds(
         "The earliest a reach check asks, in a job whose recent waits for the sum were all short (it "
         "asks at four times the longest of the last 32, between this and reach_check_s): a host cut "
         "off from such a job is left behind sooner; one whose waits are long is asked about at "
-        "reach_check_s as before.", 0.1)
+        "reach_check_s as before.",
+        0.1,
+    )
     coordinator_grace_s: float = _seconds(
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "
-        "that died unrevoked; a deputy that left the coordinator out takes its place.", 0.0)
+        "that died unrevoked; a deputy that left the coordinator out takes its place.",
+        0.0,
+    )
     deputy_step_s: float = _seconds(
         "While the coordinator has said nothing about a broken generation (no verdict), each further "
         "tier of deputies (two ranks, spread over the rank order; up to four tiers) begins its own "
         "rounds this much later than the tier before it: covers a coordinator lost together with rank 0 "
-        "and 1 (rendezvous.deputy.deputy_starts_s).", 0.5)
+        "and 1 (rendezvous.deputy.deputy_starts_s).",
+        0.5,
+    )
     round_poll_s: float = _seconds(
         "While a broken generation's rendezvous is open, how often the coordinator reads the job again "
         "with no change seen: a watch event that a loaded etcd or host delivers late must not hold the "
-        "round (otherwise the coordinator wakes on each change, or every keepalive_s).", 0.25)
-    lease_ttl_s: float = _seconds(
-        "TTL of a member's etcd lease: a member that stops renewing is gone after this.", 3.0
+        "round (otherwise the coordinator wakes on each change, or every keepalive_s).",
+        0.25,
     )
+    lease_ttl_s: float = _seconds("TTL of a member's etcd lease: a member that stops renewing is gone after this.", 3.0)
     keepalive_s: float = _seconds("Interval between lease renewals (must be < lease_ttl_s / 2).", 0.75)
     view_poll_s: float = _seconds(
         "How often a member re-reads its view of the job besides what its watches deliver at once "
-        "(a broken watch is re-armed and re-read on its own): a safety net whose cost grows with N.", 3.0)
+        "(a broken watch is re-armed and re-read on its own): a safety net whose cost grows with N.",
+        3.0,
+    )
     collective_s: float = _seconds("Bound on one collective (gradient all_reduce, vote).", 30.0)
     group_build_s: float = _seconds("Bound on building the process group of a generation.", 15.0)
     group_abort_s: float = _seconds(
@@ -97,13 +109,13 @@ class Timeouts:
         "training. NCCL's own non-blocking waits are bounded by at most half of it.",
         30.0,
     )
-    checkpoint_transfer_s: float = _seconds(
-        "Bound on the state broadcast from rank 0 to newcomers.", 120.0
-    )
+    checkpoint_transfer_s: float = _seconds("Bound on the state broadcast from rank 0 to newcomers.", 120.0)
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
     lease_renew_s: float = _seconds(
         "Bound on a lease renewal's first attempt (doubling up to etcd_request_s): one held by an etcd "
-        "member that lost its leader moves on early, so the next renewal is asked sooner.", 0.5)
+        "member that lost its leader moves on early, so the next renewal is asked sooner.",
+        0.5,
+    )
     etcd_outage_s: float = _seconds(
         "How long a worker waits for an unreachable etcd (to register, to publish an abort, or "
         "within a rendezvous, on top of join_s), and an agent at its start, before giving up. "
@@ -114,25 +126,31 @@ class Timeouts:
         "Once every lease of the job's last generation ended, how long until a generation resuming from older state "
         "(the checkpoint, a member left behind) is published: one cut off from etcd trains on, and if it reconnects "
         "meanwhile it rejoins with its newest step, none done twice. A new job never waits. Keep it below join_s.",
-        60.0)
+        60.0,
+    )
     standby_s: float = _seconds(
         "How long a worker waits as a standby (the job is at max_workers and healthy) for a place "
         "before it gives up; this time does not count against join_s.",
         86400.0,
     )
-    abort_poll_s: float = _seconds(
-        "How often a waiting collective checks whether its generation was aborted.", 0.02
-    )
+    abort_poll_s: float = _seconds("How often a waiting collective checks whether its generation was aborted.", 0.02)
     shutdown_grace_s: float = _seconds("Grace given to workers to finish a step on shutdown.", 10.0)
     relay_heartbeat_s: float = _seconds(
         "How often a node's relay (the agent's relay setting) reads its workers' view of the job and "
         "sends it to them with no change seen; a worker serves its view from a read at most twice this "
-        "old.", 0.5)
+        "old.",
+        0.5,
+    )
     relay_stale_s: float = _seconds(
         "A worker that hears nothing from its node's relay for this long (a stopped or dead agent) "
-        "reads and watches etcd itself from then on; more than twice relay_heartbeat_s.", 2.0)
-    progress_event_s: float = _seconds("How often rank 0 records its committed step in the job's history "
-                                       "(elasticctl timeline's points; each is one of events_keep).", 10.0)
+        "reads and watches etcd itself from then on; more than twice relay_heartbeat_s.",
+        2.0,
+    )
+    progress_event_s: float = _seconds(
+        "How often rank 0 records its committed step in the job's history "
+        "(elasticctl timeline's points; each is one of events_keep).",
+        10.0,
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -142,17 +160,19 @@ class Timeouts:
                 raise ConfigError(f"{f.name}: must be a positive, finite number of seconds, got {value!r}")
         if self.keepalive_s * 2 > self.lease_ttl_s:
             raise ConfigError(
-                f"keepalive_s: must be at most half of lease_ttl_s ({self.lease_ttl_s}), "
-                f"got {self.keepalive_s}"
+                f"keepalive_s: must be at most half of lease_ttl_s ({self.lease_ttl_s}), got {self.keepalive_s}"
             )
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s: etcd grants leases of at least 1 s, got {self.lease_ttl_s}")
         if self.reach_check_min_s > self.reach_check_s > 0:
-            raise ConfigError(f"reach_check_min_s: must be at most reach_check_s ({self.reach_check_s}), "
-                              f"got {self.reach_check_min_s}")
+            raise ConfigError(
+                f"reach_check_min_s: must be at most reach_check_s ({self.reach_check_s}), got {self.reach_check_min_s}"
+            )
         if self.relay_stale_s <= 2 * self.relay_heartbeat_s:
-            raise ConfigError(f"relay_stale_s: must be more than twice relay_heartbeat_s ({self.relay_heartbeat_s}), "
-                              f"got {self.relay_stale_s}")
+            raise ConfigError(
+                f"relay_stale_s: must be more than twice relay_heartbeat_s ({self.relay_heartbeat_s}), "
+                f"got {self.relay_stale_s}"
+            )
 
     def td(self, name: str) -> timedelta:
         """The setting ``<name>_s`` as a timedelta (``td("collective")``)."""
@@ -164,15 +184,21 @@ class RetryPolicy:
     """Bounds on the two places that retry: idempotent etcd calls, and a whole training step."""
 
     etcd_attempts: int = field(default=6, metadata={"doc": "Attempts of one idempotent etcd call."})
-    etcd_backoff_initial_s: float = field(default=0.05, metadata={
-        "doc": "First backoff between etcd attempts (exponential, jittered)."})
+    etcd_backoff_initial_s: float = field(
+        default=0.05, metadata={"doc": "First backoff between etcd attempts (exponential, jittered)."}
+    )
     etcd_backoff_max_s: float = field(default=1.0, metadata={"doc": "Largest backoff between etcd attempts."})
-    etcd_reconnect_max_s: float = field(default=0.5, metadata={
-        "doc": "Longest wait between two attempts to reconnect to an etcd endpoint that went away "
-               "(gRPC's own default grows to 120 s, so a restarted etcd would be noticed seconds "
-               "late, after the leases it restored had expired)."})
-    step_retries: int = field(default=8, metadata={
-        "doc": "Times one step may fail and be retried before the worker gives up."})
+    etcd_reconnect_max_s: float = field(
+        default=0.5,
+        metadata={
+            "doc": "Longest wait between two attempts to reconnect to an etcd endpoint that went away "
+            "(gRPC's own default grows to 120 s, so a restarted etcd would be noticed seconds "
+            "late, after the leases it restored had expired)."
+        },
+    )
+    step_retries: int = field(
+        default=8, metadata={"doc": "Times one step may fail and be retried before the worker gives up."}
+    )
 
     def __post_init__(self) -> None:
         for name in ("etcd_attempts", "step_retries"):
@@ -216,8 +242,9 @@ class WorldConfig:
             raise ConfigError(f"min_workers: must be <= max_workers ({self.max_workers}), got {self.min_workers}")
 
 
-EVENTS_KEEP_DOC = ("Most events kept in the job's history in etcd (events/); each writer prunes the "
-                   "oldest beyond it after it writes.")
+EVENTS_KEEP_DOC = (
+    "Most events kept in the job's history in etcd (events/); each writer prunes the oldest beyond it after it writes."
+)
 
 
 def _check_events_keep(value: object) -> None:
@@ -228,7 +255,8 @@ def _check_events_keep(value: object) -> None:
 CHECKPOINT_ALLOW_NEW_MODEL_DOC = (
     "Allow a job to start over from step 1 with a model whose signature differs from the "
     "checkpoints in its directory (they are kept: retention deletes only checkpoints of the saving "
-    "model). Off: such a worker stops with CheckpointModelChanged and deletes nothing.")
+    "model). Off: such a worker stops with CheckpointModelChanged and deletes nothing."
+)
 
 
 @dataclass(frozen=True)
@@ -239,24 +267,39 @@ class CheckpointConfig:
     whose members hold no live state loads the newest good checkpoint found there.
     """
 
-    checkpoint_dir: str = field(default="", metadata={
-        "doc": "Directory of durable checkpoints (local or shared); checkpoints of a job go to "
-               "<dir>/<job_id>/. Empty: no checkpoints, and no resume from disk."})
-    checkpoint_every_steps: int = field(default=0, metadata={
-        "doc": "Save when the committed step is a multiple of this (0: not by steps)."})
-    checkpoint_every_s: float = field(default=0.0, metadata={
-        "doc": "Save at the first step boundary this many seconds after the last save began (0: not by time)."})
-    checkpoint_keep: int = field(default=3, metadata={
-        "doc": "Good checkpoints kept in the directory; older ones are deleted after a save."})
-    checkpoint_wait_s: float = field(default=60.0, metadata={
-        "doc": "Longest a due save waits at a step boundary for the previous write to finish; past "
-               "it, this save is skipped (checkpoint_skipped) and the next one is tried."})
+    checkpoint_dir: str = field(
+        default="",
+        metadata={
+            "doc": "Directory of durable checkpoints (local or shared); checkpoints of a job go to "
+            "<dir>/<job_id>/. Empty: no checkpoints, and no resume from disk."
+        },
+    )
+    checkpoint_every_steps: int = field(
+        default=0, metadata={"doc": "Save when the committed step is a multiple of this (0: not by steps)."}
+    )
+    checkpoint_every_s: float = field(
+        default=0.0,
+        metadata={
+            "doc": "Save at the first step boundary this many seconds after the last save began (0: not by time)."
+        },
+    )
+    checkpoint_keep: int = field(
+        default=3, metadata={"doc": "Good checkpoints kept in the directory; older ones are deleted after a save."}
+    )
+    checkpoint_wait_s: float = field(
+        default=60.0,
+        metadata={
+            "doc": "Longest a due save waits at a step boundary for the previous write to finish; past "
+            "it, this save is skipped (checkpoint_skipped) and the next one is tried."
+        },
+    )
     checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_allow_new_model, bool):
-            raise ConfigError(f"checkpoint_allow_new_model: must be true or false, "
-                              f"got {self.checkpoint_allow_new_model!r}")
+            raise ConfigError(
+                f"checkpoint_allow_new_model: must be true or false, got {self.checkpoint_allow_new_model!r}"
+            )
         if "\0" in self.checkpoint_dir:
             raise ConfigError(f"checkpoint_dir: not a valid path: {self.checkpoint_dir!r}")
         for name, least in (("checkpoint_every_steps", 0), ("checkpoint_keep", 1)):
@@ -264,12 +307,14 @@ class CheckpointConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"{name}: must be an integer >= {least}, got {value!r}")
         value = self.checkpoint_every_s
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and value >= 0):
+        if not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        ):
             raise ConfigError(f"checkpoint_every_s: must be a finite number >= 0, got {value!r}")
         if not _positive_finite(self.checkpoint_wait_s):
-            raise ConfigError(f"checkpoint_wait_s: must be a positive, finite number of seconds, "
-                              f"got {self.checkpoint_wait_s!r}")
+            raise ConfigError(
+                f"checkpoint_wait_s: must be a positive, finite number of seconds, got {self.checkpoint_wait_s!r}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -284,7 +329,8 @@ class CheckpointConfig:
 AUDIT_DIR_DOC = (
     "Directory of audit files: a trainer given no audit_path appends one JSON line per start, sync, "
     "resume and committed step to <dir>/<job_id>/<node_id>.<local_rank>.jsonl (a restarted worker "
-    "appends to the same file). Empty: no audit file.")
+    "appends to the same file). Empty: no audit file."
+)
 
 
 @dataclass(frozen=True)
@@ -296,28 +342,53 @@ class WorkerEnv:
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    node_id: str = field(default_factory=socket.gethostname, metadata={
-        "doc": "The node this worker runs on (its agent's node_id)."})
+    node_id: str = field(
+        default_factory=socket.gethostname, metadata={"doc": "The node this worker runs on (its agent's node_id)."}
+    )
     local_rank: int = field(default=0, metadata={"doc": "This worker's index among its node's workers."})
-    advertise_addr: str = field(default="127.0.0.1", metadata={
-        "doc": "Address this worker listens on for its peers (its agent's advertise_addr)."})
-    backend: str = field(default="auto", metadata={
-        "doc": "torch.distributed backend: auto (NCCL where CUDA is present, else gloo), gloo or nccl."})
+    advertise_addr: str = field(
+        default="127.0.0.1",
+        metadata={"doc": "Address this worker listens on for its peers (its agent's advertise_addr)."},
+    )
+    backend: str = field(
+        default="auto",
+        metadata={"doc": "torch.distributed backend: auto (NCCL where CUDA is present, else gloo), gloo or nccl."},
+    )
     events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    spare: bool = field(default=False, metadata={
-        "doc": "This worker starts as a warm spare: it waits outside every generation until one needs it."})
+    spare: bool = field(
+        default=False,
+        metadata={"doc": "This worker starts as a warm spare: it waits outside every generation until one needs it."},
+    )
     standby: bool = field(default=False, metadata={"doc": "... a spare of a standby node (taken last)."})
-    stop_after_sum: int = field(default=0, metadata={
-        "doc": "Fault injection: the worker stops itself (SIGSTOP) once, right after the gradient sum of this "
-               "step arrives and before it applies the step; 0: never."})
-    miss_sum_at: int = field(default=0, metadata={"doc": "Fault injection: once, at this step, the worker drops the "
-                                                  "sum that arrived and fails the step (its last hop broke); 0: never."})
-    kill_after_apply: int = field(default=0, metadata={"doc": "Fault injection: the worker SIGKILLs itself as it "
-                                                       "begins the step after this one (applied, unconfirmed); 0: never."})
-    relay_socket: str = field(default="", metadata={
-        "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
-               "of the job and its watches come from it; empty: from etcd."})
+    stop_after_sum: int = field(
+        default=0,
+        metadata={
+            "doc": "Fault injection: the worker stops itself (SIGSTOP) once, right after the gradient sum of this "
+            "step arrives and before it applies the step; 0: never."
+        },
+    )
+    miss_sum_at: int = field(
+        default=0,
+        metadata={
+            "doc": "Fault injection: once, at this step, the worker drops the "
+            "sum that arrived and fails the step (its last hop broke); 0: never."
+        },
+    )
+    kill_after_apply: int = field(
+        default=0,
+        metadata={
+            "doc": "Fault injection: the worker SIGKILLs itself as it "
+            "begins the step after this one (applied, unconfirmed); 0: never."
+        },
+    )
+    relay_socket: str = field(
+        default="",
+        metadata={
+            "doc": "The Unix socket of this node's relay (set by an agent with relay on): the worker's view "
+            "of the job and its watches come from it; empty: from etcd."
+        },
+    )
     audit_dir: str = field(default="", metadata={"doc": AUDIT_DIR_DOC})
 
     def __post_init__(self) -> None:
@@ -342,7 +413,6 @@ class WorkerEnv:
         return Path(self.audit_dir) / self.world.job_id / f"{self.node_id}.{self.local_rank}.jsonl"
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The node agent
 
@@ -360,82 +430,146 @@ class AgentConfig:
     ``restart_backoff_max_s``.
     """
 
-    program: tuple[str, ...] = field(default=(), metadata={
-        "doc": "The training program each worker runs (argv); a first element ending in .py is run "
-               "with the agent's Python. Not read from the environment."})
+    program: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "doc": "The training program each worker runs (argv); a first element ending in .py is run "
+            "with the agent's Python. Not read from the environment."
+        },
+    )
     world: WorldConfig = field(default_factory=WorldConfig)
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    nproc_per_node: int = field(default=1, metadata={
-        "doc": "Workers this agent runs (default: one per device in CUDA_VISIBLE_DEVICES, else 1)."})
-    node_id: str = field(default_factory=socket.gethostname, metadata={
-        "doc": "This node's id in the job (default: the host name)."})
-    advertise_addr: str = field(default="127.0.0.1", metadata={
-        "doc": "Address the workers of this node listen on for their peers."})
+    nproc_per_node: int = field(
+        default=1,
+        metadata={"doc": "Workers this agent runs (default: one per device in CUDA_VISIBLE_DEVICES, else 1)."},
+    )
+    node_id: str = field(
+        default_factory=socket.gethostname, metadata={"doc": "This node's id in the job (default: the host name)."}
+    )
+    advertise_addr: str = field(
+        default="127.0.0.1", metadata={"doc": "Address the workers of this node listen on for their peers."}
+    )
     backend: str = field(default="auto", metadata={"doc": "torch.distributed backend: auto, gloo or nccl."})
-    checkpoint_dir: Path | None = field(default=None, metadata={
-        "doc": "Directory of durable checkpoints, passed to the workers (ELASTICD_CHECKPOINT_DIR); "
-               "unset: no checkpoints."})
-    checkpoint_every_steps: int = field(default=CheckpointConfig.checkpoint_every_steps, metadata={
-        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_steps"].metadata["doc"]})
-    checkpoint_every_s: float = field(default=CheckpointConfig.checkpoint_every_s, metadata={
-        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_s"].metadata["doc"]})
-    checkpoint_keep: int = field(default=CheckpointConfig.checkpoint_keep, metadata={
-        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_keep"].metadata["doc"]})
-    checkpoint_wait_s: float = field(default=CheckpointConfig.checkpoint_wait_s, metadata={
-        "doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]})
+    checkpoint_dir: Path | None = field(
+        default=None,
+        metadata={
+            "doc": "Directory of durable checkpoints, passed to the workers (ELASTICD_CHECKPOINT_DIR); "
+            "unset: no checkpoints."
+        },
+    )
+    checkpoint_every_steps: int = field(
+        default=CheckpointConfig.checkpoint_every_steps,
+        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_steps"].metadata["doc"]},
+    )
+    checkpoint_every_s: float = field(
+        default=CheckpointConfig.checkpoint_every_s,
+        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_s"].metadata["doc"]},
+    )
+    checkpoint_keep: int = field(
+        default=CheckpointConfig.checkpoint_keep,
+        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_keep"].metadata["doc"]},
+    )
+    checkpoint_wait_s: float = field(
+        default=CheckpointConfig.checkpoint_wait_s,
+        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]},
+    )
     checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
-    audit_dir: Path | None = field(default=None, metadata={
-        "doc": "Directory of the workers' audit files, passed to them (ELASTICD_AUDIT_DIR): each appends to "
-               "<dir>/<job_id>/<node_id>.<local_rank>.jsonl unless its program gives the trainer an "
-               "audit_path; unset: no audit files. Elastic mode."})
-    spares_per_node: int = field(default=0, metadata={
-        "doc": "Warm spare workers this agent keeps besides nproc_per_node (--spares): each imports torch and "
-               "the program, registers and waits outside every generation; when the job runs below its "
-               "full size (a worker crashed or hung, a node was lost or drained; never past max_workers) "
-               "a spare is taken at the next step boundary and rank 0 sends it the state. A crashed "
-               "worker comes back as a spare. On GPUs each spare needs a device of its own."})
-    standby_node: bool = field(default=False, metadata={
-        "doc": "A standby node (--standby): all nproc_per_node workers wait as warm spares, taken after "
-               "the other nodes' spares, when a node of the job is lost or drained."})
-    relay: bool = field(default=False, metadata={
-        "doc": "Relay the job's generation keys to this node's workers (--relay): the agent watches them "
-               "once and reads the workers' view once per change for all of them (rendezvous.relay), "
-               "so etcd serves one watcher per node instead of one per worker; each worker keeps its "
-               "own lease. Elastic mode."})
-    max_restarts: int = field(default=3, metadata={
-        "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
-               "agent (restarts_exhausted, exit 1)."})
-    restart_window_s: float = field(default=300.0, metadata={
-        "doc": "The window over which restarts are counted against max_restarts."})
-    restart_backoff_initial_s: float = field(default=0.5, metadata={
-        "doc": "Wait before the first restart in a window; doubled for each further one."})
+    audit_dir: Path | None = field(
+        default=None,
+        metadata={
+            "doc": "Directory of the workers' audit files, passed to them (ELASTICD_AUDIT_DIR): each appends to "
+            "<dir>/<job_id>/<node_id>.<local_rank>.jsonl unless its program gives the trainer an "
+            "audit_path; unset: no audit files. Elastic mode."
+        },
+    )
+    spares_per_node: int = field(
+        default=0,
+        metadata={
+            "doc": "Warm spare workers this agent keeps besides nproc_per_node (--spares): each imports torch and "
+            "the program, registers and waits outside every generation; when the job runs below its "
+            "full size (a worker crashed or hung, a node was lost or drained; never past max_workers) "
+            "a spare is taken at the next step boundary and rank 0 sends it the state. A crashed "
+            "worker comes back as a spare. On GPUs each spare needs a device of its own."
+        },
+    )
+    standby_node: bool = field(
+        default=False,
+        metadata={
+            "doc": "A standby node (--standby): all nproc_per_node workers wait as warm spares, taken after "
+            "the other nodes' spares, when a node of the job is lost or drained."
+        },
+    )
+    relay: bool = field(
+        default=False,
+        metadata={
+            "doc": "Relay the job's generation keys to this node's workers (--relay): the agent watches them "
+            "once and reads the workers' view once per change for all of them (rendezvous.relay), "
+            "so etcd serves one watcher per node instead of one per worker; each worker keeps its "
+            "own lease. Elastic mode."
+        },
+    )
+    max_restarts: int = field(
+        default=3,
+        metadata={
+            "doc": "Worker restarts allowed per restart_window_s on this node; one more failure stops the "
+            "agent (restarts_exhausted, exit 1)."
+        },
+    )
+    restart_window_s: float = field(
+        default=300.0, metadata={"doc": "The window over which restarts are counted against max_restarts."}
+    )
+    restart_backoff_initial_s: float = field(
+        default=0.5, metadata={"doc": "Wait before the first restart in a window; doubled for each further one."}
+    )
     restart_backoff_max_s: float = field(default=30.0, metadata={"doc": "The longest wait before a restart."})
-    kill_wait_s: float = field(default=5.0, metadata={
-        "doc": "After SIGKILL, how long to wait for workers to be reaped before the agent exits anyway."})
-    poll_interval_s: float = field(default=0.1, metadata={
-        "doc": "Longest sleep of the agent loop (a worker's exit wakes it at once; this is the fallback)."})
-    stats_interval_s: float = field(default=5.0, metadata={
-        "doc": "Interval between samples of each worker's memory and CPU use (and, at least, between "
-               "writes of the node record in etcd)."})
+    kill_wait_s: float = field(
+        default=5.0,
+        metadata={"doc": "After SIGKILL, how long to wait for workers to be reaped before the agent exits anyway."},
+    )
+    poll_interval_s: float = field(
+        default=0.1,
+        metadata={"doc": "Longest sleep of the agent loop (a worker's exit wakes it at once; this is the fallback)."},
+    )
+    stats_interval_s: float = field(
+        default=5.0,
+        metadata={
+            "doc": "Interval between samples of each worker's memory and CPU use (and, at least, between "
+            "writes of the node record in etcd)."
+        },
+    )
     events_keep: int = field(default=500, metadata={"doc": EVENTS_KEEP_DOC})
-    mode: str = field(default="elastic", metadata={
-        "doc": "elastic: workers use the in-process worker API and the job goes on without a failed "
-               "one; restart: unmodified torchrun scripts (RANK, WORLD_SIZE, MASTER_ADDR, ...), and "
-               "any failure restarts every worker of the job (agent/restart.py)."})
-    hang_timeout_s: float = field(default=60.0, metadata={
-        "doc": "A worker whose progress in etcd has not advanced for this long while the job's committed "
-               "step grew is killed and restarted like a crashed one (0: never)."})
-    stopped_worker_s: float = field(default=0.5, metadata={
-        "doc": "A worker process seen stopped (SIGSTOP or SIGTSTP: state T; a debugger's tracing stop "
-               "is not counted) for this long has its lease revoked by its agent, so that the others "
-               "regroup without it now rather than after lease_ttl_s; it is not killed, and rejoins as a "
-               "newcomer when it continues (0: never)."})
-    metrics_port: int = field(default=0, metadata={
-        "doc": "TCP port of the Prometheus metrics endpoint (/metrics); 0: no endpoint."})
-    metrics_addr: str = field(default="127.0.0.1", metadata={
-        "doc": "Address the metrics endpoint listens on (0.0.0.0: every interface)."})
+    mode: str = field(
+        default="elastic",
+        metadata={
+            "doc": "elastic: workers use the in-process worker API and the job goes on without a failed "
+            "one; restart: unmodified torchrun scripts (RANK, WORLD_SIZE, MASTER_ADDR, ...), and "
+            "any failure restarts every worker of the job (agent/restart.py)."
+        },
+    )
+    hang_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "doc": "A worker whose progress in etcd has not advanced for this long while the job's committed "
+            "step grew is killed and restarted like a crashed one (0: never)."
+        },
+    )
+    stopped_worker_s: float = field(
+        default=0.5,
+        metadata={
+            "doc": "A worker process seen stopped (SIGSTOP or SIGTSTP: state T; a debugger's tracing stop "
+            "is not counted) for this long has its lease revoked by its agent, so that the others "
+            "regroup without it now rather than after lease_ttl_s; it is not killed, and rejoins as a "
+            "newcomer when it continues (0: never)."
+        },
+    )
+    metrics_port: int = field(
+        default=0, metadata={"doc": "TCP port of the Prometheus metrics endpoint (/metrics); 0: no endpoint."}
+    )
+    metrics_addr: str = field(
+        default="127.0.0.1", metadata={"doc": "Address the metrics endpoint listens on (0.0.0.0: every interface)."}
+    )
 
     def __post_init__(self) -> None:
         if not self.program or not all(isinstance(a, str) for a in self.program) or not self.program[0]:
@@ -448,25 +582,46 @@ class AgentConfig:
             least = 1 if name == "nproc_per_node" else 0
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"{name}: must be an integer >= {least}, got {value!r}")
-        for name in ("restart_window_s", "restart_backoff_initial_s", "restart_backoff_max_s",
-                     "kill_wait_s", "poll_interval_s", "stats_interval_s"):
+        for name in (
+            "restart_window_s",
+            "restart_backoff_initial_s",
+            "restart_backoff_max_s",
+            "kill_wait_s",
+            "poll_interval_s",
+            "stats_interval_s",
+        ):
             value = getattr(self, name)
             if not _positive_finite(value):
                 raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
-        if not (isinstance(self.hang_timeout_s, (int, float)) and not isinstance(self.hang_timeout_s, bool)
-                and math.isfinite(self.hang_timeout_s) and self.hang_timeout_s >= 0):
-            raise ConfigError(f"hang_timeout_s: must be a finite number of seconds >= 0 (0: off), "
-                              f"got {self.hang_timeout_s!r}")
+        if not (
+            isinstance(self.hang_timeout_s, (int, float))
+            and not isinstance(self.hang_timeout_s, bool)
+            and math.isfinite(self.hang_timeout_s)
+            and self.hang_timeout_s >= 0
+        ):
+            raise ConfigError(
+                f"hang_timeout_s: must be a finite number of seconds >= 0 (0: off), got {self.hang_timeout_s!r}"
+            )
         if 0 < self.hang_timeout_s < 2 * self.timeouts.keepalive_s:
-            raise ConfigError(f"hang_timeout_s: must be 0 (off) or at least twice keepalive_s "
-                              f"({self.timeouts.keepalive_s}), the interval of progress records, "
-                              f"got {self.hang_timeout_s}")
-        if not (isinstance(self.stopped_worker_s, (int, float)) and not isinstance(self.stopped_worker_s, bool)
-                and math.isfinite(self.stopped_worker_s) and self.stopped_worker_s >= 0):
-            raise ConfigError(f"stopped_worker_s: must be a finite number of seconds >= 0 (0: off), "
-                              f"got {self.stopped_worker_s!r}")
-        if (not isinstance(self.metrics_port, int) or isinstance(self.metrics_port, bool)
-                or not 0 <= self.metrics_port < 65536):
+            raise ConfigError(
+                f"hang_timeout_s: must be 0 (off) or at least twice keepalive_s "
+                f"({self.timeouts.keepalive_s}), the interval of progress records, "
+                f"got {self.hang_timeout_s}"
+            )
+        if not (
+            isinstance(self.stopped_worker_s, (int, float))
+            and not isinstance(self.stopped_worker_s, bool)
+            and math.isfinite(self.stopped_worker_s)
+            and self.stopped_worker_s >= 0
+        ):
+            raise ConfigError(
+                f"stopped_worker_s: must be a finite number of seconds >= 0 (0: off), got {self.stopped_worker_s!r}"
+            )
+        if (
+            not isinstance(self.metrics_port, int)
+            or isinstance(self.metrics_port, bool)
+            or not 0 <= self.metrics_port < 65536
+        ):
             raise ConfigError(f"metrics_port: must be an integer in 0..65535 (0: off), got {self.metrics_port!r}")
         if not self.metrics_addr or any(c.isspace() for c in self.metrics_addr):
             raise ConfigError(f"metrics_addr: must be an address to listen on, got {self.metrics_addr!r}")
@@ -484,11 +639,15 @@ class AgentConfig:
         if self.relay and self.mode != "elastic":
             raise ConfigError("relay: relays the elastic rendezvous (restart mode has its own)")
         if self.audit_dir is not None and self.mode != "elastic":
-            raise ConfigError("audit_dir: the audit files are written by the elastic worker API (restart mode "
-                              "runs unmodified torchrun scripts)")
+            raise ConfigError(
+                "audit_dir: the audit files are written by the elastic worker API (restart mode "
+                "runs unmodified torchrun scripts)"
+            )
         if (self.spares_per_node or self.standby_node) and self.mode != "elastic":
-            raise ConfigError("spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
-                              "restarts every worker at once)")
+            raise ConfigError(
+                "spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
+                "restarts every worker at once)"
+            )
         for name in ("checkpoint_dir", "audit_dir"):
             path = getattr(self, name)
             if path is not None and (not str(path) or "\0" in str(path)):
@@ -511,17 +670,30 @@ class AgentConfig:
     def worker_env(self, local_rank: int, spare: bool = False, relay_socket: str = "") -> WorkerEnv:
         """The settings of this node's worker ``local_rank`` (``spare``: it starts as a warm spare;
         ``relay_socket``: its node's relay)."""
-        return WorkerEnv(world=self.world, etcd=self.etcd, timeouts=self.timeouts, retry=self.retry,
-                         node_id=self.node_id, local_rank=local_rank, advertise_addr=self.advertise_addr,
-                         backend=self.backend, events_keep=self.events_keep,
-                         checkpoint=self.checkpoint_config(), spare=spare, standby=spare and self.standby_node,
-                         relay_socket=relay_socket,
-                         audit_dir=str(self.audit_dir) if self.audit_dir is not None else "")
+        return WorkerEnv(
+            world=self.world,
+            etcd=self.etcd,
+            timeouts=self.timeouts,
+            retry=self.retry,
+            node_id=self.node_id,
+            local_rank=local_rank,
+            advertise_addr=self.advertise_addr,
+            backend=self.backend,
+            events_keep=self.events_keep,
+            checkpoint=self.checkpoint_config(),
+            spare=spare,
+            standby=spare and self.standby_node,
+            relay_socket=relay_socket,
+            audit_dir=str(self.audit_dir) if self.audit_dir is not None else "",
+        )
 
     def checkpoint_config(self) -> CheckpointConfig:
         """The workers' durable-checkpoint settings."""
         return CheckpointConfig(
             checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir is not None else "",
-            checkpoint_every_steps=self.checkpoint_every_steps, checkpoint_every_s=self.checkpoint_every_s,
-            checkpoint_keep=self.checkpoint_keep, checkpoint_wait_s=self.checkpoint_wait_s,
-            checkpoint_allow_new_model=self.checkpoint_allow_new_model)
+            checkpoint_every_steps=self.checkpoint_every_steps,
+            checkpoint_every_s=self.checkpoint_every_s,
+            checkpoint_keep=self.checkpoint_keep,
+            checkpoint_wait_s=self.checkpoint_wait_s,
+            checkpoint_allow_new_model=self.checkpoint_allow_new_model,
+        )

@@ -63,12 +63,12 @@ from elasticd.wire.records import GenerationRecord, decode_generation
 from elasticd.wire.snapshot import parse_snapshot
 
 JOB_ID = "demo"
-SAMPLES = 2048        # the workload's dataset size; the audit checks every epoch against it
+SAMPLES = 2048  # the workload's dataset size; the audit checks every epoch against it
 GLOBAL_BATCH = 64
-TICK_S = 0.1          # how often the demo polls the audit logs, etcd and the processes
+TICK_S = 0.1  # how often the demo polls the audit logs, etcd and the processes
 STATUS_EVERY_S = 1.0  # one progress line this often
-EVENTS_SHOWN = 30        # the last events printed at the end (elasticctl events --limit)
-PROGRESS_EVENT_S = 1.0   # rank 0's progress events (the timeline's step points): a short job, a fine picture
+EVENTS_SHOWN = 30  # the last events printed at the end (elasticctl events --limit)
+PROGRESS_EVENT_S = 1.0  # rank 0's progress events (the timeline's step points): a short job, a fine picture
 AGENT_EXIT_WAIT_S = 30.0  # after the job finished: how long the agents get to exit
 # Short lease so that a frozen or lost node is noticed within seconds (the library default is 3 s).
 DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
@@ -84,8 +84,8 @@ class GenerationSeen:
 
     number: int
     world_size: int
-    cause: str                       # the trainer's cause on the first rank that synced
-    reason: str = ""                 # the published record's reason (etcd), when seen
+    cause: str  # the trainer's cause on the first rank that synced
+    reason: str = ""  # the published record's reason (etcd), when seen
     members: tuple[str, ...] = ()
     first_step: int = 0
     last_step: int = 0
@@ -167,9 +167,9 @@ class Plan:
     nodes: int
     steps: int
     step_sleep: float
-    kill_at: int   # SIGKILL the last node's worker once this step is committed
+    kill_at: int  # SIGKILL the last node's worker once this step is committed
     drain_at: int  # drain node-1 at this step (once the killed worker is back)
-    join_at: int   # start the new node early enough that it joins near this step
+    join_at: int  # start the new node early enough that it joins near this step
     min_workers: int
     timeout_s: float
 
@@ -192,7 +192,7 @@ class Outcome:
 
     codes: dict[str, int | None] = field(default_factory=dict)  # node -> the agent's exit code
     killed_pid: int | None = None
-    killed_t: float | None = None     # wall clock, comparable with the audit lines
+    killed_t: float | None = None  # wall clock, comparable with the audit lines
     rejoined: bool = False
     drained_t: float | None = None
     newcomer_started: bool = False
@@ -217,7 +217,7 @@ class Demo:
         self.agents: dict[str, WorkerProcess] = {}
         self.progress = Progress()
         self.outcome = Outcome()
-        self.startup_s: float | None = None       # agents spawned -> the first synced generation
+        self.startup_s: float | None = None  # agents spawned -> the first synced generation
         self._rate_samples: deque[tuple[float, int]] = deque()
         self._generation_at_kill = 0
         self._status_printed = False
@@ -231,8 +231,10 @@ class Demo:
         p = self.progress
         loss = f"{p.loss:.3g}" if p.loss is not None else "-"
         alive = [n for n, a in self.agents.items() if a.alive()]
-        self.say(f"step {p.step:4d}/{self.plan.steps}  generation {p.generation}  world {p.world_size}  "
-                 f"loss {loss}  agents running: {', '.join(alive) or 'none'}")
+        self.say(
+            f"step {p.step:4d}/{self.plan.steps}  generation {p.generation}  world {p.world_size}  "
+            f"loss {loss}  agents running: {', '.join(alive) or 'none'}"
+        )
 
     def elasticctl(self, *args: str, when: str = "") -> int:
         """Run ``elasticctl`` as an operator would (in this process) and print what it printed."""
@@ -249,16 +251,25 @@ class Demo:
 
     def print_status(self, when: str) -> None:
         """``elasticctl status`` of the job."""
-        self.elasticctl("status", "--job", JOB_ID, "--min-workers", str(self.plan.min_workers),
-                        "--max-workers", str(self.plan.nodes), when=when)
+        self.elasticctl(
+            "status",
+            "--job",
+            JOB_ID,
+            "--min-workers",
+            str(self.plan.min_workers),
+            "--max-workers",
+            str(self.plan.nodes),
+            when=when,
+        )
 
     # -- processes --------------------------------------------------------------------------
 
     def start_etcd(self) -> None:
         self.etcd = EtcdServer(data_dir=str(self.workdir / "etcd"))
         self.etcd.start()
-        self.say(f"etcd {self.etcd.endpoint} (pid {self.etcd.proc.pid if self.etcd.proc else '?'}), "
-                 f"log {self.etcd.log_path}")
+        self.say(
+            f"etcd {self.etcd.endpoint} (pid {self.etcd.proc.pid if self.etcd.proc else '?'}), log {self.etcd.log_path}"
+        )
         from elasticd.store.etcd import EtcdClient
 
         client = EtcdClient(EtcdConfig(endpoints=(self.etcd.endpoint,)), DEMO_TIMEOUTS, RetryPolicy(etcd_attempts=2))
@@ -267,17 +278,36 @@ class Demo:
     def agent_argv(self, node: str) -> list[str]:
         assert self.etcd is not None
         program = python_program(
-            "agents/mlp.py", "--steps", str(self.plan.steps), "--samples", str(SAMPLES),
-            "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(self.plan.step_sleep),
-            "--audit", str(self.audit_dir / f"{node}.jsonl"),
+            "agents/mlp.py",
+            "--steps",
+            str(self.plan.steps),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--step-sleep",
+            str(self.plan.step_sleep),
+            "--audit",
+            str(self.audit_dir / f"{node}.jsonl"),
         )
-        return local_agent_argv(self.config_file, [self.etcd.endpoint], JOB_ID, node,
-                                f"{self.plan.min_workers}:{self.plan.nodes}", DEMO_TIMEOUTS.lease_ttl_s,
-                                DEMO_TIMEOUTS.keepalive_s, program)
+        return local_agent_argv(
+            self.config_file,
+            [self.etcd.endpoint],
+            JOB_ID,
+            node,
+            f"{self.plan.min_workers}:{self.plan.nodes}",
+            DEMO_TIMEOUTS.lease_ttl_s,
+            DEMO_TIMEOUTS.keepalive_s,
+            program,
+        )
 
     def start_agent(self, node: str) -> WorkerProcess:
-        a = WorkerProcess(self.agent_argv(node), {"ELASTICD_PROGRESS_EVENT_S": str(PROGRESS_EVENT_S)},
-                          self.workdir / f"agent-{node}.log", new_session=True).start()
+        a = WorkerProcess(
+            self.agent_argv(node),
+            {"ELASTICD_PROGRESS_EVENT_S": str(PROGRESS_EVENT_S)},
+            self.workdir / f"agent-{node}.log",
+            new_session=True,
+        ).start()
         self.agents[node] = a
         self.say(f"started agent {node} (pid {a.pid}), log {a.log_path}")
         return a
@@ -351,8 +381,10 @@ class Demo:
                 o.killed_pid, o.killed_t = pid, time.time()
                 self._generation_at_kill = p.generation
                 signal_pid(pid, signal.SIGKILL)
-                self.say(f"killed {plan.victim}'s worker (pid {pid}) with SIGKILL at step {p.step}; "
-                         f"its agent revokes its lease and restarts it")
+                self.say(
+                    f"killed {plan.victim}'s worker (pid {pid}) with SIGKILL at step {p.step}; "
+                    f"its agent revokes its lease and restarts it"
+                )
         if o.killed_t is not None and not o.rejoined and p.synced_after(plan.victim, o.killed_t):
             o.rejoined = True
         if o.rejoined and o.drained_t is None and p.step >= plan.drain_at:
@@ -363,8 +395,10 @@ class Demo:
             lead = math.ceil((self.startup_s or 0.0) * self.steps_per_s())
             if p.step >= plan.join_at - lead:
                 o.newcomer_started = True
-                self.say(f"adding {plan.newcomer} at step {p.step} so that it joins near step {plan.join_at} "
-                         f"(nodes took {self.startup_s or 0:.1f} s to start; {self.steps_per_s():.1f} steps/s)")
+                self.say(
+                    f"adding {plan.newcomer} at step {p.step} so that it joins near step {plan.join_at} "
+                    f"(nodes took {self.startup_s or 0:.1f} s to start; {self.steps_per_s():.1f} steps/s)"
+                )
                 self.start_agent(plan.newcomer)
         if o.newcomer_started and not o.newcomer_joined and plan.newcomer in p.syncs:
             o.newcomer_joined = True
@@ -396,7 +430,8 @@ class Demo:
                 finished_at = finished_at or time.monotonic()
                 if time.monotonic() - finished_at > AGENT_EXIT_WAIT_S:
                     self.outcome.problems.append(
-                        f"agents still running {AGENT_EXIT_WAIT_S:g} s after the last step was committed")
+                        f"agents still running {AGENT_EXIT_WAIT_S:g} s after the last step was committed"
+                    )
                     break
             if time.monotonic() >= next_status:
                 self.status_line()
@@ -409,8 +444,14 @@ class Demo:
         if self.store is not None:
             self.print_status("the end")
             self.elasticctl("events", "--job", JOB_ID, "--limit", str(EVENTS_SHOWN), when="the job's history")
-            self.elasticctl("timeline", "--job", JOB_ID, "--out", str(self.workdir / "timeline.png"),
-                            when="the same history as one picture")
+            self.elasticctl(
+                "timeline",
+                "--job",
+                JOB_ID,
+                "--out",
+                str(self.workdir / "timeline.png"),
+                when="the same history as one picture",
+            )
         for node, a in self.agents.items():
             if a.alive():
                 a.stop()
@@ -466,8 +507,11 @@ class Demo:
         last_loss = rep.losses.get(rep.last_step)
         if last_loss is not None:
             first = rep.losses.get(1)
-            w(f"loss              {first:.4g} at step 1 -> {last_loss:.4g} at step {rep.last_step}\n"
-              if first is not None else f"final loss        {last_loss:.4g}\n")
+            w(
+                f"loss              {first:.4g} at step 1 -> {last_loss:.4g} at step {rep.last_step}\n"
+                if first is not None
+                else f"final loss        {last_loss:.4g}\n"
+            )
         w(f"agents            {', '.join(f'{n}: exit {c}' for n, c in sorted(o.codes.items()))}\n")
         for step, sums in sorted(rep.finals_by_step.items()):
             n = p.finals.count(step)
@@ -501,12 +545,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--nodes", type=int, default=3, help="agents at the start (>= 3; default 3)")
     p.add_argument("--steps", type=int, default=300, help="steps to commit (>= 30; default 300)")
-    p.add_argument("--step-sleep", type=float, default=0.1,
-                   help="extra seconds per step in each worker, so the run can be watched (default 0.1)")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.1,
+        help="extra seconds per step in each worker, so the run can be watched (default 0.1)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds (default 600)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="empty or new directory for logs, audit files and etcd data (kept afterwards); "
-                   "default: a temporary directory, removed at the end unless --keep or the run failed")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="empty or new directory for logs, audit files and etcd data (kept afterwards); "
+        "default: a temporary directory, removed at the end unless --keep or the run failed",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     return p.parse_args(argv)
 
@@ -548,12 +600,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = sys.stdout
     demo = Demo(plan, workdir, out)
-    print(f"elasticd demo: {plan.nodes} node agents (1 worker each), {plan.steps} steps, world "
-          f"{plan.min_workers}..{plan.nodes}, lease TTL {DEMO_TIMEOUTS.lease_ttl_s:g} s; SIGKILL {plan.victim}'s "
-          f"worker at step {plan.kill_at}, drain {plan.drained} at step {plan.drain_at}, add {plan.newcomer} "
-          f"near step {plan.join_at}", file=out)
-    print(f"work dir {workdir} (agent-<node>.log: each agent's and its workers' logs, audit/<node>.jsonl: "
-          f"audit, etcd.log)", file=out, flush=True)
+    print(
+        f"elasticd demo: {plan.nodes} node agents (1 worker each), {plan.steps} steps, world "
+        f"{plan.min_workers}..{plan.nodes}, lease TTL {DEMO_TIMEOUTS.lease_ttl_s:g} s; SIGKILL {plan.victim}'s "
+        f"worker at step {plan.kill_at}, drain {plan.drained} at step {plan.drain_at}, add {plan.newcomer} "
+        f"near step {plan.join_at}",
+        file=out,
+    )
+    print(
+        f"work dir {workdir} (agent-<node>.log: each agent's and its workers' logs, audit/<node>.jsonl: "
+        f"audit, etcd.log)",
+        file=out,
+        flush=True,
+    )
 
     def body() -> int:
         demo.run()

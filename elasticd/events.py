@@ -93,8 +93,9 @@ class EventLog:
             if len(self._pending) >= MAX_PENDING_EVENTS:
                 self._pending.popleft()
                 self.dropped += 1
-                log.warning("event_dropped", reason="too many events waiting to be written",
-                            max_pending=MAX_PENDING_EVENTS)
+                log.warning(
+                    "event_dropped", reason="too many events waiting to be written", max_pending=MAX_PENDING_EVENTS
+                )
             self._pending.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="elasticd-events", daemon=True)

@@ -69,8 +69,13 @@ class Setting:
 
 
 _CLASSES: Mapping[str, type] = {
-    "world": WorldConfig, "etcd": EtcdConfig, "timeouts": Timeouts, "retry": RetryPolicy,
-    "checkpoint": CheckpointConfig, "worker": WorkerEnv, "agent": AgentConfig,
+    "world": WorldConfig,
+    "etcd": EtcdConfig,
+    "timeouts": Timeouts,
+    "retry": RetryPolicy,
+    "checkpoint": CheckpointConfig,
+    "worker": WorkerEnv,
+    "agent": AgentConfig,
 }
 _NESTED = ("world", "etcd", "timeouts", "retry", "checkpoint")  # fields that hold a section, not a setting
 _EXTRA_DOCS = {
@@ -111,8 +116,7 @@ AGENT_SETTINGS: Mapping[str, Setting] = _table(("world", "etcd", "timeouts", "re
 # The worker environment contract, in the order ``worker_env_to_environ`` writes it.
 WORKER_VARIABLES: Mapping[str, Setting] = _table(("etcd", "world", "timeouts", "retry", "checkpoint", "worker"))
 
-_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", tuple: "a list of strings",
-               bool: "true or false"}
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", tuple: "a list of strings", bool: "true or false"}
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -152,8 +156,7 @@ def _from_toml(setting: Setting, raw: object, where: str) -> object:
         or (kind is tuple and isinstance(raw, list) and all(isinstance(x, str) for x in raw))
     )
     if not ok:
-        raise ConfigError(f"{setting.name}: expected {_KIND_WORDS[kind]}, got {raw!r} "
-                          f"({type(raw).__name__}) {where}")
+        raise ConfigError(f"{setting.name}: expected {_KIND_WORDS[kind]}, got {raw!r} ({type(raw).__name__}) {where}")
     if kind is float:
         return float(raw)  # type: ignore[arg-type]
     if kind is tuple:
@@ -262,8 +265,11 @@ def worker_env_to_environ(env: WorkerEnv) -> dict[str, str]:
 def etcd_security_environ(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """The etcd TLS and auth settings in ``ELASTICD_ETCD_*`` variables (field -> value; ConfigError: not a boolean)."""
     env = os.environ if environ is None else environ
-    return {s.attr: _agent_value(s, env[s.variable], f"from {s.variable}") for s in WORKER_VARIABLES.values()
-            if s.section == "etcd" and s.attr in ETCD_SECURITY_FIELDS and s.variable in env}
+    return {
+        s.attr: _agent_value(s, env[s.variable], f"from {s.variable}")
+        for s in WORKER_VARIABLES.values()
+        if s.section == "etcd" and s.attr in ETCD_SECURITY_FIELDS and s.variable in env
+    }
 
 
 def without_etcd_security(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -311,9 +317,13 @@ def nccl_environ(timeouts: Timeouts) -> dict[str, str]:
     agent passes them to its workers. ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (whole seconds) is at most
     ``group_build_s`` and half of ``group_abort_s``."""
     nonblocking_s = max(1, int(min(timeouts.group_build_s, timeouts.group_abort_s / 2)))
-    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_ENABLE_MONITORING": "0",
-            "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(nonblocking_s)}
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_BLOCKING_WAIT": "0",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_ENABLE_MONITORING": "0",
+        "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(nonblocking_s),
+    }
 
 
 def environ_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
@@ -456,8 +466,9 @@ def load_agent_config(
             raise ConfigError("nnodes: give either --nnodes or --min-workers/--max-workers, not both")
         nproc = values["nproc_per_node"]
         if not isinstance(nproc, int) or nproc < 1:
-            raise ConfigError(f"nproc_per_node: must be an integer >= 1, got {nproc!r} "
-                              f"({sources.get('nproc_per_node', 'default')})")
+            raise ConfigError(
+                f"nproc_per_node: must be an integer >= 1, got {nproc!r} ({sources.get('nproc_per_node', 'default')})"
+            )
         lo, hi = parse_nnodes(nnodes)
         values["min_workers"], values["max_workers"] = lo * nproc, hi * nproc
         sources["min_workers"] = sources["max_workers"] = "from --nnodes"

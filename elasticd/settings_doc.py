@@ -22,8 +22,19 @@ from elasticd.settings import (
 )
 
 # The agent settings a new job sets; the rest tune it.
-ESSENTIAL = ("job_id", "etcd_endpoints", "min_workers", "max_workers", "nproc_per_node", "node_id",
-             "advertise_addr", "mode", "backend", "checkpoint_dir", "program")
+ESSENTIAL = (
+    "job_id",
+    "etcd_endpoints",
+    "min_workers",
+    "max_workers",
+    "nproc_per_node",
+    "node_id",
+    "advertise_addr",
+    "mode",
+    "backend",
+    "checkpoint_dir",
+    "program",
+)
 # Worker variables that only tests and the fault-injection tools set.
 TESTING_ONLY = ("stop_after_sum", "miss_sum_at", "kill_after_apply")
 
@@ -53,7 +64,7 @@ def default_text(setting: Setting) -> str:
 
 
 def unit_text(setting: Setting) -> str:
-    """"s" for durations (``*_s``), else empty."""
+    """ "s" for durations (``*_s``), else empty."""
     return "s" if setting.name.endswith("_s") else ""
 
 
@@ -62,8 +73,11 @@ def _cell(text: str) -> str:
 
 
 def _table(settings: Iterable[Setting], *, agent: bool) -> list[str]:
-    head = ("| setting | flag | variable | default | unit | what it does |" if agent
-            else "| variable | default | unit | what it does |")
+    head = (
+        "| setting | flag | variable | default | unit | what it does |"
+        if agent
+        else "| variable | default | unit | what it does |"
+    )
     rule = "|---|---|---|---|---|---|" if agent else "|---|---|---|---|"
     lines = [head, rule]
     for s in settings:

@@ -106,7 +106,9 @@ class LocalJob:
         return [w.wait(max(0.1, deadline - time.monotonic())) for w in self.workers]
 
     def logs_tail(self, n: int = 15) -> str:
-        return "\n".join(f"--- worker {i}\n" + "\n".join(w.log_text().splitlines()[-n:]) for i, w in enumerate(self.workers))
+        return "\n".join(
+            f"--- worker {i}\n" + "\n".join(w.log_text().splitlines()[-n:]) for i, w in enumerate(self.workers)
+        )
 
     def stop(self) -> None:
         for w in self.workers:

@@ -178,8 +178,13 @@ class FakeKeyValueStore:
         self._notify(changed)
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
         delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         deletes = list(delete_keys)
@@ -309,13 +314,17 @@ class GuardedStore(FakeKeyValueStore):
         super().delete(key)
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
         delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         self.guard("compare_and_put")
-        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
-                                       delete_ranges)
+        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges)
 
     def grant_lease(self, ttl_s: float) -> int:
         self.guard("grant_lease")

@@ -64,8 +64,6 @@ def audit_commits(job: Any, worker: int) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, p.read_text().splitlines()) if r["event"] == "commit"]
 
 
-
-
 def stop_one_and_lose_the_others(job: Any, spawn: Callable[..., Any], step: int) -> Any:
     """Of three workers (``spawn()`` starts one), worker 1 stops itself right after the gradient sum
     of ``step`` arrives, before it applies the step (``ELASTICD_STOP_AFTER_SUM``); workers 0 and 2
@@ -77,8 +75,11 @@ def stop_one_and_lose_the_others(job: Any, spawn: Callable[..., Any], step: int)
     victim = spawn(stop_after_sum=step)
     spawn(kill_after_apply=step)
     job.wait_for(lambda: _stopped(victim.pid), 90, f"worker 1 stopped after the sum of step {step}")
-    job.wait_for(lambda: not job.workers[0].alive() and not job.workers[2].alive(), 10,
-                 f"workers 0 and 2 to apply step {step} and end")
+    job.wait_for(
+        lambda: not job.workers[0].alive() and not job.workers[2].alive(),
+        10,
+        f"workers 0 and 2 to apply step {step} and end",
+    )
     assert [job.workers[w].proc.returncode for w in (0, 2)] == [-9, -9], job.logs_tail()
     assert not any(r["step"] >= step for w in range(3) for r in audit_commits(job, w))
     # worker 1's lease ends while it is stopped (etcd removes its member key)

@@ -77,8 +77,16 @@ class LadderStep:
     until: float | None = None
 
 
-def stop_ladder(now: float, *, terminate_deadline: float, kill_deadline: float | None, stop_requests: int,
-                grace_s: float, kill_wait_s: float, workers: str = "workers") -> LadderStep:
+def stop_ladder(
+    now: float,
+    *,
+    terminate_deadline: float,
+    kill_deadline: float | None,
+    stop_requests: int,
+    grace_s: float,
+    kill_wait_s: float,
+    workers: str = "workers",
+) -> LadderStep:
     """The next step in stopping workers that were sent SIGTERM. Pure.
 
     Args:
@@ -89,14 +97,16 @@ def stop_ladder(now: float, *, terminate_deadline: float, kill_deadline: float |
     """
     if kill_deadline is not None:
         if now >= kill_deadline:
-            return LadderStep(Rung.GIVE_UP, f"workers_not_reaped: {workers} outlived SIGKILL by kill_wait_s "
-                              f"({kill_wait_s:g} s)")
+            return LadderStep(
+                Rung.GIVE_UP, f"workers_not_reaped: {workers} outlived SIGKILL by kill_wait_s ({kill_wait_s:g} s)"
+            )
         return LadderStep(Rung.WAIT, "waiting for killed workers to be reaped", until=kill_deadline)
     if stop_requests >= 2:
         return LadderStep(Rung.KILL, "a second stop request", until=now + kill_wait_s)
     if now >= terminate_deadline:
-        return LadderStep(Rung.KILL, f"workers still running after shutdown_grace_s ({grace_s:g} s)",
-                          until=now + kill_wait_s)
+        return LadderStep(
+            Rung.KILL, f"workers still running after shutdown_grace_s ({grace_s:g} s)", until=now + kill_wait_s
+        )
     return LadderStep(Rung.WAIT, "waiting for the workers to stop", until=terminate_deadline)
 
 
@@ -123,8 +133,11 @@ class Waker:
     def __enter__(self) -> Waker:
         if self._install:
             self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
-            for sig, handler in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
-                                 (signal.SIGCHLD, self._on_wake)):
+            for sig, handler in (
+                (signal.SIGTERM, self._on_stop),
+                (signal.SIGINT, self._on_stop),
+                (signal.SIGCHLD, self._on_wake),
+            ):
                 self._old[sig] = signal.signal(sig, handler)
         return self
 
@@ -234,10 +247,19 @@ class AgentDaemon(ABC):
 
     def _started_fields(self) -> dict[str, object]:
         c = self._config
-        return dict(job=c.world.job_id, node=c.node_id, program=list(c.program), nproc_per_node=c.nproc_per_node,
-                    spares_per_node=c.spares_per_node, standby_node=c.standby_node, min_workers=c.world.min_workers,
-                    max_workers=c.world.max_workers, etcd=list(c.etcd.endpoints),
-                    max_restarts=c.max_restarts, restart_window_s=c.restart_window_s)
+        return dict(
+            job=c.world.job_id,
+            node=c.node_id,
+            program=list(c.program),
+            nproc_per_node=c.nproc_per_node,
+            spares_per_node=c.spares_per_node,
+            standby_node=c.standby_node,
+            min_workers=c.world.min_workers,
+            max_workers=c.world.max_workers,
+            etcd=list(c.etcd.endpoints),
+            max_restarts=c.max_restarts,
+            restart_window_s=c.restart_window_s,
+        )
 
     def _guarded_loop(self, waker: Waker, *, stop_workers: bool = True) -> AgentOutcome:
         """``_loop``, where any surprise becomes a fatal stop (``agent_failed``), and etcd's

@@ -131,8 +131,12 @@ class Agent(AgentDaemon):
 
     def _started_fields(self) -> dict[str, object]:
         c = self._config
-        return {**super()._started_fields(), "hang_timeout_s": c.hang_timeout_s, "etcd_tls": c.etcd.tls,
-                "etcd_user": c.etcd.user or None}
+        return {
+            **super()._started_fields(),
+            "hang_timeout_s": c.hang_timeout_s,
+            "etcd_tls": c.etcd.tls,
+            "etcd_user": c.etcd.user or None,
+        }
 
     def _closed(self) -> None:
         if self._reader is not None:
@@ -141,8 +145,16 @@ class Agent(AgentDaemon):
 
     def _serve(self, waker: Waker) -> AgentOutcome:
         c = self._config
-        presence = NodePresence(self._store, self._keys, c.node_id, c.timeouts, c.stats_interval_s,
-                                c.events_keep, self._on_drain_request, self._clock)
+        presence = NodePresence(
+            self._store,
+            self._keys,
+            c.node_id,
+            c.timeouts,
+            c.stats_interval_s,
+            c.events_keep,
+            self._on_drain_request,
+            self._clock,
+        )
         self._since = time.time()
 
         def claim_wait(seconds: float) -> None:
@@ -165,12 +177,14 @@ class Agent(AgentDaemon):
                 return AgentOutcome(EXIT_CONFIG, str(exc))
             except EtcdUnavailable as exc:
                 if self._clock() >= outage_ends:
-                    return AgentOutcome(EXIT_FATAL, f"etcd_unreachable for etcd_outage_s "
-                                        f"({c.timeouts.etcd_outage_s:g} s): {exc}")
+                    return AgentOutcome(
+                        EXIT_FATAL, f"etcd_unreachable for etcd_outage_s ({c.timeouts.etcd_outage_s:g} s): {exc}"
+                    )
                 if stopping():
                     return AgentOutcome(EXIT_OK, "stopped while waiting for etcd")
-                log.warning("agent_waiting_for_etcd", error=str(exc)[:200],
-                            bound_s=round(outage_ends - self._clock(), 1))
+                log.warning(
+                    "agent_waiting_for_etcd", error=str(exc)[:200], bound_s=round(outage_ends - self._clock(), 1)
+                )
                 claim_wait(c.timeouts.keepalive_s)
         if claim.kind is ClaimKind.REFUSE:
             return AgentOutcome(EXIT_CONFIG, claim.reason)
@@ -180,8 +194,12 @@ class Agent(AgentDaemon):
         self._presence.start()
         self._relay = self._start_relay() if c.relay else None
         if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
-            self._reader = JobReader(self._store, self._keys, self._clock, job_read_interval_s(
-                c, live_consumers=self._metrics is not None or self._notifier.enabled))
+            self._reader = JobReader(
+                self._store,
+                self._keys,
+                self._clock,
+                job_read_interval_s(c, live_consumers=self._metrics is not None or self._notifier.enabled),
+            )
         try:
             outcome = self._guarded_loop(waker)
             if outcome.exit_code == EXIT_OK and outcome.reason == "drained":
@@ -199,8 +217,13 @@ class Agent(AgentDaemon):
         """This node's relay (``rendezvous.relay``), on a socket in a directory of its own (0700);
         None when it cannot start: the workers then read etcd themselves."""
         c = self._config
-        relay = NodeRelay(self._store, self._keys, c.node_id, os.path.join(tempfile.mkdtemp(prefix="elasticd-relay-"),
-                                                                          "relay.sock"), c.timeouts)
+        relay = NodeRelay(
+            self._store,
+            self._keys,
+            c.node_id,
+            os.path.join(tempfile.mkdtemp(prefix="elasticd-relay-"), "relay.sock"),
+            c.timeouts,
+        )
         try:
             relay.start()
         except (OSError, EtcdUnavailable) as exc:
@@ -233,15 +256,27 @@ class Agent(AgentDaemon):
         for slot in self.snapshot.slots:
             st = stats.get(slot.local_rank)
             fresh = st is not None and st.pid == slot.pid
-            workers.append(WorkerRecord(
-                local_rank=slot.local_rank, pid=slot.pid, state=str(slot.state), starts=slot.starts,
-                restarts=max(0, slot.starts - 1), last_exit=self._last_exit.get(slot.local_rank),
-                rss_bytes=st.rss_bytes if fresh and st is not None else None,
-                cpu_percent=st.cpu_percent if fresh and st is not None else None,
-            ))
-        return NodeRecord(node=c.node_id, host=c.advertise_addr, agent_pid=os.getpid(),
-                          state=str(self.snapshot.state), time=time.time(), workers=tuple(workers),
-                          since=self._since)
+            workers.append(
+                WorkerRecord(
+                    local_rank=slot.local_rank,
+                    pid=slot.pid,
+                    state=str(slot.state),
+                    starts=slot.starts,
+                    restarts=max(0, slot.starts - 1),
+                    last_exit=self._last_exit.get(slot.local_rank),
+                    rss_bytes=st.rss_bytes if fresh and st is not None else None,
+                    cpu_percent=st.cpu_percent if fresh and st is not None else None,
+                )
+            )
+        return NodeRecord(
+            node=c.node_id,
+            host=c.advertise_addr,
+            agent_pid=os.getpid(),
+            state=str(self.snapshot.state),
+            time=time.time(),
+            workers=tuple(workers),
+            since=self._since,
+        )
 
     def _loop(self, waker: Waker) -> AgentOutcome:
         c = self._config
@@ -279,10 +314,13 @@ class Agent(AgentDaemon):
         mine = [m for m in v.in_generation if m in v.members and v.members[m].node == self._config.node_id]
         if v.generation and mine and self._notify_ready():
             log.info("agent_ready", generation=v.generation, workers_in_generation=len(mine))
-        text = (f"generation {v.generation}, world {v.world_size} "
-                f"[{self._config.world.min_workers}..{self._config.world.max_workers}], "
-                f"this node {len(mine)}/{self._config.nproc_per_node} in it, step >= {v.job_step}"
-                if v.generation else "waiting for the first generation")
+        text = (
+            f"generation {v.generation}, world {v.world_size} "
+            f"[{self._config.world.min_workers}..{self._config.world.max_workers}], "
+            f"this node {len(mine)}/{self._config.nproc_per_node} in it, step >= {v.job_step}"
+            if v.generation
+            else "waiting for the first generation"
+        )
         if text != self._last_status:
             self._notifier.status(text)
             self._last_status = text
@@ -318,8 +356,9 @@ class Agent(AgentDaemon):
                 self._set_slot(s.local_rank, stopped_at=now)
             elif s.local_rank not in stopped and s.stopped_at is not None:
                 if s.stop_revoked:
-                    log.info("worker_continued", local_rank=s.local_rank, pid=s.pid,
-                             stopped_s=round(now - s.stopped_at, 3))
+                    log.info(
+                        "worker_continued", local_rank=s.local_rank, pid=s.pid, stopped_s=round(now - s.stopped_at, 3)
+                    )
                 self._set_slot(s.local_rank, stopped_at=None, stop_revoked=False)
 
     def _take_view(self, view: JobView) -> None:
@@ -340,13 +379,29 @@ class Agent(AgentDaemon):
     def _log_exit(self, e: WorkerExit) -> None:
         stats = e.last_stats
         level = log.info if e.ok else log.warning
-        level("worker_exited", local_rank=e.local_rank, pid=e.pid, kind=str(e.kind), code=e.code,
-              signal=e.signal, runtime_s=e.runtime_s, how=e.describe(),
-              rss_mb=round(stats.rss_bytes / 2**20, 1) if stats else None,
-              cpu_percent=stats.cpu_percent if stats else None)
+        level(
+            "worker_exited",
+            local_rank=e.local_rank,
+            pid=e.pid,
+            kind=str(e.kind),
+            code=e.code,
+            signal=e.signal,
+            runtime_s=e.runtime_s,
+            how=e.describe(),
+            rss_mb=round(stats.rss_bytes / 2**20, 1) if stats else None,
+            cpu_percent=stats.cpu_percent if stats else None,
+        )
         self._last_exit[e.local_rank] = e.describe()
-        self._event(EventKind.WORKER_EXITED, local_rank=e.local_rank, pid=e.pid, exit_kind=str(e.kind), code=e.code,
-                    signal=e.signal, how=e.describe(), runtime_s=e.runtime_s)
+        self._event(
+            EventKind.WORKER_EXITED,
+            local_rank=e.local_rank,
+            pid=e.pid,
+            exit_kind=str(e.kind),
+            code=e.code,
+            signal=e.signal,
+            how=e.describe(),
+            runtime_s=e.runtime_s,
+        )
 
     def _set_slot(self, local_rank: int, **changes: object) -> Slot:
         slots = list(self.snapshot.slots)
@@ -368,9 +423,14 @@ class Agent(AgentDaemon):
                 kept = tuple(t for t in self.snapshot.restarts if now - t < c.restart_window_s)  # bounded
                 self.snapshot = replace(self.snapshot, restarts=(*kept, now))
                 recent = len(kept) + 1
-                log.info("worker_restart_scheduled", local_rank=action.local_rank,
-                         in_s=round(action.restart_at - now, 3), restarts_in_window=recent,
-                         max_restarts=c.max_restarts, reason=action.reason)
+                log.info(
+                    "worker_restart_scheduled",
+                    local_rank=action.local_rank,
+                    in_s=round(action.restart_at - now, 3),
+                    restarts_in_window=recent,
+                    max_restarts=c.max_restarts,
+                    reason=action.reason,
+                )
                 if self._metrics is not None:
                     self._metrics.worker_restarted(action.local_rank)
             if action.next_state is AgentState.STOPPING:
@@ -379,12 +439,20 @@ class Agent(AgentDaemon):
                 self.snapshot = replace(self.snapshot, reason=action.reason)
         elif action.kind is ActionKind.TERMINATE:
             pids = self._supervisor.send_signal(signal.SIGTERM)
-            log.info("workers_signalled", signal="SIGTERM", pids=pids, grace_s=c.timeouts.shutdown_grace_s,
-                     reason=action.reason)
+            log.info(
+                "workers_signalled",
+                signal="SIGTERM",
+                pids=pids,
+                grace_s=c.timeouts.shutdown_grace_s,
+                reason=action.reason,
+            )
             if action.next_state is AgentState.DRAINING:
                 req = self._drain_request
-                cause = ("elasticctl drain" + (f" by {req.requested_by}" if req else "")
-                         if self._drain_acted else "stop signal (SIGTERM/SIGINT)")
+                cause = (
+                    "elasticctl drain" + (f" by {req.requested_by}" if req else "")
+                    if self._drain_acted
+                    else "stop signal (SIGTERM/SIGINT)"
+                )
                 self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
             self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
         elif action.kind is ActionKind.KILL:
@@ -394,18 +462,30 @@ class Agent(AgentDaemon):
             slot = self.snapshot.slots[action.local_rank]
             pids = self._supervisor.kill([action.local_rank])
             v, m = self.snapshot.view, slot.mark
-            log.warning("worker_hung", local_rank=action.local_rank, pid=slot.pid, killed=pids,
-                        stalled_s=round(v.read_at - m.at, 2) if v and m else None,
-                        last_progress=list(m.key) if m else None, job_step_then=m.job_step if m else None,
-                        job_step_now=v.job_step if v else None, hang_timeout_s=c.hang_timeout_s,
-                        reason=action.reason)
+            log.warning(
+                "worker_hung",
+                local_rank=action.local_rank,
+                pid=slot.pid,
+                killed=pids,
+                stalled_s=round(v.read_at - m.at, 2) if v and m else None,
+                last_progress=list(m.key) if m else None,
+                job_step_then=m.job_step if m else None,
+                job_step_now=v.job_step if v else None,
+                hang_timeout_s=c.hang_timeout_s,
+                reason=action.reason,
+            )
             self._set_slot(action.local_rank, hang_killed=True)
             if self._metrics is not None:
                 self._metrics.worker_hung(action.local_rank)
         elif action.kind is ActionKind.REVOKE_STOPPED:
             slot = self._set_slot(action.local_rank, stop_revoked=True)
-            log.warning("worker_stopped", local_rank=action.local_rank, pid=slot.pid,
-                        stopped_worker_s=c.stopped_worker_s, reason=action.reason)
+            log.warning(
+                "worker_stopped",
+                local_rank=action.local_rank,
+                pid=slot.pid,
+                stopped_worker_s=c.stopped_worker_s,
+                reason=action.reason,
+            )
             self._event(EventKind.WORKER_STOPPED, local_rank=action.local_rank, pid=slot.pid)
             self._revoke_leases(action.local_rank, slot.pid, self._supervisor.pids(action.local_rank))
         if action.next_state is not None:
@@ -415,17 +495,34 @@ class Agent(AgentDaemon):
         c = self._config
         slot = self.snapshot.slots[local_rank]
         spare = c.starts_spare(local_rank, slot.starts)
-        env = c.worker_env(local_rank, spare, self._relay.path if self._relay is not None else "")  # NCCL's watchdog settings are defaults: the agent's own environment wins
+        env = c.worker_env(
+            local_rank, spare, self._relay.path if self._relay is not None else ""
+        )  # NCCL's watchdog settings are defaults: the agent's own environment wins
         pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(env), nccl_environ(env.timeouts)))
         if isinstance(pid, WorkerExit):
             e = pid
             self._log_exit(e)
             self._set_slot(local_rank, state=SlotState.EXITED, exit=e, starts=slot.starts + 1)
             return
-        self._set_slot(local_rank, state=SlotState.RUNNING, pid=pid, exit=None, starts=slot.starts + 1, mark=None,
-                       hang_killed=False, stopped_at=None, stop_revoked=False)
-        log.info("worker_started", local_rank=local_rank, pid=pid, start=slot.starts + 1,
-                 restart=slot.starts > 0, spare=spare)
+        self._set_slot(
+            local_rank,
+            state=SlotState.RUNNING,
+            pid=pid,
+            exit=None,
+            starts=slot.starts + 1,
+            mark=None,
+            hang_killed=False,
+            stopped_at=None,
+            stop_revoked=False,
+        )
+        log.info(
+            "worker_started",
+            local_rank=local_rank,
+            pid=pid,
+            start=slot.starts + 1,
+            restart=slot.starts > 0,
+            spare=spare,
+        )
         if slot.starts > 0:
             self._event(EventKind.WORKER_RESTARTED, local_rank=local_rank, pid=pid, start=slot.starts + 1)
 
@@ -454,11 +551,16 @@ class Agent(AgentDaemon):
                 log.info("worker_lease_vanished", local_rank=local_rank, pid=pid, member=member)
                 continue
             except EtcdUnavailable as exc:
-                log.warning("worker_lease_revoke_failed", local_rank=local_rank, pid=pid, member=member,
-                            error=str(exc))
+                log.warning("worker_lease_revoke_failed", local_rank=local_rank, pid=pid, member=member, error=str(exc))
                 continue
-            log.info("worker_lease_revoked", local_rank=local_rank, pid=pid, member=member, lease=lease,
-                     took_s=round(self._clock() - started, 4))
+            log.info(
+                "worker_lease_revoked",
+                local_rank=local_rank,
+                pid=pid,
+                member=member,
+                lease=lease,
+                took_s=round(self._clock() - started, 4),
+            )
 
 
 def _close_relay(relay: NodeRelay) -> None:

@@ -130,8 +130,12 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     running = [s for s in snap.slots if s.state is SlotState.RUNNING]
     stopping = snap.state in (AgentState.DRAINING, AgentState.STOPPING)
     if snap.stop_requests and not stopping:
-        return Action(ActionKind.TERMINATE, "stop requested: the workers finish their step and leave",
-                      next_state=AgentState.DRAINING, until=now + config.timeouts.shutdown_grace_s)
+        return Action(
+            ActionKind.TERMINATE,
+            "stop requested: the workers finish their step and leave",
+            next_state=AgentState.DRAINING,
+            until=now + config.timeouts.shutdown_grace_s,
+        )
     if stopping:
         draining = snap.state is AgentState.DRAINING
         code = EXIT_OK if draining else EXIT_FATAL
@@ -139,30 +143,42 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
         if not running:
             return Action(ActionKind.EXIT, reason, exit_code=code)
         if snap.terminate_deadline is None:
-            return Action(ActionKind.TERMINATE, "stopping the other workers",
-                          until=now + config.timeouts.shutdown_grace_s)
-        step = stop_ladder(now, terminate_deadline=snap.terminate_deadline, kill_deadline=snap.kill_deadline,
-                           stop_requests=snap.stop_requests, grace_s=config.timeouts.shutdown_grace_s,
-                           kill_wait_s=config.kill_wait_s, workers=f"pids {[s.pid for s in running]}")
+            return Action(
+                ActionKind.TERMINATE, "stopping the other workers", until=now + config.timeouts.shutdown_grace_s
+            )
+        step = stop_ladder(
+            now,
+            terminate_deadline=snap.terminate_deadline,
+            kill_deadline=snap.kill_deadline,
+            stop_requests=snap.stop_requests,
+            grace_s=config.timeouts.shutdown_grace_s,
+            kill_wait_s=config.kill_wait_s,
+            workers=f"pids {[s.pid for s in running]}",
+        )
         if step.rung is Rung.GIVE_UP:
             return Action(ActionKind.EXIT, f"{step.reason}; {reason}", exit_code=EXIT_FATAL)
         kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
         return Action(kind, step.reason, until=step.until)
-    hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)),
-                None)
+    hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)), None)
     if hung is not None:
         assert hung.mark is not None and snap.view is not None
-        return Action(ActionKind.KILL_HUNG, f"worker {hung.local_rank} (pid {hung.pid}) made no progress for "
-                      f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
-                      f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
-                      local_rank=hung.local_rank)
+        return Action(
+            ActionKind.KILL_HUNG,
+            f"worker {hung.local_rank} (pid {hung.pid}) made no progress for "
+            f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
+            f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
+            local_rank=hung.local_rank,
+        )
     frozen = next((s for s in running if stopped_past(s, now, config.stopped_worker_s)), None)
     if frozen is not None:
         assert frozen.stopped_at is not None
-        return Action(ActionKind.REVOKE_STOPPED, f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for "
-                      f"{now - frozen.stopped_at:.2f} s (stopped_worker_s {config.stopped_worker_s:g}): its lease "
-                      f"is revoked so that the others regroup without it now; it rejoins when it continues",
-                      local_rank=frozen.local_rank)
+        return Action(
+            ActionKind.REVOKE_STOPPED,
+            f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for "
+            f"{now - frozen.stopped_at:.2f} s (stopped_worker_s {config.stopped_worker_s:g}): its lease "
+            f"is revoked so that the others regroup without it now; it rejoins when it continues",
+            local_rank=frozen.local_rank,
+        )
     pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
     if pending is not None:
         return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
@@ -172,17 +188,24 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
         return Action(ActionKind.SPAWN, "restart", local_rank=ready.local_rank, next_state=AgentState.RUNNING)
     if all(s.state is SlotState.DONE for s in snap.slots):
         return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
-    stops = [s.stopped_at + config.stopped_worker_s for s in running
-             if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0]
-    return Action(ActionKind.WAIT, "supervising",
-                  until=min([*(s.restart_at for s in due), *stops], default=None))
+    stops = [
+        s.stopped_at + config.stopped_worker_s
+        for s in running
+        if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0
+    ]
+    return Action(ActionKind.WAIT, "supervising", until=min([*(s.restart_at for s in due), *stops], default=None))
 
 
 def stopped_past(slot: Slot, now: float, stopped_worker_s: float) -> bool:
     """The running worker of ``slot`` has been stopped (SIGSTOP) for ``stopped_worker_s`` or longer
     and its lease is not revoked yet (0: never)."""
-    return (stopped_worker_s > 0 and slot.state is SlotState.RUNNING and slot.stopped_at is not None
-            and not slot.stop_revoked and now - slot.stopped_at >= stopped_worker_s)
+    return (
+        stopped_worker_s > 0
+        and slot.state is SlotState.RUNNING
+        and slot.stopped_at is not None
+        and not slot.stop_revoked
+        and now - slot.stopped_at >= stopped_worker_s
+    )
 
 
 def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -> Action:
@@ -192,8 +215,12 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
     if slot.hang_killed:
         what += " as hung"
     if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
-        return Action(ActionKind.RELEASE, f"{what}; the agent is stopping", local_rank=slot.local_rank,
-                      slot_state=SlotState.DONE if e.ok else SlotState.STOPPED)
+        return Action(
+            ActionKind.RELEASE,
+            f"{what}; the agent is stopping",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.DONE if e.ok else SlotState.STOPPED,
+        )
     if e.ok:
         return Action(ActionKind.RELEASE, f"{what}: done", local_rank=slot.local_rank, slot_state=SlotState.DONE)
     recent = restarts_in_window(snap.restarts, now, config.restart_window_s)
@@ -202,11 +229,18 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
             ActionKind.RELEASE,
             f"restarts_exhausted: {what}; {recent} restarts in the last {config.restart_window_s:g} s "
             f"(max_restarts {config.max_restarts})",
-            local_rank=slot.local_rank, slot_state=SlotState.STOPPED, next_state=AgentState.STOPPING,
+            local_rank=slot.local_rank,
+            slot_state=SlotState.STOPPED,
+            next_state=AgentState.STOPPING,
         )
     delay = restart_backoff_s(recent, config.restart_backoff_initial_s, config.restart_backoff_max_s)
-    return Action(ActionKind.RELEASE, f"{what}: restart in {delay:g} s", local_rank=slot.local_rank,
-                  slot_state=SlotState.BACKOFF, restart_at=now + delay)
+    return Action(
+        ActionKind.RELEASE,
+        f"{what}: restart in {delay:g} s",
+        local_rank=slot.local_rank,
+        slot_state=SlotState.BACKOFF,
+        restart_at=now + delay,
+    )
 
 
 def member_leases(kvs: Iterable[KeyValue], keys: Keys, node: str, pids: Collection[int]) -> list[tuple[str, int]]:

@@ -88,9 +88,15 @@ def parse_progress(raw: bytes) -> MemberProgress:
             raise ValueError(f"field {name} is not an integer")
     assert isinstance(step, int) and isinstance(generation, int) and isinstance(recoveries, int)
     cause, rank = data.get("last_recovery_cause"), data.get("rank")
-    return MemberProgress(step, generation, _number(data, "step_time_s"), recoveries,
-                          _number(data, "last_recovery_s"), cause if isinstance(cause, str) else None,
-                          rank if isinstance(rank, int) and not isinstance(rank, bool) else -1)
+    return MemberProgress(
+        step,
+        generation,
+        _number(data, "step_time_s"),
+        recoveries,
+        _number(data, "last_recovery_s"),
+        cause if isinstance(cause, str) else None,
+        rank if isinstance(rank, int) and not isinstance(rank, bool) else -1,
+    )
 
 
 def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobView:
@@ -103,7 +109,7 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
     for kv in rows:
         if kv.key.startswith(under):
             try:
-                progress[kv.key[len(under):]] = parse_progress(kv.value)
+                progress[kv.key[len(under) :]] = parse_progress(kv.value)
             except DECODE_ERRORS:
                 continue
     g = snap.generation

@@ -57,24 +57,35 @@ class AgentMetrics:
         self.generation = Gauge("elasticd_generation", "The job's current generation (0: none).", registry=r)
         self.world_size = Gauge("elasticd_world_size", "Members of the job's current generation.", registry=r)
         self.committed_step = Gauge("elasticd_committed_step", "The job's newest committed step.", registry=r)
-        self.step_time = Gauge("elasticd_step_time_seconds",
-                               "The last step time reported by the generation's rank 0.", registry=r)
-        self.worker_step_time = Gauge("elasticd_worker_step_time_seconds",
-                                      "The last step time of this node's worker.", ["local_rank"], registry=r)
-        self.recoveries = Counter("elasticd_recoveries", "Recoveries of this node's workers, by cause.",
-                                  ["cause"], registry=r)
-        self.recovery_duration = Histogram("elasticd_recovery_duration_seconds",
-                                           "How long this node's workers took to recover (failure to training).",
-                                           buckets=RECOVERY_BUCKETS_S, registry=r)
-        self.restarts = Counter("elasticd_worker_restarts", "Worker restarts scheduled by this agent.",
-                                ["local_rank"], registry=r)
-        self.hangs = Counter("elasticd_worker_hangs", "Workers this agent killed as hung.", ["local_rank"],
-                             registry=r)
+        self.step_time = Gauge(
+            "elasticd_step_time_seconds", "The last step time reported by the generation's rank 0.", registry=r
+        )
+        self.worker_step_time = Gauge(
+            "elasticd_worker_step_time_seconds", "The last step time of this node's worker.", ["local_rank"], registry=r
+        )
+        self.recoveries = Counter(
+            "elasticd_recoveries", "Recoveries of this node's workers, by cause.", ["cause"], registry=r
+        )
+        self.recovery_duration = Histogram(
+            "elasticd_recovery_duration_seconds",
+            "How long this node's workers took to recover (failure to training).",
+            buckets=RECOVERY_BUCKETS_S,
+            registry=r,
+        )
+        self.restarts = Counter(
+            "elasticd_worker_restarts", "Worker restarts scheduled by this agent.", ["local_rank"], registry=r
+        )
+        self.hangs = Counter("elasticd_worker_hangs", "Workers this agent killed as hung.", ["local_rank"], registry=r)
         self.up = Gauge("elasticd_worker_up", "1 while the worker's process runs.", ["local_rank"], registry=r)
-        self.rss = Gauge("elasticd_worker_rss_bytes", "The worker's resident memory (last sample).",
-                         ["local_rank"], registry=r)
-        self.cpu = Gauge("elasticd_worker_cpu_percent", "The worker's CPU use (last sample; 100 is one core).",
-                         ["local_rank"], registry=r)
+        self.rss = Gauge(
+            "elasticd_worker_rss_bytes", "The worker's resident memory (last sample).", ["local_rank"], registry=r
+        )
+        self.cpu = Gauge(
+            "elasticd_worker_cpu_percent",
+            "The worker's CPU use (last sample; 100 is one core).",
+            ["local_rank"],
+            registry=r,
+        )
         self._recoveries_seen: dict[str, int] = {}  # member id -> its recoveries count last seen
 
     def set_view(self, view: JobView, local: Mapping[int, WorkerObservation]) -> None:
@@ -82,8 +93,17 @@ class AgentMetrics:
         self.generation.set(view.generation)
         self.world_size.set(view.world_size)
         self.committed_step.set(view.job_step)
-        rank0 = next((p for m, p in view.progress.items() if m in view.in_generation and p.rank == 0
-                      and p.generation == view.generation and p.step_time_s is not None), None)
+        rank0 = next(
+            (
+                p
+                for m, p in view.progress.items()
+                if m in view.in_generation
+                and p.rank == 0
+                and p.generation == view.generation
+                and p.step_time_s is not None
+            ),
+            None,
+        )
         if rank0 is not None and rank0.step_time_s is not None:
             self.step_time.set(rank0.step_time_s)
         for lr, obs in local.items():

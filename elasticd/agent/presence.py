@@ -86,8 +86,10 @@ def describe_holder(held: KeyValue) -> str:
     except DECODE_ERRORS:
         return f"a record that does not parse (lease {held.lease:x})"
     since = f"since {_utc(rec.since)}" if rec.since else "since before the node record had a start time"
-    return (f"the elasticd agent pid {rec.agent_pid} on host {rec.host}, {since} (state {rec.state}, last "
-            f"written {_utc(rec.time)}, lease {held.lease:x})")
+    return (
+        f"the elasticd agent pid {rec.agent_pid} on host {rec.host}, {since} (state {rec.state}, last "
+        f"written {_utc(rec.time)}, lease {held.lease:x})"
+    )
 
 
 def decide_claim(
@@ -111,16 +113,25 @@ def decide_claim(
         return ClaimDecision(ClaimKind.CLAIMED, "the record is under my lease (my own claim)")
     who = describe_holder(held)
     if not held.lease:
-        return ClaimDecision(ClaimKind.REFUSE, f"it is held by {who}, in a record under no lease, which never "
-                             "expires; delete it if no agent runs this node")
+        return ClaimDecision(
+            ClaimKind.REFUSE,
+            f"it is held by {who}, in a record under no lease, which never "
+            "expires; delete it if no agent runs this node",
+        )
     bound = lease_ttl_s + margin_s
     if waited_s < bound:
-        return ClaimDecision(ClaimKind.WAIT, f"it is held by {who}; waiting up to {bound:g} s (lease_ttl_s "
-                             f"{lease_ttl_s:g} + {margin_s:g} s) for that lease to expire, in case its agent is "
-                             "gone")
-    return ClaimDecision(ClaimKind.REFUSE, f"it is held by {who}, whose lease was still renewed after "
-                         f"{waited_s:.1f} s of waiting (lease_ttl_s {lease_ttl_s:g} + {margin_s:g} s): that agent "
-                         "is alive")
+        return ClaimDecision(
+            ClaimKind.WAIT,
+            f"it is held by {who}; waiting up to {bound:g} s (lease_ttl_s "
+            f"{lease_ttl_s:g} + {margin_s:g} s) for that lease to expire, in case its agent is "
+            "gone",
+        )
+    return ClaimDecision(
+        ClaimKind.REFUSE,
+        f"it is held by {who}, whose lease was still renewed after "
+        f"{waited_s:.1f} s of waiting (lease_ttl_s {lease_ttl_s:g} + {margin_s:g} s): that agent "
+        "is alive",
+    )
 
 
 def wait_began(began: float, seen_term: int, term: int, now: float) -> tuple[float, int]:
@@ -180,8 +191,9 @@ class NodePresence:
     def drain_seen(self) -> bool:
         return self._drain_seen
 
-    def claim(self, record: NodeRecord, wait: Callable[[float], None], stopping: Callable[[], bool],
-              job: str = "") -> ClaimDecision:
+    def claim(
+        self, record: NodeRecord, wait: Callable[[float], None], stopping: Callable[[], bool], job: str = ""
+    ) -> ClaimDecision:
         """Create ``nodes/<node>`` holding ``record`` under a new lease of this agent, before ``start``.
 
         The record is created by compare-and-set on its absence, so of two agents with one node id
@@ -212,8 +224,12 @@ class NodePresence:
             now = self._clock()
             began, seen = wait_began(started, term, self._store.raft_term(), now)
             if began != started:
-                log.info("node_id_wait_restarted", node=self._node, term=seen,
-                         reason="etcd elected a new leader, which refreshed the holder's lease")
+                log.info(
+                    "node_id_wait_restarted",
+                    node=self._node,
+                    term=seen,
+                    reason="etcd elected a new leader, which refreshed the holder's lease",
+                )
             started, term = began, seen
             decision = decide_claim(held, lease, now - started, ttl)
             if decision.kind is ClaimKind.CLAIM:
@@ -237,10 +253,13 @@ class NodePresence:
             if decision.kind is ClaimKind.REFUSE or stopping():
                 self._give_back(lease)
                 if decision.kind is ClaimKind.REFUSE:
-                    decision = ClaimDecision(ClaimKind.REFUSE, f"node_id_taken: node id {self._node!r}"
-                                             f"{f' of job {job!r}' if job else ''} ({key}): {decision.reason}. "
-                                             "Give this agent another node_id (--node-id, ELASTICD_NODE_ID) or "
-                                             "stop the other agent first")
+                    decision = ClaimDecision(
+                        ClaimKind.REFUSE,
+                        f"node_id_taken: node id {self._node!r}"
+                        f"{f' of job {job!r}' if job else ''} ({key}): {decision.reason}. "
+                        "Give this agent another node_id (--node-id, ELASTICD_NODE_ID) or "
+                        "stop the other agent first",
+                    )
                     log.error("node_id_taken", node=self._node, key=key, reason=decision.reason)
                 return decision
             if not announced:
@@ -378,8 +397,7 @@ class NodePresence:
         except DECODE_ERRORS as exc:
             request = None
             log.warning("drain_request_malformed", node=self._node, error=str(exc)[:200])
-        log.info("drain_requested", node=self._node,
-                 requested_by=request.requested_by if request else None)
+        log.info("drain_requested", node=self._node, requested_by=request.requested_by if request else None)
         self._on_drain(request)
 
 

@@ -199,13 +199,23 @@ class GroupRestartAgent(AgentDaemon):
         loc = self.local
         expected = loc.phase is not Phase.RUNNING
         level = log.info if e.ok or expected else log.warning
-        level("worker_exited", local_rank=e.local_rank, pid=e.pid, kind=str(e.kind), code=e.code,
-              signal=e.signal, runtime_s=e.runtime_s, how=e.describe(), round=loc.round)
+        level(
+            "worker_exited",
+            local_rank=e.local_rank,
+            pid=e.pid,
+            kind=str(e.kind),
+            code=e.code,
+            signal=e.signal,
+            runtime_s=e.runtime_s,
+            how=e.describe(),
+            round=loc.round,
+        )
         failure = loc.failure
         if not e.ok and not expected and not failure:
             failure = f"worker {e.local_rank} (pid {e.pid}) {e.describe()}"
-        self.local = replace(loc, running=max(0, loc.running - 1), succeeded=loc.succeeded + (1 if e.ok else 0),
-                             failure=failure)
+        self.local = replace(
+            loc, running=max(0, loc.running - 1), succeeded=loc.succeeded + (1 if e.ok else 0), failure=failure
+        )
 
     def _read_view(self, now: float) -> RoundView:
         view = parse_view(self._keys, self._store.get_prefix(self._keys.restart_prefix))
@@ -276,12 +286,23 @@ class GroupRestartAgent(AgentDaemon):
             log.info("round_wanted", port=rec.port, last_round=loc.round, reason=action.reason)
         elif kind is ActionKind.PUBLISH:
             assert action.record is not None
-            won = self._store.compare_and_put(self._keys.restart_round, action.expected_revision, encode(action.record),
-                                              delete_keys=[self._keys.restart_waiting(n) for n in action.consumed])
+            won = self._store.compare_and_put(
+                self._keys.restart_round,
+                action.expected_revision,
+                encode(action.record),
+                delete_keys=[self._keys.restart_waiting(n) for n in action.consumed],
+            )
             if won:
                 r = action.record
-                log.info("round_published", round=r.round, nodes=list(r.nodes), world_size=r.world_size,
-                         master=f"{r.master_addr}:{r.master_port}", restart_count=r.restart_count, cause=r.reason)
+                log.info(
+                    "round_published",
+                    round=r.round,
+                    nodes=list(r.nodes),
+                    world_size=r.world_size,
+                    master=f"{r.master_addr}:{r.master_port}",
+                    restart_count=r.restart_count,
+                    cause=r.reason,
+                )
         elif kind is ActionKind.START:
             assert action.record is not None
             self._start(action.record, now)
@@ -299,12 +320,24 @@ class GroupRestartAgent(AgentDaemon):
             log.info("job_finished", round=action.round)
         elif kind is ActionKind.TERMINATE:
             pids = self._supervisor.send_signal(signal.SIGTERM)
-            log.info("workers_stopping", round=loc.round, cause=action.cause, pids=pids,
-                     grace_s=c.timeouts.shutdown_grace_s, reason=action.reason)
+            log.info(
+                "workers_stopping",
+                round=loc.round,
+                cause=action.cause,
+                pids=pids,
+                grace_s=c.timeouts.shutdown_grace_s,
+                reason=action.reason,
+            )
             if self._failed_at is None:
                 self._failed_at = now
-            self.local = replace(loc, phase=Phase.STOPPING, phase_since=now, cause=action.cause,
-                                 terminate_deadline=action.until, kill_deadline=None)
+            self.local = replace(
+                loc,
+                phase=Phase.STOPPING,
+                phase_since=now,
+                cause=action.cause,
+                terminate_deadline=action.until,
+                kill_deadline=None,
+            )
         elif kind is ActionKind.KILL:
             self._kill_workers(action.reason)
             self.local = replace(loc, kill_deadline=action.until)
@@ -312,18 +345,40 @@ class GroupRestartAgent(AgentDaemon):
             restarts = loc.restarts
             if action.counted:
                 restarts = (*(t for t in restarts if now - t < c.restart_window_s), now)  # bounded
-            log.info("round_left", round=loc.round, cause=loc.cause, counted=action.counted,
-                     restarts_in_window=len(restarts) if action.counted else None,
-                     max_restarts=c.max_restarts, reason=action.reason)
-            self.local = replace(loc, phase=Phase.REJOIN, phase_since=now, restart_at=action.until or now,
-                                 restarts=restarts, terminate_deadline=None, kill_deadline=None)
+            log.info(
+                "round_left",
+                round=loc.round,
+                cause=loc.cause,
+                counted=action.counted,
+                restarts_in_window=len(restarts) if action.counted else None,
+                max_restarts=c.max_restarts,
+                reason=action.reason,
+            )
+            self.local = replace(
+                loc,
+                phase=Phase.REJOIN,
+                phase_since=now,
+                restart_at=action.until or now,
+                restarts=restarts,
+                terminate_deadline=None,
+                kill_deadline=None,
+            )
 
     def _start(self, record: RoundRecord, now: float) -> None:
         c = self._config
         group_rank = record.nodes.index(c.node_id)
         bind_context(round=record.round)
-        self.local = replace(self.local, phase=Phase.RUNNING, phase_since=now, round=record.round,
-                             nodes=record.nodes, running=0, succeeded=0, failure="", cause="")
+        self.local = replace(
+            self.local,
+            phase=Phase.RUNNING,
+            phase_since=now,
+            round=record.round,
+            nodes=record.nodes,
+            running=0,
+            succeeded=0,
+            failure="",
+            cause="",
+        )
         run_id = c.world.job_id
         for lr in range(c.nproc_per_node):
             env = child_environ(worker_environ(record, c.node_id, lr, run_id, c.max_restarts))
@@ -332,15 +387,28 @@ class GroupRestartAgent(AgentDaemon):
             if isinstance(pid, WorkerExit):
                 self._on_exit(pid)  # counted as started, then as ended at once
                 continue
-            log.info("worker_started", local_rank=lr, pid=pid, rank=group_rank * record.nproc_per_node + lr,
-                     round=record.round)
+            log.info(
+                "worker_started",
+                local_rank=lr,
+                pid=pid,
+                rank=group_rank * record.nproc_per_node + lr,
+                round=record.round,
+            )
         recovery = None if self._failed_at is None else round(now - self._failed_at, 3)
         self._failed_at = None
-        log.info("round_started", round=record.round, node_rank=group_rank, world_size=record.world_size,
-                 nodes=list(record.nodes), master=f"{record.master_addr}:{record.master_port}",
-                 restart_count=record.restart_count, since_round_ended_s=recovery)
+        log.info(
+            "round_started",
+            round=record.round,
+            node_rank=group_rank,
+            world_size=record.world_size,
+            nodes=list(record.nodes),
+            master=f"{record.master_addr}:{record.master_port}",
+            restart_count=record.restart_count,
+            since_round_ended_s=recovery,
+        )
         self._notify_ready()
-        self._notifier.status(f"round {record.round}, world {record.world_size} "
-                              f"[{c.world.min_workers}..{c.world.max_workers}], node rank {group_rank}, "
-                              f"restarts {record.restart_count}")
-
+        self._notifier.status(
+            f"round {record.round}, world {record.world_size} "
+            f"[{c.world.min_workers}..{c.world.max_workers}], node rank {group_rank}, "
+            f"restarts {record.restart_count}"
+        )

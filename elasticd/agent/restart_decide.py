@@ -143,7 +143,8 @@ def round_broken(view: RoundView, r: int, nodes: tuple[str, ...]) -> tuple[Cause
     whose agent is gone (and that was not done) ends it as ``node_lost``. Pure."""
     if view.failed is not None and view.failed.round >= r:
         return _cause(view.failed.cause), (
-            f"round {view.failed.round} marked failed by {view.failed.node}: {view.failed.detail}")
+            f"round {view.failed.round} marked failed by {view.failed.node}: {view.failed.detail}"
+        )
     if view.round is not None and view.round.round > r:
         return _cause(view.round.reason), f"round {view.round.round} superseded round {r}"
     lost = [n for n in nodes if n not in view.agents and view.done.get(n) != r]
@@ -157,9 +158,12 @@ def newcomers_that_fit(view: RoundView, nodes: tuple[str, ...], config: AgentCon
     (in arrival order, as many as max_workers leaves room for). Pure."""
     _, max_nodes = node_bounds(config)
     room = max_nodes - len(nodes)
-    fit = [n for n in sorted(view.waiting, key=lambda n: (view.waiting_order.get(n, 0), n))
-           if n not in nodes and n in view.agents and view.waiting[n].nproc == config.nproc_per_node]
-    return fit[:max(0, room)]
+    fit = [
+        n
+        for n in sorted(view.waiting, key=lambda n: (view.waiting_order.get(n, 0), n))
+        if n not in nodes and n in view.agents and view.waiting[n].nproc == config.nproc_per_node
+    ]
+    return fit[: max(0, room)]
 
 
 def decide(local: Local, view: RoundView, now: float, config: AgentConfig) -> Action:
@@ -171,12 +175,22 @@ def decide(local: Local, view: RoundView, now: float, config: AgentConfig) -> Ac
         return _running(local, view, now, config)
     if local.stop_requests:
         rnd = view.round
-        if (phase is Phase.JOINING and rnd is not None and local.node in rnd.nodes and rnd.round > local.round
-                and round_broken(view, rnd.round, rnd.nodes)[0] is None):
+        if (
+            phase is Phase.JOINING
+            and rnd is not None
+            and local.node in rnd.nodes
+            and rnd.round > local.round
+            and round_broken(view, rnd.round, rnd.nodes)[0] is None
+        ):
             # A round that includes this node was published just now: end it as a leave, so that
             # the others do not take the departure for a lost node (which would use their budget).
-            return Action(ActionKind.MARK_FAILED, f"the agent of {local.node} was asked to stop", round=rnd.round,
-                          cause=str(Cause.NODE_LEFT), expected_revision=view.failed_revision)
+            return Action(
+                ActionKind.MARK_FAILED,
+                f"the agent of {local.node} was asked to stop",
+                round=rnd.round,
+                cause=str(Cause.NODE_LEFT),
+                expected_revision=view.failed_revision,
+            )
         return Action(ActionKind.EXIT, "left the job (stop requested)", exit_code=EXIT_OK)
     if phase is Phase.REJOIN:
         if now < local.restart_at:
@@ -221,9 +235,14 @@ def _end_round(view: RoundView, r: int, cause: Cause, detail: str, until: float)
 def _stopping(local: Local, view: RoundView, now: float, config: AgentConfig) -> Action:
     if local.running > 0:
         deadline = local.terminate_deadline if local.terminate_deadline is not None else now
-        step = stop_ladder(now, terminate_deadline=deadline, kill_deadline=local.kill_deadline,
-                           stop_requests=local.stop_requests, grace_s=config.timeouts.shutdown_grace_s,
-                           kill_wait_s=config.kill_wait_s)
+        step = stop_ladder(
+            now,
+            terminate_deadline=deadline,
+            kill_deadline=local.kill_deadline,
+            stop_requests=local.stop_requests,
+            grace_s=config.timeouts.shutdown_grace_s,
+            kill_wait_s=config.kill_wait_s,
+        )
         if step.rung is Rung.GIVE_UP:
             return Action(ActionKind.EXIT, step.reason, exit_code=EXIT_FATAL)
         kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
@@ -234,12 +253,20 @@ def _stopping(local: Local, view: RoundView, now: float, config: AgentConfig) ->
         return Action(ActionKind.RESTART, f"round {local.round} ended ({local.cause}): rejoin", until=now)
     recent = restarts_in_window(local.restarts, now, config.restart_window_s)
     if recent >= config.max_restarts:
-        return Action(ActionKind.EXIT, f"restarts_exhausted: round {local.round} ended ({local.cause}); "
-                      f"{recent} restarts in the last {config.restart_window_s:g} s "
-                      f"(max_restarts {config.max_restarts})", exit_code=EXIT_FATAL)
+        return Action(
+            ActionKind.EXIT,
+            f"restarts_exhausted: round {local.round} ended ({local.cause}); "
+            f"{recent} restarts in the last {config.restart_window_s:g} s "
+            f"(max_restarts {config.max_restarts})",
+            exit_code=EXIT_FATAL,
+        )
     delay = restart_backoff_s(recent, config.restart_backoff_initial_s, config.restart_backoff_max_s)
-    return Action(ActionKind.RESTART, f"round {local.round} ended ({local.cause}): restart in {delay:g} s",
-                  until=now + delay, counted=True)
+    return Action(
+        ActionKind.RESTART,
+        f"round {local.round} ended ({local.cause}): restart in {delay:g} s",
+        until=now + delay,
+        counted=True,
+    )
 
 
 def _finishing(local: Local, view: RoundView, now: float, config: AgentConfig) -> Action:
@@ -255,8 +282,11 @@ def _finishing(local: Local, view: RoundView, now: float, config: AgentConfig) -
         return Action(ActionKind.MARK_FINISHED, f"every node of round {r} is done", round=r)
     until = local.phase_since + config.timeouts.join_s
     if now >= until:
-        return Action(ActionKind.EXIT, f"workers_finished (the other nodes did not report done within join_s, "
-                      f"{config.timeouts.join_s:g} s)", exit_code=EXIT_OK)
+        return Action(
+            ActionKind.EXIT,
+            f"workers_finished (the other nodes did not report done within join_s, {config.timeouts.join_s:g} s)",
+            exit_code=EXIT_OK,
+        )
     return Action(ActionKind.WAIT, "waiting for the other nodes to finish", until=until)
 
 
@@ -274,29 +304,38 @@ def _joining(local: Local, view: RoundView, now: float, config: AgentConfig) -> 
     alive = [n for n in order if n in view.agents]
     job_nproc = rnd.nproc_per_node if rnd is not None else view.waiting[alive[0]].nproc
     if view.waiting[me].nproc != job_nproc:
-        return Action(ActionKind.EXIT, f"nproc_mismatch: this node runs {view.waiting[me].nproc} workers per node, "
-                      f"the job {job_nproc}", exit_code=EXIT_FATAL)
+        return Action(
+            ActionKind.EXIT,
+            f"nproc_mismatch: this node runs {view.waiting[me].nproc} workers per node, the job {job_nproc}",
+            exit_code=EXIT_FATAL,
+        )
     cands = [n for n in alive if view.waiting[n].nproc == job_nproc]
     min_nodes, max_nodes = node_bounds(config)
     old = rnd.nodes if rnd is not None else ()
     if rnd is not None:
         cause, _ = round_broken(view, rnd.round, rnd.nodes)
         if cause is None:
-            return Action(ActionKind.WAIT, f"round {rnd.round} is running; its agents restart it to take in "
-                          f"newcomers while it has room")
+            return Action(
+                ActionKind.WAIT,
+                f"round {rnd.round} is running; its agents restart it to take in newcomers while it has room",
+            )
         # The live nodes of the ended round come once their workers are stopped, which takes at
         # most shutdown_grace_s + kill_wait_s after they saw the round end.
         missing = [n for n in old if n in view.agents and n not in cands]
-        last_call = (max(local.phase_since, local.view_changed_at) + config.timeouts.shutdown_grace_s
-                     + config.kill_wait_s)
+        last_call = (
+            max(local.phase_since, local.view_changed_at) + config.timeouts.shutdown_grace_s + config.kill_wait_s
+        )
         if missing and now < last_call:
             return Action(ActionKind.WAIT, f"last call for {missing} (stopping their workers)", until=last_call)
     if len(cands) < min_nodes:
         closes = local.phase_since + config.timeouts.join_s
         if now >= closes:
-            return Action(ActionKind.EXIT, f"rendezvous_closed: {len(cands)} node(s) waiting < {min_nodes} "
-                          f"(min_workers {config.world.min_workers}) for join_s ({config.timeouts.join_s:g} s)",
-                          exit_code=EXIT_FATAL)
+            return Action(
+                ActionKind.EXIT,
+                f"rendezvous_closed: {len(cands)} node(s) waiting < {min_nodes} "
+                f"(min_workers {config.world.min_workers}) for join_s ({config.timeouts.join_s:g} s)",
+                exit_code=EXIT_FATAL,
+            )
         return Action(ActionKind.WAIT, f"{len(cands)} node(s) waiting < {min_nodes}", until=closes)
     newcomers = [n for n in cands if n not in old]
     settle = local.candidates_changed_at + config.timeouts.join_window_s
@@ -308,8 +347,12 @@ def _joining(local: Local, view: RoundView, now: float, config: AgentConfig) -> 
     else:
         cause, _ = round_broken(view, rnd.round, rnd.nodes)
         reason = str(cause)
-    counted = rnd is not None and view.failed is not None and view.failed.round == rnd.round and (
-        view.failed.cause in COUNTED_CAUSES)
+    counted = (
+        rnd is not None
+        and view.failed is not None
+        and view.failed.round == rnd.round
+        and (view.failed.cause in COUNTED_CAUSES)
+    )
     head = view.waiting[chosen[0]]
     record = RoundRecord(
         round=view.highest_round + 1,
@@ -320,5 +363,6 @@ def _joining(local: Local, view: RoundView, now: float, config: AgentConfig) -> 
         restart_count=(rnd.restart_count if rnd is not None else 0) + (1 if counted else 0),
         reason=reason,
     )
-    return Action(ActionKind.PUBLISH, reason, record=record, expected_revision=view.round_revision,
-                  consumed=tuple(chosen))
+    return Action(
+        ActionKind.PUBLISH, reason, record=record, expected_revision=view.round_revision, consumed=tuple(chosen)
+    )

@@ -139,11 +139,18 @@ class Supervisor:
                 continue
             del self._workers[lr]
             kind, code, sig = classify_exit(int(rc))
-            exits.append(WorkerExit(
-                local_rank=lr, pid=int(w.proc.pid), kind=kind, code=code, signal=sig,
-                runtime_s=round(self._clock() - w.started_at, 3),
-                descendants=tuple(sorted(w.descendants)), last_stats=w.stats,
-            ))
+            exits.append(
+                WorkerExit(
+                    local_rank=lr,
+                    pid=int(w.proc.pid),
+                    kind=kind,
+                    code=code,
+                    signal=sig,
+                    runtime_s=round(self._clock() - w.started_at, 3),
+                    descendants=tuple(sorted(w.descendants)),
+                    last_stats=w.stats,
+                )
+            )
         return exits
 
     def send_signal(self, signum: int, local_ranks: Iterable[int] | None = None) -> list[int]:

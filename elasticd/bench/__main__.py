@@ -40,36 +40,43 @@ class Subcommand:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "recovery": Subcommand(
         "fault recovery, join, step overhead vs DDP and state-transfer throughput of a 3-worker job",
-        recovery.add_args, recovery.run_cmd,
+        recovery.add_args,
+        recovery.run_cmd,
     ),
     "agent": Subcommand(
         "under real node agents: crash detection, drain and node-loss recovery (elasticd.bench.agent)",
-        agent.add_args, agent.run_cmd,
+        agent.add_args,
+        agent.run_cmd,
     ),
     "checkpoint": Subcommand(
         "durable checkpoints with ~100 MB of state: step overhead, write throughput vs a plain "
         "write+fsync, resume time vs a fresh start (on --workdir's filesystem)",
-        checkpoint.add_args, checkpoint.run_cmd,
+        checkpoint.add_args,
+        checkpoint.run_cmd,
     ),
     "outage": Subcommand(
         "an etcd outage with no membership change: commit rate during it vs before, steps lost, "
         "regroups (elasticd.bench.outage)",
-        outage.add_args, outage.run_cmd,
+        outage.add_args,
+        outage.run_cmd,
     ),
     "leader": Subcommand(
         "the etcd leader SIGKILLed in a 3-member cluster while a job trains: commit rate after each kill "
         "vs before, time lost per kill, steps lost, regroups (elasticd.bench.leader)",
-        leader.add_args, leader.run_cmd,
+        leader.add_args,
+        leader.run_cmd,
     ),
     "host-loss": Subcommand(
         "a host's link cut (network-namespace hosts, as root): the survivors' recovery with the reach "
         "check against the lease alone, in the same run (elasticd.bench.hostloss)",
-        hostloss.add_args, hostloss.run_cmd,
+        hostloss.add_args,
+        hostloss.run_cmd,
     ),
     "rendezvous": Subcommand(
         "N lightweight members (threads in processes, no torch) on one local etcd: a join round and a "
         "leave timed and counted, and a model of their cost at 1,000-16,000 members (elasticd.bench.rendezvous)",
-        rendezvous.add_args, rendezvous.run_cmd,
+        rendezvous.add_args,
+        rendezvous.run_cmd,
     ),
 }
 
@@ -77,14 +84,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 def build_parser() -> argparse.ArgumentParser:
     # The docstring less its last paragraph (what this module owns: for readers of the code).
     description = (__doc__ or "").split("\n\nOwns ", 1)[0]
-    parser = argparse.ArgumentParser(prog="python -m elasticd.bench", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m elasticd.bench", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, cmd in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-        p.add_argument("--workdir", default=None,
-                       help="keep the logs and audit files here (default: a temporary dir, removed)")
+        p.add_argument(
+            "--workdir", default=None, help="keep the logs and audit files here (default: a temporary dir, removed)"
+        )
         cmd.add_args(p)
     return parser
 

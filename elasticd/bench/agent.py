@@ -87,8 +87,10 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
         published = job.watch.first_after(gen)
         assert published is not None
         out.crash_detect_s = published[1] - killed_t
-        job.wait_for(lambda: len(steps_at(job.commits_since(killed_t), s.nodes)) >= SETTLE_STEPS,
-                     "the restarted worker to rejoin and train")
+        job.wait_for(
+            lambda: len(steps_at(job.commits_since(killed_t), s.nodes)) >= SETTLE_STEPS,
+            "the restarted worker to rejoin and train",
+        )
 
         # 2. a node is drained (SIGTERM to its agent)
         out.drain_step_time_s = step_time(job.commits, s.nodes)
@@ -99,8 +101,9 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
         out.drain_s = min(float(r["t"]) for r in job.commits_since(drain_t, s.nodes - 1)) - drain_t  # type: ignore[arg-type]
         if job.agents[drained].wait(PHASE_TIMEOUT_S) != 0:
             raise BenchError(f"the drained agent {drained} did not exit 0; see {job.agents[drained].log_path}")
-        job.wait_for(lambda: len(steps_at(job.commits_since(drain_t), s.nodes - 1)) >= SETTLE_STEPS,
-                     "steps at the smaller size")
+        job.wait_for(
+            lambda: len(steps_at(job.commits_since(drain_t), s.nodes - 1)) >= SETTLE_STEPS, "steps at the smaller size"
+        )
 
         # 3. a node is lost: its agent and its worker are SIGKILLed together
         job.expected_gone.add(lost)
@@ -108,8 +111,9 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
         job.agents[lost].kill_group()
         job.wait_for(lambda: bool(job.commits_since(lost_t, s.nodes - 2)), "the survivor's commit after the node loss")
         out.node_loss_recovery_s = min(float(r["t"]) for r in job.commits_since(lost_t, s.nodes - 2)) - lost_t  # type: ignore[arg-type]
-        job.wait_for(lambda: len(steps_at(job.commits_since(lost_t), s.nodes - 2)) >= SETTLE_STEPS,
-                     "steps after the node loss")
+        job.wait_for(
+            lambda: len(steps_at(job.commits_since(lost_t), s.nodes - 2)) >= SETTLE_STEPS, "steps after the node loss"
+        )
     except (BenchError, ElasticdError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -126,9 +130,11 @@ def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[st
             spares = run_spare_reps(etcd, workdir, s, s.spare_reps, progress)
         for i in range(s.reps):
             r = run_agent_rep(etcd, workdir, i, s)
-            progress(f"rep {i + 1}/{s.reps}: crash_detect {fmt(r.crash_detect_s)} s, drain {fmt(r.drain_s)} s "
-                     f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
-                     f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else ""))
+            progress(
+                f"rep {i + 1}/{s.reps}: crash_detect {fmt(r.crash_detect_s)} s, drain {fmt(r.drain_s)} s "
+                f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
+                f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else "")
+            )
             reps.append(r)
 
     def spread(name: str) -> list[float]:
@@ -163,21 +169,32 @@ def render_agent(result: Mapping[str, object]) -> str:
     rows = [
         ("crash_detect_s", "SIGKILL of a worker -> next generation published", "<= 0.2"),
         ("node_loss_recovery_s", "SIGKILL of an agent + its worker -> survivors' next commit", f"<= {ttl + 1:g}"),
-        ("drain_s", "SIGTERM of an agent -> first commit at the smaller size",
-         f"<= {2 * step + 1:.3f}" if isinstance(step, float) else "<= 2 steps + 1"),
+        (
+            "drain_s",
+            "SIGTERM of an agent -> first commit at the smaller size",
+            f"<= {2 * step + 1:.3f}" if isinstance(step, float) else "<= 2 steps + 1",
+        ),
     ]
-    lines = [f"elasticd agent benchmark: {s['nodes']} agents x 1 worker, {s['reps']} reps, lease TTL {ttl:g} s, "
-             f"keepalive {s['keepalive_s']:g} s, step sleep {s['step_sleep_s']:g} s", "",
-             f"{'figure':<22} {'median':>8}  {'spread':<17} {'target':<10} what"]
+    lines = [
+        f"elasticd agent benchmark: {s['nodes']} agents x 1 worker, {s['reps']} reps, lease TTL {ttl:g} s, "
+        f"keepalive {s['keepalive_s']:g} s, step sleep {s['step_sleep_s']:g} s",
+        "",
+        f"{'figure':<22} {'median':>8}  {'spread':<17} {'target':<10} what",
+    ]
     for name, what, target in rows:
         values = spread.get(name) or []
         rng = f"{values[0]:.3f}..{values[-1]:.3f}" if values else "-"
         lines.append(f"{name:<22} {fmt(fig[name]):>8}  {rng:<17} {target:<10} {what}")
     lines.append(f"{'drain_step_time_s':<22} {fmt(step, 4):>8}  {'':<17} {'':<10} median step time before the drain")
-    lines.append(f"{'steps_lost':<22} {fig['steps_lost']!s:>8}  {'':<17} {'0':<10} by the audit checker, over every fault")
+    lines.append(
+        f"{'steps_lost':<22} {fig['steps_lost']!s:>8}  {'':<17} {'0':<10} by the audit checker, over every fault"
+    )
     if "full_size_s" in fig:
-        lines += ["", f"warm spares ({s['spare_reps']} reps each way, --spares 1 on every node and one --standby "
-                  "node, against none)"] + render_spares(fig)
+        lines += [
+            "",
+            f"warm spares ({s['spare_reps']} reps each way, --spares 1 on every node and one --standby "
+            "node, against none)",
+        ] + render_spares(fig)
     errors, violations = result["errors"], result["violations"]
     assert isinstance(errors, list) and isinstance(violations, list)
     lines += [f"ERROR {e}" for e in errors] + [f"VIOLATION {v}" for v in violations]
@@ -188,17 +205,33 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """``agent``'s flags."""
     d = AgentBenchSettings()
     p.add_argument("--reps", type=int, default=d.reps, help="repetitions (default %(default)s)")
-    p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s, help="the agents' --lease-ttl-s (default %(default)s)")
-    p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="the agents' --keepalive-s (default %(default)s)")
-    p.add_argument("--step-sleep", type=float, default=d.step_sleep_s, help="the workers' --step-sleep (default %(default)s)")
-    p.add_argument("--spare-reps", type=int, default=d.spare_reps,
-                   help="repetitions of the warm-spare figures, with spares and without (0: skip; default %(default)s)")
+    p.add_argument(
+        "--lease-ttl", type=float, default=d.lease_ttl_s, help="the agents' --lease-ttl-s (default %(default)s)"
+    )
+    p.add_argument(
+        "--keepalive", type=float, default=d.keepalive_s, help="the agents' --keepalive-s (default %(default)s)"
+    )
+    p.add_argument(
+        "--step-sleep", type=float, default=d.step_sleep_s, help="the workers' --step-sleep (default %(default)s)"
+    )
+    p.add_argument(
+        "--spare-reps",
+        type=int,
+        default=d.spare_reps,
+        help="repetitions of the warm-spare figures, with spares and without (0: skip; default %(default)s)",
+    )
 
 
 def run_cmd(args: argparse.Namespace) -> int:
     """``agent``: run it, print the figures; 1 when a repetition failed or a step was lost."""
-    s = AgentBenchSettings(reps=args.reps, lease_ttl_s=args.lease_ttl, keepalive_s=args.keepalive,
-                           step_sleep_s=args.step_sleep, spare_reps=args.spare_reps)
+    s = AgentBenchSettings(
+        reps=args.reps,
+        lease_ttl_s=args.lease_ttl,
+        keepalive_s=args.keepalive,
+        step_sleep_s=args.step_sleep,
+        spare_reps=args.spare_reps,
+    )
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
-    return run_subcommand(args, "elasticd-bench-agent-", lambda workdir: run_agent_bench(s, workdir, progress),
-                          render_agent)
+    return run_subcommand(
+        args, "elasticd-bench-agent-", lambda workdir: run_agent_bench(s, workdir, progress), render_agent
+    )

@@ -32,7 +32,7 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.records import decode_generation
 from elasticd.wire.snapshot import parse_snapshot
 
-SETTLE_STEPS = 15        # steps committed at a world size before the next fault
+SETTLE_STEPS = 15  # steps committed at a world size before the next fault
 
 
 @dataclass(frozen=True)
@@ -99,19 +99,37 @@ class AgentJob:
         self.watch = GenerationWatch(self.store, self.keys)
         self.agents: dict[str, WorkerProcess] = {}
         self.tails: dict[str, Tail] = {}
-        self.commits: list[Record] = []   # every node's commit lines, in the order read
+        self.commits: list[Record] = []  # every node's commit lines, in the order read
         self.expected_gone: set[str] = set()  # nodes whose agent the bench stopped on purpose
 
     def start(self, node: str, *flags: str) -> WorkerProcess:
         """Start ``node``'s agent (``flags``: more of its own, such as ``--spares 1``)."""
         audit = self.dir / f"{node}.jsonl"
-        program = python_program(WORKLOAD, "--steps", "1000000", "--step-sleep", str(self.s.step_sleep_s),
-                                 "--audit", str(audit))
+        program = python_program(
+            WORKLOAD, "--steps", "1000000", "--step-sleep", str(self.s.step_sleep_s), "--audit", str(audit)
+        )
         argv = agent_program(
-            "--config", str(self.config_file), "--etcd", self.etcd.endpoint, "--job-id", self.job_id,
-            "--node-id", node, "--nnodes", f"1:{self.s.nodes}", "--nproc-per-node", "1", "--backend", "gloo",
-            "--lease-ttl-s", str(self.s.lease_ttl_s), "--keepalive-s", str(self.s.keepalive_s), *flags,
-            "--", *program,
+            "--config",
+            str(self.config_file),
+            "--etcd",
+            self.etcd.endpoint,
+            "--job-id",
+            self.job_id,
+            "--node-id",
+            node,
+            "--nnodes",
+            f"1:{self.s.nodes}",
+            "--nproc-per-node",
+            "1",
+            "--backend",
+            "gloo",
+            "--lease-ttl-s",
+            str(self.s.lease_ttl_s),
+            "--keepalive-s",
+            str(self.s.keepalive_s),
+            *flags,
+            "--",
+            *program,
         )
         agent = WorkerProcess(argv, {}, self.dir / f"agent-{node}.log", new_session=True).start()
         self.agents[node] = agent
@@ -130,14 +148,20 @@ class AgentJob:
                 return
             for node, a in self.agents.items():
                 if not a.alive() and node not in self.expected_gone:
-                    raise BenchError(f"agent {node} exited {a.proc.returncode if a.proc else '?'} while "
-                                     f"waiting for {what}; see {a.log_path}")
+                    raise BenchError(
+                        f"agent {node} exited {a.proc.returncode if a.proc else '?'} while "
+                        f"waiting for {what}; see {a.log_path}"
+                    )
             time.sleep(POLL_S)
         raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
 
     def commits_since(self, t: float, world: int | None = None) -> list[Record]:
-        return [r for r in self.commits if float(r["t"]) > t  # type: ignore[arg-type]
-                and (world is None or r["world_size"] == world)]
+        return [
+            r
+            for r in self.commits
+            if float(r["t"]) > t  # type: ignore[arg-type]
+            and (world is None or r["world_size"] == world)
+        ]
 
     def generation(self) -> int:
         return max((int(r["generation"]) for r in self.commits), default=0)  # type: ignore[call-overload]

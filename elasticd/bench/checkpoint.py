@@ -53,21 +53,22 @@ class CheckpointBenchSettings(LeaseSettings):
 
     reps: int = 4
     workers: int = 2
-    hidden: int = 3500            # agents/mlp.py --hidden: ~100 MB of parameters + momentum
-    steps: int = 120              # per overhead job
+    hidden: int = 3500  # agents/mlp.py --hidden: ~100 MB of parameters + momentum
+    steps: int = 120  # per overhead job
     # Mean step time over steps window_from..steps: from the step after the first save (at 10),
     # whose one-time costs (mapping and first touching the 100 MB spare buffer) no later save pays;
     # the plain job is measured over the same steps.
     window_from: int = 11
     every_steps: int = CKPT_EVERY
     write_reps: int = 7
-    resume_steps: int = 5         # steps the resume/fresh jobs commit after starting
+    resume_steps: int = 5  # steps the resume/fresh jobs commit after starting
 
 
 def _mean_step_s(job: BenchJob, lo: int) -> float:
     """Mean step time over steps lo..last on rank 0 (checkpoint steps included, unlike a median)."""
-    rows: list[tuple[int, float]] = sorted((field_int(c, "step"), field_float(c, "t")) for w in job.workers
-                                           for c in w.commits if c.get("rank") == 0)
+    rows: list[tuple[int, float]] = sorted(
+        (field_int(c, "step"), field_float(c, "t")) for w in job.workers for c in w.commits if c.get("rank") == 0
+    )
     rows = [r for r in rows if r[0] >= lo]
     if len(rows) < 2:
         raise BenchError("too few committed steps in the window")
@@ -75,24 +76,27 @@ def _mean_step_s(job: BenchJob, lo: int) -> float:
     return float(t1 - t0) / (s1 - s0)
 
 
-def _run_job(etcd: EtcdServer, workdir: Path, job_id: str, s: CheckpointBenchSettings, steps: int,
-             extra: tuple[str, ...]) -> tuple[BenchJob, float]:
+def _run_job(
+    etcd: EtcdServer, workdir: Path, job_id: str, s: CheckpointBenchSettings, steps: int, extra: tuple[str, ...]
+) -> tuple[BenchJob, float]:
     """Run ``s.workers`` workers to ``steps``; return the job and the wall time its workers were spawned."""
     job = BenchJob(etcd, workdir, job_id, s.worker_env(s.workers, s.workers))
     spawned = time.time()
     try:
         for _ in range(s.workers):
             job.spawn("--steps", str(steps), "--hidden", str(s.hidden), *extra)
-        job.wait_until(lambda: all(w.final_seen is not None for w in job.workers), PHASE_TIMEOUT_S * 3,
-                       f"job {job_id} to finish")
+        job.wait_until(
+            lambda: all(w.final_seen is not None for w in job.workers), PHASE_TIMEOUT_S * 3, f"job {job_id} to finish"
+        )
         job.wait_exit_after_final(5.0)
     finally:
         job.stop()
     return job, spawned
 
 
-def run_overhead(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
-                 progress: Callable[[str], None]) -> dict[str, object]:
+def run_overhead(
+    etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings, progress: Callable[[str], None]
+) -> dict[str, object]:
     plain: list[float] = []
     ckpt: list[float] = []
     saves: list[float] = []
@@ -102,19 +106,33 @@ def run_overhead(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
             d = workdir / f"overhead{rep}-{kind}"
             extra: tuple[str, ...] = ()
             if kind == "ckpt":
-                extra = ("--checkpoint-dir", str(d / "ckpt"), "--checkpoint-every-steps", str(s.every_steps),
-                         "--checkpoint-keep", "2")
+                extra = (
+                    "--checkpoint-dir",
+                    str(d / "ckpt"),
+                    "--checkpoint-every-steps",
+                    str(s.every_steps),
+                    "--checkpoint-keep",
+                    "2",
+                )
             job, _ = _run_job(etcd, d, f"bcko{os.getpid()}r{rep}{kind}", s, s.steps, extra)
             step_s = _mean_step_s(job, s.window_from)
             (ckpt if kind == "ckpt" else plain).append(step_s)
             if kind == "ckpt":
                 for w in job.workers:
-                    saves += [field_float(r, "duration_s") for r in read_json_lines(w.proc.log_path)
-                              if r.get("event") == "checkpoint_saved"]
+                    saves += [
+                        field_float(r, "duration_s")
+                        for r in read_json_lines(w.proc.log_path)
+                        if r.get("event") == "checkpoint_saved"
+                    ]
             progress(f"overhead rep {rep} {kind}: mean step {step_s * 1000:.1f} ms")
     ratio = statistics.median(ckpt) / statistics.median(plain)
-    return {"ckpt_overhead_ratio": ratio, "step_s_plain": plain, "step_s_ckpt": ckpt,
-            "background_write_s": statistics.median(saves) if saves else None, "saves": len(saves)}
+    return {
+        "ckpt_overhead_ratio": ratio,
+        "step_s_plain": plain,
+        "step_s_ckpt": ckpt,
+        "background_write_s": statistics.median(saves) if saves else None,
+        "saves": len(saves),
+    }
 
 
 def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable[[str], None]) -> dict[str, object]:
@@ -137,13 +155,23 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
     d = workdir / "throughput"
     d.mkdir(parents=True, exist_ok=True)
     done: list[SavedCheckpoint] = []
-    writer = CheckpointWriter(d, job_id="bench", node="bench", signature=state.signature, every_steps=1,
-                              every_s=0.0, keep=1, wait_s=120.0, on_saved=done.append)
+    writer = CheckpointWriter(
+        d,
+        job_id="bench",
+        node="bench",
+        signature=state.signature,
+        every_steps=1,
+        every_s=0.0,
+        keep=1,
+        wait_s=120.0,
+        on_saved=done.append,
+    )
     ckpt_bps: list[float] = []
     plain_bps: list[float] = []
     snapshot_s: list[float] = []
     nbytes = 0
     try:
+
         def checkpoint_once(step: int) -> float:
             state.counters.step = step
             t0 = time.perf_counter()
@@ -184,10 +212,14 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
             progress(f"write rep {rep}: checkpoint {ckpt_bps[-1] / 1e6:.0f} MB/s, plain {plain_bps[-1] / 1e6:.0f} MB/s")
     finally:
         writer.close()
-    return {"save_throughput_ratio": statistics.median(ckpt_bps) / statistics.median(plain_bps),
-            "checkpoint_MBps": statistics.median(ckpt_bps) / 1e6, "plain_MBps": statistics.median(plain_bps) / 1e6,
-            "pairwise_ratio_median": statistics.median(c / p for c, p in zip(ckpt_bps, plain_bps, strict=True)),
-            "snapshot_copy_s": statistics.median(snapshot_s), "state_bytes": nbytes}
+    return {
+        "save_throughput_ratio": statistics.median(ckpt_bps) / statistics.median(plain_bps),
+        "checkpoint_MBps": statistics.median(ckpt_bps) / 1e6,
+        "plain_MBps": statistics.median(plain_bps) / 1e6,
+        "pairwise_ratio_median": statistics.median(c / p for c, p in zip(ckpt_bps, plain_bps, strict=True)),
+        "snapshot_copy_s": statistics.median(snapshot_s),
+        "state_bytes": nbytes,
+    }
 
 
 def _first_commit_s(job: BenchJob, spawned: float) -> tuple[float, float]:
@@ -200,8 +232,9 @@ def _first_commit_s(job: BenchJob, spawned: float) -> tuple[float, float]:
     return first - spawned, first - started
 
 
-def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
-               progress: Callable[[str], None]) -> dict[str, object]:
+def run_resume(
+    etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings, progress: Callable[[str], None]
+) -> dict[str, object]:
     """A job that saves, killed; then new job ids started with and without its checkpoint on disk."""
     src = workdir / "resume-src"
     src_job_id = f"bckr{os.getpid()}src"
@@ -214,7 +247,7 @@ def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
     fresh_join: list[float] = []
     load_s: list[float] = []
     for rep in range(s.reps):
-        for kind in (("resume", "fresh") if rep % 2 == 0 else ("fresh", "resume")):
+        for kind in ("resume", "fresh") if rep % 2 == 0 else ("fresh", "resume"):
             job_id = f"bckr{os.getpid()}r{rep}{kind}"
             d = workdir / f"resume{rep}-{kind}"
             target = d / "ckpt"
@@ -230,21 +263,30 @@ def run_resume(etcd: EtcdServer, workdir: Path, s: CheckpointBenchSettings,
                 resume_s.append(first)
                 resume_join.append(joined)
                 for w in job.workers:
-                    load_s += [field_float(r, "duration_s") for r in read_json_lines(w.proc.log_path)
-                               if r.get("event") == "checkpoint_loaded"]
+                    load_s += [
+                        field_float(r, "duration_s")
+                        for r in read_json_lines(w.proc.log_path)
+                        if r.get("event") == "checkpoint_loaded"
+                    ]
             else:
                 fresh_s.append(first)
                 fresh_join.append(joined)
-            progress(f"resume rep {rep} {kind}: first commit (step {first_step}) {first:.2f} s after spawn, "
-                     f"{joined:.2f} s after the trainer started")
-    return {"resume_s": statistics.median(resume_s), "fresh_start_s": statistics.median(fresh_s),
-            "resume_from_trainer_start_s": statistics.median(resume_join),
-            "fresh_from_trainer_start_s": statistics.median(fresh_join),
-            "checkpoint_load_s": statistics.median(load_s) if load_s else None}
+            progress(
+                f"resume rep {rep} {kind}: first commit (step {first_step}) {first:.2f} s after spawn, "
+                f"{joined:.2f} s after the trainer started"
+            )
+    return {
+        "resume_s": statistics.median(resume_s),
+        "fresh_start_s": statistics.median(fresh_s),
+        "resume_from_trainer_start_s": statistics.median(resume_join),
+        "fresh_from_trainer_start_s": statistics.median(fresh_join),
+        "checkpoint_load_s": statistics.median(load_s) if load_s else None,
+    }
 
 
-def run_checkpoint_bench(s: CheckpointBenchSettings, workdir: Path,
-                         progress: Callable[[str], None]) -> dict[str, object]:
+def run_checkpoint_bench(
+    s: CheckpointBenchSettings, workdir: Path, progress: Callable[[str], None]
+) -> dict[str, object]:
     figures: dict[str, object] = {}
     errors: list[str] = []
     with EtcdServer() as etcd:
@@ -258,10 +300,18 @@ def run_checkpoint_bench(s: CheckpointBenchSettings, workdir: Path,
                 figures.update(phase())
             except BenchError as exc:
                 errors.append(f"{name}: {exc}")
-    return {"figures": figures, "targets": {"ckpt_overhead_ratio": "<= 1.05", "save_throughput_ratio": ">= 0.8"},
-            "settings": {**asdict(s), "cpus": os.cpu_count(), "torch": dist_version("torch"),
-                         "workload": f"agents/mlp.py --hidden {s.hidden}", "directory": str(workdir)},
-            "errors": errors}
+    return {
+        "figures": figures,
+        "targets": {"ckpt_overhead_ratio": "<= 1.05", "save_throughput_ratio": ">= 0.8"},
+        "settings": {
+            **asdict(s),
+            "cpus": os.cpu_count(),
+            "torch": dist_version("torch"),
+            "workload": f"agents/mlp.py --hidden {s.hidden}",
+            "directory": str(workdir),
+        },
+        "errors": errors,
+    }
 
 
 def render(result: Mapping[str, object]) -> str:
@@ -301,5 +351,6 @@ def run_cmd(args: argparse.Namespace) -> int:
     """``checkpoint``: run it (in ``--workdir``: its filesystem is the one measured), print the figures."""
     s = CheckpointBenchSettings(reps=args.reps, hidden=args.hidden, steps=args.steps)
     configure_logging(level=logging.WARNING)  # this process saves too; its info lines would mix with --json
-    return run_subcommand(args, "elasticd-bench-ckpt-", lambda workdir: run_checkpoint_bench(s, workdir, progress),
-                          render)
+    return run_subcommand(
+        args, "elasticd-bench-ckpt-", lambda workdir: run_checkpoint_bench(s, workdir, progress), render
+    )

@@ -38,9 +38,9 @@ from elasticd.testing.localcluster import WorkerProcess, python_program
 Record = dict[str, object]
 
 WORKLOAD = "agents/mlp.py"
-DATASET_SIZE = 2048           # agents/mlp.py --samples default; the audit checks each epoch with it
-POLL_S = 0.05                 # how often the bench reads the audit logs (it shares the 2 cores)
-PHASE_TIMEOUT_S = 90.0        # bound on every wait of a phase
+DATASET_SIZE = 2048  # agents/mlp.py --samples default; the audit checks each epoch with it
+POLL_S = 0.05  # how often the bench reads the audit logs (it shares the 2 cores)
+PHASE_TIMEOUT_S = 90.0  # bound on every wait of a phase
 
 
 class BenchError(RuntimeError):
@@ -64,8 +64,11 @@ class LeaseSettings:
 
     def worker_env(self, min_workers: int, max_workers: int | None = None) -> dict[str, str]:
         """The ``ELASTICD_*`` environment that gives a job's workers this lease and job size."""
-        env = {"ELASTICD_LEASE_TTL_S": str(self.lease_ttl_s), "ELASTICD_KEEPALIVE_S": str(self.keepalive_s),
-               "ELASTICD_MIN_WORKERS": str(min_workers)}
+        env = {
+            "ELASTICD_LEASE_TTL_S": str(self.lease_ttl_s),
+            "ELASTICD_KEEPALIVE_S": str(self.keepalive_s),
+            "ELASTICD_MIN_WORKERS": str(min_workers),
+        }
         if max_workers is not None:
             env["ELASTICD_MAX_WORKERS"] = str(max_workers)
         return env
@@ -202,7 +205,7 @@ class BenchWorker:
         self.audit = audit
         self.tail = Tail(audit)
         self.start_t: float | None = None
-        self.final_seen: float | None = None   # when the bench read the "final" line (bench clock)
+        self.final_seen: float | None = None  # when the bench read the "final" line (bench clock)
         self.commits: list[Record] = []
         self.expected_dead = False
 
@@ -236,8 +239,9 @@ class BenchJob:
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
-        proc = WorkerProcess([*prefix, *python_program(WORKLOAD, *args, "--audit", str(audit))], full_env,
-                             self.dir / f"worker{i}.log")
+        proc = WorkerProcess(
+            [*prefix, *python_program(WORKLOAD, *args, "--audit", str(audit))], full_env, self.dir / f"worker{i}.log"
+        )
         w = BenchWorker(i, proc, audit)
         self.workers.append(w)
         proc.start()
@@ -267,7 +271,12 @@ class BenchJob:
     def worker_at_rank(self, rank: int) -> BenchWorker:
         gen = self.generation()
         for w in self.workers:
-            if w.proc.alive() and w.last and field_int(w.last, "generation") == gen and field_int(w.last, "rank") == rank:
+            if (
+                w.proc.alive()
+                and w.last
+                and field_int(w.last, "generation") == gen
+                and field_int(w.last, "rank") == rank
+            ):
                 return w
         raise BenchError(f"no live worker holds rank {rank} of generation {gen}")
 
@@ -279,8 +288,9 @@ class BenchJob:
                 return
             for w in self.workers:
                 if not w.expected_dead and not w.proc.alive():
-                    raise BenchError(f"worker {w.index} exited with {w.proc.wait(0)} while waiting for "
-                                     f"{what}\n{self.logs_tail()}")
+                    raise BenchError(
+                        f"worker {w.index} exited with {w.proc.wait(0)} while waiting for {what}\n{self.logs_tail()}"
+                    )
             if time.monotonic() > deadline:
                 raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs_tail()}")
             time.sleep(POLL_S)
@@ -289,8 +299,12 @@ class BenchJob:
         """The earliest commit with ``t`` later than ``t`` in a generation newer than ``generation``."""
 
         def found() -> list[Record]:
-            return [c for w in self.workers for c in w.commits
-                    if field_float(c, "t") > t and field_int(c, "generation") > generation]
+            return [
+                c
+                for w in self.workers
+                for c in w.commits
+                if field_float(c, "t") > t and field_int(c, "generation") > generation
+            ]
 
         self.wait_until(lambda: bool(found()), timeout, what)
         time.sleep(0.2)  # let the other survivors write their line of the same step
@@ -342,8 +356,9 @@ class BenchJob:
             w.proc.stop()  # SIGCONT + SIGKILL by PID, if still alive
 
     def logs_tail(self, n: int = 8) -> str:
-        return "\n".join(f"--- worker {w.index}\n" + "\n".join(w.proc.log_text().splitlines()[-n:])
-                         for w in self.workers)
+        return "\n".join(
+            f"--- worker {w.index}\n" + "\n".join(w.proc.log_text().splitlines()[-n:]) for w in self.workers
+        )
 
     def log_events(self) -> list[Record]:
         out: list[Record] = []
@@ -364,8 +379,12 @@ def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def run_subcommand(args: argparse.Namespace, prefix: str, run: Callable[[Path], dict[str, object]],
-                   render: Callable[[Mapping[str, object]], str]) -> int:
+def run_subcommand(
+    args: argparse.Namespace,
+    prefix: str,
+    run: Callable[[Path], dict[str, object]],
+    render: Callable[[Mapping[str, object]], str],
+) -> int:
     """Run a subcommand's ``run`` in its work directory and print the result; return the exit code.
 
     The work directory is ``--workdir`` (created and kept), or a new temporary one (``prefix``),

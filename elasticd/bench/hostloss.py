@@ -90,11 +90,16 @@ def _cuts(job: BenchJob, net: NetnsHosts, s: HostLossSettings) -> tuple[list[flo
             net.set_link(host, up=True)
         up_at = time.time()
         recoveries.append(field_float(first, "t") - cut_at)
-        job.wait_until(lambda: any(field_float(c, "t") > up_at and field_int(c, "world_size") == s.workers
-                                   for c in cut.commits), PHASE_TIMEOUT_S, f"host {i} rejoining")
+        job.wait_until(
+            lambda: any(field_float(c, "t") > up_at and field_int(c, "world_size") == s.workers for c in cut.commits),
+            PHASE_TIMEOUT_S,
+            f"host {i} rejoining",
+        )
         rejoins.append(min(field_float(c, "t") for c in cut.commits if field_float(c, "t") > up_at) - up_at)
-        progress(f"cut {rep + 1}/{s.reps} (host {i}): the survivors went on after {recoveries[-1]:.3f} s, "
-                 f"it rejoined {rejoins[-1]:.3f} s after its link came back")
+        progress(
+            f"cut {rep + 1}/{s.reps} (host {i}): the survivors went on after {recoveries[-1]:.3f} s, "
+            f"it rejoined {rejoins[-1]:.3f} s after its link came back"
+        )
         time.sleep(SETTLE_S)
     return recoveries, rejoins
 
@@ -105,11 +110,23 @@ def _job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings, work
     try:
         for i in range(s.workers):
             host = net.host(i)
-            job.spawn("--steps", "100000000", "--step-sleep", str(s.step_sleep_s), prefix=net.exec_prefix(host),
-                      env={"ELASTICD_ETCD_ENDPOINTS": etcd.endpoint_on(bridge), "ELASTICD_NODE_ID": f"host{i}",
-                           "ELASTICD_ADVERTISE_ADDR": host.addr})
-        job.wait_until(lambda: job.world_size() == s.workers and job.max_step() >= WARMUP_STEPS,
-                       PHASE_TIMEOUT_S, f"{s.workers} workers training")
+            job.spawn(
+                "--steps",
+                "100000000",
+                "--step-sleep",
+                str(s.step_sleep_s),
+                prefix=net.exec_prefix(host),
+                env={
+                    "ELASTICD_ETCD_ENDPOINTS": etcd.endpoint_on(bridge),
+                    "ELASTICD_NODE_ID": f"host{i}",
+                    "ELASTICD_ADVERTISE_ADDR": host.addr,
+                },
+            )
+        job.wait_until(
+            lambda: job.world_size() == s.workers and job.max_step() >= WARMUP_STEPS,
+            PHASE_TIMEOUT_S,
+            f"{s.workers} workers training",
+        )
         progress(f"{mode}: {s.workers} workers on netns hosts train; cutting links")
         recoveries, rejoins = _cuts(job, net, s)
         for w in job.workers:
@@ -117,8 +134,9 @@ def _job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings, work
         codes = job.wait_exit(PHASE_TIMEOUT_S)
         rep = check_dir(job.dir, DATASET_SIZE)
         failed = [f"worker {i} exited {c}" for i, c in enumerate(codes) if c not in (0, None)]
-        return JobRun([round(r, 3) for r in recoveries], [round(r, 3) for r in rejoins], lost_steps(rep),
-                      rep.violations, failed)
+        return JobRun(
+            [round(r, 3) for r in recoveries], [round(r, 3) for r in rejoins], lost_steps(rep), rep.violations, failed
+        )
     finally:
         job.stop()
 
@@ -145,23 +163,30 @@ def run_host_loss(s: HostLossSettings, workdir: Path) -> dict[str, object]:
         net.remove()
     reach, lease = median_of(runs["reach"].recovery_s), median_of(runs["lease"].recovery_s)
     figures = {
-        "host_loss_recovery_s": reach, "host_loss_recovery_lease_s": lease,
+        "host_loss_recovery_s": reach,
+        "host_loss_recovery_lease_s": lease,
         "recovery_ratio": round(reach / lease, 3) if reach is not None and lease else None,
         "rejoin_s": median_of(runs["reach"].rejoin_s),
         "steps_lost": sum(r.steps_lost for r in runs.values()),
     }
-    return {"settings": asdict(s), "figures": figures, "targets": TARGETS,
-            "runs": {mode: asdict(r) for mode, r in runs.items()},
-            "violations": [v for r in runs.values() for v in r.violations],
-            "errors": [e for r in runs.values() for e in r.errors]}
+    return {
+        "settings": asdict(s),
+        "figures": figures,
+        "targets": TARGETS,
+        "runs": {mode: asdict(r) for mode, r in runs.items()},
+        "violations": [v for r in runs.values() for v in r.violations],
+        "errors": [e for r in runs.values() for e in r.errors],
+    }
 
 
 def render(result: Mapping[str, object]) -> str:
     fig, runs, st = result["figures"], result["runs"], result["settings"]
     assert isinstance(fig, dict) and isinstance(runs, dict) and isinstance(st, dict)
-    lines = [f"a host's link cut, {st['reps']} times per job, {st['workers']} workers on netns hosts, "
-             f"lease TTL {st['lease_ttl_s']:g} s: the reach check against the lease alone (reach_check_s = 0)",
-             *figure_rows(fig, TARGETS, 28)]
+    lines = [
+        f"a host's link cut, {st['reps']} times per job, {st['workers']} workers on netns hosts, "
+        f"lease TTL {st['lease_ttl_s']:g} s: the reach check against the lease alone (reach_check_s = 0)",
+        *figure_rows(fig, TARGETS, 28),
+    ]
     for mode, r in runs.items():
         lines.append(f"{mode}: recovery {r['recovery_s']}, rejoin {r['rejoin_s']}")
     for key in ("violations", "errors"):
@@ -182,6 +207,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run_cmd(args: argparse.Namespace) -> int:
     """``host-loss``: run it, print the figures; 1 when a step was lost or a worker failed."""
-    s = HostLossSettings(workers=args.workers, reps=args.reps, lease_ttl_s=args.lease_ttl_s,
-                         keepalive_s=args.keepalive_s, step_sleep_s=args.step_sleep)
+    s = HostLossSettings(
+        workers=args.workers,
+        reps=args.reps,
+        lease_ttl_s=args.lease_ttl_s,
+        keepalive_s=args.keepalive_s,
+        step_sleep_s=args.step_sleep,
+    )
     return run_subcommand(args, "elasticd-bench-hostloss-", lambda workdir: run_host_loss(s, workdir), render)

@@ -89,17 +89,24 @@ def run_leader(s: LeaderSettings, workdir: Path) -> dict[str, object]:
         base = statistics.fmean(quiet)
         gaps = [g for _, k, e in windows for g in gaps_within(times, k, e)]
         figures = {
-            "rate_quiet_steps_s": round(base, 2), "rate_after_kill_steps_s": round(statistics.fmean(after), 2),
+            "rate_quiet_steps_s": round(base, 2),
+            "rate_after_kill_steps_s": round(statistics.fmean(after), 2),
             "leader_rate_ratio": round(statistics.fmean(after) / base, 3) if base else None,
-            "lost_per_kill_s": round(statistics.fmean(s.window_s * (1 - a / q) for a, q in zip(after, quiet,
-                                                                                            strict=True) if q), 3),
+            "lost_per_kill_s": round(
+                statistics.fmean(s.window_s * (1 - a / q) for a, q in zip(after, quiet, strict=True) if q), 3
+            ),
             "max_gap_s": round(max(gaps), 3) if gaps else None,
-            "steps_lost": lost_steps(rep), "regroups": max(0, len(rep.generations) - 1),
+            "steps_lost": lost_steps(rep),
+            "regroups": max(0, len(rep.generations) - 1),
             "worker_failures": sum(1 for c in codes if c != 0),
         }
-        return {"settings": asdict(s), "figures": figures, "targets": LEADER_TARGETS,
-                "violations": rep.violations,
-                "samples": {"rate_quiet": [round(x, 2) for x in quiet], "rate_after_kill": [round(x, 2) for x in after]}}
+        return {
+            "settings": asdict(s),
+            "figures": figures,
+            "targets": LEADER_TARGETS,
+            "violations": rep.violations,
+            "samples": {"rate_quiet": [round(x, 2) for x in quiet], "rate_after_kill": [round(x, 2) for x in after]},
+        }
     finally:
         for w in workers:
             w.stop()
@@ -109,8 +116,13 @@ def run_leader(s: LeaderSettings, workdir: Path) -> dict[str, object]:
 def render(result: Mapping[str, object]) -> str:
     st = result["settings"]
     assert isinstance(st, dict)
-    return figures_table(f"etcd leader SIGKILLed {st['reps']} times in a 3-member cluster ({st['workers']} "
-                         f"workers, {st['window_s']} s windows)", result, LEADER_TARGETS, 24)
+    return figures_table(
+        f"etcd leader SIGKILLed {st['reps']} times in a 3-member cluster ({st['workers']} "
+        f"workers, {st['window_s']} s windows)",
+        result,
+        LEADER_TARGETS,
+        24,
+    )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -68,15 +68,33 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
     raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def start_workers(lease: LeaseSettings, endpoints: str, job_id: str, count: int, step_sleep_s: float,
-                  workdir: Path, workers: list[WorkerProcess]) -> None:
+def start_workers(
+    lease: LeaseSettings,
+    endpoints: str,
+    job_id: str,
+    count: int,
+    step_sleep_s: float,
+    workdir: Path,
+    workers: list[WorkerProcess],
+) -> None:
     """Start ``count`` workers of the default workload into ``workers`` (the caller stops them) and
     wait for the warm-up steps."""
-    env = {"ELASTICD_ETCD_ENDPOINTS": endpoints, "ELASTICD_JOB_ID": job_id, "ELASTICD_NODE_ID": "bench",
-           **lease.worker_env(count)}
+    env = {
+        "ELASTICD_ETCD_ENDPOINTS": endpoints,
+        "ELASTICD_JOB_ID": job_id,
+        "ELASTICD_NODE_ID": "bench",
+        **lease.worker_env(count),
+    }
     for i in range(count):
-        argv = python_program(WORKLOAD, "--steps", "100000000", "--step-sleep", str(step_sleep_s),
-                              "--audit", str(workdir / f"audit{i}.jsonl"))
+        argv = python_program(
+            WORKLOAD,
+            "--steps",
+            "100000000",
+            "--step-sleep",
+            str(step_sleep_s),
+            "--audit",
+            str(workdir / f"audit{i}.jsonl"),
+        )
         workers.append(WorkerProcess(argv, {**env, "ELASTICD_LOCAL_RANK": str(i)}, workdir / f"worker{i}.log").start())
     wait_until(lambda: len(first_commit_times(workdir)) >= WARMUP_STEPS, PHASE_TIMEOUT_S, "the warm-up steps")
 
@@ -112,15 +130,22 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
         during = rate(times, killed_at, back_at)
         after = rate(times, back_at, after_end)
         figures = {
-            "rate_before_steps_s": round(before, 2), "rate_during_steps_s": round(during, 2),
+            "rate_before_steps_s": round(before, 2),
+            "rate_during_steps_s": round(during, 2),
             "rate_after_steps_s": round(after, 2),
             "outage_rate_ratio": round(during / before, 3) if before else None,
             "after_rate_ratio": round(after / before, 3) if before else None,
-            "steps_lost": lost_steps(rep), "regroups": max(0, len(rep.generations) - 1),
+            "steps_lost": lost_steps(rep),
+            "regroups": max(0, len(rep.generations) - 1),
             "worker_failures": sum(1 for c in codes if c != 0),
         }
-        return {"settings": asdict(s), "figures": figures, "targets": OUTAGE_TARGETS,
-                "violations": rep.violations, "outage_measured_s": round(back_at - killed_at, 2)}
+        return {
+            "settings": asdict(s),
+            "figures": figures,
+            "targets": OUTAGE_TARGETS,
+            "violations": rep.violations,
+            "outage_measured_s": round(back_at - killed_at, 2),
+        }
     finally:
         for w in workers:
             w.stop()
@@ -130,8 +155,12 @@ def run_outage(s: OutageSettings, workdir: Path) -> dict[str, object]:
 def render(result: Mapping[str, object]) -> str:
     st = result["settings"]
     assert isinstance(st, dict)
-    return figures_table(f"etcd outage of {result['outage_measured_s']} s with no membership change "
-                         f"({st['workers']} workers)", result, OUTAGE_TARGETS, 22)
+    return figures_table(
+        f"etcd outage of {result['outage_measured_s']} s with no membership change ({st['workers']} workers)",
+        result,
+        OUTAGE_TARGETS,
+        22,
+    )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -145,6 +174,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run_cmd(args: argparse.Namespace) -> int:
     """``outage``: run it, print the figures; 1 when a step was lost or the audit found a violation."""
-    s = OutageSettings(workers=args.workers, outage_s=args.outage_s, window_s=args.window_s,
-                       step_sleep_s=args.step_sleep)
+    s = OutageSettings(
+        workers=args.workers, outage_s=args.outage_s, window_s=args.window_s, step_sleep_s=args.step_sleep
+    )
     return run_subcommand(args, "elasticd-bench-outage-", lambda workdir: run_outage(s, workdir), render)

@@ -75,11 +75,11 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
 DDP_WORKLOAD = "agents/mlp_ddp.py"
-KILL_AT_STEP = 30             # the SIGKILL lands this far into training
-SETTLE_STEPS = 10             # steps at the new world size before the next fault
-JOIN_SETTLE_STEPS = 20        # steps after the newcomer's first commit before the SIGSTOP
-EXIT_GRACE_S = 1.0            # a finished worker still running after this is killed (its final GC
-                              # at interpreter exit takes seconds on 2 shared cores)
+KILL_AT_STEP = 30  # the SIGKILL lands this far into training
+SETTLE_STEPS = 10  # steps at the new world size before the next fault
+JOIN_SETTLE_STEPS = 20  # steps after the newcomer's first commit before the SIGSTOP
+EXIT_GRACE_S = 1.0  # a finished worker still running after this is killed (its final GC
+# at interpreter exit takes seconds on 2 shared cores)
 TRANSFER_FEATURES, TRANSFER_CLASSES = 32, 10
 
 
@@ -97,12 +97,12 @@ class RecoverySettings(LeaseSettings):
     # target's margin, and more pairs keep one burst from moving the median.
     overhead_reps: int = 9
     workers: int = 3
-    step_sleep_s: float = 0.02        # fault jobs only; the overhead jobs run without it
+    step_sleep_s: float = 0.02  # fault jobs only; the overhead jobs run without it
     fault_steps: int = 450
     overhead_steps: int = 1000
-    window_from: int = 50             # steady-state window of the overhead jobs: steps window_from..N
-    transfer_hidden: int = 2048       # width of the MLP whose state the transfer phase moves
-    transfer_rounds: int = 15         # sync and raw broadcast rounds of the transfer phase (~0.1 s each)
+    window_from: int = 50  # steady-state window of the overhead jobs: steps window_from..N
+    transfer_hidden: int = 2048  # width of the MLP whose state the transfer phase moves
+    transfer_rounds: int = 15  # sync and raw broadcast rounds of the transfer phase (~0.1 s each)
     min_workers_faults: int = 2
 
     def describe(self) -> dict[str, object]:
@@ -145,7 +145,7 @@ class FaultRep:
 
 @dataclass
 class OverheadRep:
-    elastic_step_s: float | None = None      # mean step time over the window (wall time / steps)
+    elastic_step_s: float | None = None  # mean step time over the window (wall time / steps)
     ddp_step_s: float | None = None
     ratio: float | None = None
     elastic_median_step_s: float | None = None  # median of the per-step durations, same window
@@ -167,12 +167,14 @@ class TransferResult:
     pack_s: float | None = None
     error: str | None = None
 
+
 # ---------------------------------------------------------------------------------------------
 # Where the time of a recovery goes (from the workers' JSON logs)
 
 
-def _events(evs: Sequence[Record], name: str, generation: int | None = None,
-            after: float | None = None) -> list[Record]:
+def _events(
+    evs: Sequence[Record], name: str, generation: int | None = None, after: float | None = None
+) -> list[Record]:
     out = []
     for e in evs:
         if e.get("event") != name:
@@ -201,8 +203,9 @@ def _max_field(evs: Sequence[Record], key: str) -> float | None:
     return max(vals) if vals else None
 
 
-def _regroup_marks(evs: Sequence[Record], origin: float, gen: int, commit_t: float,
-                   own: Sequence[Record]) -> dict[str, float | None]:
+def _regroup_marks(
+    evs: Sequence[Record], origin: float, gen: int, commit_t: float, own: Sequence[Record]
+) -> dict[str, float | None]:
     """Seconds after ``origin`` at which generation ``gen`` was published, built, recovered into and
     first committed in, and how long its parts took (``own``: the events whose rendezvous counts)."""
     return {
@@ -216,8 +219,9 @@ def _regroup_marks(evs: Sequence[Record], origin: float, gen: int, commit_t: flo
     }
 
 
-def fault_timeline(evs: Sequence[Record], fault_t: float, old_gen: int, new_gen: int,
-                   commit_t: float) -> dict[str, float | None]:
+def fault_timeline(
+    evs: Sequence[Record], fault_t: float, old_gen: int, new_gen: int, commit_t: float
+) -> dict[str, float | None]:
     """Seconds after the fault at which the survivors noticed, re-formed and committed again."""
     return {
         "step_failed": _first_t(_events(evs, "step_failed", after=fault_t), fault_t),
@@ -235,8 +239,9 @@ def join_pause(commits: Sequence[Record], generation: int) -> float | None:
     return min(inside) - max(before) if before and inside else None
 
 
-def join_timeline(evs: Sequence[Record], newcomer: int, start_t: float, gen: int,
-                  commit_t: float) -> dict[str, float | None]:
+def join_timeline(
+    evs: Sequence[Record], newcomer: int, start_t: float, gen: int, commit_t: float
+) -> dict[str, float | None]:
     """Seconds after the newcomer's ``start`` line at which each part of its join happened."""
     mine = [e for e in evs if e.get("_worker") == newcomer]
     others = [e for e in evs if e.get("_worker") != newcomer]
@@ -263,8 +268,11 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
     try:
         for _ in range(s.workers):
             job.spawn(*args)
-        job.wait_until(lambda: job.max_step() >= KILL_AT_STEP and job.world_size() == s.workers,
-                       PHASE_TIMEOUT_S, f"{KILL_AT_STEP} steps at world {s.workers}")
+        job.wait_until(
+            lambda: job.max_step() >= KILL_AT_STEP and job.world_size() == s.workers,
+            PHASE_TIMEOUT_S,
+            f"{KILL_AT_STEP} steps at world {s.workers}",
+        )
 
         # SIGKILL: the survivors' collective fails as soon as the victim's sockets close.
         victim = job.worker_at_rank(rep % s.workers)
@@ -291,11 +299,15 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
 
         # SIGSTOP: nothing breaks until the victim's lease expires; then the survivors move on.
         target = field_int(joined, "step") + JOIN_SETTLE_STEPS
-        job.wait_until(lambda: job.max_step() >= target and job.generation() == field_int(joined, "generation"),
-                       PHASE_TIMEOUT_S, f"step {target}")
+        job.wait_until(
+            lambda: job.max_step() >= target and job.generation() == field_int(joined, "generation"),
+            PHASE_TIMEOUT_S,
+            f"step {target}",
+        )
         if job.max_step() > s.fault_steps - 50:
-            raise BenchError(f"the job reached step {job.max_step()} of {s.fault_steps} before the SIGSTOP "
-                             "phase; raise fault_steps")
+            raise BenchError(
+                f"the job reached step {job.max_step()} of {s.fault_steps} before the SIGSTOP phase; raise fault_steps"
+            )
         stop_rank = (rep + 1) % s.workers
         victim = job.worker_at_rank(stop_rank)
         out.sigstop_victim_rank = stop_rank
@@ -312,8 +324,9 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
 
         # The survivors finish the job; each writes its audit "final" line once it has left.
         live = [w for w in job.workers if not w.expected_dead]
-        job.wait_until(lambda: all(w.final_seen is not None for w in live), PHASE_TIMEOUT_S * 2,
-                       "the survivors' final lines")
+        job.wait_until(
+            lambda: all(w.final_seen is not None for w in live), PHASE_TIMEOUT_S * 2, "the survivors' final lines"
+        )
         out.exit_after_final_s = job.wait_exit_after_final(EXIT_GRACE_S)
         evs = job.log_events()
         out.timeline = {
@@ -345,7 +358,7 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
 class StepTimes:
     """Step times of one job over its steady-state window."""
 
-    mean_s: float    # wall time / steps: what the job's throughput is (median over its workers)
+    mean_s: float  # wall time / steps: what the job's throughput is (median over its workers)
     median_s: float  # median of the single steps' durations (all workers)
 
 
@@ -377,17 +390,25 @@ def window_step_times(series: Iterable[Sequence[tuple[int, float, int]]], lo: in
     return StepTimes(statistics.median(means), statistics.median(deltas))
 
 
-def _run_elastic(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> tuple[StepTimes, dict[int, float], AuditReport]:
+def _run_elastic(
+    etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
+) -> tuple[StepTimes, dict[int, float], AuditReport]:
     job = BenchJob(etcd, workdir, f"bench{os.getpid()}o{rep}", s.worker_env(s.workers))
     try:
         for _ in range(s.workers):
             job.spawn("--steps", str(s.overhead_steps), "--audit-in-memory")  # as DDP keeps its records
-        job.wait_until(lambda: all(w.final_seen is not None for w in job.workers), PHASE_TIMEOUT_S * 2,
-                       "the elastic workers' final lines")
+        job.wait_until(
+            lambda: all(w.final_seen is not None for w in job.workers),
+            PHASE_TIMEOUT_S * 2,
+            "the elastic workers' final lines",
+        )
         job.wait_exit_after_final(EXIT_GRACE_S)  # then killed: the next job must not share the cores
     finally:
         job.stop()
-    series = [[(field_int(c, "step"), field_float(c, "t"), field_int(c, "generation")) for c in w.commits] for w in job.workers]
+    series = [
+        [(field_int(c, "step"), field_float(c, "t"), field_int(c, "generation")) for c in w.commits]
+        for w in job.workers
+    ]
     times = window_step_times(series, s.window_from)
     losses = {field_int(c, "step"): field_float(c, "loss") for c in job.workers[0].commits}
     return times, losses, check_dir(workdir, DATASET_SIZE)
@@ -400,10 +421,21 @@ def _run_ddp(workdir: Path, s: RecoverySettings) -> tuple[StepTimes, dict[int, f
     outs = [workdir / f"ddp{r}.json" for r in range(s.workers)]
     try:
         for r in range(s.workers):
-            env = {"RANK": str(r), "WORLD_SIZE": str(s.workers), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-            procs.append(WorkerProcess(python_program(DDP_WORKLOAD, "--steps", str(s.overhead_steps),
-                                                      "--out", str(outs[r])), env, workdir / f"ddp{r}.log").start())
+            env = {
+                "RANK": str(r),
+                "WORLD_SIZE": str(s.workers),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1",
+            }
+            procs.append(
+                WorkerProcess(
+                    python_program(DDP_WORKLOAD, "--steps", str(s.overhead_steps), "--out", str(outs[r])),
+                    env,
+                    workdir / f"ddp{r}.log",
+                ).start()
+            )
         deadline = time.monotonic() + PHASE_TIMEOUT_S * 2
         while not all(o.exists() for o in outs):
             if any(not p.alive() and p.wait(0) != 0 for p in procs) or time.monotonic() > deadline:
@@ -452,8 +484,9 @@ def run_overhead_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySetti
 # Phase 3: newcomer state sync vs raw broadcast, in one gloo group of spawned processes
 
 
-def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
-                     port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
+def _transfer_worker(
+    rank: int, world: int, hidden: int, reps: int, port_q: Queue[int], res_q: Queue[dict[str, object]]
+) -> None:
     """One rank: ranks < world-1 hold a trained state (survivors), the last rank is a newcomer."""
     import torch
     import torch.distributed as dist  # the raw baseline must bypass elasticd's collectives
@@ -508,7 +541,7 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
             state = fresh()
         else:
             state.counters.step = i + 1
-        for what in (("sync", "raw", "send") if i % 2 == 0 else ("send", "raw", "sync")):
+        for what in ("sync", "raw", "send") if i % 2 == 0 else ("send", "raw", "sync"):
             if what == "sync":
                 # As the trainer does: survivors of generation 1 hold the state and hash it while
                 # they rendezvous (here: before the round), the newcomer holds none.
@@ -516,9 +549,16 @@ def _transfer_worker(rank: int, world: int, hidden: int, reps: int,
                 barrier()
                 t0 = time.perf_counter()
                 state.lineage = -1 if newcomer else 1
-                report = sync_state(group, state, Deadline.after(timeouts.checkpoint_transfer_s), never,
-                                    timeouts.abort_poll_s, subgroup=subgroup,
-                                    retire=factory.retire, own_checksum=own)
+                report = sync_state(
+                    group,
+                    state,
+                    Deadline.after(timeouts.checkpoint_transfer_s),
+                    never,
+                    timeouts.abort_poll_s,
+                    subgroup=subgroup,
+                    retire=factory.retire,
+                    own_checksum=own,
+                )
                 sync_s.append(time.perf_counter() - t0)
                 if not report.transferred_bytes:  # a survivor that held the state received nothing
                     layout, arena = state.pack()
@@ -557,8 +597,15 @@ def run_transfer(s: RecoverySettings) -> TransferResult:
     ctx = multiprocessing.get_context("spawn")
     port_q: Queue[int] = ctx.Queue()
     res_q: Queue[dict[str, object]] = ctx.Queue()
-    procs = [ctx.Process(target=_transfer_worker, args=(r, s.workers, s.transfer_hidden, s.transfer_rounds, port_q, res_q),
-                         name=f"elasticd-bench-transfer{r}", daemon=True) for r in range(s.workers)]
+    procs = [
+        ctx.Process(
+            target=_transfer_worker,
+            args=(r, s.workers, s.transfer_hidden, s.transfer_rounds, port_q, res_q),
+            name=f"elasticd-bench-transfer{r}",
+            daemon=True,
+        )
+        for r in range(s.workers)
+    ]
     try:
         for p in procs:
             p.start()
@@ -612,20 +659,26 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
             t0 = time.monotonic()
             faults.append(run_fault_rep(etcd, workdir / f"faults{rep}", rep, s))
             f = faults[-1]
-            progress(f"faults rep {rep + 1}/{s.reps}: sigkill {fmt(f.sigkill_s)} s, join {fmt(f.join_s)} s, "
-                     f"sigstop {fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
-                     + (f" ERROR {f.error.splitlines()[0]}" if f.error else ""))
+            progress(
+                f"faults rep {rep + 1}/{s.reps}: sigkill {fmt(f.sigkill_s)} s, join {fmt(f.join_s)} s, "
+                f"sigstop {fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
+                + (f" ERROR {f.error.splitlines()[0]}" if f.error else "")
+            )
         for rep in range(s.overhead_reps):
             t0 = time.monotonic()
             overheads.append(run_overhead_rep(etcd, workdir / f"overhead{rep}", rep, s))
             o = overheads[-1]
-            progress(f"overhead rep {rep + 1}/{s.overhead_reps}: elastic {fmt(o.elastic_step_s, 5)} s, "
-                     f"ddp {fmt(o.ddp_step_s, 5)} s, ratio {fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
-                     + (f" ERROR {o.error.splitlines()[0]}" if o.error else ""))
+            progress(
+                f"overhead rep {rep + 1}/{s.overhead_reps}: elastic {fmt(o.elastic_step_s, 5)} s, "
+                f"ddp {fmt(o.ddp_step_s, 5)} s, ratio {fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
+                + (f" ERROR {o.error.splitlines()[0]}" if o.error else "")
+            )
     t0 = time.monotonic()
     transfer = run_transfer(s)
-    progress(f"transfer: {transfer.bytes} bytes, {len(transfer.sync_s)} rounds ({time.monotonic() - t0:.0f} s)"
-             + (f" ERROR {transfer.error}" if transfer.error else ""))
+    progress(
+        f"transfer: {transfer.bytes} bytes, {len(transfer.sync_s)} rounds ({time.monotonic() - t0:.0f} s)"
+        + (f" ERROR {transfer.error}" if transfer.error else "")
+    )
 
     mb = transfer.bytes / 1e6
     sync_mbps = [mb / x for x in transfer.sync_s]
@@ -669,10 +722,12 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
         "sync_s": median_of(transfer.sync_s),
         "sync_checksum_s_once": transfer.checksum_s,
         "sync_pack_s_once": transfer.pack_s,
-        "max_loss_diff_elastic_vs_ddp": max((o.max_loss_diff for o in overheads if o.max_loss_diff is not None),
-                                            default=None),
-        "join_transferred_bytes": median_of(float(f.join_transferred_bytes) for f in faults
-                                          if f.join_transferred_bytes is not None),
+        "max_loss_diff_elastic_vs_ddp": max(
+            (o.max_loss_diff for o in overheads if o.max_loss_diff is not None), default=None
+        ),
+        "join_transferred_bytes": median_of(
+            float(f.join_transferred_bytes) for f in faults if f.join_transferred_bytes is not None
+        ),
     }
     breakdown: dict[str, dict[str, float | None]] = {}
     for phase in ("sigkill", "join", "sigstop"):
@@ -681,8 +736,12 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
     return {
         "figures": figures,
         "baselines": baselines,
-        "targets": {"recovery_sigstop_s": f"<= lease_ttl_s + 1 = {s.lease_ttl_s + 1:g}",
-                    "overhead_ratio": "<= 1.03", "transfer_ratio": ">= 0.7", "steps_lost": "0"},
+        "targets": {
+            "recovery_sigstop_s": f"<= lease_ttl_s + 1 = {s.lease_ttl_s + 1:g}",
+            "overhead_ratio": "<= 1.03",
+            "transfer_ratio": ">= 0.7",
+            "steps_lost": "0",
+        },
         "samples": {
             "recovery_sigkill_s": samples(f.sigkill_s for f in faults),
             "sigkill_victim_rank": [f.sigkill_victim_rank for f in faults],
@@ -709,7 +768,6 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
         # The cores may be shared with other work; a high load widens every spread above.
         "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
-
 
 
 def render_recovery(result: Mapping[str, object]) -> str:
@@ -765,19 +823,44 @@ def render_recovery(result: Mapping[str, object]) -> str:
     ]
     for phase, marks in bd.items():
         assert isinstance(marks, dict)
-        order = ["step_failed", "abandon_requested", "member_registered", "join_requested", "generation_published", "group_built", "recovered", "first_commit"]
+        order = [
+            "step_failed",
+            "abandon_requested",
+            "member_registered",
+            "join_requested",
+            "generation_published",
+            "group_built",
+            "recovered",
+            "first_commit",
+        ]
         seq = ", ".join(f"{k} +{fmt(marks[k])}" for k in order if k in marks and marks[k] is not None)
         parts = ", ".join(f"{k} {fmt(marks[k])}" for k in ("rendezvous_s", "build_s", "sync_s") if k in marks)
         lines.append(f"  {phase:<8} {seq}")
         lines.append(f"  {'':<8} (durations: {parts})")
     lines += ["", "settings"]
-    for k in ("ELASTICD_LEASE_TTL_S", "ELASTICD_KEEPALIVE_S", "ELASTICD_MIN_WORKERS", "last_call_s",
-              "join_window_s", "abort_poll_s", "step_sleep_s", "fault_steps", "overhead_steps",
-              "transfer_hidden", "transfer_rounds", "OMP_NUM_THREADS", "cpus", "torch", "python"):
+    for k in (
+        "ELASTICD_LEASE_TTL_S",
+        "ELASTICD_KEEPALIVE_S",
+        "ELASTICD_MIN_WORKERS",
+        "last_call_s",
+        "join_window_s",
+        "abort_poll_s",
+        "step_sleep_s",
+        "fault_steps",
+        "overhead_steps",
+        "transfer_hidden",
+        "transfer_rounds",
+        "OMP_NUM_THREADS",
+        "cpus",
+        "torch",
+        "python",
+    ):
         lines.append(f"  {k:<22}{st[k]}")
     lines.append(f"  wall time             {result['wall_s']} s")
-    lines.append(f"  load avg (1 min)      {result['loadavg_1m_before_after']} before/after (other work on the cores "
-                 "widens the spreads)")
+    lines.append(
+        f"  load avg (1 min)      {result['loadavg_1m_before_after']} before/after (other work on the cores "
+        "widens the spreads)"
+    )
     viol, errs = result["violations"], result["errors"]
     assert isinstance(viol, list) and isinstance(errs, list)
     if viol:
@@ -790,23 +873,38 @@ def render_recovery(result: Mapping[str, object]) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     """``recovery``'s flags."""
     d = RecoverySettings()
-    p.add_argument("--reps", type=int, default=d.reps,
-                   help="repetitions of the fault jobs (default %(default)s)")
-    p.add_argument("--overhead-reps", type=int, default=d.overhead_reps,
-                   help="repetitions of the elastic/DDP job pair (default %(default)s)")
+    p.add_argument("--reps", type=int, default=d.reps, help="repetitions of the fault jobs (default %(default)s)")
+    p.add_argument(
+        "--overhead-reps",
+        type=int,
+        default=d.overhead_reps,
+        help="repetitions of the elastic/DDP job pair (default %(default)s)",
+    )
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s, help="ELASTICD_LEASE_TTL_S (default %(default)s)")
     p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="ELASTICD_KEEPALIVE_S (default %(default)s)")
-    p.add_argument("--step-sleep", type=float, default=d.step_sleep_s,
-                   help="--step-sleep of the fault jobs' workers (default %(default)s; none in the overhead jobs)")
-    p.add_argument("--transfer-hidden", type=int, default=d.transfer_hidden,
-                   help="hidden width of the MLP whose state the transfer phase moves (default %(default)s)")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=d.step_sleep_s,
+        help="--step-sleep of the fault jobs' workers (default %(default)s; none in the overhead jobs)",
+    )
+    p.add_argument(
+        "--transfer-hidden",
+        type=int,
+        default=d.transfer_hidden,
+        help="hidden width of the MLP whose state the transfer phase moves (default %(default)s)",
+    )
 
 
 def run_cmd(args: argparse.Namespace) -> int:
     """``recovery``: run it, print the figures; 1 when a phase failed or a step was lost."""
-    s = RecoverySettings(reps=args.reps, overhead_reps=args.overhead_reps, lease_ttl_s=args.lease_ttl,
-                         keepalive_s=args.keepalive, step_sleep_s=args.step_sleep,
-                         transfer_hidden=args.transfer_hidden)
+    s = RecoverySettings(
+        reps=args.reps,
+        overhead_reps=args.overhead_reps,
+        lease_ttl_s=args.lease_ttl,
+        keepalive_s=args.keepalive,
+        step_sleep_s=args.step_sleep,
+        transfer_hidden=args.transfer_hidden,
+    )
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
-    return run_subcommand(args, "elasticd-bench-", lambda workdir: run_recovery(s, workdir, progress),
-                          render_recovery)
+    return run_subcommand(args, "elasticd-bench-", lambda workdir: run_recovery(s, workdir, progress), render_recovery)

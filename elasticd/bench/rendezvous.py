@@ -93,10 +93,27 @@ class _TunedEtcd(EtcdServer):
 
     def launch(self) -> None:
         url = f"http://{self.host}:{self.client_port}"
-        cmd = [etcd_binary(), "--name", self.name, "--data-dir", self.data_dir, "--listen-client-urls", url,
-               "--advertise-client-urls", url, "--listen-peer-urls", self.peer_url,
-               "--initial-advertise-peer-urls", self.peer_url, "--initial-cluster", self.initial_cluster,
-               "--log-level", "error", "--max-txn-ops", str(self.max_txn_ops)]
+        cmd = [
+            etcd_binary(),
+            "--name",
+            self.name,
+            "--data-dir",
+            self.data_dir,
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self.initial_cluster,
+            "--log-level",
+            "error",
+            "--max-txn-ops",
+            str(self.max_txn_ops),
+        ]
         with self.log_path.open("ab") as log_file:
             self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
 
@@ -126,6 +143,7 @@ def calibrate(store: EtcdClient, probe: Probe, keys: Keys) -> Costs:
     Raises:
         EtcdUnavailable: etcd did not answer.
     """
+
     def measured(work: Callable[[], object]) -> tuple[float, float, float]:
         w0, e0, m0 = time.monotonic(), probe.etcd_cpu_s(), time.process_time()
         work()
@@ -147,8 +165,9 @@ def calibrate(store: EtcdClient, probe: Probe, keys: Keys) -> Costs:
         store.put(keys.ready(rec.member_id), encode(ReadyRecord(rec.member_id, 0, 1, 0, rec.signature)))
     kvs = store.get_prefixes(keys.rendezvous)
     nbytes = CAL_READS * sum(len(kv.key) + len(kv.value) + KV_OVERHEAD_B for kv in kvs)
-    _, etcd, own = measured(lambda: [parse_snapshot(keys, store.get_prefixes(keys.rendezvous))
-                                     for _ in range(CAL_READS)])
+    _, etcd, own = measured(
+        lambda: [parse_snapshot(keys, store.get_prefixes(keys.rendezvous)) for _ in range(CAL_READS)]
+    )
     e_byte, m_byte = max(0.0, etcd - CAL_READS * e_req) / nbytes, max(0.0, own - CAL_READS * m_req) / nbytes
     hits = Counter[str]()
     lock = threading.Lock()
@@ -176,10 +195,16 @@ def calibrate(store: EtcdClient, probe: Probe, keys: Keys) -> Costs:
     events = max(1.0, probe.metrics()["watch_events"] - before)
     for cancel in cancels:
         cancel()
-    return Costs(request_rtt_s=rtt, write_rtt_s=write_rtt, etcd_per_request_s=e_req,
-                 etcd_per_event_s=max(0.0, etcd - CAL_PUTS * e_req) / events, etcd_per_byte_s=e_byte,
-                 member_per_request_s=m_req, member_per_event_s=max(0.0, own - CAL_PUTS * m_req) / events,
-                 member_per_byte_s=m_byte)
+    return Costs(
+        request_rtt_s=rtt,
+        write_rtt_s=write_rtt,
+        etcd_per_request_s=e_req,
+        etcd_per_event_s=max(0.0, etcd - CAL_PUTS * e_req) / events,
+        etcd_per_byte_s=e_byte,
+        member_per_request_s=m_req,
+        member_per_event_s=max(0.0, own - CAL_PUTS * m_req) / events,
+        member_per_byte_s=m_byte,
+    )
 
 
 def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
@@ -192,8 +217,9 @@ def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
     out = {}
     for ops in (STOCK_MAX_TXN_OPS, STOCK_MAX_TXN_OPS + 1):
         try:
-            store.compare_and_put(f"{keys.job}/wall{ops}", 0, b"g",
-                                  delete_keys=[keys.ready(f"m{i}") for i in range(ops - 1)])
+            store.compare_and_put(
+                f"{keys.job}/wall{ops}", 0, b"g", delete_keys=[keys.ready(f"m{i}") for i in range(ops - 1)]
+            )
             out[str(ops)] = "accepted"
         except EtcdUnavailable as exc:
             if "rejected" not in str(exc):
@@ -204,26 +230,52 @@ def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
     return out
 
 
-def _measure(s: RendezvousSettings, etcd: EtcdServer, probe: Probe, client: EtcdClient, workdir: Path,
-             phases: dict[str, dict[str, float | None]]) -> None:
+def _measure(
+    s: RendezvousSettings,
+    etcd: EtcdServer,
+    probe: Probe,
+    client: EtcdClient,
+    workdir: Path,
+    phases: dict[str, dict[str, float | None]],
+) -> None:
     """The join round, the idle window and the leave, into ``phases`` (as far as they got).
 
     Raises:
         BenchError: a wait ran past its bound, a member failed, or a member process exited.
     """
     n, keys = s.members, Keys(PREFIX, "bench")
-    plans = [Plan(i, first, min(s.per_process, n - first), n, s.timeouts(), etcd.endpoint, "bench",
-                  str(workdir / f"members{i}.log"), s.per_node) for i, first in enumerate(range(0, n, s.per_process))]
+    plans = [
+        Plan(
+            i,
+            first,
+            min(s.per_process, n - first),
+            n,
+            s.timeouts(),
+            etcd.endpoint,
+            "bench",
+            str(workdir / f"members{i}.log"),
+            s.per_node,
+        )
+        for i, first in enumerate(range(0, n, s.per_process))
+    ]
     progress(f"starting {len(plans)} member processes for {n} members")
     procs = MemberProcesses(plans)
     try:
+
         def sample() -> dict[str, float]:
-            return {"window_s": time.monotonic(), "etcd_cpu_s": probe.etcd_cpu_s(),
-                    **{f"etcd_{k}": v for k, v in probe.metrics().items()}, **procs.counts()}
+            return {
+                "window_s": time.monotonic(),
+                "etcd_cpu_s": probe.etcd_cpu_s(),
+                **{f"etcd_{k}": v for k, v in probe.metrics().items()},
+                **procs.counts(),
+            }
 
         def measure_round(name: str, start: float, size: int, after: int, before: dict[str, float]) -> int:
-            procs.wait_until(lambda: procs.complete(size, after, start) is not None, ROUND_TIMEOUT_S,
-                             f"{name}: a generation of {size} learned by all")
+            procs.wait_until(
+                lambda: procs.complete(size, after, start) is not None,
+                ROUND_TIMEOUT_S,
+                f"{name}: a generation of {size} learned by all",
+            )
             gen = procs.complete(size, after, start)
             assert gen is not None
             settled_at, last = time.monotonic() + SETTLE_MAX_S, -1.0
@@ -235,8 +287,11 @@ def _measure(s: RendezvousSettings, etcd: EtcdServer, probe: Probe, client: Etcd
                 last = now
             counts = difference(before, sample())
             published = published_times(client, keys).get(gen)
-            phases[name] = {**round_times(start, published, procs.learned_times(gen)), **counts,
-                            "generations": float(gen - after)}
+            phases[name] = {
+                **round_times(start, published, procs.learned_times(gen)),
+                **counts,
+                "generations": float(gen - after),
+            }
             return gen
 
         progress(f"{n} members register at once")
@@ -306,55 +361,95 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
             etcd.stop()
     sizes = Sizes.of(bench_record(s.members, LONGEST_PID), Keys(PREFIX, "bench"))
     cores = float(len(os.sched_getaffinity(0)))  # the cores this process may run on (psutil counts the host's)
-    return {"settings": asdict(s), "etcd": "stock" if not s.etcd_max_txn_ops else f"--max-txn-ops {s.etcd_max_txn_ops}",
-            "cores": cores, "txn_wall": txn_wall, "phases": phases, "costs": asdict(costs), "sizes": asdict(sizes),
-            "walls": wall_thresholds(sizes), "model": model_rows(costs, sizes, timeouts, phases, s.members, cores, s.per_node),
-            "errors": errors}
+    return {
+        "settings": asdict(s),
+        "etcd": "stock" if not s.etcd_max_txn_ops else f"--max-txn-ops {s.etcd_max_txn_ops}",
+        "cores": cores,
+        "txn_wall": txn_wall,
+        "phases": phases,
+        "costs": asdict(costs),
+        "sizes": asdict(sizes),
+        "walls": wall_thresholds(sizes),
+        "model": model_rows(costs, sizes, timeouts, phases, s.members, cores, s.per_node),
+        "errors": errors,
+    }
 
 
-FIGURES = ("register_s", "published_s", "first_learned_s", "median_learned_s", "all_learned_s", "generations",
-           "window_s", "etcd_requests", "etcd_puts", "etcd_txns", "etcd_ranges", "etcd_deletes", "etcd_watch_events",
-           "etcd_bytes_sent", "etcd_cpu_s", "member_cpu_s")
+FIGURES = (
+    "register_s",
+    "published_s",
+    "first_learned_s",
+    "median_learned_s",
+    "all_learned_s",
+    "generations",
+    "window_s",
+    "etcd_requests",
+    "etcd_puts",
+    "etcd_txns",
+    "etcd_ranges",
+    "etcd_deletes",
+    "etcd_watch_events",
+    "etcd_bytes_sent",
+    "etcd_cpu_s",
+    "member_cpu_s",
+)
 
 
 def render(result: Mapping[str, object]) -> str:
     s, phases = result["settings"], result["phases"]
     assert isinstance(s, dict) and isinstance(phases, dict)
     procs = math.ceil(s["members"] / s["per_process"])
-    relayed = (f", {s['per_node']} per node sharing its relay" if s.get("per_node", 1) > 1
-               else ", each its own node (no relay)")
-    lines = [f"rendezvous: {s['members']} members, {s['per_process']} per process ({procs} processes){relayed}, one "
-             f"local etcd ({result['etcd']}); lease TTL {s['lease_ttl_s']:g} s, keepalive {s['keepalive_s']:g} s "
-             f"and every other timeout elasticd's defaults", "",
-             f"{'figure':<28} {'register':>12} {'join':>12} {'idle, per s':>12} {'leave':>12}"]
+    relayed = (
+        f", {s['per_node']} per node sharing its relay"
+        if s.get("per_node", 1) > 1
+        else ", each its own node (no relay)"
+    )
+    lines = [
+        f"rendezvous: {s['members']} members, {s['per_process']} per process ({procs} processes){relayed}, one "
+        f"local etcd ({result['etcd']}); lease TTL {s['lease_ttl_s']:g} s, keepalive {s['keepalive_s']:g} s "
+        f"and every other timeout elasticd's defaults",
+        "",
+        f"{'figure':<28} {'register':>12} {'join':>12} {'idle, per s':>12} {'leave':>12}",
+    ]
     names = list(FIGURES) + sorted({k for p in phases.values() for k in p if k.startswith("member_")} - set(FIGURES))
     for name in names:
         cells = [phases.get(p, {}).get(name) for p in ("register", "join", "idle_per_s", "leave")]
-        lines.append(f"{name:<28} " + " ".join(f"{fmt(c if c is None or c != int(c) else int(c)):>12}"
-                                                for c in cells))
+        lines.append(f"{name:<28} " + " ".join(f"{fmt(c if c is None or c != int(c) else int(c)):>12}" for c in cells))
     costs = result["costs"]
     assert isinstance(costs, dict)
-    lines += ["", "calibration (costs per operation, this run): " + ", ".join(
-        f"{k} {v * 1e6:.3g} us" if "byte" not in k else f"{k} {v * 1e9:.3g} ns" for k, v in costs.items())]
+    lines += [
+        "",
+        "calibration (costs per operation, this run): "
+        + ", ".join(f"{k} {v * 1e6:.3g} us" if "byte" not in k else f"{k} {v * 1e9:.3g} ns" for k, v in costs.items()),
+    ]
     model = result["model"]
     assert isinstance(model, list)
     measured = [phases.get(p, {}).get("all_learned_s") for p in ("join", "leave")]
-    lines += ["", f"model of the coordinated protocol, to the last member learned (predict(); here: all on "
-              f"{result['cores']:g} cores, to check against the measured {fmt(measured[0])} s join, "
-              f"{fmt(measured[1])} s leave; fleet: each member on its own host, etcd on {result['cores']:g} "
-              "cores); a join round's etcd CPU and bytes sent with the reads per member measured here ("
-              + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"]) + " per join, leave)",
-              f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
-              f"{'etcd cpu':>9} {'sent':>9} {'fleet 3fe7fcf':>14}  walls on a stock etcd"]
+    lines += [
+        "",
+        f"model of the coordinated protocol, to the last member learned (predict(); here: all on "
+        f"{result['cores']:g} cores, to check against the measured {fmt(measured[0])} s join, "
+        f"{fmt(measured[1])} s leave; fleet: each member on its own host, etcd on {result['cores']:g} "
+        "cores); a join round's etcd CPU and bytes sent with the reads per member measured here ("
+        + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"])
+        + " per join, leave)",
+        f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
+        f"{'etcd cpu':>9} {'sent':>9} {'fleet 3fe7fcf':>14}  walls on a stock etcd",
+    ]
     for row in model:
-        lines.append(f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
-                     f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
-                     f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s  "
-                     f"{'; '.join(row['walls']) or '-'}")
+        lines.append(
+            f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
+            f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
+            f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s  "
+            f"{'; '.join(row['walls']) or '-'}"
+        )
     walls_at = result["walls"]
     assert isinstance(walls_at, dict)
-    lines += ["", "walls of a stock etcd: " + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in
-                                                       walls_at.items() if n is not None)]
+    lines += [
+        "",
+        "walls of a stock etcd: "
+        + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in walls_at.items() if n is not None),
+    ]
     probe = result["txn_wall"]
     assert isinstance(probe, dict)
     lines += ["this etcd, sent a transaction of: " + "; ".join(f"{n} ops: {answer}" for n, answer in probe.items())]
@@ -367,14 +462,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d = RendezvousSettings()
     p.add_argument("--members", type=int, default=d.members, help="lightweight members (N)")
     p.add_argument("--per-process", type=int, default=d.per_process, help="members per process, as threads (K)")
-    p.add_argument("--per-node", type=int, default=d.per_node,
-                   help="members per node (dividing --per-process): more than 1, a node's members read and "
-                   "watch the job through its relay, as an agent with relay on serves its workers")
-    p.add_argument("--etcd-max-txn-ops", type=int, default=d.etcd_max_txn_ops,
-                   help="raise etcd's --max-txn-ops (default: a stock etcd, 128) to measure past the publish wall")
-    p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s,
-                   help="the members' lease TTL (default: elasticd's); with --keepalive-s, what N members' "
-                   "renewals cost: on a few cores, at the defaults, they alone saturate the CPU near 1,000")
+    p.add_argument(
+        "--per-node",
+        type=int,
+        default=d.per_node,
+        help="members per node (dividing --per-process): more than 1, a node's members read and "
+        "watch the job through its relay, as an agent with relay on serves its workers",
+    )
+    p.add_argument(
+        "--etcd-max-txn-ops",
+        type=int,
+        default=d.etcd_max_txn_ops,
+        help="raise etcd's --max-txn-ops (default: a stock etcd, 128) to measure past the publish wall",
+    )
+    p.add_argument(
+        "--lease-ttl-s",
+        type=float,
+        default=d.lease_ttl_s,
+        help="the members' lease TTL (default: elasticd's); with --keepalive-s, what N members' "
+        "renewals cost: on a few cores, at the defaults, they alone saturate the CPU near 1,000",
+    )
     p.add_argument("--keepalive-s", type=float, default=d.keepalive_s, help="the members' renewal interval")
 
 
@@ -383,9 +490,15 @@ def run_cmd(args: argparse.Namespace) -> int:
     if args.members < 2 or args.per_process < 1:
         raise SystemExit("--members must be >= 2 (one leaves) and --per-process >= 1")
     if args.per_node < 1 or args.per_process % args.per_node or args.members % args.per_node:
-        raise SystemExit("--per-node must be >= 1 and divide --per-process and --members (a node's members "
-                         "live in one process)")
-    s = RendezvousSettings(members=args.members, per_process=args.per_process, per_node=args.per_node,
-                           etcd_max_txn_ops=args.etcd_max_txn_ops,
-                           lease_ttl_s=args.lease_ttl_s, keepalive_s=args.keepalive_s)
+        raise SystemExit(
+            "--per-node must be >= 1 and divide --per-process and --members (a node's members live in one process)"
+        )
+    s = RendezvousSettings(
+        members=args.members,
+        per_process=args.per_process,
+        per_node=args.per_node,
+        etcd_max_txn_ops=args.etcd_max_txn_ops,
+        lease_ttl_s=args.lease_ttl_s,
+        keepalive_s=args.keepalive_s,
+    )
     return run_subcommand(args, "elasticd-bench-rendezvous-", lambda workdir: run_rendezvous(s, workdir), render)

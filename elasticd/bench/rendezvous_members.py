@@ -50,8 +50,14 @@ PREFIX = "/elasticd"
 class CountingStore:
     """A ``KeyValueStore`` that counts what its member asks etcd, into its process's counter."""
 
-    def __init__(self, inner: KeyValueStore, counts: Counter[str], lock: threading.Lock, generation_key: str,
-                 on_error: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        inner: KeyValueStore,
+        counts: Counter[str],
+        lock: threading.Lock,
+        generation_key: str,
+        on_error: Callable[[str], None],
+    ) -> None:
         self._inner, self._counts, self._lock = inner, counts, lock
         self._generation_key, self._on_error = generation_key, on_error
 
@@ -86,14 +92,22 @@ class CountingStore:
         self._n("delete")
         self._inner.delete(key)
 
-    def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
-                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
+    def compare_and_put(
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
+    ) -> bool:
         publish = key == self._generation_key
         self._n("publish_attempts" if publish else "compare_and_put")
         try:
-            won = self._inner.compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
-                                              delete_ranges)
+            won = self._inner.compare_and_put(
+                key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges
+            )
         except EtcdUnavailable as exc:
             if "rejected" in str(exc):  # etcd answered no (a limit): the protocol would retry it forever
                 self._on_error(f"{'publish' if publish else 'compare_and_put'}: {exc}"[:400])
@@ -175,8 +189,7 @@ def _member_process(conn: Connection, plan: Plan) -> None:
         store: KeyValueStore = CountingStore(client, counts, lock, keys.generation, error)
         if plan.per_node > 1:
             if record.node not in relays:
-                relays[record.node] = NodeRelay(store, keys, record.node, os.path.join(sockets, record.node),
-                                                timeouts)
+                relays[record.node] = NodeRelay(store, keys, record.node, os.path.join(sockets, record.node), timeouts)
                 relays[record.node].start()
             store = RelayedStore(store, keys, relays[record.node].path, timeouts, RetryPolicy())
         members[record.member_id] = Membership(store, keys, record, world, timeouts)
@@ -249,8 +262,15 @@ def bench_record(i: int, pid: int, per_node: int = 1) -> MemberRecord:
     """Member ``i``'s record (local rank ``i % per_node`` of node ``i // per_node``): an id as
     ``new_member_id`` makes them, a sha256 signature as the trainer's."""
     node, local = f"node{i // per_node:05d}", i % per_node
-    return MemberRecord(member_id=f"{node}.{local}.{pid}", node=node, local_rank=local, pid=pid,
-                        host="127.0.0.1", store_port=29500, signature=hashlib.sha256(b"bench").hexdigest())
+    return MemberRecord(
+        member_id=f"{node}.{local}.{pid}",
+        node=node,
+        local_rank=local,
+        pid=pid,
+        host="127.0.0.1",
+        store_port=29500,
+        signature=hashlib.sha256(b"bench").hexdigest(),
+    )
 
 
 class MemberProcesses:
@@ -338,8 +358,10 @@ class MemberProcesses:
         total: Counter[str] = Counter()
         for c, _ in self._counts.values():
             total.update(c)
-        return {**{f"member_{k}": float(v) for k, v in total.items()},
-                "member_cpu_s": sum(c for _, c in self._counts.values())}
+        return {
+            **{f"member_{k}": float(v) for k, v in total.items()},
+            "member_cpu_s": sum(c for _, c in self._counts.values()),
+        }
 
     def stop(self) -> None:
         for conn in self.conns:

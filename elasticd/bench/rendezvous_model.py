@@ -38,13 +38,19 @@ JOIN_SWEEPS, LEAVE_SWEEPS = 4.0, 6.0
 # Requests per member per round besides its reads: grant, TTL, member put, ready put (join); ready put (leave).
 JOIN_FIXED_REQUESTS, LEAVE_FIXED_REQUESTS = 4, 1
 # etcd's /metrics counters reported per phase (name there -> name here).
-ETCD_METRICS = {"etcd_debugging_mvcc_events_total": "watch_events", "etcd_mvcc_put_total": "puts",
-                "etcd_mvcc_txn_total": "txns", "etcd_mvcc_range_total": "ranges",
-                "etcd_mvcc_delete_total": "deletes", "etcd_network_client_grpc_sent_bytes_total": "bytes_sent"}
+ETCD_METRICS = {
+    "etcd_debugging_mvcc_events_total": "watch_events",
+    "etcd_mvcc_put_total": "puts",
+    "etcd_mvcc_txn_total": "txns",
+    "etcd_mvcc_range_total": "ranges",
+    "etcd_mvcc_delete_total": "deletes",
+    "etcd_network_client_grpc_sent_bytes_total": "bytes_sent",
+}
 DEFAULT_READS_PER_MEMBER = 2.0
 VIEW_FIXED_B = 1024  # a member's view without the roster: generation pointer, verdict, coordinator, ... (framed)
 COORDINATED_FIXED_REQUESTS = 1  # a member's requests in a round besides its reads: its ready put
 COORDINATOR_READS = 2.0  # the coordinator's reads of the job on a round's critical path  # no round measured: a member's two readers (join loop, watcher) read once each
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -58,9 +64,12 @@ class Sizes:
     @staticmethod
     def of(record: MemberRecord, keys: Keys) -> Sizes:
         ready = ReadyRecord(record.member_id, 0, 1, 0, record.signature)
-        return Sizes(len(keys.member(record.member_id)) + len(encode(record)) + KV_OVERHEAD_B,
-                     len(keys.ready(record.member_id)) + len(encode(ready)) + KV_OVERHEAD_B,
-                     len(record.member_id), len(keys.ready(record.member_id)))
+        return Sizes(
+            len(keys.member(record.member_id)) + len(encode(record)) + KV_OVERHEAD_B,
+            len(keys.ready(record.member_id)) + len(encode(ready)) + KV_OVERHEAD_B,
+            len(record.member_id),
+            len(keys.ready(record.member_id)),
+        )
 
     def full_read(self, n: int) -> int:
         """One member's read while all N are registered and ready (and a generation lists them)."""
@@ -93,14 +102,14 @@ def walls(n: int, sizes: Sizes, deletes: bool = False) -> list[str]:
     publish of before 3fe7fcf."""
     out = []
     if publish_ops(n, deletes) > STOCK_MAX_TXN_OPS:
-        out.append(f"publish txn has {publish_ops(n, deletes)} ops > --max-txn-ops {STOCK_MAX_TXN_OPS}: "
-                   "cannot publish")
+        out.append(f"publish txn has {publish_ops(n, deletes)} ops > --max-txn-ops {STOCK_MAX_TXN_OPS}: cannot publish")
     if sizes.publish_request(n, deletes) > STOCK_MAX_REQUEST_BYTES:
-        out.append(f"publish request {sizes.publish_request(n, deletes) / 2**20:.2f} MiB > --max-request-bytes "
-                   "1.5 MiB")
+        out.append(f"publish request {sizes.publish_request(n, deletes) / 2**20:.2f} MiB > --max-request-bytes 1.5 MiB")
     if sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES:
-        out.append(f"a full read {sizes.full_read(n) / 2**20:.2f} MiB > gRPC's default 4 MiB message (the "
-                   "coordinator's and status' clients raise it: store.etcd)")
+        out.append(
+            f"a full read {sizes.full_read(n) / 2**20:.2f} MiB > gRPC's default 4 MiB message (the "
+            "coordinator's and status' clients raise it: store.etcd)"
+        )
     return out
 
 
@@ -118,12 +127,15 @@ def first_n(over: Callable[[int], bool], limit: int = 10**6) -> int | None:
 def wall_thresholds(sizes: Sizes) -> dict[str, int | None]:
     """The first N at which each wall of a stock etcd applies (``*_before_3fe7fcf``: with the publish
     that deleted the consumed ready keys)."""
-    return {"publish_txn_ops": first_n(lambda n: publish_ops(n) > STOCK_MAX_TXN_OPS),
-            "publish_txn_ops_before_3fe7fcf": first_n(lambda n: publish_ops(n, True) > STOCK_MAX_TXN_OPS),
-            "publish_request_bytes": first_n(lambda n: sizes.publish_request(n) > STOCK_MAX_REQUEST_BYTES),
-            "publish_request_bytes_before_3fe7fcf": first_n(
-                lambda n: sizes.publish_request(n, True) > STOCK_MAX_REQUEST_BYTES),
-            "full_read_grpc_message": first_n(lambda n: sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES)}
+    return {
+        "publish_txn_ops": first_n(lambda n: publish_ops(n) > STOCK_MAX_TXN_OPS),
+        "publish_txn_ops_before_3fe7fcf": first_n(lambda n: publish_ops(n, True) > STOCK_MAX_TXN_OPS),
+        "publish_request_bytes": first_n(lambda n: sizes.publish_request(n) > STOCK_MAX_REQUEST_BYTES),
+        "publish_request_bytes_before_3fe7fcf": first_n(
+            lambda n: sizes.publish_request(n, True) > STOCK_MAX_REQUEST_BYTES
+        ),
+        "full_read_grpc_message": first_n(lambda n: sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES),
+    }
 
 
 @dataclass(frozen=True)
@@ -157,8 +169,9 @@ class RoundCounts:
     readers: int = 0  # who read etcd in a sweep (0: every member; with node relays: the nodes)
 
 
-def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts,
-                         leave: bool, per_node: int = 1) -> RoundCounts:
+def coordinated_protocol(
+    n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool, per_node: int = 1
+) -> RoundCounts:
     """The coordinated protocol's round (``rendezvous.coordinator``). Only the coordinator watches
     and reads ``members/`` and ``ready/``; a member watches the generation, abort, finished,
     verdict and coordinator records and reads its small view and its node's roster bucket
@@ -179,14 +192,24 @@ def coordinated_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts
     nodes = math.ceil(m / per_node)
     watchers = nodes if per_node > 1 else m
     events = watchers + 2 if leave else m + watchers
-    return RoundCounts(m, 0 if leave else m * COORDINATED_FIXED_REQUESTS, events, sizes.view(n), reads_per_member,
-                       2.0, 2, timeouts.abort_poll_s if leave else 0.0,
-                       coordinator_reads=COORDINATOR_READS, full_bytes=sizes.full_read(n),
-                       readers=nodes if per_node > 1 else 0)
+    return RoundCounts(
+        m,
+        0 if leave else m * COORDINATED_FIXED_REQUESTS,
+        events,
+        sizes.view(n),
+        reads_per_member,
+        2.0,
+        2,
+        timeouts.abort_poll_s if leave else 0.0,
+        coordinator_reads=COORDINATOR_READS,
+        full_bytes=sizes.full_read(n),
+        readers=nodes if per_node > 1 else 0,
+    )
 
 
-def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool,
-                     deletes: bool = False) -> RoundCounts:
+def current_protocol(
+    n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool, deletes: bool = False
+) -> RoundCounts:
     """The protocol of 3fe7fcf (before the coordinator), kept for comparison. Every member watches ``members/``, ``ready/`` and the
     generation, so each ready put and the generation put reach all members (join: N^2+N events;
     leave, with M = N-1 survivors: the leaver's delete, then M^2+M); ``deletes``: the publish also
@@ -203,9 +226,16 @@ def current_protocol(n: int, reads_per_member: float, sizes: Sizes, timeouts: Ti
     m = n - 1 if leave else n
     events = (2 if deletes else 1) * m * m + m + (m if leave else 0)
     fixed = LEAVE_FIXED_REQUESTS if leave else JOIN_FIXED_REQUESTS
-    return RoundCounts(m, m * fixed, events, sizes.full_read(n), reads_per_member,
-                       LEAVE_SWEEPS if leave else JOIN_SWEEPS, LEAVE_SEQ_WRITES if leave else JOIN_SEQ_WRITES,
-                       timeouts.abort_poll_s if leave else 0.0)
+    return RoundCounts(
+        m,
+        m * fixed,
+        events,
+        sizes.full_read(n),
+        reads_per_member,
+        LEAVE_SWEEPS if leave else JOIN_SWEEPS,
+        LEAVE_SEQ_WRITES if leave else JOIN_SEQ_WRITES,
+        timeouts.abort_poll_s if leave else 0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -238,8 +268,12 @@ def predict(r: RoundCounts, c: Costs, cores: float) -> Prediction:
     here = base + r.sweeps * sweep_here + (events_etcd + events_member + requests_etcd + requests_member) / cores
     fleet = base + r.sweeps * sweep_fleet + (events_etcd + requests_etcd) / cores + events_member / max(1, r.members)
     reads = r.members * r.reads_per_member
-    return Prediction(requests_etcd + events_etcd + reads * read_etcd + r.coordinator_reads * full_etcd,
-                      reads * r.read_bytes + r.coordinator_reads * r.full_bytes, fleet, here)
+    return Prediction(
+        requests_etcd + events_etcd + reads * read_etcd + r.coordinator_reads * full_etcd,
+        reads * r.read_bytes + r.coordinator_reads * r.full_bytes,
+        fleet,
+        here,
+    )
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -266,18 +300,26 @@ def round_times(start: float, published: float | None, learned: Iterable[float])
     """A round's times from its start (wall clock): to the generation record, to the first, the
     median and the last member's join() return."""
     got = sorted(learned)
-    return {"published_s": None if published is None else round(published - start, 3),
-            "first_learned_s": round(got[0] - start, 3) if got else None,
-            "median_learned_s": round(got[len(got) // 2] - start, 3) if got else None,
-            "all_learned_s": round(got[-1] - start, 3) if got else None}
+    return {
+        "published_s": None if published is None else round(published - start, 3),
+        "first_learned_s": round(got[0] - start, 3) if got else None,
+        "median_learned_s": round(got[len(got) // 2] - start, 3) if got else None,
+        "all_learned_s": round(got[-1] - start, 3) if got else None,
+    }
 
 
-
-
-def model_rows(costs: Costs, sizes: Sizes, timeouts: Timeouts, phases: Mapping[str, Mapping[str, float | None]],
-               measured_n: int, cores: float, per_node: int = 1) -> list[dict[str, object]]:
+def model_rows(
+    costs: Costs,
+    sizes: Sizes,
+    timeouts: Timeouts,
+    phases: Mapping[str, Mapping[str, float | None]],
+    measured_n: int,
+    cores: float,
+    per_node: int = 1,
+) -> list[dict[str, object]]:
     """The model's predictions at the measured N and at ``MODEL_N``, with the reads per member per
     round measured here, and ``per_node`` members per node (pure)."""
+
     def reads(name: str, members: int) -> float:
         got = phases.get(name, {}).get("member_reads")
         return got / members if got else DEFAULT_READS_PER_MEMBER
@@ -288,12 +330,20 @@ def model_rows(costs: Costs, sizes: Sizes, timeouts: Timeouts, phases: Mapping[s
         join = predict(coordinated_protocol(n, r_join, sizes, timeouts, leave=False, per_node=per_node), costs, cores)
         leave = predict(coordinated_protocol(n, r_leave, sizes, timeouts, leave=True, per_node=per_node), costs, cores)
         before = predict(current_protocol(n, r_join, sizes, timeouts, leave=False), costs, cores)
-        rows.append({"members": n, "join_here_s": join.here_s, "join_fleet_s": join.fleet_s,
-                     "join_etcd_cpu_s": join.etcd_cpu_s, "join_bytes_sent": join.bytes_sent,
-                     "leave_here_s": leave.here_s, "leave_fleet_s": leave.fleet_s,
-                     "leave_etcd_cpu_s": leave.etcd_cpu_s, "leave_bytes_sent": leave.bytes_sent,
-                     "join_fleet_s_before": before.fleet_s,
-                     "reads_per_member": (r_join, r_leave), "walls": walls(n, sizes)})
+        rows.append(
+            {
+                "members": n,
+                "join_here_s": join.here_s,
+                "join_fleet_s": join.fleet_s,
+                "join_etcd_cpu_s": join.etcd_cpu_s,
+                "join_bytes_sent": join.bytes_sent,
+                "leave_here_s": leave.here_s,
+                "leave_fleet_s": leave.fleet_s,
+                "leave_etcd_cpu_s": leave.etcd_cpu_s,
+                "leave_bytes_sent": leave.bytes_sent,
+                "join_fleet_s_before": before.fleet_s,
+                "reads_per_member": (r_join, r_leave),
+                "walls": walls(n, sizes),
+            }
+        )
     return rows
-
-

@@ -50,8 +50,11 @@ class SpareRep:
 
 def _back_at(job: AgentJob, since: float, generation: int, world: int) -> float | None:
     """When the first commit of a generation after ``generation`` at ``world`` came (after ``since``)."""
-    times = [float(r["t"]) for r in job.commits_since(since, world)  # type: ignore[arg-type]
-             if int(r["generation"]) > generation]  # type: ignore[call-overload]
+    times = [
+        float(r["t"])
+        for r in job.commits_since(since, world)  # type: ignore[arg-type]
+        if int(r["generation"]) > generation
+    ]  # type: ignore[call-overload]
     return min(times) if times else None
 
 
@@ -107,16 +110,19 @@ def run_spare_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
     return out
 
 
-def run_spare_reps(etcd: EtcdServer, workdir: Path, s: AgentBenchSettings, reps: int,
-                   progress: Callable[[str], None]) -> dict[str, object]:
+def run_spare_reps(
+    etcd: EtcdServer, workdir: Path, s: AgentBenchSettings, reps: int, progress: Callable[[str], None]
+) -> dict[str, object]:
     """``reps`` repetitions with spares and without (alternating, so both see the same machine)."""
     done: list[SpareRep] = []
     for i in range(reps):
         for spares in (True, False):
             r = run_spare_rep(etcd, workdir, i, s, spares)
-            progress(f"spares {'on' if spares else 'off'} rep {i + 1}/{reps}: full_size {fmt(r.full_size_s)} s, "
-                     f"node_replace {fmt(r.node_replace_s)} s, step {fmt(r.step_time_s, 4)} s, "
-                     f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else ""))
+            progress(
+                f"spares {'on' if spares else 'off'} rep {i + 1}/{reps}: full_size {fmt(r.full_size_s)} s, "
+                f"node_replace {fmt(r.node_replace_s)} s, step {fmt(r.step_time_s, 4)} s, "
+                f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else "")
+            )
             done.append(r)
 
     def med(name: str, spares: bool) -> float | None:
@@ -124,27 +130,45 @@ def run_spare_reps(etcd: EtcdServer, workdir: Path, s: AgentBenchSettings, reps:
 
     on, off = med("step_time_s", True), med("step_time_s", False)
     figures = {
-        "full_size_s": med("full_size_s", True), "full_size_s_no_spares": med("full_size_s", False),
-        "node_replace_s": med("node_replace_s", True), "node_replace_s_no_spares": med("node_replace_s", False),
-        "step_time_s_spares": on, "step_time_s_no_spares": off,
+        "full_size_s": med("full_size_s", True),
+        "full_size_s_no_spares": med("full_size_s", False),
+        "node_replace_s": med("node_replace_s", True),
+        "node_replace_s_no_spares": med("node_replace_s", False),
+        "step_time_s_spares": on,
+        "step_time_s_no_spares": off,
         "overhead_ratio": round(on / off, 4) if on and off else None,
         "spare_steps_lost": sum(r.steps_lost for r in done),
     }
-    return {"figures": figures, "targets": SPARE_TARGETS, "reps": [r.__dict__ for r in done],
-            "errors": [r.error for r in done if r.error], "violations": [v for r in done for v in r.violations]}
+    return {
+        "figures": figures,
+        "targets": SPARE_TARGETS,
+        "reps": [r.__dict__ for r in done],
+        "errors": [r.error for r in done if r.error],
+        "violations": [v for r in done for v in r.violations],
+    }
 
 
 def render_spares(fig: dict[str, object]) -> list[str]:
     """The table rows of the spare figures."""
+
     def row(name: str, base: str, what: str, target: str) -> str:
         a, b = fig.get(name), fig.get(base)
         ratio = f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) and b else "-"
         return f"{name:<22} {fmt(a):>8}  {'vs ' + fmt(b) + ' (' + ratio + ')':<17} {target:<10} {what}"  # type: ignore[arg-type]
+
     return [
-        row("full_size_s", "full_size_s_no_spares", "worker SIGKILL -> first step at full size (spares vs none)",
-            SPARE_TARGETS["full_size_s"]),
-        row("node_replace_s", "node_replace_s_no_spares",
-            "node lost -> first step at full size (standby node vs a new agent)", SPARE_TARGETS["node_replace_s"]),
+        row(
+            "full_size_s",
+            "full_size_s_no_spares",
+            "worker SIGKILL -> first step at full size (spares vs none)",
+            SPARE_TARGETS["full_size_s"],
+        ),
+        row(
+            "node_replace_s",
+            "node_replace_s_no_spares",
+            "node lost -> first step at full size (standby node vs a new agent)",
+            SPARE_TARGETS["node_replace_s"],
+        ),
         f"{'overhead_ratio':<22} {fmt(fig.get('overhead_ratio'), 4):>8}  "  # type: ignore[arg-type]
         f"{'step ' + fmt(fig.get('step_time_s_spares'), 4) + ' / ' + fmt(fig.get('step_time_s_no_spares'), 4):<17} "  # type: ignore[arg-type]
         f"{SPARE_TARGETS['overhead_ratio']:<10} median step time, one idle spare per node vs none",

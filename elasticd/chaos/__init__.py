@@ -53,4 +53,3 @@ Usage::
 Exit codes: 0 every invariant held; 1 an invariant failed (or the run could not be completed);
 2 bad arguments, no etcd binary, or ``--netns`` where netns hosts cannot be had; 130 interrupted.
 """
-

@@ -90,15 +90,15 @@ from elasticd.testing.runner import make_workdir, run_to_exit
 JOB_ID = "chaos"
 SAMPLES = 2048  # the workload's dataset size; the audit checks every epoch against it
 GLOBAL_BATCH = 64
-TICK_S = 0.1                # how often the loop polls the audit files, the processes and the clock
-STATUS_EVERY_S = 5.0        # an `elasticctl status --json` sample this often during the faults
-PROGRESS_EVERY_S = 10.0     # one progress line this often
-STARTUP_BOUND_S = 150.0     # agents started -> the job trains at full size (torch imports under load)
-STUCK_S = 60.0              # no commit for this long during the faults: stop injecting
-AGENT_EXIT_WAIT_S = 30.0    # after the last step: how long the agents get to exit
-DUPLICATE_BOUND_S = 20.0    # an agent with an existing node's id must have exited by then
-ETCD_READY_BOUND_S = 30.0   # a restarted etcd must answer by then
-GROW_BOUND_S = 90.0         # warm-up: one more agent started -> a commit at the bigger world size by then
+TICK_S = 0.1  # how often the loop polls the audit files, the processes and the clock
+STATUS_EVERY_S = 5.0  # an `elasticctl status --json` sample this often during the faults
+PROGRESS_EVERY_S = 10.0  # one progress line this often
+STARTUP_BOUND_S = 150.0  # agents started -> the job trains at full size (torch imports under load)
+STUCK_S = 60.0  # no commit for this long during the faults: stop injecting
+AGENT_EXIT_WAIT_S = 30.0  # after the last step: how long the agents get to exit
+DUPLICATE_BOUND_S = 20.0  # an agent with an existing node's id must have exited by then
+ETCD_READY_BOUND_S = 30.0  # a restarted etcd must answer by then
+GROW_BOUND_S = 90.0  # warm-up: one more agent started -> a commit at the bigger world size by then
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +107,8 @@ GROW_BOUND_S = 90.0         # warm-up: one more agent started -> a commit at the
 
 class Phase(StrEnum):
     STARTING = "starting"
-    WARMUP = "warmup"      # measuring the fault-free step time at one world size
-    GROWING = "growing"    # warm-up: one more agent started, waiting for commits at the next size
+    WARMUP = "warmup"  # measuring the fault-free step time at one world size
+    GROWING = "growing"  # warm-up: one more agent started, waiting for commits at the next size
     FAULTS = "faults"
     FINISHING = "finishing"
 
@@ -119,13 +119,13 @@ class Node:
 
     name: str
     proc: WorkerProcess
-    expected: str = ""        # "" finish, "killed", "drain", "sigterm", "duplicate"
-    busy_until: float = 0.0   # monotonic: a fault is in flight on it until then
-    leaving: bool = False     # drained or SIGTERMed: it goes, and is replaced once it exited
+    expected: str = ""  # "" finish, "killed", "drain", "sigterm", "duplicate"
+    busy_until: float = 0.0  # monotonic: a fault is in flight on it until then
+    leaving: bool = False  # drained or SIGTERMed: it goes, and is replaced once it exited
     code: int | None = None
     replaced: bool = False
-    log_offset: int = 0       # where this process's lines begin in its log (a node's restarts share one)
-    message: str = ""         # its last log line when it exited
+    log_offset: int = 0  # where this process's lines begin in its log (a node's restarts share one)
+    message: str = ""  # its last log line when it exited
 
     def last_line(self) -> str:
         """The last line this agent process (or its workers) wrote to its log."""
@@ -152,7 +152,7 @@ class Life:
     registered_t: float | None = None
     ended_t: float | None = None
     paused: list[list[float]] = field(default_factory=list)
-    cut_off: list[list[float]] = field(default_factory=list)    # [link down, link up]
+    cut_off: list[list[float]] = field(default_factory=list)  # [link down, link up]
     rejoining: list[list[float]] = field(default_factory=list)  # [link up, next sync line seen]
 
     def close_open(self, windows: list[list[float]], t: float) -> None:
@@ -160,12 +160,12 @@ class Life:
             windows[-1][1] = t
 
 
-
 class ChaosRun:
     """One run in ``workdir``: etcd, the agents, the faults, the evidence."""
 
-    def __init__(self, settings: Settings, workdir: Path, say: Callable[[str], None],
-                 net: NetnsHosts | None = None) -> None:
+    def __init__(
+        self, settings: Settings, workdir: Path, say: Callable[[str], None], net: NetnsHosts | None = None
+    ) -> None:
         self.s = settings
         self.net = net
         self.link_downs: list[list[object]] = []  # [node, start, end (inf while down)], wall clock
@@ -182,7 +182,7 @@ class ChaosRun:
         self.timed: list[Timed] = []
         self.faults: list[FaultRecord] = []
         self.down: list[Window] = []
-        self.down_since: float | None = None   # wall: etcd (or quorum) lost, not back yet
+        self.down_since: float | None = None  # wall: etcd (or quorum) lost, not back yet
         self.etcd_busy_until: float | None = None  # monotonic; None: no etcd fault in flight
         self.samples: list[StatusSample] = []
         self.lives: dict[int, Life] = {}
@@ -196,8 +196,8 @@ class ChaosRun:
         self.phase = Phase.STARTING
         self.warmup: Window | None = None
         self.warmups: list[Window] = []  # one per world size, from nodes to max_nodes
-        self.warm_world = 0              # the world size of the newest warm-up window
-        self.grow_deadline = math.inf    # monotonic: GROWING must see the next size by then
+        self.warm_world = 0  # the world size of the newest warm-up window
+        self.grow_deadline = math.inf  # monotonic: GROWING must see the next size by then
         self.faulted: Window | None = None
         self._joins = settings.nodes
         self._dups = 0
@@ -230,16 +230,27 @@ class ChaosRun:
             server = EtcdServer(data_dir=str(self.workdir / "etcd"), extra_hosts=extra).start()
             self.etcd_members = [server]
         else:
-            self.cluster = EtcdCluster(self.s.etcd_members, data_root=str(self.workdir / "etcd"),
-                                       extra_hosts=extra).start()
+            self.cluster = EtcdCluster(
+                self.s.etcd_members, data_root=str(self.workdir / "etcd"), extra_hosts=extra
+            ).start()
             self.etcd_members = list(self.cluster.members)
         self.say(f"etcd {','.join(self.agent_endpoints)} ({len(self.etcd_members)} member(s))")
 
     def program(self, audit_name: str) -> list[str]:
         return python_program(
-            "agents/mlp.py", "--steps", str(self.s.steps), "--samples", str(SAMPLES),
-            "--global-batch", str(GLOBAL_BATCH), "--step-sleep", str(self.s.step_sleep_s),
-            "--audit", str(self.audit_dir / f"{audit_name}.jsonl"), "--device", self.s.device,
+            "agents/mlp.py",
+            "--steps",
+            str(self.s.steps),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--step-sleep",
+            str(self.s.step_sleep_s),
+            "--audit",
+            str(self.audit_dir / f"{audit_name}.jsonl"),
+            "--device",
+            self.s.device,
             *(["--fp16"] if self.s.fp16 else []),
         )
 
@@ -256,9 +267,17 @@ class ChaosRun:
             host = self.net.host(host_index(name))
             flags += ["--advertise-addr", host.addr]
             prefix = self.net.exec_prefix(host)
-        argv = prefix + local_agent_argv(self.config_file, self.agent_endpoints, JOB_ID, name,
-                                         f"{self.s.min_nodes}:{self.s.max_nodes}", TIMEOUTS.lease_ttl_s,
-                                         TIMEOUTS.keepalive_s, self.program(log_name), *flags)
+        argv = prefix + local_agent_argv(
+            self.config_file,
+            self.agent_endpoints,
+            JOB_ID,
+            name,
+            f"{self.s.min_nodes}:{self.s.max_nodes}",
+            TIMEOUTS.lease_ttl_s,
+            TIMEOUTS.keepalive_s,
+            self.program(log_name),
+            *flags,
+        )
         log_path = self.workdir / f"agent-{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         proc = WorkerProcess(argv, {}, log_path, new_session=True).start()
@@ -306,8 +325,11 @@ class ChaosRun:
         return ClusterView(
             nodes=tuple(NodeView(n.name, self.node_ready(n, now) and n.name not in dup_names) for n in live),
             queued=sum(1 for t in self.timed if t.what.startswith("replace")),
-            min_nodes=self.s.min_nodes, max_nodes=self.s.max_nodes,
-            etcd_busy=self.etcd_busy_until is not None, duplicate_running=dup_running, injected=counts,
+            min_nodes=self.s.min_nodes,
+            max_nodes=self.s.max_nodes,
+            etcd_busy=self.etcd_busy_until is not None,
+            duplicate_running=dup_running,
+            injected=counts,
         )
 
     def find(self, name: str) -> Node:
@@ -468,8 +490,10 @@ class ChaosRun:
 
     def end_duplicate(self, dup: Node) -> None:
         if dup.proc.alive():
-            self.say(f"the second agent for {dup.name} (pid {dup.proc.pid}) still runs after "
-                     f"{DUPLICATE_BOUND_S:g} s: not refused; killing its process group")
+            self.say(
+                f"the second agent for {dup.name} (pid {dup.proc.pid}) still runs after "
+                f"{DUPLICATE_BOUND_S:g} s: not refused; killing its process group"
+            )
             dup.proc.kill_group()
 
     def elasticctl(self, *args: str) -> tuple[int, str]:
@@ -538,8 +562,10 @@ class ChaosRun:
 
     def on_agent_exit(self, n: Node) -> None:
         message = n.message = n.last_line()
-        self.say(f"agent {n.name} (pid {n.proc.pid}) exited {n.code}"
-                 f"{' as expected (' + n.expected + ')' if n.expected else ''}")
+        self.say(
+            f"agent {n.name} (pid {n.proc.pid}) exited {n.code}"
+            f"{' as expected (' + n.expected + ')' if n.expected else ''}"
+        )
         if n.expected == "duplicate":
             verdict = "refused" if n.code not in (0, None) else "NOT refused"
             self.say(f"  duplicate {verdict}: {message[:200]}")
@@ -596,14 +622,17 @@ class ChaosRun:
             if now >= next_progress:
                 next_progress = now + PROGRESS_EVERY_S
                 v = self.view(now)
-                self.say(f"step {self.last_step}/{self.s.steps}  generation {self.generation}  world {self.world}  "
-                         f"nodes ready {len(v.ready)}/{len(v.nodes)}  ({self.phase})")
+                self.say(
+                    f"step {self.last_step}/{self.s.steps}  generation {self.generation}  world {self.world}  "
+                    f"nodes ready {len(v.ready)}/{len(v.nodes)}  ({self.phase})"
+                )
             if self.phase is Phase.STARTING:
                 if self.full_world_t is not None:
                     self.begin_warmup_window(self.s.nodes)
                 elif now > start_deadline:
-                    self.problems.append(f"the job did not train at world size {self.s.nodes} within "
-                                         f"{STARTUP_BOUND_S:g} s")
+                    self.problems.append(
+                        f"the job did not train at world size {self.s.nodes} within {STARTUP_BOUND_S:g} s"
+                    )
                     self.say(self.problems[-1])
                     break
             elif self.phase in (Phase.WARMUP, Phase.GROWING):
@@ -629,8 +658,9 @@ class ChaosRun:
                     self.faulted = Window(self.faulted.start, time.time())
                     remaining = max(0, self.s.steps - self.last_step)
                     finish_deadline = now + remaining * self.step_estimate() * 3 + 90.0
-                    self.say(f"faults end ({reason}); waiting (at most {finish_deadline - now:.0f} s) for the "
-                             f"job to finish")
+                    self.say(
+                        f"faults end ({reason}); waiting (at most {finish_deadline - now:.0f} s) for the job to finish"
+                    )
                 else:
                     if now >= next_fault:
                         choice = choose_fault(self.view(now), self.s.kinds, self.rng)
@@ -651,8 +681,9 @@ class ChaosRun:
                         self.say(self.problems[-1])
                         break
                 elif now > finish_deadline:
-                    self.problems.append(f"the job did not finish within {finish_deadline - now:.0f} s after "
-                                         f"the faults ended")
+                    self.problems.append(
+                        f"the job did not finish within {finish_deadline - now:.0f} s after the faults ended"
+                    )
                     self.say(self.problems[-1])
                     break
             if self.phase is not Phase.FAULTS and self.phase is not Phase.STARTING and not self.alive_anything():
@@ -684,8 +715,9 @@ class ChaosRun:
                 return True
             name = self.new_node_name()
             if name is None:
-                self.problems.append(f"warm-up: no host address left for a node to grow to world size "
-                                     f"{self.warm_world + 1}")
+                self.problems.append(
+                    f"warm-up: no host address left for a node to grow to world size {self.warm_world + 1}"
+                )
                 self.say(self.problems[-1])
                 return True
             self.phase = Phase.GROWING
@@ -697,8 +729,10 @@ class ChaosRun:
             self.begin_warmup_window(self.warm_world + 1)
             return False
         if now > self.grow_deadline:
-            self.problems.append(f"warm-up: the job did not commit at world size {self.warm_world + 1} within "
-                                 f"{GROW_BOUND_S:g} s of starting one more agent")
+            self.problems.append(
+                f"warm-up: the job did not commit at world size {self.warm_world + 1} within "
+                f"{GROW_BOUND_S:g} s of starting one more agent"
+            )
             self.say(self.problems[-1])
             return True
         return False
@@ -753,8 +787,7 @@ class ChaosRun:
         tracebacks: list[str] = []
         for log in sorted(self.workdir.glob("agent-*.log")):
             tracebacks += traceback_hits(log.name, log.read_text(errors="replace"))
-        agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line())
-                       for n in self.nodes)
+        agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line()) for n in self.nodes)
         left: dict[int, float] = {}
         discarded: dict[str, int] = {}
         for log in sorted(self.workdir.glob("agent-*.log")):
@@ -763,25 +796,44 @@ class ChaosRun:
                 left[pid] = min(t, left.get(pid, t))
             for reason, n in discarded_steps(text).items():
                 discarded[reason] = discarded.get(reason, 0) + n
-        lives = tuple(WorkerLife(pid, life.node, life.registered_t, life.ended_t,
-                                 tuple(Window(a, b) for a, b in life.paused),
-                                 tuple(Window(a, b) for a, b in life.cut_off),
-                                 tuple(Window(a, b) for a, b in life.rejoining), left.get(pid))
-                      for pid, life in sorted(self.lives.items()) if pid)
+        lives = tuple(
+            WorkerLife(
+                pid,
+                life.node,
+                life.registered_t,
+                life.ended_t,
+                tuple(Window(a, b) for a, b in life.paused),
+                tuple(Window(a, b) for a, b in life.cut_off),
+                tuple(Window(a, b) for a, b in life.rejoining),
+                left.get(pid),
+            )
+            for pid, life in sorted(self.lives.items())
+            if pid
+        )
         down = list(self.down)
         if self.down_since is not None:
             down.append(Window(self.down_since, time.time()))
         return Evidence(
-            target_steps=self.s.steps, commits=tuple(parse_commits(pairs)), finals=tuple(parse_finals(pairs)),
-            audit_violations=violations, faults=tuple(self.faults), etcd_down=tuple(down),
-            samples=tuple(self.samples), lives=lives, tracebacks=tuple(tracebacks), agents=agents,
-            warmup=self.warmup, faulted=self.faulted, lease_ttl_s=TIMEOUTS.lease_ttl_s,
-            problems=tuple(self.problems), end_t=time.time(), warmups=tuple(self.warmups),
+            target_steps=self.s.steps,
+            commits=tuple(parse_commits(pairs)),
+            finals=tuple(parse_finals(pairs)),
+            audit_violations=violations,
+            faults=tuple(self.faults),
+            etcd_down=tuple(down),
+            samples=tuple(self.samples),
+            lives=lives,
+            tracebacks=tuple(tracebacks),
+            agents=agents,
+            warmup=self.warmup,
+            faulted=self.faulted,
+            lease_ttl_s=TIMEOUTS.lease_ttl_s,
+            problems=tuple(self.problems),
+            end_t=time.time(),
+            warmups=tuple(self.warmups),
             link_down=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_downs),
             max_world=self.s.max_nodes,  # one worker per node
             discarded=discarded,
         )
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,15 +861,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         with log_path.open("a") as f:  # kept with the work dir, for a post-mortem
             f.write(text + "\n")
 
-    say(f"elasticd chaos: seed {settings.seed}; faults {', '.join(k.value for k in settings.kinds)}; "
-        f"{settings.steps} steps; relay {settings.relay}; work dir {workdir}")
+    say(
+        f"elasticd chaos: seed {settings.seed}; faults {', '.join(k.value for k in settings.kinds)}; "
+        f"{settings.steps} steps; relay {settings.relay}; work dir {workdir}"
+    )
     net = None
     if plan is not None:
         assert ip is not None
         net = NetnsHosts(plan, ip, say)
         atexit.register(net.remove)  # also on a way out that skips the finally below
-        say(f"hosts: network namespaces {plan.prefix}h<i> at {NETNS_NET}.{plan.subnet}.<{NETNS_HOST_BASE}+i>, "
-            f"bridge {plan.bridge} {plan.bridge_addr}/24")
+        say(
+            f"hosts: network namespaces {plan.prefix}h<i> at {NETNS_NET}.{plan.subnet}.<{NETNS_HOST_BASE}+i>, "
+            f"bridge {plan.bridge} {plan.bridge_addr}/24"
+        )
     else:
         say(f"hosts: every node on loopback ({no_netns}); link_down is left out")
     run = ChaosRun(settings, workdir, say, net)
@@ -828,8 +884,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             run.stop_all()
         evidence = run.evidence()
-        report = Report(settings, evidence, judge(evidence), run.started_t, str(workdir),
-                        skipped_kinds(settings.etcd_members, "" if netns else no_netns))
+        report = Report(
+            settings,
+            evidence,
+            judge(evidence),
+            run.started_t,
+            str(workdir),
+            skipped_kinds(settings.etcd_members, "" if netns else no_netns),
+        )
         (workdir / "report.json").write_text(json.dumps(report_to_dict(report), indent=1) + "\n")
         (workdir / "report.txt").write_text(render_table(report))
         if args.json:
@@ -839,6 +901,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if report.verdict.ok else 1
 
     return run_to_exit("elasticd.chaos", body, run.stop_all, workdir, remove, say)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -120,8 +120,9 @@ def ettr_by_world(steps: Mapping[int, int], step_s: Mapping[int, float], wall_s:
     return total / wall_s
 
 
-def cost_by_kind(commits: Sequence[Commit], faults: Sequence[tuple[float, str]], step_s: Mapping[int, float],
-                 window: Window) -> dict[str, tuple[int, float]]:
+def cost_by_kind(
+    commits: Sequence[Commit], faults: Sequence[tuple[float, str]], step_s: Mapping[int, float], window: Window
+) -> dict[str, tuple[int, float]]:
     """fault kind -> (faults of that kind, seconds of training they cost), over ``window``.
 
     Each fault (wall clock, kind) owns the time from it to the next fault (or the window's end);

@@ -61,8 +61,6 @@ class FaultRecord:
     detail: str = ""
 
 
-
-
 @dataclass(frozen=True)
 class StatusSample:
     t0: float  # wall clock before and after the call
@@ -75,8 +73,8 @@ class StatusSample:
 class WorkerLife:
     pid: int
     node: str
-    registered_t: float | None       # when its audit start line (written once registered) was seen
-    ended_t: float | None            # first seen gone
+    registered_t: float | None  # when its audit start line (written once registered) was seen
+    ended_t: float | None  # first seen gone
     paused: tuple[Window, ...] = ()  # SIGSTOP -> SIGCONT (end = inf while stopped)
     # Its host's link down -> up (end = inf while down): its lease expires meanwhile, so status may
     # leave it out, and must once its lease is surely gone.
@@ -116,15 +114,26 @@ def discarded_steps(log_text: str) -> dict[str, int]:
 
 def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Commit]:
     """The commit lines of (node, audit record) pairs."""
-    return [Commit(node, as_int(r["step"]), as_int(r["generation"]), as_int(r["rank"]), as_int(r["world_size"]),
-                   as_float(r["t"]))
-            for node, r in pairs if r.get("event") == "commit"]
+    return [
+        Commit(
+            node,
+            as_int(r["step"]),
+            as_int(r["generation"]),
+            as_int(r["rank"]),
+            as_int(r["world_size"]),
+            as_float(r["t"]),
+        )
+        for node, r in pairs
+        if r.get("event") == "commit"
+    ]
 
 
 def parse_finals(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Final]:
-    return [Final(node, as_int(r["step"]), str(r["checksum"])) for node, r in pairs
-            if r.get("event") == "final" and not r.get("branch")]  # a branch's bytes are not the job's
-
+    return [
+        Final(node, as_int(r["step"]), str(r["checksum"]))
+        for node, r in pairs
+        if r.get("event") == "final" and not r.get("branch")
+    ]  # a branch's bytes are not the job's
 
 
 def traceback_hits(name: str, text: str) -> list[str]:
@@ -144,13 +153,12 @@ def traceback_hits(name: str, text: str) -> list[str]:
             last = rec["exception"].strip().splitlines()[-1:]
             what = f"event {rec.get('event')!r}: {last[0][:160] if last else ''}"
         else:
-            for later in lines[i + 1:i + 200]:
+            for later in lines[i + 1 : i + 200]:
                 if later and not later[0].isspace() and TRACEBACK not in later:
                     what = later.strip()[:160]
                     break
         out.append(f"{name}:{i + 1}: {what}")
     return out
-
 
 
 @dataclass(frozen=True)
@@ -159,10 +167,9 @@ class AgentEnd:
 
     node: str
     pid: int
-    expected: str          # "" finish, "killed", "drain", "sigterm", "duplicate"
-    code: int | None       # None: still running when the run ended (then it was killed)
-    message: str = ""      # the last line of its log
-
+    expected: str  # "" finish, "killed", "drain", "sigterm", "duplicate"
+    code: int | None  # None: still running when the run ended (then it was killed)
+    message: str = ""  # the last line of its log
 
 
 @dataclass(frozen=True)
@@ -179,11 +186,11 @@ class Evidence:
     lives: tuple[WorkerLife, ...]
     tracebacks: tuple[str, ...]
     agents: tuple[AgentEnd, ...]
-    warmup: Window | None           # the warm-up window at --nodes (the single baseline's)
+    warmup: Window | None  # the warm-up window at --nodes (the single baseline's)
     faulted: Window | None
     lease_ttl_s: float
     problems: tuple[str, ...] = ()  # what the executor could not do (a start failed, a bound passed)
-    end_t: float | None = None      # the end of the run (for a job that did not finish)
+    end_t: float | None = None  # the end of the run (for a job that did not finish)
     link_down: tuple[LinkDown, ...] = ()
     warmups: tuple[Window, ...] = ()  # every warm-up window, one per world size (``warmup`` first)
     max_world: int = 0  # the job's max_workers (a host beyond it is a standby); 0: unknown

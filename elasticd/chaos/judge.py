@@ -38,16 +38,16 @@ from elasticd.chaos.evidence import (
 )
 from elasticd.chaos.schedule import FaultKind
 
-REJOIN_BOUND_S = 60.0       # after its link came back, an isolated host's worker must commit again by then
+REJOIN_BOUND_S = 60.0  # after its link came back, an isolated host's worker must commit again by then
 
 
 @dataclass(frozen=True)
 class Stall:
     start: float
     length_s: float
-    excused_s: float           # the part while etcd was down and membership had to change
+    excused_s: float  # the part while etcd was down and membership had to change
     generations: tuple[int, int]  # the generation of the commit before and after
-    faults: tuple[str, ...]    # the faults injected just before it (and during it)
+    faults: tuple[str, ...]  # the faults injected just before it (and during it)
 
     @property
     def counted_s(self) -> float:
@@ -62,13 +62,11 @@ class StepFindings:
     generations: tuple[int, ...]
 
 
-
 @dataclass(frozen=True)
 class Invariant:
     name: str
     ok: bool
     detail: str
-
 
 
 def step_findings(commits: Sequence[Commit]) -> StepFindings:
@@ -104,8 +102,16 @@ def _overlap(a: float, b: float, windows: Sequence[Window]) -> float:
 
 
 # Faults that take a member out of the job: a stall after one needs a membership change.
-MEMBER_REMOVING = frozenset({FaultKind.WORKER_KILL, FaultKind.NODE_LOSS, FaultKind.WORKER_STOP, FaultKind.DRAIN,
-                             FaultKind.AGENT_SIGTERM, FaultKind.LINK_DOWN})
+MEMBER_REMOVING = frozenset(
+    {
+        FaultKind.WORKER_KILL,
+        FaultKind.NODE_LOSS,
+        FaultKind.WORKER_STOP,
+        FaultKind.DRAIN,
+        FaultKind.AGENT_SIGTERM,
+        FaultKind.LINK_DOWN,
+    }
+)
 
 
 def after_etcd_returns(etcd_down: Sequence[Window], lease_ttl_s: float) -> list[Window]:
@@ -115,9 +121,14 @@ def after_etcd_returns(etcd_down: Sequence[Window], lease_ttl_s: float) -> list[
     return [Window(w.start, w.end + lease_ttl_s) for w in etcd_down]
 
 
-def find_stalls(times: Sequence[tuple[float, int]], limit_s: float, etcd_down: Sequence[Window],
-                faults: Sequence[FaultRecord], end_t: float | None = None,
-                lookback_s: float | None = None) -> list[Stall]:
+def find_stalls(
+    times: Sequence[tuple[float, int]],
+    limit_s: float,
+    etcd_down: Sequence[Window],
+    faults: Sequence[FaultRecord],
+    end_t: float | None = None,
+    lookback_s: float | None = None,
+) -> list[Stall]:
     """Every interval without a commit longer than ``limit_s``, in time order.
 
     Args:
@@ -152,16 +163,24 @@ def final_findings(finals: Sequence[Final], last_step: int) -> list[str]:
     by_step: dict[int, set[str]] = {}
     for f in finals:
         by_step.setdefault(f.step, set()).add(f.checksum)
-    out = [f"workers that ended at step {step} hold different parameters: {sorted(sums)}"
-           for step, sums in sorted(by_step.items()) if len(sums) > 1]
+    out = [
+        f"workers that ended at step {step} hold different parameters: {sorted(sums)}"
+        for step, sums in sorted(by_step.items())
+        if len(sums) > 1
+    ]
     if last_step and last_step not in by_step:
         out.append(f"no worker wrote a final line at the last step {last_step}")
     return out
 
 
-def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife], slack_s: float,
-                    seen_margin_s: float = 0.5, etcd_down: Sequence[Window] = (),
-                    lease_ttl_s: float = 0.0) -> list[str]:
+def status_findings(
+    samples: Sequence[StatusSample],
+    lives: Sequence[WorkerLife],
+    slack_s: float,
+    seen_margin_s: float = 0.5,
+    etcd_down: Sequence[Window] = (),
+    lease_ttl_s: float = 0.0,
+) -> list[str]:
     """Where ``elasticctl status`` disagreed with the live workers by more than ``slack_s``.
 
     At a sample taken over [t0, t1], a worker registered before t0 - slack, alive until after t1 and
@@ -180,27 +199,43 @@ def status_findings(samples: Sequence[StatusSample], lives: Sequence[WorkerLife]
         listed = set(s.pids)
         since = s.t0 - slack_s
         for w in lives:
-            alive = ((w.ended_t is None or w.ended_t > s.t1 + seen_margin_s)
-                     and (w.left_t is None or w.left_t > s.t1 + seen_margin_s))
+            alive = (w.ended_t is None or w.ended_t > s.t1 + seen_margin_s) and (
+                w.left_t is None or w.left_t > s.t1 + seen_margin_s
+            )
             out_of_reach = (*w.paused, *w.cut_off)
             paused = any(p.end >= since and p.start <= s.t1 for p in (*out_of_reach, *w.rejoining))
             # One out of reach (its lease revoked or expired) around an etcd outage registers again
             # only once etcd answers: it gets the slack from etcd's return.
-            relisting = any(d.start <= s.t1 and d.end + slack_s >= s.t0 and any(
-                p.end >= d.start - slack_s and p.start <= d.end for p in (*out_of_reach, *w.rejoining))
-                for d in etcd_down)
-            if (w.registered_t is not None and w.registered_t <= since and alive and not paused
-                    and not relisting and w.pid not in listed):
-                out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is live (registered "
-                           f"{s.t0 - w.registered_t:.1f} s before) but not listed")
+            relisting = any(
+                d.start <= s.t1
+                and d.end + slack_s >= s.t0
+                and any(p.end >= d.start - slack_s and p.start <= d.end for p in (*out_of_reach, *w.rejoining))
+                for d in etcd_down
+            )
+            if (
+                w.registered_t is not None
+                and w.registered_t <= since
+                and alive
+                and not paused
+                and not relisting
+                and w.pid not in listed
+            ):
+                out.append(
+                    f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is live (registered "
+                    f"{s.t0 - w.registered_t:.1f} s before) but not listed"
+                )
             # A worker that left while etcd was down keeps its lease (no revoke could land) until a
             # TTL after etcd's return: listing it meanwhile is right.
             lease_kept = any(d.start <= s.t1 and d.end + slack_s >= s.t0 for d in kept)
-            gone = not lease_kept and ((w.ended_t is not None and w.ended_t <= since) or any(
-                p.start <= since and p.end >= s.t1 for p in out_of_reach))
+            gone = not lease_kept and (
+                (w.ended_t is not None and w.ended_t <= since)
+                or any(p.start <= since and p.end >= s.t1 for p in out_of_reach)
+            )
             if gone and w.pid in listed:
-                out.append(f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is listed but gone or stopped "
-                           f"for more than {slack_s:g} s")
+                out.append(
+                    f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is listed but gone or stopped "
+                    f"for more than {slack_s:g} s"
+                )
         for pid in sorted(listed - set(known)):
             out.append(f"at {s.t0:.1f}: status lists pid {pid}, which is no worker of this run")
     return out
@@ -216,8 +251,13 @@ def standby_s(commits: Sequence[Commit], node: str, start: float, end: float, ma
     return sum(b[0] - a[0] for a, b in zip(times, times[1:]) if a[1] >= max_world)
 
 
-def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rejoin_bound_s: float,
-                       etcd_down: Sequence[Window] = (), max_world: int = 0) -> list[str]:
+def link_down_findings(
+    downs: Sequence[LinkDown],
+    commits: Sequence[Commit],
+    rejoin_bound_s: float,
+    etcd_down: Sequence[Window] = (),
+    max_world: int = 0,
+) -> list[str]:
     """Problems with each link down: the isolated host must be dropped (the other hosts commit, in a
     newer generation than its last one before the cut, while its link is still down) and must rejoin
     (a commit of its own after the link came back, within ``rejoin_bound_s`` unless the job ended
@@ -236,18 +276,23 @@ def link_down_findings(downs: Sequence[LinkDown], commits: Sequence[Commit], rej
         went_on = any(c.node != d.node and d.start < c.t <= d.end and c.generation > newer_than for c in commits)
         etcd_bound = any(w.start <= d.end and w.end >= d.start for w in etcd_down)
         if not went_on and not etcd_bound and last_t > d.end:
-            out.append(f"{d.node}: the other hosts did not go on without it while its link was down "
-                       f"({d.end - d.start:.1f} s)")
+            out.append(
+                f"{d.node}: the other hosts did not go on without it while its link was down ({d.end - d.start:.1f} s)"
+            )
         back = [c.t for c in commits if c.node == d.node and c.t > d.end]
         until = back[0] if back else last_t
         waited = until - d.end - standby_s(commits, d.node, d.end, until, max_world)
         if back:
             if waited > rejoin_bound_s:
-                out.append(f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back, "
-                           f"{waited:.1f} s of it not as a standby (bound {rejoin_bound_s:g} s)")
+                out.append(
+                    f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back, "
+                    f"{waited:.1f} s of it not as a standby (bound {rejoin_bound_s:g} s)"
+                )
         elif waited > rejoin_bound_s:
-            out.append(f"{d.node}: did not rejoin after its link came back (the job went on for "
-                       f"{last_t - d.end:.1f} s, {waited:.1f} s of it below max_workers)")
+            out.append(
+                f"{d.node}: did not rejoin after its link came back (the job went on for "
+                f"{last_t - d.end:.1f} s, {waited:.1f} s of it below max_workers)"
+            )
     return out
 
 
@@ -260,8 +305,10 @@ def agent_findings(ends: Sequence[AgentEnd]) -> tuple[list[str], list[str]]:
                 how = "still running after its bound" if a.code is None else "exited 0"
                 dup.append(f"second agent for {a.node} (pid {a.pid}) was not refused: {how}")
             elif a.node not in a.message:
-                dup.append(f"second agent for {a.node} (pid {a.pid}) exited {a.code} without naming the "
-                           f"node id: {a.message[:160]}")
+                dup.append(
+                    f"second agent for {a.node} (pid {a.pid}) exited {a.code} without naming the "
+                    f"node id: {a.message[:160]}"
+                )
         elif a.expected != "killed" and a.code != 0:
             how = "still running at the end" if a.code is None else f"exited {a.code}"
             bad.append(f"agent {a.node} (pid {a.pid}) {how}: {a.message[:200]}")
@@ -273,8 +320,8 @@ class Verdict:
     invariants: tuple[Invariant, ...]
     stalls: tuple[Stall, ...]
     steps: StepFindings
-    step_s: float | None            # the fault-free step time at --nodes (the single baseline)
-    ettr: float | None              # by the fault-free step time at each step's world size
+    step_s: float | None  # the fault-free step time at --nodes (the single baseline)
+    ettr: float | None  # by the fault-free step time at each step's world size
     faulted_steps: int
     step_s_by_world: Mapping[int, float] = field(default_factory=dict)  # measured in the warm-up
     faulted_steps_by_world: Mapping[int, int] = field(default_factory=dict)
@@ -308,8 +355,9 @@ def _finals_summary(finals: Sequence[Final], last_step: int) -> str:
     at_last = sorted({f.checksum for f in finals if f.step == last_step})
     n = sum(1 for f in finals if f.step == last_step)
     earlier = sum(1 for f in finals if f.step != last_step)
-    return (f"{n} worker(s) at step {last_step}: {_listed(at_last)}"
-            + (f"; {earlier} that left earlier agree per step" if earlier else ""))
+    return f"{n} worker(s) at step {last_step}: {_listed(at_last)}" + (
+        f"; {earlier} that left earlier agree per step" if earlier else ""
+    )
 
 
 def judge(ev: Evidence) -> Verdict:
@@ -318,42 +366,82 @@ def judge(ev: Evidence) -> Verdict:
     times = commit_times(ev.commits)
     limit = ev.lease_ttl_s + 2.0
     finished = steps.last_step >= ev.target_steps
-    stalls = find_stalls(times, limit, after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.faults,
-                         None if finished else ev.end_t)
+    stalls = find_stalls(
+        times, limit, after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.faults, None if finished else ev.end_t
+    )
     counted = [s for s in stalls if s.counted_s > limit]
     finals = final_findings(ev.finals, steps.last_step)
-    status = status_findings(ev.samples, ev.lives, ev.lease_ttl_s + 1.0, etcd_down=ev.etcd_down,
-                             lease_ttl_s=ev.lease_ttl_s)
+    status = status_findings(
+        ev.samples, ev.lives, ev.lease_ttl_s + 1.0, etcd_down=ev.etcd_down, lease_ttl_s=ev.lease_ttl_s
+    )
     bad_agents, not_refused = agent_findings(ev.agents)
     inv = [
-        Invariant("steps exactly once", not steps.repeats and not steps.lost,
-                  f"1..{steps.last_step}, no repeat, no gap" if not steps.repeats and not steps.lost else
-                  "; ".join(filter(None, [
-                      f"repeated (step: generations) {_listed([f'{s}: {g}' for s, g in steps.repeats.items()])}"
-                      if steps.repeats else "",
-                      f"lost steps {_listed(list(steps.lost))}" if steps.lost else ""]))),
-        Invariant("job finished", finished and not ev.problems,
-                  "; ".join([f"committed {steps.last_step} of {ev.target_steps} steps", *ev.problems])),
-        Invariant("final parameters identical", not finals, "; ".join(finals) or _finals_summary(ev.finals, steps.last_step)),
-        Invariant(f"no stall > {limit:g} s", not counted,
-                  f"{len(stalls)} stall(s), {len(counted)} not excused" if stalls else "none"),
-        Invariant("status agrees with workers", not status,
-                  "; ".join(status[:5]) if status else
-                  f"{sum(1 for s in ev.samples if not s.error)} sample(s) agreed within {ev.lease_ttl_s + 1:g} s"),
+        Invariant(
+            "steps exactly once",
+            not steps.repeats and not steps.lost,
+            f"1..{steps.last_step}, no repeat, no gap"
+            if not steps.repeats and not steps.lost
+            else "; ".join(
+                filter(
+                    None,
+                    [
+                        f"repeated (step: generations) {_listed([f'{s}: {g}' for s, g in steps.repeats.items()])}"
+                        if steps.repeats
+                        else "",
+                        f"lost steps {_listed(list(steps.lost))}" if steps.lost else "",
+                    ],
+                )
+            ),
+        ),
+        Invariant(
+            "job finished",
+            finished and not ev.problems,
+            "; ".join([f"committed {steps.last_step} of {ev.target_steps} steps", *ev.problems]),
+        ),
+        Invariant(
+            "final parameters identical", not finals, "; ".join(finals) or _finals_summary(ev.finals, steps.last_step)
+        ),
+        Invariant(
+            f"no stall > {limit:g} s",
+            not counted,
+            f"{len(stalls)} stall(s), {len(counted)} not excused" if stalls else "none",
+        ),
+        Invariant(
+            "status agrees with workers",
+            not status,
+            "; ".join(status[:5])
+            if status
+            else f"{sum(1 for s in ev.samples if not s.error)} sample(s) agreed within {ev.lease_ttl_s + 1:g} s",
+        ),
         Invariant("no traceback in logs", not ev.tracebacks, "; ".join(ev.tracebacks[:5]) or "none"),
         Invariant("audit check", not ev.audit_violations, "; ".join(ev.audit_violations[:5]) or "no violation"),
-        Invariant("agents exit 0", not bad_agents, "; ".join(bad_agents[:5]) or
-                  f"{sum(1 for a in ev.agents if a.expected not in ('killed', 'duplicate'))} agent(s) exited 0"),
+        Invariant(
+            "agents exit 0",
+            not bad_agents,
+            "; ".join(bad_agents[:5])
+            or f"{sum(1 for a in ev.agents if a.expected not in ('killed', 'duplicate'))} agent(s) exited 0",
+        ),
     ]
     if ev.link_down:
-        isolated = link_down_findings(ev.link_down, ev.commits, REJOIN_BOUND_S,
-                                      after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.max_world)
-        inv.append(Invariant("link down: dropped, rejoined", not isolated, "; ".join(isolated[:5]) or
-                             f"{len(ev.link_down)} link down(s): the others went on, the host rejoined"))
+        isolated = link_down_findings(
+            ev.link_down, ev.commits, REJOIN_BOUND_S, after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.max_world
+        )
+        inv.append(
+            Invariant(
+                "link down: dropped, rejoined",
+                not isolated,
+                "; ".join(isolated[:5]) or f"{len(ev.link_down)} link down(s): the others went on, the host rejoined",
+            )
+        )
     dups = [a for a in ev.agents if a.expected == "duplicate"]
     if dups:
-        inv.append(Invariant("duplicate node refused", not not_refused, "; ".join(not_refused) or "; ".join(
-            f"{a.node}: exit {a.code}: {a.message[:120]}" for a in dups[:3])))
+        inv.append(
+            Invariant(
+                "duplicate node refused",
+                not not_refused,
+                "; ".join(not_refused) or "; ".join(f"{a.node}: exit {a.code}: {a.message[:120]}" for a in dups[:3]),
+            )
+        )
     step_s = fault_free_step_s(times, ev.warmup.start, ev.warmup.end) if ev.warmup else None
     by_world = fault_free_step_by_world(ev.commits, ev.warmups)
     faulted_by_world: dict[int, int] = {}
@@ -370,8 +458,22 @@ def judge(ev: Evidence) -> Verdict:
         quiet_ratio = ettr_by_world(faulted_by_world, quiet, wall_s)
         # The costs against the quiet steps where there are enough of them: thousands of steps over
         # the whole run, where the warm-up's ~10 s can be a few % off (which gave costs below zero)
-        cost_baseline, cost_step_s = (("quiet steps", quiet) if quiet else
-                                      ("warm-up", by_world) if by_world else ("", {}))
+        cost_baseline, cost_step_s = (
+            ("quiet steps", quiet) if quiet else ("warm-up", by_world) if by_world else ("", {})
+        )
         costs = cost_by_kind(ev.commits, [(f.t, f.kind) for f in ev.faults], cost_step_s, ev.faulted)
-    return Verdict(tuple(inv), tuple(stalls), steps, step_s, ratio, sum(faulted_by_world.values()),
-                   by_world, faulted_by_world, single, costs, quiet, quiet_ratio, cost_baseline)
+    return Verdict(
+        tuple(inv),
+        tuple(stalls),
+        steps,
+        step_s,
+        ratio,
+        sum(faulted_by_world.values()),
+        by_world,
+        faulted_by_world,
+        single,
+        costs,
+        quiet,
+        quiet_ratio,
+        cost_baseline,
+    )

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from elasticd.errors import ConfigError
 
-IP_TIMEOUT_S = 10.0         # bound on one `ip` command
-NETNS_NET = "10.213"        # the private /16 whose /24s the run's bridges use (only addresses it creates)
-NETNS_HOST_BASE = 10        # host i of a run has address <subnet>.<10 + i>
-NETNS_MAX_HOSTS = 240       # so host addresses stay within .10-.249
+IP_TIMEOUT_S = 10.0  # bound on one `ip` command
+NETNS_NET = "10.213"  # the private /16 whose /24s the run's bridges use (only addresses it creates)
+NETNS_HOST_BASE = 10  # host i of a run has address <subnet>.<10 + i>
+NETNS_MAX_HOSTS = 240  # so host addresses stay within .10-.249
 
 
 # ---------------------------------------------------------------------------------------------
@@ -35,9 +35,9 @@ class NetnsHost:
     """One host: a namespace, joined to the run's bridge by a veth pair."""
 
     index: int
-    ns: str         # the namespace (`ip netns`)
+    ns: str  # the namespace (`ip netns`)
     root_veth: str  # the end enslaved to the bridge, in the root namespace: `link_down` takes it down
-    ns_veth: str    # the end moved into the namespace, holding ``addr``
+    ns_veth: str  # the end moved into the namespace, holding ``addr``
     addr: str
 
 
@@ -66,8 +66,13 @@ class NetnsPlan:
         """
         if not 0 <= index < NETNS_MAX_HOSTS:
             raise ValueError(f"host index {index} outside 0..{NETNS_MAX_HOSTS - 1}")
-        return NetnsHost(index, f"{self.prefix}h{index}", f"{self.prefix}r{index}", f"{self.prefix}n{index}",
-                         f"{NETNS_NET}.{self.subnet}.{NETNS_HOST_BASE + index}")
+        return NetnsHost(
+            index,
+            f"{self.prefix}h{index}",
+            f"{self.prefix}r{index}",
+            f"{self.prefix}n{index}",
+            f"{NETNS_NET}.{self.subnet}.{NETNS_HOST_BASE + index}",
+        )
 
 
 def subnets_in_use(ip_output: str) -> set[int]:
@@ -123,6 +128,7 @@ def use_netns(flag: bool | None, unusable: str) -> bool:
     if flag is True and unusable:
         raise ConfigError(f"--netns: {unusable}")
     return flag is not False and not unusable
+
 
 # ---------------------------------------------------------------------------------------------
 # The ip commands
@@ -224,8 +230,11 @@ class NetnsHosts:
         _ip(self.ip, "link", "set", h.root_veth, "master", self.plan.bridge)
         _ip(self.ip, "link", "set", h.root_veth, "up")
         _ip(self.ip, "link", "set", h.ns_veth, "netns", h.ns)
-        for args in (("addr", "add", f"{h.addr}/24", "dev", h.ns_veth), ("link", "set", h.ns_veth, "up"),
-                     ("link", "set", "lo", "up")):
+        for args in (
+            ("addr", "add", f"{h.addr}/24", "dev", h.ns_veth),
+            ("link", "set", h.ns_veth, "up"),
+            ("link", "set", "lo", "up"),
+        ):
             _ip(self.ip, "netns", "exec", h.ns, self.ip, *args)
         self.hosts[index] = h
         self.say(f"host {h.ns}: {h.addr} (veth {h.root_veth} on {self.plan.bridge})")

@@ -24,9 +24,9 @@ from elasticd.errors import ConfigError
 
 # The shortest lease etcd grants with its default election settings (its minimum TTL is ~2 s).
 TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
-STEP_OVERHEAD_S = 0.015     # per-step cost besides --step-sleep on a small machine (for the step estimate)
-GROW_ESTIMATE_S = 10.0      # warm-up: about how long one more agent takes to join (for the step estimate)
-STANDBY_NODES = 1           # node_join may start this many agents beyond max_nodes: standbys waiting for a place
+STEP_OVERHEAD_S = 0.015  # per-step cost besides --step-sleep on a small machine (for the step estimate)
+GROW_ESTIMATE_S = 10.0  # warm-up: about how long one more agent takes to join (for the step estimate)
+STANDBY_NODES = 1  # node_join may start this many agents beyond max_nodes: standbys waiting for a place
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,43 +54,59 @@ class KindSpec:
     """What a fault kind does and what it needs before it may be injected."""
 
     doc: str
-    removes: bool = False      # takes one node's worker out of the job for a while
-    on_node: bool = False      # acts on one ready node, picked at random
-    etcd: bool = False         # acts on etcd: one etcd fault at a time
-    etcd_members: int = 1      # the etcd cluster size it needs
-    adds: bool = False         # starts a node (below max_nodes, or up to STANDBY_NODES beyond it)
-    needs_etcd: bool = False   # needs etcd up (it writes there, or its outcome means nothing without)
-    netns: bool = False        # needs every node on a network-namespace host (--netns)
+    removes: bool = False  # takes one node's worker out of the job for a while
+    on_node: bool = False  # acts on one ready node, picked at random
+    etcd: bool = False  # acts on etcd: one etcd fault at a time
+    etcd_members: int = 1  # the etcd cluster size it needs
+    adds: bool = False  # starts a node (below max_nodes, or up to STANDBY_NODES beyond it)
+    needs_etcd: bool = False  # needs etcd up (it writes there, or its outcome means nothing without)
+    netns: bool = False  # needs every node on a network-namespace host (--netns)
 
 
 KINDS: Mapping[FaultKind, KindSpec] = {
     FaultKind.WORKER_KILL: KindSpec("SIGKILL one worker; its agent restarts it", removes=True, on_node=True),
-    FaultKind.NODE_LOSS: KindSpec("SIGKILL an agent's process group (the agent and its workers); the same "
-                                  "node is started again after lease TTL + 1 s", removes=True, on_node=True),
-    FaultKind.WORKER_STOP: KindSpec("SIGSTOP one worker for lease TTL + 1 s, then SIGCONT", removes=True,
-                                    on_node=True),
-    FaultKind.AGENT_STOP: KindSpec("SIGSTOP one agent for lease TTL + 1 s, then SIGCONT", removes=True,
-                                   on_node=True),
-    FaultKind.ETCD_RESTART: KindSpec("SIGKILL etcd (every member) and start it again at once on the same data",
-                                     etcd=True),
-    FaultKind.ETCD_OUTAGE: KindSpec("SIGKILL etcd (every member), start it again after --etcd-outage-s",
-                                    etcd=True),
-    FaultKind.ETCD_FOLLOWER_KILL: KindSpec("SIGKILL an etcd follower; start it again after --etcd-outage-s",
-                                           etcd=True, etcd_members=3),
-    FaultKind.ETCD_LEADER_KILL: KindSpec("SIGKILL the etcd leader; start it again after --etcd-outage-s",
-                                         etcd=True, etcd_members=3),
-    FaultKind.DRAIN: KindSpec("elasticctl drain NODE; the node is started again after its agent exited",
-                              removes=True, on_node=True, needs_etcd=True),
-    FaultKind.AGENT_SIGTERM: KindSpec("SIGTERM one agent (a drain); the node is started again after it exited",
-                                      removes=True, on_node=True),
-    FaultKind.NODE_JOIN: KindSpec("start an agent with a new node id (at max_nodes: a standby that waits for a "
-                                  "place)", adds=True),
-    FaultKind.DUPLICATE_NODE: KindSpec("start a second agent with an existing node's id: it must exit non-zero",
-                                       on_node=True, needs_etcd=True),
+    FaultKind.NODE_LOSS: KindSpec(
+        "SIGKILL an agent's process group (the agent and its workers); the same "
+        "node is started again after lease TTL + 1 s",
+        removes=True,
+        on_node=True,
+    ),
+    FaultKind.WORKER_STOP: KindSpec("SIGSTOP one worker for lease TTL + 1 s, then SIGCONT", removes=True, on_node=True),
+    FaultKind.AGENT_STOP: KindSpec("SIGSTOP one agent for lease TTL + 1 s, then SIGCONT", removes=True, on_node=True),
+    FaultKind.ETCD_RESTART: KindSpec(
+        "SIGKILL etcd (every member) and start it again at once on the same data", etcd=True
+    ),
+    FaultKind.ETCD_OUTAGE: KindSpec("SIGKILL etcd (every member), start it again after --etcd-outage-s", etcd=True),
+    FaultKind.ETCD_FOLLOWER_KILL: KindSpec(
+        "SIGKILL an etcd follower; start it again after --etcd-outage-s", etcd=True, etcd_members=3
+    ),
+    FaultKind.ETCD_LEADER_KILL: KindSpec(
+        "SIGKILL the etcd leader; start it again after --etcd-outage-s", etcd=True, etcd_members=3
+    ),
+    FaultKind.DRAIN: KindSpec(
+        "elasticctl drain NODE; the node is started again after its agent exited",
+        removes=True,
+        on_node=True,
+        needs_etcd=True,
+    ),
+    FaultKind.AGENT_SIGTERM: KindSpec(
+        "SIGTERM one agent (a drain); the node is started again after it exited", removes=True, on_node=True
+    ),
+    FaultKind.NODE_JOIN: KindSpec(
+        "start an agent with a new node id (at max_nodes: a standby that waits for a place)", adds=True
+    ),
+    FaultKind.DUPLICATE_NODE: KindSpec(
+        "start a second agent with an existing node's id: it must exit non-zero", on_node=True, needs_etcd=True
+    ),
     # needs_etcd: with etcd down, nobody could notice the lost host, so the fault would test nothing.
-    FaultKind.LINK_DOWN: KindSpec("take a network-namespace host's link down (`ip link set VETH down`) for "
-                                  "--link-down-s (> lease TTL), then up; its workers are dropped and rejoin",
-                                  removes=True, on_node=True, needs_etcd=True, netns=True),
+    FaultKind.LINK_DOWN: KindSpec(
+        "take a network-namespace host's link down (`ip link set VETH down`) for "
+        "--link-down-s (> lease TTL), then up; its workers are dropped and rejoin",
+        removes=True,
+        on_node=True,
+        needs_etcd=True,
+        netns=True,
+    ),
 }
 
 
@@ -100,8 +116,7 @@ KIND_NAMES = frozenset(k.value for k in FaultKind)
 def kinds_possible(etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
     """The fault kinds that can be injected with an etcd cluster of this size, with (or without)
     network-namespace hosts."""
-    return tuple(k for k, spec in KINDS.items()
-                 if spec.etcd_members in (1, etcd_members) and (netns or not spec.netns))
+    return tuple(k for k, spec in KINDS.items() if spec.etcd_members in (1, etcd_members) and (netns or not spec.netns))
 
 
 def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
@@ -120,11 +135,11 @@ def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tu
         try:
             kind = FaultKind(name)
         except ValueError:
-            raise ConfigError(f"--faults: unknown fault kind {name!r}; "
-                              f"known: {', '.join(k.value for k in FaultKind)}") from None
+            raise ConfigError(
+                f"--faults: unknown fault kind {name!r}; known: {', '.join(k.value for k in FaultKind)}"
+            ) from None
         if kind not in possible and KINDS[kind].netns and not netns:
-            raise ConfigError(f"--faults: {name} needs network-namespace hosts (--netns: root, and `ip netns` "
-                              f"works)")
+            raise ConfigError(f"--faults: {name} needs network-namespace hosts (--netns: root, and `ip netns` works)")
         if kind not in possible:
             raise ConfigError(f"--faults: {name} needs --etcd-members {KINDS[kind].etcd_members}")
         if kind not in out:
@@ -134,13 +149,18 @@ def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tu
     return tuple(out)
 
 
-
 def skipped_kinds(etcd_members: int, no_netns: str = "") -> dict[str, str]:
     """Kinds not possible here, with the reason (printed in the table); ``no_netns``: why the nodes
     run on loopback ("" when they run on network-namespace hosts)."""
-    return {k.value: (f"needs network-namespace hosts: {no_netns}" if KINDS[k].netns and no_netns
-                      else f"needs --etcd-members {KINDS[k].etcd_members}")
-            for k in FaultKind if k not in kinds_possible(etcd_members, not no_netns)}
+    return {
+        k.value: (
+            f"needs network-namespace hosts: {no_netns}"
+            if KINDS[k].netns and no_netns
+            else f"needs --etcd-members {KINDS[k].etcd_members}"
+        )
+        for k in FaultKind
+        if k not in kinds_possible(etcd_members, not no_netns)
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,10 +178,10 @@ class ClusterView:
     """What the scheduler knows of the cluster at one moment."""
 
     nodes: tuple[NodeView, ...]  # the live agents (not counting a duplicate)
-    queued: int                  # replacements due to be started
+    queued: int  # replacements due to be started
     min_nodes: int
     max_nodes: int
-    etcd_busy: bool              # an etcd fault is in flight (etcd or a member down)
+    etcd_busy: bool  # an etcd fault is in flight (etcd or a member down)
     duplicate_running: bool
     injected: Mapping[FaultKind, int]
 
@@ -222,7 +242,6 @@ def estimate_steps(step_sleep_s: float, seconds: float) -> int:
     return max(50, math.ceil(seconds / (step_sleep_s + STEP_OVERHEAD_S)))
 
 
-
 def link_down_s_default(lease_ttl_s: float) -> float:
     """How long a link stays down by default: past the lease TTL (so that the host's workers are
     lost to the job) and past the stall bound (TTL + 2 s), so that the others must have gone on
@@ -248,12 +267,11 @@ class Settings:
     step_sleep_s: float
     steps: int
     warmup_s: float
-    netns: bool = False       # every node a network-namespace host (else: loopback)
+    netns: bool = False  # every node a network-namespace host (else: loopback)
     link_down_s: float = 0.0
-    relay: str = "off"        # the agents' relay setting: off, on, or mixed (on for even node numbers)
-    device: str = "cpu"       # the workload's --device: cpu, or cuda (the model on the GPU; groups stay gloo)
-    fp16: bool = False        # the workload's --fp16: autocast and a GradScaler (cuda only)
-
+    relay: str = "off"  # the agents' relay setting: off, on, or mixed (on for even node numbers)
+    device: str = "cpu"  # the workload's --device: cpu, or cuda (the model on the GPU; groups stay gloo)
+    fp16: bool = False  # the workload's --fp16: autocast and a GradScaler (cuda only)
 
 
 RELAY_CHOICES = ("off", "on", "mixed")
@@ -273,43 +291,88 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=5.0, help="how long to inject faults (default 5)")
     p.add_argument("--mean-interval-s", type=float, default=10.0, help="mean seconds between faults (default 10)")
     p.add_argument("--seed", type=int, default=None, help="seed of the schedule (default: from the clock; printed)")
-    p.add_argument("--faults", default=None, metavar="KIND[,KIND]",
-                   help=f"fault kinds to inject (default: every kind possible here): {', '.join(k.value for k in FaultKind)}")
+    p.add_argument(
+        "--faults",
+        default=None,
+        metavar="KIND[,KIND]",
+        help=f"fault kinds to inject (default: every kind possible here): {', '.join(k.value for k in FaultKind)}",
+    )
     p.add_argument("--nodes", type=int, default=3, help="agents at the start (default 3)")
     p.add_argument("--min-nodes", type=int, default=2, help="the job's min size; never taken below (default 2)")
     p.add_argument("--max-nodes", type=int, default=None, help="the job's max size (default --nodes + 1)")
-    p.add_argument("--etcd-members", type=int, choices=(1, 3), default=1,
-                   help="1: one etcd server; 3: a 3-member etcd cluster on loopback (default 1)")
-    p.add_argument("--netns", action=argparse.BooleanOptionalAction, default=None,
-                   help="run every node on a network-namespace host of its own, on a bridge the run creates "
-                   "(needed by link_down; needs root and `ip netns`). Default: on when possible; --no-netns: "
-                   "every node on loopback")
-    p.add_argument("--link-down-s", type=float, default=None,
-                   help=f"how long link_down keeps a host's link down; more than the lease TTL (default "
-                   f"{link_down_s_default(TIMEOUTS.lease_ttl_s):g})")
-    p.add_argument("--etcd-outage-s", type=float, default=5.0,
-                   help="how long etcd (or a member) stays down in an outage (default 5)")
-    p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step in each worker (default 0.05)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="steps of the job (default: about what a fault-free job commits in the warm-up and --minutes)")
-    p.add_argument("--warmup-s", type=float, default=10.0,
-                   help="fault-free seconds at each world size from --nodes to --max-nodes before the faults "
-                   "(measures the step time at each size; default 10)")
-    p.add_argument("--relay", choices=RELAY_CHOICES, default="off",
-                   help="the agents' relay setting (rendezvous.relay): off, on, or mixed (on for the even node "
-                   "numbers: both paths under the same faults); default off")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where each worker's model trains (agents/mlp.py --device): cuda puts every worker's model "
-                   "on a GPU (several may share one); the groups stay gloo. Default cpu")
-    p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler (agents/mlp.py --fp16; "
-                   "needs --device cuda)")
+    p.add_argument(
+        "--etcd-members",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="1: one etcd server; 3: a 3-member etcd cluster on loopback (default 1)",
+    )
+    p.add_argument(
+        "--netns",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every node on a network-namespace host of its own, on a bridge the run creates "
+        "(needed by link_down; needs root and `ip netns`). Default: on when possible; --no-netns: "
+        "every node on loopback",
+    )
+    p.add_argument(
+        "--link-down-s",
+        type=float,
+        default=None,
+        help=f"how long link_down keeps a host's link down; more than the lease TTL (default "
+        f"{link_down_s_default(TIMEOUTS.lease_ttl_s):g})",
+    )
+    p.add_argument(
+        "--etcd-outage-s",
+        type=float,
+        default=5.0,
+        help="how long etcd (or a member) stays down in an outage (default 5)",
+    )
+    p.add_argument(
+        "--step-sleep", type=float, default=0.05, help="extra seconds per step in each worker (default 0.05)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps of the job (default: about what a fault-free job commits in the warm-up and --minutes)",
+    )
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=10.0,
+        help="fault-free seconds at each world size from --nodes to --max-nodes before the faults "
+        "(measures the step time at each size; default 10)",
+    )
+    p.add_argument(
+        "--relay",
+        choices=RELAY_CHOICES,
+        default="off",
+        help="the agents' relay setting (rendezvous.relay): off, on, or mixed (on for the even node "
+        "numbers: both paths under the same faults); default off",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where each worker's model trains (agents/mlp.py --device): cuda puts every worker's model "
+        "on a GPU (several may share one); the groups stay gloo. Default cpu",
+    )
+    p.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 autocast with a GradScaler (agents/mlp.py --fp16; needs --device cuda)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
-                   "directory, removed at the end unless --keep or the run failed")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="empty or new directory for logs, audit files and etcd data (kept); default: a temporary "
+        "directory, removed at the end unless --keep or the run failed",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     return p.parse_args(argv)
-
 
 
 def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
@@ -331,21 +394,39 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         raise ConfigError(f"--max-nodes: must be >= --nodes ({args.nodes}), got {max_nodes}")
     if args.etcd_outage_s < 0 or args.step_sleep < 0 or args.warmup_s < 1:
         raise ConfigError("--etcd-outage-s and --step-sleep must be >= 0, --warmup-s >= 1")
-    steps = args.steps if args.steps is not None else estimate_steps(
-        args.step_sleep, warmup_estimate_s(args.warmup_s, args.nodes, max_nodes) + args.minutes * 60.0 + 10.0)
+    steps = (
+        args.steps
+        if args.steps is not None
+        else estimate_steps(
+            args.step_sleep, warmup_estimate_s(args.warmup_s, args.nodes, max_nodes) + args.minutes * 60.0 + 10.0
+        )
+    )
     if steps < 20:
         raise ConfigError(f"--steps: at least 20, got {steps}")
     link_down_s = link_down_s_default(TIMEOUTS.lease_ttl_s) if args.link_down_s is None else args.link_down_s
     if link_down_s <= TIMEOUTS.lease_ttl_s:
-        raise ConfigError(f"--link-down-s: must be more than the lease TTL ({TIMEOUTS.lease_ttl_s:g} s), "
-                          f"got {link_down_s}")
+        raise ConfigError(
+            f"--link-down-s: must be more than the lease TTL ({TIMEOUTS.lease_ttl_s:g} s), got {link_down_s}"
+        )
     if args.fp16 and args.device != "cuda":
         raise ConfigError("--fp16: needs --device cuda")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     return Settings(
-        minutes=args.minutes, mean_interval_s=args.mean_interval_s, seed=seed,
-        kinds=parse_faults(args.faults, args.etcd_members, netns), nodes=args.nodes, min_nodes=args.min_nodes,
-        max_nodes=max_nodes, etcd_members=args.etcd_members, etcd_outage_s=args.etcd_outage_s,
-        step_sleep_s=args.step_sleep, steps=steps, warmup_s=args.warmup_s, netns=netns, link_down_s=link_down_s,
-        relay=args.relay, device=args.device, fp16=args.fp16,
+        minutes=args.minutes,
+        mean_interval_s=args.mean_interval_s,
+        seed=seed,
+        kinds=parse_faults(args.faults, args.etcd_members, netns),
+        nodes=args.nodes,
+        min_nodes=args.min_nodes,
+        max_nodes=max_nodes,
+        etcd_members=args.etcd_members,
+        etcd_outage_s=args.etcd_outage_s,
+        step_sleep_s=args.step_sleep,
+        steps=steps,
+        warmup_s=args.warmup_s,
+        netns=netns,
+        link_down_s=link_down_s,
+        relay=args.relay,
+        device=args.device,
+        fp16=args.fp16,
     )

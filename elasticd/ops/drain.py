@@ -65,16 +65,20 @@ def request_drain(store: DrainStore, keys: Keys, node: str, requested_by: str, n
     rows = store.get_prefix(keys.prefix)
     record = next((kv for kv in rows if kv.key == keys.node(node)), None)
     if record is None:
-        known = sorted(kv.key[len(keys.node("")):] for kv in rows if kv.key.startswith(keys.node("")))
+        known = sorted(kv.key[len(keys.node("")) :] for kv in rows if kv.key.startswith(keys.node("")))
         where = f"known nodes: {', '.join(known)}" if known else "no node agent is registered in this job"
-        return DrainRequest(False, f"unknown node {node!r} in job {keys.job.rpartition('/')[2]!r}: "
-                                   f"no agent record at {keys.node(node)} ({where})")
+        return DrainRequest(
+            False,
+            f"unknown node {node!r} in job {keys.job.rpartition('/')[2]!r}: "
+            f"no agent record at {keys.node(node)} ({where})",
+        )
     value = encode_drain(DrainRecord(node=node, requested_by=requested_by, time=now))
     try:
         store.put(keys.drain(node), value, lease=record.lease)
     except LeaseLost:
-        return DrainRequest(False, f"the agent of node {node!r} went away (its lease ended) while the "
-                                   f"drain was being requested")
+        return DrainRequest(
+            False, f"the agent of node {node!r} went away (its lease ended) while the drain was being requested"
+        )
     members = tuple(sorted(_node_members(keys, rows, node)))
     return DrainRequest(True, f"drain of node {node!r} requested ({len(members)} live member(s) there)", members)
 

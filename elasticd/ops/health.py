@@ -143,9 +143,17 @@ def save_failing(failed: SaveFailedRecord | None, checkpoint: CheckpointRecord |
 
 
 def classify(
-    snap: Snapshot, any_keys: bool, prefix: str, min_workers: int | None, max_workers: int | None, *,
-    now: float = 0.0, progress: Mapping[str, Progress] | None = None, stall_after_s: float = 0.0,
-    activity: float | None = None, save_failed: SaveFailedRecord | None = None,
+    snap: Snapshot,
+    any_keys: bool,
+    prefix: str,
+    min_workers: int | None,
+    max_workers: int | None,
+    *,
+    now: float = 0.0,
+    progress: Mapping[str, Progress] | None = None,
+    stall_after_s: float = 0.0,
+    activity: float | None = None,
+    save_failed: SaveFailedRecord | None = None,
 ) -> tuple[Health, str]:
     """The health of a job and a one-line reason (pure; the rules are in the module docstring).
 
@@ -159,8 +167,7 @@ def classify(
     progress = progress or {}
     g = snap.generation
     if snap.finished is not None and (g is None or snap.finished.generation >= g.generation):
-        return Health.FINISHED, (f"finished at step {snap.finished.step} "
-                                 f"(generation {snap.finished.generation})")
+        return Health.FINISHED, (f"finished at step {snap.finished.step} (generation {snap.finished.generation})")
     if not any_keys:
         return Health.DOWN, f"no such job: nothing under {prefix}"
     if g is None:
@@ -169,19 +176,21 @@ def classify(
             number, members = derived
             newest = max(progress[m].time for m in members)
             step = max(progress[m].step for m in members)
-            return Health.DEGRADED, (f"the generation record is malformed (see malformed), but {len(members)} "
-                                     f"live member(s) train in generation {number} by their progress records "
-                                     f"(step {step}, {now - newest:.1f}s ago)")
+            return Health.DEGRADED, (
+                f"the generation record is malformed (see malformed), but {len(members)} "
+                f"live member(s) train in generation {number} by their progress records "
+                f"(step {step}, {now - newest:.1f}s ago)"
+            )
         if snap.generation_revision:
             return Health.DOWN, "the generation record is malformed (see malformed)"
         alive = [r for r in snap.ready.values() if r.member_id in snap.members]
         want = f" of min_workers {min_workers}" if min_workers is not None else ""
-        return Health.DOWN, (f"no generation yet: {len(snap.members)} registered, "
-                             f"{len(alive)} ready{want}")
+        return Health.DOWN, (f"no generation yet: {len(snap.members)} registered, {len(alive)} ready{want}")
     missing = [m for m in g.members if m not in snap.members]
     if missing:
-        return Health.DOWN, (f"generation {g.generation} lost {len(missing)} of {g.world_size} "
-                             f"members; re-rendezvous pending")
+        return Health.DOWN, (
+            f"generation {g.generation} lost {len(missing)} of {g.world_size} members; re-rendezvous pending"
+        )
     if snap.aborted >= g.generation:
         return Health.DOWN, f"generation {g.generation} was aborted; re-rendezvous pending"
     if min_workers is not None and g.world_size < min_workers:
@@ -191,8 +200,10 @@ def classify(
         if now - activity > bound:
             steps = [progress[m].step for m in g.members if m in progress]
             at = f"step {max(steps)}" if steps else "no step yet"
-            return Health.STALLED, (f"no step committed for {now - activity:.1f}s (> {bound:g}s) by the "
-                                    f"{g.world_size} live member(s) of generation {g.generation} ({at})")
+            return Health.STALLED, (
+                f"no step committed for {now - activity:.1f}s (> {bound:g}s) by the "
+                f"{g.world_size} live member(s) of generation {g.generation} ({at})"
+            )
     health, reason = _size_health(snap, g, max_workers)
     if save_failed is not None:
         what = f"the last checkpoint save failed (step {save_failed.step}: {save_failed.errno or save_failed.error})"
@@ -210,6 +221,7 @@ def _size_health(snap: Snapshot, g: GenerationRecord, max_workers: int | None) -
         return Health.HEALTHY, f"world size {g.world_size} {relation} max_workers {max_workers}"
     outside = [m for m in snap.members if m not in g.members and not snap.members[m].spare]  # spares wait
     if outside:
-        return Health.DEGRADED, (f"{len(outside)} live member(s) not in generation {g.generation} "
-                                 f"(world size {g.world_size})")
+        return Health.DEGRADED, (
+            f"{len(outside)} live member(s) not in generation {g.generation} (world size {g.world_size})"
+        )
     return Health.HEALTHY, f"all {g.world_size} live members are in generation {g.generation}"

@@ -54,8 +54,7 @@ def read_password_file(path: str) -> str:
 
 def run_setup_job(query: SetupJobQuery, out: TextIO, err: TextIO, prog: str = "elasticctl") -> int:
     """Set up the job's role and user; print what was done, and how to use them. Returns the exit code."""
-    retry = RetryPolicy(etcd_attempts=len(query.etcd.endpoints) + 1, etcd_backoff_initial_s=0.1,
-                        etcd_backoff_max_s=0.5)
+    retry = RetryPolicy(etcd_attempts=len(query.etcd.endpoints) + 1, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=0.5)
     try:
         password = read_password_file(query.password_file) if query.password_file else None
         access = setup_job(query.etcd, Timeouts(), retry, query.job, query.user, password)
@@ -74,8 +73,10 @@ def render_setup(access: JobAccess, etcd: EtcdConfig, password_file: str) -> str
     """What was done, warnings about grants beyond the job, and the commands to use it. Pure."""
     a = access
     perm = f"read-write on [{a.key}, {a.range_end})"
-    lines = [f"role {a.role}: {'created' if a.role_created else 'exists'}; {perm} "
-             f"{'granted' if a.permission_granted else 'already granted'}"]
+    lines = [
+        f"role {a.role}: {'created' if a.role_created else 'exists'}; {perm} "
+        f"{'granted' if a.permission_granted else 'already granted'}"
+    ]
     if a.user_created:
         how = "a generated password" if a.generated_password else f"the password in {password_file}"
         lines.append(f"user {a.user}: created with {how}")
@@ -87,11 +88,16 @@ def render_setup(access: JobAccess, etcd: EtcdConfig, password_file: str) -> str
     for extra in a.other_permissions:
         lines.append(f"warning: role {a.role} also grants {extra}: its users reach beyond {a.key}")
     if a.other_roles:
-        lines.append(f"warning: user {a.user} also has the role(s) {', '.join(a.other_roles)}: it may reach "
-                     f"beyond {a.key}")
+        lines.append(
+            f"warning: user {a.user} also has the role(s) {', '.join(a.other_roles)}: it may reach beyond {a.key}"
+        )
     if a.generated_password:
-        lines += ["", f"password of user {a.user} (shown this once; put it in a file that only the job's "
-                  "agents and operators can read, e.g. with mode 0600):", f"  {a.generated_password}"]
+        lines += [
+            "",
+            f"password of user {a.user} (shown this once; put it in a file that only the job's "
+            "agents and operators can read, e.g. with mode 0600):",
+            f"  {a.generated_password}",
+        ]
     lines += ["", "Run the job's agents and elasticctl with these credentials:"]
     lines += ["  " + line for line in usage_lines(a, etcd, password_file or PASSWORD_FILE_PLACEHOLDER)]
     if etcd.cert_cert:
@@ -114,5 +120,7 @@ def usage_lines(access: JobAccess, etcd: EtcdConfig, password_file: str) -> list
         agent.append("--insecure")
         ctl.append("--insecure")
     cred = f"--etcd-user {access.user} --etcd-password-file {password_file}"
-    return [f"elasticd {' '.join(agent)} --job-id {access.job} {cred} -- PROGRAM [ARGS...]",
-            f"elasticctl {' '.join(ctl)} {cred} status --job {access.job}"]
+    return [
+        f"elasticd {' '.join(agent)} --job-id {access.job} {cred} -- PROGRAM [ARGS...]",
+        f"elasticctl {' '.join(ctl)} {cred} status --job {access.job}",
+    ]

@@ -111,7 +111,7 @@ def parse_drains(keys: Keys, rows: Sequence[KeyValue]) -> tuple[set[str], tuple[
     drains on the key) but is listed as malformed too."""
     under = keys.drain("")
     _, bad = _parse_under(rows, under, lambda kv: decode_drain(kv.value))
-    return {kv.key[len(under):] for kv in rows if kv.key.startswith(under)}, bad
+    return {kv.key[len(under) :] for kv in rows if kv.key.startswith(under)}, bad
 
 
 def parse_progress(keys: Keys, rows: Sequence[KeyValue]) -> tuple[dict[str, Progress], tuple[str, ...]]:
@@ -119,7 +119,7 @@ def parse_progress(keys: Keys, rows: Sequence[KeyValue]) -> tuple[dict[str, Prog
     under = keys.progress("")
 
     def progress(kv: KeyValue) -> tuple[str, Progress]:
-        mid = kv.key[len(under):]
+        mid = kv.key[len(under) :]
         if not mid or "/" in mid:
             raise ValueError("not progress/<member id>")
         return mid, decode_progress(kv.value)
@@ -195,7 +195,14 @@ def restart_status(view: RoundView) -> RestartStatus | None:
     if r is None and not view.finished and not view.failed_round:
         return None
     return RestartStatus(
-        round=r.round if r else 0, world_size=r.world_size if r else 0, nodes=r.nodes if r else (),
-        nproc_per_node=r.nproc_per_node if r else 0, master=f"{r.master_addr}:{r.master_port}" if r else "",
-        restart_count=r.restart_count if r else 0, reason=r.reason if r else "", agents=tuple(sorted(view.agents)),
-        failed_round=view.failed_round, finished_round=view.finished)
+        round=r.round if r else 0,
+        world_size=r.world_size if r else 0,
+        nodes=r.nodes if r else (),
+        nproc_per_node=r.nproc_per_node if r else 0,
+        master=f"{r.master_addr}:{r.master_port}" if r else "",
+        restart_count=r.restart_count if r else 0,
+        reason=r.reason if r else "",
+        agents=tuple(sorted(view.agents)),
+        failed_round=view.failed_round,
+        finished_round=view.finished,
+    )

@@ -33,7 +33,9 @@ def to_dict(status: JobStatus) -> dict[str, object]:
         "exit_code": status.exit_code,
         "min_workers": status.min_workers,
         "max_workers": status.max_workers,
-        "generation": None if g is None else {
+        "generation": None
+        if g is None
+        else {
             "number": g.number,
             "world_size": g.world_size,
             "members": list(g.members),
@@ -81,17 +83,23 @@ def to_dict(status: JobStatus) -> dict[str, object]:
         ],
         "drains": list(status.drains),
         "missing": list(status.missing),
-        "finished": None if status.finished is None else {
+        "finished": None
+        if status.finished is None
+        else {
             "generation": status.finished.generation,
             "step": status.finished.step,
         },
-        "last_abort": None if status.last_abort is None else {
+        "last_abort": None
+        if status.last_abort is None
+        else {
             "generation": status.last_abort.generation,
             "member_id": status.last_abort.member_id,
             "reason": status.last_abort.reason,
         },
         "malformed": list(status.malformed),
-        "restart": None if status.restart is None else {
+        "restart": None
+        if status.restart is None
+        else {
             "round": status.restart.round,
             "world_size": status.restart.world_size,
             "nodes": list(status.restart.nodes),
@@ -103,7 +111,9 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "failed_round": status.restart.failed_round,
             "finished_round": status.restart.finished_round,
         },
-        "checkpoint": None if status.checkpoint is None else {
+        "checkpoint": None
+        if status.checkpoint is None
+        else {
             "step": status.checkpoint.step,
             "path": status.checkpoint.path,
             "node": status.checkpoint.node,
@@ -111,7 +121,9 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "bytes": status.checkpoint.bytes,
             "age_s": _round(status.checkpoint_age_s, 3),
         },
-        "save_failed": None if status.save_failed is None else {
+        "save_failed": None
+        if status.save_failed is None
+        else {
             "time": status.save_failed.time,
             "step": status.save_failed.step,
             "generation": status.save_failed.generation,
@@ -131,8 +143,22 @@ def render_json(status: JobStatus) -> str:
     return json.dumps(to_dict(status))
 
 
-_COLUMNS = ("MEMBER", "NODE", "LOCAL", "PID", "HOST", "RANK", "STATE", "STEP", "STEP_TIME",
-            "RECOVERIES", "HEARTBEAT", "RESTARTS", "RSS", "CPU")
+_COLUMNS = (
+    "MEMBER",
+    "NODE",
+    "LOCAL",
+    "PID",
+    "HOST",
+    "RANK",
+    "STATE",
+    "STEP",
+    "STEP_TIME",
+    "RECOVERIES",
+    "HEARTBEAT",
+    "RESTARTS",
+    "RSS",
+    "CPU",
+)
 _NODE_COLUMNS = ("NODE", "HOST", "AGENT_PID", "AGENT_STATE", "WORKERS", "SPARES", "RESTARTS", "HEARTBEAT", "DRAIN")
 
 
@@ -145,25 +171,41 @@ def render_table(status: JobStatus) -> str:
     lines = [
         ("job", f"{_clean(status.job_id)} ({_clean(status.prefix)})"),
         ("health", f"{status.health.upper()}: {_clean(status.reason)}"),
-        ("generation", "none" if g is None else
-         f"{g.number}, world size {g.world_size}, published for {_clean(g.reason)} "
-         f"at step {g.committed_step}"),
+        (
+            "generation",
+            "none"
+            if g is None
+            else f"{g.number}, world size {g.world_size}, published for {_clean(g.reason)} at step {g.committed_step}",
+        ),
         ("bounds", bounds),
-        ("finished", "no" if status.finished is None else
-         f"at step {status.finished.step} (generation {status.finished.generation})"),
-        ("last abort", "none" if status.last_abort is None else
-         f"generation {status.last_abort.generation} by {_clean(status.last_abort.member_id)}: "
-         f"{_clean(status.last_abort.reason)}"),
+        (
+            "finished",
+            "no"
+            if status.finished is None
+            else f"at step {status.finished.step} (generation {status.finished.generation})",
+        ),
+        (
+            "last abort",
+            "none"
+            if status.last_abort is None
+            else f"generation {status.last_abort.generation} by {_clean(status.last_abort.member_id)}: "
+            f"{_clean(status.last_abort.reason)}",
+        ),
         ("checkpoint", _checkpoint_line(status)),
     ]
     if status.save_failed is not None:
         lines.append(("save error", _save_failed_line(status)))
     r = status.restart
     if r is not None:
-        lines.append(("restart", f"mode restart: round {r.round} ({_clean(r.reason)}), world size {r.world_size} = "
-                      f"{len(r.nodes)} node(s) x {r.nproc_per_node} [{_clean(', '.join(r.nodes))}], master "
-                      f"{_clean(r.master)}, {r.restart_count} restart(s); agents alive: "
-                      f"{_clean(', '.join(r.agents)) or 'none'}"))
+        lines.append(
+            (
+                "restart",
+                f"mode restart: round {r.round} ({_clean(r.reason)}), world size {r.world_size} = "
+                f"{len(r.nodes)} node(s) x {r.nproc_per_node} [{_clean(', '.join(r.nodes))}], master "
+                f"{_clean(r.master)}, {r.restart_count} restart(s); agents alive: "
+                f"{_clean(', '.join(r.agents)) or 'none'}",
+            )
+        )
     out = [f"{k:<11} {v}" for k, v in lines]
     out.append("")
     if status.members:
@@ -178,8 +220,11 @@ def render_table(status: JobStatus) -> str:
     out.append("")
     if status.recoveries:
         out.append(f"last recoveries (newest last, at most {RECOVERIES_SHOWN}):")
-        out += [f"  {_utc(r.time)}  generation {_opt(r.generation)}  {_clean(r.cause)}  "
-                f"{'-' if r.duration_s is None else f'{r.duration_s:.3f}s'}" for r in status.recoveries]
+        out += [
+            f"  {_utc(r.time)}  generation {_opt(r.generation)}  {_clean(r.cause)}  "
+            f"{'-' if r.duration_s is None else f'{r.duration_s:.3f}s'}"
+            for r in status.recoveries
+        ]
     else:
         out.append("last recoveries: none recorded")
     orphan = [d for d in status.drains if d not in {n.node for n in status.nodes}]
@@ -235,8 +280,7 @@ def _save_failed_line(status: JobStatus) -> str:
     f = status.save_failed
     assert f is not None
     when = "the latest save" if status.save_failing else "a good checkpoint was saved since"
-    return (f"{when}: step {f.step} at {_utc(f.time)} on {_clean(f.node)} into {_clean(f.directory)}: "
-            f"{_clean(f.error)}")
+    return f"{when}: step {f.step} at {_utc(f.time)} on {_clean(f.node)} into {_clean(f.directory)}: {_clean(f.error)}"
 
 
 def _row(m: MemberStatus) -> tuple[str, ...]:
@@ -277,8 +321,10 @@ def events_to_dict(ev: JobEvents) -> dict[str, object]:
         "job": ev.job_id,
         "prefix": ev.prefix,
         "total": ev.total,
-        "events": [{"key": key, "time": e.time, "kind": e.kind, "source": e.source, "detail": dict(e.detail)}
-                   for key, e in ev.events],
+        "events": [
+            {"key": key, "time": e.time, "kind": e.kind, "source": e.source, "detail": dict(e.detail)}
+            for key, e in ev.events
+        ],
         "malformed": list(ev.malformed),
     }
 
@@ -307,7 +353,7 @@ def _detail(detail: Mapping[str, object]) -> str:
     parts = []
     for k in sorted(detail):
         v = detail[k]
-        plain = isinstance(v, str) and v and not any(c.isspace() or c in "\"=" for c in v)
+        plain = isinstance(v, str) and v and not any(c.isspace() or c in '"=' for c in v)
         text = v if plain and isinstance(v, str) else json.dumps(v, default=str, separators=(",", ":"))
         parts.append(f"{k}={text}")
     return _clean(" ".join(parts))

@@ -174,8 +174,14 @@ def read_status(
     Raises:
         EtcdUnavailable: etcd could not be reached within the store's retry bound.
     """
-    return build_status(keys, store.get_prefix(keys.prefix), now=now, min_workers=min_workers,
-                        max_workers=max_workers, stall_after_s=stall_after_s)
+    return build_status(
+        keys,
+        store.get_prefix(keys.prefix),
+        now=now,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        stall_after_s=stall_after_s,
+    )
 
 
 def build_status(
@@ -226,37 +232,57 @@ def build_status(
             step = prog.step
         elif ready is not None and ready.committed_step >= 0:
             step = ready.committed_step
-        members.append(MemberStatus(
-            member_id=mid,
-            node=rec.node,
-            local_rank=rec.local_rank,
-            pid=rec.pid,
-            host=rec.host,
-            rank=(g.rank_of(mid) if g is not None else prog.rank if prog is not None else None)
-            if mid in in_generation else None,
-            state=state,
-            committed_step=step,
-            step_time_s=prog.step_time_s if prog else None,
-            recoveries=prog.recoveries if prog else None,
-            heartbeat_age_s=now - prog.time if prog else None,
-            restarts=slot.restarts if slot else None,
-            rss_bytes=slot.rss_bytes if slot else None,
-            cpu_percent=slot.cpu_percent if slot else None,
-        ))
+        members.append(
+            MemberStatus(
+                member_id=mid,
+                node=rec.node,
+                local_rank=rec.local_rank,
+                pid=rec.pid,
+                host=rec.host,
+                rank=(g.rank_of(mid) if g is not None else prog.rank if prog is not None else None)
+                if mid in in_generation
+                else None,
+                state=state,
+                committed_step=step,
+                step_time_s=prog.step_time_s if prog else None,
+                recoveries=prog.recoveries if prog else None,
+                heartbeat_age_s=now - prog.time if prog else None,
+                restarts=slot.restarts if slot else None,
+                rss_bytes=slot.rss_bytes if slot else None,
+                cpu_percent=slot.cpu_percent if slot else None,
+            )
+        )
     order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.SPARE: 2, WorkerState.REGISTERED: 3}
     by_node = {n: [m for m in members if m.node == n] for n in node_records}
     spares = {n: sum(1 for m in on if m.state is WorkerState.SPARE) for n, on in by_node.items()}
     # a standby node: every live worker of it waits as a spare of a --standby agent
-    standby = {n: bool(on) and all(m.state is WorkerState.SPARE and snap.members[m.member_id].standby for m in on)
-               for n, on in by_node.items()}
-    members.sort(key=lambda m: (order[m.state], m.rank if m.rank is not None else 0,
-                                snap.ready_order.get(m.member_id, 0), m.member_id))
+    standby = {
+        n: bool(on) and all(m.state is WorkerState.SPARE and snap.members[m.member_id].standby for m in on)
+        for n, on in by_node.items()
+    }
+    members.sort(
+        key=lambda m: (
+            order[m.state],
+            m.rank if m.rank is not None else 0,
+            snap.ready_order.get(m.member_id, 0),
+            m.member_id,
+        )
+    )
     restart_view = parse_view(keys, rows)
     restart = restart_status(restart_view)
     failing = save_failing(save_failed, snap.checkpoint)
-    health, reason = classify(snap, bool(rows), keys.prefix, min_workers, max_workers, now=now,
-                              progress=progress, stall_after_s=stall_after_s, activity=activity,
-                              save_failed=save_failed if failing else None)
+    health, reason = classify(
+        snap,
+        bool(rows),
+        keys.prefix,
+        min_workers,
+        max_workers,
+        now=now,
+        progress=progress,
+        stall_after_s=stall_after_s,
+        activity=activity,
+        save_failed=save_failed if failing else None,
+    )
     if snap.generation is None and snap.finished is None and restart is not None:
         health, reason = classify_restart(restart, min_workers, max_workers)
     return JobStatus(
@@ -264,21 +290,30 @@ def build_status(
         prefix=keys.prefix,
         health=health,
         reason=reason,
-        generation=GenerationStatus(g.generation, g.world_size, g.members, g.reason, g.committed_step)
-        if g else None,
+        generation=GenerationStatus(g.generation, g.world_size, g.members, g.reason, g.committed_step) if g else None,
         members=tuple(members),
         missing=tuple(m for m in g.members if m not in snap.members) if g else (),
         finished=snap.finished,
         last_abort=last_abort,
-        malformed=(snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events + restart_view.malformed
-                   + bad_save),
+        malformed=(
+            snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events + restart_view.malformed + bad_save
+        ),
         min_workers=min_workers,
         max_workers=max_workers,
         nodes=tuple(
-            NodeStatus(node=n.node, host=n.host, agent_pid=n.agent_pid, state=n.state,
-                       workers_running=sum(1 for w in n.workers if w.pid), workers=len(n.workers),
-                       restarts=n.restarts, heartbeat_age_s=now - n.time, drain_requested=n.node in drains,
-                       spares=spares[n.node], standby=standby[n.node])
+            NodeStatus(
+                node=n.node,
+                host=n.host,
+                agent_pid=n.agent_pid,
+                state=n.state,
+                workers_running=sum(1 for w in n.workers if w.pid),
+                workers=len(n.workers),
+                restarts=n.restarts,
+                heartbeat_age_s=now - n.time,
+                drain_requested=n.node in drains,
+                spares=spares[n.node],
+                standby=standby[n.node],
+            )
             for _, n in sorted(node_records.items())
         ),
         recoveries=tuple(_recovery(e) for _, e in events if e.kind == EventKind.RECOVERED)[-RECOVERIES_SHOWN:],
@@ -305,8 +340,9 @@ def _recovery(e: EventRecord) -> RecoveryStatus:
         time=e.time,
         generation=generation if isinstance(generation, int) and not isinstance(generation, bool) else None,
         cause=text,
-        duration_s=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool)
-        and math.isfinite(duration) else None,
+        duration_s=float(duration)
+        if isinstance(duration, (int, float)) and not isinstance(duration, bool) and math.isfinite(duration)
+        else None,
     )
 
 
@@ -326,6 +362,12 @@ def job_events(keys: Keys, kvs: Iterable[KeyValue], limit: int | None = None) ->
     """The newest ``limit`` events of a job (all when None), oldest first. Pure."""
     rows = list(kvs)
     events, bad = parse_events(keys, rows)
-    shown = events if limit is None else events[max(0, len(events) - limit):]
-    return JobEvents(job_id=keys.job.rpartition("/")[2], prefix=keys.prefix, exists=bool(rows),
-                     events=tuple(shown), total=len(events), malformed=bad)
+    shown = events if limit is None else events[max(0, len(events) - limit) :]
+    return JobEvents(
+        job_id=keys.job.rpartition("/")[2],
+        prefix=keys.prefix,
+        exists=bool(rows),
+        events=tuple(shown),
+        total=len(events),
+        malformed=bad,
+    )

@@ -160,8 +160,9 @@ def build_timeline(job_id: str, events: Iterable[EventRecord]) -> Timeline:
     steps = _increasing(points)
     spaced = _spaced(steps, RATE_MIN_S)
     rates = tuple((t0, t1, (s1 - s0) / (t1 - t0)) for (t0, s0), (t1, s1) in zip(spaced, spaced[1:]))
-    return Timeline(job_id, start, evs[-1].time - start, steps, rates, tuple(gens), tuple(faults),
-                    tuple(recs), tuple(saves))
+    return Timeline(
+        job_id, start, evs[-1].time - start, steps, rates, tuple(gens), tuple(faults), tuple(recs), tuple(saves)
+    )
 
 
 def _spaced(points: tuple[tuple[float, int], ...], min_s: float) -> list[tuple[float, int]]:

@@ -77,8 +77,9 @@ def render(tl: Timeline, path: str) -> int:
     """
     fmt = output_format(path)
     plt = _pyplot()
-    fig, (ax_step, ax_world, ax_rate) = plt.subplots(3, 1, sharex=True, figsize=SIZE_IN, dpi=DPI,
-                                                     gridspec_kw={"height_ratios": [3, 2, 2]})
+    fig, (ax_step, ax_world, ax_rate) = plt.subplots(
+        3, 1, sharex=True, figsize=SIZE_IN, dpi=DPI, gridspec_kw={"height_ratios": [3, 2, 2]}
+    )
     try:
         return _draw(tl, path, fmt, fig, ax_step, ax_world, ax_rate)
     finally:
@@ -90,11 +91,18 @@ def _draw(tl: Timeline, path: str, fmt: str, fig, ax_step, ax_world, ax_rate) ->
     end = max(tl.end_s, 1.0)
     # committed steps and saves
     if tl.steps:
-        ax_step.plot([t for t, _ in tl.steps], [s for _, s in tl.steps], color="#1f77b4", lw=1.5,
-                     label="committed step")
+        ax_step.plot(
+            [t for t, _ in tl.steps], [s for _, s in tl.steps], color="#1f77b4", lw=1.5, label="committed step"
+        )
     if tl.saves:
-        ax_step.scatter([s.t for s in tl.saves], [s.step for s in tl.saves], marker="v", color="#2ca02c",
-                        zorder=3, label="checkpoint saved")
+        ax_step.scatter(
+            [s.t for s in tl.saves],
+            [s.step for s in tl.saves],
+            marker="v",
+            color="#2ca02c",
+            zorder=3,
+            label="checkpoint saved",
+        )
     ax_step.set_ylabel("committed step")
     ax_step.legend(loc="upper left", fontsize=8, frameon=False)
     # world size, generations, faults, recoveries
@@ -112,16 +120,39 @@ def _draw(tl: Timeline, path: str, fmt: str, fig, ax_step, ax_world, ax_rate) ->
     for r in tl.recoveries:
         ax_world.axvspan(r.t - r.duration_s, r.t, color="#ff7f0e", alpha=0.35, lw=0)
         if labelled:
-            ax_world.annotate(f"{r.cause} {r.duration_s:.2f}s", (r.t, 0.3), fontsize=7, rotation=90,
-                              color="#b35900", va="bottom", ha="left", clip_on=True)
+            ax_world.annotate(
+                f"{r.cause} {r.duration_s:.2f}s",
+                (r.t, 0.3),
+                fontsize=7,
+                rotation=90,
+                color="#b35900",
+                va="bottom",
+                ha="left",
+                clip_on=True,
+            )
     for i, (t, labels) in enumerate(_grouped(tl, end / 100)):
         ax_world.plot([t], [top + 0.3], marker="x", color="#d62728", ms=7, mew=2)
         if labelled:  # staggered on three levels, so that neighbours do not overlap
-            ax_world.annotate("; ".join(labels), (t, top + 0.8 + (i % 3) * 0.8), fontsize=7, color="#d62728",
-                              ha="left", va="bottom", clip_on=True)
+            ax_world.annotate(
+                "; ".join(labels),
+                (t, top + 0.8 + (i % 3) * 0.8),
+                fontsize=7,
+                color="#d62728",
+                ha="left",
+                va="bottom",
+                clip_on=True,
+            )
     ax_world.set_ylabel("world size")
-    ax_world.text(0.995, 0.02, "violet: new generation   red x: fault   orange: recovery",
-                  transform=ax_world.transAxes, ha="right", va="bottom", fontsize=7, color="#555555")
+    ax_world.text(
+        0.995,
+        0.02,
+        "violet: new generation   red x: fault   orange: recovery",
+        transform=ax_world.transAxes,
+        ha="right",
+        va="bottom",
+        fontsize=7,
+        color="#555555",
+    )
     # throughput
     for t0, t1, rate in tl.throughput:
         ax_rate.plot([t0, t1], [rate, rate], color="#9467bd", lw=1.5)
@@ -129,18 +160,25 @@ def _draw(tl: Timeline, path: str, fmt: str, fig, ax_step, ax_world, ax_rate) ->
     ax_rate.set_xlabel("seconds since the job's first event")
     ax_rate.set_ylim(bottom=0)
     ax_rate.set_xlim(-end / 100, end * 1.01)  # a line at 0 is not hidden by the axis
-    fig.suptitle(f"job {tl.job_id}: {len(tl.generations)} generations, {len(tl.faults)} faults, "
-                 f"{len(tl.recoveries)} recoveries ({tl.lost_s:.2f} s from fault to next commit)", fontsize=11)
+    fig.suptitle(
+        f"job {tl.job_id}: {len(tl.generations)} generations, {len(tl.faults)} faults, "
+        f"{len(tl.recoveries)} recoveries ({tl.lost_s:.2f} s from fault to next commit)",
+        fontsize=11,
+    )
     fig.subplots_adjust(left=0.06, right=0.99, top=0.94, bottom=0.07, hspace=0.12)
     fig.canvas.draw()
     columns = len({round(float(ax_world.transData.transform((g.t, 0))[0])) for g in tl.generations})
-    meta = {"Title": f"elasticd timeline of job {tl.job_id}",
-            "Description": f"generations={len(tl.generations)} faults={len(tl.faults)}"}
+    meta = {
+        "Title": f"elasticd timeline of job {tl.job_id}",
+        "Description": f"generations={len(tl.generations)} faults={len(tl.faults)}",
+    }
     if fmt == "html":
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Title": meta["Title"], "Description": meta["Description"]})
-        page = (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(meta['Title'])}"
-                f"</title></head><body>{buf.getvalue()}</body></html>\n")
+        page = (
+            f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(meta["Title"])}'
+            f"</title></head><body>{buf.getvalue()}</body></html>\n"
+        )
         Path(path).write_text(page)
     else:
         fig.savefig(path, format=fmt, metadata=meta)

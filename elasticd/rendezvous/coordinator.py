@@ -65,9 +65,17 @@ class Coordinator:
     """Rounds of reading the job, judging its generation and publishing the next one."""
 
     def __init__(
-        self, store: KeyValueStore, keys: Keys, member_id: str, world: WorldConfig, timeouts: Timeouts,
-        clock: Clock, read: Callable[[], Snapshot], published_event: Callable[[GenerationRecord], tuple[str, bytes]],
-        elected: bool = True, take_over: Callable[[int], None] | None = None,
+        self,
+        store: KeyValueStore,
+        keys: Keys,
+        member_id: str,
+        world: WorldConfig,
+        timeouts: Timeouts,
+        clock: Clock,
+        read: Callable[[], Snapshot],
+        published_event: Callable[[GenerationRecord], tuple[str, bytes]],
+        elected: bool = True,
+        take_over: Callable[[int], None] | None = None,
         noted: Callable[[], tuple[int, frozenset[str]]] = lambda: (0, frozenset()),
         wall: Clock = time.time,
     ) -> None:
@@ -117,8 +125,13 @@ class Coordinator:
         if survivors is not None:
             # a lost lease alone broke the generation: its survivors go on at once, no ready round
             # and no verdict (the new generation tells every member all there is to know)
-            return self._publish(snap, Action(ActionKind.PUBLISH, survivors.reason, record=survivors,
-                                              expected_revision=snap.generation_revision), now)
+            return self._publish(
+                snap,
+                Action(
+                    ActionKind.PUBLISH, survivors.reason, record=survivors, expected_revision=snap.generation_revision
+                ),
+                now,
+            )
         if window is None:
             action = None
         else:
@@ -146,7 +159,8 @@ class Coordinator:
         record = replace(action.record, token=secrets.token_hex(16))
         pointer, buckets = encode_generation(record, lambda m: snap.members[m].node)
         won = self._store.compare_and_put(
-            self._keys.generation, action.expected_revision,
+            self._keys.generation,
+            action.expected_revision,
             pointer,  # consumes its members' ready records (wire.snapshot.consumed)
             # its roster (a large generation), the history: in the same transaction
             put_keys={self._keys.roster(record.generation, b): v for b, v in buckets.items()}
@@ -154,12 +168,20 @@ class Coordinator:
             delete_ranges=[self._keys.rosters_before(record.generation)],
         )
         if won:
-            log.info("generation_published", generation=record.generation,
-                     world_size=record.world_size, members=list(record.members[:16]),
-                     cause=action.reason, by="coordinator" if self._elected else "deputy")
+            log.info(
+                "generation_published",
+                generation=record.generation,
+                world_size=record.world_size,
+                members=list(record.members[:16]),
+                cause=action.reason,
+                by="coordinator" if self._elected else "deputy",
+            )
             self._window = None
-            if self._take_over is not None and snap.coordinator is not None \
-                    and snap.coordinator.member_id not in record.members:
+            if (
+                self._take_over is not None
+                and snap.coordinator is not None
+                and snap.coordinator.member_id not in record.members
+            ):
                 # The coordinator did not come to this rendezvous (dead, unrevoked, or stopped):
                 # the deputy that published without it takes its place, so the next round
                 # (a newcomer, a verdict) does not wait for its lease to end.
@@ -172,8 +194,13 @@ class Coordinator:
         if not action.resume_held or g is None or g.generation == self._held_logged or action.until is None:
             return
         self._held_logged = g.generation
-        log.info("resume_held", generation=g.generation, wait_s=round(action.until - now, 2),
-                 bound_s=self._timeouts.resume_hold_s, by="coordinator" if self._elected else "deputy")
+        log.info(
+            "resume_held",
+            generation=g.generation,
+            wait_s=round(action.until - now, 2),
+            bound_s=self._timeouts.resume_hold_s,
+            by="coordinator" if self._elected else "deputy",
+        )
 
     def _without_gone(self, snap: Snapshot, window: Window) -> Snapshot:
         """``snap`` without the members of the broken generation that have not come to the
@@ -200,10 +227,17 @@ class Coordinator:
             gone_now = answer in GONE and (self._elected or answer is Answer.REFUSED)
             self._probed[rec.member_id] = gone_now
             if gone_now:
-                why = "refuses connections" if answer is Answer.REFUSED else \
-                    f"does not answer within probe_s ({self._timeouts.probe_s:g} s): its host is out of reach"
-                log.info("member_gone", gone=rec.member_id, generation=g.generation,
-                         why=f"its store port {rec.host}:{rec.store_port} {why}")
+                why = (
+                    "refuses connections"
+                    if answer is Answer.REFUSED
+                    else f"does not answer within probe_s ({self._timeouts.probe_s:g} s): its host is out of reach"
+                )
+                log.info(
+                    "member_gone",
+                    gone=rec.member_id,
+                    generation=g.generation,
+                    why=f"its store port {rec.host}:{rec.store_port} {why}",
+                )
         return without_gone(snap, {m for m in missing if self._probed.get(m)})
 
     def _track(self, snap: Snapshot, now: float) -> Window | None:
@@ -286,8 +320,9 @@ class Seat:
     this member, stop it when it names another or none. Thread-safe (the watcher and the join
     both call ``follow``)."""
 
-    def __init__(self, store: KeyValueStore, keys: Keys, record: CoordinatorRecord,
-                 new: Callable[[], Coordinator]) -> None:
+    def __init__(
+        self, store: KeyValueStore, keys: Keys, record: CoordinatorRecord, new: Callable[[], Coordinator]
+    ) -> None:
         self._store = store
         self._keys = keys
         self._record = record

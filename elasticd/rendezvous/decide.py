@@ -62,11 +62,7 @@ class Action:
 def candidates_of(snap: Snapshot) -> list[ReadyRecord]:
     """Ready members that are alive and whose model matches the job's signature."""
     job_sig = snap.generation.signature if snap.generation else _first_signature(snap)
-    return [
-        r
-        for r in snap.ready.values()
-        if r.member_id in snap.members and r.signature == job_sig
-    ]
+    return [r for r in snap.ready.values() if r.member_id in snap.members and r.signature == job_sig]
 
 
 def _first_signature(snap: Snapshot) -> str:
@@ -149,9 +145,16 @@ def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldCon
     # A node whose member of the generation is alive but not ready is suspect: lost with all its
     # processes, their leases not expired yet (a crashed worker's agent revokes its lease at once).
     suspect = {snap.members[m].node for m in missing_members(snap, {r.member_id for r in pool})}
-    spares = sorted((r for r in pool if is_spare(snap, r.member_id)), key=lambda r: (
-        snap.members[r.member_id].node in suspect, per_node.get(snap.members[r.member_id].node, 0),
-        snap.members[r.member_id].standby, snap.ready_order.get(r.member_id, 0), r.member_id))
+    spares = sorted(
+        (r for r in pool if is_spare(snap, r.member_id)),
+        key=lambda r: (
+            snap.members[r.member_id].node in suspect,
+            per_node.get(snap.members[r.member_id].node, 0),
+            snap.members[r.member_id].standby,
+            snap.ready_order.get(r.member_id, 0),
+            r.member_id,
+        ),
+    )
     return rank_order(snap, regular + spares[:need])
 
 
@@ -181,9 +184,7 @@ def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecor
     return sorted(chosen, key=key)
 
 
-def next_action(
-    snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts
-) -> Action:
+def next_action(snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts) -> Action:
     """The whole rendezvous decision for ``me`` from one full snapshot: its own checks, then
     ``publish_decision``. The running protocol splits it (a member: ``member_action`` on its view;
     the coordinator and deputies: ``publish_decision``); the rules' table tests go through it.
@@ -219,8 +220,15 @@ def _mismatch(me: Me, job_sig: str) -> Action:
     )
 
 
-def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldConfig, timeouts: Timeouts,
-                     me: str = "", wall: float | None = None) -> Action:
+def publish_decision(
+    snap: Snapshot,
+    window: Window,
+    now: float,
+    world: WorldConfig,
+    timeouts: Timeouts,
+    me: str = "",
+    wall: float | None = None,
+) -> Action:
     """What the coordinator does for the members waiting in ``snap``: WAIT (``standby`` when the
     generation is healthy at ``max_workers`` and ``me`` is not in it; ``resume_held``: a resume
     is held, ``resume.resume_held_until``, which reads ``wall``), PUBLISH the next generation, or
@@ -234,17 +242,26 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
         missing = missing_members(snap, ids)
         if missing and not broken:
             if me not in g.members and g.world_size >= world.max_workers:
-                return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
-                              f"max_workers {world.max_workers}", standby=True)
-            return Action(ActionKind.WAIT, f"generation {g.generation} is healthy; waiting for its "
-                          f"members {missing[:VERDICT_IDS]} to reach a step boundary")
+                return Action(
+                    ActionKind.WAIT,
+                    f"standby: generation {g.generation} is healthy at max_workers {world.max_workers}",
+                    standby=True,
+                )
+            return Action(
+                ActionKind.WAIT,
+                f"generation {g.generation} is healthy; waiting for its "
+                f"members {missing[:VERDICT_IDS]} to reach a step boundary",
+            )
         if missing and not holds_state(g, cands):
             # Only members of the generation that synced it hold its state (one that joined it but
             # never saw it built holds nothing). Publishing without any of them while some live
             # would start over from older state (a newcomer alone would train from step 0): wait
             # for them. Bounded by their leases (and the agent's hang detection).
-            return Action(ActionKind.WAIT, f"waiting for the live members {missing[:VERDICT_IDS]} of "
-                          f"generation {g.generation}, which hold its state")
+            return Action(
+                ActionKind.WAIT,
+                f"waiting for the live members {missing[:VERDICT_IDS]} of "
+                f"generation {g.generation}, which hold its state",
+            )
         # The last call starts when the round began or the generation was seen broken, whichever
         # is later: a newcomer that has been waiting for long must not cut it short.
         last_call = max(window.entered_at, window.broken_at or window.entered_at) + timeouts.last_call_s
@@ -271,15 +288,24 @@ def publish_decision(snap: Snapshot, window: Window, now: float, world: WorldCon
             )
         if best < newest and best < 0:
             assert ck is not None
-            return Action(ActionKind.WAIT, f"every member of generation {g.generation} is gone and no waiting "
-                          f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
-                          f"{ck.node}); waiting for one that can")
+            return Action(
+                ActionKind.WAIT,
+                f"every member of generation {g.generation} is gone and no waiting "
+                f"member holds state or could load the checkpoint at step {ck.step} ({ck.path} on "
+                f"{ck.node}); waiting for one that can",
+            )
         resume = best >= 0  # nobody of it lives: the state came from disk (steps after it are done again)
-        held = resume_held_until(snap, window.entered_at if window.broken_at is None else window.broken_at, now,
-                                 timeouts, wall)
+        held = resume_held_until(
+            snap, window.entered_at if window.broken_at is None else window.broken_at, now, timeouts, wall
+        )
         if resume and held is not None and now < held:
-            return Action(ActionKind.WAIT, f"resume held: every lease of generation {g.generation} ended, and it "
-                          "may be training cut off from etcd (resume_hold_s)", until=held, resume_held=True)
+            return Action(
+                ActionKind.WAIT,
+                f"resume held: every lease of generation {g.generation} ended, and it "
+                "may be training cut off from etcd (resume_hold_s)",
+                until=held,
+                resume_held=True,
+            )
     old = set(g.members) if g else set()
     newcomers = {m for m in ids - old if not is_spare(snap, m)}
     settle = window.newcomers_changed_at + timeouts.join_window_s
@@ -325,12 +351,14 @@ def waiting_newcomers(snap: Snapshot) -> frozenset[str]:
     spares aside (no join window waits for them): whose arrivals open and extend the join window.
     Pure."""
     old = set(snap.generation.members) if snap.generation else set()
-    return frozenset(r.member_id for r in candidates_of(snap)
-                     if r.member_id not in old and not is_spare(snap, r.member_id))
+    return frozenset(
+        r.member_id for r in candidates_of(snap) if r.member_id not in old and not is_spare(snap, r.member_id)
+    )
 
 
-def join_window_closes_at(snap: Snapshot, window: Window | None, now: float, world: WorldConfig,
-                          timeouts: Timeouts) -> float | None:
+def join_window_closes_at(
+    snap: Snapshot, window: Window | None, now: float, world: WorldConfig, timeouts: Timeouts
+) -> float | None:
     """While newcomers that a regroup of the current generation would admit are inside their join
     window, when it closes (``join_window_s`` after the set of waiting newcomers last changed);
     None when it is over, cut short (taking them in brings the generation to ``max_workers``), or
@@ -350,8 +378,9 @@ def join_window_closes_at(snap: Snapshot, window: Window | None, now: float, wor
     return closes if now < closes else None
 
 
-def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool = False,
-          now: float = 0.0) -> VerdictRecord | None:
+def judge(
+    snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool = False, now: float = 0.0
+) -> VerdictRecord | None:
     """The coordinator's verdict on the current generation of a full snapshot (pure), or None when
     there is nothing to say (a healthy generation, nobody waiting to be admitted, no lost state,
     one model, or a finished job whose members are leaving): members take no verdict for a healthy
@@ -383,8 +412,9 @@ def judge(snap: Snapshot, world: WorldConfig, error: str = "", join_open: bool =
     orphaned = not any(m in snap.members for m in g.members)
     if not (abandon or pending or orphaned or error):
         return None
-    return VerdictRecord(g.generation, g.signature, abandon, int(pending), int(orphaned), error,
-                         orphaned_since(snap, now))
+    return VerdictRecord(
+        g.generation, g.signature, abandon, int(pending), int(orphaned), error, orphaned_since(snap, now)
+    )
 
 
 def verdict_on(view: Snapshot) -> VerdictRecord | None:
@@ -416,10 +446,18 @@ def member_action(view: Snapshot, me: Me, world: WorldConfig) -> Action:
         return Action(ActionKind.WAIT, "no coordinator: electing one")
     if me.spare:
         return Action(ActionKind.WAIT, "spare: waiting until a generation needs me", standby=True)
-    if g is not None and me.member_id not in g.members and g.world_size >= world.max_workers \
-            and view.aborted < g.generation and (verdict is None or not verdict.abandon):
-        return Action(ActionKind.WAIT, f"standby: generation {g.generation} is healthy at "
-                      f"max_workers {world.max_workers}", standby=True)
+    if (
+        g is not None
+        and me.member_id not in g.members
+        and g.world_size >= world.max_workers
+        and view.aborted < g.generation
+        and (verdict is None or not verdict.abandon)
+    ):
+        return Action(
+            ActionKind.WAIT,
+            f"standby: generation {g.generation} is healthy at max_workers {world.max_workers}",
+            standby=True,
+        )
     return Action(ActionKind.WAIT, f"waiting for the coordinator {view.coordinator.member_id}")
 
 
@@ -460,8 +498,7 @@ def newcomers_admitted(snap: Snapshot, current: GenerationRecord, world: WorldCo
     return tuple(r.member_id for r in outside)
 
 
-def assess_health(view: Snapshot, current: GenerationRecord, me: str, joined_revision: int,
-                  lease_lost: bool) -> Health:
+def assess_health(view: Snapshot, current: GenerationRecord, me: str, joined_revision: int, lease_lost: bool) -> Health:
     """Whether the generation ``current`` that ``me`` is in can go on, from its small view (pure):
     the generation, abort and verdict records (``Keys.member_view``), never the members' own.
 

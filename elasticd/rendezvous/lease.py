@@ -90,8 +90,14 @@ class Reachability:
             self._down_logged = False
             log.info("etcd_reachable_again")
 
-    def background(self, stop: threading.Event, wake: threading.Event, ask: Callable[[], T],
-                   then: Callable[[T], None], every_s: float) -> None:
+    def background(
+        self,
+        stop: threading.Event,
+        wake: threading.Event,
+        ask: Callable[[], T],
+        then: Callable[[T], None],
+        every_s: float,
+    ) -> None:
         """A background thread's loop until ``stop``: on ``wake`` (or every ``every_s``) ``ask``
         etcd, note whether it answered, and ``then`` act on the answer."""
         while not stop.is_set():

@@ -96,8 +96,9 @@ class Membership:
         self._stop = threading.Event()
         self._publish = Publisher(store, keys, member.member_id, timeouts, clock, self._stop)
         self._watch = GenerationWatch(member.member_id)  # the hot-path flags
-        self._seat = Seat(store, keys, CoordinatorRecord(member.member_id, member.node),
-                          lambda: self._new_coordinator(elected=True))
+        self._seat = Seat(
+            store, keys, CoordinatorRecord(member.member_id, member.node), lambda: self._new_coordinator(elected=True)
+        )
         self._cancel_watches: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
         self._reader = JobReader(store, keys, member.node)
@@ -105,8 +106,15 @@ class Membership:
         self._renew = threading.Event()  # renew now
         self._progress_due = threading.Event()  # a renewal was granted: publish the progress
         self._joining = False  # a join() runs (on the training thread)
-        self.reach = ReachCheck(member.member_id, timeouts, clock, self.snapshot, self._publish.abort_now,
-                                self._seat.running, lambda: self._watch.abandon)
+        self.reach = ReachCheck(
+            member.member_id,
+            timeouts,
+            clock,
+            self.snapshot,
+            self._publish.abort_now,
+            self._seat.running,
+            lambda: self._watch.abandon,
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -132,14 +140,20 @@ class Membership:
             except (EtcdUnavailable, LeaseLost) as exc:  # LeaseLost: granted, then expired before the put
                 if deadline.expired():  # (an overloaded host): again, like an outage
                     raise
-                log.warning("register_waiting_for_etcd", error=str(exc)[:200],
-                            bound_s=round(deadline.remaining_s(), 1))
+                log.warning("register_waiting_for_etcd", error=str(exc)[:200], bound_s=round(deadline.remaining_s(), 1))
                 self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
         self._cancel_watches = [self._store.watch_prefix(p, self._on_change) for p in self._keys.member_watch]
-        for name, target in (("elasticd-keepalive", self._keepalive_loop), ("elasticd-watch", self._watch_loop),
-                             ("elasticd-progress", lambda: self._publish.progress_loop(
-                                 self._stop, self._progress_due, lambda: self._lease.id, self._timeouts.keepalive_s)),
-                             ("elasticd-reach", lambda: self.reach.run(self._stop))):
+        for name, target in (
+            ("elasticd-keepalive", self._keepalive_loop),
+            ("elasticd-watch", self._watch_loop),
+            (
+                "elasticd-progress",
+                lambda: self._publish.progress_loop(
+                    self._stop, self._progress_due, lambda: self._lease.id, self._timeouts.keepalive_s
+                ),
+            ),
+            ("elasticd-reach", lambda: self.reach.run(self._stop)),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -212,8 +226,9 @@ class Membership:
     def _watch_loop(self) -> None:
         # Watches deliver changes at once (and a broken one is re-armed and read again); the poll
         # every view_poll_s is a safety net.
-        self._etcd.background(self._stop, self._view_changed, self._watched_view, self._on_view,
-                              self._timeouts.view_poll_s)
+        self._etcd.background(
+            self._stop, self._view_changed, self._watched_view, self._on_view, self._timeouts.view_poll_s
+        )
 
     def _watched_view(self) -> Snapshot | None:
         # A join reads the view (and campaigns) itself.
@@ -246,14 +261,23 @@ class Membership:
 
     def _new_coordinator(self, elected: bool) -> Coordinator:
         take_over = None if elected else (lambda revision: self._seat.take_over(revision, self._lease.id))
-        return Coordinator(self._store, self._keys, self.member_id, self._world, self._timeouts, self._clock,
-                           self.snapshot, self._publish.published_event, elected=elected, take_over=take_over,
-                           noted=lambda: self.reach.out_of_reach)
+        return Coordinator(
+            self._store,
+            self._keys,
+            self.member_id,
+            self._world,
+            self._timeouts,
+            self._clock,
+            self.snapshot,
+            self._publish.published_event,
+            elected=elected,
+            take_over=take_over,
+            noted=lambda: self.reach.out_of_reach,
+        )
 
     def is_coordinator(self) -> bool:
         """This member runs the job's coordinator now."""
         return self._seat.running()
-
 
     def veto(self) -> bool:
         """This member already knows its generation is abandoned: it was fenced (superseded without
@@ -282,9 +306,7 @@ class Membership:
         compare-and-set, and never over an abort of a newer generation."""
         self._publish.abort(generation, reason)
 
-    def join(
-        self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None = None
-    ) -> Joined:
+    def join(self, committed_step: int, deadline: Deadline, resume: Callable[[int], int] | None = None) -> Joined:
         """Wait for (or publish) the next generation that includes this member.
 
         Args:
@@ -313,8 +335,12 @@ class Membership:
         started = self._clock()
         prev, superseded_in = self._watch.current, self._watch.superseded_in
         self._watch.leave()
-        me = Me(self.member_id, self.record.signature, prev.generation if prev else 0,
-                spare=bool(self.record.spare) and prev is None)  # a spare until a generation takes it
+        me = Me(
+            self.member_id,
+            self.record.signature,
+            prev.generation if prev else 0,
+            spare=bool(self.record.spare) and prev is None,
+        )  # a spare until a generation takes it
         if prev is not None and superseded_in is not None and not self._watch.lease_lost:
             # the generation I leave was superseded by one that may take me as I am (a leave
             # without a ready round: rendezvous.survivors): join it without writing my record
@@ -348,12 +374,11 @@ class Membership:
                 if excused[excuse] > bounds[excuse]:
                     raise (EtcdUnavailable if excuse == "etcd" else RendezvousClosed)(
                         f"{last_reason} for longer than {excuse}_{'outage_' if excuse == 'etcd' else ''}s "
-                        f"({bounds[excuse]:g} s)")
+                        f"({bounds[excuse]:g} s)"
+                    )
             excuse, since = "", t
             if deadline.at - deadline.clock() + sum(excused.values()) <= 0:
-                raise RendezvousClosed(
-                    f"no generation formed within the join timeout ({last_reason})"
-                )
+                raise RendezvousClosed(f"no generation formed within the join timeout ({last_reason})")
             self._changed.clear()
             until: float | None = None
             try:
@@ -417,8 +442,9 @@ class Membership:
             now = self._clock()
             if action.standby:
                 if excuse != "standby" and excused["standby"] == 0.0:
-                    log.info("standby_waiting", member=self.member_id, reason=action.reason,
-                             bound_s=self._timeouts.standby_s)
+                    log.info(
+                        "standby_waiting", member=self.member_id, reason=action.reason, bound_s=self._timeouts.standby_s
+                    )
                 excuse = "standby"
             wait_s = self._timeouts.keepalive_s
             if until is not None:
@@ -441,4 +467,3 @@ class Membership:
     def mark_finished(self, generation: int, step: int) -> None:
         """Record that every member reached the target step together (late joiners stop)."""
         self._publish.finished(generation, step)
-

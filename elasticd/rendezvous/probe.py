@@ -152,7 +152,9 @@ class _Batch:
                     sock = key.fileobj
                     assert isinstance(sock, socket.socket)
                     self._sel.unregister(sock)
-                    self._settle(self._waiting.pop(sock), _of_error(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)))
+                    self._settle(
+                        self._waiting.pop(sock), _of_error(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+                    )
                     sock.close()
             for i in self._open():  # no answer within the bound
                 self._settle(i, Answer.UNREACHABLE)

@@ -51,7 +51,12 @@ class Publisher:
     (set by the training thread, written by the keepalive thread)."""
 
     def __init__(
-        self, store: KeyValueStore, keys: Keys, member_id: str, timeouts: Timeouts, clock: Clock,
+        self,
+        store: KeyValueStore,
+        keys: Keys,
+        member_id: str,
+        timeouts: Timeouts,
+        clock: Clock,
         stop: threading.Event,
     ) -> None:
         self._store = store
@@ -80,16 +85,18 @@ class Publisher:
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
         rec = AbortRecord(generation=generation, member_id=self._member_id, reason=reason[:200])
-        return self._put_unless_newer(self._keys.abort, encode(rec), lambda raw: (decode_abort(raw).generation,),
-                                      (rec.generation,))
+        return self._put_unless_newer(
+            self._keys.abort, encode(rec), lambda raw: (decode_abort(raw).generation,), (rec.generation,)
+        )
 
     def _publish_abort(self, rec: AbortRecord) -> None:
         deadline = Deadline.after(self._timeouts.etcd_outage_s, self._clock)
         failures = 0
         while not self._stop.is_set() and not deadline.expired():
             try:
-                written = self._put_unless_newer(self._keys.abort, encode(rec),
-                                                 lambda raw: (decode_abort(raw).generation,), (rec.generation,))
+                written = self._put_unless_newer(
+                    self._keys.abort, encode(rec), lambda raw: (decode_abort(raw).generation,), (rec.generation,)
+                )
                 if written is None:
                     return  # already aborted (or a newer generation is): nothing to add
                 if written:
@@ -99,12 +106,17 @@ class Publisher:
             except EtcdUnavailable as exc:
                 failures += 1
                 if failures == 1:
-                    log.warning("abort_publish_failed", generation=rec.generation, error=str(exc)[:300],
-                                retrying_for_s=round(deadline.remaining_s(), 1))
+                    log.warning(
+                        "abort_publish_failed",
+                        generation=rec.generation,
+                        error=str(exc)[:300],
+                        retrying_for_s=round(deadline.remaining_s(), 1),
+                    )
                 self._stop.wait(min(self._timeouts.keepalive_s, deadline.remaining_s()))
 
-    def _put_unless_newer(self, key: str, value: bytes, order: Callable[[bytes], tuple[int, ...]],
-                          mine: tuple[int, ...]) -> bool | None:
+    def _put_unless_newer(
+        self, key: str, value: bytes, order: Callable[[bytes], tuple[int, ...]], mine: tuple[int, ...]
+    ) -> bool | None:
         """Write ``value`` by compare-and-set unless ``key`` holds a record whose ``order`` is at
         least ``mine`` (a value that does not decode is replaced). The compare is on the
         mod_revision read (absent: the key must still be absent), so a record written between the
@@ -128,11 +140,18 @@ class Publisher:
     def published_event(self, record: GenerationRecord) -> tuple[str, bytes]:
         """The ``generation_published`` event (key, value) that goes into the publishing transaction."""
         now_ns = time.time_ns()  # wall clock: events from many hosts are ordered by it
-        event = EventRecord(time=now_ns / 1e9, kind=EventKind.GENERATION_PUBLISHED, source=self._member_id,
-                            detail={"generation": record.generation, "reason": record.reason,
-                                    "world_size": record.world_size,
-                                    "members": list(record.members[:EVENT_MEMBERS]),
-                                    "committed_step": record.committed_step})
+        event = EventRecord(
+            time=now_ns / 1e9,
+            kind=EventKind.GENERATION_PUBLISHED,
+            source=self._member_id,
+            detail={
+                "generation": record.generation,
+                "reason": record.reason,
+                "world_size": record.world_size,
+                "members": list(record.members[:EVENT_MEMBERS]),
+                "committed_step": record.committed_step,
+            },
+        )
         return self._keys.event(event_name(now_ns, self._member_id)), encode_event(event)
 
     def committed(self, progress: Mapping[str, object]) -> None:
@@ -151,22 +170,33 @@ class Publisher:
         an older (step, seq), so the record never goes back (a writer that lost a race re-reads and
         decides again, at most ``CHECKPOINT_CAS_TRIES`` times). Best effort: etcd unreachable is
         logged."""
+
         def order(raw: bytes) -> tuple[int, ...]:
             r = decode_checkpoint(raw)
             return (r.step, r.seq)
 
         try:
             for _ in range(CHECKPOINT_CAS_TRIES):
-                written = self._put_unless_newer(self._keys.checkpoint, encode(record), order,
-                                                 (record.step, record.seq))
+                written = self._put_unless_newer(
+                    self._keys.checkpoint, encode(record), order, (record.step, record.seq)
+                )
                 if written is None:
-                    log.info("checkpoint_publish_skipped", step=record.step, seq=record.seq,
-                             reason="the record names this checkpoint or a newer one")
+                    log.info(
+                        "checkpoint_publish_skipped",
+                        step=record.step,
+                        seq=record.seq,
+                        reason="the record names this checkpoint or a newer one",
+                    )
                     return
                 if written:
                     return
-            log.warning("checkpoint_publish_lost", step=record.step, seq=record.seq, tries=CHECKPOINT_CAS_TRIES,
-                        reason="other writers changed the record between each read and write")
+            log.warning(
+                "checkpoint_publish_lost",
+                step=record.step,
+                seq=record.seq,
+                tries=CHECKPOINT_CAS_TRIES,
+                reason="other writers changed the record between each read and write",
+            )
         except EtcdUnavailable as exc:
             log.warning("checkpoint_publish_failed", step=record.step, error=str(exc))
 
@@ -181,8 +211,9 @@ class Publisher:
         """Hand over the newest progress; the next ``flush_progress`` writes it."""
         self._progress = payload
 
-    def progress_loop(self, stop: threading.Event, due: threading.Event, lease: Callable[[], int],
-                      poll_s: float) -> None:
+    def progress_loop(
+        self, stop: threading.Event, due: threading.Event, lease: Callable[[], int], poll_s: float
+    ) -> None:
         """A thread's loop until ``stop``: ``flush_progress`` each time ``due`` is set (after each
         granted renewal, so only while etcd answers). Off the keepalive thread: a put that etcd
         holds (in a leader election each attempt waits up to ``etcd_request_s``) would hold the

@@ -136,7 +136,7 @@ def reach_sleep_s(waiting: Waiting | None, last: Checked | None, now: float, rea
         return None
     due = waiting.since + reach_check_s
     if last is not None and last.waiting == waiting:
-        due = max(due, last.at + reach_check_s * 2 ** last.count)
+        due = max(due, last.at + reach_check_s * 2**last.count)
     return max(0.0, due - now)
 
 
@@ -147,7 +147,7 @@ def check_due(waiting: Waiting | None, last: Checked | None, now: float, reach_c
     stopped peer (whose lease decides) asks a few times, not every ``reach_check_s``. Pure."""
     if waiting is None or reach_check_s <= 0 or now - waiting.since < reach_check_s:
         return False
-    return last is None or last.waiting != waiting or now - last.at >= reach_check_s * 2 ** last.count
+    return last is None or last.waiting != waiting or now - last.at >= reach_check_s * 2**last.count
 
 
 def next_checked(waiting: Waiting, last: Checked | None, now: float) -> Checked:
@@ -187,10 +187,14 @@ def verdict(asked: Sequence[str], gone: Sequence[str], unreachable: int, still_w
     if not still_waiting:
         return Verdict(False, "the collective finished meanwhile")
     if len(asked) > 1 and 2 * unreachable > len(asked):
-        return Verdict(False, f"{unreachable} of {len(asked)} hosts do not answer: this one is likely cut off; "
-                              f"the leases decide")
-    return Verdict(True, f"members out of reach: {list(gone[:8])}{f' and {len(gone) - 8} more' if len(gone) > 8 else ''} "
-                         f"(their hosts do not answer or their processes are gone)")
+        return Verdict(
+            False, f"{unreachable} of {len(asked)} hosts do not answer: this one is likely cut off; the leases decide"
+        )
+    return Verdict(
+        True,
+        f"members out of reach: {list(gone[:8])}{f' and {len(gone) - 8} more' if len(gone) > 8 else ''} "
+        f"(their hosts do not answer or their processes are gone)",
+    )
 
 
 class ReachCheck:
@@ -198,9 +202,16 @@ class ReachCheck:
     waits in, ask that generation's hosts, and abort it when one is out of reach (``verdict``).
     Reads the job's member records once per generation, at its first check."""
 
-    def __init__(self, member_id: str, timeouts: Timeouts, clock: Clock, read: Callable[[], Snapshot],
-                 abort_now: Callable[[int, str], bool | None],
-                 coordinator: Callable[[], bool], abandoned: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        member_id: str,
+        timeouts: Timeouts,
+        clock: Clock,
+        read: Callable[[], Snapshot],
+        abort_now: Callable[[int, str], bool | None],
+        coordinator: Callable[[], bool],
+        abandoned: Callable[[], bool],
+    ) -> None:
         self._member_id = member_id
         self._timeouts = timeouts
         self._clock = clock
@@ -266,16 +277,22 @@ class ReachCheck:
             snap = self._read()
             if snap.generation is None or snap.generation.generation != g:
                 return Verdict(False, "superseded meanwhile")  # the watcher says so
-            self._records = (g, [snap.members[m] for m in snap.generation.members
-                                 if m in snap.members and m != self._member_id])
+            self._records = (
+                g,
+                [snap.members[m] for m in snap.generation.members if m in snap.members and m != self._member_id],
+            )
         records = self._records[1]
         started = self._clock()
         ids = [r.member_id for r in records]
         first = answers([(r.host, r.store_port) for r in records], self._timeouts.probe_s, self._clock)
         if Answer.UNASKED in first and self._unasked_logged != g:
             self._unasked_logged = g
-            log.warning("reach_check_unaskable", generation=g, why="not a numeric address (advertise_addr)",
-                        members=[m for m, a in zip(ids, first, strict=True) if a is Answer.UNASKED][:8])
+            log.warning(
+                "reach_check_unaskable",
+                generation=g,
+                why="not a numeric address (advertise_addr)",
+                members=[m for m, a in zip(ids, first, strict=True) if a is Answer.UNASKED][:8],
+            )
         gone = out_of_reach(ids, first)
         unreachable = sum(1 for a in first if a is Answer.UNREACHABLE)
         if verdict(ids, gone, unreachable, True).abort:
@@ -284,8 +301,16 @@ class ReachCheck:
             # (also when another prober's abort ended the wait first)
             self.out_of_reach = (g, frozenset(gone))
         v = verdict(ids, gone, unreachable, self._still_waiting(waiting))
-        log.info("reach_checked", generation=g, asked=len(ids), out_of_reach=gone[:8], abort=v.abort, why=v.why,
-                 waited_s=round(started - waiting.since, 3), took_s=round(self._clock() - started, 3))
+        log.info(
+            "reach_checked",
+            generation=g,
+            asked=len(ids),
+            out_of_reach=gone[:8],
+            abort=v.abort,
+            why=v.why,
+            waited_s=round(started - waiting.since, 3),
+            took_s=round(self._clock() - started, 3),
+        )
         if not v.abort:
             return v
         written = self._abort_now(g, v.why)

@@ -108,8 +108,9 @@ class NodeRelay:
     """The relay of one node (run by its agent): reads the members' view on each change and sends
     it; writes the leased puts its workers send, batched."""
 
-    def __init__(self, store: KeyValueStore, keys: Keys, node: str, path: str, timeouts: Timeouts,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, store: KeyValueStore, keys: Keys, node: str, path: str, timeouts: Timeouts, clock: Clock = time.monotonic
+    ) -> None:
         self._store, self._keys, self._node, self.path = store, keys, node, path
         self._timeouts, self._clock = timeouts, clock
         self._lock = threading.Lock()
@@ -144,8 +145,12 @@ class NodeRelay:
         self._selector.register(sock, selectors.EVENT_READ, None)
         self._cancel = [self._store.watch_prefix(p, self._changed.set) for p in self._keys.member_watch]
         self._changed.set()
-        for name, target in (("read", self._read_loop), ("send", self._send_loop), ("serve", self._serve_loop),
-                             ("write", self._write_loop)):
+        for name, target in (
+            ("read", self._read_loop),
+            ("send", self._send_loop),
+            ("serve", self._serve_loop),
+            ("write", self._write_loop),
+        ):
             t = threading.Thread(target=target, name=f"elasticd-relay-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -198,14 +203,21 @@ class NodeRelay:
             except EtcdUnavailable as exc:
                 with self._lock:
                     f = self._frame
-                    self._frame = Frame(f.seq + 1, f.read_at, f.view, f.extra, str(exc)[:300] or "etcd unavailable",
-                                        self._clock())
+                    self._frame = Frame(
+                        f.seq + 1, f.read_at, f.view, f.extra, str(exc)[:300] or "etcd unavailable", self._clock()
+                    )
             except Exception as exc:
                 log.exception("relay_read_failed", node=self._node)
                 with self._lock:
                     f = self._frame
-                    self._frame = Frame(f.seq + 1, f.read_at, f.view, f.extra,
-                                        f"the relay's read failed: {type(exc).__name__}: {exc}"[:300], self._clock())
+                    self._frame = Frame(
+                        f.seq + 1,
+                        f.read_at,
+                        f.view,
+                        f.extra,
+                        f"the relay's read failed: {type(exc).__name__}: {exc}"[:300],
+                        self._clock(),
+                    )
             else:
                 with self._lock:
                     self._frame = Frame(self._frame.seq + 1, began, tuple(view), tuple(extra))
@@ -295,8 +307,8 @@ class NodeRelay:
                     raise RelayError(f"a request of {length} bytes")
                 if len(client.buf) < HEADER.size + length:
                     break
-                body = bytes(client.buf[HEADER.size:HEADER.size + length])
-                del client.buf[:HEADER.size + length]
+                body = bytes(client.buf[HEADER.size : HEADER.size + length])
+                del client.buf[: HEADER.size + length]
                 self._puts.put((client, decode_request(body)))
         except BlockingIOError:
             return

@@ -42,17 +42,30 @@ def _kv_json(kv: KeyValue) -> list[object]:
 
 
 def _kv_of(row: object) -> KeyValue:
-    if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and isinstance(row[1], str)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in row[2:])):
+    if not (
+        isinstance(row, list)
+        and len(row) == 5
+        and isinstance(row[0], str)
+        and isinstance(row[1], str)
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in row[2:])
+    ):
         raise RelayError(f"not a key-value row: {str(row)[:80]}")
     return KeyValue(row[0], base64.b64decode(row[1], validate=True), row[2], row[3], row[4])
 
 
 def encode_frame(frame: Frame) -> bytes:
     """``frame`` as sent: its length, then JSON."""
-    body = json.dumps({"seq": frame.seq, "read_at": frame.read_at, "view": [_kv_json(kv) for kv in frame.view],
-                       "extra": [_kv_json(kv) for kv in frame.extra], "error": frame.error,
-                       "error_at": frame.error_at}, separators=(",", ":")).encode()
+    body = json.dumps(
+        {
+            "seq": frame.seq,
+            "read_at": frame.read_at,
+            "view": [_kv_json(kv) for kv in frame.view],
+            "extra": [_kv_json(kv) for kv in frame.extra],
+            "error": frame.error,
+            "error_at": frame.error_at,
+        },
+        separators=(",", ":"),
+    ).encode()
     return HEADER.pack(len(body)) + body
 
 
@@ -67,14 +80,33 @@ def decode_frame(body: bytes) -> Frame:
 
 def _frame_of(d: dict[str, object]) -> Frame:
     try:
-        seq, read_at, error, error_at, view, extra = d["seq"], d["read_at"], d["error"], d["error_at"], d["view"], d["extra"]
-        if not (_ints(seq) and isinstance(read_at, (int, float)) and isinstance(error, str)
-                and isinstance(error_at, (int, float)) and isinstance(view, list) and isinstance(extra, list)):
+        seq, read_at, error, error_at, view, extra = (
+            d["seq"],
+            d["read_at"],
+            d["error"],
+            d["error_at"],
+            d["view"],
+            d["extra"],
+        )
+        if not (
+            _ints(seq)
+            and isinstance(read_at, (int, float))
+            and isinstance(error, str)
+            and isinstance(error_at, (int, float))
+            and isinstance(view, list)
+            and isinstance(extra, list)
+        ):
             raise RelayError("a field of the wrong type")
         if not (math.isfinite(read_at) and math.isfinite(error_at)):
             raise RelayError("a time that is not finite")
-        return Frame(seq=seq, read_at=float(read_at), view=tuple(_kv_of(r) for r in view),  # type: ignore[arg-type]
-                     extra=tuple(_kv_of(r) for r in extra), error=error, error_at=float(error_at))
+        return Frame(
+            seq=seq,
+            read_at=float(read_at),
+            view=tuple(_kv_of(r) for r in view),  # type: ignore[arg-type]
+            extra=tuple(_kv_of(r) for r in extra),
+            error=error,
+            error_at=float(error_at),
+        )
     except (ValueError, KeyError, TypeError, OverflowError) as exc:  # base64's (binascii.Error is a ValueError)
         raise RelayError(f"malformed frame: {exc}") from exc
 
@@ -137,8 +169,7 @@ def decode_request(body: bytes) -> PutRequest:
     d = _object(body)
     key, value = d.get("key"), d.get("value")
     lease = d.get("lease")
-    if not (_ints(d.get("put"), lease) and isinstance(key, str) and isinstance(value, str)
-            and 0 <= lease < 2**63):  # type: ignore[operator]
+    if not (_ints(d.get("put"), lease) and isinstance(key, str) and isinstance(value, str) and 0 <= lease < 2**63):  # type: ignore[operator]
         raise RelayError("not a put request")
     try:
         raw = base64.b64decode(value, validate=True)
@@ -185,8 +216,13 @@ class MessageReader:
         if self._frame is not None and cut > 0 and body[cut:] == self._tail:
             head = _object(body[:cut] + b"}")
             seq, read_at = head.get("seq"), head.get("read_at")
-            if set(head) == {"seq", "read_at"} and _ints(seq) and isinstance(read_at, (int, float)) \
-                    and not isinstance(read_at, bool) and math.isfinite(read_at):
+            if (
+                set(head) == {"seq", "read_at"}
+                and _ints(seq)
+                and isinstance(read_at, (int, float))
+                and not isinstance(read_at, bool)
+                and math.isfinite(read_at)
+            ):
                 self._frame = replace(self._frame, seq=seq, read_at=float(read_at))  # type: ignore[arg-type]
                 return self._frame
         message = decode_message(body)

@@ -43,8 +43,15 @@ class RelayedStore:
     """A ``KeyValueStore``: a member's view reads and watches from its node's relay (``NodeRelay``),
     everything else straight to etcd (``inner``). Thread-safe."""
 
-    def __init__(self, inner: KeyValueStore, keys: Keys, path: str, timeouts: Timeouts, retry: RetryPolicy,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        inner: KeyValueStore,
+        keys: Keys,
+        path: str,
+        timeouts: Timeouts,
+        retry: RetryPolicy,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self._inner, self._timeouts, self._retry, self._clock = inner, timeouts, retry, clock
         self._view_prefixes = tuple(keys.member_view)
         self._watched = frozenset(keys.member_watch)
@@ -312,12 +319,20 @@ class RelayedStore:
         finally:
             self._wrote(key)
 
-    def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
-                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
+    def compare_and_put(
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
+    ) -> bool:
         try:
-            return self._inner.compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
-                                               delete_ranges)
+            return self._inner.compare_and_put(
+                key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges
+            )
         finally:
             self._wrote(key)
 

@@ -27,8 +27,7 @@ def should_load_checkpoint(snap: Snapshot, held_step: int) -> bool:
         return False
     if g is not None and any(m in snap.members for m in g.members):
         return False
-    newest = max(g.committed_step if g else -1, snap.committed_step,
-                 snap.checkpoint.step if snap.checkpoint else -1)
+    newest = max(g.committed_step if g else -1, snap.committed_step, snap.checkpoint.step if snap.checkpoint else -1)
     return held_step < 0 or held_step < newest
 
 
@@ -46,8 +45,9 @@ def orphaned_since(snap: Snapshot, now: float) -> float:
     return now
 
 
-def resume_held_until(snap: Snapshot, seen: float, now: float, timeouts: Timeouts,
-                      wall: float | None = None) -> float | None:
+def resume_held_until(
+    snap: Snapshot, seen: float, now: float, timeouts: Timeouts, wall: float | None = None
+) -> float | None:
     """Until when (on ``now``'s clock) a generation that resumes the job without any member of its
     last generation is held back; None when nothing holds it: a member of that generation lives
     (it holds the state, or it left it, and the generation cannot train without it), or there is

@@ -55,6 +55,7 @@ def job_key_range(prefix: str, job: str) -> tuple[str, str]:
 
 def describe_permission(perm_type: int, key: bytes, end: bytes) -> str:
     """A permission as people read it: ``READWRITE [/elasticd/a/, /elasticd/a0)``. Pure."""
+
     def text(b: bytes) -> str:
         return b.decode(errors="backslashreplace")
 
@@ -113,8 +114,9 @@ class _Auth:
 
     def grant(self, role: str, key: bytes, end: bytes) -> None:
         perm = auth_pb2.Permission(permType=READWRITE, key=key, range_end=end)
-        self._rpc("role_grant_permission", "RoleGrantPermission",
-                  etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm))
+        self._rpc(
+            "role_grant_permission", "RoleGrantPermission", etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm)
+        )
 
     def user(self, name: str) -> Any:
         return self._rpc("user_get", "UserGet", etcdrpc.AuthUserGetRequest(name=name), "not found")
@@ -123,15 +125,19 @@ class _Auth:
         self._rpc("user_add", "UserAdd", etcdrpc.AuthUserAddRequest(name=name, password=password), "already exists")
 
     def set_password(self, name: str, password: str) -> None:
-        self._rpc("user_change_password", "UserChangePassword",
-                  etcdrpc.AuthUserChangePasswordRequest(name=name, password=password))
+        self._rpc(
+            "user_change_password",
+            "UserChangePassword",
+            etcdrpc.AuthUserChangePasswordRequest(name=name, password=password),
+        )
 
     def grant_role(self, user: str, role: str) -> None:
         self._rpc("user_grant_role", "UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user=user, role=role))
 
 
-def setup_job(config: EtcdConfig, timeouts: Timeouts, retry: RetryPolicy, job: str, user: str,
-              password: str | None) -> JobAccess:
+def setup_job(
+    config: EtcdConfig, timeouts: Timeouts, retry: RetryPolicy, job: str, user: str, password: str | None
+) -> JobAccess:
     """Create, where missing, the role ``elasticd-<job>`` with read-write on exactly
     ``<config.prefix>/<job>/``, and the user ``user`` with that role, as ``config.user`` (etcd's
     root user, or another with the root role).
@@ -151,21 +157,27 @@ def setup_job(config: EtcdConfig, timeouts: Timeouts, retry: RetryPolicy, job: s
     if user == ROOT:
         raise ConfigError("user: root is etcd's administrator; give the job a user of its own")
     if not config.user:
-        raise ConfigError("setting up a job's credentials needs etcd's root user: --etcd-user root and "
-                          "--etcd-password-file FILE (or ELASTICD_ETCD_PASSWORD)")
+        raise ConfigError(
+            "setting up a job's credentials needs etcd's root user: --etcd-user root and "
+            "--etcd-password-file FILE (or ELASTICD_ETCD_PASSWORD)"
+        )
     try:
         client = EtcdClient(config, timeouts, retry)
     except EtcdUnavailable as exc:
         if "authentication is not enabled" in str(exc):
-            raise EtcdRefused("etcd's authentication is not enabled, so a job's role would restrict nothing: "
-                              "add the user root with the role root and enable it (etcdctl user add root; "
-                              "etcdctl auth enable), then run this again") from exc
+            raise EtcdRefused(
+                "etcd's authentication is not enabled, so a job's role would restrict nothing: "
+                "add the user root with the role root and enable it (etcdctl user add root; "
+                "etcdctl auth enable), then run this again"
+            ) from exc
         raise
     try:
         return _setup(_Auth(client, timeouts.etcd_request_s), config.prefix, job, user, password)
     except PermissionDenied as exc:
-        raise PermissionDenied(f"etcd user {config.user} may not manage users and roles: a job's credentials "
-                               "are set up as etcd's root user (--etcd-user root)") from exc
+        raise PermissionDenied(
+            f"etcd user {config.user} may not manage users and roles: a job's credentials "
+            "are set up as etcd's root user (--etcd-user root)"
+        ) from exc
     finally:
         client.close()
 
@@ -181,8 +193,9 @@ def _setup(auth: _Auth, prefix: str, job: str, user: str, password: str | None) 
     granted = not any(p.permType == READWRITE and p.key == key_b and p.range_end == end_b for p in perms)
     if granted:
         auth.grant(role, key_b, end_b)
-    others = tuple(describe_permission(p.permType, p.key, p.range_end) for p in perms
-                   if (p.key, p.range_end) != (key_b, end_b))
+    others = tuple(
+        describe_permission(p.permType, p.key, p.range_end) for p in perms if (p.key, p.range_end) != (key_b, end_b)
+    )
     held = auth.user(user)
     generated = ""
     if held is None:
@@ -194,8 +207,18 @@ def _setup(auth: _Auth, prefix: str, job: str, user: str, password: str | None) 
     roles = list(held.roles) if held is not None else []
     if role not in roles:
         auth.grant_role(user, role)
-    return JobAccess(job=job, user=user, role=role, key=key, range_end=end, role_created=found is None,
-                     permission_granted=granted, user_created=held is None,
-                     password_set=held is not None and password is not None, role_granted=role not in roles,
-                     other_permissions=others, other_roles=tuple(r for r in roles if r != role),
-                     generated_password=generated)
+    return JobAccess(
+        job=job,
+        user=user,
+        role=role,
+        key=key,
+        range_end=end,
+        role_created=found is None,
+        permission_granted=granted,
+        user_created=held is None,
+        password_set=held is not None and password is not None,
+        role_granted=role not in roles,
+        other_permissions=others,
+        other_roles=tuple(r for r in roles if r != role),
+        generated_password=generated,
+    )

@@ -22,18 +22,26 @@ def permission_denied(config: EtcdConfig, what: str, key: str) -> PermissionDeni
     the user's role must cover. Pure."""
     user = f"etcd user {config.user}" if config.user else "no etcd user: set --etcd-user"
     root = config.prefix + "/"
-    job = key[len(root):].partition("/")[0] if key.startswith(root) else ""
+    job = key[len(root) :].partition("/")[0] if key.startswith(root) else ""
     if job:
-        return PermissionDenied(f"permission denied for job {job} ({user}): the user's role does not cover "
-                                f"{root}{job}/ -- see `elasticctl auth setup-job`")
-    return PermissionDenied(f"permission denied for {what}{f' of {key}' if key else ''} ({user}): etcd refused "
-                            "it to the user's role -- see `elasticctl auth setup-job`")
+        return PermissionDenied(
+            f"permission denied for job {job} ({user}): the user's role does not cover "
+            f"{root}{job}/ -- see `elasticctl auth setup-job`"
+        )
+    return PermissionDenied(
+        f"permission denied for {what}{f' of {key}' if key else ''} ({user}): etcd refused "
+        "it to the user's role -- see `elasticctl auth setup-job`"
+    )
 
 
 # Where distributions keep the system's CA bundle, for a Python whose OpenSSL does not say (one
 # built elsewhere): Debian and Ubuntu, Fedora and RHEL, openSUSE, Alpine and macOS.
-SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
-                     "/etc/ssl/ca-bundle.pem", "/etc/ssl/cert.pem")
+SYSTEM_CA_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+)
 
 
 def system_ca_bundle(candidates: Sequence[str] | None = None) -> str:
@@ -49,9 +57,11 @@ def system_ca_bundle(candidates: Sequence[str] | None = None) -> str:
     for path in candidates:
         if path and os.path.isfile(path):
             return path
-    raise ConfigError(f"etcd_ca_cert: the etcd endpoints are https:// but no etcd_ca_cert is set, and no "
-                      f"system CA bundle was found (looked at {', '.join(p for p in candidates if p)}); set "
-                      "etcd_ca_cert to the CA file that signs etcd's certificate")
+    raise ConfigError(
+        f"etcd_ca_cert: the etcd endpoints are https:// but no etcd_ca_cert is set, and no "
+        f"system CA bundle was found (looked at {', '.join(p for p in candidates if p)}); set "
+        "etcd_ca_cert to the CA file that signs etcd's certificate"
+    )
 
 
 def read_password(config: EtcdConfig) -> str:

@@ -63,8 +63,12 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 )
 # gRPC status codes that a retry (or another endpoint) may cure; anything else is an answer.
 _TRANSIENT_CODES = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
 }
 
 
@@ -158,17 +162,23 @@ class EtcdClient:
         user = c.user or None
         password = read_password(c) if user else None
         try:
-            client = etcd3.client(host=host, port=port, timeout=self._timeouts.etcd_request_s,
-                                  ca_cert=self._ca_cert, cert_cert=c.cert_cert or None,
-                                  cert_key=c.cert_key or None, user=user, password=password,
-                                  grpc_options=self._channel_options())
+            client = etcd3.client(
+                host=host,
+                port=port,
+                timeout=self._timeouts.etcd_request_s,
+                ca_cert=self._ca_cert,
+                cert_cert=c.cert_cert or None,
+                cert_key=c.cert_key or None,
+                user=user,
+                password=password,
+                grpc_options=self._channel_options(),
+            )
             if user and not c.tls:
                 # etcd3 0.12 sends the auth token twice: as call credentials, which gRPC refuses on a
                 # plaintext channel ("insufficient security level"), and as metadata, which etcd reads.
                 client.call_credentials = None
                 client.watcher._credentials = None
-            client.watcher._watch_stub = PacedWatchStub(client.watcher._watch_stub,
-                                                         self._retry.etcd_reconnect_max_s)
+            client.watcher._watch_stub = PacedWatchStub(client.watcher._watch_stub, self._retry.etcd_reconnect_max_s)
             return client
         except OSError as exc:  # settings checked that the files exist; a value built in code was not
             raise ConfigError(f"etcd: cannot read a certificate file: {exc}") from exc
@@ -176,21 +186,23 @@ class EtcdClient:
             code = exc.code() if callable(getattr(exc, "code", None)) else None
             details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
             if code in _TRANSIENT_CODES:
-                raise _AuthUnanswered(f"etcd at {host}:{port} did not answer authenticate: {code}: "
-                                      f"{details}") from exc
-            raise EtcdUnavailable(f"etcd at {host}:{port} rejected the credentials of user {user!r}: "
-                                  f"{code}: {details}") from exc
+                raise _AuthUnanswered(f"etcd at {host}:{port} did not answer authenticate: {code}: {details}") from exc
+            raise EtcdUnavailable(
+                f"etcd at {host}:{port} rejected the credentials of user {user!r}: {code}: {details}"
+            ) from exc
 
     def _channel_options(self) -> list[tuple[str, int]]:
         """gRPC channel options: reconnect quickly to an etcd that comes back (it restores leases with
         their whole TTL: a member must renew within it); receive large reads (``MAX_RECEIVE_BYTES``)."""
         max_ms = max(1, round(self._retry.etcd_reconnect_max_s * 1000))
-        return [("grpc.initial_reconnect_backoff_ms", min(100, max_ms)),
-                ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
-                ("grpc.max_reconnect_backoff_ms", max_ms),
-                # A full read of a job (the coordinator's, status') passes gRPC's default 4 MiB
-                # near 7,500 members; etcd itself sends up to 2 GiB.
-                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+        return [
+            ("grpc.initial_reconnect_backoff_ms", min(100, max_ms)),
+            ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
+            ("grpc.max_reconnect_backoff_ms", max_ms),
+            # A full read of a job (the coordinator's, status') passes gRPC's default 4 MiB
+            # near 7,500 members; etcd itself sends up to 2 GiB.
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+        ]
 
     def _failover(self, failed: etcd3.Etcd3Client) -> None:
         with self._lock:
@@ -289,10 +301,19 @@ class EtcdClient:
         revision = 0  # 0: the newest (the first page), then that page's
         while True:
             req = etcd3.etcdrpc.RangeRequest(key=start, range_end=end, limit=page_keys, revision=revision)
-            page = self._call("get_prefix", lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
-                r, c.timeout, credentials=c.call_credentials, metadata=c.metadata), prefix)
-            yield [KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision,
-                            kv.lease) for kv in page.kvs]
+            page = self._call(
+                "get_prefix",
+                lambda c, r=req: c.kvstub.Range(  # type: ignore[misc]
+                    r, c.timeout, credentials=c.call_credentials, metadata=c.metadata
+                ),
+                prefix,
+            )
+            yield [
+                KeyValue(
+                    kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision, kv.lease
+                )
+                for kv in page.kvs
+            ]
             if not page.more or not page.kvs:
                 return
             revision, start = revision or page.header.revision, page.kvs[-1].key + b"\0"
@@ -300,8 +321,10 @@ class EtcdClient:
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         def txn(c: etcd3.Etcd3Client) -> list[Any]:
             # the range end etcd3's own get_prefix uses
-            ops = [c.transactions.get(p, range_end=etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(p)))
-                   for p in prefixes]
+            ops = [
+                c.transactions.get(p, range_end=etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(p)))
+                for p in prefixes
+            ]
             _, responses = c.transaction(compare=[], success=ops, failure=[])
             return list(responses)
 
@@ -319,6 +342,7 @@ class EtcdClient:
         Raises:
             LeaseLost: a lease of ``items`` no longer exists (nothing was written).
         """
+
         def txn(c: etcd3.Etcd3Client) -> Any:
             ops = c._ops_to_requests([c.transactions.put(k, v, lease=lease or None) for k, v, lease in items])
             req = etcd3.etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
@@ -331,8 +355,13 @@ class EtcdClient:
         self._call("delete", lambda c: c.delete(key), key)
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
         delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         """``KeyValueStore.compare_and_put``; ``lease`` (0: none) attaches ``key`` alone to a lease.
@@ -374,8 +403,14 @@ class EtcdClient:
 
         def keepalive(c: etcd3.Etcd3Client) -> list[Any]:
             timeout, bound[0] = bound[0], min(bound[0] * 2, self._timeouts.etcd_request_s)
-            return list(c.leasestub.LeaseKeepAlive(iter([etcd3.etcdrpc.LeaseKeepAliveRequest(ID=lease)]), timeout,
-                                                   credentials=c.call_credentials, metadata=c.metadata))
+            return list(
+                c.leasestub.LeaseKeepAlive(
+                    iter([etcd3.etcdrpc.LeaseKeepAliveRequest(ID=lease)]),
+                    timeout,
+                    credentials=c.call_credentials,
+                    metadata=c.metadata,
+                )
+            )
 
         replies = self._call("refresh_lease", keepalive)
         return float(replies[0].TTL) if replies else 0.0
@@ -415,6 +450,7 @@ class EtcdClient:
                         return
                     state["rearming"] = True
                 threading.Thread(target=rearm, name="elasticd-rewatch", daemon=True).start()
+
             return on_event
 
         def arm() -> None:
@@ -493,5 +529,9 @@ def _close_client(client: etcd3.Etcd3Client) -> None:
 
 def _key_values(rows: Iterable[tuple[bytes, Any]]) -> list[KeyValue]:
     """etcd3's (value, metadata) rows as ``KeyValue``s."""
-    return [KeyValue(meta.key.decode(errors="backslashreplace"), value, meta.mod_revision, meta.create_revision,
-                     meta.lease_id) for value, meta in rows]
+    return [
+        KeyValue(
+            meta.key.decode(errors="backslashreplace"), value, meta.mod_revision, meta.create_revision, meta.lease_id
+        )
+        for value, meta in rows
+    ]

@@ -51,8 +51,13 @@ class KeyValueStore(Protocol):
     def delete(self, key: str) -> None: ...
 
     def compare_and_put(
-        self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
         delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         """Put ``key`` (under ``lease``, if not 0; and delete ``delete_keys`` and every key in each
@@ -80,4 +85,3 @@ class KeyValueStore(Protocol):
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` (no arguments) after any change under ``prefix``; return a canceller."""
         ...
-

@@ -98,7 +98,8 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
     for gen, last in last_of_generation.items():
         rows_at_last = [r for r in commits[last] if int(r["generation"]) == gen]  # type: ignore[call-overload]
         absent_at_last[gen] = set(range(int(rows_at_last[0]["world_size"]))) - {  # type: ignore[call-overload]
-            int(r["rank"]) for r in rows_at_last}  # type: ignore[call-overload]
+            int(r["rank"]) for r in rows_at_last
+        }  # type: ignore[call-overload]
     for step in rep.steps:
         all_rows = commits[step]
         gens = {int(r["generation"]) for r in all_rows}  # type: ignore[call-overload]
@@ -120,9 +121,14 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             # confirmed, by the next sum (docs/design/commit-protocol.md), and it died before that sum reached it.
             absent_of[gen] = sorted(set(range(world)) - set(ranks))
             last = last_of_generation[gen]
-            if absent_of[gen] and step != last and not (
-                    step == last - 1 and set(absent_of[gen]) <= absent_at_last.get(gen, set())):
-                v.append(f"step {step}: ranks {absent_of[gen]} of generation {gen} did not commit it, yet the generation went on")
+            if (
+                absent_of[gen]
+                and step != last
+                and not (step == last - 1 and set(absent_of[gen]) <= absent_at_last.get(gen, set()))
+            ):
+                v.append(
+                    f"step {step}: ranks {absent_of[gen]} of generation {gen} did not commit it, yet the generation went on"
+                )
         # the samples: of one generation's shares (all of them where some generation has all)
         gen = min(absent_of, key=lambda g: (len(absent_of[g]), -g))
         rows, absent, world = by_gen[gen], absent_of[gen], int(by_gen[gen][0]["world_size"])  # type: ignore[call-overload]

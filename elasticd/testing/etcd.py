@@ -56,8 +56,14 @@ class EtcdServer:
     the same port, for clients that cannot reach loopback (a network namespace's host on a bridge).
     """
 
-    def __init__(self, host: str = "127.0.0.1", data_dir: str | None = None, tls: EtcdTls | None = None,
-                 name: str = "elasticd-test", extra_hosts: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        data_dir: str | None = None,
+        tls: EtcdTls | None = None,
+        name: str = "elasticd-test",
+        extra_hosts: Sequence[str] = (),
+    ) -> None:
         self.host = host
         self.extra_hosts = tuple(extra_hosts)
         self.tls = tls
@@ -104,17 +110,36 @@ class EtcdServer:
         scheme = "https" if self.tls else "http"
         url_c = ",".join(f"{scheme}://{h}:{self.client_port}" for h in (self.host, *self.extra_hosts))
         cmd = [
-            etcd_binary(), "--name", self.name, "--data-dir", self.data_dir,
-            "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
-            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", self.initial_cluster,
-            "--log-level", "error",
+            etcd_binary(),
+            "--name",
+            self.name,
+            "--data-dir",
+            self.data_dir,
+            "--listen-client-urls",
+            url_c,
+            "--advertise-client-urls",
+            url_c,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self.initial_cluster,
+            "--log-level",
+            "error",
         ]
         if self.cluster_token:
             cmd += ["--initial-cluster-token", self.cluster_token]
         if self.tls is not None:
-            cmd += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
-                    "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
+            cmd += [
+                "--cert-file",
+                str(self.tls.cert),
+                "--key-file",
+                str(self.tls.key),
+                "--trusted-ca-file",
+                str(self.tls.ca),
+                "--client-cert-auth",
+            ]
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
@@ -160,8 +185,9 @@ class EtcdServer:
             context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
         scheme = "https" if self.tls else "http"
         try:
-            with urllib.request.urlopen(f"{scheme}://{self.endpoint}{path}", data=body, timeout=0.5,
-                                        context=context) as r:
+            with urllib.request.urlopen(
+                f"{scheme}://{self.endpoint}{path}", data=body, timeout=0.5, context=context
+            ) as r:
                 return bytes(r.read())
         except OSError:
             return None
@@ -217,15 +243,19 @@ class EtcdCluster:
     same data dir (they rejoin the cluster from it). ``extra_hosts``: as for ``EtcdServer`` (client
     ports only; the members talk to each other on loopback)."""
 
-    def __init__(self, size: int = 3, host: str = "127.0.0.1", data_root: str | None = None,
-                 extra_hosts: Sequence[str] = ()) -> None:
+    def __init__(
+        self, size: int = 3, host: str = "127.0.0.1", data_root: str | None = None, extra_hosts: Sequence[str] = ()
+    ) -> None:
         assert size >= 1
         self._own_root = data_root is None
         self.data_root = data_root or tempfile.mkdtemp(prefix="elasticd-etcd-cluster-")
         os.makedirs(self.data_root, exist_ok=True)
-        self.members = [EtcdServer(host, data_dir=os.path.join(self.data_root, f"member-{i}"), name=f"member-{i}",
-                                   extra_hosts=extra_hosts)
-                        for i in range(size)]
+        self.members = [
+            EtcdServer(
+                host, data_dir=os.path.join(self.data_root, f"member-{i}"), name=f"member-{i}", extra_hosts=extra_hosts
+            )
+            for i in range(size)
+        ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         token = f"elasticd-{os.getpid()}-{os.path.basename(self.data_root)}"
         for m in self.members:

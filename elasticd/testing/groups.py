@@ -21,8 +21,9 @@ def never() -> bool:
     return False
 
 
-def fixed_gloo_group(rank: int, world: int, port_q: Queue[int],
-                     timeouts: Timeouts | None = None) -> tuple[Timeouts, GroupFactory, Group]:
+def fixed_gloo_group(
+    rank: int, world: int, port_q: Queue[int], timeouts: Timeouts | None = None
+) -> tuple[Timeouts, GroupFactory, Group]:
     """(timeouts, factory, group) of this rank in a gloo group of ``world`` local processes."""
     timeouts = timeouts or Timeouts()
     server = StoreServer("127.0.0.1", timeouts)

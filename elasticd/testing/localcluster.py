@@ -51,8 +51,14 @@ class WorkerProcess:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH", "")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(list(self.program), env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=REPO_ROOT, start_new_session=self.new_session)
+            self.proc = subprocess.Popen(
+                list(self.program),
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                start_new_session=self.new_session,
+            )
         self.started_at = time.monotonic()
         return self
 
@@ -167,7 +173,7 @@ def _proc_stat(pid: int) -> list[str] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return raw[raw.rfind(")") + 2:].split()
+    return raw[raw.rfind(")") + 2 :].split()
 
 
 def process_state(pid: int) -> str | None:
@@ -193,17 +199,41 @@ def group_pids(pgids: Collection[int]) -> dict[int, list[int]]:
     return out
 
 
-def local_agent_argv(config_file: Path, endpoints: Sequence[str], job_id: str, node: str, nnodes: str,
-                     lease_ttl_s: float, keepalive_s: float, program: Sequence[str], *flags: str) -> list[str]:
+def local_agent_argv(
+    config_file: Path,
+    endpoints: Sequence[str],
+    job_id: str,
+    node: str,
+    nnodes: str,
+    lease_ttl_s: float,
+    keepalive_s: float,
+    program: Sequence[str],
+    *flags: str,
+) -> list[str]:
     """The command line of a local ``elasticd`` agent that runs one gloo worker of ``program``,
     taking its settings from these flags and ``config_file`` only (never /etc/elasticd's)."""
     return agent_program(
-        "--config", str(config_file),
-        "--etcd", ",".join(endpoints), "--job-id", job_id, "--node-id", node,
-        "--nnodes", nnodes, "--nproc-per-node", "1",
-        "--backend", "gloo",  # every worker on this one machine's CPU, even where CUDA exists
-        "--lease-ttl-s", str(lease_ttl_s), "--keepalive-s", str(keepalive_s),
-        *flags, "--", *program,
+        "--config",
+        str(config_file),
+        "--etcd",
+        ",".join(endpoints),
+        "--job-id",
+        job_id,
+        "--node-id",
+        node,
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--backend",
+        "gloo",  # every worker on this one machine's CPU, even where CUDA exists
+        "--lease-ttl-s",
+        str(lease_ttl_s),
+        "--keepalive-s",
+        str(keepalive_s),
+        *flags,
+        "--",
+        *program,
     )
 
 

@@ -45,6 +45,7 @@ class Terminated(Exception):
 def sigterm_raises() -> Iterator[None]:
     """Within the block, SIGTERM raises ``Terminated`` in the main thread, so that a runner of a
     local cluster stops every process it started on that way out too."""
+
     def handler(_signum: int, _frame: FrameType | None) -> None:
         raise Terminated()
 
@@ -55,8 +56,14 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def run_to_exit(name: str, body: Callable[[], int], stop: Callable[[], None], workdir: Path, remove: bool,
-                say: Callable[[str], None]) -> int:
+def run_to_exit(
+    name: str,
+    body: Callable[[], int],
+    stop: Callable[[], None],
+    workdir: Path,
+    remove: bool,
+    say: Callable[[str], None],
+) -> int:
     """Run ``body`` (the run; it returns 0 when it passed, 1 when it failed) with SIGTERM raising
     ``Terminated``, and return the exit code of how it ended: ``body``'s, 2 on ``ConfigError`` (no
     etcd binary), 1 on ``RuntimeError`` (etcd did not start, an ``ip`` command failed), 130 on Ctrl-C

@@ -67,7 +67,7 @@ class Keys:
         Raises:
             ValueError: ``key`` is not a roster key.
         """
-        gen, _, bucket = key[len(self.roster_prefix):].partition("/")
+        gen, _, bucket = key[len(self.roster_prefix) :].partition("/")
         if not key.startswith(self.roster_prefix) or not gen.isdigit() or not bucket.isdigit():
             raise ValueError(f"not a roster key: {key}")
         return int(gen), int(bucket)
@@ -107,8 +107,18 @@ class Keys:
     def rendezvous(self) -> tuple[str, ...]:
         """What a member reads for the rendezvous and its health checks: everything but the
         records written all the time or kept by the hundred (progress, events, nodes, drain)."""
-        return (self.generation, self.abort, self.finished, self.committed, self.checkpoint,
-                self.verdict, self.coordinator, self.roster_prefix, self.member(""), self.ready(""))
+        return (
+            self.generation,
+            self.abort,
+            self.finished,
+            self.committed,
+            self.checkpoint,
+            self.verdict,
+            self.coordinator,
+            self.roster_prefix,
+            self.member(""),
+            self.ready(""),
+        )
 
     @property
     def coordinated(self) -> tuple[str, ...]:
@@ -120,8 +130,15 @@ class Keys:
     def member_view(self) -> tuple[str, ...]:
         """What a member reads: a few single keys, the same size at any number of members but for
         the generation record; never another member's record."""
-        return (self.generation, self.abort, self.finished, self.committed, self.checkpoint,
-                self.verdict, self.coordinator)
+        return (
+            self.generation,
+            self.abort,
+            self.finished,
+            self.committed,
+            self.checkpoint,
+            self.verdict,
+            self.coordinator,
+        )
 
     @property
     def member_watch(self) -> tuple[str, ...]:

@@ -143,31 +143,59 @@ def prune_plan(names: list[str], keep: int) -> list[str]:
 
 
 def encode_event(record: EventRecord) -> bytes:
-    return json.dumps({"time": record.time, "kind": record.kind, "source": record.source,
-                       "detail": dict(record.detail)}, sort_keys=True, default=str).encode()
+    return json.dumps(
+        {"time": record.time, "kind": record.kind, "source": record.source, "detail": dict(record.detail)},
+        sort_keys=True,
+        default=str,
+    ).encode()
 
 
 def encode_node(record: NodeRecord) -> bytes:
-    return json.dumps({
-        "node": record.node, "host": record.host, "agent_pid": record.agent_pid, "state": record.state,
-        "time": record.time, "since": record.since,
-        "workers": [{
-            "local_rank": w.local_rank, "pid": w.pid, "state": w.state, "starts": w.starts,
-            "restarts": w.restarts, "last_exit": w.last_exit, "rss_bytes": w.rss_bytes,
-            "cpu_percent": w.cpu_percent,
-        } for w in record.workers],
-    }, sort_keys=True).encode()
+    return json.dumps(
+        {
+            "node": record.node,
+            "host": record.host,
+            "agent_pid": record.agent_pid,
+            "state": record.state,
+            "time": record.time,
+            "since": record.since,
+            "workers": [
+                {
+                    "local_rank": w.local_rank,
+                    "pid": w.pid,
+                    "state": w.state,
+                    "starts": w.starts,
+                    "restarts": w.restarts,
+                    "last_exit": w.last_exit,
+                    "rss_bytes": w.rss_bytes,
+                    "cpu_percent": w.cpu_percent,
+                }
+                for w in record.workers
+            ],
+        },
+        sort_keys=True,
+    ).encode()
 
 
 def encode_save_failed(record: SaveFailedRecord) -> bytes:
-    return json.dumps({"time": record.time, "step": record.step, "generation": record.generation,
-                       "node": record.node, "directory": record.directory, "error": record.error,
-                       "errno": record.errno}, sort_keys=True).encode()
+    return json.dumps(
+        {
+            "time": record.time,
+            "step": record.step,
+            "generation": record.generation,
+            "node": record.node,
+            "directory": record.directory,
+            "error": record.error,
+            "errno": record.errno,
+        },
+        sort_keys=True,
+    ).encode()
 
 
 def encode_drain(record: DrainRecord) -> bytes:
-    return json.dumps({"node": record.node, "requested_by": record.requested_by, "time": record.time},
-                      sort_keys=True).encode()
+    return json.dumps(
+        {"node": record.node, "requested_by": record.requested_by, "time": record.time}, sort_keys=True
+    ).encode()
 
 
 # -- decoding (extra fields are allowed, missing or ill-typed ones are not) ---------------------
@@ -259,16 +287,27 @@ def decode_node(raw: bytes) -> NodeRecord:
     for i, w in enumerate(workers):
         if not isinstance(w, dict):
             raise ValueError(f"workers[{i}] is not an object")
-        parsed.append(WorkerRecord(
-            local_rank=_req_int(w, "local_rank"), pid=_req_int(w, "pid"), state=_req_str(w, "state"),
-            starts=_req_int(w, "starts"), restarts=_req_int(w, "restarts"),
-            last_exit=_str(w, "last_exit", optional=True), rss_bytes=_int(w, "rss_bytes", optional=True),
-            cpu_percent=_float(w, "cpu_percent", optional=True),
-        ))
-    return NodeRecord(node=_req_str(data, "node"), host=_req_str(data, "host"),
-                      agent_pid=_req_int(data, "agent_pid"), state=_req_str(data, "state"),
-                      time=_req_float(data, "time"), workers=tuple(parsed),
-                      since=_float(data, "since", optional=True) if "since" in data else None)
+        parsed.append(
+            WorkerRecord(
+                local_rank=_req_int(w, "local_rank"),
+                pid=_req_int(w, "pid"),
+                state=_req_str(w, "state"),
+                starts=_req_int(w, "starts"),
+                restarts=_req_int(w, "restarts"),
+                last_exit=_str(w, "last_exit", optional=True),
+                rss_bytes=_int(w, "rss_bytes", optional=True),
+                cpu_percent=_float(w, "cpu_percent", optional=True),
+            )
+        )
+    return NodeRecord(
+        node=_req_str(data, "node"),
+        host=_req_str(data, "host"),
+        agent_pid=_req_int(data, "agent_pid"),
+        state=_req_str(data, "state"),
+        time=_req_float(data, "time"),
+        workers=tuple(parsed),
+        since=_float(data, "since", optional=True) if "since" in data else None,
+    )
 
 
 def decode_drain(raw: bytes) -> DrainRecord:
@@ -278,8 +317,9 @@ def decode_drain(raw: bytes) -> DrainRecord:
         ValueError: not JSON, not an object, or a field is missing or of the wrong type.
     """
     data = _object(raw)
-    return DrainRecord(node=_req_str(data, "node"), requested_by=_req_str(data, "requested_by"),
-                       time=_req_float(data, "time"))
+    return DrainRecord(
+        node=_req_str(data, "node"), requested_by=_req_str(data, "requested_by"), time=_req_float(data, "time")
+    )
 
 
 def decode_save_failed(raw: bytes) -> SaveFailedRecord:
@@ -289,7 +329,12 @@ def decode_save_failed(raw: bytes) -> SaveFailedRecord:
         ValueError: not JSON, not an object, or a field is missing or of the wrong type.
     """
     data = _object(raw)
-    return SaveFailedRecord(time=_req_float(data, "time"), step=_req_int(data, "step"),
-                            generation=_req_int(data, "generation"), node=_req_str(data, "node"),
-                            directory=_req_str(data, "directory"), error=_req_str(data, "error"),
-                            errno=_str(data, "errno", optional=True))
+    return SaveFailedRecord(
+        time=_req_float(data, "time"),
+        step=_req_int(data, "step"),
+        generation=_req_int(data, "generation"),
+        node=_req_str(data, "node"),
+        directory=_req_str(data, "directory"),
+        error=_req_str(data, "error"),
+        errno=_str(data, "errno", optional=True),
+    )

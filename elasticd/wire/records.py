@@ -155,8 +155,9 @@ def decode_checkpoint(raw: bytes) -> CheckpointRecord:
             continue
         value = data[name]
         kind = str(f.type)
-        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
-              "float": isinstance(value, (int, float))}[kind]
+        ok = {"int": isinstance(value, int), "str": isinstance(value, str), "float": isinstance(value, (int, float))}[
+            kind
+        ]
         if not ok or isinstance(value, bool):
             raise ValueError(f"field {name} is not {kind}")
         out[name] = float(value) if kind == "float" else value
@@ -185,8 +186,11 @@ def as_dict(record: object) -> dict[str, object]:
     """The record's fields, less each optional one at its default (a reader of an older version,
     which knows no such field, still reads a record that does not use it)."""
     fields = record.__dataclass_fields__  # type: ignore[attr-defined]
-    return {k: v for k, v in asdict(record).items()  # type: ignore[call-overload]
-            if fields[k].default is MISSING or v != fields[k].default}
+    return {
+        k: v
+        for k, v in asdict(record).items()  # type: ignore[call-overload]
+        if fields[k].default is MISSING or v != fields[k].default
+    }
 
 
 def encode(record: object) -> bytes:
@@ -264,4 +268,3 @@ def decode_verdict(raw: bytes) -> VerdictRecord:
 
 def decode_abort(raw: bytes) -> AbortRecord:
     return decode(AbortRecord, raw)
-

@@ -165,5 +165,6 @@ def parse_view(keys: Keys, kvs: Iterable[KeyValue]) -> RoundView:
                 done[d.node] = d.round
         except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
-    return RoundView(rnd, round_revision, agents, waiting, order, failed, failed_revision, done, finished,
-                     tuple(malformed))
+    return RoundView(
+        rnd, round_revision, agents, waiting, order, failed, failed_revision, done, finished, tuple(malformed)
+    )

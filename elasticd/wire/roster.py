@@ -54,8 +54,10 @@ def encode_generation(record: GenerationRecord, node_of: Callable[[str], str]) -
     for rank, member in enumerate(record.members):
         ranks[bucket_of(node_of(member), n)][member] = rank
     pointer = as_dict(replace(record, members=())) | {"world_size": record.world_size}
-    return (json.dumps(pointer, sort_keys=True).encode(),
-            {b: json.dumps({"ranks": r}, sort_keys=True).encode() for b, r in ranks.items()})
+    return (
+        json.dumps(pointer, sort_keys=True).encode(),
+        {b: json.dumps({"ranks": r}, sort_keys=True).encode() for b, r in ranks.items()},
+    )
 
 
 def fill(record: GenerationRecord, buckets: Iterable[bytes]) -> GenerationRecord:
@@ -69,10 +71,15 @@ def fill(record: GenerationRecord, buckets: Iterable[bytes]) -> GenerationRecord
     for raw in buckets:
         data = json.loads(raw)
         if not isinstance(data, dict) or set(data) != {"ranks"} or not isinstance(data["ranks"], dict):
-            raise ValueError("a roster record is {\"ranks\": {member: rank}}")
+            raise ValueError('a roster record is {"ranks": {member: rank}}')
         for member, rank in data["ranks"].items():
-            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < len(members) \
-                    or members[rank] not in ("", member) or not member:
+            if (
+                not isinstance(rank, int)
+                or isinstance(rank, bool)
+                or not 0 <= rank < len(members)
+                or members[rank] not in ("", member)
+                or not member
+            ):
                 raise ValueError(f"roster rank {rank!r} of {member!r} is out of range or taken")
             members[rank] = member
     return replace(record, members=tuple(members))

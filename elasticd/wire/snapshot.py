@@ -139,9 +139,20 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
         spent = max(spent, ready[mid].prev_generation)
         del ready[mid], ready_order[mid]
     return Snapshot(
-        generation, generation_revision, members, ready, ready_order, aborted, tuple(malformed), finished,
-        committed_step, checkpoint=checkpoint, verdict=verdict, verdict_revision=verdict_revision,
-        coordinator=coordinator, ready_revision=ready_revision, coordinator_revision=coordinator_revision,
+        generation,
+        generation_revision,
+        members,
+        ready,
+        ready_order,
+        aborted,
+        tuple(malformed),
+        finished,
+        committed_step,
+        checkpoint=checkpoint,
+        verdict=verdict,
+        verdict_revision=verdict_revision,
+        coordinator=coordinator,
+        ready_revision=ready_revision,
+        coordinator_revision=coordinator_revision,
         spent_generation=spent,
     )
-

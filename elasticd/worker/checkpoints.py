@@ -45,7 +45,9 @@ _FIT_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, AttributeError, In
 class Checkpoints:
     """Durable checkpoints of one trainer (``CheckpointConfig``; off without a directory)."""
 
-    def __init__(self, config: CheckpointConfig, job_id: str, node: str, state: TrainingState, journal: Journal) -> None:
+    def __init__(
+        self, config: CheckpointConfig, job_id: str, node: str, state: TrainingState, journal: Journal
+    ) -> None:
         """
         Args:
             config: where, how often, how many are kept.
@@ -89,9 +91,16 @@ class Checkpoints:
         if self._writer is None:
             c = self.config
             self._writer = CheckpointWriter(
-                self.directory, job_id=self._job_id, node=self._node, signature=self._state.signature,
-                every_steps=c.checkpoint_every_steps, every_s=c.checkpoint_every_s, keep=c.checkpoint_keep,
-                wait_s=c.checkpoint_wait_s, on_saved=self._journal.checkpoint_saved, on_failed=self.on_failed,
+                self.directory,
+                job_id=self._job_id,
+                node=self._node,
+                signature=self._state.signature,
+                every_steps=c.checkpoint_every_steps,
+                every_s=c.checkpoint_every_s,
+                keep=c.checkpoint_keep,
+                wait_s=c.checkpoint_wait_s,
+                on_saved=self._journal.checkpoint_saved,
+                on_failed=self.on_failed,
             )
         if not self._verdicts_wired:  # the journal keeps its listeners: wired once, to this writer
             self._verdicts_wired = True
@@ -132,8 +141,11 @@ class Checkpoints:
             CheckpointModelChanged: such checkpoints exist and the setting is off.
         """
         try:
-            steps = [e.step for e in scan(self.directory)
-                     if e.manifest_path is not None and signature_of(e) == self._state.signature]
+            steps = [
+                e.step
+                for e in scan(self.directory)
+                if e.manifest_path is not None and signature_of(e) == self._state.signature
+            ]
         except OSError:
             return
         if not steps:
@@ -145,7 +157,8 @@ class Checkpoints:
             f"{self.directory} holds {len(steps)} checkpoint(s) of this model (newest step {steps[0]}) and none "
             f"loads (see checkpoint_rejected: damaged, or registered state that differs from this worker's "
             f"register() calls); refusing to start over from step 1. Fix the registrations, or set "
-            f"checkpoint_allow_new_model to start over (nothing is deleted)")
+            f"checkpoint_allow_new_model to start over (nothing is deleted)"
+        )
 
     def close(self) -> None:
         """Stop the writer: the work queued finishes (at most ``checkpoint_wait_s``); a save whose
@@ -181,8 +194,12 @@ class _Part:
     sources: list[tuple[str, int | None]] = field(default_factory=list)
 
 
-def load_initial(path: str | Path, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                 registered: Mapping[str, object]) -> InitialLoad:
+def load_initial(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    registered: Mapping[str, object],
+) -> InitialLoad:
     """Load a plain ``torch.save`` file into the trainer's objects, with ``weights_only=True``:
     tensors and plain containers only, nothing is executed.
 
@@ -232,8 +249,9 @@ def load_initial(path: str | Path, model: torch.nn.Module, optimizers: Sequence[
             else:
                 load_in_place(part.obj, state)  # a registered plain value
         except _FIT_ERRORS as exc:
-            raise ConfigError(f"init_from: {p}: {_where(key, index)} does not fit the {_what(part)}: "
-                              f"{str(exc)[:400]}") from exc
+            raise ConfigError(
+                f"init_from: {p}: {_where(key, index)} does not fit the {_what(part)}: {str(exc)[:400]}"
+            ) from exc
         loaded.append(part.name)
     used = set(data) if parts[0].sources == [("", None)] else {k for part in parts for k, _ in part.sources}
     unused = tuple(str(k) for k in data if k not in used and k not in step_keys)
@@ -254,7 +272,7 @@ def unwrapped(state: object, model: torch.nn.Module) -> object:
         return state
     if any(k.startswith("module.") for k in model.state_dict()):
         return state
-    return {k[len("module."):]: v for k, v in state.items()}
+    return {k[len("module.") :]: v for k, v in state.items()}
 
 
 def _read(p: Path) -> dict[object, object]:
@@ -264,29 +282,38 @@ def _read(p: Path) -> dict[object, object]:
         raise ConfigError(f"init_from: {p} does not exist") from exc
     except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as exc:
         # weights_only refuses anything but tensors and plain containers with UnpicklingError
-        raise ConfigError(f"init_from: {p} cannot be loaded with weights_only=True: {type(exc).__name__}: "
-                          f"{str(exc)[:300]}") from exc
+        raise ConfigError(
+            f"init_from: {p} cannot be loaded with weights_only=True: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"init_from: {p} holds a {type(data).__name__}, not a state_dict or a dict of them")
     return data
 
 
-def _parts(p: Path, data: dict[object, object], model: torch.nn.Module,
-           optimizers: Sequence[torch.optim.Optimizer], registered: Mapping[str, object]) -> list[_Part]:
+def _parts(
+    p: Path,
+    data: dict[object, object],
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    registered: Mapping[str, object],
+) -> list[_Part]:
     """The model, the optimizers and the registered objects, each with the keys of ``data`` that
     hold its state.
 
     Raises:
         ConfigError: no model weights, an ``optimizers`` list of another length, or two keys for one object.
     """
+
     def present(keys: Sequence[str]) -> list[tuple[str, int | None]]:
         return [(k, None) for k in keys if k in data and k not in registered]
 
     head = _Part("model", model, present(MODEL_KEYS))
     if not head.sources:
         if not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
-            raise ConfigError(f"init_from: {p} holds no model weights: none of the keys {list(MODEL_KEYS)} is "
-                              f"there, and it is no model state_dict itself (its keys: {[str(k) for k in data][:8]})")
+            raise ConfigError(
+                f"init_from: {p} holds no model weights: none of the keys {list(MODEL_KEYS)} is "
+                f"there, and it is no model state_dict itself (its keys: {[str(k) for k in data][:8]})"
+            )
         return [_Part("model", model, [("", None)])]  # a bare model state_dict: nothing else is in it
     parts = [head, _Part("optimizer", optimizers[0], present(OPTIMIZER_KEYS))]
     schedulers = [n for n, obj in registered.items() if isinstance(obj, _SCHEDULERS)]
@@ -296,8 +323,10 @@ def _parts(p: Path, data: dict[object, object], model: torch.nn.Module,
     if OPTIMIZERS_KEY in data and OPTIMIZERS_KEY not in registered:
         listed = data[OPTIMIZERS_KEY]
         if not isinstance(listed, (list, tuple)) or len(listed) != len(optimizers):
-            raise ConfigError(f"init_from: {p}: {OPTIMIZERS_KEY!r} holds {_count(listed)}, and the trainer has "
-                              f"{len(optimizers)} optimizer(s): it must be a list of their state dicts, in order")
+            raise ConfigError(
+                f"init_from: {p}: {OPTIMIZERS_KEY!r} holds {_count(listed)}, and the trainer has "
+                f"{len(optimizers)} optimizer(s): it must be a list of their state dicts, in order"
+            )
         for i, opt in enumerate(optimizers):
             part = next((x for x in parts[1:] if x.obj is opt), None)
             if part is None:
@@ -307,8 +336,10 @@ def _parts(p: Path, data: dict[object, object], model: torch.nn.Module,
     for part in parts:
         if len(part.sources) > 1:
             both = " and ".join(_where(*s) for s in part.sources)
-            raise ConfigError(f"init_from: {p} holds both {both}, which would both load the {_what(part)}: "
-                              f"keep one of them in the file (or rename the other)")
+            raise ConfigError(
+                f"init_from: {p} holds both {both}, which would both load the {_what(part)}: "
+                f"keep one of them in the file (or rename the other)"
+            )
     return parts
 
 
@@ -330,8 +361,10 @@ def _step(p: Path, data: dict[object, object], registered: set[str]) -> tuple[in
         found[key] = value
     if len(set(found.values())) > 1:
         shown = " and ".join(f"{k!r} = {v}" for k, v in found.items())
-        raise ConfigError(f"init_from: {p} holds both {shown}, two different step counts: keep one of them in the "
-                          f"file (or rename the other)")
+        raise ConfigError(
+            f"init_from: {p} holds both {shown}, two different step counts: keep one of them in the "
+            f"file (or rename the other)"
+        )
     return next(iter(found.values()), None), set(found)
 
 
@@ -341,7 +374,11 @@ def _where(key: str, index: int | None) -> str:
 
 
 def _what(part: _Part) -> str:
-    return part.name if part.name in ("model", "optimizer") else f"registered {part.name!r} ({type(part.obj).__qualname__})"
+    return (
+        part.name
+        if part.name in ("model", "optimizer")
+        else f"registered {part.name!r} ({type(part.obj).__qualname__})"
+    )
 
 
 def _count(value: object) -> str:

@@ -129,8 +129,9 @@ def start_recv(tensor: torch.Tensor, src: int, group: Group, tag: int) -> dist.W
     return _launch(lambda: group.pg.recv([tensor], src, tag), group, "recv")
 
 
-def wait_each(works: Sequence[dist.Work], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float,
-              what: str) -> Iterator[int]:
+def wait_each(
+    works: Sequence[dist.Work], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float, what: str
+) -> Iterator[int]:
     """Wait for ``works`` in order, yielding each one's index once it completed, with the bounds of
     ``wait``. Use it for point-to-point works (``start_send``/``start_recv``).
 
@@ -149,8 +150,7 @@ def wait_each(works: Sequence[dist.Work], group: Group, deadline: Deadline, aban
             yield i
         return
     done: queue.SimpleQueue[int | RuntimeError] = queue.SimpleQueue()
-    threading.Thread(target=_wait_in_order, args=(list(works), done), name="elasticd-p2p-wait",
-                     daemon=True).start()
+    threading.Thread(target=_wait_in_order, args=(list(works), done), name="elasticd-p2p-wait", daemon=True).start()
     for _ in works:
         while True:
             try:
@@ -178,8 +178,14 @@ class _Bucket:
     Where the group's device differs (NCCL with a model on the CPU, gloo with one on a GPU), the
     all_reduce runs on ``staging``, a copy of the buffer on the group's device."""
 
-    def __init__(self, params: list[torch.nn.Parameter], extra: int, comm_device: torch.device,
-                 dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        extra: int,
+        comm_device: torch.device,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         """``dtype`` and ``device``: the buffer's, for a bucket of no parameters (the vote alone)."""
         self.params = params
         self.dtype = params[0].dtype if dtype is None else dtype
@@ -199,8 +205,11 @@ class _Bucket:
         gradients of a step in the next generation (seen under chaos: ranks' parameters diverged)."""
         device = self.device
         self.buffer = torch.zeros(self.numel + self.extra, dtype=self.dtype, device=device)
-        self.staging = (None if same_device(device, self.comm_device)
-                        else torch.zeros(self.numel + self.extra, dtype=self.buffer.dtype, device=self.comm_device))
+        self.staging = (
+            None
+            if same_device(device, self.comm_device)
+            else torch.zeros(self.numel + self.extra, dtype=self.buffer.dtype, device=self.comm_device)
+        )
         self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
         self.views = []
         offset = 0
@@ -278,8 +287,12 @@ class GradientReducer:
 
     VOTE_SLOTS = VOTE_SLOTS
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], device: torch.device,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        device: torch.device,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+    ) -> None:
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters")
@@ -287,8 +300,11 @@ class GradientReducer:
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(trainable):
-            if current and (size + p.numel() * p.element_size() > bucket_cap_bytes or p.dtype != current[0].dtype
-                            or p.device != current[0].device):
+            if current and (
+                size + p.numel() * p.element_size() > bucket_cap_bytes
+                or p.dtype != current[0].dtype
+                or p.device != current[0].device
+            ):
                 self._buckets.append(_Bucket(current, 0, device))
                 current, size = [], 0
             current.append(p)
@@ -319,8 +335,9 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
 
-    def begin(self, group: Group, step: int, scale: float, vote: Callable[[], Sequence[float]],
-              sync: bool = True) -> None:
+    def begin(
+        self, group: Group, step: int, scale: float, vote: Callable[[], Sequence[float]], sync: bool = True
+    ) -> None:
         """Arm for ``step``: zero the gradients (this replaces ``optimizer.zero_grad``); this rank's
         gradients will be multiplied by ``scale`` before the sum; ``vote`` is called (on the thread
         that launches it) right before the vote bucket goes out, and returns its slots. With
@@ -334,7 +351,8 @@ class GradientReducer:
         if self._unapplied is not None and self._unapplied[0] == group.generation and self._unapplied[1] != step:
             raise ProtocolViolation(
                 f"step {step}: rank {group.rank} of generation {group.generation} would contribute before "
-                f"applying step {self._unapplied[1]}, whose sum it received")
+                f"applying step {self._unapplied[1]}, whose sum it received"
+            )
         self._group, self._scale, self._error, self._vote = group, scale, None, vote
         self._step = step
         self._syncing = sync
@@ -368,8 +386,7 @@ class GradientReducer:
         if bucket is self._vote_bucket and self._vote is not None:
             slots = self._vote()
             assert len(slots) == bucket.extra, (len(slots), bucket.extra)
-            bucket.buffer[bucket.numel :] = torch.tensor(slots, dtype=bucket.buffer.dtype,
-                                                           device=bucket.buffer.device)
+            bucket.buffer[bucket.numel :] = torch.tensor(slots, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
         flat = bucket.outbound()
         group = self._group
         opts = dist.AllreduceOptions()

@@ -25,8 +25,15 @@ log = structlog.get_logger(__name__)
 class DataPlan:
     """The data settings of one trainer and the sampler they make."""
 
-    def __init__(self, dataset_size: int | None, global_batch_size: int | None, seed: int, mode: BatchMode,
-                 reference_world_size: int | None, accumulation_steps: int = 1) -> None:
+    def __init__(
+        self,
+        dataset_size: int | None,
+        global_batch_size: int | None,
+        seed: int,
+        mode: BatchMode,
+        reference_world_size: int | None,
+        accumulation_steps: int = 1,
+    ) -> None:
         """
         Raises:
             ConfigError: a value is invalid.
@@ -52,11 +59,14 @@ class DataPlan:
         try:
             size = len(dataset)  # type: ignore[arg-type]
         except TypeError as exc:
-            raise ConfigError(f"loader: {type(dataset).__name__} has no length: a map-style dataset is needed (for "
-                              f"generated data, leave dataset_size unset and index it with batches())") from exc
+            raise ConfigError(
+                f"loader: {type(dataset).__name__} has no length: a map-style dataset is needed (for "
+                f"generated data, leave dataset_size unset and index it with batches())"
+            ) from exc
         if self.dataset_size is not None and self.dataset_size != size:
-            raise ConfigError(f"loader: the dataset has {size} samples, the trainer was given dataset_size="
-                              f"{self.dataset_size}")
+            raise ConfigError(
+                f"loader: the dataset has {size} samples, the trainer was given dataset_size={self.dataset_size}"
+            )
         if batch_size is None and self.global_batch is None:
             raise ConfigError("loader: give batch_size (per rank) here or global_batch_size to the trainer")
         if batch_size is not None and batch_size < 1:
@@ -79,8 +89,12 @@ class DataPlan:
     @property
     def needs_first_generation(self) -> bool:
         """The global batch is a per-rank size times the first generation's size (not known yet)."""
-        return (self.sampler is None and self.global_batch is None and self.reference_world is None
-                and self.mode is BatchMode.CONSTANT_GLOBAL)
+        return (
+            self.sampler is None
+            and self.global_batch is None
+            and self.reference_world is None
+            and self.mode is BatchMode.CONSTANT_GLOBAL
+        )
 
     def reference(self, counters: Counters, world_size: int) -> int:
         """The reference world size: given, or the first generation's (``world_size`` when the
@@ -104,8 +118,13 @@ class DataPlan:
                 else:
                     chose = self.reference_world is None and not counters.reference_world
                     self.global_batch = per_rank * self.reference(counters, world_size)
-                    source = ("reference_world_size" if self.reference_world is not None
-                              else "first generation" if chose else "the job's first generation (synced)")
+                    source = (
+                        "reference_world_size"
+                        if self.reference_world is not None
+                        else "first generation"
+                        if chose
+                        else "the job's first generation (synced)"
+                    )
             self._state_global_batch(source, self.reference_world or counters.reference_world or world_size)
             self.sampler = ElasticSampler(self.dataset_size, self.global_batch, self.seed, self.mode)
         return self.sampler
@@ -114,13 +133,21 @@ class DataPlan:
         """One line with the global batch and where it comes from; a warning when it is the first
         generation's size times the per-rank batch (a job that starts with other workers trains
         with another global batch)."""
-        fields = {"global_batch_size": self.global_batch, "per_rank_batch": self.per_rank_batch,
-                  "accumulation_steps": self.accumulation, "reference_world_size": reference,
-                  "batch_mode": str(self.mode), "source": source}
+        fields = {
+            "global_batch_size": self.global_batch,
+            "per_rank_batch": self.per_rank_batch,
+            "accumulation_steps": self.accumulation,
+            "reference_world_size": reference,
+            "batch_mode": str(self.mode),
+            "source": source,
+        }
         if source == "first generation":
-            log.warning("global_batch_from_first_generation", **fields,
-                        fix="set ElasticTrainer(reference_world_size=...) or global_batch_size=... so that "
-                            "the global batch does not depend on how many workers joined first")
+            log.warning(
+                "global_batch_from_first_generation",
+                **fields,
+                fix="set ElasticTrainer(reference_world_size=...) or global_batch_size=... so that "
+                "the global batch does not depend on how many workers joined first",
+            )
         else:
             log.info("global_batch", **fields)
 

@@ -51,8 +51,18 @@ from elasticd.worker.durable_format import (
 )
 from elasticd.worker.state import TrainingState
 
-__all__ = ["DIRECT_ALIGN", "CheckpointWriter", "LoadedCheckpoint", "SavedCheckpoint", "aligned_bytes",
-           "describe_failure", "load_latest", "new_model_refusal", "refuse_new_model", "removable"]
+__all__ = [
+    "DIRECT_ALIGN",
+    "CheckpointWriter",
+    "LoadedCheckpoint",
+    "SavedCheckpoint",
+    "aligned_bytes",
+    "describe_failure",
+    "load_latest",
+    "new_model_refusal",
+    "refuse_new_model",
+    "removable",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -150,9 +160,14 @@ def _tmp_path(directory: Path, name: str) -> Path:
     return directory / f".{name}.tmp.{os.getpid()}"
 
 
-def _write_durably(directory: Path, name: str, parts: list[memoryview],
-                   crc_job: Callable[[], None] | None = None, sync_dir: bool = True,
-                   direct_size: int | None = None) -> None:
+def _write_durably(
+    directory: Path,
+    name: str,
+    parts: list[memoryview],
+    crc_job: Callable[[], None] | None = None,
+    sync_dir: bool = True,
+    direct_size: int | None = None,
+) -> None:
     """Write ``parts`` to ``directory/name`` atomically: temp file, fsync, rename, and (with
     ``sync_dir``) fsync the directory.
 
@@ -163,12 +178,14 @@ def _write_durably(directory: Path, name: str, parts: list[memoryview],
     helper: threading.Thread | None = None
     errors: list[BaseException] = []
     if crc_job is not None:
+
         def run() -> None:
             _lower_priority()
             try:
                 crc_job()
             except Exception as exc:  # handed to the writer thread, which re-raises it
                 errors.append(exc)
+
         helper = threading.Thread(target=run, name="elasticd-ckpt-crc", daemon=True)
         helper.start()
     try:
@@ -289,8 +306,11 @@ class CheckpointWriter:
             True if the snapshot was taken and queued; False if it was skipped (previous write stuck).
         """
         if not self._idle.wait(self._wait_s):
-            log.warning("checkpoint_skipped", step=state.counters.step, reason=f"the previous write still "
-                        f"runs after checkpoint_wait_s={self._wait_s}")
+            log.warning(
+                "checkpoint_skipped",
+                step=state.counters.step,
+                reason=f"the previous write still runs after checkpoint_wait_s={self._wait_s}",
+            )
             self._last_save_at = self._clock()
             return False
         layout, arena = state.pack()
@@ -383,8 +403,14 @@ class CheckpointWriter:
             self._publish(pending)
             return
         self._pending.append(pending)
-        log.info("checkpoint_written", step=job.step, path=str(pending.saved.path), seq=pending.saved.manifest.seq,
-                 duration_s=round(pending.saved.duration_s, 4), visible="once its step is confirmed")
+        log.info(
+            "checkpoint_written",
+            step=job.step,
+            path=str(pending.saved.path),
+            seq=pending.saved.manifest.seq,
+            duration_s=round(pending.saved.duration_s, 4),
+            visible="once its step is confirmed",
+        )
 
     def _settle(self, step: int, confirmed: bool) -> None:
         """Publish the pending saves of steps up to ``step``, or (not ``confirmed``) drop those from it."""
@@ -399,9 +425,15 @@ class CheckpointWriter:
     def _failed(self, step: int, exc: Exception) -> None:
         self.failures += 1
         code, text = describe_failure(exc)
-        log.error("checkpoint_save_failed", step=step, directory=str(self.directory), errno=code,
-                  error=text, exc_info=code is None,
-                  consequence="training goes on; the previous checkpoint is intact; the next save tries again")
+        log.error(
+            "checkpoint_save_failed",
+            step=step,
+            directory=str(self.directory),
+            errno=code,
+            error=text,
+            exc_info=code is None,
+            consequence="training goes on; the previous checkpoint is intact; the next save tries again",
+        )
         if self._on_failed is not None:
             self._on_failed(step, exc)
 
@@ -416,8 +448,14 @@ class CheckpointWriter:
             self._failed(saved.manifest.step, exc)
             return
         self.saved.append(saved)
-        log.info("checkpoint_saved", step=saved.manifest.step, path=str(saved.path), seq=saved.manifest.seq,
-                 bytes=saved.manifest.file_bytes, duration_s=round(saved.duration_s, 4))
+        log.info(
+            "checkpoint_saved",
+            step=saved.manifest.step,
+            path=str(saved.path),
+            seq=saved.manifest.seq,
+            bytes=saved.manifest.file_bytes,
+            duration_s=round(saved.duration_s, 4),
+        )
         if self._on_saved is not None:
             self._on_saved(saved)
         try:
@@ -449,9 +487,16 @@ class CheckpointWriter:
         total = int(layout["total"])
         payload = job.payload
         payload_bytes = payload.numel()
-        prefix, header_bytes = encode_prefix(job=self._job_id, step=job.step, generation=job.generation,
-                                             node=self._node, signature=self._signature,
-                                             payload_bytes=payload_bytes, layout=layout, align=DIRECT_ALIGN)
+        prefix, header_bytes = encode_prefix(
+            job=self._job_id,
+            step=job.step,
+            generation=job.generation,
+            node=self._node,
+            signature=self._signature,
+            payload_bytes=payload_bytes,
+            layout=layout,
+            align=DIRECT_ALIGN,
+        )
         payload_offset = len(prefix)
         prefix_map = aligned_bytes(payload_offset)
         prefix_map[:payload_offset] = prefix
@@ -465,14 +510,34 @@ class CheckpointWriter:
 
         # The directory is fsynced once, when the manifest is renamed into place (``_publish``): until
         # then a crash may keep the data file or not, and without its manifest it is never loaded.
-        _write_durably(self.directory, name + ".ckpt", [memoryview(prefix_map), job.padded[: _round_up(payload_bytes)]],
-                       crc_job, sync_dir=False, direct_size=payload_offset + payload_bytes)
+        _write_durably(
+            self.directory,
+            name + ".ckpt",
+            [memoryview(prefix_map), job.padded[: _round_up(payload_bytes)]],
+            crc_job,
+            sync_dir=False,
+            direct_size=payload_offset + payload_bytes,
+        )
         manifest = Manifest(
-            format=FORMAT, version=VERSION, job=self._job_id, seq=seq, step=job.step,
-            generation=job.generation, node=self._node, signature=self._signature, file=name + ".ckpt",
-            file_bytes=payload_offset + payload_bytes, header_bytes=header_bytes, payload_offset=payload_offset,
-            payload_bytes=payload_bytes, state_bytes=total, state_checksum=sums["state"], crc32=sums["rest"],
-            epoch=job.epoch, position=job.position, created=time.time(),
+            format=FORMAT,
+            version=VERSION,
+            job=self._job_id,
+            seq=seq,
+            step=job.step,
+            generation=job.generation,
+            node=self._node,
+            signature=self._signature,
+            file=name + ".ckpt",
+            file_bytes=payload_offset + payload_bytes,
+            header_bytes=header_bytes,
+            payload_offset=payload_offset,
+            payload_bytes=payload_bytes,
+            state_bytes=total,
+            state_checksum=sums["state"],
+            crc32=sums["rest"],
+            epoch=job.epoch,
+            position=job.position,
+            created=time.time(),
         )
         tmp = _tmp_path(self.directory, name + ".json")
         _write_parts(tmp, [memoryview(json.dumps(asdict(manifest), indent=1).encode())], None)

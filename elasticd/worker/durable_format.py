@@ -111,15 +111,33 @@ def checkpoint_name(seq: int, step: int) -> str:
     return f"{seq:08d}-step{step:012d}"
 
 
-def encode_prefix(*, job: str, step: int, generation: int, node: str, signature: str, payload_bytes: int,
-                  layout: dict[str, object], align: int) -> tuple[bytes, int]:
+def encode_prefix(
+    *,
+    job: str,
+    step: int,
+    generation: int,
+    node: str,
+    signature: str,
+    payload_bytes: int,
+    layout: dict[str, object],
+    align: int,
+) -> tuple[bytes, int]:
     """The bytes of a data file before its payload: ``MAGIC``, the header's length, the JSON header,
     and zeros up to the next multiple of ``align`` (where the payload starts). Returns (those bytes,
     the header's length)."""
-    header = json.dumps({
-        "format": FORMAT, "version": VERSION, "job": job, "step": step, "generation": generation,
-        "node": node, "signature": signature, "payload_bytes": payload_bytes, "layout": layout,
-    }).encode()
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "job": job,
+            "step": step,
+            "generation": generation,
+            "node": node,
+            "signature": signature,
+            "payload_bytes": payload_bytes,
+            "layout": layout,
+        }
+    ).encode()
     prefix_len = len(MAGIC) + HEADER_LEN.size + len(header)
     payload_offset = -(-prefix_len // align) * align
     return MAGIC + HEADER_LEN.pack(len(header)) + header + bytes(payload_offset - prefix_len), len(header)
@@ -159,15 +177,18 @@ def read_manifest(path: Path) -> Manifest:
             raise ValueError(f"manifest lacks {name}")
         value = data[name]
         kind = str(f.type)
-        ok = {"int": isinstance(value, int), "str": isinstance(value, str),
-              "float": isinstance(value, (int, float))}[kind]
+        ok = {"int": isinstance(value, int), "str": isinstance(value, str), "float": isinstance(value, (int, float))}[
+            kind
+        ]
         if not ok or isinstance(value, bool):
             raise ValueError(f"manifest field {name} is not {kind}")
         kwargs[name] = float(value) if kind == "float" else value
     man = Manifest(**kwargs)  # type: ignore[arg-type]
     if man.format != FORMAT or man.version not in READABLE_VERSIONS:
-        raise ValueError(f"format {man.format!r} version {man.version} is not {FORMAT!r} version "
-                         f"{' or '.join(map(str, READABLE_VERSIONS))}")
+        raise ValueError(
+            f"format {man.format!r} version {man.version} is not {FORMAT!r} version "
+            f"{' or '.join(map(str, READABLE_VERSIONS))}"
+        )
     if "/" in man.file or man.file.startswith("."):
         raise ValueError(f"manifest names a file outside its directory: {man.file!r}")
     return man
@@ -193,15 +214,20 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
     size = entry.data_path.stat().st_size
     if size != man.file_bytes:
         raise ValueError(f"size {size} bytes, the manifest says {man.file_bytes} (truncated or overwritten)")
-    if (not 0 <= man.header_bytes <= MAX_HEADER_BYTES or man.payload_offset + man.payload_bytes != size
-            or not 0 <= man.state_bytes <= man.payload_bytes):
+    if (
+        not 0 <= man.header_bytes <= MAX_HEADER_BYTES
+        or man.payload_offset + man.payload_bytes != size
+        or not 0 <= man.state_bytes <= man.payload_bytes
+    ):
         raise ValueError("manifest sizes are inconsistent")
     payload = torch.empty(man.payload_bytes, dtype=torch.uint8)
     with entry.data_path.open("rb", buffering=0) as f:
         magic = f.read(len(MAGIC))
         if magic != MAGIC:
-            raise ValueError(f"not an elasticd checkpoint: the file starts with {magic[:8]!r}, not the "
-                             f"format's magic (nothing of it was loaded or executed)")
+            raise ValueError(
+                f"not an elasticd checkpoint: the file starts with {magic[:8]!r}, not the "
+                f"format's magic (nothing of it was loaded or executed)"
+            )
         (hlen,) = HEADER_LEN.unpack(_read_exact(f, HEADER_LEN.size))
         if hlen != man.header_bytes:
             raise ValueError(f"header length {hlen}, the manifest says {man.header_bytes}")
@@ -217,8 +243,10 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
     total = man.state_bytes
     crc = zlib.crc32(view[total:], zlib.crc32(pad, zlib.crc32(header, zlib.crc32(magic + HEADER_LEN.pack(hlen)))))
     if crc != man.crc32:
-        raise ValueError(f"CRC-32 {crc:08x} of the header and RNG state does not match the manifest's "
-                         f"{man.crc32:08x} (corrupt bytes)")
+        raise ValueError(
+            f"CRC-32 {crc:08x} of the header and RNG state does not match the manifest's "
+            f"{man.crc32:08x} (corrupt bytes)"
+        )
     head = json.loads(header)  # its bytes are verified now
     if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("step") != man.step:
         raise ValueError("the header does not match the manifest")
@@ -232,8 +260,10 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
     key = checksum_key(layout) if man.version >= 3 else legacy_checksum_key(layout)
     checksum = state_checksum(key, view[:total], total)
     if checksum != man.state_checksum:
-        raise ValueError(f"checksum of the state tensors ({checksum:016x}) does not match the manifest's "
-                         f"{man.state_checksum:016x} (corrupt bytes)")
+        raise ValueError(
+            f"checksum of the state tensors ({checksum:016x}) does not match the manifest's "
+            f"{man.state_checksum:016x} (corrupt bytes)"
+        )
     return man, json.dumps(layout).encode(), payload
 
 
@@ -303,8 +333,9 @@ def removable(entries: list[tuple[Entry, str | None]], signature: str, keep: int
     may be the only copy of another model's training (a job resumed with a changed model).
     """
     ours = [e for e, sig in entries if sig is None or sig == signature]
-    complete = sorted((e for e in ours if e.manifest_path is not None and e.data_path is not None),
-                      key=lambda e: e.seq, reverse=True)
+    complete = sorted(
+        (e for e in ours if e.manifest_path is not None and e.data_path is not None), key=lambda e: e.seq, reverse=True
+    )
     kept = complete[:keep]
     oldest_kept = min((e.seq for e in kept), default=0)
     return [e for e in ours if e not in kept and not (e.manifest_path is None and e.seq >= oldest_kept)]
@@ -321,13 +352,16 @@ def new_model_refusal(directory: Path, signature: str, others: dict[str, list[in
     """
     if not others or allow:
         return None
-    found = "; ".join(f"{sig[:12]}: {len(steps)} checkpoint(s), newest step {max(steps)}"
-                      for sig, steps in sorted(others.items()))
-    return (f"{directory} holds checkpoints of another model ({found}) and none of this worker's model "
-            f"{signature[:12]}; refusing to start over from step 1. Resume with the model that wrote them, "
-            f"or use another job id or checkpoint_dir, or set checkpoint_allow_new_model = true "
-            f"(ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL=1) to start this model from step 1 (the other "
-            f"model's checkpoints are kept)")
+    found = "; ".join(
+        f"{sig[:12]}: {len(steps)} checkpoint(s), newest step {max(steps)}" for sig, steps in sorted(others.items())
+    )
+    return (
+        f"{directory} holds checkpoints of another model ({found}) and none of this worker's model "
+        f"{signature[:12]}; refusing to start over from step 1. Resume with the model that wrote them, "
+        f"or use another job id or checkpoint_dir, or set checkpoint_allow_new_model = true "
+        f"(ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL=1) to start this model from step 1 (the other "
+        f"model's checkpoints are kept)"
+    )
 
 
 def refuse_new_model(directory: Path, signature: str, allow: bool) -> None:
@@ -340,14 +374,22 @@ def refuse_new_model(directory: Path, signature: str, allow: bool) -> None:
     others = other_models(directory, signature)
     why = new_model_refusal(directory, signature, others, allow)
     if why is not None:
-        log.error("checkpoint_model_changed", directory=str(directory), signature=signature[:12],
-                  others={sig[:12]: len(steps) for sig, steps in others.items()},
-                  action="stopping; nothing was deleted")
+        log.error(
+            "checkpoint_model_changed",
+            directory=str(directory),
+            signature=signature[:12],
+            others={sig[:12]: len(steps) for sig, steps in others.items()},
+            action="stopping; nothing was deleted",
+        )
         raise CheckpointModelChanged(why)
     if others:
-        log.warning("checkpoint_new_model_started", directory=str(directory), signature=signature[:12],
-                    others={sig[:12]: len(steps) for sig, steps in others.items()},
-                    reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept")
+        log.warning(
+            "checkpoint_new_model_started",
+            directory=str(directory),
+            signature=signature[:12],
+            others={sig[:12]: len(steps) for sig, steps in others.items()},
+            reason="checkpoint_allow_new_model is set; the other model's checkpoints are kept",
+        )
 
 
 @dataclass(frozen=True)
@@ -385,21 +427,44 @@ def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> 
         try:
             man, layout, payload = verify(entry)
             if man.signature != state.signature:
-                raise ValueError(f"model signature {man.signature[:12]} differs from this worker's "
-                                 f"{state.signature[:12]}")
+                raise ValueError(
+                    f"model signature {man.signature[:12]} differs from this worker's {state.signature[:12]}"
+                )
             state.unpack(layout, payload)
-        except (ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError, OSError,
-                ModelMismatch, StateCorrupt) as exc:
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            RecursionError,
+            UnicodeDecodeError,
+            OSError,
+            ModelMismatch,
+            StateCorrupt,
+        ) as exc:
             why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
             rejected.append(f"{shown.name}: {why}")
-            log.warning("checkpoint_rejected", path=str(shown), step=entry.step, seq=entry.seq, reason=why,
-                        action="trying the previous checkpoint")
+            log.warning(
+                "checkpoint_rejected",
+                path=str(shown),
+                step=entry.step,
+                seq=entry.seq,
+                reason=why,
+                action="trying the previous checkpoint",
+            )
             continue
         loaded = LoadedCheckpoint(entry.data_path or shown, man, tuple(rejected), time.monotonic() - started)
         c = state.counters
-        log.info("checkpoint_loaded", path=str(loaded.path), step=c.step, epoch=c.epoch, position=c.position,
-                 seq=man.seq, state_checksum=f"{man.state_checksum:016x}", rejected=len(rejected),
-                 duration_s=round(loaded.duration_s, 4))
+        log.info(
+            "checkpoint_loaded",
+            path=str(loaded.path),
+            step=c.step,
+            epoch=c.epoch,
+            position=c.position,
+            seq=man.seq,
+            state_checksum=f"{man.state_checksum:016x}",
+            rejected=len(rejected),
+            duration_s=round(loaded.duration_s, 4),
+        )
         return loaded
     if rejected:
         log.error("checkpoint_none_usable", directory=str(directory), rejected=rejected)

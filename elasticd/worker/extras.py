@@ -105,8 +105,7 @@ class _Encoder:
             return str(v)
         if isinstance(v, torch.Tensor):
             if key:
-                raise ConfigError(f"{self.label}: a tensor is a dict key at {_describe(path)}; "
-                                  f"keys must be plain data")
+                raise ConfigError(f"{self.label}: a tensor is a dict key at {_describe(path)}; keys must be plain data")
             return {TENSOR: self._tensor_path(path, v)}
         if type(v) in (list, tuple) or isinstance(v, dict):
             if id(v) in self._open:
@@ -120,7 +119,8 @@ class _Encoder:
             f"{self.label}: the value at {_describe(path)} is a {type(v).__module__}.{type(v).__qualname__} "
             f"({_short(v)}), which is neither a tensor nor plain data (str, int, float, bool, None, and lists, "
             f"tuples and dicts of them); it cannot travel to other workers or into a checkpoint without "
-            f"pickling, which elasticd never does. {self.hint}")
+            f"pickling, which elasticd never does. {self.hint}"
+        )
 
     def _container(self, v: object, path: tuple[str, ...], key: bool) -> JsonValue:
         if isinstance(v, list):
@@ -243,8 +243,10 @@ def _check_fits(live: object, value: object, path: tuple[str, ...]) -> None:
     else:
         fits = isinstance(value, dict) if isinstance(live, dict) else isinstance(value, list)
     if not fits:
-        raise ValueError(f"the state being loaded holds {_kind(value)} at {_describe(path)}, where the registered "
-                         f"value holds {_kind(live)}")
+        raise ValueError(
+            f"the state being loaded holds {_kind(value)} at {_describe(path)}, where the registered "
+            f"value holds {_kind(live)}"
+        )
     if isinstance(live, dict):
         assert isinstance(value, dict)
         for k, v in value.items():
@@ -264,12 +266,12 @@ def _assign(live: object, value: object) -> object:
         with torch.no_grad():
             live.copy_(value)  # type: ignore[arg-type]
     elif isinstance(live, dict):
-        entries = {k: _assign(live[k], v) if k in live and _updated_in_place(live[k]) else v
-                   for k, v in value.items()}  # type: ignore[attr-defined]
+        entries = {k: _assign(live[k], v) if k in live and _updated_in_place(live[k]) else v for k, v in value.items()}  # type: ignore[attr-defined]
         live.clear()
         live.update(entries)
     elif isinstance(live, list):
-        items = [_assign(live[i], v) if i < len(live) and _updated_in_place(live[i]) else v
-                 for i, v in enumerate(value)]  # type: ignore[arg-type]
+        items = [
+            _assign(live[i], v) if i < len(live) and _updated_in_place(live[i]) else v for i, v in enumerate(value)
+        ]  # type: ignore[arg-type]
         live[:] = items
     return live

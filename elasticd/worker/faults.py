@@ -49,8 +49,9 @@ class FaultyReducer:
     def __getattr__(self, name: str) -> object:
         return getattr(self._reducer, name)
 
-    def begin(self, group: Group, step: int, scale: float, vote: Callable[[], Sequence[float]],
-              sync: bool = True) -> None:
+    def begin(
+        self, group: Group, step: int, scale: float, vote: Callable[[], Sequence[float]], sync: bool = True
+    ) -> None:
         inj = self._injected
         if inj.kill_after_apply and step == inj.kill_after_apply + 1:
             os.kill(os.getpid(), signal.SIGKILL)  # it applied the step before: applied, unconfirmed

@@ -53,8 +53,15 @@ class Journal:
     """One worker's records. ``open`` binds it to the membership and the store (at the trainer's
     ``start``); ``close`` writes the audit file's last line and closes it."""
 
-    def __init__(self, env: WorkerEnv, store: KeyValueStore | None, audit_path: str | Path | None,
-                 audit_in_memory: bool, log_interval_s: float, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        env: WorkerEnv,
+        store: KeyValueStore | None,
+        audit_path: str | Path | None,
+        audit_in_memory: bool,
+        log_interval_s: float,
+        clock: Clock = time.monotonic,
+    ) -> None:
         """
         Args:
             env: this worker's settings (its node, the job's keys, ``events_keep``).
@@ -178,9 +185,19 @@ class Journal:
         self._audit.close()
         self._audit = None
 
-    def recovered(self, *, group: Group, record: GenerationRecord, rendezvous_s: float, cause: str,
-                  cause_detail: str, failed_at: float, counters: Counters, report: SyncReport,
-                  step_time_s: float | None) -> None:
+    def recovered(
+        self,
+        *,
+        group: Group,
+        record: GenerationRecord,
+        rendezvous_s: float,
+        cause: str,
+        cause_detail: str,
+        failed_at: float,
+        counters: Counters,
+        report: SyncReport,
+        step_time_s: float | None,
+    ) -> None:
         """This member joined ``group`` and holds rank 0's state (``report``). ``cause``: why it
         rendezvoused ("start" for a worker's first join, which is not a recovery); ``failed_at``:
         when (monotonic) the fault was noticed. The steps applied here and not yet confirmed are the
@@ -195,29 +212,61 @@ class Journal:
             self._last_recovery_cause = cause
             if group.rank == 0:
                 self._unrecorded_recovery = {
-                    "generation": group.generation, "cause": cause, "error": cause_detail,
-                    "generation_reason": record.reason, "world_size": group.world_size,
+                    "generation": group.generation,
+                    "cause": cause,
+                    "error": cause_detail,
+                    "generation_reason": record.reason,
+                    "world_size": group.world_size,
                     "failed_at": failed_at,
                 }
         c = counters
         set_moment(step=c.step)
-        log.info("recovered", generation=group.generation, rank=group.rank, world_size=group.world_size,
-                 step=c.step, cause=cause, members=list(record.members),
-                 duration_s=round(self._clock() - failed_at, 4), rendezvous_s=round(rendezvous_s, 4))
-        self._audit_line({"event": "sync", "generation": group.generation, "rank": group.rank,
-                         "world_size": group.world_size, "step": c.step, "epoch": c.epoch,
-                         "position": c.position, "checksum": f"{report.checksum:016x}",
-                         "transferred_bytes": report.transferred_bytes, "cause": cause,
-                         "t": time.time(), **_resource_counts()})
+        log.info(
+            "recovered",
+            generation=group.generation,
+            rank=group.rank,
+            world_size=group.world_size,
+            step=c.step,
+            cause=cause,
+            members=list(record.members),
+            duration_s=round(self._clock() - failed_at, 4),
+            rendezvous_s=round(rendezvous_s, 4),
+        )
+        self._audit_line(
+            {
+                "event": "sync",
+                "generation": group.generation,
+                "rank": group.rank,
+                "world_size": group.world_size,
+                "step": c.step,
+                "epoch": c.epoch,
+                "position": c.position,
+                "checksum": f"{report.checksum:016x}",
+                "transferred_bytes": report.transferred_bytes,
+                "cause": cause,
+                "t": time.time(),
+                **_resource_counts(),
+            }
+        )
         self._publish_progress(c.step, group.generation, group.rank, step_time_s)
 
     def resumed(self, loaded: LoadedCheckpoint) -> None:
         """This member loaded ``loaded`` from disk: the audit line, and the job's ``checkpoint``
         record if it is missing or names an older (step, seq) (compare-and-set, best effort)."""
         m = loaded.manifest
-        self._audit_line({"event": "resume", "step": m.step, "epoch": m.epoch, "position": m.position,
-                         "path": str(loaded.path), "seq": m.seq, "checksum": f"{m.state_checksum:016x}",
-                         "rejected": list(loaded.rejected), "t": time.time()})
+        self._audit_line(
+            {
+                "event": "resume",
+                "step": m.step,
+                "epoch": m.epoch,
+                "position": m.position,
+                "path": str(loaded.path),
+                "seq": m.seq,
+                "checksum": f"{m.state_checksum:016x}",
+                "rejected": list(loaded.rejected),
+                "t": time.time(),
+            }
+        )
         self._publish_checkpoint(m, loaded.path)
 
     def checkpoint_saved(self, saved: SavedCheckpoint) -> None:
@@ -227,15 +276,29 @@ class Journal:
         m = saved.manifest
         self._publish_checkpoint(m, saved.path)
         if self._events is not None:
-            self._events.record(EventKind.CHECKPOINT_SAVED, step=m.step, generation=m.generation, seq=m.seq,
-                                bytes=m.file_bytes, duration_s=round(saved.duration_s, 4))
+            self._events.record(
+                EventKind.CHECKPOINT_SAVED,
+                step=m.step,
+                generation=m.generation,
+                seq=m.seq,
+                bytes=m.file_bytes,
+                duration_s=round(saved.duration_s, 4),
+            )
 
     def _publish_checkpoint(self, m: Manifest, path: Path) -> None:
         """The job's ``checkpoint`` record for ``m`` at ``path`` (compare-and-set, best effort)."""
         if self._membership is not None:
-            self._membership.publish_checkpoint(CheckpointRecord(
-                step=m.step, path=str(path), node=m.node, generation=m.generation, seq=m.seq,
-                bytes=m.file_bytes, time=m.created))
+            self._membership.publish_checkpoint(
+                CheckpointRecord(
+                    step=m.step,
+                    path=str(path),
+                    node=m.node,
+                    generation=m.generation,
+                    seq=m.seq,
+                    bytes=m.file_bytes,
+                    time=m.created,
+                )
+            )
 
     def save_failed(self, step: int, exc: Exception, generation: int, directory: Path) -> None:
         """On the writer thread: record the failed save in etcd (``save_failed``, best effort), so
@@ -243,15 +306,23 @@ class Journal:
         if self._store is None:
             return
         code, text = describe_failure(exc)
-        record = SaveFailedRecord(time=time.time(), step=step, generation=generation, node=self._node,
-                                  directory=str(directory), error=text[:500], errno=code)
+        record = SaveFailedRecord(
+            time=time.time(),
+            step=step,
+            generation=generation,
+            node=self._node,
+            directory=str(directory),
+            error=text[:500],
+            errno=code,
+        )
         try:
             self._store.put(save_failed_key(self._keys.job), encode_save_failed(record))
         except EtcdUnavailable as exc2:
             log.warning("checkpoint_failure_publish_failed", step=step, error=str(exc2))
 
-    def committed(self, batch: Batch, step: int, loss: float, generation: int, world_size: int,
-                  duration_s: float) -> None:
+    def committed(
+        self, batch: Batch, step: int, loss: float, generation: int, world_size: int, duration_s: float
+    ) -> None:
         """This member applied ``step`` (from ``batch``): the log line, the progress record, and
         (rank 0, first commit of a recovery generation) the ``recovered`` event, from the fault
         noticed to this commit, now; the audit line once the step is confirmed (``confirm``: every
@@ -261,13 +332,37 @@ class Journal:
         set_moment(step=step)  # every line of every thread from now on (one dict update)
         if now - self._logged_at >= self._log_interval_s:
             self._logged_at = now
-            log.info("step_committed", generation=generation, rank=batch.rank, step=step,
-                     loss=round(loss, 6), world_size=world_size, duration_s=round(duration_s, 5))
+            log.info(
+                "step_committed",
+                generation=generation,
+                rank=batch.rank,
+                step=step,
+                loss=round(loss, 6),
+                world_size=world_size,
+                duration_s=round(duration_s, 5),
+            )
         self._discarded_last = -1
-        self._unconfirmed.append((step, generation, None if self._audit is None else {
-            "event": "commit", "step": step, "generation": generation, "rank": batch.rank,
-            "world_size": batch.world_size, "epoch": batch.epoch, "position": batch.position,
-            "global_size": batch.global_size, "indices": batch.indices, "loss": loss, "t": time.time()}))
+        self._unconfirmed.append(
+            (
+                step,
+                generation,
+                None
+                if self._audit is None
+                else {
+                    "event": "commit",
+                    "step": step,
+                    "generation": generation,
+                    "rank": batch.rank,
+                    "world_size": batch.world_size,
+                    "epoch": batch.epoch,
+                    "position": batch.position,
+                    "global_size": batch.global_size,
+                    "indices": batch.indices,
+                    "loss": loss,
+                    "t": time.time(),
+                },
+            )
+        )
         self._publish_progress(step, generation, batch.rank, duration_s)
         if batch.rank == 0 and self._samples is not None and now - self._progress_evented_at >= self._progress_event_s:
             self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)
@@ -278,22 +373,23 @@ class Journal:
         assert self._events is not None
         failed_at = pending.pop("failed_at")
         assert isinstance(failed_at, float)
-        self._events.record(EventKind.RECOVERED, **pending, step=step,
-                            duration_s=round(self._clock() - failed_at, 4))
+        self._events.record(EventKind.RECOVERED, **pending, step=step, duration_s=round(self._clock() - failed_at, 4))
 
     def _publish_progress(self, step: int, generation: int, rank: int, step_time_s: float | None) -> None:
         """Hand the progress record to the membership's keepalive thread."""
         assert self._membership is not None
-        self._membership.set_progress({
-            "step": step,
-            "generation": generation,
-            "rank": rank,
-            "step_time_s": step_time_s,
-            "recoveries": self.recoveries,
-            "last_recovery_s": self._last_recovery_s,
-            "last_recovery_cause": self._last_recovery_cause,
-            "time": time.time(),
-        })
+        self._membership.set_progress(
+            {
+                "step": step,
+                "generation": generation,
+                "rank": rank,
+                "step_time_s": step_time_s,
+                "recoveries": self.recoveries,
+                "last_recovery_s": self._last_recovery_s,
+                "last_recovery_cause": self._last_recovery_cause,
+                "time": time.time(),
+            }
+        )
 
     def _audit_line(self, record: dict[str, object]) -> None:
         if self._audit_memory is not None:

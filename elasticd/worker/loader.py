@@ -75,8 +75,17 @@ _PORTING = (
 )
 
 # The DataLoader arguments that ElasticTrainer.loader passes on as they are (ElasticLoader's keywords).
-LOADER_ARGUMENTS = ("num_workers", "collate_fn", "pin_memory", "prefetch_factor", "persistent_workers",
-                    "worker_init_fn", "timeout", "multiprocessing_context", "generator")
+LOADER_ARGUMENTS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "prefetch_factor",
+    "persistent_workers",
+    "worker_init_fn",
+    "timeout",
+    "multiprocessing_context",
+    "generator",
+)
 
 
 @dataclass(frozen=True)
@@ -90,21 +99,37 @@ class _Fixed:
 
 # Every other argument of torch 2.13's DataLoader (dataset and batch_size are ElasticTrainer.loader's own).
 _FIXED: dict[str, _Fixed] = {
-    "shuffle": _Fixed((None, True), "elasticd reads every epoch in a seeded random order (ElasticTrainer(seed=...)), "
-                                    "the same on every rank at any world size; remove shuffle (shuffle=True is "
-                                    "what elasticd does)"),
-    "drop_last": _Fixed((False,), "elasticd keeps an epoch's short last global batch and splits it over the ranks "
-                                  "present, so that every sample of an epoch is used once at any world size; remove "
-                                  "drop_last (drop_last=False is what elasticd does)"),
-    "sampler": _Fixed((None,), "elasticd chooses which samples each rank reads (a seeded order per epoch, each "
-                               "global batch split over the ranks present); remove it and pass the dataset (the "
-                               "order comes from ElasticTrainer(seed=...))"),
-    "batch_sampler": _Fixed((None,), "elasticd chooses which samples each rank reads and how many (batch_size here, "
-                                     "or ElasticTrainer(global_batch_size=...)); remove it and pass the dataset"),
-    "in_order": _Fixed((True,), "elasticd matches each prefetched batch to its step by the order of its requests; "
-                                "remove in_order (in_order=True is what elasticd does)"),
-    "pin_memory_device": _Fixed(("",), "torch deprecates it and pins on the current accelerator; remove it "
-                                       "(pin_memory=True pins)"),
+    "shuffle": _Fixed(
+        (None, True),
+        "elasticd reads every epoch in a seeded random order (ElasticTrainer(seed=...)), "
+        "the same on every rank at any world size; remove shuffle (shuffle=True is "
+        "what elasticd does)",
+    ),
+    "drop_last": _Fixed(
+        (False,),
+        "elasticd keeps an epoch's short last global batch and splits it over the ranks "
+        "present, so that every sample of an epoch is used once at any world size; remove "
+        "drop_last (drop_last=False is what elasticd does)",
+    ),
+    "sampler": _Fixed(
+        (None,),
+        "elasticd chooses which samples each rank reads (a seeded order per epoch, each "
+        "global batch split over the ranks present); remove it and pass the dataset (the "
+        "order comes from ElasticTrainer(seed=...))",
+    ),
+    "batch_sampler": _Fixed(
+        (None,),
+        "elasticd chooses which samples each rank reads and how many (batch_size here, "
+        "or ElasticTrainer(global_batch_size=...)); remove it and pass the dataset",
+    ),
+    "in_order": _Fixed(
+        (True,),
+        "elasticd matches each prefetched batch to its step by the order of its requests; "
+        "remove in_order (in_order=True is what elasticd does)",
+    ),
+    "pin_memory_device": _Fixed(
+        ("",), "torch deprecates it and pins on the current accelerator; remove it (pin_memory=True pins)"
+    ),
 }
 
 
@@ -130,7 +155,8 @@ def loader_arguments(given: Mapping[str, Any]) -> dict[str, Any]:
         own = ", ".join(f"{name}={_shown(fixed.takes[-1])}" for name, fixed in _FIXED.items())
         raise ConfigError(
             f"ElasticTrainer.loader: unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hint}; "
-            f"it takes batch_size, {', '.join(LOADER_ARGUMENTS)} (and {own}: what elasticd does)")
+            f"it takes batch_size, {', '.join(LOADER_ARGUMENTS)} (and {own}: what elasticd does)"
+        )
     for name, value in given.items():
         fixed = _FIXED.get(name)
         if fixed is not None and not any(value is v or (type(value) is type(v) and value == v) for v in fixed.takes):
@@ -275,7 +301,8 @@ class ElasticLoader:
                 "map-style dataset (sample i is dataset[i]) because elasticd chooses which samples each rank "
                 "reads. For generated data use the endless source: ElasticTrainer(dataset_size=None, ...) "
                 "and trainer.batches(), whose batches carry the global sample numbers (generate sample i "
-                "from seed + i)")
+                "from seed + i)"
+            )
         if not callable(getattr(dataset, "__getitem__", None)):
             raise ConfigError(f"dataset: {type(dataset).__name__} has no __getitem__ (a map-style dataset is needed)")
         n = _length(dataset)
@@ -284,8 +311,9 @@ class ElasticLoader:
         if timeout is None:
             timeout = DEFAULT_TIMEOUT_S
         if not timeout > 0:
-            raise ConfigError(f"timeout: must be > 0 seconds (every wait is bounded; None is "
-                              f"{DEFAULT_TIMEOUT_S:g}), got {timeout}")
+            raise ConfigError(
+                f"timeout: must be > 0 seconds (every wait is bounded; None is {DEFAULT_TIMEOUT_S:g}), got {timeout}"
+            )
         self.sampler = sampler
         self.timeout_s = float(timeout)
         self.persistent_workers = num_workers > 0 if persistent_workers is None else persistent_workers
@@ -389,8 +417,15 @@ class ElasticLoader:
             dropped = len(self._requests.in_flight)
             self.discarded += dropped
             self.restarts += 1
-            log.debug("prefetch_restarted", step=batch.step, epoch=batch.epoch, position=batch.position,
-                      rank=batch.rank, world_size=batch.world_size, discarded=dropped)
+            log.debug(
+                "prefetch_restarted",
+                step=batch.step,
+                epoch=batch.epoch,
+                position=batch.position,
+                rank=batch.rank,
+                world_size=batch.world_size,
+                discarded=dropped,
+            )
             if not self.persistent_workers:
                 _shutdown(self._iterator)
         self._requests.start = batch
@@ -413,15 +448,17 @@ class ElasticLoader:
 def _check_default_order(loader: DataLoader[Any]) -> None:
     """Raise unless the DataLoader's sampler and batch_sampler are the ones torch made by default."""
     s, bs, dataset = loader.sampler, loader.batch_sampler, cast(object, loader.dataset)
-    default_sampler = (
-        (type(s) is SequentialSampler and s.data_source is dataset)
-        or (type(s) is RandomSampler and s.data_source is dataset and not s.replacement
-            and s.num_samples == _length(dataset) and s.generator is loader.generator)
+    default_sampler = (type(s) is SequentialSampler and s.data_source is dataset) or (
+        type(s) is RandomSampler
+        and s.data_source is dataset
+        and not s.replacement
+        and s.num_samples == _length(dataset)
+        and s.generator is loader.generator
     )
     default_batches = bs is None or (type(bs) is BatchSampler and bs.sampler is s)
     if not default_sampler:
-        raise ConfigError(f"ElasticTrainer.loader: the DataLoader has its own sampler ({type(s).__name__}); "
-                          f"{_PORTING}")
+        raise ConfigError(f"ElasticTrainer.loader: the DataLoader has its own sampler ({type(s).__name__}); {_PORTING}")
     if not default_batches:
-        raise ConfigError(f"ElasticTrainer.loader: the DataLoader has its own batch_sampler ({type(bs).__name__}); "
-                          f"{_PORTING}")
+        raise ConfigError(
+            f"ElasticTrainer.loader: the DataLoader has its own batch_sampler ({type(bs).__name__}); {_PORTING}"
+        )

@@ -86,13 +86,15 @@ class NcclCalls(Protocol):
 
     def set_device(self, device: torch.device) -> None: ...
 
-    def new_backend(self, store: Store, rank: int, world_size: int, timeout: timedelta,
-                    nonblocking: bool) -> tuple[Backend, bool]:
+    def new_backend(
+        self, store: Store, rank: int, world_size: int, timeout: timedelta, nonblocking: bool
+    ) -> tuple[Backend, bool]:
         """The backend, and whether its init is non-blocking (this torch may lack the option)."""
         ...
 
-    def bind(self, backend: Backend, store: Store, rank: int, world_size: int,
-             device: torch.device) -> ProcessGroup: ...
+    def bind(
+        self, backend: Backend, store: Store, rank: int, world_size: int, device: torch.device
+    ) -> ProcessGroup: ...
 
     def eager_connect(self, backend: Backend, device: torch.device) -> None: ...
 
@@ -107,8 +109,9 @@ class TorchNccl:
     def set_device(self, device: torch.device) -> None:
         torch.cuda.set_device(device)
 
-    def new_backend(self, store: Store, rank: int, world_size: int, timeout: timedelta,
-                    nonblocking: bool) -> tuple[Backend, bool]:
+    def new_backend(
+        self, store: Store, rank: int, world_size: int, timeout: timedelta, nonblocking: bool
+    ) -> tuple[Backend, bool]:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         opts.is_high_priority_stream = False  # _new_process_group_helper's default
@@ -118,8 +121,7 @@ class TorchNccl:
         backend._set_sequence_number_for_group()
         return backend, applied
 
-    def bind(self, backend: Backend, store: Store, rank: int, world_size: int,
-             device: torch.device) -> ProcessGroup:
+    def bind(self, backend: Backend, store: Store, rank: int, world_size: int, device: torch.device) -> ProcessGroup:
         pg = ProcessGroup(store, rank, world_size)
         pg.bound_device_id = device  # first: registering hands it to the backend (setBoundDeviceId)
         pg._set_default_backend(ProcessGroup.BackendType.NCCL)
@@ -174,9 +176,15 @@ class NcclGroups:
             (``exit_hard``; it does not return).
     """
 
-    def __init__(self, calls: NcclCalls, device: torch.device, timeouts: Timeouts, *,
-                 environ: Callable[[Mapping[str, str]], Mapping[str, str]] = environ_defaults,
-                 on_abort_hung: Callable[[], None] = exit_hard) -> None:
+    def __init__(
+        self,
+        calls: NcclCalls,
+        device: torch.device,
+        timeouts: Timeouts,
+        *,
+        environ: Callable[[Mapping[str, str]], Mapping[str, str]] = environ_defaults,
+        on_abort_hung: Callable[[], None] = exit_hard,
+    ) -> None:
         self._calls, self.device, self._timeouts, self._on_abort_hung = calls, device, timeouts, on_abort_hung
         # Before any group: the watchdog reads these when a backend is constructed, and
         # TORCH_NCCL_NONBLOCKING_TIMEOUT once per process.
@@ -186,8 +194,9 @@ class NcclGroups:
         self._builds = threading.Condition()
         self._building = 0  # builds under way, including given-up ones not yet aborted
 
-    def build(self, store: Store, rank: int, world_size: int, deadline: Deadline,
-              cancelled: Callable[[], bool], what: str) -> ProcessGroup:
+    def build(
+        self, store: Store, rank: int, world_size: int, deadline: Deadline, cancelled: Callable[[], bool], what: str
+    ) -> ProcessGroup:
         """Build a group whose communicator is ready, on the calling (helper) thread.
 
         Waits first for an earlier build that its caller gave up on to be aborted, so that no
@@ -212,10 +221,12 @@ class NcclGroups:
                 self._building -= 1
                 self._builds.notify_all()
 
-    def _build(self, store: Store, rank: int, world_size: int, deadline: Deadline,
-               cancelled: Callable[[], bool], what: str) -> ProcessGroup:
-        backend, nonblocking = self._calls.new_backend(store, rank, world_size, self._timeouts.td("collective"),
-                                                       nonblocking=True)
+    def _build(
+        self, store: Store, rank: int, world_size: int, deadline: Deadline, cancelled: Callable[[], bool], what: str
+    ) -> ProcessGroup:
+        backend, nonblocking = self._calls.new_backend(
+            store, rank, world_size, self._timeouts.td("collective"), nonblocking=True
+        )
         target: Abortable = backend
         ready = False
         try:
@@ -233,8 +244,14 @@ class NcclGroups:
         finally:
             if not ready:  # whatever went wrong: a half-built communicator is aborted, never destroyed
                 self.abort(target, what)
-        log.debug("nccl_group_ready", what=what, rank=rank, world_size=world_size, device=str(self.device),
-                  nonblocking=nonblocking)
+        log.debug(
+            "nccl_group_ready",
+            what=what,
+            rank=rank,
+            world_size=world_size,
+            device=str(self.device),
+            nonblocking=nonblocking,
+        )
         return pg
 
     @staticmethod
@@ -264,8 +281,12 @@ class NcclGroups:
         t.start()
         t.join(self._timeouts.group_abort_s)
         if t.is_alive():
-            log.critical("process_group_abort_hung", what=what, bound_s=self._timeouts.group_abort_s,
-                         exit_code=EXIT_GROUP_ABORT_HUNG)
+            log.critical(
+                "process_group_abort_hung",
+                what=what,
+                bound_s=self._timeouts.group_abort_s,
+                exit_code=EXIT_GROUP_ABORT_HUNG,
+            )
             self._on_abort_hung()
             return False
         if failed:

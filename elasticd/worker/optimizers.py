@@ -30,8 +30,12 @@ class Optimizers:
                 ``step``/``update``/``unscale_``.
         """
         items: list[torch.optim.Optimizer] = (
-            [optimizer] if isinstance(optimizer, torch.optim.Optimizer)
-            else list(optimizer) if isinstance(optimizer, Sequence) else [])
+            [optimizer]
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else list(optimizer)
+            if isinstance(optimizer, Sequence)
+            else []
+        )
         if not items or not all(isinstance(o, torch.optim.Optimizer) for o in items):
             raise ConfigError("optimizer: a torch.optim.Optimizer or a non-empty sequence of them")
         if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("step", "update", "unscale_")):
@@ -73,6 +77,11 @@ class Optimizers:
         factor = world_size / reference_world_size
         if factor != self.factor:
             self.factor = factor
-            log.info("lr_scaled", generation=generation, world_size=world_size,
-                     reference_world_size=reference_world_size, factor=round(factor, 6),
-                     lrs=[round(g["lr"] * factor, 8) for o in self.all for g in o.param_groups])
+            log.info(
+                "lr_scaled",
+                generation=generation,
+                world_size=world_size,
+                reference_world_size=reference_world_size,
+                factor=round(factor, 6),
+                lrs=[round(g["lr"] * factor, 8) for o in self.all for g in o.param_groups],
+            )

@@ -101,8 +101,13 @@ class StoreServer:
         # From here the store owns the fd: libuv closes it with the store, and on a failed start
         # (a Python socket object would close it under the store, or close a reused fd number).
         self.store = TCPStore(
-            host, self.port, is_master=True, wait_for_workers=False, timeout=timeouts.td("group_build"),
-            master_listen_fd=listener.detach(), use_libuv=True,
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeouts.td("group_build"),
+            master_listen_fd=listener.detach(),
+            use_libuv=True,
         )
 
 
@@ -110,7 +115,12 @@ class GroupFactory:
     """Builds the group of a generation and retires the groups of old ones."""
 
     def __init__(
-        self, server: StoreServer, advertise_addr: str, backend: str, local_rank: int, timeouts: Timeouts,
+        self,
+        server: StoreServer,
+        advertise_addr: str,
+        backend: str,
+        local_rank: int,
+        timeouts: Timeouts,
         nccl: NcclGroups | None = None,
     ) -> None:
         """``nccl``: the NCCL sequence on this worker's device (default: ``NcclGroups(TorchNccl(), ...)``,
@@ -148,8 +158,12 @@ class GroupFactory:
                 raise PeerLost(f"generation abandoned while connecting to store {host}:{port}")
             try:
                 client = TCPStore(
-                    host, port, is_master=False,
-                    timeout=timedelta(seconds=max(STORE_CONNECT_MIN_S, min(STORE_CONNECT_ATTEMPT_S, deadline.remaining_s()))),
+                    host,
+                    port,
+                    is_master=False,
+                    timeout=timedelta(
+                        seconds=max(STORE_CONNECT_MIN_S, min(STORE_CONNECT_ATTEMPT_S, deadline.remaining_s()))
+                    ),
                 )
             except (RuntimeError, dist.DistError) as exc:
                 if deadline.expired():
@@ -210,14 +224,22 @@ class GroupFactory:
         started = time.monotonic()
         store = generation_store(base, f"gen/{parent.generation}/{name}/", token)
         sub_rank = list(ranks).index(parent.rank)
-        pg = self._meet(store, sub_rank, len(ranks), deadline, abandon,
-                        f"subgroup {name} of generation {parent.generation}")
-        log.debug("subgroup_built", generation=parent.generation, rank=parent.rank, name=name,
-                  members=list(ranks), duration_s=round(time.monotonic() - started, 4))
+        pg = self._meet(
+            store, sub_rank, len(ranks), deadline, abandon, f"subgroup {name} of generation {parent.generation}"
+        )
+        log.debug(
+            "subgroup_built",
+            generation=parent.generation,
+            rank=parent.rank,
+            name=name,
+            members=list(ranks),
+            duration_s=round(time.monotonic() - started, 4),
+        )
         return Group(pg, parent.generation, sub_rank, len(ranks), self.backend, self.device, store)
 
-    def _meet(self, store: Store, rank: int, world_size: int, deadline: Deadline,
-              abandon: Callable[[], bool], what: str) -> dist.ProcessGroup:
+    def _meet(
+        self, store: Store, rank: int, world_size: int, deadline: Deadline, abandon: Callable[[], bool], what: str
+    ) -> dist.ProcessGroup:
         """An abandonable arrival barrier on ``store``, then the backend's group over it.
 
         Both run on a helper thread while this one polls ``abandon`` and ``deadline``: a store
@@ -231,8 +253,11 @@ class GroupFactory:
 
         def run() -> None:
             try:
-                outcome.append(self._meet_blocking(store, rank, world_size, deadline,
-                                                   lambda: cancelled.is_set() or abandon(), what))
+                outcome.append(
+                    self._meet_blocking(
+                        store, rank, world_size, deadline, lambda: cancelled.is_set() or abandon(), what
+                    )
+                )
             except BaseException as exc:  # handed to the caller below
                 outcome.append(exc)
             finally:
@@ -259,8 +284,9 @@ class GroupFactory:
             raise result
         return result
 
-    def _meet_blocking(self, store: Store, rank: int, world_size: int, deadline: Deadline,
-                       abandon: Callable[[], bool], what: str) -> dist.ProcessGroup:
+    def _meet_blocking(
+        self, store: Store, rank: int, world_size: int, deadline: Deadline, abandon: Callable[[], bool], what: str
+    ) -> dist.ProcessGroup:
         try:
             store.add("arrived", 1)
             while int(store.add("arrived", 0)) < world_size:

@@ -46,8 +46,9 @@ class Rejoined:
     report: SyncReport
 
 
-def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
-            ) -> tuple[KeyValueStore, GroupFactory, Membership]:
+def connect(
+    env: WorkerEnv, signature: str, store: KeyValueStore | None
+) -> tuple[KeyValueStore, GroupFactory, Membership]:
     """This worker's store client (an etcd client for ``env.etcd`` unless given), its c10d store
     server and group factory, and its registered membership (its background threads started).
 
@@ -66,9 +67,15 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
     server = StoreServer(env.advertise_addr, env.timeouts)
     factory = GroupFactory(server, env.advertise_addr, env.backend, env.local_rank, env.timeouts)
     record = MemberRecord(
-        member_id=new_member_id(env.node_id, env.local_rank), node=env.node_id, local_rank=env.local_rank,
-        pid=os.getpid(), host=env.advertise_addr, store_port=server.port, signature=signature,
-        spare=int(env.spare), standby=int(env.standby),
+        member_id=new_member_id(env.node_id, env.local_rank),
+        node=env.node_id,
+        local_rank=env.local_rank,
+        pid=os.getpid(),
+        host=env.advertise_addr,
+        store_port=server.port,
+        signature=signature,
+        spare=int(env.spare),
+        standby=int(env.standby),
     )
     membership = Membership(store, keys, record, env.world, env.timeouts)
     set_moment(node=env.node_id, member=record.member_id)
@@ -76,9 +83,17 @@ def connect(env: WorkerEnv, signature: str, store: KeyValueStore | None
     return store, factory, membership
 
 
-def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, timeouts: Timeouts, *,
-           has_state: Callable[[], bool], disk_seq: Callable[[], int | None],
-           resume: Callable[[int], int] | None, discard: Discard | None = None) -> Rejoined:
+def rejoin(
+    membership: Membership,
+    factory: GroupFactory,
+    state: TrainingState,
+    timeouts: Timeouts,
+    *,
+    has_state: Callable[[], bool],
+    disk_seq: Callable[[], int | None],
+    resume: Callable[[int], int] | None,
+    discard: Discard | None = None,
+) -> Rejoined:
     """Join the newest generation and hold rank 0's state in its new group.
 
     Args:
@@ -110,8 +125,13 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
         group: Group | None = None
         try:
             group = factory.build(
-                rec.generation, joined.rank, rec.world_size, rec.store_host, rec.store_port,
-                Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())), membership.must_abandon,
+                rec.generation,
+                joined.rank,
+                rec.world_size,
+                rec.store_host,
+                rec.store_port,
+                Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())),
+                membership.must_abandon,
                 token=rec.token,
             )
             # Members that all loaded the same checkpoint hold one lineage (its seq names it).
@@ -125,11 +145,21 @@ def rejoin(membership: Membership, factory: GroupFactory, state: TrainingState, 
             ahead = None  # a failed attempt may have changed the state: a retry hashes it anew
 
             def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
-                return factory.build_subgroup(parent, ranks, name, Deadline.after(timeouts.group_build_s),
-                                              membership.must_abandon)
+                return factory.build_subgroup(
+                    parent, ranks, name, Deadline.after(timeouts.group_build_s), membership.must_abandon
+                )
 
-            report = sync_state(group, state, sync_deadline, membership.must_abandon, timeouts.abort_poll_s,
-                                subgroup=subgroup, retire=factory.retire, own_checksum=own, discard=discard)
+            report = sync_state(
+                group,
+                state,
+                sync_deadline,
+                membership.must_abandon,
+                timeouts.abort_poll_s,
+                subgroup=subgroup,
+                retire=factory.retire,
+                own_checksum=own,
+                discard=discard,
+            )
             return Rejoined(group, joined, report)
         except (CollectiveError, CheckpointTransferError) as exc:
             log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])

@@ -52,8 +52,9 @@ def rng_states(device_rng: DeviceRng) -> list[torch.Tensor]:
     return [torch.get_rng_state(), *device_rng.states()]
 
 
-def split_rng_states(layout: Mapping[str, object], flat: torch.Tensor,
-                     total: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def split_rng_states(
+    layout: Mapping[str, object], flat: torch.Tensor, total: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The CPU generator's state and each device's (copies), from past ``total`` in ``flat``.
 
     Raises:

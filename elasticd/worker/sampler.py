@@ -28,21 +28,21 @@ class BatchMode(StrEnum):
     """How the global batch reacts to a change of world size."""
 
     CONSTANT_GLOBAL = "constant_global"  # global batch fixed; each rank's share shrinks or grows
-    LINEAR_SCALING = "linear_scaling"    # per-rank batch fixed; global batch and LR scale with world
+    LINEAR_SCALING = "linear_scaling"  # per-rank batch fixed; global batch and LR scale with world
 
 
 @dataclass(frozen=True)
 class Batch:
     """This rank's part of one global batch."""
 
-    step: int           # the step this batch will commit as (counters.step + 1)
+    step: int  # the step this batch will commit as (counters.step + 1)
     epoch: int
-    position: int       # global position of the batch's first sample within the epoch
+    position: int  # global position of the batch's first sample within the epoch
     indices: list[int]  # this rank's sample indices (global sample numbers for an endless stream)
-    global_size: int    # samples in the whole global batch
+    global_size: int  # samples in the whole global batch
     world_size: int
     rank: int
-    micro: int = 0        # which micro-batch of this rank's share (``split_micro``), from 0
+    micro: int = 0  # which micro-batch of this rank's share (``split_micro``), from 0
     micro_count: int = 1  # micro-batches the share is split into (1: the whole share)
 
     @property
@@ -68,8 +68,10 @@ def split_micro(batch: Batch, count: int) -> list[Batch]:
     if count == 1:
         return [batch]
     n = len(batch.indices)
-    return [replace(batch, indices=batch.indices[k * n // count:(k + 1) * n // count], micro=k, micro_count=count)
-            for k in range(count)]
+    return [
+        replace(batch, indices=batch.indices[k * n // count : (k + 1) * n // count], micro=k, micro_count=count)
+        for k in range(count)
+    ]
 
 
 # Epoch orders kept at once: the current epoch and the next, so a prefetch that looks past the end of
@@ -156,8 +158,7 @@ class ElasticSampler:
             return epoch + 1, 0
         return epoch, position
 
-    def batch(self, step: int, epoch: int, position: int, rank: int, world_size: int,
-              size: int | None = None) -> Batch:
+    def batch(self, step: int, epoch: int, position: int, rank: int, world_size: int, size: int | None = None) -> Batch:
         """This rank's share of the global batch that starts at ``position`` of ``epoch``.
 
         The batch is split into ``world_size`` contiguous shares whose sizes differ by at most one.
@@ -190,8 +191,7 @@ class ElasticSampler:
         rolls over into the next epoch the way the trainer does after a commit.
         """
         if batch.micro + 1 < batch.micro_count:  # the same global batch
-            share = self.batch(batch.step, batch.epoch, batch.position, batch.rank, batch.world_size,
-                               batch.global_size)
+            share = self.batch(batch.step, batch.epoch, batch.position, batch.rank, batch.world_size, batch.global_size)
             return split_micro(share, batch.micro_count)[batch.micro + 1]
         epoch, position = self.normalize(*self.after(batch), batch.world_size)
         share = self.batch(batch.step + 1, epoch, position, batch.rank, batch.world_size)

@@ -34,25 +34,38 @@ from elasticd.worker.rng import CudaRng, DeviceRng, rng_states, split_rng_states
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {str(d): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
-)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 _ALIGN = 64  # cache-line aligned: parameters live in the arena, and vector kernels like it
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")  # no ".": it ends the name in "extra.<name>.<path>"
 _ADOPTED = ("model.", "optim.")  # tensors that come to live in the arena; a registered object's are copied
 _LOAD_ERRORS = (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError)
-_PLAIN_HINT = ("Keep only tensors and plain data in the registered value, or register an object whose "
-               "state_dict() and load_state_dict() convert it")
+_PLAIN_HINT = (
+    "Keep only tensors and plain data in the registered value, or register an object whose "
+    "state_dict() and load_state_dict() convert it"
+)
 
 
 @dataclass
 class Counters:
     """The scalar progress of training, part of the synced state."""
 
-    step: int = 0          # committed steps so far
-    epoch: int = 0         # current epoch of the data order
-    position: int = 0      # global sample offset within the epoch
+    step: int = 0  # committed steps so far
+    epoch: int = 0  # current epoch of the data order
+    position: int = 0  # global sample offset within the epoch
     reference_world: int = 0  # the first generation's size (DataPlan.reference); 0: not set (older files)
 
     def as_list(self) -> list[int]:
@@ -106,8 +119,9 @@ class TrainingState:
     copied in at every pack and never adopted: those objects keep tensors of their own.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device_rng: DeviceRng | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device_rng: DeviceRng | None = None
+    ) -> None:
         """``device_rng``: the accelerators' generators (default: ``CudaRng``)."""
         self.model = model
         self.optimizer = optimizer
@@ -152,16 +166,22 @@ class TrainingState:
         """
         label = f"registered object {name!r} ({type(obj).__qualname__})"
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ConfigError(f"register: the name {name!r} must be a non-empty string of letters, digits, "
-                              f"'_' and '-' (not starting with '-')")
+            raise ConfigError(
+                f"register: the name {name!r} must be a non-empty string of letters, digits, "
+                f"'_' and '-' (not starting with '-')"
+            )
         if name in self._extras:
-            raise ConfigError(f"register: the name {name!r} is taken by a "
-                              f"{type(_user_object(self._extras[name])).__qualname__}; each object needs its own name")
+            raise ConfigError(
+                f"register: the name {name!r} is taken by a "
+                f"{type(_user_object(self._extras[name])).__qualname__}; each object needs its own name"
+            )
         stateful = _as_stateful(name, obj, label)
         label = _label(name, stateful)
         if obj is self.model or obj is self.optimizer:
-            raise ConfigError(f"{label} is the trainer's {'model' if obj is self.model else 'optimizer'}, "
-                              f"whose state is part of the training state already")
+            raise ConfigError(
+                f"{label} is the trainer's {'model' if obj is self.model else 'optimizer'}, "
+                f"whose state is part of the training state already"
+            )
         for other, known in self._extras.items():
             if _user_object(known) is obj:
                 raise ConfigError(f"{label} is registered already, as {other!r}")
@@ -169,10 +189,12 @@ class TrainingState:
         if isinstance(obj, schedulers):
             bound = getattr(obj, "optimizer", None)
             if bound is not self.optimizer and not any(bound is o for o in self._extras.values()):
-                raise ConfigError(f"{label}: scheduler bound to another optimizer (a "
-                                  f"{type(bound).__qualname__} that is neither the trainer's optimizer nor a "
-                                  f"registered one); register that optimizer first, or build the scheduler "
-                                  f"on the trainer's optimizer")
+                raise ConfigError(
+                    f"{label}: scheduler bound to another optimizer (a "
+                    f"{type(bound).__qualname__} that is neither the trainer's optimizer nor a "
+                    f"registered one); register that optimizer first, or build the scheduler "
+                    f"on the trainer's optimizer"
+                )
         _encode_registered(name, stateful)
         self._extras[name] = stateful
 
@@ -195,8 +217,9 @@ class TrainingState:
         """Every tensor of the state, in a canonical order (checksummed and broadcast)."""
         return self._tensors(self.optimizer.state_dict(), self._encode_extras()[1])
 
-    def _tensors(self, optim_sd: dict[str, object],
-                 extra: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    def _tensors(
+        self, optim_sd: dict[str, object], extra: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
         out = [(f"model.{k}", v) for k, v in self.model.state_dict().items()]
         state: dict[int, dict[str, object]] = optim_sd["state"]  # type: ignore[assignment]
         for idx in sorted(state):
@@ -263,8 +286,10 @@ class TrainingState:
             offset += _aligned(nbytes)
         groups, in_groups = encode(optim_sd["param_groups"], "the optimizer's param_groups")
         if in_groups:
-            raise ConfigError(f"the optimizer's param_groups hold a tensor at {in_groups[0][0]} (a tensor lr?); "
-                              f"they travel as JSON: use a Python number")
+            raise ConfigError(
+                f"the optimizer's param_groups hold a tensor at {in_groups[0][0]} (a tensor lr?); "
+                f"they travel as JSON: use a Python number"
+            )
         scalars: dict[str, object] = {}
         for idx, st in optim_sd["state"].items():
             for key, value in st.items():
@@ -272,9 +297,13 @@ class TrainingState:
                     scalars[f"{idx}.{key}"] = value
         rngs = rng_states(self.device_rng)
         layout: dict[str, object] = {
-            "tensors": entries, "total": offset, "param_groups": groups,
-            "optim_scalars": encode(scalars, "the optimizer's state")[0], "extras": trees,
-            "rng": [rngs[0].numel()], "cuda_rng": [r.numel() for r in rngs[1:]],
+            "tensors": entries,
+            "total": offset,
+            "param_groups": groups,
+            "optim_scalars": encode(scalars, "the optimizer's state")[0],
+            "extras": trees,
+            "rng": [rngs[0].numel()],
+            "cuda_rng": [r.numel() for r in rngs[1:]],
         }
         return layout, tensors, rngs
 
@@ -292,8 +321,9 @@ class TrainingState:
         arena = self._refresh_arena(layout, tensors, rngs)
         return json.dumps(layout, allow_nan=False).encode(), arena
 
-    def _refresh_arena(self, layout: dict[str, object], tensors: list[tuple[str, torch.Tensor]],
-                       rngs: list[torch.Tensor]) -> torch.Tensor:
+    def _refresh_arena(
+        self, layout: dict[str, object], tensors: list[tuple[str, torch.Tensor]], rngs: list[torch.Tensor]
+    ) -> torch.Tensor:
         entries = cast(list[list[object]], layout["tensors"])
         total = int(layout["total"])  # type: ignore[call-overload]
         key = json.dumps([entries, [r.numel() for r in rngs]])
@@ -370,15 +400,16 @@ class TrainingState:
                 try:
                     self._extras[name].load_state_dict(like_devices(value, before[id(self._extras[name])]))
                 except _LOAD_ERRORS as exc:
-                    raise StateCorrupt(f"{_label(name, self._extras[name])} refused the state being loaded: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                    raise StateCorrupt(
+                        f"{_label(name, self._extras[name])} refused the state being loaded: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
         except StateCorrupt:
             for obj, sd in saved:
                 try:
                     obj.load_state_dict(sd)
                 except _LOAD_ERRORS as exc:  # an object that refuses its own state: say so, go on
-                    log.error("state_restore_failed", object=type(_user_object(obj)).__qualname__,
-                              error=str(exc)[:200])
+                    log.error("state_restore_failed", object=type(_user_object(obj)).__qualname__, error=str(exc)[:200])
             raise
         ours = self.model.state_dict()
         for name, t in d.model_sd.items():
@@ -428,7 +459,7 @@ class TrainingState:
                 mine = ours.get(name)
                 if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
                     raise ModelMismatch(f"state tensor {name} {dtype_s}{shape} does not match this worker's model")
-                model_sd[name[len("model."):]] = t
+                model_sd[name[len("model.") :]] = t
             elif name.startswith("optim."):
                 _, idx, key = name.split(".", 2)
                 optim_state.setdefault(int(idx), {})[key] = t
@@ -437,13 +468,14 @@ class TrainingState:
                 extra_tensors.setdefault(owner, {})[path] = t.clone()  # copied: the object keeps its own
             elif name == "counters":
                 counters = Counters(*[int(x) for x in t.tolist()])
-        if set(model_sd) != {k[len("model."):] for k in ours}:
+        if set(model_sd) != {k[len("model.") :] for k in ours}:
             raise ModelMismatch("the state from rank 0 has a different set of model tensors")
         if set(trees) != set(self._extras) or not set(extra_tensors) <= set(trees):
             raise ModelMismatch(
                 f"the state being loaded holds the registered objects {sorted(trees)}, and this worker "
                 f"registered {sorted(self._extras)}: every worker must register the same objects under the "
-                f"same names (register) before it syncs or loads a checkpoint")
+                f"same names (register) before it syncs or loads a checkpoint"
+            )
         if counters is None:
             raise KeyError("counters")
         _check_groups(groups, self.optimizer, "optimizer")
@@ -462,9 +494,17 @@ class TrainingState:
                     raise TypeError(f"registered optimizer {name!r}: a state dict without param_groups")
                 _check_groups(sd["param_groups"], obj, f"registered optimizer {name!r}")
         rng, device_rngs = split_rng_states(layout, flat, total)
-        return _Decoded(model_sd, {"state": optim_state, "param_groups": groups}, extras, counters, rng,
-                        device_rngs, entries, json.dumps([entries, [rng.numel(), *(r.numel() for r in device_rngs)]]),
-                        checksum_key(layout))
+        return _Decoded(
+            model_sd,
+            {"state": optim_state, "param_groups": groups},
+            extras,
+            counters,
+            rng,
+            device_rngs,
+            entries,
+            json.dumps([entries, [rng.numel(), *(r.numel() for r in device_rngs)]]),
+            checksum_key(layout),
+        )
 
 
 class ChecksumAhead:
@@ -503,8 +543,10 @@ def _as_stateful(name: str, obj: object, label: str) -> _Stateful:
         return cast(_Stateful, obj)
     if methods:
         missing = "load_state_dict" if methods == ["state_dict"] else "state_dict"
-        raise ConfigError(f"{label} has no {missing}() method: only objects with state_dict() and "
-                          f"load_state_dict(state_dict), or plain data, can be registered")
+        raise ConfigError(
+            f"{label} has no {missing}() method: only objects with state_dict() and "
+            f"load_state_dict(state_dict), or plain data, can be registered"
+        )
     if isinstance(obj, (dict, torch.Tensor)) or type(obj) is list:
         return _PlainValue(obj)
     if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, tuple)):
@@ -512,12 +554,14 @@ def _as_stateful(name: str, obj: object, label: str) -> _Stateful:
             f"ElasticTrainer.register / ElasticTrainer(state=...): {name!r} is {_a(obj)}"
             f"{'' if obj is None else f' ({reprlib.repr(obj)})'}, which cannot be updated in place: a newcomer or a checkpoint loads its state into the very "
             f"object registered, and your reference to {_a(obj)} would never see it. Register a dict or a "
-            f"list that holds it, e.g. {reprlib.repr({name: obj})}, and read the value from there")
+            f"list that holds it, e.g. {reprlib.repr({name: obj})}, and read the value from there"
+        )
     raise ConfigError(
         f"{label} has no state_dict() method: only objects with state_dict() and load_state_dict(state_dict) "
         f"can be registered, or plain data, updated in place: a dict, a list or a tensor built of tensors, "
         f"numbers, strings, bools, None and nested dicts and lists (an EMA as {{name: tensor}}, counters "
-        f"as {{'tokens': 0}})")
+        f"as {{'tokens': 0}})"
+    )
 
 
 def _a(obj: object) -> str:
@@ -558,15 +602,21 @@ def _encode_checked(value: object, label: str, hint: str) -> tuple[JsonValue, li
     tree, tensors = encode(value, label, hint)
     for path, t in tensors:
         if str(t.dtype) not in _DTYPES or t.layout != torch.strided or t.device.type == "meta":
-            raise ConfigError(f"{label}: the tensor at {path} is a {t.layout} {t.dtype} tensor on {t.device}; "
-                              f"the state holds dense tensors of {sorted(_DTYPES)} with data")
+            raise ConfigError(
+                f"{label}: the tensor at {path} is a {t.layout} {t.dtype} tensor on {t.device}; "
+                f"the state holds dense tensors of {sorted(_DTYPES)} with data"
+            )
     return tree, tensors
 
 
 def _check_groups(groups: object, optimizer: torch.optim.Optimizer, what: str) -> None:
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
-        not isinstance(g, dict) or len(g["params"]) != len(mine["params"])
-        for g, mine in zip(groups, optimizer.param_groups)
+    if (
+        not isinstance(groups, list)
+        or len(groups) != len(optimizer.param_groups)
+        or any(
+            not isinstance(g, dict) or len(g["params"]) != len(mine["params"])
+            for g, mine in zip(groups, optimizer.param_groups)
+        )
     ):
         raise ValueError(f"{what} param groups differ from this worker's")
 

@@ -31,7 +31,7 @@ class StepResult:
     """A step this member applied (a commit once confirmed: ``Journal.confirm``)."""
 
     step: int
-    loss: float          # the global-batch mean loss
+    loss: float  # the global-batch mean loss
     generation: int
     world_size: int
     duration_s: float
@@ -52,8 +52,9 @@ class OpenStep:
 class StepProtocol:
     """The per-step collective protocol of one member."""
 
-    def __init__(self, reducer: GradientReducer, membership: Membership, drain: threading.Event,
-                 timeouts: Timeouts) -> None:
+    def __init__(
+        self, reducer: GradientReducer, membership: Membership, drain: threading.Event, timeouts: Timeouts
+    ) -> None:
         self._reducer, self._membership, self._drain = reducer, membership, drain
         self._timeouts = timeouts
 
@@ -71,7 +72,8 @@ class StepProtocol:
             raise ConfigError(
                 f"ElasticTrainer.backward(loss): the loss is divided by {micro.micro_count}, the "
                 f"accumulation_steps; pass each micro-batch's own mean loss (elasticd weighs the "
-                f"micro-batches of a step itself, so a divided loss would scale the gradient down)")
+                f"micro-batches of a step itself, so a divided loss would scale the gradient down)"
+            )
         if micro.micro == 0:
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
@@ -94,8 +96,9 @@ class StepProtocol:
         t = self._timeouts
         self._membership.reach.began(group.generation)  # a long wait is checked on (rendezvous.reach)
         try:
-            summed = self._reducer.finish(Deadline.after(t.td("collective")), self._membership.must_abandon,
-                                          t.abort_poll_s)
+            summed = self._reducer.finish(
+                Deadline.after(t.td("collective")), self._membership.must_abandon, t.abort_poll_s
+            )
         except CollectiveError:
             self._reducer.cancel()
             raise

@@ -42,7 +42,7 @@ class Seal:
     @classmethod
     def from_token(cls, token: str) -> Seal:
         """Raises:
-            ValueError: ``token`` is empty."""
+        ValueError: ``token`` is empty."""
         if not token:
             raise ValueError("a seal needs a non-empty token")
         secret = token.encode()
@@ -68,10 +68,9 @@ class Seal:
         if len(sealed) < head + 16 or not sealed.startswith(MAGIC):  # 16: GCM's tag
             raise ValueError(f"store key {name}: not a sealed value ({len(sealed)} bytes)")
         try:
-            return AESGCM(self.enc_key).decrypt(sealed[len(MAGIC):head], sealed[head:], name.encode())
+            return AESGCM(self.enc_key).decrypt(sealed[len(MAGIC) : head], sealed[head:], name.encode())
         except InvalidTag:
-            raise ValueError(f"store key {name}: the value fails authentication (written without the token)") \
-                from None
+            raise ValueError(f"store key {name}: the value fails authentication (written without the token)") from None
 
     def counter_offset(self, name: str) -> int:
         """What a counter stored under ``name`` starts from, so its raw value tells nothing."""
@@ -103,7 +102,7 @@ class SealedStore(Store):
 
     def get(self, key: str) -> bytes:
         """Raises:
-            DistStoreError: the value was not sealed for this key under this generation's token."""
+        DistStoreError: the value was not sealed for this key under this generation's token."""
         name = self._name(key)
         try:
             return self._seal.open(name, self._base.get(name))

@@ -62,9 +62,15 @@ _UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
 
 
 def sync_state(
-    group: Group, state: TrainingState, deadline: Deadline, abandon: Abandon, poll_s: float,
-    subgroup: SubgroupBuilder | None = None, retire: Retire | None = None,
-    own_checksum: int | None = None, discard: Discard | None = None,
+    group: Group,
+    state: TrainingState,
+    deadline: Deadline,
+    abandon: Abandon,
+    poll_s: float,
+    subgroup: SubgroupBuilder | None = None,
+    retire: Retire | None = None,
+    own_checksum: int | None = None,
+    discard: Discard | None = None,
 ) -> SyncReport:
     """Make every rank of ``group`` hold rank 0's state, and prove it.
 
@@ -119,16 +125,28 @@ def sync_state(
     newest = max(range(world), key=lambda r: steps[r])
     if steps[newest] != steps[0]:
         raise CheckpointTransferError(f"rank 0 holds step {steps[0]} but rank {newest} holds {steps[newest]}")
-    needy = [r for r in range(1, world)
-             if lineages[r] < 0 or (steps[r], lineages[r]) != (steps[0], lineages[0])]
+    needy = [r for r in range(1, world) if lineages[r] < 0 or (steps[r], lineages[r]) != (steps[0], lineages[0])]
     transferred = 0
     mine: int | None = None
     for attempt in range(2):
         if needy:
-            mine, moved = _transfer(group, state, layout, arena, needy, n_layout, n_arena, attempt,
-                                    deadline, abandon, poll_s, subgroup, retire,
-                                    own_checksum if attempt == 0 else None,
-                                    lambda: _adopt_lineage(state, lineages[0], discard))
+            mine, moved = _transfer(
+                group,
+                state,
+                layout,
+                arena,
+                needy,
+                n_layout,
+                n_arena,
+                attempt,
+                deadline,
+                abandon,
+                poll_s,
+                subgroup,
+                retire,
+                own_checksum if attempt == 0 else None,
+                lambda: _adopt_lineage(state, lineages[0], discard),
+            )
             transferred += moved
         if mine is None:
             mine = own_checksum if attempt == 0 and own_checksum is not None else state.checksum()
@@ -142,14 +160,23 @@ def sync_state(
             log.warning("state_diverged", generation=group.generation, rank=me, step=step, ranks=diverged)
             needy, mine = diverged, (mine if me not in diverged else None)
             continue
-        raise StateCorrupt(f"state checksums differ across ranks after sync in generation {group.generation}: "
-                           f"ranks {diverged} differ from rank 0")
+        raise StateCorrupt(
+            f"state checksums differ across ranks after sync in generation {group.generation}: "
+            f"ranks {diverged} differ from rank 0"
+        )
     assert mine is not None
     state.lineage = group.generation
     report = SyncReport(transferred, mine, state.counters.step, time.monotonic() - started)
-    log.info("state_synced", generation=group.generation, rank=me, step=report.step,
-             transferred_bytes=transferred, receivers=len(needy), checksum=f"{mine:016x}",
-             duration_s=round(report.duration_s, 4))
+    log.info(
+        "state_synced",
+        generation=group.generation,
+        rank=me,
+        step=report.step,
+        transferred_bytes=transferred,
+        receivers=len(needy),
+        checksum=f"{mine:016x}",
+        duration_s=round(report.duration_s, 4),
+    )
     return report
 
 
@@ -179,7 +206,7 @@ def transfer_members(world_size: int, needy: Sequence[int], nbytes: int, can_sub
 
 
 class TransferMode(StrEnum):
-    P2P = "p2p"              # rank 0 sends to each receiver
+    P2P = "p2p"  # rank 0 sends to each receiver
     BROADCAST = "broadcast"  # a broadcast among the members
 
 
@@ -239,8 +266,9 @@ class _PointToPointLink:
     """Rank 0 sends each tensor to every receiver; a receiver receives each from rank 0. Tags count
     the tensors moved over this link, from ``tag_base``: both sides make the same calls."""
 
-    def __init__(self, group: Group, receivers: Sequence[int], tag_base: int, deadline: Deadline,
-                 abandon: Abandon, poll_s: float) -> None:
+    def __init__(
+        self, group: Group, receivers: Sequence[int], tag_base: int, deadline: Deadline, abandon: Abandon, poll_s: float
+    ) -> None:
         self.group, self._receivers, self._tag = group, list(receivers), tag_base
         self._deadline, self._abandon, self._poll_s = deadline, abandon, poll_s
 
@@ -262,9 +290,20 @@ class _PointToPointLink:
 
 
 def _transfer(
-    group: Group, state: TrainingState, layout: bytes, arena: torch.Tensor | None, needy: Sequence[int],
-    n_layout: int, n_arena: int, attempt: int, deadline: Deadline, abandon: Abandon,
-    poll_s: float, subgroup: SubgroupBuilder | None, retire: Retire | None, own_checksum: int | None,
+    group: Group,
+    state: TrainingState,
+    layout: bytes,
+    arena: torch.Tensor | None,
+    needy: Sequence[int],
+    n_layout: int,
+    n_arena: int,
+    attempt: int,
+    deadline: Deadline,
+    abandon: Abandon,
+    poll_s: float,
+    subgroup: SubgroupBuilder | None,
+    retire: Retire | None,
+    own_checksum: int | None,
     replaced: Callable[[], None],
 ) -> tuple[int | None, int]:
     """Rank 0's layout and arena to the ``needy`` ranks (``plan_transfer``). Returns this rank's
@@ -277,8 +316,11 @@ def _transfer(
     sub = group
     if plan.mode is TransferMode.BROADCAST and len(plan.members) < group.world_size and subgroup is not None:
         sub = subgroup(group, plan.members, f"sync{attempt}")
-    link: _Link = (_PointToPointLink(group, plan.members[1:], attempt << 8, deadline, abandon, poll_s)
-                   if plan.mode is TransferMode.P2P else _BroadcastLink(sub, deadline, abandon, poll_s))
+    link: _Link = (
+        _PointToPointLink(group, plan.members[1:], attempt << 8, deadline, abandon, poll_s)
+        if plan.mode is TransferMode.P2P
+        else _BroadcastLink(sub, deadline, abandon, poll_s)
+    )
     try:
         if me == 0:
             assert arena is not None
@@ -286,8 +328,11 @@ def _transfer(
         else:
             payload = torch.empty(n_arena, dtype=torch.uint8, device=dev)
         receives = me != 0
-        layout_t = (torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev) if me == 0
-                    else torch.empty(n_layout, dtype=torch.uint8, device=dev))
+        layout_t = (
+            torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(dev)
+            if me == 0
+            else torch.empty(n_layout, dtype=torch.uint8, device=dev)
+        )
         bounds = [n_arena * i // TRANSFER_CHUNKS for i in range(TRANSFER_CHUNKS + 1)]
         spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
         arrivals = link.move([layout_t, *(payload[a:b] for a, b in spans)])

@@ -149,7 +149,9 @@ class ElasticTrainer:
         for name, obj in (state or {}).items():
             self.state.register(name, obj)
         self._mode = BatchMode(batch_mode)
-        self.data = DataPlan(dataset_size, global_batch_size, seed, self._mode, reference_world_size, accumulation_steps)
+        self.data = DataPlan(
+            dataset_size, global_batch_size, seed, self._mode, reference_world_size, accumulation_steps
+        )
         self.accumulation_steps = accumulation_steps
         self._init_from = init_from
         self._store = store
@@ -157,8 +159,13 @@ class ElasticTrainer:
         self._journal = Journal(self.env, store, audit_path, audit_in_memory, log_interval_s, clock)
         # no callback into the trainer: a reference cycle kept closed trainers (and their store
         # connections) alive until a garbage collection
-        self.checkpoints = Checkpoints(checkpoint if checkpoint is not None else self.env.checkpoint,
-                                       self.env.world.job_id, self.env.node_id, self.state, self._journal)
+        self.checkpoints = Checkpoints(
+            checkpoint if checkpoint is not None else self.env.checkpoint,
+            self.env.world.job_id,
+            self.env.node_id,
+            self.state,
+            self._journal,
+        )
         self.checkpoint = self.checkpoints.config
         self._membership: Membership | None = None
         self._factory: GroupFactory | None = None
@@ -347,8 +354,13 @@ class ElasticTrainer:
     def _at_the_end(self, max_steps: int) -> bool:
         """This member applied step ``max_steps`` and has no step open: a loop left here (a
         ``break`` after the last step) ends the job like a loop that ran out."""
-        return (self.state.counters.step >= max_steps and self._open is None and self._pending is None
-                and self.group is not None and not (self._drained or self._job_finished or self._closed))
+        return (
+            self.state.counters.step >= max_steps
+            and self._open is None
+            and self._pending is None
+            and self.group is not None
+            and not (self._drained or self._job_finished or self._closed)
+        )
 
     def _steps(self, membership: Membership, max_steps: int) -> Iterator[Batch]:
         """This rank's batches until its state holds ``max_steps`` steps (or it drained, or the job
@@ -381,8 +393,9 @@ class ElasticTrainer:
             self._open = None
         self._save_if_due()
 
-    def loader(self, data: Any, *, max_steps: int, batch_size: int | None = None, **dataloader_kwargs: Any
-               ) -> Iterator[Any]:
+    def loader(
+        self, data: Any, *, max_steps: int, batch_size: int | None = None, **dataloader_kwargs: Any
+    ) -> Iterator[Any]:
         """Yield this rank's collated data for each step (or micro-batch) until ``max_steps`` steps
         are committed, fetched by a ``DataLoader`` (worker processes, pinned memory, your collate
         function): exactly once per epoch across any number of resizes (``loader.ElasticLoader``).
@@ -407,7 +420,9 @@ class ElasticTrainer:
             self._ensure_joined()
         if isinstance(data, torch.utils.data.DataLoader):
             if dataloader_kwargs:
-                raise ConfigError(f"loader: {sorted(dataloader_kwargs)} given with a DataLoader, whose settings are used")
+                raise ConfigError(
+                    f"loader: {sorted(dataloader_kwargs)} given with a DataLoader, whose settings are used"
+                )
             el = ElasticLoader.from_dataloader(data, self._sampler())
         else:
             el = ElasticLoader(data, self._sampler(), **dataloader_kwargs)
@@ -499,8 +514,9 @@ class ElasticTrainer:
         elif verdict.regroup:
             self._need_rendezvous, self._cause, self._cause_detail = True, "regroup", ""
             self._failed_at = self._clock()
-        self._journal.committed(batch, result.step, result.loss, result.generation, result.world_size,
-                                result.duration_s)
+        self._journal.committed(
+            batch, result.step, result.loss, result.generation, result.world_size, result.duration_s
+        )
         # rank 0 saves at the next batch, after the script's own post-step code (scheduler, EMA)
         self._save_due = group.rank == 0
         return result
@@ -522,8 +538,14 @@ class ElasticTrainer:
         assert self._membership is not None
         gen = self.group.generation if self.group else 0
         self._failures_this_step += 1
-        log.warning("step_failed", generation=gen, rank=self.group.rank if self.group else -1,
-                    step=self.state.counters.step + 1, error=str(exc)[:300], attempt=self._failures_this_step)
+        log.warning(
+            "step_failed",
+            generation=gen,
+            rank=self.group.rank if self.group else -1,
+            step=self.state.counters.step + 1,
+            error=str(exc)[:300],
+            attempt=self._failures_this_step,
+        )
         if self.group is not None:
             self._membership.abort(gen, str(exc))
         if not self._need_rendezvous:
@@ -543,20 +565,33 @@ class ElasticTrainer:
         self.group = None
         ck = self.checkpoints
         done = rejoin(
-            self._membership, self._factory, self.state, self.env.timeouts,
+            self._membership,
+            self._factory,
+            self.state,
+            self.env.timeouts,
             has_state=lambda: self._has_state or ck.resumed_from is not None,
-            disk_seq=lambda: ck.resumed_from.manifest.seq if ck.resumed_from is not None and not self._has_state else None,
-            resume=ck.resume if self.checkpoint.enabled else None, discard=self._journal.discard,
+            disk_seq=lambda: (
+                ck.resumed_from.manifest.seq if ck.resumed_from is not None and not self._has_state else None
+            ),
+            resume=ck.resume if self.checkpoint.enabled else None,
+            discard=self._journal.discard,
         )
         self.group, self.joined = done.group, done.joined
         self._has_state, self._need_rendezvous = True, False
         if self._mode is BatchMode.LINEAR_SCALING:
             reference = self.data.reference(self.state.counters, done.group.world_size)
             self._optimizers.rescale(done.group.world_size, reference, done.group.generation)
-        self._journal.recovered(group=done.group, record=done.joined.record, rendezvous_s=done.joined.duration_s,
-                                cause=self._cause, cause_detail=self._cause_detail, failed_at=self._failed_at,
-                                counters=self.state.counters, report=done.report,
-                                step_time_s=self.last_result.duration_s if self.last_result else None)
+        self._journal.recovered(
+            group=done.group,
+            record=done.joined.record,
+            rendezvous_s=done.joined.duration_s,
+            cause=self._cause,
+            cause_detail=self._cause_detail,
+            failed_at=self._failed_at,
+            counters=self.state.counters,
+            report=done.report,
+            step_time_s=self.last_result.duration_s if self.last_result else None,
+        )
 
     @property
     def resumed_from(self) -> LoadedCheckpoint | None:  # the durable checkpoint this state came from

@@ -19,8 +19,17 @@ def test_a_late_all_reduce_lands_in_the_abandoned_buffer_not_in_the_next_steps_g
     port = free_port()
     program = [sys.executable, "tests/programs/late_allreduce.py"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*program, str(r), str(port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [*program, str(r), str(port)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=45) for p in procs]
     finally:

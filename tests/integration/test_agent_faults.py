@@ -43,8 +43,11 @@ def test_a_frozen_worker_is_detected_as_hung_killed_and_replaced(agent_job):
     frozen_at = time.time()
     os.kill(victim, signal.SIGSTOP)
     try:
-        job.wait_for(lambda: any(r["t"] > frozen_at + 2 and r["world_size"] == 1 for r in job.commits("a")), 20,
-                     "the survivor to go on alone after the lease TTL")
+        job.wait_for(
+            lambda: any(r["t"] > frozen_at + 2 and r["world_size"] == 1 for r in job.commits("a")),
+            20,
+            "the survivor to go on alone after the lease TTL",
+        )
         job.wait_for(lambda: bool(b.events("worker_hung")), 20, "the agent to find the frozen worker hung")
     finally:
         try:
@@ -60,8 +63,9 @@ def test_a_frozen_worker_is_detected_as_hung_killed_and_replaced(agent_job):
     assert exited and exited[0]["signal"] == signal.SIGKILL, b.log_text()[-3000:]
     assert "as hung" in str(b.events("worker_restart_scheduled")[0]["reason"])
     # the replacement rejoins as a newcomer: it syncs into a world of 2
-    job.wait_for(lambda: any(r["world_size"] == 2 for r in _syncs_after(job, "b", frozen_at)), 60,
-                 "the replacement to join")
+    job.wait_for(
+        lambda: any(r["world_size"] == 2 for r in _syncs_after(job, "b", frozen_at)), 60, "the replacement to join"
+    )
     assert a.wait(90) == 0, job.logs_tail()
     assert b.wait(30) == 0, job.logs_tail()
     assert len(b.events("worker_started")) == 2
@@ -101,8 +105,11 @@ def test_node_loss_the_job_goes_on_smaller_and_the_node_rejoins_when_its_agent_i
     assert step_at_return < STEPS, "the job finished before the node came back: make it longer"
     back_at = time.time()
     b2 = job.start("b", "--nnodes", "1:2", program=_program(job, "b"))  # the same node id, a new agent
-    job.wait_for(lambda: any(r["t"] > back_at and r["world_size"] == 2 for r in job.commits("a")), 60,
-                 "the world to grow back to 2")
+    job.wait_for(
+        lambda: any(r["t"] > back_at and r["world_size"] == 2 for r in job.commits("a")),
+        60,
+        "the world to grow back to 2",
+    )
     assert a.wait(90) == 0, job.logs_tail()
     assert b2.wait(30) == 0, job.logs_tail()
     assert any(r["world_size"] == 2 for r in _syncs_after(job, "b", back_at))

@@ -47,20 +47,35 @@ def test_metrics_endpoint_shows_the_job_moving_and_counts_a_restart(agent_job):
     job: AgentJob = agent_job(lease_ttl_s=2, keepalive_s=0.5)
     port_a, port_b = free_port(), free_port()
     prog = [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", "400"]
-    a = job.start("a", "--nnodes", "1:2", "--metrics-port", str(port_a), "--stats-interval-s", "0.5",
-                  program=[*prog, "--audit", str(job.audit_path("a"))])
-    b = job.start("b", "--nnodes", "1:2", "--metrics-port", str(port_b),
-                  program=[*prog, "--audit", str(job.audit_path("b"))])
+    a = job.start(
+        "a",
+        "--nnodes",
+        "1:2",
+        "--metrics-port",
+        str(port_a),
+        "--stats-interval-s",
+        "0.5",
+        program=[*prog, "--audit", str(job.audit_path("a"))],
+    )
+    b = job.start(
+        "b", "--nnodes", "1:2", "--metrics-port", str(port_b), program=[*prog, "--audit", str(job.audit_path("b"))]
+    )
     job.wait_for(lambda: value(scrape(port_a), "elasticd_world_size") == 2, 60, "world size 2 in the metrics")
     first = scrape(port_a)
     assert value(first, "elasticd_agent_info", job_id=job.job_id, node="a") == 1
     assert (value(first, "elasticd_generation") or 0) >= 1
     step0 = value(first, "elasticd_committed_step")
     assert step0 is not None
-    job.wait_for(lambda: (value(scrape(port_a), "elasticd_committed_step") or -1) > step0 + 10, 20,
-                 "the committed step to grow in the metrics")
-    job.wait_for(lambda: (value(scrape(port_a), "elasticd_worker_rss_bytes", local_rank="0") or 0) > 10 * 2**20,
-                 10, "the worker's memory sample")
+    job.wait_for(
+        lambda: (value(scrape(port_a), "elasticd_committed_step") or -1) > step0 + 10,
+        20,
+        "the committed step to grow in the metrics",
+    )
+    job.wait_for(
+        lambda: (value(scrape(port_a), "elasticd_worker_rss_bytes", local_rank="0") or 0) > 10 * 2**20,
+        10,
+        "the worker's memory sample",
+    )
     now = scrape(port_a)
     assert value(now, "elasticd_worker_up", local_rank="0") == 1
     assert (value(now, "elasticd_worker_step_time_seconds", local_rank="0") or 0) > 0
@@ -69,12 +84,16 @@ def test_metrics_endpoint_shows_the_job_moving_and_counts_a_restart(agent_job):
     # a's worker trained alone first, so b's arrival was a regroup: a recovery with cause "regroup"
     before = scrape(port_a)
     failures_before = total(before, "elasticd_recoveries_total") - (
-        value(before, "elasticd_recoveries_total", cause="regroup") or 0)
+        value(before, "elasticd_recoveries_total", cause="regroup") or 0
+    )
     durations_before = value(before, "elasticd_recovery_duration_seconds_count") or 0
 
     os.kill(_worker_pid(b), signal.SIGKILL)
-    job.wait_for(lambda: value(scrape(port_b), "elasticd_worker_restarts_total", local_rank="0") == 1, 20,
-                 "the restart to be counted")
+    job.wait_for(
+        lambda: value(scrape(port_b), "elasticd_worker_restarts_total", local_rank="0") == 1,
+        20,
+        "the restart to be counted",
+    )
 
     def failures() -> float:
         s = scrape(port_a)

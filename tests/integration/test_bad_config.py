@@ -55,8 +55,9 @@ def _unreadable_file(tmp_path: Path) -> Path:
 # -- the config file ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["not utf-8", "directory", "directory from ELASTICD_CONFIG", "unreadable",
-                                  "invalid toml"])
+@pytest.mark.parametrize(
+    "case", ["not utf-8", "directory", "directory from ELASTICD_CONFIG", "unreadable", "invalid toml"]
+)
 def test_a_config_file_that_is_not_toml_text_is_a_config_error_naming_it(tmp_path: Path, case: str) -> None:
     path = tmp_path / "elasticd.toml"
     env: dict[str, str] = {}
@@ -84,27 +85,35 @@ def test_a_config_file_that_is_not_toml_text_is_a_config_error_naming_it(tmp_pat
 # -- job and node ids are names -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("argv", "env", "named"), [
-    (["--job-id", ".."], {}, "job_id"),
-    (["--job-id", "a/b"], {}, "job_id"),
-    ([], {"ELASTICD_JOB_ID": "."}, "job_id"),
-    (["--node-id", "../n"], {}, "node_id"),
-    ([], {"ELASTICD_NODE_ID": "node 1"}, "node_id"),
-])
-def test_the_agent_refuses_a_job_or_node_id_that_is_not_a_name(argv: list[str], env: dict[str, str],
-                                                              named: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["--job-id", ".."], {}, "job_id"),
+        (["--job-id", "a/b"], {}, "job_id"),
+        ([], {"ELASTICD_JOB_ID": "."}, "job_id"),
+        (["--node-id", "../n"], {}, "node_id"),
+        ([], {"ELASTICD_NODE_ID": "node 1"}, "node_id"),
+    ],
+)
+def test_the_agent_refuses_a_job_or_node_id_that_is_not_a_name(
+    argv: list[str], env: dict[str, str], named: str
+) -> None:
     line = _one_error_line(_run(AGENT + ["--etcd", "127.0.0.1:9", *argv, "--", "true"], **env), "elasticd")
     assert line.startswith(f"elasticd: {named}: must be 1 to 128 of the characters A-Z a-z 0-9 . _ -"), line
 
 
-@pytest.mark.parametrize(("argv", "env", "expected"), [
-    (["status", "--job", ".."], {}, "argument --job: job_id: must be 1 to 128"),
-    (["events", "--job", "a/b"], {}, "argument --job: job_id: must be 1 to 128"),
-    (["drain", "../n"], {}, "argument NODE: node_id: must be 1 to 128"),
-    (["status"], {"ELASTICD_JOB_ID": ".."}, "elasticctl: job_id: must be 1 to 128"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["status", "--job", ".."], {}, "argument --job: job_id: must be 1 to 128"),
+        (["events", "--job", "a/b"], {}, "argument --job: job_id: must be 1 to 128"),
+        (["drain", "../n"], {}, "argument NODE: node_id: must be 1 to 128"),
+        (["status"], {"ELASTICD_JOB_ID": ".."}, "elasticctl: job_id: must be 1 to 128"),
+    ],
+)
 def test_elasticctl_refuses_a_job_or_node_id_that_is_not_a_name(
-        argv: list[str], env: dict[str, str], expected: str) -> None:
+    argv: list[str], env: dict[str, str], expected: str
+) -> None:
     proc = _run(CTL + ["--etcd", "127.0.0.1:9", *argv], **env)  # nothing listens there: never reached
     assert proc.returncode == 2 and proc.stdout == "", proc
     assert expected in proc.stderr, proc.stderr
@@ -129,8 +138,9 @@ def test_a_worker_with_job_id_dotdot_writes_nothing_outside_its_checkpoint_dir(l
 def test_https_mixed_with_plaintext_endpoints_is_a_config_error() -> None:
     line = _one_error_line(_run(CTL + ["--etcd", "https://127.0.0.1:9,127.0.0.1:10", "status"]), "elasticctl")
     assert line.startswith("elasticctl: etcd_endpoints: https:// and plaintext endpoints mixed in one list"), line
-    line = _one_error_line(_run(AGENT + ["--etcd", "http://127.0.0.1:9,https://127.0.0.1:10", "--", "true"]),
-                           "elasticd")
+    line = _one_error_line(
+        _run(AGENT + ["--etcd", "http://127.0.0.1:9,https://127.0.0.1:10", "--", "true"]), "elasticd"
+    )
     assert line.startswith("elasticd: etcd_endpoints: https:// and plaintext endpoints mixed in one list"), line
 
 
@@ -142,6 +152,7 @@ def test_a_password_in_plaintext_to_a_remote_etcd_is_refused_before_it_is_sent(t
     flags = ["--etcd", "192.0.2.1:2379", "--etcd-user", "u", "--etcd-password-file", str(password_file)]
     argv = AGENT + flags + ["--", "true"] if prog == "elasticd" else CTL + flags + ["status"]
     line = _one_error_line(_run(argv), prog)
-    assert line.startswith(f"{prog}: etcd_user: its password would cross the network in plaintext to "
-                           "192.0.2.1:2379; "), line
+    assert line.startswith(
+        f"{prog}: etcd_user: its password would cross the network in plaintext to 192.0.2.1:2379; "
+    ), line
     assert "set etcd_insecure (--insecure) to allow it" in line, line

@@ -19,9 +19,25 @@ from elasticd.testing.localcluster import REPO_ROOT
 @pytest.mark.soak  # a benchmark run (~11 s): `pytest -m soak tests/integration/test_bench_agent.py`; what it
 @pytest.mark.timeout(180)  # measures is in the default suite (test_node_agent.py, test_agent_faults.py)
 def test_bench_agent_measures_crash_drain_and_node_loss_with_no_step_lost(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "1", "--spare-reps", "0", "--json",
-                           "--workdir", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticd.bench",
+            "agent",
+            "--reps",
+            "1",
+            "--spare-reps",
+            "0",
+            "--json",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     fig = result["figures"]
@@ -38,14 +54,35 @@ def test_bench_agent_measures_crash_drain_and_node_loss_with_no_step_lost(tmp_pa
 @pytest.mark.soak  # two agent jobs of four nodes each (~2 minutes): `pytest -m soak tests/integration/test_bench_agent.py`
 @pytest.mark.timeout(400)
 def test_bench_agent_measures_the_warm_spare_figures_with_no_step_lost(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "agent", "--reps", "0", "--spare-reps", "1",
-                           "--json", "--workdir", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=390)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticd.bench",
+            "agent",
+            "--reps",
+            "0",
+            "--spare-reps",
+            "1",
+            "--json",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=390,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     fig = result["figures"]
     assert result["errors"] == [] and result["violations"] == [], result
     assert fig["spare_steps_lost"] == 0
-    for name in ("full_size_s", "full_size_s_no_spares", "node_replace_s", "node_replace_s_no_spares",
-                 "overhead_ratio"):
+    for name in (
+        "full_size_s",
+        "full_size_s_no_spares",
+        "node_replace_s",
+        "node_replace_s_no_spares",
+        "overhead_ratio",
+    ):
         assert isinstance(fig[name], float) and fig[name] > 0, (name, fig)

@@ -25,8 +25,13 @@ def test_bench_host_loss_measures_both_jobs() -> None:
     why = unusable_here(os.getpid())
     if why:
         pytest.skip(f"needs network-namespace hosts: {why}")
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "host-loss", "--reps", "2", "--json"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd.bench", "host-loss", "--reps", "2", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     result = json.loads(proc.stdout)
     fig = result["figures"]

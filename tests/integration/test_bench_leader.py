@@ -25,9 +25,27 @@ def test_gaps_are_between_consecutive_commits_inside_the_window() -> None:
 @pytest.mark.soak  # a benchmark run (~40 s): `pytest -m soak tests/integration/test_bench_leader.py`; the
 @pytest.mark.timeout(200)  # behaviour it measures is in the default suite (test_etcd_cluster.py)
 def test_bench_leader_trains_through_leader_kills() -> None:
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "leader", "--workers", "2", "--reps", "2",
-                           "--window-s", "3", "--step-sleep", "0.02", "--json"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=190)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticd.bench",
+            "leader",
+            "--workers",
+            "2",
+            "--reps",
+            "2",
+            "--window-s",
+            "3",
+            "--step-sleep",
+            "0.02",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=190,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     result = json.loads(proc.stdout)
     fig = result["figures"]

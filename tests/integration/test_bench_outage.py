@@ -26,9 +26,27 @@ def test_rate_counts_steps_in_the_window() -> None:
 @pytest.mark.soak  # a benchmark run (~20 s): `pytest -m soak tests/integration/test_bench_outage.py`; the
 @pytest.mark.timeout(150)  # behaviour it measures is in the default suite (test_faults.py's etcd outage test)
 def test_bench_outage_trains_through_an_etcd_outage() -> None:
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "outage", "--workers", "2", "--outage-s", "6",
-                           "--window-s", "3", "--step-sleep", "0.01", "--json"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=140)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticd.bench",
+            "outage",
+            "--workers",
+            "2",
+            "--outage-s",
+            "6",
+            "--window-s",
+            "3",
+            "--step-sleep",
+            "0.01",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     result = json.loads(proc.stdout)
     fig = result["figures"]

@@ -45,6 +45,11 @@ def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_pat
 
 @pytest.mark.timeout(60)
 def test_the_command_line_refuses_fewer_than_two_members() -> None:
-    proc = subprocess.run([sys.executable, "-m", "elasticd.bench", "rendezvous", "--members", "1", "--json"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=50)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd.bench", "rendezvous", "--members", "1", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert proc.returncode == 1 and "--members must be >= 2" in proc.stderr

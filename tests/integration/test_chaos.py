@@ -64,15 +64,29 @@ def _failed(report: dict[str, object]) -> list[str]:
 def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path) -> None:
     netns = not _why_not_netns()  # the reason is printed by the run when it falls back
     code, report, err = _run_chaos(
-        tmp_path / "chaos", 170,
-        "--minutes", "0.75", "--mean-interval-s", "2.2", "--warmup-s", "2", "--etcd-members", "3",
-        "--min-nodes", "1", "--seed", "3", "--netns" if netns else "--no-netns",
-        "--relay", "mixed",  # both ways of following the job (rendezvous.relay) under the same faults
+        tmp_path / "chaos",
+        170,
+        "--minutes",
+        "0.75",
+        "--mean-interval-s",
+        "2.2",
+        "--warmup-s",
+        "2",
+        "--etcd-members",
+        "3",
+        "--min-nodes",
+        "1",
+        "--seed",
+        "3",
+        "--netns" if netns else "--no-netns",
+        "--relay",
+        "mixed",  # both ways of following the job (rendezvous.relay) under the same faults
         # A little more than the job commits in the warm-up and the 45 s of faults (~750 at ~13
         # steps/s; ~20 faults, so every kind at least once): the faults must end on time, not near
         # the last step, and the default (a fault-free rate) left ~25 s of steps to finish after
         # the faults ended.
-        "--steps", "900",
+        "--steps",
+        "900",
     )
     tail = err[-5000:]
     assert not _failed(report), f"{_failed(report)}\nstalls {report['stalls']}\n{tail}"
@@ -96,8 +110,16 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
 @pytest.mark.timeout(30 * 60 + 900)
 def test_soak_thirty_minutes_of_faults(tmp_path: Path) -> None:
     code, report, err = _run_chaos(
-        tmp_path / "chaos", 30 * 60 + 840,
-        "--minutes", "30", "--mean-interval-s", "10", "--etcd-members", "3", "--seed", "30",
+        tmp_path / "chaos",
+        30 * 60 + 840,
+        "--minutes",
+        "30",
+        "--mean-interval-s",
+        "10",
+        "--etcd-members",
+        "3",
+        "--seed",
+        "30",
     )
     assert not _failed(report), f"{_failed(report)}\nstalls {report['stalls']}\n{err[-5000:]}"
     assert code == 0

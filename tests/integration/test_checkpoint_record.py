@@ -43,18 +43,34 @@ def _record(client: EtcdClient, keys: Keys) -> tuple[int, int] | None:
 
 def _saved(step: int, seq: int) -> SavedCheckpoint:
     name = f"{seq:08d}-step{step:012d}"
-    manifest = Manifest(format=FORMAT, version=VERSION, job="j", seq=seq, step=step, generation=1, node="n0",
-                        signature="s", file=name + ".ckpt", file_bytes=1, header_bytes=1, payload_offset=0,
-                        payload_bytes=1, state_bytes=1, state_checksum=0, crc32=0, epoch=0, position=0,
-                        created=time.time())
+    manifest = Manifest(
+        format=FORMAT,
+        version=VERSION,
+        job="j",
+        seq=seq,
+        step=step,
+        generation=1,
+        node="n0",
+        signature="s",
+        file=name + ".ckpt",
+        file_bytes=1,
+        header_bytes=1,
+        payload_offset=0,
+        payload_bytes=1,
+        state_bytes=1,
+        state_checksum=0,
+        crc32=0,
+        epoch=0,
+        position=0,
+        created=time.time(),
+    )
     return SavedCheckpoint(Path("/ckpt") / (name + ".ckpt"), manifest, 0.0)
 
 
 def test_a_late_checkpoint_writer_never_sets_the_record_back(client: EtcdClient) -> None:
     keys = _keys()
     env = WorkerEnv(node_id="n0", world=WorldConfig(job_id=keys.job.rsplit("/", 1)[1]))
-    member = MemberRecord(member_id="m0", node="n0", local_rank=0, pid=1, host="127.0.0.1", store_port=1,
-                          signature="s")
+    member = MemberRecord(member_id="m0", node="n0", local_rank=0, pid=1, host="127.0.0.1", store_port=1, signature="s")
     membership = Membership(client, keys, member, env.world, env.timeouts)  # never started: no threads
     journal = Journal(env, client, None, audit_in_memory=False, log_interval_s=60.0)
     journal.open(membership, client, "m0", time.time())
@@ -94,8 +110,11 @@ class _RacingStore:
         return getattr(self._store, name)
 
 
-@pytest.mark.parametrize(("racer_step", "expected"), [(30, (30, 7)), (12, (15, 8))],
-                         ids=["a_newer_record_wins", "an_older_record_is_replaced"])
+@pytest.mark.parametrize(
+    ("racer_step", "expected"),
+    [(30, (30, 7)), (12, (15, 8))],
+    ids=["a_newer_record_wins", "an_older_record_is_replaced"],
+)
 def test_a_writer_that_loses_the_race_reads_again_and_decides_again(
     client: EtcdClient, racer_step: int, expected: tuple[int, int]
 ) -> None:

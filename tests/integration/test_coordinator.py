@@ -27,13 +27,19 @@ TTL_S = Timeouts().lease_ttl_s
 
 
 class Member:
-    def __init__(self, endpoint: str, job: str, node: str, out: Path, min_workers: int, max_workers: int,
-                 grace_s: float) -> None:
+    def __init__(
+        self, endpoint: str, job: str, node: str, out: Path, min_workers: int, max_workers: int, grace_s: float
+    ) -> None:
         self.out = out
         self.log = out.open("w")
-        self.proc = subprocess.Popen(python_program("tests/programs/rdzv_member.py", endpoint, job, node,
-                                                    str(min_workers), str(max_workers), str(grace_s)),
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": "."})
+        self.proc = subprocess.Popen(
+            python_program(
+                "tests/programs/rdzv_member.py", endpoint, job, node, str(min_workers), str(max_workers), str(grace_s)
+            ),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONPATH": "."},
+        )
 
     def lines(self) -> list[dict[str, object]]:
         out = []
@@ -66,16 +72,25 @@ def members(tmp_path: Path) -> Iterator[list[Member]]:
 
 
 @contextmanager
-def _job(etcd_server, members: list[Member], tmp_path: Path, name: str, n: int, min_workers: int,  # type: ignore[no-untyped-def]
-         max_workers: int, grace_s: float) -> Iterator[tuple[str, Keys, EtcdClient]]:
+def _job(
+    etcd_server,
+    members: list[Member],
+    tmp_path: Path,
+    name: str,
+    n: int,
+    min_workers: int,  # type: ignore[no-untyped-def]
+    max_workers: int,
+    grace_s: float,
+) -> Iterator[tuple[str, Keys, EtcdClient]]:
     """A fresh job of ``n`` member processes (nodes n0..), and a client of the test's own."""
     job = f"{name}{time.monotonic_ns()}"
     keys = Keys("/elasticd", job)
     store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
     try:
         for i in range(n):
-            members.append(Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", min_workers,
-                                  max_workers, grace_s))
+            members.append(
+                Member(etcd_server.endpoint, job, f"n{i}", tmp_path / f"m{i}.out", min_workers, max_workers, grace_s)
+            )
         yield job, keys, store
     finally:
         store.close()
@@ -90,7 +105,8 @@ def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
 
 @pytest.mark.parametrize("grace_s", [Timeouts().coordinator_grace_s, 60.0], ids=["deputies", "election only"])
 def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_completes(
-        etcd_server, members: list[Member], tmp_path: Path, grace_s: float) -> None:
+    etcd_server, members: list[Member], tmp_path: Path, grace_s: float
+) -> None:
     """No agent revokes the victim's lease (as on a node that died with its agent): with deputies,
     rank 0 or 1 of the old generation publishes after ``coordinator_grace_s``; without them (a grace
     longer than the test), a new coordinator is elected when the victim's lease ends."""
@@ -113,13 +129,23 @@ def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_comp
         bound = TTL_S + 1.0
 
         def joined_without_victim() -> bool:
-            return all(any(r.get("generation", 0) > 1 and r.get("world") == 3 and r.get("t", 0) > killed_at  # type: ignore[operator]
-                           for r in m.lines()) for m in alive)
+            return all(
+                any(
+                    r.get("generation", 0) > 1 and r.get("world") == 3 and r.get("t", 0) > killed_at  # type: ignore[operator]
+                    for r in m.lines()
+                )
+                for m in alive
+            )
 
         _wait(joined_without_victim, bound + 30, "a generation of the three live members")
-        done = max(min(float(r["t"]) for r in m.lines()  # type: ignore[arg-type]
-                       if r.get("generation", 0) > 1 and r.get("world") == 3 and float(r["t"]) > killed_at)  # type: ignore[arg-type, operator]
-                   for m in alive)
+        done = max(
+            min(
+                float(r["t"])
+                for r in m.lines()  # type: ignore[arg-type]
+                if r.get("generation", 0) > 1 and r.get("world") == 3 and float(r["t"]) > killed_at
+            )  # type: ignore[arg-type, operator]
+            for m in alive
+        )
         took = done - killed_at
         assert took <= bound, f"the round took {took:.2f} s > TTL + 1 s = {bound} s"
         if grace_s > bound:  # no deputy: the victim's lease had to end first
@@ -127,13 +153,20 @@ def test_a_coordinator_killed_during_a_join_round_is_replaced_and_the_round_comp
         # the same generation for all, with dense ranks, and a live coordinator in charge
         last = [max((r for r in m.lines() if "generation" in r), key=lambda r: r["generation"]) for m in alive]  # type: ignore[arg-type, return-value]
         assert len({r["generation"] for r in last}) == 1 and sorted(r["rank"] for r in last) == [0, 1, 2]  # type: ignore[type-var]
-        _wait(lambda: (kv := store.get(keys.coordinator)) is not None
-              and decode(CoordinatorRecord, kv.value).member_id != coordinator, bound + 5, "a new coordinator")
+        _wait(
+            lambda: (
+                (kv := store.get(keys.coordinator)) is not None
+                and decode(CoordinatorRecord, kv.value).member_id != coordinator
+            ),
+            bound + 5,
+            "a new coordinator",
+        )
         assert not any("error" in r for m in alive for r in m.lines())
 
 
 def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
-        etcd_server, members: list[Member], tmp_path: Path) -> None:
+    etcd_server, members: list[Member], tmp_path: Path
+) -> None:
     """A node lost with its agent: its worker's lease lives on for up to the TTL. The generation
     that the others form without it (after the abort their failed collective writes) consumed its
     old ready record: it must not come back as a candidate (it once did: the next generation was
@@ -147,12 +180,14 @@ def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
         victim_id = victim.member_id()
         victim.proc.send_signal(signal.SIGKILL)  # unrevoked: its lease lives on for up to the TTL
         victim.proc.wait(10)
-        killed_at = time.time()
         # what a survivor's failed all_reduce writes
         store.put(keys.abort, encode(AbortRecord(generation=1, member_id=coordinator, reason="peer lost")))
         alive = [m for m in members if m is not victim]
-        _wait(lambda: all(any(r.get("generation", 0) > 1 and r.get("world") == 2 for r in m.lines()) for m in alive),
-              TTL_S + 5, "a generation of the two live members")
+        _wait(
+            lambda: all(any(r.get("generation", 0) > 1 and r.get("world") == 2 for r in m.lines()) for m in alive),
+            TTL_S + 5,
+            "a generation of the two live members",
+        )
         _wait(lambda: not store.get_prefix(keys.member(victim_id or "")), TTL_S + 5, "the victim's lease to end")
         time.sleep(1.0)  # a generation published with the dead member would show by now
         # (on a loaded machine a survivor may come after the last call: a third generation takes
@@ -166,7 +201,8 @@ def test_a_member_killed_unrevoked_is_not_taken_back_into_the_next_generation(
 
 
 def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_deputy_tier(
-        etcd_server, members: list[Member], tmp_path: Path) -> None:
+    etcd_server, members: list[Member], tmp_path: Path
+) -> None:
     """The coordinator and both deputies of tier 0 die unrevoked at once (one node lost holding
     them, or a node lost while another's link is down): with nobody to write a verdict, the next
     tier (rank 2, ``deputy_step_s`` later) publishes the survivors' generation, well before the
@@ -175,11 +211,20 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
     with _job(etcd_server, members, tmp_path, "tiers", 5, 2, 5, 0.0) as (job, keys, store):
 
         def latest(m: Member) -> dict[str, object]:
-            return max((r for r in m.lines() if "generation" in r), key=lambda r: r["generation"],  # type: ignore[arg-type, return-value]
-                       default={})
+            return max(
+                (r for r in m.lines() if "generation" in r),
+                key=lambda r: r["generation"],  # type: ignore[arg-type, return-value]
+                default={},
+            )
 
-        _wait(lambda: all(latest(m).get("world") == 5 for m in members)
-              and len({latest(m)["generation"] for m in members}) == 1, 60, "one generation of all five")
+        _wait(
+            lambda: (
+                all(latest(m).get("world") == 5 for m in members)
+                and len({latest(m)["generation"] for m in members}) == 1
+            ),
+            60,
+            "one generation of all five",
+        )
         generation = int(latest(members[0])["generation"])  # type: ignore[call-overload]
         kv = store.get(keys.coordinator)
         assert kv is not None
@@ -192,12 +237,17 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
             v.proc.wait(10)
         killed_at = time.time()
         # what a survivor's failed all_reduce writes
-        store.put(keys.abort, encode(AbortRecord(generation=generation, member_id=alive[0].member_id() or "",
-                                                 reason="peer lost")))
+        store.put(
+            keys.abort,
+            encode(AbortRecord(generation=generation, member_id=alive[0].member_id() or "", reason="peer lost")),
+        )
 
         def first_after(m: Member) -> float | None:
-            ts = [float(r["t"]) for r in m.lines()  # type: ignore[arg-type]
-                  if r.get("generation", 0) > generation and r.get("world") == len(alive)]  # type: ignore[operator]
+            ts = [
+                float(r["t"])
+                for r in m.lines()  # type: ignore[arg-type]
+                if r.get("generation", 0) > generation and r.get("world") == len(alive)
+            ]  # type: ignore[operator]
             return min(ts) if ts else None
 
         _wait(lambda: all(first_after(m) is not None for m in alive), TTL_S + 10, "a generation of the survivors")
@@ -208,19 +258,28 @@ def test_a_coordinator_lost_together_with_rank_0_and_1_is_replaced_by_a_later_de
         last = [latest(m) for m in alive]
         assert len({r["generation"] for r in last}) == 1 and sorted(r["rank"] for r in last) == list(range(len(alive)))  # type: ignore[type-var]
         assert not any("error" in r for m in alive for r in m.lines())
-        _wait(lambda: (kv := store.get(keys.coordinator)) is not None
-              and decode(CoordinatorRecord, kv.value).member_id in {m.member_id() for m in alive}, TTL_S + 5,
-              "a live coordinator")
+        _wait(
+            lambda: (
+                (kv := store.get(keys.coordinator)) is not None
+                and decode(CoordinatorRecord, kv.value).member_id in {m.member_id() for m in alive}
+            ),
+            TTL_S + 5,
+            "a live coordinator",
+        )
 
 
 def test_a_member_whose_lease_is_revoked_is_left_in_one_round_and_no_survivor_writes_a_ready_record(
-        etcd_server, members: list[Member], tmp_path: Path) -> None:
+    etcd_server, members: list[Member], tmp_path: Path
+) -> None:
     """A leave in one round (``rendezvous.survivors``): a member SIGKILLed and its lease
     revoked, as its agent does. The survivors' generation is published at once, in their old rank
     order, and each of them joins it without writing a ``ready`` record."""
     with _job(etcd_server, members, tmp_path, "leave", 4, 2, 4, Timeouts().coordinator_grace_s) as (job, keys, store):
-        _wait(lambda: all(any(r.get("generation") == 1 and r.get("world") == 4 for r in m.lines()) for m in members),
-              60, "generation 1 of 4")
+        _wait(
+            lambda: all(any(r.get("generation") == 1 and r.get("world") == 4 for r in m.lines()) for m in members),
+            60,
+            "generation 1 of 4",
+        )
         g1 = decode_generation(store.get(keys.generation).value)  # type: ignore[union-attr]
         assert g1.holders == 4
         kv = store.get(keys.coordinator)

@@ -58,6 +58,7 @@ class _CutStore:
             if self._cut.is_set():
                 raise EtcdUnavailable(f"{name}: etcd is out of reach (cut)")
             return real(*args, **kwargs)
+
         return call
 
 
@@ -71,10 +72,18 @@ class _Job:
         self.members: list[Membership] = []
 
     def member(self, name: str, store: Any, timeouts: Timeouts, min_workers: int) -> Membership:
-        rec = MemberRecord(member_id=f"{name}.0.{os.getpid()}", node=name, local_rank=0, pid=os.getpid(),
-                           host="127.0.0.1", store_port=1, signature="s" * 64)
-        m = Membership(store, self.keys, rec, WorldConfig(job_id=self.job_id, min_workers=min_workers, max_workers=3),
-                       timeouts)
+        rec = MemberRecord(
+            member_id=f"{name}.0.{os.getpid()}",
+            node=name,
+            local_rank=0,
+            pid=os.getpid(),
+            host="127.0.0.1",
+            store_port=1,
+            signature="s" * 64,
+        )
+        m = Membership(
+            store, self.keys, rec, WorldConfig(job_id=self.job_id, min_workers=min_workers, max_workers=3), timeouts
+        )
         m.start()
         self.members.append(m)
         return m

@@ -15,8 +15,19 @@ pytestmark = pytest.mark.timeout(200)
 
 def test_demo_runs_agents_kills_a_worker_drains_a_node_adds_one_and_passes_its_audit(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "elasticd.demo", "--steps", "200", "--step-sleep", "0.1",
-           "--timeout", "150", "--workdir", str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elasticd.demo",
+        "--steps",
+        "200",
+        "--step-sleep",
+        "0.1",
+        "--timeout",
+        "150",
+        "--workdir",
+        str(workdir),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=170)

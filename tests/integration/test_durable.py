@@ -89,15 +89,19 @@ def test_full_restart_after_sigkill_of_every_worker_resumes_from_the_checkpoint_
     for _ in range(3):
         first.spawn(*ARGS, *flags)
     directory = job_dir(ckpt, first.job_id)
-    first.wait_for(lambda: first.committed() >= 70 and bool(_good(directory)) and max(_good(directory)) >= 60,
-                   90, "step 70 and a checkpoint at step 60")
+    first.wait_for(
+        lambda: first.committed() >= 70 and bool(_good(directory)) and max(_good(directory)) >= 60,
+        90,
+        "step 70 and a checkpoint at step 60",
+    )
     _kill_all(first)
     reached = first.committed()
     saved = _good(directory)
     assert len(saved) <= 3, saved  # retention
     resume_step = saved[0]
-    manifest = read_manifest(directory / next(p for p in os.listdir(directory)
-                                              if p.endswith(f"step{resume_step:012d}.json")))
+    manifest = read_manifest(
+        directory / next(p for p in os.listdir(directory) if p.endswith(f"step{resume_step:012d}.json"))
+    )
     assert reached >= resume_step  # the steps after the checkpoint are lost and will be computed again
 
     client = _client(etcd_server)
@@ -150,8 +154,10 @@ def test_full_restart_after_sigkill_of_every_worker_resumes_from_the_checkpoint_
         a, b = commits1[step], commits2[step]
         assert (a["epoch"], a["position"], a["indices"]) == (b["epoch"], b["position"], b["indices"]), step
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * max(1.0, abs(a["loss"])), step
-    assert (manifest.epoch, manifest.position) == (commits1[resume_step + 1]["epoch"],
-                                                   commits1[resume_step + 1]["position"])
+    assert (manifest.epoch, manifest.position) == (
+        commits1[resume_step + 1]["epoch"],
+        commits1[resume_step + 1]["position"],
+    )
 
     # the equivalence of the core holds across the full restart
     finals = [_final(second.dir, i) for i in range(3)]
@@ -201,8 +207,17 @@ def test_damaged_and_foreign_checkpoints_are_refused_and_the_previous_good_one_i
     name = "99999999-step000000000999"
     (directory / f"{name}.ckpt").write_bytes(evil)
     fake = json.loads(entries[good].manifest_path.read_text())  # type: ignore[union-attr]
-    fake.update(seq=99999999, step=999, file=f"{name}.ckpt", file_bytes=len(evil), crc32=zlib.crc32(evil),
-                state_bytes=0, header_bytes=0, payload_offset=0, payload_bytes=len(evil))
+    fake.update(
+        seq=99999999,
+        step=999,
+        file=f"{name}.ckpt",
+        file_bytes=len(evil),
+        crc32=zlib.crc32(evil),
+        state_bytes=0,
+        header_bytes=0,
+        payload_offset=0,
+        payload_bytes=len(evil),
+    )
     (directory / f"{name}.json").write_text(json.dumps(fake))
 
     second = _restart(local_job, first, min_workers=2)
@@ -219,8 +234,10 @@ def test_damaged_and_foreign_checkpoints_are_refused_and_the_previous_good_one_i
         assert "not an elasticd checkpoint" in reasons[999]
         assert "truncated" in reasons[newest]
         assert "does not match" in reasons[second_newest] and "corrupt bytes" in reasons[second_newest]
-    rep = check([r for r in _records(first.dir) if r["event"] != "commit" or int(r["step"]) <= good]
-                + _records(second.dir), DATASET)
+    rep = check(
+        [r for r in _records(first.dir) if r["event"] != "commit" or int(r["step"]) <= good] + _records(second.dir),
+        DATASET,
+    )
     assert rep.ok, rep.violations
     assert rep.last_step == 120
 
@@ -266,8 +283,9 @@ def _save_errors(job: Any) -> list[dict[str, Any]]:
 def test_a_full_filesystem_is_reported_and_training_goes_on(local_job: Any, tmpfs: Path) -> None:
     job = local_job(min_workers=2)
     for _ in range(2):
-        job.spawn("--steps", "80", "--step-sleep", "0.01", "--checkpoint-dir", str(tmpfs),
-                  "--checkpoint-every-steps", "10")
+        job.spawn(
+            "--steps", "80", "--step-sleep", "0.01", "--checkpoint-dir", str(tmpfs), "--checkpoint-every-steps", "10"
+        )
     assert job.wait_all(120) == [0, 0], job.logs_tail()
     rep = job.audit()
     assert rep.ok and rep.last_step == 80, rep.violations
@@ -283,8 +301,18 @@ def test_a_full_filesystem_is_reported_and_training_goes_on(local_job: Any, tmpf
 def test_a_read_only_directory_is_reported_and_training_goes_on(local_job: Any, tmpfs: Path) -> None:
     job = local_job(min_workers=2)
     for _ in range(2):
-        job.spawn("--steps", "150", "--step-sleep", "0.02", "--checkpoint-dir", str(tmpfs),
-                  "--checkpoint-every-steps", "10", "--checkpoint-keep", "1")
+        job.spawn(
+            "--steps",
+            "150",
+            "--step-sleep",
+            "0.02",
+            "--checkpoint-dir",
+            str(tmpfs),
+            "--checkpoint-every-steps",
+            "10",
+            "--checkpoint-keep",
+            "1",
+        )
     directory = job_dir(tmpfs, job.job_id)
     job.wait_for(lambda: bool(_good(directory)), 60, "the first checkpoint")
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
@@ -324,8 +352,17 @@ def test_a_changed_model_keeps_the_old_checkpoints_and_starts_over_only_when_all
     assert sorted(os.listdir(directory)) == files_a  # nothing deleted, nothing written
 
     allowed = _restart(local_job, first, min_workers=1)
-    allowed.spawn("--steps", "30", "--hidden", "64", *flags, "--checkpoint-keep", "1", etcd_prefix="/elasticd-c",
-                  checkpoint_allow_new_model="true")
+    allowed.spawn(
+        "--steps",
+        "30",
+        "--hidden",
+        "64",
+        *flags,
+        "--checkpoint-keep",
+        "1",
+        etcd_prefix="/elasticd-c",
+        checkpoint_allow_new_model="true",
+    )
     assert allowed.wait_all(120) == [0], allowed.logs_tail()
     assert '"checkpoint_new_model_started"' in allowed.workers[0].log_text()
     assert not [r for r in _records(allowed.dir) if r["event"] == "resume"]  # from step 1

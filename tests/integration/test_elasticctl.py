@@ -34,8 +34,14 @@ CLI_TIMEOUT_S = 60
 def elasticctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
     clean.update(env or {})
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], cwd=REPO_ROOT, env=clean,
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd.cli", *args],
+        cwd=REPO_ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
 
 
 @pytest.fixture
@@ -48,15 +54,20 @@ def running_job(local_job: Any, client: EtcdClient) -> Any:
 
     def training_with_progress() -> bool:
         st = read_status(client, keys, now=0.0)
-        return (st.generation is not None and st.generation.world_size == 2 and len(st.members) == 2
-                and all(m.state is WorkerState.TRAINING and m.committed_step for m in st.members))
+        return (
+            st.generation is not None
+            and st.generation.world_size == 2
+            and len(st.members) == 2
+            and all(m.state is WorkerState.TRAINING and m.committed_step for m in st.members)
+        )
 
     job.wait_for(training_with_progress, 90, "a generation of 2 whose members published progress")
     return job
 
 
-def test_status_json_lists_every_member_and_the_exit_code_follows_health(running_job: Any,
-                                                                          etcd_server: EtcdServer) -> None:
+def test_status_json_lists_every_member_and_the_exit_code_follows_health(
+    running_job: Any, etcd_server: EtcdServer
+) -> None:
     job = running_job
     base = ["--etcd", etcd_server.endpoint, "status", "--job", job.job_id, "--json"]
 
@@ -80,8 +91,13 @@ def test_status_json_lists_every_member_and_the_exit_code_follows_health(running
     assert data["missing"] == [] and data["malformed"] == [] and data["finished"] is None
 
     # Below max_workers: degraded, exit 1. Endpoint and job come from the environment this time.
-    proc = elasticctl("status", "--json", "--max-workers", "3",
-                      env={"ELASTICD_ETCD_ENDPOINTS": etcd_server.endpoint, "ELASTICD_JOB_ID": job.job_id})
+    proc = elasticctl(
+        "status",
+        "--json",
+        "--max-workers",
+        "3",
+        env={"ELASTICD_ETCD_ENDPOINTS": etcd_server.endpoint, "ELASTICD_JOB_ID": job.job_id},
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert (data["health"], data["max_workers"]) == ("degraded", 3)
@@ -105,14 +121,14 @@ def test_garbage_in_etcd_is_listed_as_malformed_and_status_still_answers(
     client.put(f"{keys.job}/other/x", b"keys it does not know are not listed")
     client.put(keys.event("x"), b"an event that does not parse is listed")
     client.put(keys.node("y"), b"[1, 2]")
-    proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id, "--json",
-                      "--max-workers", "2")
+    proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id, "--json", "--max-workers", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert data["health"] == "healthy" and len(data["members"]) == 2
     bad = sorted(s.split(": ", 1)[0] for s in data["malformed"])
-    assert bad == sorted([keys.member("garbage"), keys.progress("garbage"), keys.event("x"), keys.node("y")]), \
-        data["malformed"]
+    assert bad == sorted([keys.member("garbage"), keys.progress("garbage"), keys.event("x"), keys.node("y")]), data[
+        "malformed"
+    ]
 
     proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", job.job_id)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -120,8 +136,21 @@ def test_garbage_in_etcd_is_listed_as_malformed_and_status_still_answers(
 
 
 def test_watch_prints_one_json_line_per_frame(running_job: Any, etcd_server: EtcdServer) -> None:
-    proc = elasticctl("--etcd", etcd_server.endpoint, "status", "--job", running_job.job_id, "--json",
-                      "--watch", "--interval", "0.2", "--count", "3", "--max-workers", "3")
+    proc = elasticctl(
+        "--etcd",
+        etcd_server.endpoint,
+        "status",
+        "--job",
+        running_job.job_id,
+        "--json",
+        "--watch",
+        "--interval",
+        "0.2",
+        "--count",
+        "3",
+        "--max-workers",
+        "3",
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     frames = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(frames) == 3 and all(f["health"] == "degraded" for f in frames)
@@ -182,8 +211,9 @@ def test_a_bad_variable_is_named_when_a_flag_falls_back_on_the_environment() -> 
         (["events", "--limit", "0"], "argument --limit: expected an integer >= 1"),
     ],
 )
-def test_bad_command_lines_are_argparse_errors(argv: list[str], message: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_command_lines_are_argparse_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         ctl_main(argv)
     assert info.value.code == 2

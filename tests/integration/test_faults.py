@@ -76,8 +76,11 @@ def test_fds_and_threads_stay_bounded_over_50_generation_changes(local_job):
     churn = job.spawn("--cycles", "26", "--audit-dir", str(job.dir), program="tests/programs/churn.py", audit=False)
     assert churn.wait(150) == 0, job.logs_tail()
     survivor.stop()
-    syncs = [r for r in __import__("elasticd.testing.audit", fromlist=["x"]).read_lines([job.dir / "audit0.jsonl"])
-             if r["event"] == "sync"]
+    syncs = [
+        r
+        for r in __import__("elasticd.testing.audit", fromlist=["x"]).read_lines([job.dir / "audit0.jsonl"])
+        if r["event"] == "sync"
+    ]
     assert len(syncs) >= 50, len(syncs)
     early, late = syncs[5], syncs[-1]
     assert late["fds"] <= early["fds"] + 4, (early, late)
@@ -136,8 +139,12 @@ def test_garbage_written_into_etcd_is_reported_and_the_job_goes_on(local_job, et
     job.wait_for(lambda: job.committed() >= 30, 60, "30 committed steps")
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
     prefix = f"/elasticd/{job.job_id}"
-    for key, value in [("members/garbage", b"not json"), ("ready/x", b'{"member_id": 5}'),
-                       ("abort", b"\xff\xfe"), ("generation", b"[[[[")]:
+    for key, value in [
+        ("members/garbage", b"not json"),
+        ("ready/x", b'{"member_id": 5}'),
+        ("abort", b"\xff\xfe"),
+        ("generation", b"[[[["),
+    ]:
         client.put(f"{prefix}/{key}", value)
     codes = job.wait_all(120)
     assert codes == [0, 0], job.logs_tail()
@@ -233,4 +240,3 @@ def test_etcd_restarts_mixed_with_worker_kills_repeat_no_step(local_job, etcd_se
     job.wait_all(60)
     rep = job.audit()
     assert rep.ok, rep.violations
-

@@ -39,8 +39,7 @@ def test_rank_0s_next_build_does_not_wait_for_an_abandoned_build_stuck_in_gloo_c
 
     def build3(r: int) -> None:
         try:
-            factories[r].build(3, r, 3, HOST, port, Deadline.after(T.group_build_s), abandoned.is_set,
-                               token="03" * 16)
+            factories[r].build(3, r, 3, HOST, port, Deadline.after(T.group_build_s), abandoned.is_set, token="03" * 16)
         except CollectiveError as exc:  # PeerLost, once abandoned
             errors.append(exc)
 
@@ -57,8 +56,7 @@ def test_rank_0s_next_build_does_not_wait_for_an_abandoned_build_stuck_in_gloo_c
 
     def build4(r: int) -> None:
         started = time.monotonic()
-        group = factories[r].build(4, r, 2, HOST, port, Deadline.after(T.group_build_s), lambda: False,
-                                   token="04" * 16)
+        group = factories[r].build(4, r, 2, HOST, port, Deadline.after(T.group_build_s), lambda: False, token="04" * 16)
         built.append(time.monotonic() - started)
         factories[r].retire(group)
 

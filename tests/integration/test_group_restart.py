@@ -53,21 +53,35 @@ class Run:
 
     def spawn(self, argv: list[str], log: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
         with (self.root / log).open("ab") as out:
-            proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.procs.append(proc)
         return proc
 
     def agent(self, etcd: EtcdServer, job: str, node: str, *flags: str) -> subprocess.Popen[bytes]:
-        argv = [*AGENT, "--mode", "restart", "--etcd", etcd.endpoint, "--job-id", job, "--node-id", node, *flags,
-                "--", *self.script("--step-sleep", str(STEP_SLEEP))]
-        return self.spawn(argv, f"agent-{node}.log", _env(lease_ttl_s=2, keepalive_s=0.5,
-                                                          restart_backoff_initial_s=0.1))
+        argv = [
+            *AGENT,
+            "--mode",
+            "restart",
+            "--etcd",
+            etcd.endpoint,
+            "--job-id",
+            job,
+            "--node-id",
+            node,
+            *flags,
+            "--",
+            *self.script("--step-sleep", str(STEP_SLEEP)),
+        ]
+        return self.spawn(
+            argv, f"agent-{node}.log", _env(lease_ttl_s=2, keepalive_s=0.5, restart_backoff_initial_s=0.1)
+        )
 
     def records(self, rank: int) -> list[dict[str, object]]:
         path = self.out / f"rank{rank}.jsonl"
         rows = []
-        for line in (path.read_text().splitlines() if path.exists() else []):
+        for line in path.read_text().splitlines() if path.exists() else []:
             try:
                 rows.append(json.loads(line))
             except ValueError:
@@ -85,11 +99,13 @@ class Run:
         return log_events(self.root / f"agent-{node}.log", name)
 
     def nodes(self) -> list[str]:
-        return [p.name[len("agent-"):-len(".log")] for p in sorted(self.root.glob("agent-*.log"))]
+        return [p.name[len("agent-") : -len(".log")] for p in sorted(self.root.glob("agent-*.log"))]
 
     def tail(self, n: int = 30) -> str:
-        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
-                         for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
+            for p in sorted(self.root.glob("*.log"))
+        )
 
     def stop(self) -> None:
         for p in self.procs:
@@ -124,8 +140,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     for attempt in range(2):
         r = Run(tmp_path_factory.mktemp("torchrun"))
         try:
-            proc = r.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            *r.script()], "torchrun.log", _env())
+            proc = r.spawn(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *r.script()],
+                "torchrun.log",
+                _env(),
+            )
             code = proc.wait(120)
             if code != 0 and attempt == 0 and TORCH_EXIT_ABORT in r.tail(1000):
                 continue
@@ -170,15 +189,15 @@ def _check_restarted_and_consistent(run: Run, world: int, killed_at: float, step
         assert len(starts) == 2 + len(aborts), (rank, starts, aborts)  # the first start, the restart(s)
         if aborts:
             last = starts[-1]
-            tail_steps = [int(r["step"]) for r in rows
-                          if r["event"] == "step" and r["restart_count"] == last["restart_count"]]
+            tail_steps = [
+                int(r["step"]) for r in rows if r["event"] == "step" and r["restart_count"] == last["restart_count"]
+            ]
             assert tail_steps == list(range(int(last["resumed_from"]) + 1, STEPS + 1)), (rank, tail_steps[:5])
         again = starts[1]
         assert again["restart_count"] == 1 and again["world_size"] == world
         resumed = int(again["resumed_from"])
         # the newest checkpoint rank 0 saved before the group was stopped: at most one interval lost
-        before = max(int(r["step"]) for r in run.records(0)
-                     if r["event"] == "step" and r["restart_count"] == 0)
+        before = max(int(r["step"]) for r in run.records(0) if r["event"] == "step" and r["restart_count"] == 0)
         assert before >= step_at_kill, (before, step_at_kill)
         assert resumed % SAVE_EVERY == 0 and 0 < before - SAVE_EVERY <= resumed <= before, (resumed, before)
         after = [int(r["step"]) for r in rows if r["event"] == "step" and r["restart_count"] == 1]
@@ -189,14 +208,19 @@ def _check_restarted_and_consistent(run: Run, world: int, killed_at: float, step
     finals = run.finals(world)
     assert {f["step"] for f in finals} == {STEPS}
     assert {f["checksum"] for f in finals} == {reference}, (finals, reference)
-    first = min(float(r["t"]) for rank in range(world) for r in run.records(rank)
-                if r["event"] == "step" and r["restart_count"] == 1)
+    first = min(
+        float(r["t"])
+        for rank in range(world)
+        for r in run.records(rank)
+        if r["event"] == "step" and r["restart_count"] == 1
+    )
     return first - killed_at
 
 
 @pytest.mark.timeout(150)
 def test_two_agents_restart_every_worker_after_a_sigkill_and_end_like_torchrun(
-        etcd_server: EtcdServer, run: Run, reference: str) -> None:
+    etcd_server: EtcdServer, run: Run, reference: str
+) -> None:
     job = f"rs{os.getpid()}a"
     a = run.agent(etcd_server, job, "a", "--nnodes", "2:2")
     b = run.agent(etcd_server, job, "b", "--nnodes", "2:2")
@@ -225,7 +249,8 @@ def test_two_agents_restart_every_worker_after_a_sigkill_and_end_like_torchrun(
 
 @pytest.mark.timeout(150)
 def test_one_agent_with_two_workers_restarts_both_when_one_is_killed(
-        etcd_server: EtcdServer, run: Run, reference: str) -> None:
+    etcd_server: EtcdServer, run: Run, reference: str
+) -> None:
     agent = run.agent(etcd_server, f"rs{os.getpid()}b", "solo", "--nproc-per-node", "2")
     killed_at, step = _kill_worker_midway(run, "solo", 1)
     assert agent.wait(90) == 0, run.tail()
@@ -238,9 +263,25 @@ def test_one_agent_with_two_workers_restarts_both_when_one_is_killed(
 
 @pytest.mark.timeout(60)
 def test_a_group_that_keeps_failing_exhausts_the_restart_budget(etcd_server: EtcdServer, run: Run) -> None:
-    argv = [*AGENT, "--mode", "restart", "--etcd", etcd_server.endpoint, "--job-id", f"rs{os.getpid()}c",
-            "--node-id", "c", "--max-restarts", "1", "--restart-backoff-initial-s", "0.05",
-            "--", sys.executable, "-c", "import sys; sys.exit(3)"]
+    argv = [
+        *AGENT,
+        "--mode",
+        "restart",
+        "--etcd",
+        etcd_server.endpoint,
+        "--job-id",
+        f"rs{os.getpid()}c",
+        "--node-id",
+        "c",
+        "--max-restarts",
+        "1",
+        "--restart-backoff-initial-s",
+        "0.05",
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; sys.exit(3)",
+    ]
     proc = run.spawn(argv, "agent-c.log", _env())
     assert proc.wait(30) == 1, run.tail()
     last = (run.root / "agent-c.log").read_text().splitlines()[-1]
@@ -250,8 +291,9 @@ def test_a_group_that_keeps_failing_exhausts_the_restart_budget(etcd_server: Etc
 
 @pytest.mark.timeout(60)
 def test_a_bogus_mode_is_one_clear_error_and_exit_2() -> None:
-    proc = subprocess.run([*AGENT, "--mode", "bogus", "--", "true"], env=_env(), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [*AGENT, "--mode", "bogus", "--", "true"], env=_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2, proc
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == ["elasticd: mode: must be one of elastic, restart, got 'bogus' (from --mode)"]
@@ -259,7 +301,8 @@ def test_a_bogus_mode_is_one_clear_error_and_exit_2() -> None:
 
 @pytest.mark.timeout(180)
 def test_a_node_joining_and_a_node_leaving_each_restart_the_group_without_using_the_budget(
-        etcd_server: EtcdServer, run: Run) -> None:
+    etcd_server: EtcdServer, run: Run
+) -> None:
     job = f"rs{os.getpid()}d"
     a = run.agent(etcd_server, job, "a", "--nnodes", "1:3", "--max-restarts", "0")
     b = run.agent(etcd_server, job, "b", "--nnodes", "1:3", "--max-restarts", "0")

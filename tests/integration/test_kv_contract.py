@@ -28,9 +28,7 @@ pytestmark = [
     pytest.mark.timeout(60),
     # python-etcd3's watch thread has no stop: once its client's channel is closed it dies with
     # "Channel closed!". Only that thread's death is ignored; any other thread error still shows.
-    pytest.mark.filterwarnings(
-        "ignore:Exception in thread etcd3_watch:pytest.PytestUnhandledThreadExceptionWarning"
-    ),
+    pytest.mark.filterwarnings("ignore:Exception in thread etcd3_watch:pytest.PytestUnhandledThreadExceptionWarning"),
 ]
 
 _prefixes = itertools.count()
@@ -253,22 +251,28 @@ class KeyValueStoreContract:
         for name in ("roster/0001/000", "roster/0001/001", "roster/0002/000", "rosterx"):
             kv.store.put(kv.k(name), b"old")
         ranges = [(kv.k("roster/"), kv.k("roster/0002"))]
-        assert kv.store.compare_and_put(kv.k("generation"), 0, b"g3", delete_ranges=ranges,
-                                        put_keys={kv.k("roster/0003/000"): b"new"}) is True
+        assert (
+            kv.store.compare_and_put(
+                kv.k("generation"), 0, b"g3", delete_ranges=ranges, put_keys={kv.k("roster/0003/000"): b"new"}
+            )
+            is True
+        )
         left = {x.key: x.value for x in kv.store.get_prefix(kv.k("roster"))}
         assert left == {kv.k("roster/0002/000"): b"old", kv.k("roster/0003/000"): b"new", kv.k("rosterx"): b"old"}
         gen = kv.store.get(kv.k("generation"))
         assert gen is not None and left and kv.store.get(kv.k("roster/0003/000")).mod_revision == gen.mod_revision  # type: ignore[union-attr]
         # a failed compare deletes nothing
-        assert kv.store.compare_and_put(kv.k("generation"), 0, b"g4", delete_ranges=[(kv.k("roster/"), kv.k("roster/9"))]) is False
+        assert (
+            kv.store.compare_and_put(kv.k("generation"), 0, b"g4", delete_ranges=[(kv.k("roster/"), kv.k("roster/9"))])
+            is False
+        )
         assert len(kv.store.get_prefix(kv.k("roster/"))) == 2
 
     def test_cas_on_absence_under_a_lease_creates_a_key_that_dies_with_it(self, kv: Harness) -> None:
         # how an agent claims nodes/<node>: the record is born leased, or not at all
         lease, other = kv.store.grant_lease(5), kv.store.grant_lease(5)
         try:
-            ok = kv.store.compare_and_put(kv.k("nodes/a"), 0, b"mine", put_keys={kv.k("events/1"): b"e"},
-                                          lease=lease)
+            ok = kv.store.compare_and_put(kv.k("nodes/a"), 0, b"mine", put_keys={kv.k("events/1"): b"e"}, lease=lease)
             assert ok is True
             got, event = kv.store.get(kv.k("nodes/a")), kv.store.get(kv.k("events/1"))
             assert got is not None and got.value == b"mine" and got.lease == lease
@@ -361,7 +365,7 @@ class KeyValueStoreContract:
         seen = Counter()
         cancel = kv.store.watch_prefix(kv.k("job/"), seen)
         try:
-            kv.store.put(kv.k("elsewhere"), b"x")      # not under the prefix
+            kv.store.put(kv.k("elsewhere"), b"x")  # not under the prefix
             kv.store.put(kv.k("job/members/a"), b"a")  # under it
             # Events arrive in revision order: had "elsewhere" fired, it would be counted first.
             assert kv.eventually(lambda: seen.n >= 1), "the watch callback never fired for a put"
@@ -593,7 +597,8 @@ def test_a_listing_comes_in_pages_at_one_revision(etcd_server: EtcdServer) -> No
 
 
 def test_a_listing_whose_revision_was_compacted_between_pages_fails_clearly_and_a_new_one_works(
-        etcd_server: EtcdServer) -> None:
+    etcd_server: EtcdServer,
+) -> None:
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
     prefix = f"/compacted{time.monotonic_ns()}/"
     try:

@@ -27,7 +27,7 @@ def test_a_step_applied_by_a_member_lost_before_its_confirmation_is_done_once_by
     job = local_job(min_workers=2, join_window_s=3)  # the three start together (the join window waits for the third)
     for _ in range(2):
         job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", miss_sum_at=STEP)
-    lost = job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", kill_after_apply=STEP)
+    job.spawn("--steps", str(STEPS), "--step-sleep", "0.02", kill_after_apply=STEP)
     codes = job.wait_all(120)
     assert codes[:2] == [0, 0] and codes[2] == -9, job.logs_tail()
     rep = job.audit()
@@ -35,8 +35,11 @@ def test_a_step_applied_by_a_member_lost_before_its_confirmation_is_done_once_by
     # line in the first generation, the survivors' in the next)
     assert rep.ok, rep.violations
     assert rep.last_step == STEPS and len(set(rep.final_checksums)) == 1
-    lost_steps = [r["step"] for r in map(json.loads, (job.dir / "audit2.jsonl").read_text().splitlines())
-                  if r["event"] == "commit"]
+    lost_steps = [
+        r["step"]
+        for r in map(json.loads, (job.dir / "audit2.jsonl").read_text().splitlines())
+        if r["event"] == "commit"
+    ]
     assert lost_steps and max(lost_steps) == STEP - 1, lost_steps  # it applied STEP, never committed it
     for w in job.workers[:2]:
         assert f"the sum of step {STEP} dropped here" in w.log_text()

@@ -22,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 HELD_STEP, HELD_LINEAGE = 7, 5  # rank 0's state
-OWN_STEP, OWN_LINEAGE = 6, 3    # the member's: step 6 applied in generation 3, not confirmed
+OWN_STEP, OWN_LINEAGE = 6, 3  # the member's: step 6 applied in generation 3, not confirmed
 
 
 class _Membership:
@@ -113,8 +113,10 @@ def test_a_member_that_unpacked_rank_0s_state_and_failed_the_sync_never_confirms
     port_q: Queue[int] = ctx.Queue()
     res_q: Queue[dict[str, object]] = ctx.Queue()
     audit = tmp_path / "audit.jsonl"
-    procs = [ctx.Process(target=_rank0, args=(port_q,), daemon=True),
-             ctx.Process(target=_member, args=(port_q, str(audit), res_q), daemon=True)]
+    procs = [
+        ctx.Process(target=_rank0, args=(port_q,), daemon=True),
+        ctx.Process(target=_member, args=(port_q, str(audit), res_q), daemon=True),
+    ]
     try:
         for p in procs:
             p.start()

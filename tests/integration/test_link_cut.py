@@ -26,9 +26,9 @@ from tests.jobs import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 250        # the cut and the rejoin take the first ~150 (the survivors run fast without the slow host)
+STEPS = 250  # the cut and the rejoin take the first ~150 (the survivors run fast without the slow host)
 CUT_SLEEP_S = 0.1  # the cut host's worker sleeps this long before each step's backward, its peers 0.02 s
-CUT_MAX_S = 8.0    # the link stays down at most this long: well inside the lease (TTL 10 s)
+CUT_MAX_S = 8.0  # the link stays down at most this long: well inside the lease (TTL 10 s)
 LEASE_TTL_S = 10
 
 
@@ -68,15 +68,21 @@ def test_a_host_cut_off_is_left_behind_before_its_lease_ends_and_rejoins(net: Ne
     audits = [tmp_path / f"audit{i}.jsonl" for i in range(3)]
 
     def tail() -> str:
-        return "\n".join(f"--- worker {i}\n" + "\n".join(w.log_text().splitlines()[-12:]) for i, w in enumerate(workers))
+        return "\n".join(
+            f"--- worker {i}\n" + "\n".join(w.log_text().splitlines()[-12:]) for i, w in enumerate(workers)
+        )
 
     try:
         for i in range(3):
             host = net.host(i)
             env = {
-                "ELASTICD_ETCD_ENDPOINTS": etcd.endpoint_on(bridge), "ELASTICD_JOB_ID": f"reach{os.getpid()}",
-                "ELASTICD_NODE_ID": f"node-{i}", "ELASTICD_ADVERTISE_ADDR": host.addr, "ELASTICD_MIN_WORKERS": "2",
-                "ELASTICD_LEASE_TTL_S": str(LEASE_TTL_S), "ELASTICD_KEEPALIVE_S": "1",
+                "ELASTICD_ETCD_ENDPOINTS": etcd.endpoint_on(bridge),
+                "ELASTICD_JOB_ID": f"reach{os.getpid()}",
+                "ELASTICD_NODE_ID": f"node-{i}",
+                "ELASTICD_ADVERTISE_ADDR": host.addr,
+                "ELASTICD_MIN_WORKERS": "2",
+                "ELASTICD_LEASE_TTL_S": str(LEASE_TTL_S),
+                "ELASTICD_KEEPALIVE_S": "1",
             }
             # The cut host is the slow one: the cut lands (most likely) while it sleeps, before it sends
             # its gradients, so they go out while its link is down; its peers wait in the all_reduce,
@@ -86,7 +92,8 @@ def test_a_host_cut_off_is_left_behind_before_its_lease_ends_and_rejoins(net: Ne
             # rejoin, behind rank 0 on another lineage, discards it: never a step in two generations.
             sleep = CUT_SLEEP_S if i == 2 else 0.02
             program = net.exec_prefix(host) + python_program(
-                "agents/mlp.py", "--steps", str(STEPS), "--step-sleep", str(sleep), "--audit", str(audits[i]))
+                "agents/mlp.py", "--steps", str(STEPS), "--step-sleep", str(sleep), "--audit", str(audits[i])
+            )
             workers.append(WorkerProcess(program, env, tmp_path / f"worker{i}.log").start())
 
         def at_three() -> bool:
@@ -98,11 +105,16 @@ def test_a_host_cut_off_is_left_behind_before_its_lease_ends_and_rejoins(net: Ne
         cut_at = time.time()
         last_before = max(int(c["step"]) for c in _commits(audits[0]))
         try:
+
             def survivors_on_without_it() -> bool:  # (the job may have begun at world 2: after the cut)
                 return any(c["world_size"] == 2 and float(c["t"]) > cut_at for c in _commits(audits[0])[-50:])
 
-            wait_until(survivors_on_without_it, CUT_MAX_S, "the survivors committing without the cut-off host "
-                       f"while its lease (TTL {LEASE_TTL_S} s) still lives", tail)
+            wait_until(
+                survivors_on_without_it,
+                CUT_MAX_S,
+                f"the survivors committing without the cut-off host while its lease (TTL {LEASE_TTL_S} s) still lives",
+                tail,
+            )
             first = next(c for c in _commits(audits[0]) if c["world_size"] == 2 and float(c["t"]) > cut_at)
             assert float(first["t"]) - cut_at < LEASE_TTL_S - 1  # its lease lived: the reach check, not its expiry
             assert int(first["step"]) <= last_before + 3

@@ -24,9 +24,19 @@ PROGRAM = "tests/programs/low_precision.py"
 def test_a_bfloat16_model_commits_with_an_exact_vote_through_a_kill(local_job):
     job = local_job(min_workers=2, join_window_s=1.0)
     for i in range(3):
-        job.spawn("--dtype", "bfloat16", "--steps", str(STEPS), "--step-sleep", "0.03",
-                  "--out", str(job.dir / f"losses{i}.lines"), "--save-final", str(job.dir / f"final{i}.pt"),
-                  program=PROGRAM)
+        job.spawn(
+            "--dtype",
+            "bfloat16",
+            "--steps",
+            str(STEPS),
+            "--step-sleep",
+            "0.03",
+            "--out",
+            str(job.dir / f"losses{i}.lines"),
+            "--save-final",
+            str(job.dir / f"final{i}.pt"),
+            program=PROGRAM,
+        )
     job.wait_for(lambda: job.committed() >= 15, 60, "step 15")
     job.workers[2].signal(signal.SIGKILL)
     assert job.wait_all(90) == [0, 0, -signal.SIGKILL], job.logs_tail()

@@ -43,8 +43,9 @@ class AgentProcess:
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
         with log_path.open("ab") as out:
-            self.proc = subprocess.Popen(AGENT + argv, env=env, cwd=REPO_ROOT, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                AGENT + argv, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:
@@ -111,8 +112,9 @@ class AgentJob:
         wait_until(cond, timeout, what, self.logs_tail)
 
     def logs_tail(self, n: int = 25) -> str:
-        return "\n".join(f"--- agent {node}\n" + "\n".join(a.log_text().splitlines()[-n:])
-                         for node, a in self.agents.items())
+        return "\n".join(
+            f"--- agent {node}\n" + "\n".join(a.log_text().splitlines()[-n:]) for node, a in self.agents.items()
+        )
 
     def stop(self) -> None:
         for a in self.agents.values():
@@ -181,14 +183,20 @@ def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigc
         stopped_at = time.time()
         os.kill(victim, signal.SIGSTOP)
         try:
-            job.wait_for(lambda: any(r["t"] > stopped_at and r["world_size"] == 1 for r in job.commits("a")), 8,
-                         "the other worker to commit alone, before the stopped one's 10 s lease could expire")
+            job.wait_for(
+                lambda: any(r["t"] > stopped_at and r["world_size"] == 1 for r in job.commits("a")),
+                8,
+                "the other worker to commit alone, before the stopped one's 10 s lease could expire",
+            )
             time.sleep(1.0)  # stopped for a while longer: nothing of it may be applied meanwhile
         finally:
             os.kill(victim, signal.SIGCONT)
         continued_at = time.time()
-        job.wait_for(lambda: any(r["t"] > continued_at and r["world_size"] == 2 for r in job.commits("b")), 60,
-                     "the continued worker to rejoin (not restarted) and commit at world 2 again")
+        job.wait_for(
+            lambda: any(r["t"] > continued_at and r["world_size"] == 2 for r in job.commits("b")),
+            60,
+            "the continued worker to rejoin (not restarted) and commit at world 2 again",
+        )
     assert a.wait(90) == 0, job.logs_tail()
     assert b.wait(30) == 0, job.logs_tail()
     stops = b.events("worker_stopped")
@@ -226,8 +234,14 @@ def test_sigterm_drains_the_node_and_the_job_goes_on_at_world_1(agent_job):
 def test_a_worker_that_always_fails_exhausts_the_restart_budget(agent_job):
     job = agent_job()
     started = time.monotonic()
-    agent = job.start("c", "--max-restarts", "2", "--restart-backoff-initial-s", "0.05",
-                      program=[sys.executable, "-c", "import sys; sys.exit(1)"])
+    agent = job.start(
+        "c",
+        "--max-restarts",
+        "2",
+        "--restart-backoff-initial-s",
+        "0.05",
+        program=[sys.executable, "-c", "import sys; sys.exit(1)"],
+    )
     assert agent.wait(30) == 1, agent.log_text()[-3000:]
     assert time.monotonic() - started < 30
     text = agent.log_text()
@@ -247,8 +261,9 @@ def test_a_worker_that_always_fails_exhausts_the_restart_budget(agent_job):
     ],
     ids=["unknown field", "ill-typed field", "no program", "ill-typed flag"],
 )
-def test_bad_config_exits_2_with_one_line_naming_the_field(tmp_path: Path, toml: str | None, argv: list[str],
-                                                            message: str) -> None:
+def test_bad_config_exits_2_with_one_line_naming_the_field(
+    tmp_path: Path, toml: str | None, argv: list[str], message: str
+) -> None:
     if toml is not None:
         (tmp_path / "elasticd.toml").write_text(toml)
         argv = ["--config", str(tmp_path / "elasticd.toml"), *argv]
@@ -262,11 +277,18 @@ def test_bad_config_exits_2_with_one_line_naming_the_field(tmp_path: Path, toml:
 @pytest.mark.timeout(60)
 def test_unreachable_etcd_is_a_clear_fatal_error_before_any_worker_starts(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
-    proc = subprocess.run(AGENT + ["--etcd", endpoint, "--etcd-outage-s", "1", "--", "true"], env=_env(),
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=40)
+    proc = subprocess.run(
+        AGENT + ["--etcd", endpoint, "--etcd-outage-s", "1", "--", "true"],
+        env=_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=40,
+    )
     assert proc.returncode == 1, proc
-    assert proc.stderr.startswith(f"elasticd: etcd_unreachable for etcd_outage_s (1 s): etcd at {endpoint} "
-                                  f"did not answer"), proc.stderr
+    assert proc.stderr.startswith(
+        f"elasticd: etcd_unreachable for etcd_outage_s (1 s): etcd at {endpoint} did not answer"
+    ), proc.stderr
     assert '"worker_started"' not in proc.stdout
 
 
@@ -277,11 +299,20 @@ def test_an_agent_started_during_an_etcd_outage_waits_for_etcd_and_runs(tmp_path
     server = EtcdServer()  # ports chosen, not started yet: an outage
     log_path = tmp_path / "agent.log"
     with log_path.open("wb") as out:
-        agent = subprocess.Popen(AGENT + ["--etcd", server.endpoint, "--", "true"], env=_env(), cwd=REPO_ROOT,
-                                 stdout=out, stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(
+            AGENT + ["--etcd", server.endpoint, "--", "true"],
+            env=_env(),
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        wait_until(lambda: '"agent_waiting_for_etcd"' in log_path.read_text(), 30, "the agent to wait for etcd",
-                   lambda: log_path.read_text()[-3000:])
+        wait_until(
+            lambda: '"agent_waiting_for_etcd"' in log_path.read_text(),
+            30,
+            "the agent to wait for etcd",
+            lambda: log_path.read_text()[-3000:],
+        )
         assert agent.poll() is None
         server.start()
         assert agent.wait(60) == 0, log_path.read_text()[-3000:]
@@ -349,8 +380,19 @@ def test_a_second_agent_with_the_same_node_id_is_refused_and_the_first_trains_on
     job.wait_for(lambda: len(job.commits("a")) >= 3, 60, "the first agent's worker to commit")
     generation = job.commits("a")[-1]["generation"]
     dup_audit = job.dir / "a-duplicate.jsonl"
-    argv = ["--etcd", job.etcd.endpoint, "--job-id", job.job_id, "--node-id", "a", "--",
-            *MLP[:-1], "100000", "--audit", str(dup_audit)]
+    argv = [
+        "--etcd",
+        job.etcd.endpoint,
+        "--job-id",
+        job.job_id,
+        "--node-id",
+        "a",
+        "--",
+        *MLP[:-1],
+        "100000",
+        "--audit",
+        str(dup_audit),
+    ]
     started = time.monotonic()
     second = AgentProcess(argv, _env(**job.settings), job.dir / "agent-a-duplicate.log")
     job.agents["a (duplicate)"] = second  # killed in teardown too
@@ -383,13 +425,27 @@ def test_an_agent_restarted_after_a_crash_waits_out_its_old_record_and_takes_the
     job.wait_for(lambda: len(job.commits("a")) >= 3, 60, "the first agent's worker to commit")
     old.kill_group()  # the agent and its worker, with no chance to revoke their leases
     restarted_at = time.time()
-    argv = ["--etcd", job.etcd.endpoint, "--job-id", job.job_id, "--node-id", "a", "--",
-            *MLP[:-1], "100000", "--audit", str(job.audit_path("a"))]
+    argv = [
+        "--etcd",
+        job.etcd.endpoint,
+        "--job-id",
+        job.job_id,
+        "--node-id",
+        "a",
+        "--",
+        *MLP[:-1],
+        "100000",
+        "--audit",
+        str(job.audit_path("a")),
+    ]
     new = AgentProcess(argv, _env(**job.settings), job.dir / "agent-a-restarted.log")  # a log of its own
     job.agents["a (restarted)"] = new
     job.wait_for(lambda: bool(new.events("node_registered")), ttl + CLAIM_MARGIN_S + 15, "the node id claim")
     assert new.events("node_id_held"), new.log_text()[-3000:]  # the old record was still there
     assert float(new.events("node_registered")[0]["waited_s"]) < ttl + CLAIM_MARGIN_S  # type: ignore[arg-type]
-    job.wait_for(lambda: any(float(r["t"]) > restarted_at for r in job.commits("a")), 60,  # type: ignore[arg-type]
-                 "the restarted agent's worker to commit")
+    job.wait_for(
+        lambda: any(float(r["t"]) > restarted_at for r in job.commits("a")),
+        60,  # type: ignore[arg-type]
+        "the restarted agent's worker to commit",
+    )
     assert new.proc.poll() is None

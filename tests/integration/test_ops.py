@@ -36,9 +36,14 @@ CLI_TIMEOUT_S = 60
 def elasticctl(job: AgentJob, *args: str, job_id: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", "--etcd", job.etcd.endpoint, *args,
-                           "--job", job_id or job.job_id], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=CLI_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd.cli", "--etcd", job.etcd.endpoint, *args, "--job", job_id or job.job_id],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
 
 
 @contextmanager
@@ -101,8 +106,13 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
     def smaller_with_resources() -> bool:
         st = status_json(job)
         g = st["generation"]
-        return (g is not None and g["world_size"] == 1 and [n["node"] for n in st["nodes"]] == ["a"]
-                and st["members"][0]["rss_bytes"] is not None and st["members"][0]["state"] == "training")
+        return (
+            g is not None
+            and g["world_size"] == 1
+            and [n["node"] for n in st["nodes"]] == ["a"]
+            and st["members"][0]["rss_bytes"] is not None
+            and st["members"][0]["state"] == "training"
+        )
 
     job.wait_for(smaller_with_resources, 30, "status to show the world of 1 with a's node record")
     st = status_json(job)
@@ -124,8 +134,10 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
     assert rep.ok, rep.violations  # no committed step lost or repeated, equal checksums
     assert rep.last_step >= last_at_2 + 20
     assert all(rep.step_world[s] == 1 for s in range(last_at_2 + 1, rep.last_step + 1))
-    kinds = [(e["kind"], e["source"].split(".")[1] if e["source"].startswith("agent.") else "member")
-             for e in events_json(job)["events"]]
+    kinds = [
+        (e["kind"], e["source"].split(".")[1] if e["source"].startswith("agent.") else "member")
+        for e in events_json(job)["events"]
+    ]
     assert kinds.index(("node_draining", "b")) < kinds.index(("node_drained", "b"))
     draining = next(e for e in events_json(job)["events"] if e["kind"] == "node_draining")
     assert draining["detail"]["cause"].startswith("elasticctl drain by ")
@@ -141,8 +153,11 @@ def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) ->
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     job.wait_for(lambda: len(b.events("worker_started")) == 2, 30, "the agent to restart the worker")
-    job.wait_for(lambda: any(r["world_size"] == 2 and r["t"] > killed_at for r in job.commits("b")), 60,
-                 "the restarted worker to train again")
+    job.wait_for(
+        lambda: any(r["world_size"] == 2 and r["t"] > killed_at for r in job.commits("b")),
+        60,
+        "the restarted worker to train again",
+    )
 
     # status, while the job runs: the last recoveries, and b's restart on its member and node rows
     def restart_shown() -> bool:
@@ -184,7 +199,7 @@ def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) ->
     assert shrink["time"] <= recovered["time"] < rejoin["time"]
 
     text = elasticctl(job, "events").stdout
-    assert "worker_exited" in text and "how=\"was killed by SIGKILL\"" in text
+    assert "worker_exited" in text and 'how="was killed by SIGKILL"' in text
 
     # the same history as one picture: a PNG of the figure's size, one violet line per generation
     pytest.importorskip("matplotlib")
@@ -225,7 +240,8 @@ def test_unknown_node_and_garbage_records_give_clear_answers_and_disturb_nothing
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"elasticctl: unknown node 'nosuchnode' in job '{job.job_id}': no agent record at "
-        f"/elasticd/{job.job_id}/nodes/nosuchnode (known nodes: a)"]
+        f"/elasticd/{job.job_id}/nodes/nosuchnode (known nodes: a)"
+    ]
     keys = Keys("/elasticd", job.job_id)
     with etcd_client(job) as client:
         assert client.get(keys.drain("nosuchnode")) is None

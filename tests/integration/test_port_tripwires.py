@@ -51,8 +51,9 @@ def _final(path) -> dict[str, object]:
 def test_a_break_right_after_the_last_step_commits_it(etcd_server, tmp_path, form):
     model, opt, ds = _model()
     audit = tmp_path / "audit.jsonl"
-    trainer = ElasticTrainer(model, opt, env=_env(etcd_server), audit_path=audit, global_batch_size=8,
-                             dataset_size=len(ds))
+    trainer = ElasticTrainer(
+        model, opt, env=_env(etcd_server), audit_path=audit, global_batch_size=8, dataset_size=len(ds)
+    )
     with capture_logs() as logs:
         if form == "loader":
             for x, y in trainer.loader(ds, max_steps=5):
@@ -74,8 +75,9 @@ def test_a_break_right_after_the_last_step_commits_it(etcd_server, tmp_path, for
 def test_a_break_before_the_last_step_leaves_the_step_unconfirmed(etcd_server, tmp_path):
     model, opt, ds = _model()
     audit = tmp_path / "audit.jsonl"
-    trainer = ElasticTrainer(model, opt, env=_env(etcd_server), audit_path=audit, global_batch_size=8,
-                             dataset_size=len(ds))
+    trainer = ElasticTrainer(
+        model, opt, env=_env(etcd_server), audit_path=audit, global_batch_size=8, dataset_size=len(ds)
+    )
     with capture_logs() as logs:
         for x, y in trainer.loader(ds, max_steps=5):
             trainer.step(F.cross_entropy(model(x), y))
@@ -104,11 +106,14 @@ def test_an_undivided_loss_with_accumulation_trains(etcd_server):
     assert trainer.step_count == 2
 
 
-@pytest.mark.parametrize(("kwargs", "event", "source", "size"), [
-    ({}, "global_batch_from_first_generation", "first generation", 4 * 2 * 1),
-    ({"reference_world_size": 3}, "global_batch", "reference_world_size", 4 * 2 * 3),
-    ({"global_batch_size": 12}, "global_batch", "global_batch_size", 12),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "event", "source", "size"),
+    [
+        ({}, "global_batch_from_first_generation", "first generation", 4 * 2 * 1),
+        ({"reference_world_size": 3}, "global_batch", "reference_world_size", 4 * 2 * 3),
+        ({"global_batch_size": 12}, "global_batch", "global_batch_size", 12),
+    ],
+)
 def test_the_global_batch_is_stated_at_start(etcd_server, kwargs, event, source, size):
     model, opt, ds = _model()
     trainer = ElasticTrainer(model, opt, env=_env(etcd_server), accumulation_steps=2, **kwargs)
@@ -123,16 +128,19 @@ def test_the_global_batch_is_stated_at_start(etcd_server, kwargs, event, source,
         assert stated[0]["log_level"] == "warning" and "reference_world_size" in stated[0]["fix"]
 
 
-@pytest.mark.parametrize(("make", "expected"), [
-    (lambda x: x.sum() / 4, 4.0),
-    (lambda x: x.sum() * 0.25, 4.0),
-    (lambda x: x.sum() / torch.tensor(3.0), 3.0),
-    (lambda x: x.sum() * (1 / 3), 3.0),
-    (lambda x: x.sum(), None),
-    (lambda x: x.sum() + 1, None),
-    (lambda x: x.sum() / x.sum(), None),  # divided by something that carries a gradient: the user's math
-    (lambda x: (x.sum() / 2).exp(), None),  # the division is not the last operation
-])
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda x: x.sum() / 4, 4.0),
+        (lambda x: x.sum() * 0.25, 4.0),
+        (lambda x: x.sum() / torch.tensor(3.0), 3.0),
+        (lambda x: x.sum() * (1 / 3), 3.0),
+        (lambda x: x.sum(), None),
+        (lambda x: x.sum() + 1, None),
+        (lambda x: x.sum() / x.sum(), None),  # divided by something that carries a gradient: the user's math
+        (lambda x: (x.sum() / 2).exp(), None),  # the division is not the last operation
+    ],
+)
 def test_constant_divisor_recognizes_a_loss_divided_by_a_constant(make, expected):
     assert constant_divisor(make(torch.randn(3, requires_grad=True))) == expected
 

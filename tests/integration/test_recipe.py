@@ -50,7 +50,7 @@ def _body(path: Path) -> list[str]:
     text = path.read_text()
     m = re.match(r'\s*""".*?"""\n', text, re.S)
     assert m is not None
-    return text[m.end():].splitlines()
+    return text[m.end() :].splitlines()
 
 
 def test_the_elastic_recipe_differs_from_the_ddp_one_by_at_most_ten_lines() -> None:
@@ -83,9 +83,11 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _compare(got: dict[str, object], ref: dict[str, object]) -> None:
-    print(f"max |param diff| {_worst(got['model'], ref['model']):.2e}, "
-          f"max |EMA diff| {_worst(got['ema'], ref['ema']):.2e}, "
-          f"lr {got['lr'].tolist()} vs {ref['lr'].tolist()}, last_epoch {int(got['last_epoch'])}")
+    print(
+        f"max |param diff| {_worst(got['model'], ref['model']):.2e}, "
+        f"max |EMA diff| {_worst(got['ema'], ref['ema']):.2e}, "
+        f"lr {got['lr'].tolist()} vs {ref['lr'].tolist()}, last_epoch {int(got['last_epoch'])}"
+    )
     for part in ("model", "ema"):
         for k, v in ref[part].items():
             torch.testing.assert_close(got[part][k], v, rtol=0, atol=TOL)
@@ -152,8 +154,9 @@ def test_a_step_applied_after_a_stop_by_the_survivor_of_its_appliers_is_committe
     job = local_job(min_workers=3, max_workers=3)
 
     def spawn(**extra: object):
-        return job.spawn(*ARGS, "--save-final", str(job.dir / f"final{len(job.workers)}.pt"),
-                         program="agents/recipe.py", **extra)
+        return job.spawn(
+            *ARGS, "--save-final", str(job.dir / f"final{len(job.workers)}.pt"), program="agents/recipe.py", **extra
+        )
 
     stop_one_and_lose_the_others(job, spawn, STOPPED_STEP)
     codes = job.wait_all(150)
@@ -187,8 +190,11 @@ def test_a_full_restart_from_a_durable_checkpoint_continues_the_curve(local_job,
     assert resumed in (10, 20), resumed  # it went on from the checkpoint, not from step 1
     # the history up to the checkpoint plus the second run is one clean run: the recomputed steps
     # took the same global batches, every sample of an epoch once
-    rec1 = [r for r in read_lines(sorted(first.dir.glob("audit*.jsonl")))
-            if r["event"] != "commit" or int(r["step"]) <= resumed]  # type: ignore[call-overload]
+    rec1 = [
+        r
+        for r in read_lines(sorted(first.dir.glob("audit*.jsonl")))
+        if r["event"] != "commit" or int(r["step"]) <= resumed
+    ]  # type: ignore[call-overload]
     rep = check(rec1 + rec2, SAMPLES)
     assert rep.ok, rep.violations
     assert rep.steps == list(range(1, STEPS + 1))
@@ -204,10 +210,30 @@ def test_the_ddp_recipe_runs_under_torchrun(tmp_path: Path) -> None:
 
     out = tmp_path / "final.pt"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO_ROOT / "agents/recipe_ddp.py"), "--steps", "6", "--samples", "128", "--save-final", str(out),
-         "--checkpoint", str(tmp_path / "ck.pt"), "--checkpoint-every", "3"],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO_ROOT / "agents/recipe_ddp.py"),
+            "--steps",
+            "6",
+            "--samples",
+            "128",
+            "--save-final",
+            str(out),
+            "--checkpoint",
+            str(tmp_path / "ck.pt"),
+            "--checkpoint-every",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = _final(out)
     assert int(final["last_epoch"]) == 6

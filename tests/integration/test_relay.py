@@ -32,8 +32,12 @@ class Proc:
     def __init__(self, args: list[str], out: Path, env: dict[str, str] | None = None) -> None:
         self.out = out
         self.log = out.open("w")
-        self.proc = subprocess.Popen(python_program(*args), stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=os.environ | {"PYTHONPATH": "."} | (env or {}))
+        self.proc = subprocess.Popen(
+            python_program(*args),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONPATH": "."} | (env or {}),
+        )
 
     def text(self) -> str:
         return self.out.read_text()
@@ -41,7 +45,7 @@ class Proc:
     def generations(self) -> list[tuple[int, int]]:
         got = []
         for found in re.findall(r'\{"member": [^{}]*\}', self.text()):  # a log line of another thread may
-            rec = json.loads(found)                                      # precede it on its line
+            rec = json.loads(found)  # precede it on its line
             if "generation" in rec and "world" in rec:
                 got.append((int(rec["generation"]), int(rec["world"])))
         return got
@@ -71,14 +75,21 @@ def _start(etcd_server, procs: list[Proc], tmp_path: Path, job: str, n: int) -> 
     relay = Proc(["tests/programs/relay_node.py", etcd_server.endpoint, job, "n0", path], tmp_path / "relay.out")
     procs.append(relay)
     _wait(lambda: '"relay"' in relay.text(), 30, "the relay to listen")
-    members = [Proc(["tests/programs/rdzv_member.py", etcd_server.endpoint, job, "n0", str(n - 1), str(n)],
-                    tmp_path / f"m{i}.out", {"ELASTICD_RELAY_SOCKET": path}) for i in range(n)]
+    members = [
+        Proc(
+            ["tests/programs/rdzv_member.py", etcd_server.endpoint, job, "n0", str(n - 1), str(n)],
+            tmp_path / f"m{i}.out",
+            {"ELASTICD_RELAY_SOCKET": path},
+        )
+        for i in range(n)
+    ]
     procs.extend(members)
     return relay, members
 
 
-def test_members_form_generations_and_see_a_leave_through_the_relay(etcd_server, procs: list[Proc],
-                                                                     tmp_path: Path) -> None:
+def test_members_form_generations_and_see_a_leave_through_the_relay(
+    etcd_server, procs: list[Proc], tmp_path: Path
+) -> None:
     job = f"relay{time.monotonic_ns()}"
     relay, members = _start(etcd_server, procs, tmp_path, job, 3)
     _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3", procs)
@@ -103,7 +114,8 @@ def test_members_form_generations_and_see_a_leave_through_the_relay(etcd_server,
 
 
 def test_a_stopped_relay_is_left_within_relay_stale_s_and_the_members_read_etcd_themselves(
-        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
+    etcd_server, procs: list[Proc], tmp_path: Path
+) -> None:
     job = f"relaystop{time.monotonic_ns()}"
     relay, members = _start(etcd_server, procs, tmp_path, job, 3)
     _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3", procs)
@@ -113,8 +125,11 @@ def test_a_stopped_relay_is_left_within_relay_stale_s_and_the_members_read_etcd_
     assert time.monotonic() - t0 <= T.relay_stale_s + 1.0
     # with the relay still stopped, a leave is seen straight from etcd
     members[0].proc.kill()  # SIGKILL, no agent to revoke: its lease ends after the TTL
-    _wait(lambda: all(any(w == 2 for _, w in m.generations()) for m in members[1:]), T.lease_ttl_s + 15,
-          "a generation of 2 without the relay")
+    _wait(
+        lambda: all(any(w == 2 for _, w in m.generations()) for m in members[1:]),
+        T.lease_ttl_s + 15,
+        "a generation of 2 without the relay",
+    )
     store = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
     try:
         assert store.get(Keys("/elasticd", job).generation) is not None
@@ -140,7 +155,8 @@ class _Counting:
 
 
 def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only_its_own(
-        etcd_server, tmp_path: Path) -> None:
+    etcd_server, tmp_path: Path
+) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from elasticd.errors import LeaseLost
@@ -190,8 +206,10 @@ def _relay_and_store(etcd_server, procs: list[Proc], tmp_path: Path, keys: Keys)
     from elasticd.rendezvous.relayed_store import RelayedStore
 
     path = str(tmp_path / "relay.sock")
-    relay = Proc(["tests/programs/relay_node.py", etcd_server.endpoint, keys.job.rsplit("/", 1)[1], "n0", path],
-                 tmp_path / "relay.out")
+    relay = Proc(
+        ["tests/programs/relay_node.py", etcd_server.endpoint, keys.job.rsplit("/", 1)[1], "n0", path],
+        tmp_path / "relay.out",
+    )
     procs.append(relay)
     _wait(lambda: '"relay"' in relay.text(), 30, "the relay to listen", procs)
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
@@ -199,7 +217,8 @@ def _relay_and_store(etcd_server, procs: list[Proc], tmp_path: Path, keys: Keys)
 
 
 def test_a_put_queued_by_a_stopped_relay_never_lands_over_the_workers_own_newer_write(
-        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
+    etcd_server, procs: list[Proc], tmp_path: Path
+) -> None:
     """The relay is SIGSTOPped with a worker's put in its socket; the worker leaves it after
     relay_stale_s, writes that record and a newer one itself; when the relay continues, the queued
     put is dropped (the worker shut its end first), so the newer record stays."""
@@ -227,7 +246,8 @@ def test_a_put_queued_by_a_stopped_relay_never_lands_over_the_workers_own_newer_
 
 
 def test_after_its_own_write_a_member_whose_relay_is_stopped_reads_etcd_itself_within_a_heartbeat(
-        etcd_server, procs: list[Proc], tmp_path: Path) -> None:
+    etcd_server, procs: list[Proc], tmp_path: Path
+) -> None:
     """A worker that publishes (its coordinator) or aborts writes a watched key directly, then reads
     its view, which must show that write. With its relay SIGSTOPped, it used to wait relay_stale_s
     for the relay to be declared lost (seen under chaos: a relayed coordinator learned its own

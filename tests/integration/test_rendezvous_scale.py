@@ -34,15 +34,25 @@ def test_a_generation_of_200_members_is_published_on_a_stock_etcd(etcd_server) -
     lease = store.grant_lease(60)
     others = [f"node{i}.0.{i}" for i in range(199)]  # registered and ready, as 199 members would be
     for i, m in enumerate(others):
-        rec = MemberRecord(member_id=m, node=f"node{i}", local_rank=0, pid=1000 + i, host="127.0.0.1",
-                           store_port=20000 + i, signature=SIG)
+        rec = MemberRecord(
+            member_id=m,
+            node=f"node{i}",
+            local_rank=0,
+            pid=1000 + i,
+            host="127.0.0.1",
+            store_port=20000 + i,
+            signature=SIG,
+        )
         store.put(keys.member(m), encode(rec), lease=lease)
-        store.put(keys.ready(m), encode(ReadyRecord(member_id=m, committed_step=-1, prev_generation=0,
-                                                    prev_rank=0, signature=SIG)), lease=lease)
-    me = MemberRecord(member_id="me.0.1", node="me", local_rank=0, pid=1, host="127.0.0.1", store_port=30000,
-                      signature=SIG)
-    membership = Membership(store, keys, me, WorldConfig(job_id=keys.job.rsplit("/", 1)[1], min_workers=200),
-                            timeouts)
+        store.put(
+            keys.ready(m),
+            encode(ReadyRecord(member_id=m, committed_step=-1, prev_generation=0, prev_rank=0, signature=SIG)),
+            lease=lease,
+        )
+    me = MemberRecord(
+        member_id="me.0.1", node="me", local_rank=0, pid=1, host="127.0.0.1", store_port=30000, signature=SIG
+    )
+    membership = Membership(store, keys, me, WorldConfig(job_id=keys.job.rsplit("/", 1)[1], min_workers=200), timeouts)
     membership.start()
     try:
         joined = membership.join(-1, Deadline.after(60))

@@ -24,12 +24,22 @@ from tests.integration.test_ops import status_json
 STEPS = 700  # ~18 s at 40 steps/s: long enough for each fault and its replacement
 QUIET_S = 5.0  # waiting spares must change no generation over this long (a flood would be several a second)
 QUIET_STEPS = 800  # the standby test: the quiet phase, then a node loss (~400 steps left for it)
-CRASH_HANG_STEPS = 800  # ~20 s: a spare's restart, a crash and its spare's restart, then a hang (done by step ~160 here: 5x)
+CRASH_HANG_STEPS = (
+    800  # ~20 s: a spare's restart, a crash and its spare's restart, then a hang (done by step ~160 here: 5x)
+)
 
 
 def _program(job: AgentJob, node: str, steps: int = STEPS) -> list[str]:
-    return [sys.executable, "agents/mlp.py", "--step-sleep", "0.02", "--steps", str(steps),
-            "--audit", str(job.audit_path(node))]
+    return [
+        sys.executable,
+        "agents/mlp.py",
+        "--step-sleep",
+        "0.02",
+        "--steps",
+        str(steps),
+        "--audit",
+        str(job.audit_path(node)),
+    ]
 
 
 def _started(agent: AgentProcess, spare: bool) -> list[int]:
@@ -65,7 +75,11 @@ def test_a_crashed_and_then_a_hung_worker_are_each_replaced_by_a_waiting_spare(a
     job.wait_for(lambda: [n["spares"] for n in status_json(job)["nodes"]] == [1, 1], 20, "status to show the spares")
     st = status_json(job)
     assert st["health"] == "healthy" and sorted(m["state"] for m in st["members"]) == [
-        "spare", "spare", "training", "training"], st
+        "spare",
+        "spare",
+        "training",
+        "training",
+    ], st
     # a spare that dies is restarted without touching the job
     quiet_from = time.time()
     os.kill(_started(a, True)[0], signal.SIGKILL)
@@ -88,8 +102,11 @@ def test_a_crashed_and_then_a_hung_worker_are_each_replaced_by_a_waiting_spare(a
     frozen_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
     try:
-        job.wait_for(lambda: _at_full_size(job, "b", 2, frozen_at + 0.1) and _members_of(a_spare, a), 30,
-                     "a spare in the frozen worker's place")
+        job.wait_for(
+            lambda: _at_full_size(job, "b", 2, frozen_at + 0.1) and _members_of(a_spare, a),
+            30,
+            "a spare in the frozen worker's place",
+        )
         job.wait_for(lambda: bool(a.events("worker_hung")), 20, "the agent to find the frozen worker hung")
     finally:
         try:
@@ -113,8 +130,11 @@ def test_spares_beyond_max_workers_wait_quietly_and_a_standby_node_replaces_a_lo
     a = job.start("a", "--nnodes", "1:2", "--spares", "1", program=_program(job, "a", QUIET_STEPS))
     b = job.start("b", "--nnodes", "1:2", program=_program(job, "b", QUIET_STEPS))
     s = job.start("s", "--nnodes", "1:2", "--standby", program=_program(job, "s", QUIET_STEPS))
-    job.wait_for(lambda: job.commits_at_world("a", 2) >= 5 and len(_started(s, True)) == 1
-                 and len(_started(a, True)) == 1, 90, "two nodes training at max_workers, two spares waiting")
+    job.wait_for(
+        lambda: job.commits_at_world("a", 2) >= 5 and len(_started(s, True)) == 1 and len(_started(a, True)) == 1,
+        90,
+        "two nodes training at max_workers, two spares waiting",
+    )
     quiet_from = time.time()
     time.sleep(QUIET_S)
     assert len(_generations(job, "a", quiet_from)) == 1, job.logs_tail()
@@ -122,8 +142,11 @@ def test_spares_beyond_max_workers_wait_quietly_and_a_standby_node_replaces_a_lo
     lost_at = time.time()
     b.kill_group()  # the node is lost: its agent and worker SIGKILLed
     # a's own spare is on a node with a member left; the standby node's worker takes the place
-    job.wait_for(lambda: _at_full_size(job, "a", 2, lost_at) and bool(job.commits("s")), 30,
-                 "the standby node in the lost node's place")
+    job.wait_for(
+        lambda: _at_full_size(job, "a", 2, lost_at) and bool(job.commits("s")),
+        30,
+        "the standby node in the lost node's place",
+    )
     assert a.wait(150) == 0, job.logs_tail()
     assert s.wait(30) == 0, job.logs_tail()
     rep = check_dir(job.dir, 2048)

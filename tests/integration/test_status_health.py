@@ -40,8 +40,16 @@ def test_a_failed_save_and_a_garbage_generation_show_in_status_while_the_job_tra
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")  # the checkpoint directory cannot be created: every save fails
     job = local_job(min_workers=1)
-    job.spawn("--steps", "3000", "--step-sleep", "0.02", "--checkpoint-dir", str(blocker / "ckpt"),
-              "--checkpoint-every-steps", "10")
+    job.spawn(
+        "--steps",
+        "3000",
+        "--step-sleep",
+        "0.02",
+        "--checkpoint-dir",
+        str(blocker / "ckpt"),
+        "--checkpoint-every-steps",
+        "10",
+    )
     job.wait_for(lambda: _status(etcd_server, job.job_id).save_failed is not None, 90, "a failed save in etcd")
     st = _status(etcd_server, job.job_id)
     assert st.health is Health.DEGRADED and "the last checkpoint save failed" in st.reason, st.reason
@@ -49,9 +57,14 @@ def test_a_failed_save_and_a_garbage_generation_show_in_status_while_the_job_tra
     assert st.save_failed.errno in ("ENOTDIR", "EEXIST") and str(blocker) in st.save_failed.directory
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
-    proc = subprocess.run([sys.executable, "-m", "elasticd.cli", "--etcd", etcd_server.endpoint, "status",
-                           "--job", job.job_id, "--json"], cwd=REPO_ROOT, env=clean, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd.cli", "--etcd", etcd_server.endpoint, "status", "--job", job.job_id, "--json"],
+        cwd=REPO_ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert data["health"] == "degraded" and data["save_failed"]["failing"] is True, data
@@ -78,8 +91,11 @@ def test_a_job_that_commits_nothing_for_longer_than_the_bound_is_stalled(
     job = local_job(min_workers=1)
     job.spawn("--steps", "3000", "--step-sleep", "2.5")  # a slow step: the lease stays alive
     job.wait_for(lambda: _status(etcd_server, job.job_id).last_activity_age_s is not None, 90, "a generation")
-    job.wait_for(lambda: _status(etcd_server, job.job_id, stall_after_s=1.0).health is Health.STALLED, 30,
-                 "a stall of more than 1 s between commits")
+    job.wait_for(
+        lambda: _status(etcd_server, job.job_id, stall_after_s=1.0).health is Health.STALLED,
+        30,
+        "a stall of more than 1 s between commits",
+    )
     st = _status(etcd_server, job.job_id, stall_after_s=1.0)
     assert "no step committed for" in st.reason and "(> 1s)" in st.reason, st.reason
     assert st.last_activity_age_s is not None and st.last_activity_age_s > 1.0

@@ -14,8 +14,10 @@ import torch
 
 from tests.jobs import assert_committed_once, stop_one_and_lose_the_others
 
-pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/programs/gpu_check.sh)")]
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/programs/gpu_check.sh)"),
+]
 
 STEP, STEPS, SAMPLES = 25, 60, 1024
 
@@ -25,8 +27,18 @@ def test_a_step_applied_after_a_stop_is_committed_once_on_the_gpu(local_job) -> 
     job = local_job(min_workers=3, max_workers=3, backend="gloo")
 
     def spawn(**extra: object):
-        return job.spawn("--steps", str(STEPS), "--samples", str(SAMPLES), "--device", "cuda", "--fp16",
-                         "--step-sleep", "0.01", **extra)
+        return job.spawn(
+            "--steps",
+            str(STEPS),
+            "--samples",
+            str(SAMPLES),
+            "--device",
+            "cuda",
+            "--fp16",
+            "--step-sleep",
+            "0.01",
+            **extra,
+        )
 
     stop_one_and_lose_the_others(job, spawn, STEP)
     codes = job.wait_all(120)

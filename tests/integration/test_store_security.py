@@ -98,8 +98,9 @@ def test_the_store_listens_on_the_advertised_address_and_hides_its_keys(local_jo
                 stray.set(key, "garbage")
                 planted.add(key)
     job.spawn("--steps", "200", *SLOW)  # a joiner: the next generation builds on rank 0's store
-    job.wait_for(lambda: (g := _generation(client, job.job_id)) is not None and g.world_size == 3, 60,
-                 "the joiner's generation")
+    job.wait_for(
+        lambda: (g := _generation(client, job.job_id)) is not None and g.world_size == 3, 60, "the joiner's generation"
+    )
     second = _generation(client, job.job_id)
     assert second is not None and second.token != first.token
     job.wait_for(lambda: job.committed(2) > 0, 60, "the joiner to commit")
@@ -109,4 +110,3 @@ def test_the_store_listens_on_the_advertised_address_and_hides_its_keys(local_jo
     rep = job.audit()
     assert rep.ok, rep.violations
     assert rep.last_step == 200 and rep.step_world[200] == 3
-

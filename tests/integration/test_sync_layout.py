@@ -58,8 +58,9 @@ def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ig
     return state
 
 
-def _worker(rank: int, world: int, layers: int, holders: list[int], port_q: Queue[int],
-            res_q: Queue[dict[str, object]]) -> None:
+def _worker(
+    rank: int, world: int, layers: int, holders: list[int], port_q: Queue[int], res_q: Queue[dict[str, object]]
+) -> None:
     from elasticd.retry import Deadline
     from elasticd.worker.sync import plan_transfer, sync_state
 
@@ -70,14 +71,28 @@ def _worker(rank: int, world: int, layers: int, holders: list[int], port_q: Queu
     needy = [r for r in range(world) if r not in holders]
     plan = plan_transfer(world, needy, len(layout) + arena.numel(), "gloo", True)
     state.lineage = 1 if holds else -1
-    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s,
-                        subgroup=lambda parent, ranks, name: factory.build_subgroup(
-                            parent, ranks, name, Deadline.after(60), lambda: False),
-                        retire=factory.retire)
-    res_q.put({"rank": rank, "checksum": report.checksum, "step": state.counters.step,
-               "layout_bytes": len(layout), "mode": str(plan.mode),
-               "params": [p.detach().flatten().tolist() for p in state.model.parameters()],
-               "transferred": report.transferred_bytes})
+    report = sync_state(
+        group,
+        state,
+        Deadline.after(60),
+        lambda: False,
+        timeouts.abort_poll_s,
+        subgroup=lambda parent, ranks, name: factory.build_subgroup(
+            parent, ranks, name, Deadline.after(60), lambda: False
+        ),
+        retire=factory.retire,
+    )
+    res_q.put(
+        {
+            "rank": rank,
+            "checksum": report.checksum,
+            "step": state.counters.step,
+            "layout_bytes": len(layout),
+            "mode": str(plan.mode),
+            "params": [p.detach().flatten().tolist() for p in state.model.parameters()],
+            "transferred": report.transferred_bytes,
+        }
+    )
     res_q.close()
     res_q.join_thread()  # the result is in the pipe
     os._exit(0)  # as the benchmark: no destructors racing the peer's exit
@@ -100,11 +115,14 @@ def _run(target, args_of, world: int):  # type: ignore[no-untyped-def]
     return {int(r["rank"]): r for r in results}  # type: ignore[call-overload]
 
 
-@pytest.mark.parametrize(("world", "holders", "mode"), [
-    (2, [0], "p2p"),           # one newcomer
-    (3, [0, 1], "p2p"),        # a survivor holds the state: rank 0 sends only to the newcomer
-    (4, [0], "broadcast"),     # three need it: more than log2(4) sends, a broadcast
-])
+@pytest.mark.parametrize(
+    ("world", "holders", "mode"),
+    [
+        (2, [0], "p2p"),  # one newcomer
+        (3, [0, 1], "p2p"),  # a survivor holds the state: rank 0 sends only to the newcomer
+        (4, [0], "broadcast"),  # three need it: more than log2(4) sends, a broadcast
+    ],
+)
 def test_every_rank_ends_with_rank_0_state(world: int, holders: list[int], mode: str) -> None:
     results = _run(_worker, lambda r: (r, world, 2, holders), world)
     zero = results[0]
@@ -170,8 +188,10 @@ def test_a_receiver_lost_mid_transfer_does_not_hold_rank_0(fault: str, tmp_path)
     ctx = multiprocessing.get_context("spawn")
     port_q: Queue[int] = ctx.Queue()
     res_q: Queue[dict[str, object]] = ctx.Queue()
-    procs = [ctx.Process(target=_sender_or_receiver, args=(r, fault, str(flag), port_q, res_q), daemon=True)
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_sender_or_receiver, args=(r, fault, str(flag), port_q, res_q), daemon=True)
+        for r in range(2)
+    ]
     try:
         for p in procs:
             p.start()
@@ -221,8 +241,16 @@ def _scheduled_worker(rank: int, port_q: Queue[int], res_q: Queue[dict[str, obje
     before = state.checksum()
     state.lineage = 1
     report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
-    res_q.put({"rank": rank, "before": before, "checksum": report.checksum, "after": state.checksum(),
-               "transferred": report.transferred_bytes, "scheduler": sched.state_dict()})
+    res_q.put(
+        {
+            "rank": rank,
+            "before": before,
+            "checksum": report.checksum,
+            "after": state.checksum(),
+            "transferred": report.transferred_bytes,
+            "scheduler": sched.state_dict(),
+        }
+    )
     res_q.close()
     res_q.join_thread()
     os._exit(0)

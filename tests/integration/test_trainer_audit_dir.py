@@ -18,14 +18,24 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _trainer(etcd_server, audit_dir: Path, job_id: str, **kwargs: object) -> ElasticTrainer:
-    env = worker_env_from_environ({
-        "ELASTICD_ETCD_ENDPOINTS": etcd_server.endpoint, "ELASTICD_JOB_ID": job_id, "ELASTICD_NODE_ID": "inproc",
-        "ELASTICD_LOCAL_RANK": "0", "ELASTICD_AUDIT_DIR": str(audit_dir), "ELASTICD_LEASE_TTL_S": "2",
-        "ELASTICD_KEEPALIVE_S": "0.5", "ELASTICD_JOIN_WINDOW_S": "0.05", "ELASTICD_JOIN_S": "10"})
+    env = worker_env_from_environ(
+        {
+            "ELASTICD_ETCD_ENDPOINTS": etcd_server.endpoint,
+            "ELASTICD_JOB_ID": job_id,
+            "ELASTICD_NODE_ID": "inproc",
+            "ELASTICD_LOCAL_RANK": "0",
+            "ELASTICD_AUDIT_DIR": str(audit_dir),
+            "ELASTICD_LEASE_TTL_S": "2",
+            "ELASTICD_KEEPALIVE_S": "0.5",
+            "ELASTICD_JOIN_WINDOW_S": "0.05",
+            "ELASTICD_JOIN_S": "10",
+        }
+    )
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
-    return ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=40,
-                          global_batch_size=10, env=env, **kwargs)
+    return ElasticTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=40, global_batch_size=10, env=env, **kwargs
+    )
 
 
 def _train(trainer: ElasticTrainer, steps: int) -> None:

@@ -31,12 +31,16 @@ def _env(etcd_server, job_id: str) -> WorkerEnv:
     )
 
 
-def _trainer(etcd_server, job_id: str, **kwargs: object) -> tuple[ElasticTrainer, torch.nn.Module, torch.Tensor, torch.Tensor]:
+def _trainer(
+    etcd_server, job_id: str, **kwargs: object
+) -> tuple[ElasticTrainer, torch.nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(100, 8), torch.randint(0, 3, (100,))
-    trainer = ElasticTrainer(model, opt, dataset_size=100, global_batch_size=10, env=_env(etcd_server, job_id), **kwargs)
+    trainer = ElasticTrainer(
+        model, opt, dataset_size=100, global_batch_size=10, env=_env(etcd_server, job_id), **kwargs
+    )
     return trainer, model, x, y
 
 
@@ -161,8 +165,9 @@ def test_commit_is_required_before_the_next_batch(etcd_server):
 def test_the_endless_source_needs_no_dataset_size(etcd_server):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
-    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), global_batch_size=7,
-                             env=_env(etcd_server, _job()))
+    trainer = ElasticTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), global_batch_size=7, env=_env(etcd_server, _job())
+    )
     seen = []
     with trainer:
         for batch in trainer.batches(max_steps=5):
@@ -178,8 +183,10 @@ def test_init_from_a_weights_only_torch_save_file(etcd_server, tmp_path):
     source = torch.nn.Linear(8, 3)
     sched_src = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(source.parameters(), lr=0.1), 2)
     path = tmp_path / "ck.pt"
-    torch.save({"model": source.state_dict(), "sched": {**sched_src.state_dict(), "last_epoch": 7}, "step": 7,
-                "epoch": 1}, path)
+    torch.save(
+        {"model": source.state_dict(), "sched": {**sched_src.state_dict(), "last_epoch": 7}, "step": 7, "epoch": 1},
+        path,
+    )
     trainer, model, x, y = _trainer(etcd_server, _job(), init_from=path)
     sched = torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2)
     trainer.register("scheduler", sched)
@@ -239,8 +246,13 @@ def test_loader_batch_size_per_rank_and_the_first_generation_as_reference(etcd_s
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
     ds = torch.utils.data.TensorDataset(torch.randn(100, 8), torch.randint(0, 3, (100,)))
-    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2,
-                             batch_mode=BatchMode.LINEAR_SCALING, env=_env(etcd_server, _job()))
+    trainer = ElasticTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulation_steps=2,
+        batch_mode=BatchMode.LINEAR_SCALING,
+        env=_env(etcd_server, _job()),
+    )
     got = []
     for xb, yb in trainer.loader(ds, max_steps=3, batch_size=4, num_workers=2):  # starts and closes itself
         got.append(len(xb))

@@ -31,11 +31,18 @@ def _run(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complet
 def test_a_wheel_built_from_the_tree_installs_and_runs_in_a_fresh_venv(tmp_path: Path) -> None:
     # A clean copy: a build/ directory left by an earlier build would lend the wheel its files.
     src = tmp_path / "src"
-    shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".mypy_cache", ".ruff_cache"))
+    shutil.copytree(
+        REPO_ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".mypy_cache", ".ruff_cache"
+        ),
+    )
     dist = tmp_path / "dist"
-    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                  "-w", str(dist), str(src)], cwd=tmp_path)
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
+        cwd=tmp_path,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = dist.glob("elasticd-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -49,15 +56,20 @@ def test_a_wheel_built_from_the_tree_installs_and_runs_in_a_fresh_venv(tmp_path:
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=tmp_path).stdout.strip())
-    installed = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                      str(wheel)], cwd=tmp_path)
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path
+        ).stdout.strip()
+    )
+    installed = _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)], cwd=tmp_path
+    )
     assert installed.returncode == 0, installed.stderr[-3000:]
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
-    where = _run([str(python), "-c", "import elasticd, elasticd.rendezvous.membership as m; print(m.__file__)"],
-                 cwd=tmp_path)
+    where = _run(
+        [str(python), "-c", "import elasticd, elasticd.rendezvous.membership as m; print(m.__file__)"], cwd=tmp_path
+    )
     assert where.returncode == 0, where.stderr[-3000:]
     assert where.stdout.strip().startswith(str(venv)), f"imported from {where.stdout.strip()}, not the wheel"
     ctl = _run([str(venv / "bin" / "elasticctl"), "--help"], cwd=tmp_path)

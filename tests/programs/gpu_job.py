@@ -53,18 +53,32 @@ def commits(audit: Path) -> list[int]:
     return [int(str(r["step"])) for r in read_lines([audit]) if r.get("event") == "commit"]
 
 
-def run_job(workdir: Path, etcd: EtcdServer, name: str, steps: int, kill_etcd: bool, cpu: bool,
-            model_on_cpu: bool = False) -> WorkerProcess:
+def run_job(
+    workdir: Path, etcd: EtcdServer, name: str, steps: int, kill_etcd: bool, cpu: bool, model_on_cpu: bool = False
+) -> WorkerProcess:
     config = workdir / "elasticd.toml"
     config.write_text("# every setting from the flags\n")
     audit = workdir / f"{name}.jsonl"
     device = ["--device", "cpu"] if cpu or model_on_cpu else ["--device", "cuda", "--fp16"]
-    program = python_program("agents/mlp.py", *device, "--steps", str(steps),
-                             "--checkpoint-dir", str(workdir / f"ckpt-{name}" if model_on_cpu else workdir / "ckpt"), "--checkpoint-every-steps", "100",
-                             "--audit", str(audit), "--save-final", str(workdir / f"{name}-final.pt"),
-                             "--step-sleep", "0.01")
-    argv = local_agent_argv(config, [etcd.endpoint], "gpu", "node-0", "1:1", 2.0, 0.5, program,
-                            "--backend", "gloo" if cpu else "nccl")  # the later flag wins over the helper's
+    program = python_program(
+        "agents/mlp.py",
+        *device,
+        "--steps",
+        str(steps),
+        "--checkpoint-dir",
+        str(workdir / f"ckpt-{name}" if model_on_cpu else workdir / "ckpt"),
+        "--checkpoint-every-steps",
+        "100",
+        "--audit",
+        str(audit),
+        "--save-final",
+        str(workdir / f"{name}-final.pt"),
+        "--step-sleep",
+        "0.01",
+    )
+    argv = local_agent_argv(
+        config, [etcd.endpoint], "gpu", "node-0", "1:1", 2.0, 0.5, program, "--backend", "gloo" if cpu else "nccl"
+    )  # the later flag wins over the helper's
     agent = WorkerProcess(argv, {}, workdir / f"agent-{name}.log", new_session=True).start()
     deadline = time.monotonic() + JOB_TIMEOUT_S
     killed = False
@@ -103,8 +117,10 @@ def main() -> int:
     try:
         agent = run_job(workdir, etcd, "first", STEPS_1, kill_etcd=True, cpu=args.cpu)
         steps = commits(workdir / "first.jsonl")
-        check(sorted(steps) == list(range(1, STEPS_1 + 1)), f"first: steps 1..{STEPS_1} committed once each "
-              f"({len(steps)} commits, {len(set(steps))} distinct)")
+        check(
+            sorted(steps) == list(range(1, STEPS_1 + 1)),
+            f"first: steps 1..{STEPS_1} committed once each ({len(steps)} commits, {len(set(steps))} distinct)",
+        )
         log = agent.log_text()
         check(f'"backend": "{backend}"' in log, f"first: the worker's groups are {backend} groups (its log)")
         check("Traceback" not in log, "first: no traceback in the agent's log")
@@ -113,9 +129,11 @@ def main() -> int:
         etcd = EtcdServer(data_dir=str(workdir / "etcd-second")).start()
         agent = run_job(workdir, etcd, "second", STEPS_2, kill_etcd=False, cpu=args.cpu)
         steps = commits(workdir / "second.jsonl")
-        check(sorted(steps) == list(range(STEPS_1 + 1, STEPS_2 + 1)),
-              f"second: resumed from the checkpoint at {STEPS_1}, committed {STEPS_1 + 1}..{STEPS_2} once each "
-              f"(first {min(steps, default=0)}, {len(steps)} commits)")
+        check(
+            sorted(steps) == list(range(STEPS_1 + 1, STEPS_2 + 1)),
+            f"second: resumed from the checkpoint at {STEPS_1}, committed {STEPS_1 + 1}..{STEPS_2} once each "
+            f"(first {min(steps, default=0)}, {len(steps)} commits)",
+        )
         first = torch.load(workdir / "first-final.pt")
         second = torch.load(workdir / "second-final.pt")
         check(any(not torch.equal(first[k], second[k]) for k in first), "second: trained on from the first's state")
@@ -126,7 +144,9 @@ def main() -> int:
         etcd = EtcdServer(data_dir=str(workdir / "etcd-third")).start()
         agent = run_job(workdir, etcd, "third", 100, kill_etcd=False, cpu=args.cpu, model_on_cpu=True)
         third = commits(workdir / "third.jsonl")
-        check(sorted(third) == list(range(1, 101)), f"third (model on the CPU, {backend} groups): steps 1..100 once each")
+        check(
+            sorted(third) == list(range(1, 101)), f"third (model on the CPU, {backend} groups): steps 1..100 once each"
+        )
         check(f'"backend": "{backend}"' in agent.log_text(), f"third: the worker's groups are {backend} groups")
         summary = {"first_commits": STEPS_1, "second_first_step": min(steps), "log_lines": len(log.splitlines())}
         print(json.dumps(summary), flush=True)

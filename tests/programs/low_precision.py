@@ -48,8 +48,9 @@ def main() -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    trainer = elasticd.ElasticTrainer(model, optimizer, dataset_size=512, global_batch_size=args.global_batch,
-                                      seed=1, audit_path=args.audit)
+    trainer = elasticd.ElasticTrainer(
+        model, optimizer, dataset_size=512, global_batch_size=args.global_batch, seed=1, audit_path=args.audit
+    )
     signal.signal(signal.SIGTERM, lambda *_: trainer.drain())
     with trainer, open(args.out, "a", encoding="utf-8") as out:
         for batch in trainer.batches(max_steps=args.steps):
@@ -58,9 +59,19 @@ def main() -> int:
             loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
             result = trainer.step(loss)
             if result is not None:
-                out.write(json.dumps({"step": result.step, "rank": batch.rank, "world": result.world_size,
-                                      "loss": float(loss.detach()), "share": batch.weight,
-                                      "global_loss": result.loss}) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "step": result.step,
+                            "rank": batch.rank,
+                            "world": result.world_size,
+                            "loss": float(loss.detach()),
+                            "share": batch.weight,
+                            "global_loss": result.loss,
+                        }
+                    )
+                    + "\n"
+                )
                 out.flush()
         if args.save_final and trainer.step_count >= args.steps:
             torch.save({k: v.float() for k, v in model.state_dict().items()}, args.save_final)

@@ -55,28 +55,43 @@ def reduce_ones(group: Group, world: int) -> None:
 
 def build(factory: GroupFactory, generation: int, rank: int, world: int, port: int) -> Group:
     # under a token, as the trainer's groups are: NCCL's unique id goes through the sealed store
-    return factory.build(generation, rank, world, HOST, port, Deadline.after(TIMEOUTS.group_build_s), lambda: False,
-                         token=f"{generation:032x}")
+    return factory.build(
+        generation,
+        rank,
+        world,
+        HOST,
+        port,
+        Deadline.after(TIMEOUTS.group_build_s),
+        lambda: False,
+        token=f"{generation:032x}",
+    )
 
 
 def one_gpu() -> None:
     preset = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     server = StoreServer(HOST, TIMEOUTS)
     factory = GroupFactory(server, HOST, "nccl", 0, TIMEOUTS)
-    check(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == (preset or "2") and
-          "TORCH_NCCL_NONBLOCKING_TIMEOUT" in os.environ, "NCCL environment set before the first group")
+    check(
+        os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == (preset or "2")
+        and "TORCH_NCCL_NONBLOCKING_TIMEOUT" in os.environ,
+        "NCCL environment set before the first group",
+    )
     for generation in (1, 2):
         started = time.monotonic()
         group = build(factory, generation, 0, 1, server.port)
         check(group.pg.bound_device_id == factory.device, f"generation {generation}: bound to {factory.device}")
         backend = group.pg._get_backend(factory.device)
-        check(bool(backend._is_initialized()),  # type: ignore[attr-defined]
-              f"generation {generation}: communicator ready after build ({time.monotonic() - started:.2f} s)")
+        check(
+            bool(backend._is_initialized()),  # type: ignore[attr-defined]
+            f"generation {generation}: communicator ready after build ({time.monotonic() - started:.2f} s)",
+        )
         reduce_ones(group, 1)
         started = time.monotonic()
         factory.retire(group)
-        check(time.monotonic() - started < TIMEOUTS.group_abort_s,
-              f"generation {generation}: aborted in {time.monotonic() - started:.2f} s; the process lives")
+        check(
+            time.monotonic() - started < TIMEOUTS.group_abort_s,
+            f"generation {generation}: aborted in {time.monotonic() - started:.2f} s; the process lives",
+        )
     factory.drain(Deadline.after(TIMEOUTS.collective_s + 1))
 
 
@@ -104,8 +119,9 @@ def worker(rank: int, store_port: int) -> int:
 
 def two_gpus() -> None:
     store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--store-port", str(store.port)])
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--store-port", str(store.port)]) for r in (0, 1)
+    ]
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -121,8 +137,10 @@ def main() -> int:
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         print("skipped: needs CUDA and a torch built with NCCL", flush=True)
         return SKIPPED
-    print(f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "  # type: ignore[no-untyped-call]
-          f"{torch.cuda.device_count()} GPU(s)")
+    print(
+        f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "  # type: ignore[no-untyped-call]
+        f"{torch.cuda.device_count()} GPU(s)"
+    )
     one_gpu()
     if torch.cuda.device_count() >= 2:
         two_gpus()

@@ -30,19 +30,41 @@ def main() -> int:
     timeouts = Timeouts(coordinator_grace_s=float(sys.argv[6])) if len(sys.argv) > 6 else Timeouts()
     store: KeyValueStore = EtcdClient(EtcdConfig(endpoints=(endpoint,)), timeouts, RetryPolicy())
     if os.environ.get("ELASTICD_RELAY_SOCKET"):
-        store = RelayedStore(store, Keys("/elasticd", job), os.environ["ELASTICD_RELAY_SOCKET"], timeouts,
-                             RetryPolicy())
-    record = MemberRecord(member_id=f"{node}.0.{os.getpid()}", node=node, local_rank=0, pid=os.getpid(),
-                          host="127.0.0.1", store_port=29500, signature="s" * 64)
-    membership = Membership(store, Keys("/elasticd", job), record,
-                            WorldConfig(job_id=job, min_workers=int(min_workers), max_workers=int(max_workers)),
-                            timeouts)
+        store = RelayedStore(
+            store, Keys("/elasticd", job), os.environ["ELASTICD_RELAY_SOCKET"], timeouts, RetryPolicy()
+        )
+    record = MemberRecord(
+        member_id=f"{node}.0.{os.getpid()}",
+        node=node,
+        local_rank=0,
+        pid=os.getpid(),
+        host="127.0.0.1",
+        store_port=29500,
+        signature="s" * 64,
+    )
+    membership = Membership(
+        store,
+        Keys("/elasticd", job),
+        record,
+        WorldConfig(job_id=job, min_workers=int(min_workers), max_workers=int(max_workers)),
+        timeouts,
+    )
     membership.start()
     try:
         while True:
             joined = membership.join(0, Deadline.after(timeouts.join_s))
-            print(json.dumps({"member": record.member_id, "generation": joined.generation, "rank": joined.rank,
-                              "world": joined.world_size, "t": time.time()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "member": record.member_id,
+                        "generation": joined.generation,
+                        "rank": joined.rank,
+                        "world": joined.world_size,
+                        "t": time.time(),
+                    }
+                ),
+                flush=True,
+            )
             while not (membership.must_abandon() or membership.join_pending()):
                 time.sleep(POLL_S)
     except ElasticdError as exc:

@@ -36,7 +36,7 @@ def _ts(rec: dict[str, object]) -> float:
 def _steps(out: Path, rank: int) -> list[dict[str, object]]:
     p = out / f"rank{rank}.jsonl"
     rows = []
-    for line in (p.read_text().splitlines() if p.exists() else []):
+    for line in p.read_text().splitlines() if p.exists() else []:
         try:
             rows.append(json.loads(line))
         except ValueError:
@@ -47,16 +47,47 @@ def _steps(out: Path, rank: int) -> list[dict[str, object]]:
 def one(etcd: EtcdServer, root: Path, job: str, steps: int) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    script = ["agents/torchrun_ddp.py", "--steps", str(steps), "--save-every", "20", "--step-sleep", "0.02",
-              "--ckpt-dir", str(root / "ckpt"), "--out-dir", str(root / "out")]
+    script = [
+        "agents/torchrun_ddp.py",
+        "--steps",
+        str(steps),
+        "--save-every",
+        "20",
+        "--step-sleep",
+        "0.02",
+        "--ckpt-dir",
+        str(root / "ckpt"),
+        "--out-dir",
+        str(root / "out"),
+    ]
     root.mkdir(parents=True)
     procs = []
     for node in ("a", "b"):
         with (root / f"agent-{node}.log").open("ab") as log:
-            procs.append(subprocess.Popen([*AGENT, "--mode", "restart", "--etcd", etcd.endpoint, "--job-id", job,
-                                           "--node-id", node, "--nnodes", "2:2", "--", *script], env=env,
-                                          cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *AGENT,
+                        "--mode",
+                        "restart",
+                        "--etcd",
+                        etcd.endpoint,
+                        "--job-id",
+                        job,
+                        "--node-id",
+                        node,
+                        "--nnodes",
+                        "2:2",
+                        "--",
+                        *script,
+                    ],
+                    env=env,
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     try:
         deadline = time.monotonic() + 120
         while max((int(r["step"]) for r in _steps(root / "out", 0)), default=0) < 45:
@@ -71,10 +102,12 @@ def one(etcd: EtcdServer, root: Path, job: str, steps: int) -> dict[str, float]:
                 raise RuntimeError(f"an agent failed; see {root}")
         failed = _ts(log_events(root / "agent-b.log", "round_failed")[0])
         started = max(_ts(r) for n in "ab" for r in log_events(root / f"agent-{n}.log", "round_started")[1:2])
-        first = min(float(r["t"]) for k in (0, 1) for r in _steps(root / "out", k)
-                    if r["restart_count"] == 1)
-        return {"detect_s": round(failed - killed, 3), "round_started_s": round(started - killed, 3),
-                "first_step_s": round(first - killed, 3)}
+        first = min(float(r["t"]) for k in (0, 1) for r in _steps(root / "out", k) if r["restart_count"] == 1)
+        return {
+            "detect_s": round(failed - killed, 3),
+            "round_started_s": round(started - killed, 3),
+            "first_step_s": round(first - killed, 3),
+        }
     finally:
         for p in procs:
             if p.poll() is None:

@@ -41,8 +41,14 @@ pytestmark = pytest.mark.timeout(60)
 
 NOW = 1000.0
 CFG = AgentConfig(
-    program=("worker",), node_id="n", nproc_per_node=2, max_restarts=2, restart_window_s=60.0,
-    restart_backoff_initial_s=1.0, restart_backoff_max_s=3.0, kill_wait_s=5.0,
+    program=("worker",),
+    node_id="n",
+    nproc_per_node=2,
+    max_restarts=2,
+    restart_window_s=60.0,
+    restart_backoff_initial_s=1.0,
+    restart_backoff_max_s=3.0,
+    kill_wait_s=5.0,
     timeouts=Timeouts(shutdown_grace_s=10.0),
 )
 
@@ -68,75 +74,136 @@ EXHAUSTED = "restarts_exhausted: worker 0 exited with code 1"
 
 # (id, snapshot, expected action fields). Only the fields named are compared.
 CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
-    ("start spawns rank 0", AgentSnapshot.initial(2),
-     dict(kind=ActionKind.SPAWN, local_rank=0, next_state=R)),
+    ("start spawns rank 0", AgentSnapshot.initial(2), dict(kind=ActionKind.SPAWN, local_rank=0, next_state=R)),
     ("then the next pending rank", snap(R, running(0), Slot(1)), dict(kind=ActionKind.SPAWN, local_rank=1)),
-    ("all running: wait for something to happen", snap(R, running(0), running(1)),
-     dict(kind=ActionKind.WAIT, until=None)),
-    ("a crash within the budget: restart after the initial backoff", snap(R, ended(0, FAILED, 1), running(1)),
-     dict(kind=ActionKind.RELEASE, local_rank=0, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0,
-          next_state=None)),
-    ("a death by signal is a failure too", snap(R, ended(0, ExitKind.SIGNALED, sig=9), running(1)),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0)),
-    ("a worker that could not start is a failure too", snap(R, ended(0, ExitKind.SPAWN_FAILED), running(1)),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF)),
-    ("the second restart in the window waits twice as long",
-     snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10,)),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 2.0)),
-    ("restarts older than the window do not count",
-     snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 60.0, NOW - 70.0)),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0)),
-    ("the budget is spent: stop, exit 1 later",
-     snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10, NOW - 5)),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=S)),
-    ("exit 0 is done, not restarted", snap(R, ended(0, OK, 0), running(1)),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE, next_state=None)),
+    (
+        "all running: wait for something to happen",
+        snap(R, running(0), running(1)),
+        dict(kind=ActionKind.WAIT, until=None),
+    ),
+    (
+        "a crash within the budget: restart after the initial backoff",
+        snap(R, ended(0, FAILED, 1), running(1)),
+        dict(
+            kind=ActionKind.RELEASE, local_rank=0, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0, next_state=None
+        ),
+    ),
+    (
+        "a death by signal is a failure too",
+        snap(R, ended(0, ExitKind.SIGNALED, sig=9), running(1)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0),
+    ),
+    (
+        "a worker that could not start is a failure too",
+        snap(R, ended(0, ExitKind.SPAWN_FAILED), running(1)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF),
+    ),
+    (
+        "the second restart in the window waits twice as long",
+        snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10,)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 2.0),
+    ),
+    (
+        "restarts older than the window do not count",
+        snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 60.0, NOW - 70.0)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0),
+    ),
+    (
+        "the budget is spent: stop, exit 1 later",
+        snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10, NOW - 5)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=S),
+    ),
+    (
+        "exit 0 is done, not restarted",
+        snap(R, ended(0, OK, 0), running(1)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE, next_state=None),
+    ),
     ("one done, one running: wait", snap(R, Slot(0, SlotState.DONE), running(1)), dict(kind=ActionKind.WAIT)),
-    ("all done: exit 0", snap(R, Slot(0, SlotState.DONE), Slot(1, SlotState.DONE)),
-     dict(kind=ActionKind.EXIT, exit_code=0, reason="workers_finished")),
-    ("a restart that is due", snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW - 0.1), running(1)),
-     dict(kind=ActionKind.SPAWN, local_rank=0, reason="restart")),
-    ("a restart that is not due yet: wait until then",
-     snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW + 2), running(1)),
-     dict(kind=ActionKind.WAIT, until=NOW + 2)),
-    ("SIGTERM: forward it, drain", snap(R, running(0), running(1), stop_requests=1),
-     dict(kind=ActionKind.TERMINATE, next_state=D, until=NOW + 10.0)),
-    ("SIGTERM before anything ran", snap(AgentState.STARTING, Slot(0), Slot(1), stop_requests=1),
-     dict(kind=ActionKind.TERMINATE, next_state=D)),
-    ("draining: wait for the workers until the grace ends",
-     snap(D, running(0), stop_requests=1, terminate_deadline=NOW + 3),
-     dict(kind=ActionKind.WAIT, until=NOW + 3)),
-    ("draining: the grace is over, kill",
-     snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 0.1),
-     dict(kind=ActionKind.KILL, until=NOW + 5.0)),
-    ("a second SIGTERM kills at once", snap(D, running(0), stop_requests=2, terminate_deadline=NOW + 3),
-     dict(kind=ActionKind.KILL)),
-    ("draining: a failed worker is not restarted",
-     snap(D, ended(0, FAILED, 1), running(1), stop_requests=1, terminate_deadline=NOW + 3),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=None)),
-    ("a crash seen together with a stop request is not restarted (Ctrl-C reaches the workers too)",
-     snap(R, ended(0, ExitKind.SIGNALED, sig=2), running(1), stop_requests=1),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=None)),
-    ("draining: a worker that left cleanly is done",
-     snap(D, ended(0, OK, 0), stop_requests=1, terminate_deadline=NOW + 3),
-     dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE)),
-    ("drained: exit 0", snap(D, Slot(0, SlotState.DONE), Slot(1, SlotState.STOPPED), stop_requests=1,
-                             terminate_deadline=NOW + 3),
-     dict(kind=ActionKind.EXIT, exit_code=0, reason="drained")),
-    ("draining with a restart pending and nothing running: exit 0",
-     snap(D, Slot(0, SlotState.BACKOFF, restart_at=NOW - 1), stop_requests=1, terminate_deadline=NOW + 3),
-     dict(kind=ActionKind.EXIT, exit_code=0)),
-    ("stopping: SIGTERM to the other workers",
-     snap(S, Slot(0, SlotState.STOPPED), running(1), reason=EXHAUSTED),
-     dict(kind=ActionKind.TERMINATE, until=NOW + 10.0, next_state=None)),
-    ("stopping: all gone, exit 1 with the reason", snap(S, Slot(0, SlotState.STOPPED), reason=EXHAUSTED),
-     dict(kind=ActionKind.EXIT, exit_code=1, reason=EXHAUSTED)),
-    ("killed workers not reaped within kill_wait_s: exit 1",
-     snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 6, kill_deadline=NOW - 0.1),
-     dict(kind=ActionKind.EXIT, exit_code=1)),
-    ("waiting for killed workers to be reaped",
-     snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 6, kill_deadline=NOW + 1),
-     dict(kind=ActionKind.WAIT, until=NOW + 1)),
+    (
+        "all done: exit 0",
+        snap(R, Slot(0, SlotState.DONE), Slot(1, SlotState.DONE)),
+        dict(kind=ActionKind.EXIT, exit_code=0, reason="workers_finished"),
+    ),
+    (
+        "a restart that is due",
+        snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW - 0.1), running(1)),
+        dict(kind=ActionKind.SPAWN, local_rank=0, reason="restart"),
+    ),
+    (
+        "a restart that is not due yet: wait until then",
+        snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW + 2), running(1)),
+        dict(kind=ActionKind.WAIT, until=NOW + 2),
+    ),
+    (
+        "SIGTERM: forward it, drain",
+        snap(R, running(0), running(1), stop_requests=1),
+        dict(kind=ActionKind.TERMINATE, next_state=D, until=NOW + 10.0),
+    ),
+    (
+        "SIGTERM before anything ran",
+        snap(AgentState.STARTING, Slot(0), Slot(1), stop_requests=1),
+        dict(kind=ActionKind.TERMINATE, next_state=D),
+    ),
+    (
+        "draining: wait for the workers until the grace ends",
+        snap(D, running(0), stop_requests=1, terminate_deadline=NOW + 3),
+        dict(kind=ActionKind.WAIT, until=NOW + 3),
+    ),
+    (
+        "draining: the grace is over, kill",
+        snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 0.1),
+        dict(kind=ActionKind.KILL, until=NOW + 5.0),
+    ),
+    (
+        "a second SIGTERM kills at once",
+        snap(D, running(0), stop_requests=2, terminate_deadline=NOW + 3),
+        dict(kind=ActionKind.KILL),
+    ),
+    (
+        "draining: a failed worker is not restarted",
+        snap(D, ended(0, FAILED, 1), running(1), stop_requests=1, terminate_deadline=NOW + 3),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=None),
+    ),
+    (
+        "a crash seen together with a stop request is not restarted (Ctrl-C reaches the workers too)",
+        snap(R, ended(0, ExitKind.SIGNALED, sig=2), running(1), stop_requests=1),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=None),
+    ),
+    (
+        "draining: a worker that left cleanly is done",
+        snap(D, ended(0, OK, 0), stop_requests=1, terminate_deadline=NOW + 3),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE),
+    ),
+    (
+        "drained: exit 0",
+        snap(D, Slot(0, SlotState.DONE), Slot(1, SlotState.STOPPED), stop_requests=1, terminate_deadline=NOW + 3),
+        dict(kind=ActionKind.EXIT, exit_code=0, reason="drained"),
+    ),
+    (
+        "draining with a restart pending and nothing running: exit 0",
+        snap(D, Slot(0, SlotState.BACKOFF, restart_at=NOW - 1), stop_requests=1, terminate_deadline=NOW + 3),
+        dict(kind=ActionKind.EXIT, exit_code=0),
+    ),
+    (
+        "stopping: SIGTERM to the other workers",
+        snap(S, Slot(0, SlotState.STOPPED), running(1), reason=EXHAUSTED),
+        dict(kind=ActionKind.TERMINATE, until=NOW + 10.0, next_state=None),
+    ),
+    (
+        "stopping: all gone, exit 1 with the reason",
+        snap(S, Slot(0, SlotState.STOPPED), reason=EXHAUSTED),
+        dict(kind=ActionKind.EXIT, exit_code=1, reason=EXHAUSTED),
+    ),
+    (
+        "killed workers not reaped within kill_wait_s: exit 1",
+        snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 6, kill_deadline=NOW - 0.1),
+        dict(kind=ActionKind.EXIT, exit_code=1),
+    ),
+    (
+        "waiting for killed workers to be reaped",
+        snap(D, running(0), stop_requests=1, terminate_deadline=NOW - 6, kill_deadline=NOW + 1),
+        dict(kind=ActionKind.WAIT, until=NOW + 1),
+    ),
 ]
 
 
@@ -149,8 +216,9 @@ def test_decide(snapshot: AgentSnapshot, expected: dict[str, object]) -> None:
 
 def test_exhausted_reason_says_why() -> None:
     action = decide(snap(R, ended(0, FAILED, 1), running(1), restarts=(NOW - 10, NOW - 5)), NOW, CFG)
-    assert action.reason == ("restarts_exhausted: worker 0 (pid 100) exited with code 1; 2 restarts in the "
-                             "last 60 s (max_restarts 2)")
+    assert action.reason == (
+        "restarts_exhausted: worker 0 (pid 100) exited with code 1; 2 restarts in the last 60 s (max_restarts 2)"
+    )
 
 
 def test_max_restarts_zero_means_the_first_failure_is_fatal() -> None:
@@ -176,8 +244,14 @@ def test_restarts_in_window(times: tuple[float, ...], now: float, window: float,
 
 @pytest.mark.parametrize(
     ("recent", "initial", "cap", "wait"),
-    [(0, 0.5, 30.0, 0.5), (1, 0.5, 30.0, 1.0), (3, 0.5, 30.0, 4.0), (6, 0.5, 30.0, 30.0),
-     (10_000, 0.5, 30.0, 30.0), (2, 1.0, 1.0, 1.0)],
+    [
+        (0, 0.5, 30.0, 0.5),
+        (1, 0.5, 30.0, 1.0),
+        (3, 0.5, 30.0, 4.0),
+        (6, 0.5, 30.0, 30.0),
+        (10_000, 0.5, 30.0, 30.0),
+        (2, 1.0, 1.0, 1.0),
+    ],
 )
 def test_restart_backoff(recent: int, initial: float, cap: float, wait: float) -> None:
     assert restart_backoff_s(recent, initial, cap) == wait
@@ -209,8 +283,13 @@ def test_member_leases_match_node_and_pid_and_skip_garbage() -> None:
 def _agent(program: list[str], **settings: object) -> tuple[Agent, FakeKeyValueStore]:
     store = FakeKeyValueStore()
     fields: dict[str, object] = dict(
-        program=tuple(program), node_id="n", world=WorldConfig(job_id="j"), restart_backoff_initial_s=0.01,
-        restart_backoff_max_s=0.02, poll_interval_s=0.02, kill_wait_s=2.0,
+        program=tuple(program),
+        node_id="n",
+        world=WorldConfig(job_id="j"),
+        restart_backoff_initial_s=0.01,
+        restart_backoff_max_s=0.02,
+        poll_interval_s=0.02,
+        kill_wait_s=2.0,
         timeouts=Timeouts(shutdown_grace_s=0.5),
     )
     fields.update(settings)
@@ -253,7 +332,9 @@ def test_a_program_that_cannot_start_is_a_failure_with_a_clear_reason() -> None:
 @pytest.mark.parametrize("obeys_sigterm", [True, False], ids=["drains", "ignores SIGTERM: killed"])
 def test_stop_request_drains_then_kills_and_exits_0(obeys_sigterm: bool) -> None:
     handler = "lambda *_: sys.exit(0)" if obeys_sigterm else "signal.SIG_IGN"
-    code = f"import signal, sys, time; signal.signal(signal.SIGTERM, {handler}); print('up', flush=True); time.sleep(60)"
+    code = (
+        f"import signal, sys, time; signal.signal(signal.SIGTERM, {handler}); print('up', flush=True); time.sleep(60)"
+    )
     agent, _ = _agent([sys.executable, "-c", code])
     timer = threading.Timer(0.5, agent.request_stop)
     timer.start()
@@ -303,8 +384,15 @@ def test_action_defaults_are_inert() -> None:
 
 # -- hang detection -------------------------------------------------------------------------------
 
-HANG_CFG = AgentConfig(program=("worker",), node_id="n", nproc_per_node=2, hang_timeout_s=3.0,
-                       max_restarts=2, restart_window_s=60.0, restart_backoff_initial_s=1.0)
+HANG_CFG = AgentConfig(
+    program=("worker",),
+    node_id="n",
+    nproc_per_node=2,
+    hang_timeout_s=3.0,
+    max_restarts=2,
+    restart_window_s=60.0,
+    restart_backoff_initial_s=1.0,
+)
 STALLED = ProgressMark(("training", 1, 5), NOW - 4.0, 10)
 
 
@@ -329,8 +417,13 @@ def test_a_worker_stalled_while_the_job_advanced_is_killed_as_hung() -> None:
     ids=lambda x: x if isinstance(x, str) else "",
 )
 def test_no_hang_kill_without_evidence(view: JobView | None, state: AgentState, why: str) -> None:
-    s = snap(state, replace(running(0), mark=STALLED), view=view, stop_requests=1 if state is D else 0,
-             terminate_deadline=NOW + 5 if state is D else None)
+    s = snap(
+        state,
+        replace(running(0), mark=STALLED),
+        view=view,
+        stop_requests=1 if state is D else 0,
+        terminate_deadline=NOW + 5 if state is D else None,
+    )
     assert decide(s, NOW, HANG_CFG).kind is not ActionKind.KILL_HUNG, why
 
 
@@ -345,16 +438,20 @@ STOP_CFG = replace(CFG, stopped_worker_s=0.5)
         (replace(running(0), stopped_at=NOW - 0.5), STOP_CFG, ActionKind.REVOKE_STOPPED, "stopped for the bound"),
         (replace(running(0), stopped_at=NOW - 3.0), STOP_CFG, ActionKind.REVOKE_STOPPED, "stopped long ago"),
         (replace(running(0), stopped_at=NOW - 0.4), STOP_CFG, ActionKind.WAIT, "not yet stopped long enough"),
-        (replace(running(0), stopped_at=NOW - 3.0, stop_revoked=True), STOP_CFG, ActionKind.WAIT,
-         "already revoked: once per stop"),
-        (replace(running(0), stopped_at=NOW - 3.0), replace(CFG, stopped_worker_s=0.0), ActionKind.WAIT,
-         "0: off"),
+        (
+            replace(running(0), stopped_at=NOW - 3.0, stop_revoked=True),
+            STOP_CFG,
+            ActionKind.WAIT,
+            "already revoked: once per stop",
+        ),
+        (replace(running(0), stopped_at=NOW - 3.0), replace(CFG, stopped_worker_s=0.0), ActionKind.WAIT, "0: off"),
         (running(0), STOP_CFG, ActionKind.WAIT, "not stopped"),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )
 def test_a_worker_stopped_past_stopped_worker_s_has_its_lease_revoked(
-        slot: Slot, cfg: AgentConfig, expected: ActionKind, why: str) -> None:
+    slot: Slot, cfg: AgentConfig, expected: ActionKind, why: str
+) -> None:
     a = decide(snap(R, slot, running(1)), NOW, cfg)
     assert a.kind is expected, why
     if expected is ActionKind.REVOKE_STOPPED:
@@ -418,10 +515,19 @@ def test_the_executor_kills_a_stalled_worker_but_not_on_an_etcd_outage(etcd_down
     progress grows. With the reads answered, it is killed as hung and restarted; with etcd not
     answering, the agent has no evidence and leaves it alone."""
     store = _OutageStore()
-    agent = Agent(AgentConfig(
-        program=(sys.executable, "-c", "import time; time.sleep(30)"), node_id="n", world=WorldConfig(job_id="j"),
-        timeouts=Timeouts(lease_ttl_s=1.0, keepalive_s=0.1, shutdown_grace_s=0.5), hang_timeout_s=0.5,
-        max_restarts=0, poll_interval_s=0.02, kill_wait_s=2.0), store)
+    agent = Agent(
+        AgentConfig(
+            program=(sys.executable, "-c", "import time; time.sleep(30)"),
+            node_id="n",
+            world=WorldConfig(job_id="j"),
+            timeouts=Timeouts(lease_ttl_s=1.0, keepalive_s=0.1, shutdown_grace_s=0.5),
+            hang_timeout_s=0.5,
+            max_restarts=0,
+            poll_interval_s=0.02,
+            kill_wait_s=2.0,
+        ),
+        store,
+    )
     keys = Keys("/elasticd", "j")
     done = threading.Event()
 

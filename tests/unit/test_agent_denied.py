@@ -27,8 +27,10 @@ from tests.fakes import GuardedStore
 
 pytestmark = pytest.mark.timeout(60)
 
-MESSAGE = ("permission denied for job j (etcd user other): the user's role does not cover /elasticd/j/ -- see "
-           "`elasticctl auth setup-job`")
+MESSAGE = (
+    "permission denied for job j (etcd user other): the user's role does not cover /elasticd/j/ -- see "
+    "`elasticctl auth setup-job`"
+)
 KEYS = Keys("/elasticd", "j")
 
 
@@ -49,9 +51,14 @@ class DenyingStore(GuardedStore):
 
 def _config(program: Sequence[str], **settings: object) -> AgentConfig:
     fields: dict[str, object] = dict(
-        program=tuple(program), node_id="n", world=WorldConfig(job_id="j"), poll_interval_s=0.02, kill_wait_s=2.0,
+        program=tuple(program),
+        node_id="n",
+        world=WorldConfig(job_id="j"),
+        poll_interval_s=0.02,
+        kill_wait_s=2.0,
         etcd=EtcdConfig(user="other", password="pw"),
-        timeouts=Timeouts(shutdown_grace_s=0.5, keepalive_s=0.1, lease_ttl_s=1.0))
+        timeouts=Timeouts(shutdown_grace_s=0.5, keepalive_s=0.1, lease_ttl_s=1.0),
+    )
     fields.update(settings)
     return AgentConfig(**fields)  # type: ignore[arg-type]
 
@@ -131,8 +138,10 @@ def test_the_event_log_drops_its_queue_and_stops_on_permission_denied() -> None:
 
 def test_the_restart_agent_exits_2_when_etcd_starts_refusing_its_reads() -> None:
     store = DenyingStore(deny=False)
-    config = replace(_config([sys.executable, "-c", "import time; time.sleep(60)"], mode="restart"),
-                     world=WorldConfig(job_id="j", min_workers=1, max_workers=1))
+    config = replace(
+        _config([sys.executable, "-c", "import time; time.sleep(60)"], mode="restart"),
+        world=WorldConfig(job_id="j", min_workers=1, max_workers=1),
+    )
     agent = GroupRestartAgent(config, store)
     result: list[object] = []
     with structlog.testing.capture_logs() as logs:

@@ -30,14 +30,32 @@ def history(worlds: list[tuple[int, int]], steps: int, gbs: int = 6) -> list[Rec
         if generation != current:
             current = generation
             for rank in range(world):
-                out.append({"event": "sync", "generation": generation, "rank": rank, "world_size": world,
-                            "step": step - 1, "checksum": f"{step:016x}"})
+                out.append(
+                    {
+                        "event": "sync",
+                        "generation": generation,
+                        "rank": rank,
+                        "world_size": world,
+                        "step": step - 1,
+                        "checksum": f"{step:016x}",
+                    }
+                )
         batches = [sampler.batch(step, epoch, position, r, world) for r in range(world)]
         for b in batches:
-            out.append({"event": "commit", "step": step, "generation": generation, "rank": b.rank,
-                        "world_size": world, "epoch": b.epoch, "position": b.position,
-                        "global_size": b.global_size,
-                        "indices": list(b.indices), "loss": 1.0 / step})
+            out.append(
+                {
+                    "event": "commit",
+                    "step": step,
+                    "generation": generation,
+                    "rank": b.rank,
+                    "world_size": world,
+                    "epoch": b.epoch,
+                    "position": b.position,
+                    "global_size": b.global_size,
+                    "indices": list(b.indices),
+                    "loss": 1.0 / step,
+                }
+            )
         epoch, position = ElasticSampler.after(batches[0])
     for rank in range(worlds[-1][1]):
         out.append({"event": "final", "rank": rank, "step": step, "checksum": "feedface"})
@@ -127,7 +145,9 @@ def test_missing_samples_in_a_finished_epoch() -> None:
     victim = commits(records, 3)[2]
     victim["indices"] = victim["indices"][1:]  # type: ignore[index]
     rep = check(records, DATASET)
-    assert any("step 3" in v and "hold 5 samples, not the global batch of 6" in v for v in rep.violations), rep.violations
+    assert any("step 3" in v and "hold 5 samples, not the global batch of 6" in v for v in rep.violations), (
+        rep.violations
+    )
 
 
 def test_partial_last_epoch_is_not_missing_samples() -> None:

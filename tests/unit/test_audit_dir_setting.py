@@ -13,18 +13,24 @@ from elasticd.errors import ConfigError
 from elasticd.settings import worker_env_from_environ, worker_env_to_environ
 
 
-def _agent(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None,
-           toml: str | None = None) -> AgentConfig:
+def _agent(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None, toml: str | None = None) -> AgentConfig:
     if toml is not None:
         (tmp_path / "elasticd.toml").write_text(toml)
         argv = ("--config", str(tmp_path / "elasticd.toml"), *argv)
-    return parse_agent_command_line([*argv, "--", "true"], environ=environ or {},
-                                    default_config_file=tmp_path / "absent.toml")
+    return parse_agent_command_line(
+        [*argv, "--", "true"], environ=environ or {}, default_config_file=tmp_path / "absent.toml"
+    )
 
 
 def test_the_variable_is_read_into_worker_env_and_names_this_workers_file() -> None:
-    env = worker_env_from_environ({"ELASTICD_AUDIT_DIR": "/data/audit", "ELASTICD_JOB_ID": "jj",
-                                   "ELASTICD_NODE_ID": "gpu-3", "ELASTICD_LOCAL_RANK": "2"})
+    env = worker_env_from_environ(
+        {
+            "ELASTICD_AUDIT_DIR": "/data/audit",
+            "ELASTICD_JOB_ID": "jj",
+            "ELASTICD_NODE_ID": "gpu-3",
+            "ELASTICD_LOCAL_RANK": "2",
+        }
+    )
     assert env.audit_dir == "/data/audit"
     assert env.audit_file == Path("/data/audit/jj/gpu-3.2.jsonl")
     assert worker_env_from_environ(worker_env_to_environ(env)) == env
@@ -34,16 +40,31 @@ def test_the_variable_is_read_into_worker_env_and_names_this_workers_file() -> N
         worker_env_from_environ({"ELASTICD_NODE_ID": "n", "ELASTICD_AUDIT_DIR": "a\0b"})
 
 
-@pytest.mark.parametrize(("argv", "environ", "toml", "expected"), [
-    (("--audit-dir", "{d}/flag"), {"ELASTICD_AUDIT_DIR": "{d}/env"}, "audit_dir = '{d}/toml'\n", "flag"),
-    ((), {"ELASTICD_AUDIT_DIR": "{d}/env"}, "audit_dir = '{d}/toml'\n", "env"),
-    ((), {}, "audit_dir = '{d}/toml'\n", "toml"),
-], ids=["flag", "variable", "file"])
-def test_the_agent_sets_the_variable_for_its_workers(tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str],
-                                                     toml: str, expected: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "environ", "toml", "expected"),
+    [
+        (("--audit-dir", "{d}/flag"), {"ELASTICD_AUDIT_DIR": "{d}/env"}, "audit_dir = '{d}/toml'\n", "flag"),
+        ((), {"ELASTICD_AUDIT_DIR": "{d}/env"}, "audit_dir = '{d}/toml'\n", "env"),
+        ((), {}, "audit_dir = '{d}/toml'\n", "toml"),
+    ],
+    ids=["flag", "variable", "file"],
+)
+def test_the_agent_sets_the_variable_for_its_workers(
+    tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str], toml: str, expected: str
+) -> None:
     d = str(tmp_path)
-    cfg = _agent(tmp_path, *(a.format(d=d) for a in argv), "--node-id", "gpu-3", "--job-id", "jj",
-                 "--nproc-per-node", "2", environ={k: v.format(d=d) for k, v in environ.items()}, toml=toml.format(d=d))
+    cfg = _agent(
+        tmp_path,
+        *(a.format(d=d) for a in argv),
+        "--node-id",
+        "gpu-3",
+        "--job-id",
+        "jj",
+        "--nproc-per-node",
+        "2",
+        environ={k: v.format(d=d) for k, v in environ.items()},
+        toml=toml.format(d=d),
+    )
     variables = worker_env_to_environ(cfg.worker_env(1))
     assert variables["ELASTICD_AUDIT_DIR"] == f"{d}/{expected}"
     assert worker_env_from_environ(variables).audit_file == tmp_path / expected / "jj" / "gpu-3.1.jsonl"

@@ -53,8 +53,9 @@ def test_sizes_count_keys_values_and_framing() -> None:
 
 
 @pytest.mark.parametrize(("n", "txn_wall"), [(1, False), (126, False), (127, True), (1000, True)])
-def test_the_publish_txn_wall_was_at_127_members_while_the_publish_deleted_the_ready_keys(n: int,
-                                                                                          txn_wall: bool) -> None:
+def test_the_publish_txn_wall_was_at_127_members_while_the_publish_deleted_the_ready_keys(
+    n: int, txn_wall: bool
+) -> None:
     assert publish_ops(n) == 2 and publish_ops(n, deletes=True) == n + 2
     assert any("--max-txn-ops 128" in w for w in walls(n, SIZES, deletes=True)) is txn_wall
     assert not any("--max-txn-ops" in w for w in walls(n, SIZES))
@@ -63,10 +64,11 @@ def test_the_publish_txn_wall_was_at_127_members_while_the_publish_deleted_the_r
 def test_wall_thresholds_are_the_first_n_over_each_limit() -> None:
     at = wall_thresholds(SIZES)
     assert at["publish_txn_ops"] is None and at["publish_txn_ops_before_3fe7fcf"] == 127
-    for name, limit, size in (("publish_request_bytes", 1536 * 1024, SIZES.publish_request),
-                              ("publish_request_bytes_before_3fe7fcf", 1536 * 1024,
-                               lambda n: SIZES.publish_request(n, deletes=True)),
-                              ("full_read_grpc_message", 4 * 1024 * 1024, SIZES.full_read)):
+    for name, limit, size in (
+        ("publish_request_bytes", 1536 * 1024, SIZES.publish_request),
+        ("publish_request_bytes_before_3fe7fcf", 1536 * 1024, lambda n: SIZES.publish_request(n, deletes=True)),
+        ("full_read_grpc_message", 4 * 1024 * 1024, SIZES.full_read),
+    ):
         n = at[name]
         assert n is not None and size(n) > limit >= size(n - 1), name
     # the read wall comes before the publish's bytes (a read carries whole records, the publish ids)
@@ -78,11 +80,14 @@ def test_first_n_bisects(threshold: int, expected: int | None) -> None:
     assert first_n(lambda n: n > threshold) == expected
 
 
-@pytest.mark.parametrize(("n", "deletes", "join_events", "leave_events"), [
-    (50, True, 5_050, 2 * 49 * 49 + 2 * 49),  # the 5,050 at 50 members (before 3fe7fcf)
-    (200, True, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
-    (50, False, 2_550, 49 * 49 + 2 * 49),  # 3fe7fcf: the ready records are no longer deleted
-])
+@pytest.mark.parametrize(
+    ("n", "deletes", "join_events", "leave_events"),
+    [
+        (50, True, 5_050, 2 * 49 * 49 + 2 * 49),  # the 5,050 at 50 members (before 3fe7fcf)
+        (200, True, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
+        (50, False, 2_550, 49 * 49 + 2 * 49),  # 3fe7fcf: the ready records are no longer deleted
+    ],
+)
 def test_current_protocol_events_are_quadratic(n: int, deletes: bool, join_events: int, leave_events: int) -> None:
     t = Timeouts()
     join = current_protocol(n, 3.0, SIZES, t, leave=False, deletes=deletes)
@@ -118,17 +123,41 @@ def test_node_relays_read_once_per_node_and_cut_the_events_to_the_nodes(n: int) 
     assert (join.events, leave.events) == (n + nodes, survivors + 2)  # a join's ready puts: one each still
     alone = coordinated_protocol(n, 3.0, SIZES, t, leave=False)
     assert alone.readers == 0
-    c = Costs(request_rtt_s=0.001, write_rtt_s=0.001, etcd_per_request_s=3e-4, etcd_per_event_s=5e-6,
-              etcd_per_byte_s=1e-8, member_per_request_s=4e-4, member_per_event_s=4e-5, member_per_byte_s=5e-8)
+    c = Costs(
+        request_rtt_s=0.001,
+        write_rtt_s=0.001,
+        etcd_per_request_s=3e-4,
+        etcd_per_event_s=5e-6,
+        etcd_per_byte_s=1e-8,
+        member_per_request_s=4e-4,
+        member_per_event_s=4e-5,
+        member_per_byte_s=5e-8,
+    )
     assert predict(join, c, 2).here_s < predict(alone, c, 2).here_s
     assert predict(join, c, 2).fleet_s < predict(alone, c, 2).fleet_s
 
 
 def test_predict_adds_waits_writes_events_and_sweeps_of_reads() -> None:
-    r = RoundCounts(members=10, requests=100, events=1000, read_bytes=10_000, reads_per_member=5, sweeps=2,
-                    seq_writes=4, fixed_wait_s=0.25)
-    c = Costs(request_rtt_s=0.5, write_rtt_s=0.001, etcd_per_request_s=1e-4, etcd_per_event_s=1e-5, etcd_per_byte_s=1e-8,
-              member_per_request_s=2e-4, member_per_event_s=2e-5, member_per_byte_s=2e-8)
+    r = RoundCounts(
+        members=10,
+        requests=100,
+        events=1000,
+        read_bytes=10_000,
+        reads_per_member=5,
+        sweeps=2,
+        seq_writes=4,
+        fixed_wait_s=0.25,
+    )
+    c = Costs(
+        request_rtt_s=0.5,
+        write_rtt_s=0.001,
+        etcd_per_request_s=1e-4,
+        etcd_per_event_s=1e-5,
+        etcd_per_byte_s=1e-8,
+        member_per_request_s=2e-4,
+        member_per_event_s=2e-5,
+        member_per_byte_s=2e-8,
+    )
     p = predict(r, c, cores=2)
     read_etcd, read_member = 1e-4 + 1e-4, 2e-4 + 2e-4  # one request and 10 kB, on each side
     base = 0.25 + 4 * 0.001
@@ -151,16 +180,18 @@ def test_model_rows_use_the_measured_reads_and_name_the_walls() -> None:
 
 
 def test_parse_metrics_sums_counters_and_skips_watch_and_health_calls() -> None:
-    text = "\n".join([
-        "# HELP etcd_mvcc_put_total Total number of puts seen by this member.",
-        "etcd_mvcc_put_total 12",
-        "etcd_debugging_mvcc_events_total 5050",
-        'grpc_server_handled_total{grpc_code="OK",grpc_method="Range",grpc_service="etcdserverpb.KV",grpc_type="unary"} 7',
-        'grpc_server_handled_total{grpc_code="OK",grpc_method="Txn",grpc_service="etcdserverpb.KV",grpc_type="unary"} 3',
-        'grpc_server_handled_total{grpc_code="OK",grpc_method="Watch",grpc_service="etcdserverpb.Watch",grpc_type="bidi_stream"} 9',
-        'grpc_server_handled_total{grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health",grpc_type="unary"} 4',
-        "etcd_network_client_grpc_sent_bytes_total 1.5e+06",
-    ])
+    text = "\n".join(
+        [
+            "# HELP etcd_mvcc_put_total Total number of puts seen by this member.",
+            "etcd_mvcc_put_total 12",
+            "etcd_debugging_mvcc_events_total 5050",
+            'grpc_server_handled_total{grpc_code="OK",grpc_method="Range",grpc_service="etcdserverpb.KV",grpc_type="unary"} 7',
+            'grpc_server_handled_total{grpc_code="OK",grpc_method="Txn",grpc_service="etcdserverpb.KV",grpc_type="unary"} 3',
+            'grpc_server_handled_total{grpc_code="OK",grpc_method="Watch",grpc_service="etcdserverpb.Watch",grpc_type="bidi_stream"} 9',
+            'grpc_server_handled_total{grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health",grpc_type="unary"} 4',
+            "etcd_network_client_grpc_sent_bytes_total 1.5e+06",
+        ]
+    )
     m = parse_metrics(text)
     assert (m["puts"], m["watch_events"], m["requests"], m["bytes_sent"], m["txns"]) == (12, 5050, 10, 1.5e6, 0)
 
@@ -168,9 +199,17 @@ def test_parse_metrics_sums_counters_and_skips_watch_and_health_calls() -> None:
 def test_difference_and_round_times() -> None:
     assert difference({"a": 1.0, "b": 2.0}, {"a": 4.0, "b": 2.5, "c": 1.0}) == {"a": 3.0, "b": 0.5, "c": 1.0}
     assert round_times(100.0, 100.5, [101.0, 103.25, 102.0]) == {
-        "published_s": 0.5, "first_learned_s": 1.0, "median_learned_s": 2.0, "all_learned_s": 3.25}
-    assert round_times(100.0, None, []) == {"published_s": None, "first_learned_s": None, "median_learned_s": None,
-                                            "all_learned_s": None}
+        "published_s": 0.5,
+        "first_learned_s": 1.0,
+        "median_learned_s": 2.0,
+        "all_learned_s": 3.25,
+    }
+    assert round_times(100.0, None, []) == {
+        "published_s": None,
+        "first_learned_s": None,
+        "median_learned_s": None,
+        "all_learned_s": None,
+    }
 
 
 def test_counting_store_counts_reads_bytes_publishes_and_watch_notifications() -> None:
@@ -186,16 +225,28 @@ def test_counting_store_counts_reads_bytes_publishes_and_watch_notifications() -
     assert store.refresh_lease(lease) > 0
     store.revoke_lease(lease)
     assert seen == [1]
-    assert counts == Counter(watches=1, watch_notifications=1, put=1, reads=1,
-                             bytes_read=len(kvs[0].key) + 5, publish_attempts=2, publish_wins=1,
-                             grant_lease=1, refresh_lease=1, revoke_lease=1)
+    assert counts == Counter(
+        watches=1,
+        watch_notifications=1,
+        put=1,
+        reads=1,
+        bytes_read=len(kvs[0].key) + 5,
+        publish_attempts=2,
+        publish_wins=1,
+        grant_lease=1,
+        refresh_lease=1,
+        revoke_lease=1,
+    )
     assert errors == []
 
 
-@pytest.mark.parametrize(("why", "reported"), [
-    ("etcd rejected compare_and_put: too many operations in txn request", True),  # a limit: forever
-    ("etcd at 127.0.0.1:2379 did not answer compare_and_put after 6 attempts", False),  # load: retried
-])
+@pytest.mark.parametrize(
+    ("why", "reported"),
+    [
+        ("etcd rejected compare_and_put: too many operations in txn request", True),  # a limit: forever
+        ("etcd at 127.0.0.1:2379 did not answer compare_and_put after 6 attempts", False),  # load: retried
+    ],
+)
 def test_counting_store_reports_a_refused_publish_and_counts_an_unanswered_one(why: str, reported: bool) -> None:
     class Failing(FakeKeyValueStore):
         def compare_and_put(self, *args: object, **kwargs: object) -> bool:

@@ -36,8 +36,14 @@ def test_no_consecutive_steps_is_an_error() -> None:
 
 
 def test_join_pause_is_the_last_commit_before_the_join_generation_to_its_first() -> None:
-    commits = [{"t": 1.0, "generation": 2}, {"t": 1.1, "generation": 2}, {"t": 1.5, "generation": 3},
-               {"t": 1.2, "generation": 2}, {"t": 1.6, "generation": 3}, {"t": 2.0, "generation": 4}]
+    commits = [
+        {"t": 1.0, "generation": 2},
+        {"t": 1.1, "generation": 2},
+        {"t": 1.5, "generation": 3},
+        {"t": 1.2, "generation": 2},
+        {"t": 1.6, "generation": 3},
+        {"t": 2.0, "generation": 4},
+    ]
     assert join_pause(commits, 3) == pytest.approx(0.3)
     assert join_pause(commits, 5) is None  # no commit in it
     assert join_pause(commits[2:3], 3) is None  # none before it

@@ -87,13 +87,16 @@ def steady(n: int, gen: int = 1, dt: float = 0.1, start: float = 0.0) -> list[tu
 # -- steps ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows, repeats, lost, last", [
-    (steady(5), {}, (), 5),
-    ([(1, 1, 0.0), (2, 1, 0.1), (3, 1, 0.2), (3, 2, 0.5), (4, 2, 0.6)], {3: (1, 2)}, (), 4),  # repeat
-    ([(1, 1, 0.0), (2, 1, 0.1), (4, 2, 0.5)], {}, (3,), 4),                                    # gap
-    ([(2, 1, 0.0), (2, 3, 0.1)], {2: (1, 3)}, (1,), 2),                                        # both
-    ([], {}, (), 0),
-])
+@pytest.mark.parametrize(
+    "rows, repeats, lost, last",
+    [
+        (steady(5), {}, (), 5),
+        ([(1, 1, 0.0), (2, 1, 0.1), (3, 1, 0.2), (3, 2, 0.5), (4, 2, 0.6)], {3: (1, 2)}, (), 4),  # repeat
+        ([(1, 1, 0.0), (2, 1, 0.1), (4, 2, 0.5)], {}, (3,), 4),  # gap
+        ([(2, 1, 0.0), (2, 3, 0.1)], {2: (1, 3)}, (1,), 2),  # both
+        ([], {}, (), 0),
+    ],
+)
 def test_step_findings_finds_repeats_across_generations_and_gaps(rows, repeats, lost, last) -> None:
     f = step_findings(commits(*rows))
     assert dict(f.repeats) == repeats
@@ -115,29 +118,37 @@ def times(*rows: tuple[float, int]) -> list[tuple[float, int]]:
     return [(T0 + t, g) for t, g in rows]
 
 
-@pytest.mark.parametrize("rows, down, end, want", [
-    # no interval over the limit
-    ([(0, 1), (3.9, 1), (7.8, 1)], [], None, []),
-    # a 10 s stall, no etcd trouble: counted in full
-    ([(0, 1), (10, 2)], [], None, [(0.0, 10.0, 0.0)]),
-    # etcd down for 8 of those 10 s and membership changed: 8 s excused
-    ([(0, 1), (10, 2)], [(1, 9)], None, [(0.0, 10.0, 8.0)]),
-    # etcd down but membership did not change: nothing excused
-    ([(0, 1), (10, 1)], [(1, 9)], None, [(0.0, 10.0, 0.0)]),
-    # overlapping windows count once; a window outside the stall counts not at all
-    ([(0, 1), (10, 2), (10.1, 2)], [(1, 5), (3, 6), (20, 30)], None, [(0.0, 10.0, 5.0)]),
-    # the job did not finish: the time after the last commit is a stall
-    ([(0, 1), (1, 1)], [], 30.0, [(1.0, 29.0, 0.0)]),
-])
+@pytest.mark.parametrize(
+    "rows, down, end, want",
+    [
+        # no interval over the limit
+        ([(0, 1), (3.9, 1), (7.8, 1)], [], None, []),
+        # a 10 s stall, no etcd trouble: counted in full
+        ([(0, 1), (10, 2)], [], None, [(0.0, 10.0, 0.0)]),
+        # etcd down for 8 of those 10 s and membership changed: 8 s excused
+        ([(0, 1), (10, 2)], [(1, 9)], None, [(0.0, 10.0, 8.0)]),
+        # etcd down but membership did not change: nothing excused
+        ([(0, 1), (10, 1)], [(1, 9)], None, [(0.0, 10.0, 0.0)]),
+        # overlapping windows count once; a window outside the stall counts not at all
+        ([(0, 1), (10, 2), (10.1, 2)], [(1, 5), (3, 6), (20, 30)], None, [(0.0, 10.0, 5.0)]),
+        # the job did not finish: the time after the last commit is a stall
+        ([(0, 1), (1, 1)], [], 30.0, [(1.0, 29.0, 0.0)]),
+    ],
+)
 def test_find_stalls_excuses_only_etcd_downtime_with_a_membership_change(rows, down, end, want) -> None:
-    got = find_stalls(times(*rows), LIMIT, [Window(T0 + a, T0 + b) for a, b in down], [],
-                      end_t=None if end is None else T0 + end)
+    got = find_stalls(
+        times(*rows), LIMIT, [Window(T0 + a, T0 + b) for a, b in down], [], end_t=None if end is None else T0 + end
+    )
     assert [(round(s.start - T0, 3), round(s.length_s, 3), round(s.excused_s, 3)) for s in got] == want
 
 
 def test_a_stall_names_the_faults_just_before_and_during_it() -> None:
-    faults = [FaultRecord(T0 - 10, "worker_kill", "node-0"), FaultRecord(T0 - 1, "etcd_restart", "etcd"),
-              FaultRecord(T0 + 5, "drain", "node-2"), FaultRecord(T0 + 20, "node_join", "node-4")]
+    faults = [
+        FaultRecord(T0 - 10, "worker_kill", "node-0"),
+        FaultRecord(T0 - 1, "etcd_restart", "etcd"),
+        FaultRecord(T0 + 5, "drain", "node-2"),
+        FaultRecord(T0 + 20, "node_join", "node-4"),
+    ]
     (stall,) = find_stalls(times((0, 1), (10, 2)), LIMIT, [], faults)
     assert stall.faults == ("etcd_restart(etcd)", "drain(node-2)")
     assert stall.generations == (1, 2)
@@ -147,12 +158,15 @@ def test_a_stall_names_the_faults_just_before_and_during_it() -> None:
 # -- finals -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("finals, last, problems", [
-    ([Final("a", 100, "x"), Final("b", 100, "x"), Final("c", 40, "y")], 100, 0),
-    ([Final("a", 100, "x"), Final("b", 100, "z")], 100, 1),                    # differ at the end
-    ([Final("a", 40, "y"), Final("c", 40, "w"), Final("b", 100, "x")], 100, 1),  # differ at a drain
-    ([Final("a", 40, "y")], 100, 1),                                           # nobody finished
-])
+@pytest.mark.parametrize(
+    "finals, last, problems",
+    [
+        ([Final("a", 100, "x"), Final("b", 100, "x"), Final("c", 40, "y")], 100, 0),
+        ([Final("a", 100, "x"), Final("b", 100, "z")], 100, 1),  # differ at the end
+        ([Final("a", 40, "y"), Final("c", 40, "w"), Final("b", 100, "x")], 100, 1),  # differ at a drain
+        ([Final("a", 40, "y")], 100, 1),  # nobody finished
+    ],
+)
 def test_final_findings(finals, last, problems) -> None:
     assert len(final_findings(finals, last)) == problems
 
@@ -166,39 +180,46 @@ def sample(at: float, *pids: int) -> StatusSample:
     return StatusSample(T0 + at, T0 + at + 0.05, tuple(pids))
 
 
-@pytest.mark.parametrize("life, listed, problems", [
-    # live and registered long ago: must be listed
-    (WorkerLife(11, "n0", T0, None), True, 0),
-    (WorkerLife(11, "n0", T0, None), False, 1),
-    # registered 1 s before the sample: may or may not be listed
-    (WorkerLife(11, "n0", T0 + 9, None), False, 0),
-    (WorkerLife(11, "n0", T0 + 9, None), True, 0),
-    # died long before: must not be listed; died just before: either way
-    (WorkerLife(11, "n0", T0, T0 + 2), True, 1),
-    (WorkerLife(11, "n0", T0, T0 + 2), False, 0),
-    (WorkerLife(11, "n0", T0, T0 + 9), True, 0),
-    # stopped since long before (its lease expired): must not be listed
-    (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, math.inf),)), True, 1),
-    # continued 1 s before the sample: either way
-    (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), False, 0),
-    (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), True, 0),
-    # left the job (drained: lease revoked) while its process lingers: need not be listed
-    (WorkerLife(11, "n0", T0, None, left_t=T0 + 9), False, 0),
-    (WorkerLife(11, "n0", T0, None, left_t=T0 + 11), False, 1),  # left after the sample: must be listed
-])
+@pytest.mark.parametrize(
+    "life, listed, problems",
+    [
+        # live and registered long ago: must be listed
+        (WorkerLife(11, "n0", T0, None), True, 0),
+        (WorkerLife(11, "n0", T0, None), False, 1),
+        # registered 1 s before the sample: may or may not be listed
+        (WorkerLife(11, "n0", T0 + 9, None), False, 0),
+        (WorkerLife(11, "n0", T0 + 9, None), True, 0),
+        # died long before: must not be listed; died just before: either way
+        (WorkerLife(11, "n0", T0, T0 + 2), True, 1),
+        (WorkerLife(11, "n0", T0, T0 + 2), False, 0),
+        (WorkerLife(11, "n0", T0, T0 + 9), True, 0),
+        # stopped since long before (its lease expired): must not be listed
+        (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, math.inf),)), True, 1),
+        # continued 1 s before the sample: either way
+        (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), False, 0),
+        (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), True, 0),
+        # left the job (drained: lease revoked) while its process lingers: need not be listed
+        (WorkerLife(11, "n0", T0, None, left_t=T0 + 9), False, 0),
+        (WorkerLife(11, "n0", T0, None, left_t=T0 + 11), False, 1),  # left after the sample: must be listed
+    ],
+)
 def test_status_must_list_the_live_workers_within_the_slack(life, listed, problems) -> None:
     s = sample(10.0, 11) if listed else sample(10.0)
     assert len(status_findings([s], [life], SLACK)) == problems
 
 
-@pytest.mark.parametrize(("down", "problems"), [
-    ((), 1),                                 # continued 4 s before the sample: must be listed by now
-    ((Window(T0 + 5.5, T0 + 9.5),), 0),      # ... but etcd was down from its stop until 0.5 s before
-    ((Window(T0 + 5.5, T0 + 6.0),), 1),      # etcd back a whole slack before the sample: listed by now
-    ((Window(T0 - 20, T0 - 19),), 1),        # an outage long before its stop excuses nothing
-])
+@pytest.mark.parametrize(
+    ("down", "problems"),
+    [
+        ((), 1),  # continued 4 s before the sample: must be listed by now
+        ((Window(T0 + 5.5, T0 + 9.5),), 0),  # ... but etcd was down from its stop until 0.5 s before
+        ((Window(T0 + 5.5, T0 + 6.0),), 1),  # etcd back a whole slack before the sample: listed by now
+        ((Window(T0 - 20, T0 - 19),), 1),  # an outage long before its stop excuses nothing
+    ],
+)
 def test_a_worker_that_lost_its_record_around_an_etcd_outage_gets_the_slack_from_etcds_return(
-        down: tuple[Window, ...], problems: int) -> None:
+    down: tuple[Window, ...], problems: int
+) -> None:
     # stopped at T0 + 4 (its agent revoked its lease), continued at T0 + 6; sampled at T0 + 10.
     # One sampled 0.8 s after etcd came back must not be flagged.
     life = WorkerLife(11, "n0", T0, None, (Window(T0 + 4, T0 + 6),))
@@ -217,12 +238,18 @@ def test_status_listing_an_unknown_pid_is_a_finding_and_failed_samples_are_skipp
 
 
 def test_traceback_hits_in_plain_text_and_in_json_lines() -> None:
-    plain = ("starting\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-             "    boom()\nZeroDivisionError: division by zero\nafter\n")
+    plain = (
+        'starting\nTraceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+        "    boom()\nZeroDivisionError: division by zero\nafter\n"
+    )
     (hit,) = traceback_hits("agent-node-0.log", plain)
     assert hit == "agent-node-0.log:2: ZeroDivisionError: division by zero"
-    line = json.dumps({"event": "agent_crashed", "exception": "Traceback (most recent call last):\n"
-                       "  File \"a.py\", line 3\nRuntimeError: bad"})
+    line = json.dumps(
+        {
+            "event": "agent_crashed",
+            "exception": 'Traceback (most recent call last):\n  File "a.py", line 3\nRuntimeError: bad',
+        }
+    )
     (hit,) = traceback_hits("agent-node-1.log", "ok\n" + line + "\n")
     assert hit == "agent-node-1.log:2: event 'agent_crashed': RuntimeError: bad"
     assert traceback_hits("x.log", '{"event": "step_committed"}\n') == []
@@ -231,18 +258,21 @@ def test_traceback_hits_in_plain_text_and_in_json_lines() -> None:
 # -- agents -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("end, bad, dup", [
-    (AgentEnd("n0", 1, "", 0), 0, 0),
-    (AgentEnd("n0", 1, "", 1, "etcd_unreachable"), 1, 0),
-    (AgentEnd("n0", 1, "", None), 1, 0),
-    (AgentEnd("n0", 1, "killed", -9), 0, 0),
-    (AgentEnd("n0", 1, "drain", 0), 0, 0),
-    (AgentEnd("n0", 1, "sigterm", 1), 1, 0),
-    (AgentEnd("n0", 1, "duplicate", 2, "elasticd: node_id_taken: node id 'n0' of job 'j' is held by ..."), 0, 0),
-    (AgentEnd("n0", 1, "duplicate", 1, "elasticd: etcd_unreachable: ..."), 0, 1),  # refused, not for the id
-    (AgentEnd("n0", 1, "duplicate", 0), 0, 1),
-    (AgentEnd("n0", 1, "duplicate", None), 0, 1),
-])
+@pytest.mark.parametrize(
+    "end, bad, dup",
+    [
+        (AgentEnd("n0", 1, "", 0), 0, 0),
+        (AgentEnd("n0", 1, "", 1, "etcd_unreachable"), 1, 0),
+        (AgentEnd("n0", 1, "", None), 1, 0),
+        (AgentEnd("n0", 1, "killed", -9), 0, 0),
+        (AgentEnd("n0", 1, "drain", 0), 0, 0),
+        (AgentEnd("n0", 1, "sigterm", 1), 1, 0),
+        (AgentEnd("n0", 1, "duplicate", 2, "elasticd: node_id_taken: node id 'n0' of job 'j' is held by ..."), 0, 0),
+        (AgentEnd("n0", 1, "duplicate", 1, "elasticd: etcd_unreachable: ..."), 0, 1),  # refused, not for the id
+        (AgentEnd("n0", 1, "duplicate", 0), 0, 1),
+        (AgentEnd("n0", 1, "duplicate", None), 0, 1),
+    ],
+)
 def test_agent_findings(end, bad, dup) -> None:
     b, d = agent_findings([end])
     assert (len(b), len(d)) == (bad, dup)
@@ -262,8 +292,11 @@ def test_fault_free_step_time_and_ettr() -> None:
 def run_of(world: int, gen: int, first: int, n: int, start: float, dt: float) -> list[Commit]:
     """Steps first..first+n-1 of generation ``gen`` at ``world``, ``dt`` apart from T0 + start, one
     line per rank (rank 0 first; the others 1 ms later)."""
-    return [Commit(f"node-{r}", first + i, gen, r, world, T0 + start + i * dt + (0.001 if r else 0.0))
-            for i in range(n) for r in range(world)]
+    return [
+        Commit(f"node-{r}", first + i, gen, r, world, T0 + start + i * dt + (0.001 if r else 0.0))
+        for i in range(n)
+        for r in range(world)
+    ]
 
 
 # Warm-up: world 3 at 0.1 s a step over [0, 1], a regroup, world 4 at 0.12 s over [3, 4.2].
@@ -271,54 +304,66 @@ WARM = run_of(3, 1, 1, 11, 0.0, 0.1) + run_of(4, 2, 12, 11, 3.0, 0.12)
 WARM_WINDOWS = (Window(T0, T0 + 1.0), Window(T0 + 3.0, T0 + 4.2))
 
 
-@pytest.mark.parametrize("rows, windows, want", [
-    (WARM, WARM_WINDOWS, {3: 0.1, 4: 0.12}),                                  # every size measured
-    (WARM, WARM_WINDOWS[:1], {3: 0.1}),                                       # world 4 not in a window
-    (WARM, (Window(T0, T0 + 4.2),), {3: 0.1, 4: 0.12}),  # the regroup 1.0 -> 3.0 s is no step time
-    (WARM, (Window(T0 + 0.55, T0 + 0.75),), {3: 0.1}),   # steps before and after the window left out
-    (WARM, (Window(T0 + 0.55, T0 + 0.65),), {}),         # one step in the window: no pair
-    (WARM, (), {}),
-    # step 6 committed again in generation 2 (a repeat) after a regroup: counted once, at its first line
-    (run_of(3, 1, 1, 6, 0.0, 0.1) + run_of(2, 2, 6, 5, 2.0, 0.2), (Window(T0, T0 + 3.0),), {3: 0.1, 2: 0.2}),
-])
+@pytest.mark.parametrize(
+    "rows, windows, want",
+    [
+        (WARM, WARM_WINDOWS, {3: 0.1, 4: 0.12}),  # every size measured
+        (WARM, WARM_WINDOWS[:1], {3: 0.1}),  # world 4 not in a window
+        (WARM, (Window(T0, T0 + 4.2),), {3: 0.1, 4: 0.12}),  # the regroup 1.0 -> 3.0 s is no step time
+        (WARM, (Window(T0 + 0.55, T0 + 0.75),), {3: 0.1}),  # steps before and after the window left out
+        (WARM, (Window(T0 + 0.55, T0 + 0.65),), {}),  # one step in the window: no pair
+        (WARM, (), {}),
+        # step 6 committed again in generation 2 (a repeat) after a regroup: counted once, at its first line
+        (run_of(3, 1, 1, 6, 0.0, 0.1) + run_of(2, 2, 6, 5, 2.0, 0.2), (Window(T0, T0 + 3.0),), {3: 0.1, 2: 0.2}),
+    ],
+)
 def test_fault_free_step_by_world(rows, windows, want) -> None:
     got = fault_free_step_by_world(rows, windows)
     assert got == {w: pytest.approx(t) for w, t in want.items()}
 
 
-@pytest.mark.parametrize("world, measured, want", [
-    (3, (3, 4), 3),
-    (4, (3, 4), 4),
-    (2, (3, 4), 3),    # below --nodes nothing is measured: the smallest measured size
-    (1, (3, 4), 3),
-    (5, (3, 4), 4),    # beyond: the largest
-    (4, (3, 5), 3),    # a tie: the smaller
-    (3, (), None),
-])
+@pytest.mark.parametrize(
+    "world, measured, want",
+    [
+        (3, (3, 4), 3),
+        (4, (3, 4), 4),
+        (2, (3, 4), 3),  # below --nodes nothing is measured: the smallest measured size
+        (1, (3, 4), 3),
+        (5, (3, 4), 4),  # beyond: the largest
+        (4, (3, 5), 3),  # a tie: the smaller
+        (3, (), None),
+    ],
+)
 def test_baseline_world_is_the_size_itself_else_the_nearest_measured(world, measured, want) -> None:
     assert baseline_world(world, measured) == want
 
 
-@pytest.mark.parametrize("rows, window, want", [
-    (WARM, Window(T0 + 3.0, T0 + 4.2), {4: 11}),
-    (WARM, Window(T0 + 0.45, T0 + 3.15), {3: 6, 4: 2}),    # steps before and after the window left out
-    (WARM, Window(T0 + 10, T0 + 20), {}),
-    # step 6 repeated in generation 2 at world 2: counted once, at world 3 where it was first committed
-    (run_of(3, 1, 1, 6, 0.0, 0.1) + run_of(2, 2, 6, 5, 2.0, 0.2), Window(T0, T0 + 3.0), {3: 6, 2: 4}),
-])
+@pytest.mark.parametrize(
+    "rows, window, want",
+    [
+        (WARM, Window(T0 + 3.0, T0 + 4.2), {4: 11}),
+        (WARM, Window(T0 + 0.45, T0 + 3.15), {3: 6, 4: 2}),  # steps before and after the window left out
+        (WARM, Window(T0 + 10, T0 + 20), {}),
+        # step 6 repeated in generation 2 at world 2: counted once, at world 3 where it was first committed
+        (run_of(3, 1, 1, 6, 0.0, 0.1) + run_of(2, 2, 6, 5, 2.0, 0.2), Window(T0, T0 + 3.0), {3: 6, 2: 4}),
+    ],
+)
 def test_steps_by_world_counts_each_step_once_within_the_window(rows, window, want) -> None:
     assert steps_by_world(rows, window) == want
 
 
-@pytest.mark.parametrize("steps, step_s, wall_s, want", [
-    ({3: 10, 4: 10}, {3: 0.1, 4: 0.12}, 2.2, 1.0),   # each step at its own world size's time
-    ({4: 10}, {3: 0.1, 4: 0.12}, 2.4, 0.5),
-    ({2: 10, 4: 10}, {3: 0.1, 4: 0.12}, 2.2, 1.0),   # world 2 unmeasured: world 3's time
-    ({5: 10}, {3: 0.1, 4: 0.12}, 1.2, 1.0),          # world 5 (beyond max) unmeasured: world 4's
-    ({}, {3: 0.1}, 2.0, 0.0),                         # no step committed
-    ({3: 10}, {}, 2.0, None),                         # nothing measured
-    ({3: 10}, {3: 0.1}, 0.0, None),
-])
+@pytest.mark.parametrize(
+    "steps, step_s, wall_s, want",
+    [
+        ({3: 10, 4: 10}, {3: 0.1, 4: 0.12}, 2.2, 1.0),  # each step at its own world size's time
+        ({4: 10}, {3: 0.1, 4: 0.12}, 2.4, 0.5),
+        ({2: 10, 4: 10}, {3: 0.1, 4: 0.12}, 2.2, 1.0),  # world 2 unmeasured: world 3's time
+        ({5: 10}, {3: 0.1, 4: 0.12}, 1.2, 1.0),  # world 5 (beyond max) unmeasured: world 4's
+        ({}, {3: 0.1}, 2.0, 0.0),  # no step committed
+        ({3: 10}, {}, 2.0, None),  # nothing measured
+        ({3: 10}, {3: 0.1}, 0.0, None),
+    ],
+)
 def test_ettr_by_world(steps, step_s, wall_s, want) -> None:
     got = ettr_by_world(steps, step_s, wall_s)
     assert got == (None if want is None else pytest.approx(want))
@@ -328,12 +373,15 @@ def test_ettr_by_world(steps, step_s, wall_s, want) -> None:
 QUIET = [Commit("node-0", i + 1, 1, 0, 4, T0 + 0.05 * i + 0.45 * (i // 50)) for i in range(300)]
 
 
-@pytest.mark.parametrize("faults, window, want", [
-    ([], Window(T0, T0 + 100), {4: 0.05}),                 # the median: slow steps do not move it
-    ([T0 + 2.0], Window(T0, T0 + 100), {4: 0.05}),          # steps within 3 s after the fault left out
-    ([T0 + 2.0 * i for i in range(1, 20)], Window(T0, T0 + 100), {}),  # a fault every 2 s: too few quiet steps
-    ([], Window(T0 + 50, T0 + 100), {}),                   # outside the window
-])
+@pytest.mark.parametrize(
+    "faults, window, want",
+    [
+        ([], Window(T0, T0 + 100), {4: 0.05}),  # the median: slow steps do not move it
+        ([T0 + 2.0], Window(T0, T0 + 100), {4: 0.05}),  # steps within 3 s after the fault left out
+        ([T0 + 2.0 * i for i in range(1, 20)], Window(T0, T0 + 100), {}),  # a fault every 2 s: too few quiet steps
+        ([], Window(T0 + 50, T0 + 100), {}),  # outside the window
+    ],
+)
 def test_quiet_step_by_world_is_the_median_of_steps_far_from_faults(faults, window, want) -> None:
     got = quiet_step_by_world(QUIET, faults, window)
     assert got == {w: pytest.approx(t) for w, t in want.items()}
@@ -352,19 +400,30 @@ def test_quiet_steps_leave_out_the_seconds_after_a_fault_and_before_the_next() -
 COSTED = run_of(3, 1, 1, 10, 0.0, 0.1) + run_of(2, 2, 11, 10, 2.0, 0.2)
 
 
-@pytest.mark.parametrize("faults, step_s, window, want", [
-    # one fault owns the whole window: 4 s, minus 10 x 0.1 and 10 x 0.2 of fault-free time
-    ([(T0 + 0.0, "kill")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0), {"kill": (1, 1.0)}),
-    # the gap (0.9 -> 2.0) falls to the fault before it; the other owns 2.0 -> 4.0 at full speed
-    ([(T0 + 0.95, "kill"), (T0 + 2.0, "stop")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0),
-     {"kill": (1, 1.05), "stop": (1, 0.0)}),
-    # two of a kind add up; a fault outside the window is left out
-    ([(T0 + 0.0, "kill"), (T0 + 2.0, "kill"), (T0 + 9.0, "stop")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0),
-     {"kill": (2, 1.0)}),
-    # world 2 unmeasured: world 3's step time stands for it, so world 2's slower steps show as cost
-    ([(T0 + 0.0, "kill")], {3: 0.1}, Window(T0, T0 + 4.0), {"kill": (1, 2.0)}),
-    ([(T0 + 0.0, "kill")], {}, Window(T0, T0 + 4.0), {}),
-])
+@pytest.mark.parametrize(
+    "faults, step_s, window, want",
+    [
+        # one fault owns the whole window: 4 s, minus 10 x 0.1 and 10 x 0.2 of fault-free time
+        ([(T0 + 0.0, "kill")], {3: 0.1, 2: 0.2}, Window(T0, T0 + 4.0), {"kill": (1, 1.0)}),
+        # the gap (0.9 -> 2.0) falls to the fault before it; the other owns 2.0 -> 4.0 at full speed
+        (
+            [(T0 + 0.95, "kill"), (T0 + 2.0, "stop")],
+            {3: 0.1, 2: 0.2},
+            Window(T0, T0 + 4.0),
+            {"kill": (1, 1.05), "stop": (1, 0.0)},
+        ),
+        # two of a kind add up; a fault outside the window is left out
+        (
+            [(T0 + 0.0, "kill"), (T0 + 2.0, "kill"), (T0 + 9.0, "stop")],
+            {3: 0.1, 2: 0.2},
+            Window(T0, T0 + 4.0),
+            {"kill": (2, 1.0)},
+        ),
+        # world 2 unmeasured: world 3's step time stands for it, so world 2's slower steps show as cost
+        ([(T0 + 0.0, "kill")], {3: 0.1}, Window(T0, T0 + 4.0), {"kill": (1, 2.0)}),
+        ([(T0 + 0.0, "kill")], {}, Window(T0, T0 + 4.0), {}),
+    ],
+)
 def test_cost_by_kind_charges_each_fault_the_time_until_the_next(faults, step_s, window, want) -> None:
     got = cost_by_kind(COSTED, faults, step_s, window)
     assert got.keys() == want.keys()
@@ -375,29 +434,41 @@ def test_cost_by_kind_charges_each_fault_the_time_until_the_next(faults, step_s,
 # -- the schedule -----------------------------------------------------------------------------
 
 
-def view(ready: int, *, busy: int = 0, queued: int = 0, min_nodes: int = 2, max_nodes: int = 4,
-         etcd_busy: bool = False, dup: bool = False, injected: dict[FaultKind, int] | None = None) -> ClusterView:
+def view(
+    ready: int,
+    *,
+    busy: int = 0,
+    queued: int = 0,
+    min_nodes: int = 2,
+    max_nodes: int = 4,
+    etcd_busy: bool = False,
+    dup: bool = False,
+    injected: dict[FaultKind, int] | None = None,
+) -> ClusterView:
     nodes = tuple(NodeView(f"node-{i}", i < ready) for i in range(ready + busy))
     return ClusterView(nodes, queued, min_nodes, max_nodes, etcd_busy, dup, injected or {})
 
 
-@pytest.mark.parametrize("kind, v, ok", [
-    (FaultKind.WORKER_KILL, view(3), True),
-    (FaultKind.WORKER_KILL, view(2), False),                 # would leave 1 < min 2
-    (FaultKind.NODE_LOSS, view(2, busy=1), False),           # a busy node does not count as ready
-    (FaultKind.DRAIN, view(3, min_nodes=1), True),
-    (FaultKind.ETCD_OUTAGE, view(2), True),                  # etcd faults take no node away
-    (FaultKind.ETCD_OUTAGE, view(3, etcd_busy=True), False),  # one etcd fault at a time
-    (FaultKind.NODE_JOIN, view(3), True),
-    (FaultKind.NODE_JOIN, view(4), True),                    # at max_nodes: a standby beyond max_workers
-    (FaultKind.NODE_JOIN, view(5), False),                   # one standby already
-    (FaultKind.NODE_JOIN, view(4, queued=1), False),         # a replacement will take the standby's place
-    (FaultKind.DUPLICATE_NODE, view(1), True),
-    (FaultKind.DUPLICATE_NODE, view(3, dup=True), False),
-    (FaultKind.DUPLICATE_NODE, view(3, etcd_busy=True), False),  # a refusal for want of etcd proves nothing
-    (FaultKind.DRAIN, view(3, etcd_busy=True), False),           # the request is written to etcd
-    (FaultKind.DUPLICATE_NODE, view(0, busy=3), False),      # no ready node to copy
-])
+@pytest.mark.parametrize(
+    "kind, v, ok",
+    [
+        (FaultKind.WORKER_KILL, view(3), True),
+        (FaultKind.WORKER_KILL, view(2), False),  # would leave 1 < min 2
+        (FaultKind.NODE_LOSS, view(2, busy=1), False),  # a busy node does not count as ready
+        (FaultKind.DRAIN, view(3, min_nodes=1), True),
+        (FaultKind.ETCD_OUTAGE, view(2), True),  # etcd faults take no node away
+        (FaultKind.ETCD_OUTAGE, view(3, etcd_busy=True), False),  # one etcd fault at a time
+        (FaultKind.NODE_JOIN, view(3), True),
+        (FaultKind.NODE_JOIN, view(4), True),  # at max_nodes: a standby beyond max_workers
+        (FaultKind.NODE_JOIN, view(5), False),  # one standby already
+        (FaultKind.NODE_JOIN, view(4, queued=1), False),  # a replacement will take the standby's place
+        (FaultKind.DUPLICATE_NODE, view(1), True),
+        (FaultKind.DUPLICATE_NODE, view(3, dup=True), False),
+        (FaultKind.DUPLICATE_NODE, view(3, etcd_busy=True), False),  # a refusal for want of etcd proves nothing
+        (FaultKind.DRAIN, view(3, etcd_busy=True), False),  # the request is written to etcd
+        (FaultKind.DUPLICATE_NODE, view(0, busy=3), False),  # no ready node to copy
+    ],
+)
 def test_allowed(kind, v, ok) -> None:
     assert allowed(kind, v) is ok
 
@@ -440,10 +511,21 @@ def test_parse_faults() -> None:
 
 def evidence(rows: list[tuple[int, int, float]], finals: list[Final], **kw: object) -> Evidence:
     base: dict[str, object] = dict(
-        target_steps=max((s for s, _, _ in rows), default=0), commits=tuple(commits(*rows)),
-        finals=tuple(finals), audit_violations=(), faults=(), etcd_down=(), samples=(), lives=(),
-        tracebacks=(), agents=(AgentEnd("node-0", 1, "", 0),), warmup=Window(T0, T0 + 1.0),
-        warmups=(Window(T0, T0 + 1.0),), faulted=Window(T0 + 1.0, T0 + 2.0), lease_ttl_s=2.0)
+        target_steps=max((s for s, _, _ in rows), default=0),
+        commits=tuple(commits(*rows)),
+        finals=tuple(finals),
+        audit_violations=(),
+        faults=(),
+        etcd_down=(),
+        samples=(),
+        lives=(),
+        tracebacks=(),
+        agents=(AgentEnd("node-0", 1, "", 0),),
+        warmup=Window(T0, T0 + 1.0),
+        warmups=(Window(T0, T0 + 1.0),),
+        faulted=Window(T0 + 1.0, T0 + 2.0),
+        lease_ttl_s=2.0,
+    )
     base.update(kw)
     return Evidence(**base)  # type: ignore[arg-type]
 
@@ -466,9 +548,21 @@ def test_ettr_takes_each_steps_world_size_and_the_report_shows_both_figures() ->
     # over 3.0 s. Per world size: (10 x 0.12 + 5 x 0.1) / 3 = 0.567; single baseline: 15 x 0.1 / 3 = 0.5.
     faulted = run_of(4, 2, 23, 10, 5.0, 0.12) + run_of(2, 3, 33, 5, 6.5, 0.1)
     ev = Evidence(
-        target_steps=37, commits=tuple(WARM + faulted), finals=(Final("node-0", 37, "x"),), audit_violations=(),
-        faults=(), etcd_down=(), samples=(), lives=(), tracebacks=(), agents=(), warmup=WARM_WINDOWS[0],
-        warmups=WARM_WINDOWS, faulted=Window(T0 + 4.9, T0 + 7.9), lease_ttl_s=2.0)
+        target_steps=37,
+        commits=tuple(WARM + faulted),
+        finals=(Final("node-0", 37, "x"),),
+        audit_violations=(),
+        faults=(),
+        etcd_down=(),
+        samples=(),
+        lives=(),
+        tracebacks=(),
+        agents=(),
+        warmup=WARM_WINDOWS[0],
+        warmups=WARM_WINDOWS,
+        faulted=Window(T0 + 4.9, T0 + 7.9),
+        lease_ttl_s=2.0,
+    )
     v = judge(ev)
     assert v.faulted_steps == 15 and dict(v.faulted_steps_by_world) == {2: 5, 4: 10}
     assert v.ettr == pytest.approx(1.7 / 3.0) and v.ettr_single == pytest.approx(0.5)
@@ -486,25 +580,45 @@ def test_ettr_takes_each_steps_world_size_and_the_report_shows_both_figures() ->
     assert data["fault_free_step_s_by_world"] == {"3": pytest.approx(0.1), "4": pytest.approx(0.12)}
     assert data["faulted_steps_by_world"] == {"2": 5, "4": 10}
     assert data["ettr_baseline_substituted"] == {"2": 3}
-    empty = json.loads(json.dumps(report_to_dict(Report(settings, evidence([], []), judge(evidence([], [])),
-                                                        T0, "/tmp/x"))))
-    assert (empty["ettr"], empty["ettr_single_baseline"], empty["fault_free_step_s_by_world"],
-            empty["faulted_steps_by_world"], empty["ettr_baseline_substituted"]) == (None, None, {}, {}, {})
+    empty = json.loads(
+        json.dumps(report_to_dict(Report(settings, evidence([], []), judge(evidence([], [])), T0, "/tmp/x")))
+    )
+    assert (
+        empty["ettr"],
+        empty["ettr_single_baseline"],
+        empty["fault_free_step_s_by_world"],
+        empty["faulted_steps_by_world"],
+        empty["ettr_baseline_substituted"],
+    ) == (None, None, {}, {}, {})
 
 
-@pytest.mark.parametrize("quiet_steps, baseline, cost", [
-    # 150 steps at 0.12 s after a fault and a 1 s regroup, on a machine slower than its warm-up
-    # (0.1 s): against the quiet steps the fault costs its 0.9 s (18.9 s less 150 x 0.12), not 3.9 s
-    (150, "quiet steps", 18.9 - 150 * 0.12),
-    (50, "warm-up", 18.9 - 50 * 0.1),  # too few quiet steps: the warm-up's step time
-])
+@pytest.mark.parametrize(
+    "quiet_steps, baseline, cost",
+    [
+        # 150 steps at 0.12 s after a fault and a 1 s regroup, on a machine slower than its warm-up
+        # (0.1 s): against the quiet steps the fault costs its 0.9 s (18.9 s less 150 x 0.12), not 3.9 s
+        (150, "quiet steps", 18.9 - 150 * 0.12),
+        (50, "warm-up", 18.9 - 50 * 0.1),  # too few quiet steps: the warm-up's step time
+    ],
+)
 def test_fault_costs_count_against_the_quiet_steps_when_there_are_enough(quiet_steps, baseline, cost) -> None:
     faulted = run_of(3, 2, 12, 5, 2.0, 0.12) + run_of(3, 3, 17, quiet_steps, 3.5, 0.12)
     ev = Evidence(
-        target_steps=16 + quiet_steps, commits=tuple(WARM[:33] + faulted), finals=(Final("node-0", 16 + quiet_steps, "x"),),
-        audit_violations=(), faults=(FaultRecord(T0 + 2.5, "worker_kill", "node-1"),), etcd_down=(), samples=(),
-        lives=(), tracebacks=(), agents=(), warmup=WARM_WINDOWS[0], warmups=WARM_WINDOWS[:1],
-        faulted=Window(T0 + 2.0, T0 + 21.4), lease_ttl_s=2.0)
+        target_steps=16 + quiet_steps,
+        commits=tuple(WARM[:33] + faulted),
+        finals=(Final("node-0", 16 + quiet_steps, "x"),),
+        audit_violations=(),
+        faults=(FaultRecord(T0 + 2.5, "worker_kill", "node-1"),),
+        etcd_down=(),
+        samples=(),
+        lives=(),
+        tracebacks=(),
+        agents=(),
+        warmup=WARM_WINDOWS[0],
+        warmups=WARM_WINDOWS[:1],
+        faulted=Window(T0 + 2.0, T0 + 21.4),
+        lease_ttl_s=2.0,
+    )
     v = judge(ev)
     assert v.cost_baseline == baseline
     assert v.cost_by_kind == {"worker_kill": (1, pytest.approx(cost))}
@@ -515,20 +629,35 @@ def test_fault_costs_count_against_the_quiet_steps_when_there_are_enough(quiet_s
     assert json.loads(json.dumps(report_to_dict(report)))["cost_baseline"] == baseline
 
 
-@pytest.mark.parametrize("rows, finals, kw, name", [
-    (steady(10) + [(10, 2, 1.5)] + steady(12, gen=2, start=1.6)[10:], [Final("a", 12, "x")], {},
-     "steps exactly once"),
-    ([r for r in steady(12) if r[0] != 7], [Final("a", 12, "x")], {}, "steps exactly once"),
-    (steady(10) + [(11, 2, 30.0)], [Final("a", 11, "x")], {}, "no stall > 4 s"),
-    (steady(10), [Final("a", 10, "x"), Final("b", 10, "y")], {}, "final parameters identical"),
-    (steady(10), [Final("a", 10, "x")], {"target_steps": 50}, "job finished"),
-    (steady(10), [Final("a", 10, "x")], {"tracebacks": ("agent-a.log:3: KeyError: 'x'",)}, "no traceback in logs"),
-    (steady(10), [Final("a", 10, "x")], {"audit_violations": ("epoch 0: 3 samples used more than once",)},
-     "audit check"),
-    (steady(10), [Final("a", 10, "x")], {"agents": (AgentEnd("b", 2, "duplicate", 0),)}, "duplicate node refused"),
-    (steady(10), [Final("a", 10, "x")], {"samples": (StatusSample(T0 + 0.5, T0 + 0.6, (1234,)),)},
-     "status agrees with workers"),
-])
+@pytest.mark.parametrize(
+    "rows, finals, kw, name",
+    [
+        (
+            steady(10) + [(10, 2, 1.5)] + steady(12, gen=2, start=1.6)[10:],
+            [Final("a", 12, "x")],
+            {},
+            "steps exactly once",
+        ),
+        ([r for r in steady(12) if r[0] != 7], [Final("a", 12, "x")], {}, "steps exactly once"),
+        (steady(10) + [(11, 2, 30.0)], [Final("a", 11, "x")], {}, "no stall > 4 s"),
+        (steady(10), [Final("a", 10, "x"), Final("b", 10, "y")], {}, "final parameters identical"),
+        (steady(10), [Final("a", 10, "x")], {"target_steps": 50}, "job finished"),
+        (steady(10), [Final("a", 10, "x")], {"tracebacks": ("agent-a.log:3: KeyError: 'x'",)}, "no traceback in logs"),
+        (
+            steady(10),
+            [Final("a", 10, "x")],
+            {"audit_violations": ("epoch 0: 3 samples used more than once",)},
+            "audit check",
+        ),
+        (steady(10), [Final("a", 10, "x")], {"agents": (AgentEnd("b", 2, "duplicate", 0),)}, "duplicate node refused"),
+        (
+            steady(10),
+            [Final("a", 10, "x")],
+            {"samples": (StatusSample(T0 + 0.5, T0 + 0.6, (1234,)),)},
+            "status agrees with workers",
+        ),
+    ],
+)
 def test_the_checker_detects_each_violation(rows, finals, kw, name) -> None:
     assert failed(evidence(rows, finals, **kw)) == {name}
 
@@ -543,8 +672,9 @@ def test_a_stall_during_an_etcd_outage_with_a_membership_change_is_excused() -> 
 
 
 def test_the_table_and_the_json_object() -> None:
-    ev = evidence(steady(10) + [(10, 2, 1.5)], [Final("a", 10, "x")],
-                  faults=(FaultRecord(T0 + 1.2, "worker_kill", "node-1"),))
+    ev = evidence(
+        steady(10) + [(10, 2, 1.5)], [Final("a", 10, "x")], faults=(FaultRecord(T0 + 1.2, "worker_kill", "node-1"),)
+    )
     settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL, FaultKind.DRAIN), 3, 2, 4, 1, 5.0, 0.05, 10, 5.0)
     report = Report(settings, ev, judge(ev), T0, "/tmp/x", {"etcd_leader_kill": "needs --etcd-members 3"})
     table = render_table(report)
@@ -574,13 +704,16 @@ def test_the_netns_plan_names_every_interface_within_15_characters_and_addresses
             plan.host(bad)
 
 
-@pytest.mark.parametrize("pid, used, subnet", [
-    (1, set(), 2),              # 1 + pid % 254
-    (253, set(), 254),
-    (254, set(), 1),            # never .0 or .255
-    (1, {2, 3}, 4),             # skips the /24s in use
-    (253, {254}, 1),            # wraps around
-])
+@pytest.mark.parametrize(
+    "pid, used, subnet",
+    [
+        (1, set(), 2),  # 1 + pid % 254
+        (253, set(), 254),
+        (254, set(), 1),  # never .0 or .255
+        (1, {2, 3}, 4),  # skips the /24s in use
+        (253, {254}, 1),  # wraps around
+    ],
+)
 def test_netns_plan_picks_a_free_subnet_from_the_pid(pid, used, subnet) -> None:
     plan = netns_plan(pid, used)
     assert (plan.prefix, plan.subnet) == (f"ecd{pid}", subnet)
@@ -591,12 +724,15 @@ def test_netns_plan_fails_when_every_subnet_is_in_use() -> None:
         netns_plan(7, range(1, 255))
 
 
-@pytest.mark.parametrize("text, used", [
-    ("", set()),
-    ("2: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0", set()),
-    ("9: ecd1b    inet 10.213.44.1/24 scope global ecd1b\n10.213.7.0/24 dev ecd2b proto kernel", {44, 7}),
-    ("10.2130.1.0/24 dev x\n110.213.5.0/24 dev y", set()),   # other networks that look alike
-])
+@pytest.mark.parametrize(
+    "text, used",
+    [
+        ("", set()),
+        ("2: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0", set()),
+        ("9: ecd1b    inet 10.213.44.1/24 scope global ecd1b\n10.213.7.0/24 dev ecd2b proto kernel", {44, 7}),
+        ("10.2130.1.0/24 dev x\n110.213.5.0/24 dev y", set()),  # other networks that look alike
+    ],
+)
 def test_subnets_in_use(text, used) -> None:
     assert subnets_in_use(text) == used
 
@@ -612,22 +748,34 @@ def test_host_index_rejects_other_names(name) -> None:
         host_index(name)
 
 
-@pytest.mark.parametrize("euid, ip, probe, why", [
-    (0, "/usr/sbin/ip", "", ""),
-    (1000, "/usr/sbin/ip", "", "not root"),
-    (0, None, "", "no `ip` binary (apt-get install iproute2)"),
-    (0, "/usr/sbin/ip", "ip netns add x: exit 1: Operation not permitted",
-     "`ip netns` does not work here: ip netns add x: exit 1: Operation not permitted"),
-])
+@pytest.mark.parametrize(
+    "euid, ip, probe, why",
+    [
+        (0, "/usr/sbin/ip", "", ""),
+        (1000, "/usr/sbin/ip", "", "not root"),
+        (0, None, "", "no `ip` binary (apt-get install iproute2)"),
+        (
+            0,
+            "/usr/sbin/ip",
+            "ip netns add x: exit 1: Operation not permitted",
+            "`ip netns` does not work here: ip netns add x: exit 1: Operation not permitted",
+        ),
+    ],
+)
 def test_netns_unusable(euid, ip, probe, why) -> None:
     assert netns_unusable(euid, ip, probe) == why
 
 
-@pytest.mark.parametrize("flag, unusable, on", [
-    (None, "", True), (None, "not root", False),
-    (True, "", True),
-    (False, "", False), (False, "not root", False),
-])
+@pytest.mark.parametrize(
+    "flag, unusable, on",
+    [
+        (None, "", True),
+        (None, "not root", False),
+        (True, "", True),
+        (False, "", False),
+        (False, "not root", False),
+    ],
+)
 def test_use_netns(flag, unusable, on) -> None:
     assert use_netns(flag, unusable) is on
 
@@ -644,18 +792,23 @@ def test_link_down_needs_netns_hosts() -> None:
     with pytest.raises(ConfigError, match="link_down needs network-namespace hosts"):
         parse_faults("link_down", 3)
     assert skipped_kinds(3, "not root") == {"link_down": "needs network-namespace hosts: not root"}
-    assert skipped_kinds(1, "") == {"etcd_follower_kill": "needs --etcd-members 3",
-                                    "etcd_leader_kill": "needs --etcd-members 3"}
+    assert skipped_kinds(1, "") == {
+        "etcd_follower_kill": "needs --etcd-members 3",
+        "etcd_leader_kill": "needs --etcd-members 3",
+    }
     assert link_down_s_default(2.0) > 2.0 + 2.0  # past the lease and the stall bound
 
 
-@pytest.mark.parametrize("v, ok", [
-    (view(3), True),
-    (view(2), False),                    # the cut-off host would leave 1 < min 2
-    (view(2, min_nodes=1), True),
-    (view(2, busy=1), False),            # a host already cut off (busy) does not count as ready
-    (view(3, etcd_busy=True), False),    # with etcd down, nobody could notice the lost host
-])
+@pytest.mark.parametrize(
+    "v, ok",
+    [
+        (view(3), True),
+        (view(2), False),  # the cut-off host would leave 1 < min 2
+        (view(2, min_nodes=1), True),
+        (view(2, busy=1), False),  # a host already cut off (busy) does not count as ready
+        (view(3, etcd_busy=True), False),  # with etcd down, nobody could notice the lost host
+    ],
+)
 def test_link_down_never_takes_the_job_below_its_minimum(v, ok) -> None:
     assert allowed(FaultKind.LINK_DOWN, v) is ok
 
@@ -664,8 +817,12 @@ def rows_of(node: str, gen: int, *ts: float, world: int = 3) -> list[Commit]:
     return [Commit(node, int(t * 10), gen, 0, world, T0 + t) for t in ts]
 
 
-HEALTHY = (rows_of("node-0", 1, 1.0, 2.0) + rows_of("node-1", 1, 1.0, 2.0)
-           + rows_of("node-0", 2, 6.0, 9.0) + rows_of("node-1", 3, 14.0, 20.0))
+HEALTHY = (
+    rows_of("node-0", 1, 1.0, 2.0)
+    + rows_of("node-1", 1, 1.0, 2.0)
+    + rows_of("node-0", 2, 6.0, 9.0)
+    + rows_of("node-1", 3, 14.0, 20.0)
+)
 
 
 def test_a_host_back_while_the_job_is_at_max_workers_is_a_standby_not_late() -> None:
@@ -684,23 +841,35 @@ def test_a_host_back_while_the_job_is_at_max_workers_is_a_standby_not_late() -> 
     assert link_down_findings(down, commits, 60.0, max_world=4) == []
 
 
-@pytest.mark.parametrize("downs, commits_, problem", [
-    # dropped (node-0 committed in generation 2 > 1 while node-1 was cut off), rejoined at 14
-    ([LinkDown("node-1", T0 + 3, T0 + 8)], HEALTHY, ""),
-    # the others committed nothing newer while it was cut off
-    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.generation != 2] + rows_of("node-0", 3, 14.0),
-     "did not go on without it"),
-    # never rejoined, and the job went on for long after
-    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"] + rows_of("node-0", 2, 100.0),
-     "did not rejoin"),
-    # never rejoined, but the job ended soon after the link came back: nothing to rejoin
-    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"], ""),
-    # rejoined, but late
-    ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"] + rows_of("node-1", 4, 80.0),
-     "rejoined 72.0 s after"),
-    # still down at the end
-    ([LinkDown("node-1", T0 + 3, math.inf)], HEALTHY, "still down at the end"),
-])
+@pytest.mark.parametrize(
+    "downs, commits_, problem",
+    [
+        # dropped (node-0 committed in generation 2 > 1 while node-1 was cut off), rejoined at 14
+        ([LinkDown("node-1", T0 + 3, T0 + 8)], HEALTHY, ""),
+        # the others committed nothing newer while it was cut off
+        (
+            [LinkDown("node-1", T0 + 3, T0 + 8)],
+            [c for c in HEALTHY if c.generation != 2] + rows_of("node-0", 3, 14.0),
+            "did not go on without it",
+        ),
+        # never rejoined, and the job went on for long after
+        (
+            [LinkDown("node-1", T0 + 3, T0 + 8)],
+            [c for c in HEALTHY if c.node == "node-0"] + rows_of("node-0", 2, 100.0),
+            "did not rejoin",
+        ),
+        # never rejoined, but the job ended soon after the link came back: nothing to rejoin
+        ([LinkDown("node-1", T0 + 3, T0 + 8)], [c for c in HEALTHY if c.node == "node-0"], ""),
+        # rejoined, but late
+        (
+            [LinkDown("node-1", T0 + 3, T0 + 8)],
+            [c for c in HEALTHY if c.node == "node-0"] + rows_of("node-1", 4, 80.0),
+            "rejoined 72.0 s after",
+        ),
+        # still down at the end
+        ([LinkDown("node-1", T0 + 3, math.inf)], HEALTHY, "still down at the end"),
+    ],
+)
 def test_link_down_findings(downs, commits_, problem) -> None:
     got = link_down_findings(downs, commits_, 60.0)
     if problem:
@@ -717,20 +886,23 @@ def cut(down: float, up: float, synced: float | None = None) -> WorkerLife:
     return WorkerLife(11, "n0", T0, None, (), (Window(T0 + down, T0 + up),), rejoining)
 
 
-@pytest.mark.parametrize("life, listed, problems", [
-    # cut off since 1 s before the sample: either way
-    (cut(9, math.inf), True, 0),
-    (cut(9, math.inf), False, 0),
-    # cut off since long before: its lease is surely gone, it must not be listed
-    (cut(1, math.inf), True, 1),
-    (cut(1, math.inf), False, 0),
-    # its link came back, and it has not synced yet: either way (it re-registers meanwhile)
-    (cut(1, 6), True, 0),
-    (cut(1, 6), False, 0),
-    # synced again long before the sample: it must be listed again
-    (cut(1, 2, 4), False, 1),
-    (cut(1, 2, 4), True, 0),
-])
+@pytest.mark.parametrize(
+    "life, listed, problems",
+    [
+        # cut off since 1 s before the sample: either way
+        (cut(9, math.inf), True, 0),
+        (cut(9, math.inf), False, 0),
+        # cut off since long before: its lease is surely gone, it must not be listed
+        (cut(1, math.inf), True, 1),
+        (cut(1, math.inf), False, 0),
+        # its link came back, and it has not synced yet: either way (it re-registers meanwhile)
+        (cut(1, 6), True, 0),
+        (cut(1, 6), False, 0),
+        # synced again long before the sample: it must be listed again
+        (cut(1, 2, 4), False, 1),
+        (cut(1, 2, 4), True, 0),
+    ],
+)
 def test_status_may_leave_out_a_worker_cut_off_by_a_link_down(life, listed, problems) -> None:
     s = sample(10.0, 11) if listed else sample(10.0)
     assert len(status_findings([s], [life], SLACK)) == problems
@@ -738,8 +910,12 @@ def test_status_may_leave_out_a_worker_cut_off_by_a_link_down(life, listed, prob
 
 def test_a_stall_while_a_link_is_down_is_not_excused_and_the_link_is_judged() -> None:
     rows = steady(10) + [(11, 2, 10.0)]  # the survivors stalled 9 s after node-1's link went down
-    ev = evidence(rows, [Final("a", 11, "x")], link_down=(LinkDown("node-1", T0 + 1.0, T0 + 6.0),),
-                  faults=(FaultRecord(T0 + 1.0, "link_down", "node-1"),))
+    ev = evidence(
+        rows,
+        [Final("a", 11, "x")],
+        link_down=(LinkDown("node-1", T0 + 1.0, T0 + 6.0),),
+        faults=(FaultRecord(T0 + 1.0, "link_down", "node-1"),),
+    )
     v = judge(ev)
     (stall,) = v.stalls
     assert stall.excused_s == 0.0 and stall.faults == ("link_down(node-1)",)
@@ -761,13 +937,15 @@ def test_the_table_and_the_json_object_show_the_netns_hosts_and_link_downs() -> 
 def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> None:
     from elasticd.chaos.evidence import membership_closed_times
 
-    log = "\n".join([
-        '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21.876257Z"}',
-        '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:35:00Z"}',
-        '{"event": "step_committed", "member": "node-0.0.17"}',
-        'not json "membership_closed"',
-        '{"member": "odd", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21Z"}',
-    ])
+    log = "\n".join(
+        [
+            '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21.876257Z"}',
+            '{"member": "node-0.0.2994", "event": "membership_closed", "timestamp": "2026-11-24T01:35:00Z"}',
+            '{"event": "step_committed", "member": "node-0.0.17"}',
+            'not json "membership_closed"',
+            '{"member": "odd", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21Z"}',
+        ]
+    )
     assert membership_closed_times(log) == {2994: 1795484061.876257}
 
 
@@ -777,21 +955,25 @@ def test_discarded_steps_are_counted_by_reason_and_reported() -> None:
     from elasticd.chaos.evidence import discarded_steps
 
     branch = "this member's state is not of rank 0's lineage: a branch the job left"
-    log = "\n".join([
-        '{"steps": [15711], "reason": "%s", "event": "steps_discarded"}' % branch,
-        '{"steps": [19933, 19934], "reason": "left the job", "event": "steps_discarded"}',
-        '{"steps": [7], "reason": "%s", "event": "steps_discarded"}' % branch,
-        '{"event": "step_committed", "steps": [1]}',
-        'not json "steps_discarded"',
-        '{"event": "steps_discarded", "reason": "no steps key"}',
-    ])
+    log = "\n".join(
+        [
+            '{"steps": [15711], "reason": "%s", "event": "steps_discarded"}' % branch,
+            '{"steps": [19933, 19934], "reason": "left the job", "event": "steps_discarded"}',
+            '{"steps": [7], "reason": "%s", "event": "steps_discarded"}' % branch,
+            '{"event": "step_committed", "steps": [1]}',
+            'not json "steps_discarded"',
+            '{"event": "steps_discarded", "reason": "no steps key"}',
+        ]
+    )
     assert discarded_steps(log) == {branch: 2, "left the job": 2}
     assert discarded_steps("") == {}
     settings = Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 37, 5.0)
     ev = replace(evidence([], []), discarded={"left the job": 2})
     report = Report(settings, ev, judge(ev), T0, "/tmp/x")
-    assert "steps discarded   2 (applied by a member, never confirmed: the others committed them; " \
-           "2 left the job)" in render_table(report)
+    assert (
+        "steps discarded   2 (applied by a member, never confirmed: the others committed them; "
+        "2 left the job)" in render_table(report)
+    )
     assert json.loads(json.dumps(report_to_dict(report)))["steps_discarded"] == {"left the job": 2}
     bare = Report(settings, evidence([], []), judge(evidence([], [])), T0, "/tmp/x")
     assert "steps discarded   0 (" in render_table(bare) and report_to_dict(bare)["steps_discarded"] == {}
@@ -811,8 +993,12 @@ def test_a_stall_after_etcd_returns_is_excused_for_a_lease_ttl_when_a_member_had
     assert stall.length_s - stall.excused_s <= 4.0
     # the same generation before and after (the cut host came back in time): still excused,
     # because a member-removing fault came just before
-    (same,) = find_stalls([(T0, 82), (T0 + 6.8, 82)], 4.0, after_etcd_returns([Window(T0 + 1.1, T0 + 6.6)], 2.0),
-                          [FaultRecord(T0, "link_down", "node-0")])
+    (same,) = find_stalls(
+        [(T0, 82), (T0 + 6.8, 82)],
+        4.0,
+        after_etcd_returns([Window(T0 + 1.1, T0 + 6.6)], 2.0),
+        [FaultRecord(T0, "link_down", "node-0")],
+    )
     assert same.length_s - same.excused_s <= 4.0
     # no fault that removes a member, same generation: not excused
     (plain,) = find_stalls([(T0, 82), (T0 + 6.8, 82)], 4.0, after_etcd_returns([Window(T0 + 1.1, T0 + 6.6)], 2.0), [])
@@ -837,11 +1023,20 @@ def test_a_cut_host_need_not_be_dropped_while_etcd_cannot_expire_its_lease() -> 
     assert link_down_findings(down, commits, 60.0, etcd_down=[Window(T0 + 2.0, T0 + 9.0)]) == []
 
 
-@pytest.mark.parametrize(("relay", "node", "expected"), [
-    ("off", 0, False), ("off", 1, False), ("on", 0, True), ("on", 3, True), ("mixed", 0, True), ("mixed", 1, False),
-    ("mixed", 2, True),
-])
-def test_which_agents_run_with_relay_on(relay: str, node: int, expected: bool) -> None:    assert relayed(relay, node) is expected
+@pytest.mark.parametrize(
+    ("relay", "node", "expected"),
+    [
+        ("off", 0, False),
+        ("off", 1, False),
+        ("on", 0, True),
+        ("on", 3, True),
+        ("mixed", 0, True),
+        ("mixed", 1, False),
+        ("mixed", 2, True),
+    ],
+)
+def test_which_agents_run_with_relay_on(relay: str, node: int, expected: bool) -> None:
+    assert relayed(relay, node) is expected
 
 
 def test_an_agent_that_exits_between_two_polls_is_recorded_with_its_code_not_as_still_running(tmp_path) -> None:

@@ -21,8 +21,6 @@ ADAM_AMSGRAD: Optim = lambda m: torch.optim.Adam(m.parameters(), lr=0.02, amsgra
 OPTIMIZERS = {"sgd_momentum": SGD_MOMENTUM, "adam": ADAM, "adam_amsgrad": ADAM_AMSGRAD}
 
 
-
-
 def make_model(seed: int, hidden: int = 8, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
     # BatchNorm adds buffers, one of them int64 (num_batches_tracked).
@@ -185,8 +183,15 @@ def _extra_step(s: TrainingState) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [_bump_param, _bump_buffer, _bump_counter("step"), _bump_counter("epoch"), _bump_counter("position"),
-     _bump_momentum, _extra_step],
+    [
+        _bump_param,
+        _bump_buffer,
+        _bump_counter("step"),
+        _bump_counter("epoch"),
+        _bump_counter("position"),
+        _bump_momentum,
+        _extra_step,
+    ],
     ids=["param", "buffer", "step", "epoch", "position", "momentum", "optimizer_step"],
 )
 def test_checksum_differs_when_state_differs(change: Callable[[TrainingState], None]) -> None:
@@ -258,18 +263,12 @@ CORRUPT = [
     pytest.param(_layout_edit(lambda L: L.__setitem__("total", "many")), id="total_not_a_number"),
     pytest.param(_layout_edit(lambda L: L["tensors"][0].__setitem__(1, "torch.complex128")), id="unknown_dtype"),
     pytest.param(_layout_edit(lambda L: L["tensors"][0].__setitem__(1, "os.system")), id="hostile_dtype"),
-    pytest.param(_layout_edit(lambda L: L["tensors"].__setitem__(0, L["tensors"][0][:3])),
-                 id="entry_too_short"),
-    pytest.param(_layout_edit(lambda L: L.__setitem__("tensors", 5)),
-                 id="tensors_not_a_list"),
-    pytest.param(_layout_edit(lambda L: L["tensors"][0].__setitem__(3, 10**9)),
-                 id="offset_past_buffer"),
-    pytest.param(_layout_edit(lambda L: L["tensors"][0].__setitem__(4, 4)),
-                 id="nbytes_wrong_for_shape"),
-    pytest.param(_layout_edit(lambda L: L.pop("param_groups")),
-                 id="no_param_groups"),
-    pytest.param(_layout_edit(lambda L: L.__setitem__("param_groups", [])),
-                 id="param_group_count"),
+    pytest.param(_layout_edit(lambda L: L["tensors"].__setitem__(0, L["tensors"][0][:3])), id="entry_too_short"),
+    pytest.param(_layout_edit(lambda L: L.__setitem__("tensors", 5)), id="tensors_not_a_list"),
+    pytest.param(_layout_edit(lambda L: L["tensors"][0].__setitem__(3, 10**9)), id="offset_past_buffer"),
+    pytest.param(_layout_edit(lambda L: L["tensors"][0].__setitem__(4, 4)), id="nbytes_wrong_for_shape"),
+    pytest.param(_layout_edit(lambda L: L.pop("param_groups")), id="no_param_groups"),
+    pytest.param(_layout_edit(lambda L: L.__setitem__("param_groups", [])), id="param_group_count"),
 ]
 
 
@@ -315,28 +314,34 @@ def test_unpack_from_an_unaligned_slice() -> None:
     assert_same_tensors(src, dst)
 
 
-@pytest.mark.parametrize(("world", "needy", "nbytes", "can", "expected"), [
-    (3, [2], 34 << 20, True, [0, 1, 2]),          # sparing one rank 34 MB: not worth a group build
-    (3, [2], 100 << 20, True, [0, 2]),            # sparing one rank 100 MB: a subgroup
-    (8, [5], 16 << 20, True, [0, 5]),             # sparing six ranks 16 MB each
-    (8, [5], 16 << 20, False, list(range(8))),    # no subgroup builder: the whole group
-    (3, [1, 2], 1 << 30, True, [0, 1, 2]),        # everyone needs it
-])
+@pytest.mark.parametrize(
+    ("world", "needy", "nbytes", "can", "expected"),
+    [
+        (3, [2], 34 << 20, True, [0, 1, 2]),  # sparing one rank 34 MB: not worth a group build
+        (3, [2], 100 << 20, True, [0, 2]),  # sparing one rank 100 MB: a subgroup
+        (8, [5], 16 << 20, True, [0, 5]),  # sparing six ranks 16 MB each
+        (8, [5], 16 << 20, False, list(range(8))),  # no subgroup builder: the whole group
+        (3, [1, 2], 1 << 30, True, [0, 1, 2]),  # everyone needs it
+    ],
+)
 def test_transfer_members(world: int, needy: list[int], nbytes: int, can: bool, expected: list[int]) -> None:
     from elasticd.worker.sync import transfer_members
 
     assert transfer_members(world, needy, nbytes, can) == expected
 
 
-@pytest.mark.parametrize(("world", "needy", "backend", "mode", "members"), [
-    (2, [1], "gloo", "p2p", [0, 1]),                  # one newcomer: one send
-    (3, [2], "gloo", "p2p", [0, 2]),                  # a survivor holds it: only the newcomer takes part
-    (3, [1, 2], "gloo", "p2p", [0, 1, 2]),            # two sends = the tree's two hops
-    (4, [1, 2, 3], "gloo", "broadcast", [0, 1, 2, 3]),  # three sends > log2(4) hops: the tree
-    (8, [3, 5, 7], "gloo", "p2p", [0, 3, 5, 7]),      # three sends = log2(8) hops
-    (8, [1, 2, 3, 4], "gloo", "broadcast", [0, 1, 2, 3, 4]),  # a subgroup spares 3 ranks 34 MB each
-    (3, [2], "nccl", "broadcast", [0, 1, 2]),         # NCCL keeps its pipelined broadcast
-])
+@pytest.mark.parametrize(
+    ("world", "needy", "backend", "mode", "members"),
+    [
+        (2, [1], "gloo", "p2p", [0, 1]),  # one newcomer: one send
+        (3, [2], "gloo", "p2p", [0, 2]),  # a survivor holds it: only the newcomer takes part
+        (3, [1, 2], "gloo", "p2p", [0, 1, 2]),  # two sends = the tree's two hops
+        (4, [1, 2, 3], "gloo", "broadcast", [0, 1, 2, 3]),  # three sends > log2(4) hops: the tree
+        (8, [3, 5, 7], "gloo", "p2p", [0, 3, 5, 7]),  # three sends = log2(8) hops
+        (8, [1, 2, 3, 4], "gloo", "broadcast", [0, 1, 2, 3, 4]),  # a subgroup spares 3 ranks 34 MB each
+        (3, [2], "nccl", "broadcast", [0, 1, 2]),  # NCCL keeps its pipelined broadcast
+    ],
+)
 def test_plan_transfer(world: int, needy: list[int], backend: str, mode: str, members: list[int]) -> None:
     from elasticd.worker.sync import plan_transfer
 

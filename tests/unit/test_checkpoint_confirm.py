@@ -77,14 +77,14 @@ class Rank0:
 def rank0(tmp_path: Path) -> Iterator[Rank0]:
     store = FakeKeyValueStore()
     env = WorkerEnv(node_id="n0", world=WorldConfig(job_id=JOB))
-    member = MemberRecord(member_id="m0", node="n0", local_rank=0, pid=1, host="127.0.0.1", store_port=1,
-                          signature="s")
+    member = MemberRecord(member_id="m0", node="n0", local_rank=0, pid=1, host="127.0.0.1", store_port=1, signature="s")
     membership = Membership(store, KEYS, member, env.world, env.timeouts)
     journal = Journal(env, store, None, audit_in_memory=False, log_interval_s=60.0)
     journal.open(membership, store, "m0", time.time())
     state = make_state(0)
-    config = CheckpointConfig(checkpoint_dir=str(tmp_path), checkpoint_every_steps=1, checkpoint_keep=3,
-                              checkpoint_wait_s=WAIT_S)
+    config = CheckpointConfig(
+        checkpoint_dir=str(tmp_path), checkpoint_every_steps=1, checkpoint_keep=3, checkpoint_wait_s=WAIT_S
+    )
     checkpoints = Checkpoints(config, JOB, "n0", state, journal)
     rig = Rank0(state, journal, checkpoints, store, job_dir(tmp_path, JOB))
     try:

@@ -47,8 +47,9 @@ def test_the_verdict_takes_the_tally_and_the_world_size_alone() -> None:
 
 def test_the_rule_module_imports_nothing_that_could_read_a_clock_a_lease_or_etcd() -> None:
     tree = ast.parse(Path(commit.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"__future__", "collections", "dataclasses", "enum"}, imported
 

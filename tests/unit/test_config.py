@@ -29,14 +29,17 @@ def test_timeouts_as_timedelta() -> None:
     assert t.td("keepalive") == timedelta(seconds=1.5)
 
 
-@pytest.mark.parametrize(("fields", "ok"), [
-    ({"reach_check_s": 0}, True),              # the reach check off
-    ({"coordinator_grace_s": 0}, True),
-    ({"reach_check_s": -0.5}, False),
-    ({"reach_check_s": float("inf")}, False),
-    ({"probe_s": 0}, False),                  # a connect needs some time to be answered
-    ({"last_call_s": 0}, False),
-])
+@pytest.mark.parametrize(
+    ("fields", "ok"),
+    [
+        ({"reach_check_s": 0}, True),  # the reach check off
+        ({"coordinator_grace_s": 0}, True),
+        ({"reach_check_s": -0.5}, False),
+        ({"reach_check_s": float("inf")}, False),
+        ({"probe_s": 0}, False),  # a connect needs some time to be answered
+        ({"last_call_s": 0}, False),
+    ],
+)
 def test_only_some_timeouts_may_be_zero(fields: dict[str, float], ok: bool) -> None:
     if ok:
         Timeouts(**fields)
@@ -70,10 +73,21 @@ def test_endpoint_scheme(text: str, scheme: str) -> None:
     assert endpoint_scheme(text) == scheme
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.9.8.7", True), ("::1", True), ("localhost", True), ("LocalHost", True),
-    ("10.0.0.1", False), ("::", False), ("etcd.example", False), ("localhost.example", False), ("128.0.0.1", False),
-])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.9.8.7", True),
+        ("::1", True),
+        ("localhost", True),
+        ("LocalHost", True),
+        ("10.0.0.1", False),
+        ("::", False),
+        ("etcd.example", False),
+        ("localhost.example", False),
+        ("128.0.0.1", False),
+    ],
+)
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
@@ -81,26 +95,35 @@ def test_is_loopback(host: str, loopback: bool) -> None:
 # -- https:// means TLS ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("fields", "tls"), [
-    (dict(), False),
-    (dict(endpoints=("http://h:1", "h:2")), False),  # both plaintext: not a mix
-    (dict(ca_cert="CA"), True),
-    (dict(endpoints=("h:1",), ca_cert="CA"), True),
-    (dict(endpoints=("https://h:1",)), True),  # no CA file: the system's CA bundle (store.etcd)
-    (dict(endpoints=("https://h:1", "HTTPS://g:2"), ca_cert="CA"), True),
-    (dict(endpoints=("https://h:1",), cert_cert="C", cert_key="K"), True),  # mutual TLS with the system's CAs
-])
+@pytest.mark.parametrize(
+    ("fields", "tls"),
+    [
+        (dict(), False),
+        (dict(endpoints=("http://h:1", "h:2")), False),  # both plaintext: not a mix
+        (dict(ca_cert="CA"), True),
+        (dict(endpoints=("h:1",), ca_cert="CA"), True),
+        (dict(endpoints=("https://h:1",)), True),  # no CA file: the system's CA bundle (store.etcd)
+        (dict(endpoints=("https://h:1", "HTTPS://g:2"), ca_cert="CA"), True),
+        (dict(endpoints=("https://h:1",), cert_cert="C", cert_key="K"), True),  # mutual TLS with the system's CAs
+    ],
+)
 def test_tls_is_a_ca_file_or_https(fields: dict[str, object], tls: bool) -> None:
     assert EtcdConfig(**fields).tls is tls  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(endpoints=("https://h:1", "h:2")), "etcd_endpoints: https:// and plaintext endpoints mixed in one list"),
-    (dict(endpoints=("http://h:1", "https://h:2")), "etcd_endpoints: https:// and plaintext endpoints mixed"),
-    (dict(endpoints=("http://h:1",), ca_cert="CA"), "etcd_ca_cert: set, but etcd_endpoints ask for plaintext"),
-    (dict(endpoints=("h:1", "http://g:1"), ca_cert="CA"), "etcd_ca_cert: set, but etcd_endpoints ask for plaintext"),
-    (dict(insecure="yes"), "etcd_insecure: must be true or false, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(endpoints=("https://h:1", "h:2")), "etcd_endpoints: https:// and plaintext endpoints mixed in one list"),
+        (dict(endpoints=("http://h:1", "https://h:2")), "etcd_endpoints: https:// and plaintext endpoints mixed"),
+        (dict(endpoints=("http://h:1",), ca_cert="CA"), "etcd_ca_cert: set, but etcd_endpoints ask for plaintext"),
+        (
+            dict(endpoints=("h:1", "http://g:1"), ca_cert="CA"),
+            "etcd_ca_cert: set, but etcd_endpoints ask for plaintext",
+        ),
+        (dict(insecure="yes"), "etcd_insecure: must be true or false, got 'yes'"),
+    ],
+)
 def test_endpoint_schemes_that_contradict_are_refused(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         EtcdConfig(**fields)  # type: ignore[arg-type]
@@ -112,19 +135,23 @@ def test_endpoint_schemes_that_contradict_are_refused(fields: dict[str, object],
 _AUTH = dict(user="u", password_file="PW")
 
 
-@pytest.mark.parametrize(("fields", "refused"), [
-    (dict(endpoints=("127.0.0.1:2379",), **_AUTH), False),
-    (dict(endpoints=("http://localhost:2379", "[::1]:2380", "127.0.0.2:1"), **_AUTH), False),
-    (dict(endpoints=("10.0.0.1:2379",), **_AUTH), True),
-    (dict(endpoints=("http://etcd.example:2379",), **_AUTH), True),
-    (dict(endpoints=("127.0.0.1:2379", "10.0.0.2:2379"), **_AUTH), True),  # one remote endpoint is enough
-    (dict(endpoints=("10.0.0.1:2379",), insecure=True, **_AUTH), False),  # --insecure
-    (dict(endpoints=("https://10.0.0.1:2379",), **_AUTH), False),
-    (dict(endpoints=("10.0.0.1:2379",), ca_cert="CA", **_AUTH), False),
-    (dict(endpoints=("10.0.0.1:2379",)), False),  # no user: no password to protect
-])
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        (dict(endpoints=("127.0.0.1:2379",), **_AUTH), False),
+        (dict(endpoints=("http://localhost:2379", "[::1]:2380", "127.0.0.2:1"), **_AUTH), False),
+        (dict(endpoints=("10.0.0.1:2379",), **_AUTH), True),
+        (dict(endpoints=("http://etcd.example:2379",), **_AUTH), True),
+        (dict(endpoints=("127.0.0.1:2379", "10.0.0.2:2379"), **_AUTH), True),  # one remote endpoint is enough
+        (dict(endpoints=("10.0.0.1:2379",), insecure=True, **_AUTH), False),  # --insecure
+        (dict(endpoints=("https://10.0.0.1:2379",), **_AUTH), False),
+        (dict(endpoints=("10.0.0.1:2379",), ca_cert="CA", **_AUTH), False),
+        (dict(endpoints=("10.0.0.1:2379",)), False),  # no user: no password to protect
+    ],
+)
 def test_a_password_in_plaintext_to_a_remote_etcd_is_refused_unless_insecure(
-        fields: dict[str, object], refused: bool) -> None:
+    fields: dict[str, object], refused: bool
+) -> None:
     if not refused:
         EtcdConfig(**fields)  # type: ignore[arg-type]
         return
@@ -138,22 +165,45 @@ def test_a_password_in_plaintext_to_a_remote_etcd_is_refused_unless_insecure(
 # -- job and node ids are names ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "ok"), [
-    ("default", True), ("job-42", True), ("a", True), ("7", True), ("Run_3.v2", True), ("host.example.com", True),
-    ("a..b", True), ("x" * 128, True),
-    ("", False), (".", False), ("..", False), (".hidden", False), ("-flag", False), ("_x", False),
-    ("a/b", False), ("../up", False), ("a\\b", False), ("a b", False), ("tab\t", False), ("nl\n", False),
-    ("x" * 129, False), ("caf\u00e9", False), ("a:b", False), ("a\0", False),
-])
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("default", True),
+        ("job-42", True),
+        ("a", True),
+        ("7", True),
+        ("Run_3.v2", True),
+        ("host.example.com", True),
+        ("a..b", True),
+        ("x" * 128, True),
+        ("", False),
+        (".", False),
+        ("..", False),
+        (".hidden", False),
+        ("-flag", False),
+        ("_x", False),
+        ("a/b", False),
+        ("../up", False),
+        ("a\\b", False),
+        ("a b", False),
+        ("tab\t", False),
+        ("nl\n", False),
+        ("x" * 129, False),
+        ("caf\u00e9", False),
+        ("a:b", False),
+        ("a\0", False),
+    ],
+)
 def test_job_and_node_ids_are_names(name: str, ok: bool) -> None:
-    for setting, build in (("job_id", lambda: WorldConfig(job_id=name)),
-                           ("node_id", lambda: WorkerEnv(node_id=name))):
+    for setting, build in (("job_id", lambda: WorldConfig(job_id=name)), ("node_id", lambda: WorkerEnv(node_id=name))):
         if ok:
             build()
             continue
         with pytest.raises(ConfigError) as info:
             build()
-        assert str(info.value).startswith(f"{setting}: must be 1 to 128 of the characters A-Z a-z 0-9 . _ -"), info.value
+        assert str(info.value).startswith(f"{setting}: must be 1 to 128 of the characters A-Z a-z 0-9 . _ -"), (
+            info.value
+        )
         assert str(info.value).endswith(f"got {name!r}")
 
 

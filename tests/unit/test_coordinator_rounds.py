@@ -34,13 +34,28 @@ def _member(store: FakeKeyValueStore, name: str, lease: int, step: int = -1, pre
     store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
 
 
-def _coordinator(store: FakeKeyValueStore, clock: ManualClock, world: WorldConfig, me: str = "a.0.1",
-                 noted: list[tuple[int, frozenset[str]]] | None = None, elected: bool = True) -> Coordinator:
+def _coordinator(
+    store: FakeKeyValueStore,
+    clock: ManualClock,
+    world: WorldConfig,
+    me: str = "a.0.1",
+    noted: list[tuple[int, frozenset[str]]] | None = None,
+    elected: bool = True,
+) -> Coordinator:
     store.put(KEYS.coordinator, encode(CoordinatorRecord(me, "a")))
     finding = noted if noted is not None else [(0, frozenset())]
-    return Coordinator(store, KEYS, me, world, T, clock, JobReader(store, KEYS, "a").snapshot,
-                       lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"), elected=elected,
-                       noted=lambda: finding[-1])
+    return Coordinator(
+        store,
+        KEYS,
+        me,
+        world,
+        T,
+        clock,
+        JobReader(store, KEYS, "a").snapshot,
+        lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"),
+        elected=elected,
+        noted=lambda: finding[-1],
+    )
 
 
 def test_it_waits_for_min_workers_then_publishes_with_a_token_and_writes_no_verdict_when_healthy() -> None:
@@ -204,14 +219,17 @@ def test_garbage_in_place_of_the_generation_publishes_nothing_for_members_still_
 T_POLL = Timeouts(keepalive_s=1.5, lease_ttl_s=4.0, round_poll_s=0.25)
 
 
-@pytest.mark.parametrize(("until", "window", "now", "expected"), [
-    (None, None, 10.0, 1.5),                                        # nobody waits: every keepalive_s
-    (10.2, None, 10.0, 0.2),                                        # the time the last round named
-    (9.0, Window(8.0, 8.0, 8.5), 10.0, 0.0),                        # ... already past
-    (20.0, Window(8.0, 8.0, 8.5), 10.0, 1.5),                       # ... far off: at most keepalive_s
-    (None, Window(8.0, 8.0, 8.5), 10.0, 0.25),                      # a broken generation's round: poll
-    (None, Window(8.0, 8.0, None), 10.0, 1.5),                      # standbys beside a healthy one: no poll
-])
+@pytest.mark.parametrize(
+    ("until", "window", "now", "expected"),
+    [
+        (None, None, 10.0, 1.5),  # nobody waits: every keepalive_s
+        (10.2, None, 10.0, 0.2),  # the time the last round named
+        (9.0, Window(8.0, 8.0, 8.5), 10.0, 0.0),  # ... already past
+        (20.0, Window(8.0, 8.0, 8.5), 10.0, 1.5),  # ... far off: at most keepalive_s
+        (None, Window(8.0, 8.0, 8.5), 10.0, 0.25),  # a broken generation's round: poll
+        (None, Window(8.0, 8.0, None), 10.0, 1.5),  # standbys beside a healthy one: no poll
+    ],
+)
 def test_round_wait_s(until: float | None, window: Window | None, now: float, expected: float) -> None:
     assert round_wait_s(until, window, now, T_POLL) == pytest.approx(expected)
 
@@ -223,10 +241,12 @@ def _listening() -> socket.socket:
     return s
 
 
-def _member_at(store: FakeKeyValueStore, name: str, lease: int, port: int, step: int = -1, prev: int = 0,
-               ready: bool = True) -> None:
-    store.put(KEYS.member(name), encode(MemberRecord(name, name.split(".")[0], 0, 1, "127.0.0.1", port, "s")),
-              lease=lease)
+def _member_at(
+    store: FakeKeyValueStore, name: str, lease: int, port: int, step: int = -1, prev: int = 0, ready: bool = True
+) -> None:
+    store.put(
+        KEYS.member(name), encode(MemberRecord(name, name.split(".")[0], 0, 1, "127.0.0.1", port, "s")), lease=lease
+    )
     if ready:
         store.put(KEYS.ready(name), encode(ReadyRecord(name, step, prev, 0, "s")), lease=lease)
 
@@ -315,32 +335,39 @@ def test_the_last_members_of_a_generation_are_not_given_up_on_a_probe_alone() ->
     assert verdict is None or not decode_verdict(verdict.value).error
 
 
-@pytest.mark.parametrize(("world", "tiers"), [
-    (1, [0]),
-    (2, [0, 0]),
-    (3, [0, 0, 2]),  # tier 1 = ranks 0, 1; tier 2 = ranks 1, 2
-    (4, [0, 0, 1, 2]),  # tier 1 = ranks 1, 2: rank 1 is tier 0 already
-    (5, [0, 0, 1, 2, 3]),  # a small job: every rank deputizes, the later ones later
-    (12, [0, 0, None, 1, 1, None, 2, 2, None, 3, 3, None]),
-    (8, [0, 0, 1, 1, 2, 2, 3, 3]),
-    # 4 nodes x 8 GPUs: one deputy pair per node, not four pairs on node 0
-    (32, [0, 0] + [None] * 6 + [1, 1] + [None] * 6 + [2, 2] + [None] * 6 + [3, 3] + [None] * 6),
-])
+@pytest.mark.parametrize(
+    ("world", "tiers"),
+    [
+        (1, [0]),
+        (2, [0, 0]),
+        (3, [0, 0, 2]),  # tier 1 = ranks 0, 1; tier 2 = ranks 1, 2
+        (4, [0, 0, 1, 2]),  # tier 1 = ranks 1, 2: rank 1 is tier 0 already
+        (5, [0, 0, 1, 2, 3]),  # a small job: every rank deputizes, the later ones later
+        (12, [0, 0, None, 1, 1, None, 2, 2, None, 3, 3, None]),
+        (8, [0, 0, 1, 1, 2, 2, 3, 3]),
+        # 4 nodes x 8 GPUs: one deputy pair per node, not four pairs on node 0
+        (32, [0, 0] + [None] * 6 + [1, 1] + [None] * 6 + [2, 2] + [None] * 6 + [3, 3] + [None] * 6),
+    ],
+)
 def test_deputy_tiers_are_spread_over_the_rank_order(world: int, tiers: list[int | None]) -> None:
     assert [deputy_tier(r, world) for r in range(world)] == tiers
 
 
-@pytest.mark.parametrize(("tier", "heard", "grace", "want"), [
-    (None, False, 0.0, None),      # not a deputy
-    (0, False, 0.0, 0.0),          # rank 0 and 1: at once, by default
-    (0, True, 0.0, 0.0),           # ... also beside a coordinator at work
-    (0, True, 0.4, 0.4),           # ... after coordinator_grace_s
-    (1, False, 0.0, 0.5),          # later tiers: one deputy_step_s (0.5 s) per tier
-    (3, False, 0.4, 1.9),
-    (1, True, 0.0, None),          # not while the coordinator's verdict on the generation is there
-    (3, True, 0.0, None),
-])
+@pytest.mark.parametrize(
+    ("tier", "heard", "grace", "want"),
+    [
+        (None, False, 0.0, None),  # not a deputy
+        (0, False, 0.0, 0.0),  # rank 0 and 1: at once, by default
+        (0, True, 0.0, 0.0),  # ... also beside a coordinator at work
+        (0, True, 0.4, 0.4),  # ... after coordinator_grace_s
+        (1, False, 0.0, 0.5),  # later tiers: one deputy_step_s (0.5 s) per tier
+        (3, False, 0.4, 1.9),
+        (1, True, 0.0, None),  # not while the coordinator's verdict on the generation is there
+        (3, True, 0.0, None),
+    ],
+)
 def test_deputy_starts_by_tier_and_only_while_the_coordinator_is_silent(
-        tier: int | None, heard: bool, grace: float, want: float | None) -> None:
+    tier: int | None, heard: bool, grace: float, want: float | None
+) -> None:
     got = deputy_starts_s(tier, heard, Timeouts(coordinator_grace_s=grace, deputy_step_s=0.5))
     assert got == (None if want is None else pytest.approx(want))

@@ -24,11 +24,17 @@ from tests.unit.test_checkpoint import make_state, train
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
 def writer(directory: Path, keep: int = 3, every_steps: int = 1) -> CheckpointWriter:
-    return CheckpointWriter(directory, job_id="j", node="n0", signature=make_state().signature,
-                            every_steps=every_steps, every_s=0.0, keep=keep, wait_s=10.0)
+    return CheckpointWriter(
+        directory,
+        job_id="j",
+        node="n0",
+        signature=make_state().signature,
+        every_steps=every_steps,
+        every_s=0.0,
+        keep=keep,
+        wait_s=10.0,
+    )
 
 
 def save_steps(directory: Path, steps: list[int], keep: int = 10) -> TrainingState:
@@ -88,8 +94,9 @@ def _newest(directory: Path) -> Path:
     return data
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_payload_byte", "flip_header_byte", "drop_manifest",
-                                    "garbage_manifest"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "flip_payload_byte", "flip_header_byte", "drop_manifest", "garbage_manifest"]
+)
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path: Path, damage: str) -> None:
     save_steps(tmp_path, [2, 5])
     newest = _newest(tmp_path)
@@ -112,8 +119,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_pat
     assert loaded is not None and loaded.manifest.step == 2 and fresh.counters.step == 2
     rejected = [e for e in logs if e["event"] == "checkpoint_rejected"]
     assert len(rejected) == 1 and rejected[0]["step"] == 5, logs
-    want = {"truncate": "truncated", "flip_payload_byte": "CRC-32", "flip_header_byte": "CRC-32",
-            "drop_manifest": "no manifest", "garbage_manifest": "Expecting"}[damage]
+    want = {
+        "truncate": "truncated",
+        "flip_payload_byte": "CRC-32",
+        "flip_header_byte": "CRC-32",
+        "drop_manifest": "no manifest",
+        "garbage_manifest": "Expecting",
+    }[damage]
     assert want in rejected[0]["reason"], rejected[0]
     assert loaded.rejected and want in loaded.rejected[0]
 
@@ -138,9 +150,17 @@ def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path
     (tmp_path / f"{name}.ckpt").write_bytes(payload)
     if with_manifest:  # a manifest that matches the file exactly: only the format check can refuse it
         fake = json.loads(scan(tmp_path)[1].manifest_path.read_text())  # type: ignore[union-attr]
-        fake.update(seq=99999999, step=900, file=f"{name}.ckpt", file_bytes=len(payload),
-                    crc32=zlib.crc32(payload), header_bytes=0, payload_offset=0, payload_bytes=len(payload),
-                    state_bytes=0)
+        fake.update(
+            seq=99999999,
+            step=900,
+            file=f"{name}.ckpt",
+            file_bytes=len(payload),
+            crc32=zlib.crc32(payload),
+            header_bytes=0,
+            payload_offset=0,
+            payload_bytes=len(payload),
+            state_bytes=0,
+        )
         (tmp_path / f"{name}.json").write_text(json.dumps(fake))
     fresh = make_state(seed=5)
     with capture_logs() as logs:
@@ -165,7 +185,9 @@ def test_retention_keeps_the_newest_k_by_save_order(tmp_path: Path) -> None:
     save_steps(tmp_path, [1, 2, 3, 4, 5], keep=2)
     entries = scan(tmp_path)
     assert [(e.step, e.manifest_path is not None, e.data_path is not None) for e in entries] == [
-        (5, True, True), (4, True, True)]
+        (5, True, True),
+        (4, True, True),
+    ]
     # a job resumed from an older step writes newer checkpoints: save order wins, not step numbers
     state = make_state(seed=0)
     train(state, 3)
@@ -182,9 +204,17 @@ def test_a_failed_save_reports_keeps_the_previous_and_the_next_save_retries(tmp_
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     failed: list[int] = []
-    w = CheckpointWriter(blocker / "job", job_id="j", node="n0", signature=make_state().signature,
-                         every_steps=1, every_s=0.0, keep=2, wait_s=10.0,
-                         on_failed=lambda step, exc: failed.append(step))
+    w = CheckpointWriter(
+        blocker / "job",
+        job_id="j",
+        node="n0",
+        signature=make_state().signature,
+        every_steps=1,
+        every_s=0.0,
+        keep=2,
+        wait_s=10.0,
+        on_failed=lambda step, exc: failed.append(step),
+    )
     state = make_state(0)
     train(state, 1)
     with capture_logs() as logs:
@@ -201,19 +231,36 @@ def test_a_failed_save_reports_keeps_the_previous_and_the_next_save_retries(tmp_
 
 def test_schedule_by_steps_and_by_time(tmp_path: Path) -> None:
     now = [100.0]
-    w = CheckpointWriter(tmp_path, job_id="j", node="n", signature="s", every_steps=5, every_s=0.0, keep=1,
-                         wait_s=1.0, clock=lambda: now[0])
+    w = CheckpointWriter(
+        tmp_path,
+        job_id="j",
+        node="n",
+        signature="s",
+        every_steps=5,
+        every_s=0.0,
+        keep=1,
+        wait_s=1.0,
+        clock=lambda: now[0],
+    )
     assert [s for s in range(1, 16) if w.due(s)] == [5, 10, 15]
-    t = CheckpointWriter(tmp_path, job_id="j", node="n", signature="s", every_steps=0, every_s=30.0, keep=1,
-                         wait_s=1.0, clock=lambda: now[0])
+    t = CheckpointWriter(
+        tmp_path,
+        job_id="j",
+        node="n",
+        signature="s",
+        every_steps=0,
+        every_s=30.0,
+        keep=1,
+        wait_s=1.0,
+        clock=lambda: now[0],
+    )
     assert not t.due(1)
     now[0] += 30.0
     assert t.due(2)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask_022", "umask_000"])
-def test_checkpoints_and_manifests_are_0640_in_a_0750_directory_whatever_the_umask(tmp_path: Path,
-                                                                                   umask: int) -> None:
+def test_checkpoints_and_manifests_are_0640_in_a_0750_directory_whatever_the_umask(tmp_path: Path, umask: int) -> None:
     # Outside the unit's UMask=0027 (a worker started by hand, under the usual 022 or none at all),
     # a checkpoint holds the model and is still no other user's to read.
     directory = tmp_path / "ckpt" / "job"
@@ -240,7 +287,8 @@ def _round_trip(directory: Path) -> Path:
 
 
 def test_data_files_are_written_with_o_direct_where_the_filesystem_allows_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     opened: list[int] = []
     real_open = os.open
 
@@ -255,7 +303,8 @@ def test_data_files_are_written_with_o_direct_where_the_filesystem_allows_it(
 
 
 def test_a_filesystem_that_refuses_o_direct_gets_the_same_file_through_the_page_cache(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_open = os.open
     refused: list[str] = []
 
@@ -286,8 +335,9 @@ def test_round_trip_with_registered_objects(tmp_path: Path) -> None:
 
     src = Rig(1)
     src.train(3)
-    w = CheckpointWriter(tmp_path, job_id="j", node="n0", signature=src.state.signature, every_steps=1,
-                         every_s=0.0, keep=3, wait_s=10.0)
+    w = CheckpointWriter(
+        tmp_path, job_id="j", node="n0", signature=src.state.signature, every_steps=1, every_s=0.0, keep=3, wait_s=10.0
+    )
     assert w.save(src.state, generation=1)
     w.close()
     dst = Rig(2)
@@ -313,29 +363,60 @@ def write_version_2(directory: Path, state: TrainingState, seq: int) -> Path:
     layout, flat = state.pack()
     meta = json.loads(layout)
     optim_sd = state.optimizer.state_dict()
-    old = {"tensors": meta["tensors"], "total": meta["total"],
-           "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-                            for g in optim_sd["param_groups"]],
-           "optim_scalars": {f"{i}.{k}": v for i, st in optim_sd["state"].items() for k, v in st.items()
-                             if not isinstance(v, torch.Tensor)},
-           "rng": meta["rng"]}
+    old = {
+        "tensors": meta["tensors"],
+        "total": meta["total"],
+        "param_groups": [
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd["param_groups"]
+        ],
+        "optim_scalars": {
+            f"{i}.{k}": v
+            for i, st in optim_sd["state"].items()
+            for k, v in st.items()
+            if not isinstance(v, torch.Tensor)
+        },
+        "rng": meta["rng"],
+    }
     assert meta["cuda_rng"] == [] and meta["extras"] == {}
     payload = bytes(flat.numpy())
     c = state.counters
-    header = json.dumps({"format": FORMAT, "version": 2, "job": "j", "step": c.step, "generation": 1, "node": "n0",
-                         "signature": state.signature, "payload_bytes": len(payload), "layout": old}).encode()
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "version": 2,
+            "job": "j",
+            "step": c.step,
+            "generation": 1,
+            "node": "n0",
+            "signature": state.signature,
+            "payload_bytes": len(payload),
+            "layout": old,
+        }
+    ).encode()
     prefix = MAGIC + HEADER_LEN.pack(len(header)) + header
     prefix += bytes(-len(prefix) % 64)
     total = old["total"]
     name = checkpoint_name(seq, c.step)
     (directory / f"{name}.ckpt").write_bytes(prefix + payload)
     manifest = {
-        "format": FORMAT, "version": 2, "job": "j", "seq": seq, "step": c.step, "generation": 1, "node": "n0",
-        "signature": state.signature, "file": f"{name}.ckpt", "file_bytes": len(prefix) + len(payload),
-        "header_bytes": len(header), "payload_offset": len(prefix), "payload_bytes": len(payload),
+        "format": FORMAT,
+        "version": 2,
+        "job": "j",
+        "seq": seq,
+        "step": c.step,
+        "generation": 1,
+        "node": "n0",
+        "signature": state.signature,
+        "file": f"{name}.ckpt",
+        "file_bytes": len(prefix) + len(payload),
+        "header_bytes": len(header),
+        "payload_offset": len(prefix),
+        "payload_bytes": len(payload),
         "state_bytes": total,
         "state_checksum": state_checksum(json.dumps(old["tensors"]).encode(), memoryview(payload[:total]), total),
-        "crc32": zlib.crc32(payload[total:], zlib.crc32(prefix)), "epoch": c.epoch, "position": c.position,
+        "crc32": zlib.crc32(payload[total:], zlib.crc32(prefix)),
+        "epoch": c.epoch,
+        "position": c.position,
         "created": 0.0,
     }
     (directory / f"{name}.json").write_text(json.dumps(manifest))

@@ -43,19 +43,28 @@ A, B = "a" * 64, "b" * 64
 
 def entry(seq: int, manifest: bool = True, data: bool = True) -> Entry:
     name = f"{seq:08d}-step{seq * 10:012d}"
-    return Entry(seq, seq * 10, Path(f"/d/{name}.ckpt") if data else None,
-                 Path(f"/d/{name}.json") if manifest else None)
+    return Entry(
+        seq, seq * 10, Path(f"/d/{name}.ckpt") if data else None, Path(f"/d/{name}.json") if manifest else None
+    )
 
 
 RETENTION = [
     # (name, [(seq, signature, manifest, data)], keep, seqs removed)
     ("only ours: the newest keep stay", [(1, A, 1, 1), (2, A, 1, 1), (3, A, 1, 1)], 2, [1]),
-    ("another model's are never removed, and do not count",
-     [(1, B, 1, 1), (2, B, 1, 1), (3, A, 1, 1), (4, A, 1, 1), (5, A, 1, 1)], 1, [3, 4]),
+    (
+        "another model's are never removed, and do not count",
+        [(1, B, 1, 1), (2, B, 1, 1), (3, A, 1, 1), (4, A, 1, 1), (5, A, 1, 1)],
+        1,
+        [3, 4],
+    ),
     ("another model's newer than ours stay too", [(1, A, 1, 1), (2, A, 1, 1), (3, B, 1, 1)], 1, [1]),
     ("another model's orphan data file stays", [(1, B, 0, 1), (5, A, 1, 1)], 1, []),
-    ("our old orphan data file goes, a newer one may be a save in progress",
-     [(1, A, 0, 1), (2, A, 1, 1), (3, A, 0, 1)], 1, [1]),
+    (
+        "our old orphan data file goes, a newer one may be a save in progress",
+        [(1, A, 0, 1), (2, A, 1, 1), (3, A, 0, 1)],
+        1,
+        [1],
+    ),
     ("unreadable files count as ours (no model to protect)", [(1, None, 1, 1), (2, A, 1, 1), (3, A, 1, 1)], 2, [1]),
     ("a directory of another model only: nothing removed", [(1, B, 1, 1), (2, B, 1, 1)], 1, []),
 ]
@@ -80,8 +89,14 @@ def test_new_model_refusal(name: str, others: dict[str, list[int]], allow: bool,
     why = new_model_refusal(Path("/ckpt/job"), A, others, allow)
     assert (why is not None) is refused
     if why is not None:  # names the directory, both signatures and the way out
-        for words in ("/ckpt/job", B[:12], A[:12], "newest step 30", "checkpoint_allow_new_model",
-                      "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL"):
+        for words in (
+            "/ckpt/job",
+            B[:12],
+            A[:12],
+            "newest step 30",
+            "checkpoint_allow_new_model",
+            "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL",
+        ):
             assert words in why, why
 
 
@@ -90,8 +105,9 @@ def test_new_model_refusal(name: str, others: dict[str, list[int]], allow: bool,
 
 def save(directory: Path, hidden: int, steps: list[int], keep: int) -> str:
     state = make_state(0, hidden=hidden)
-    w = CheckpointWriter(directory, job_id="j", node="n0", signature=state.signature, every_steps=1,
-                         every_s=0.0, keep=keep, wait_s=10.0)
+    w = CheckpointWriter(
+        directory, job_id="j", node="n0", signature=state.signature, every_steps=1, every_s=0.0, keep=keep, wait_s=10.0
+    )
     done = 0
     for s in steps:
         train(state, s - done, seed=s)
@@ -134,9 +150,15 @@ def test_signature_of_falls_back_on_the_data_header_and_is_none_for_garbage(tmp_
 def trainer(ckpt: Path, hidden: int, allow: bool = False, store: FakeKeyValueStore | None = None) -> ElasticTrainer:
     model = make_model(0, hidden)
     env = WorkerEnv(node_id="n0", world=WorldConfig(job_id="job"))
-    return ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=16,
-                          global_batch_size=4, env=env, store=store,
-                          checkpoint=CheckpointConfig(checkpoint_dir=str(ckpt), checkpoint_allow_new_model=allow))
+    return ElasticTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=16,
+        global_batch_size=4,
+        env=env,
+        store=store,
+        checkpoint=CheckpointConfig(checkpoint_dir=str(ckpt), checkpoint_allow_new_model=allow),
+    )
 
 
 def test_a_worker_of_another_model_refuses_to_start_over_and_deletes_nothing(tmp_path: Path) -> None:

@@ -43,8 +43,15 @@ pytestmark = pytest.mark.timeout(60)
 
 NOW = 1000.0
 CFG = AgentConfig(
-    program=("worker",), node_id="a", nproc_per_node=1, max_restarts=2, restart_window_s=60.0,
-    restart_backoff_initial_s=1.0, restart_backoff_max_s=3.0, kill_wait_s=5.0, mode="restart",
+    program=("worker",),
+    node_id="a",
+    nproc_per_node=1,
+    max_restarts=2,
+    restart_window_s=60.0,
+    restart_backoff_initial_s=1.0,
+    restart_backoff_max_s=3.0,
+    kill_wait_s=5.0,
+    mode="restart",
     world=WorldConfig(min_workers=2, max_workers=3),
     timeouts=Timeouts(shutdown_grace_s=10.0, join_window_s=0.25, join_s=120.0),
 )
@@ -58,18 +65,28 @@ def waiting(node: str, nproc: int = 1, last_round: int = 0) -> WaitingRecord:
     return WaitingRecord(node, nproc, f"host-{node}", 7000 + ord(node[0]), last_round)
 
 
-def view(alive: str = "", wait: str = "", rnd: RoundRecord | None = None, failed: FailedRecord | None = None,
-         done: dict[str, int] | None = None, finished: int = 0, nproc: dict[str, int] | None = None) -> RoundView:
+def view(
+    alive: str = "",
+    wait: str = "",
+    rnd: RoundRecord | None = None,
+    failed: FailedRecord | None = None,
+    done: dict[str, int] | None = None,
+    finished: int = 0,
+    nproc: dict[str, int] | None = None,
+) -> RoundView:
     """Nodes are one letter each: ``alive="ab"`` means the agents of a and b hold their leases;
     ``wait`` lists the waiting nodes in arrival order."""
     nproc = nproc or {}
     return RoundView(
-        round=rnd, round_revision=7 if rnd else 0,
+        round=rnd,
+        round_revision=7 if rnd else 0,
         agents={n: agent(n) for n in alive},
         waiting={n: waiting(n, nproc.get(n, 1)) for n in wait},
         waiting_order={n: 100 + i for i, n in enumerate(wait)},
-        failed=failed, failed_revision=9 if failed else 0,
-        done=done or {}, finished=finished,
+        failed=failed,
+        failed_revision=9 if failed else 0,
+        done=done or {},
+        finished=finished,
     )
 
 
@@ -82,8 +99,9 @@ def failed(number: int, cause: Cause = Cause.WORKER_FAILED, node: str = "b") -> 
 
 
 def joining(since: float = NOW - 1, changed: float = NOW - 1, last: int = 0) -> Local:
-    return Local("a", Phase.JOINING, round=last, phase_since=since, candidates_changed_at=changed,
-                 view_changed_at=since)
+    return Local(
+        "a", Phase.JOINING, round=last, phase_since=since, candidates_changed_at=changed, view_changed_at=since
+    )
 
 
 def running(r: int = 1, nodes: str = "ab", **kw: object) -> Local:
@@ -107,10 +125,21 @@ def running(r: int = 1, nodes: str = "ab", **kw: object) -> Local:
         (joining(), view("ab", "ab", nproc={"b": 2}), ActionKind.WAIT, "1 node(s) waiting < 2"),
         (joining(), view("ab", "ba", nproc={"b": 2}), ActionKind.EXIT, "nproc_mismatch"),
         # after a failure: b is alive and stopping its workers; a waits for it (last call)
-         (joining(last=1), view("ab", "a", rnd(1, "ab"), failed(1)), ActionKind.WAIT, "last call for ['b']"),
+        (joining(last=1), view("ab", "a", rnd(1, "ab"), failed(1)), ActionKind.WAIT, "last call for ['b']"),
     ],
-    ids=["below min", "below min past join_s", "join window", "record gone", "lease gone", "spare gone",
-         "healthy round", "finished", "other nproc", "my nproc differs", "last call"],
+    ids=[
+        "below min",
+        "below min past join_s",
+        "join window",
+        "record gone",
+        "lease gone",
+        "spare gone",
+        "healthy round",
+        "finished",
+        "other nproc",
+        "my nproc differs",
+        "last call",
+    ],
 )
 def test_joining_waits_registers_or_exits(local: Local, v: RoundView, kind: ActionKind, reason: str) -> None:
     action = decide(local, v, NOW, CFG)
@@ -198,10 +227,18 @@ def test_node_bounds_are_the_world_bounds_in_whole_nodes() -> None:
 @pytest.mark.parametrize(
     ("local", "v", "kind", "cause"),
     [
-        (running(failure="worker 0 (pid 5) exited with code 1"), view("ab", "", rnd(1, "ab")),
-         ActionKind.MARK_FAILED, Cause.WORKER_FAILED),
-        (running(failure="worker 0 (pid 5) exited with code 1"), view("ab", "", rnd(1, "ab"), failed(1)),
-         ActionKind.TERMINATE, Cause.WORKER_FAILED),
+        (
+            running(failure="worker 0 (pid 5) exited with code 1"),
+            view("ab", "", rnd(1, "ab")),
+            ActionKind.MARK_FAILED,
+            Cause.WORKER_FAILED,
+        ),
+        (
+            running(failure="worker 0 (pid 5) exited with code 1"),
+            view("ab", "", rnd(1, "ab"), failed(1)),
+            ActionKind.TERMINATE,
+            Cause.WORKER_FAILED,
+        ),
         (running(), view("ab", "", rnd(1, "ab"), failed(1)), ActionKind.TERMINATE, Cause.WORKER_FAILED),
         (running(), view("ab", "", rnd(1, "ab"), failed(1, Cause.JOIN)), ActionKind.TERMINATE, Cause.JOIN),
         (running(), view("a", "", rnd(1, "ab")), ActionKind.MARK_FAILED, Cause.NODE_LOST),
@@ -209,8 +246,16 @@ def test_node_bounds_are_the_world_bounds_in_whole_nodes() -> None:
         (running(stop_requests=1), view("ab", "", rnd(1, "ab")), ActionKind.MARK_FAILED, Cause.NODE_LEFT),
         (running(), view("ab", "", rnd(2, "ab", reason="node_lost")), ActionKind.TERMINATE, Cause.NODE_LOST),
     ],
-    ids=["my worker failed", "already marked", "another node's failure", "a join", "a node lost",
-         "a newcomer fits", "asked to stop", "superseded"],
+    ids=[
+        "my worker failed",
+        "already marked",
+        "another node's failure",
+        "a join",
+        "a node lost",
+        "a newcomer fits",
+        "asked to stop",
+        "superseded",
+    ],
 )
 def test_running_ends_the_round_for_every_cause(local: Local, v: RoundView, kind: ActionKind, cause: Cause) -> None:
     action = decide(local, v, NOW, CFG)
@@ -241,8 +286,9 @@ def test_running_marks_the_node_done_when_every_worker_exited_0() -> None:
 
 
 def stopping(cause: Cause = Cause.WORKER_FAILED, **kw: object) -> Local:
-    base = Local("a", Phase.STOPPING, round=1, nodes=("a", "b"), cause=str(cause), running=0,
-                 terminate_deadline=NOW + 5)
+    base = Local(
+        "a", Phase.STOPPING, round=1, nodes=("a", "b"), cause=str(cause), running=0, terminate_deadline=NOW + 5
+    )
     return replace(base, **kw)
 
 
@@ -257,14 +303,29 @@ def stopping(cause: Cause = Cause.WORKER_FAILED, **kw: object) -> Local:
         (stopping(stop_requests=1), ActionKind.EXIT, "left the job"),
         (stopping(), ActionKind.RESTART, "round 1 ended (worker_failed): restart in 1 s"),
         (stopping(restarts=(NOW - 30,)), ActionKind.RESTART, "round 1 ended (worker_failed): restart in 2 s"),
-        (stopping(restarts=(NOW - 30, NOW - 10)), ActionKind.EXIT,
-         "restarts_exhausted: round 1 ended (worker_failed); 2 restarts in the last 60 s (max_restarts 2)"),
+        (
+            stopping(restarts=(NOW - 30, NOW - 10)),
+            ActionKind.EXIT,
+            "restarts_exhausted: round 1 ended (worker_failed); 2 restarts in the last 60 s (max_restarts 2)",
+        ),
         (stopping(restarts=(NOW - 90, NOW - 10)), ActionKind.RESTART, "round 1 ended (worker_failed): restart in 2 s"),
         (stopping(Cause.JOIN, restarts=(NOW - 30, NOW - 10)), ActionKind.RESTART, "round 1 ended (join): rejoin"),
         (stopping(Cause.NODE_LOST), ActionKind.RESTART, "round 1 ended (node_lost): restart in 1 s"),
     ],
-    ids=["grace", "grace over", "second stop", "reaping", "not reaped", "left", "first restart", "backoff doubles",
-         "budget spent", "old restarts age out", "joins are free", "node lost counts"],
+    ids=[
+        "grace",
+        "grace over",
+        "second stop",
+        "reaping",
+        "not reaped",
+        "left",
+        "first restart",
+        "backoff doubles",
+        "budget spent",
+        "old restarts age out",
+        "joins are free",
+        "node lost counts",
+    ],
 )
 def test_stopping_then_restart_within_the_budget(local: Local, kind: ActionKind, reason: str) -> None:
     action = decide(local, view("ab"), NOW, CFG)
@@ -320,10 +381,21 @@ def test_worker_environ_is_what_torchrun_sets() -> None:
     r = RoundRecord(3, ("x", "y"), 2, "10.0.0.5", 29511, 2, "worker_failed")
     env = worker_environ(r, "y", 1, "job7", max_restarts=3)
     assert env == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-        "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
-        "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29511", "TORCHELASTIC_RESTART_COUNT": "2",
-        "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": "3",
+        "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29511",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
     }
 
 
@@ -350,8 +422,10 @@ def test_mode_comes_from_flag_env_or_file(tmp_path: Path) -> None:
     assert load_agent_config(program=["true"], environ={"ELASTICD_MODE": "restart"}).mode == "restart"
     (tmp_path / "e.toml").write_text('mode = "restart"\n')
     assert load_agent_config(program=["true"], environ={}, config_file=tmp_path / "e.toml").mode == "restart"
-    assert load_agent_config({"mode": "elastic"}, program=["true"], config_file=tmp_path / "e.toml",
-                             environ={}).mode == "elastic"
+    assert (
+        load_agent_config({"mode": "elastic"}, program=["true"], config_file=tmp_path / "e.toml", environ={}).mode
+        == "elastic"
+    )
 
 
 @pytest.mark.parametrize(("where", "suffix"), [("flag", "(from --mode)"), ("env", "(from ELASTICD_MODE)")])
@@ -382,19 +456,28 @@ if env["TORCHELASTIC_RESTART_COUNT"] == "0":
 
 def test_two_agents_restart_the_whole_group_once_and_finish(tmp_path: Path) -> None:
     store = FakeKeyValueStore()
-    cfg = replace(CFG, program=(sys.executable, "-c", SCRIPT, str(tmp_path)), restart_backoff_initial_s=0.05,
-                  poll_interval_s=0.02, world=WorldConfig(job_id="j", min_workers=2, max_workers=2))
+    cfg = replace(
+        CFG,
+        program=(sys.executable, "-c", SCRIPT, str(tmp_path)),
+        restart_backoff_initial_s=0.05,
+        poll_interval_s=0.02,
+        world=WorldConfig(job_id="j", min_workers=2, max_workers=2),
+    )
     agents = [GroupRestartAgent(replace(cfg, node_id=n), store) for n in ("a", "b")]
     outcomes: dict[str, object] = {}
-    threads = [threading.Thread(target=lambda g=g, n=n: outcomes.__setitem__(n, g.run(install_signals=False)))
-               for g, n in zip(agents, "ab")]
+    threads = [
+        threading.Thread(target=lambda g=g, n=n: outcomes.__setitem__(n, g.run(install_signals=False)))
+        for g, n in zip(agents, "ab")
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=40)
     assert not any(t.is_alive() for t in threads), "agents still running"
     assert {n: (o.exit_code, o.reason) for n, o in outcomes.items()} == {
-        "a": (0, "workers_finished"), "b": (0, "workers_finished")}
+        "a": (0, "workers_finished"),
+        "b": (0, "workers_finished"),
+    }
     runs = [json.loads(line) for line in (tmp_path / "env.jsonl").read_text().splitlines()]
     assert len(runs) == 4  # both workers of round 1, then both again
     first, second = runs[:2], runs[2:]
@@ -418,9 +501,14 @@ if os.environ["WORLD_SIZE"] != "1":
 
 def test_a_node_that_is_asked_to_stop_leaves_and_the_other_goes_on_alone(tmp_path: Path) -> None:
     store = FakeKeyValueStore()
-    cfg = replace(CFG, program=(sys.executable, "-c", SCRIPT_UNTIL_ALONE), max_restarts=0, poll_interval_s=0.02,
-                  world=WorldConfig(job_id="j", min_workers=1, max_workers=2),
-                  timeouts=Timeouts(join_window_s=2.0))  # a and b surely start together
+    cfg = replace(
+        CFG,
+        program=(sys.executable, "-c", SCRIPT_UNTIL_ALONE),
+        max_restarts=0,
+        poll_interval_s=0.02,
+        world=WorldConfig(job_id="j", min_workers=1, max_workers=2),
+        timeouts=Timeouts(join_window_s=2.0),
+    )  # a and b surely start together
     agents = {n: GroupRestartAgent(replace(cfg, node_id=n), store) for n in "ab"}
     outcomes: dict[str, object] = {}
     threads = {n: threading.Thread(target=lambda n=n: outcomes.__setitem__(n, agents[n].run(False))) for n in "ab"}

@@ -32,39 +32,112 @@ CASES = [
     # (what, snapshot, lease_lost, world, abandon, fenced, join_pending, reason contains)
     ("healthy", snap(G3_ABC, ABC), False, W, False, False, False, ""),
     ("my lease expired", snap(G3_ABC, ABC), True, W, True, True, None, "my lease"),
-    ("a read from before my join says nothing", snap(G3_ABC, ("a",), generation_revision=40), False, W,
-     False, False, None, ""),
-    ("garbage generation record: not a reason to stop", snap(None, ABC, generation_revision=60), False, W,
-     False, False, None, ""),
-    ("superseded without me", snap(gen(4, ["b", "c"]), ABC, generation_revision=70), False, W, True, True, None,
-     "superseded"),
+    (
+        "a read from before my join says nothing",
+        snap(G3_ABC, ("a",), generation_revision=40),
+        False,
+        W,
+        False,
+        False,
+        None,
+        "",
+    ),
+    (
+        "garbage generation record: not a reason to stop",
+        snap(None, ABC, generation_revision=60),
+        False,
+        W,
+        False,
+        False,
+        None,
+        "",
+    ),
+    (
+        "superseded without me",
+        snap(gen(4, ["b", "c"]), ABC, generation_revision=70),
+        False,
+        W,
+        True,
+        True,
+        None,
+        "superseded",
+    ),
     # the survivors of a lost member (rendezvous.survivors): it cannot train without me, so a step
     # whose sum I hold is still mine to apply (a split otherwise)
-    ("superseded by one that takes me", snap(gen(4, ["a", "b"]), ABC, generation_revision=70), False, W, True,
-     False, None, "superseded"),
+    (
+        "superseded by one that takes me",
+        snap(gen(4, ["a", "b"]), ABC, generation_revision=70),
+        False,
+        W,
+        True,
+        False,
+        None,
+        "superseded",
+    ),
     ("aborted", snap(G3_ABC, ABC, aborted=3), False, W, True, True, None, "aborted"),
     ("an abort of an older generation is history", snap(G3_ABC, ABC, aborted=2), False, W, False, False, False, ""),
     ("a member lost its lease", snap(G3_ABC, ("a", "b")), False, W, True, False, False, "lost their lease"),
     # A member whose step failed is at the rendezvous (its ready record names generation 3): the
     # others must not sit in a collective until collective_s because its abort is not in etcd yet.
-    ("a member left for the rendezvous", snap(G3_ABC, ABC, ready_recs=[ready("c", 7, 3, 2)]), False, W,
-     True, False, False, "left the generation"),
+    (
+        "a member left for the rendezvous",
+        snap(G3_ABC, ABC, ready_recs=[ready("c", 7, 3, 2)]),
+        False,
+        W,
+        True,
+        False,
+        False,
+        "left the generation",
+    ),
     # (a member's own ready record exists only while it is at the rendezvous, where it assesses
     # nothing: GenerationWatch.leave comes first; the generation is broken for the others all the same)
-    ("any member's ready record breaks it", snap(G3_ABC, ABC, ready_recs=[ready("a", 7, 3, 0)]), False, W,
-     True, False, False, "left the generation"),
-    ("a newcomer with room: join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]), False, W,
-     False, False, True, ""),
+    (
+        "any member's ready record breaks it",
+        snap(G3_ABC, ABC, ready_recs=[ready("a", 7, 3, 0)]),
+        False,
+        W,
+        True,
+        False,
+        False,
+        "left the generation",
+    ),
+    (
+        "a newcomer with room: join pending",
+        snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]),
+        False,
+        W,
+        False,
+        False,
+        True,
+        "",
+    ),
     # A standby beyond max_workers must not force a generation every step.
-    ("a standby beyond max_workers: no join pending", snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]),
-     False, W3, False, False, False, ""),
+    (
+        "a standby beyond max_workers: no join pending",
+        snap(G3_ABC, (*ABC, "d"), ready_recs=[ready("d", -1)]),
+        False,
+        W3,
+        False,
+        False,
+        False,
+        "",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("what", "s", "lease_lost", "world", "abandon", "fenced", "pending", "why"), CASES,
-                         ids=[c[0] for c in CASES])
-def test_assess_health(what: str, s: object, lease_lost: bool, world: WorldConfig, abandon: bool, fenced: bool,
-                       pending: bool | None, why: str) -> None:
+@pytest.mark.parametrize(
+    ("what", "s", "lease_lost", "world", "abandon", "fenced", "pending", "why"), CASES, ids=[c[0] for c in CASES]
+)
+def test_assess_health(
+    what: str,
+    s: object,
+    lease_lost: bool,
+    world: WorldConfig,
+    abandon: bool,
+    fenced: bool,
+    pending: bool | None,
+    why: str,
+) -> None:
     assert isinstance(s, Snapshot)
     view = replace(s, verdict=judge(s, world), members={}, ready={})  # what member "a" reads
     h = assess_health(view, G3_ABC, "a", 50, lease_lost)

@@ -16,41 +16,71 @@ from elasticd.testing.localcluster import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-LIGHT_MODULES = ["elasticd", "elasticd.errors", "elasticd.config", "elasticd.settings", "elasticd.retry", "elasticd.log", "elasticd.events",
-                 "elasticd.store.kv", "elasticd.store.etcd", "elasticd.wire.keys", "elasticd.wire.records",
-                 "elasticd.wire.snapshot", "elasticd.wire.ops", "elasticd.wire.restart", "elasticd.rendezvous.decide",
-                 "elasticd.rendezvous.membership", "elasticd.rendezvous.lease",
-                 "elasticd.rendezvous.publish", "elasticd.rendezvous.watch", "elasticd.agent.elastic",
-                 "elasticd.agent.restart", "elasticd.agent.daemon", "elasticd.agent.elastic_decide",
-                 "elasticd.agent.restart_decide", "elasticd.agent.supervisor", "elasticd.agent.presence",
-                 "elasticd.agent.jobview", "elasticd.agent.metrics", "elasticd.agent.sdnotify", "elasticd.ops.status",
-                 "elasticd.ops.health", "elasticd.ops.parse", "elasticd.ops.render", "elasticd.ops.drain",
-                 "elasticd.cli"]
+LIGHT_MODULES = [
+    "elasticd",
+    "elasticd.errors",
+    "elasticd.config",
+    "elasticd.settings",
+    "elasticd.retry",
+    "elasticd.log",
+    "elasticd.events",
+    "elasticd.store.kv",
+    "elasticd.store.etcd",
+    "elasticd.wire.keys",
+    "elasticd.wire.records",
+    "elasticd.wire.snapshot",
+    "elasticd.wire.ops",
+    "elasticd.wire.restart",
+    "elasticd.rendezvous.decide",
+    "elasticd.rendezvous.membership",
+    "elasticd.rendezvous.lease",
+    "elasticd.rendezvous.publish",
+    "elasticd.rendezvous.watch",
+    "elasticd.agent.elastic",
+    "elasticd.agent.restart",
+    "elasticd.agent.daemon",
+    "elasticd.agent.elastic_decide",
+    "elasticd.agent.restart_decide",
+    "elasticd.agent.supervisor",
+    "elasticd.agent.presence",
+    "elasticd.agent.jobview",
+    "elasticd.agent.metrics",
+    "elasticd.agent.sdnotify",
+    "elasticd.ops.status",
+    "elasticd.ops.health",
+    "elasticd.ops.parse",
+    "elasticd.ops.render",
+    "elasticd.ops.drain",
+    "elasticd.cli",
+]
 # A cold start of a small Python program, plus two refused etcd connections, on a slow CI machine.
 STARTUP_BOUND_S = 3.0
 
 
 def _python(code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("module", LIGHT_MODULES)
 def test_control_plane_module_imports_without_torch(module: str) -> None:
     # Importing torch is made to fail, so the traceback names the module that imports it.
-    proc = _python(
-        "import importlib, sys\n"
-        "sys.modules['torch'] = None\n"
-        f"importlib.import_module({module!r})\n"
-    )
+    proc = _python(f"import importlib, sys\nsys.modules['torch'] = None\nimportlib.import_module({module!r})\n")
     assert proc.returncode == 0, f"importing {module} imports torch:\n{proc.stderr[-3000:]}"
 
 
 def test_elasticctl_against_unreachable_etcd_fails_fast_and_clearly() -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
-    proc = _python("import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())",
-                   "--etcd", endpoint, "status", "--job", "nojob")
+    proc = _python(
+        "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())",
+        "--etcd",
+        endpoint,
+        "status",
+        "--job",
+        "nojob",
+    )
     took = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
@@ -63,8 +93,14 @@ def test_elasticctl_against_unreachable_etcd_fails_fast_and_clearly() -> None:
 def test_drain_and_events_against_unreachable_etcd_fail_fast_and_clearly(command: list[str]) -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
-    proc = _python("import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())",
-                   "--etcd", endpoint, *command, "--job", "nojob")
+    proc = _python(
+        "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())",
+        "--etcd",
+        endpoint,
+        *command,
+        "--job",
+        "nojob",
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()

@@ -85,9 +85,10 @@ def test_each_spelling_of_the_optimizer(tmp_path: Path, src: Rig, key: str) -> N
 
 
 def test_several_optimizers_by_their_registered_names_or_as_a_list(tmp_path: Path, src: Rig) -> None:
-    for data in ({"model": src.model.state_dict(), "optimizer": src.opt.state_dict(),
-                  "optimizer_1": src.opt2.state_dict()},
-                 {"model": src.model.state_dict(), "optimizers": [src.opt.state_dict(), src.opt2.state_dict()]}):
+    for data in (
+        {"model": src.model.state_dict(), "optimizer": src.opt.state_dict(), "optimizer_1": src.opt2.state_dict()},
+        {"model": src.model.state_dict(), "optimizers": [src.opt.state_dict(), src.opt2.state_dict()]},
+    ):
         dst = Rig(2)
         got = dst.load(_save(tmp_path, data))
         assert got.loaded == ("model", "optimizer", "optimizer_1") and got.unused == ()
@@ -136,14 +137,21 @@ def test_each_spelling_of_the_step(tmp_path: Path, src: Rig, key: str) -> None:
 
 
 def test_a_step_as_an_integer_tensor_and_equal_steps_under_two_keys(tmp_path: Path, src: Rig) -> None:
-    got = Rig(2).load(_save(tmp_path, {"model": src.model.state_dict(), "step": torch.tensor(12),
-                                       "global_step": 12}))
+    got = Rig(2).load(_save(tmp_path, {"model": src.model.state_dict(), "step": torch.tensor(12), "global_step": 12}))
     assert got.step == 12 and got.unused == ()
 
 
 def test_the_keys_not_used_are_returned_and_logged(tmp_path: Path, src: Rig) -> None:
-    data = {"model": src.model.state_dict(), "opt": src.opt.state_dict(), "sched": src.sched.state_dict(),
-            "ema": src.ema, "step": 40, "epoch": 3, "args": {"lr": 0.1}, "best_loss": 0.25}
+    data = {
+        "model": src.model.state_dict(),
+        "opt": src.opt.state_dict(),
+        "sched": src.sched.state_dict(),
+        "ema": src.ema,
+        "step": 40,
+        "epoch": 3,
+        "args": {"lr": 0.1},
+        "best_loss": 0.25,
+    }
     with capture_logs() as logs:
         got = Rig(2).load(_save(tmp_path, data))
     assert got == InitialLoad(("model", "optimizer", "lr", "ema"), ("epoch", "args", "best_loss"), 40)
@@ -159,25 +167,40 @@ def test_nothing_unused_logs_no_warning(tmp_path: Path, src: Rig) -> None:
 
 
 AMBIGUOUS = {  # keys of the file besides "model" -> the fragment naming both
-    "optimizer_and_opt": ({"optimizer": "opt", "opt": "opt"}, "holds both 'optimizer' and 'opt', which would both "
-                                                              "load the optimizer"),
-    "model_and_state_dict": ({"state_dict": "model"}, "holds both 'model' and 'state_dict', which would both load "
-                                                      "the model"),
-    "scheduler_and_sched": ({"scheduler": "sched", "sched": "sched"}, "holds both 'scheduler' and 'sched', which "
-                                                                      "would both load the registered 'lr' (StepLR)"),
+    "optimizer_and_opt": (
+        {"optimizer": "opt", "opt": "opt"},
+        "holds both 'optimizer' and 'opt', which would both load the optimizer",
+    ),
+    "model_and_state_dict": (
+        {"state_dict": "model"},
+        "holds both 'model' and 'state_dict', which would both load the model",
+    ),
+    "scheduler_and_sched": (
+        {"scheduler": "sched", "sched": "sched"},
+        "holds both 'scheduler' and 'sched', which would both load the registered 'lr' (StepLR)",
+    ),
     "name_and_spelling": ({"lr": "sched", "lr_scheduler": "sched"}, "holds both 'lr' and 'lr_scheduler'"),
-    "optimizer_and_list": ({"optimizer": "opt", "optimizers": ["opt", "opt2"]}, "holds both 'optimizer' and "
-                                                                                "'optimizers[0]'"),
-    "two_steps": ({"step": 4, "global_step": 5}, "holds both 'step' = 4 and 'global_step' = 5, two different step "
-                                                 "counts"),
+    "optimizer_and_list": (
+        {"optimizer": "opt", "optimizers": ["opt", "opt2"]},
+        "holds both 'optimizer' and 'optimizers[0]'",
+    ),
+    "two_steps": (
+        {"step": 4, "global_step": 5},
+        "holds both 'step' = 4 and 'global_step' = 5, two different step counts",
+    ),
 }
 
 
 @pytest.mark.parametrize(("extra", "fragment"), AMBIGUOUS.values(), ids=AMBIGUOUS.keys())
-def test_two_keys_for_one_object_are_refused_with_both_named(tmp_path: Path, src: Rig, extra: dict[str, object],
-                                                             fragment: str) -> None:
-    states = {"opt": src.opt.state_dict(), "opt2": src.opt2.state_dict(), "sched": src.sched.state_dict(),
-              "model": src.model.state_dict()}
+def test_two_keys_for_one_object_are_refused_with_both_named(
+    tmp_path: Path, src: Rig, extra: dict[str, object], fragment: str
+) -> None:
+    states = {
+        "opt": src.opt.state_dict(),
+        "opt2": src.opt2.state_dict(),
+        "sched": src.sched.state_dict(),
+        "model": src.model.state_dict(),
+    }
 
     def resolve(v: object) -> object:
         return [states[x] for x in v] if isinstance(v, list) else states.get(v, v) if isinstance(v, str) else v
@@ -199,22 +222,31 @@ REFUSED = {  # the file -> a fragment of the message
     "float_step": ({"model": "model", "global_step": 2.5}, "'global_step' holds 2.5, which is no step count"),
     "bool_step": ({"model": "model", "iteration": True}, "'iteration' holds True, which is no step count"),
     "float_tensor_step": ({"model": "model", "steps": torch.tensor(2.0)}, "'steps' holds tensor(2.), which is no"),
-    "short_optimizers_list": ({"model": "model", "optimizers": ["opt"]}, "'optimizers' holds 1 entries, and the "
-                                                                         "trainer has 2 optimizer(s)"),
+    "short_optimizers_list": (
+        {"model": "model", "optimizers": ["opt"]},
+        "'optimizers' holds 1 entries, and the trainer has 2 optimizer(s)",
+    ),
     "optimizer_misfit": ({"model": "model", "opt": "one_param"}, "'opt' does not fit the optimizer"),
-    "ema_misfit": ({"model": "model", "ema": {"0.weight": torch.zeros(1)}}, "'ema' does not fit the registered "
-                                                                           "'ema' (dict)"),
+    "ema_misfit": (
+        {"model": "model", "ema": {"0.weight": torch.zeros(1)}},
+        "'ema' does not fit the registered 'ema' (dict)",
+    ),
     "a_list": ([1, 2], "holds a list, not a state_dict"),
 }
 
 
 @pytest.mark.parametrize(("data", "fragment"), REFUSED.values(), ids=REFUSED.keys())
 def test_a_file_that_does_not_fit_is_refused(tmp_path: Path, src: Rig, data: object, fragment: str) -> None:
-    states = {"model": src.model.state_dict(), "opt": src.opt.state_dict(),
-              "one_param": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).state_dict()}
+    states = {
+        "model": src.model.state_dict(),
+        "opt": src.opt.state_dict(),
+        "one_param": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).state_dict(),
+    }
     if isinstance(data, dict):
-        data = {k: [states[x] for x in v] if k == "optimizers" else states.get(v, v) if isinstance(v, str) else v
-                for k, v in data.items()}
+        data = {
+            k: [states[x] for x in v] if k == "optimizers" else states.get(v, v) if isinstance(v, str) else v
+            for k, v in data.items()
+        }
     with pytest.raises(ConfigError) as err:
         Rig(2).load(_save(tmp_path, data))
     assert fragment in str(err.value), err.value
@@ -238,12 +270,15 @@ def test_a_model_saved_from_its_ddp_wrapper_loads_without_the_module_prefix(tmp_
     torch.testing.assert_close(model.weight, saved.weight)
 
 
-@pytest.mark.parametrize(("state", "prefixed_model", "stripped"), [
-    ({"module.w": 1, "module.b": 2}, False, True),
-    ({"module.w": 1, "b": 2}, False, False),  # not every key: not a wrapper's
-    ({"module.w": 1}, True, False),  # the model itself has module.* keys
-    ({}, False, False),
-])
+@pytest.mark.parametrize(
+    ("state", "prefixed_model", "stripped"),
+    [
+        ({"module.w": 1, "module.b": 2}, False, True),
+        ({"module.w": 1, "b": 2}, False, False),  # not every key: not a wrapper's
+        ({"module.w": 1}, True, False),  # the model itself has module.* keys
+        ({}, False, False),
+    ],
+)
 def test_unwrapped_takes_off_a_ddp_prefix_only_when_every_key_has_it(state, prefixed_model, stripped):
     model = torch.nn.Sequential()
     if prefixed_model:

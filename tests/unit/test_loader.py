@@ -90,15 +90,27 @@ def data_of(data: Any) -> list[int] | None:
 # (world, committed) per step, for a dataset of 39 and a global batch of 6. Positions: 0, 6, 12
 # (fails), 12, then 2 ranks: 18, 24 (fails), then 4 ranks: 24, 30, 36 (3 samples: rank 0's share is
 # empty), the next epoch's 0 (fails), 0.
-PLAN = [(3, True), (3, True), (3, False), (3, True), (2, True), (2, False),
-        (4, True), (4, True), (4, True), (4, False), (4, True)]
+PLAN = [
+    (3, True),
+    (3, True),
+    (3, False),
+    (3, True),
+    (2, True),
+    (2, False),
+    (4, True),
+    (4, True),
+    (4, True),
+    (4, False),
+    (4, True),
+]
 # Rank 0's view: whether the prefetch restarts at each batch: after a failed step (the same step
 # again, or a new world), not at a commit nor at the rollover.
 RESTARTS_RANK0 = [False, False, False, True, True, False, True, False, False, False, True]
 
 
-def trainer_like(sampler: ElasticSampler, plan: list[tuple[int, bool]], rank: int,
-                 committed: list[Batch], micro: int = 1) -> Iterator[Batch]:
+def trainer_like(
+    sampler: ElasticSampler, plan: list[tuple[int, bool]], rank: int, committed: list[Batch], micro: int = 1
+) -> Iterator[Batch]:
     """Yield ``rank``'s batch (or its ``micro`` micro-batches) of each step it is present for;
     record those that commit."""
     step, epoch, position = 0, 0, 0
@@ -208,8 +220,7 @@ def test_pin_memory(pin: bool) -> None:
 
 def test_a_dataloaders_settings_are_reused_and_its_batch_size_ignored() -> None:
     s = ElasticSampler(39, 6, seed=4)
-    dl = DataLoader(Indices(39), batch_size=32, shuffle=True, drop_last=True, collate_fn=as_list,
-                    **WORKERS)
+    dl = DataLoader(Indices(39), batch_size=32, shuffle=True, drop_last=True, collate_fn=as_list, **WORKERS)
     committed: list[Batch] = []
     with ElasticLoader.from_dataloader(dl, s) as loader:
         assert loader.persistent_workers is False  # the DataLoader's setting

@@ -23,43 +23,90 @@ def _collate(samples: list[Any]) -> list[Any]:
     return samples
 
 
-@pytest.mark.parametrize(("given", "passed"), [
-    ({}, {}),
-    ({"num_workers": 2, "collate_fn": _collate, "pin_memory": True}, {"num_workers": 2, "collate_fn": _collate,
-                                                                       "pin_memory": True}),
-    ({"prefetch_factor": 4, "persistent_workers": False, "timeout": 5.0}, {"prefetch_factor": 4,
-                                                                          "persistent_workers": False, "timeout": 5.0}),
-    ({"shuffle": True, "num_workers": 1}, {"num_workers": 1}),
-    ({"shuffle": None}, {}),
-    ({"drop_last": False}, {}),
-    ({"sampler": None, "batch_sampler": None}, {}),
-    ({"in_order": True}, {}),
-    ({"pin_memory_device": ""}, {}),
-], ids=["nothing", "passed-on", "more-passed-on", "shuffle", "shuffle-none", "drop-last-false", "samplers-none",
-        "in-order", "pin-memory-device-empty"])
+@pytest.mark.parametrize(
+    ("given", "passed"),
+    [
+        ({}, {}),
+        (
+            {"num_workers": 2, "collate_fn": _collate, "pin_memory": True},
+            {"num_workers": 2, "collate_fn": _collate, "pin_memory": True},
+        ),
+        (
+            {"prefetch_factor": 4, "persistent_workers": False, "timeout": 5.0},
+            {"prefetch_factor": 4, "persistent_workers": False, "timeout": 5.0},
+        ),
+        ({"shuffle": True, "num_workers": 1}, {"num_workers": 1}),
+        ({"shuffle": None}, {}),
+        ({"drop_last": False}, {}),
+        ({"sampler": None, "batch_sampler": None}, {}),
+        ({"in_order": True}, {}),
+        ({"pin_memory_device": ""}, {}),
+    ],
+    ids=[
+        "nothing",
+        "passed-on",
+        "more-passed-on",
+        "shuffle",
+        "shuffle-none",
+        "drop-last-false",
+        "samplers-none",
+        "in-order",
+        "pin-memory-device-empty",
+    ],
+)
 def test_accepted_arguments(given: dict[str, Any], passed: dict[str, Any]) -> None:
     assert loader_arguments(given) == passed
 
 
-@pytest.mark.parametrize(("given", "message"), [
-    ({"drop_last": True}, r"^ElasticTrainer\.loader: drop_last=True cannot be honoured: elasticd keeps an epoch's "
-                          r"short last global batch .*; remove drop_last"),
-    ({"shuffle": False}, r"^ElasticTrainer\.loader: shuffle=False cannot be honoured: .*seeded random order "
-                         r"\(ElasticTrainer\(seed=\.\.\.\)\).*; remove shuffle"),
-    ({"sampler": DistributedSampler(DATASET, num_replicas=2, rank=0)},
-     r"^ElasticTrainer\.loader: sampler=DistributedSampler cannot be honoured: elasticd chooses which samples "
-     r"each rank reads.*remove it and pass the dataset"),
-    ({"batch_sampler": [[0, 1]]}, r"^ElasticTrainer\.loader: batch_sampler=list cannot be honoured: .*batch_size "
-                                  r"here, or ElasticTrainer\(global_batch_size=\.\.\.\)"),
-    ({"in_order": False}, r"^ElasticTrainer\.loader: in_order=False cannot be honoured: .*remove in_order"),
-    ({"pin_memory_device": "cuda"}, r"^ElasticTrainer\.loader: pin_memory_device='cuda' cannot be honoured"),
-    ({"shufle": True}, r"^ElasticTrainer\.loader: unknown argument shufle \(did you mean shuffle\?\); it takes "
-                       r"batch_size, num_workers, .*generator \(and shuffle=True, drop_last=False"),
-    ({"num_worker": 2, "dataset": DATASET}, r"^ElasticTrainer\.loader: unknown arguments dataset, num_worker "
-                                            r"\(did you mean num_workers\?\); it takes batch_size"),
-    ({"bogus": 1}, r"^ElasticTrainer\.loader: unknown argument bogus; it takes batch_size, num_workers"),
-], ids=["drop-last", "no-shuffle", "sampler", "batch-sampler", "out-of-order", "pin-memory-device", "typo",
-        "typo-and-dataset", "unknown"])
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"drop_last": True},
+            r"^ElasticTrainer\.loader: drop_last=True cannot be honoured: elasticd keeps an epoch's "
+            r"short last global batch .*; remove drop_last",
+        ),
+        (
+            {"shuffle": False},
+            r"^ElasticTrainer\.loader: shuffle=False cannot be honoured: .*seeded random order "
+            r"\(ElasticTrainer\(seed=\.\.\.\)\).*; remove shuffle",
+        ),
+        (
+            {"sampler": DistributedSampler(DATASET, num_replicas=2, rank=0)},
+            r"^ElasticTrainer\.loader: sampler=DistributedSampler cannot be honoured: elasticd chooses which samples "
+            r"each rank reads.*remove it and pass the dataset",
+        ),
+        (
+            {"batch_sampler": [[0, 1]]},
+            r"^ElasticTrainer\.loader: batch_sampler=list cannot be honoured: .*batch_size "
+            r"here, or ElasticTrainer\(global_batch_size=\.\.\.\)",
+        ),
+        ({"in_order": False}, r"^ElasticTrainer\.loader: in_order=False cannot be honoured: .*remove in_order"),
+        ({"pin_memory_device": "cuda"}, r"^ElasticTrainer\.loader: pin_memory_device='cuda' cannot be honoured"),
+        (
+            {"shufle": True},
+            r"^ElasticTrainer\.loader: unknown argument shufle \(did you mean shuffle\?\); it takes "
+            r"batch_size, num_workers, .*generator \(and shuffle=True, drop_last=False",
+        ),
+        (
+            {"num_worker": 2, "dataset": DATASET},
+            r"^ElasticTrainer\.loader: unknown arguments dataset, num_worker "
+            r"\(did you mean num_workers\?\); it takes batch_size",
+        ),
+        ({"bogus": 1}, r"^ElasticTrainer\.loader: unknown argument bogus; it takes batch_size, num_workers"),
+    ],
+    ids=[
+        "drop-last",
+        "no-shuffle",
+        "sampler",
+        "batch-sampler",
+        "out-of-order",
+        "pin-memory-device",
+        "typo",
+        "typo-and-dataset",
+        "unknown",
+    ],
+)
 def test_refused_arguments_name_the_public_api_and_say_why(given: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         loader_arguments(given)
@@ -80,8 +127,11 @@ def test_every_dataloader_argument_is_passed_on_or_taken_at_its_default() -> Non
 
 def test_a_dataloader_with_its_own_sampler_is_told_the_public_way_to_port() -> None:
     dl = DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=2, rank=0))
-    with pytest.raises(ConfigError, match=r"^ElasticTrainer\.loader: the DataLoader has its own sampler "
-                                          r"\(DistributedSampler\)") as err:
+    with pytest.raises(
+        ConfigError,
+        match=r"^ElasticTrainer\.loader: the DataLoader has its own sampler "
+        r"\(DistributedSampler\)",
+    ) as err:
         ElasticLoader.from_dataloader(dl, ElasticSampler(40, 8))
     assert "ElasticTrainer.loader(dataset, batch_size=..., num_workers=...)" in str(err.value)
     assert "ElasticLoader" not in str(err.value) and "ElasticSampler" not in str(err.value)

@@ -51,8 +51,15 @@ KEYS = Keys("/elasticd", "job")
 
 def member(mid: str, sig: str = SIG) -> MemberRecord:
     """A live member; its store lives on a host derived from its id (to check who hosts it)."""
-    return MemberRecord(mid, node=f"node-{mid}", local_rank=0, pid=100, host=f"host-{mid}",
-                        store_port=20000 + sum(map(ord, mid)), signature=sig)
+    return MemberRecord(
+        mid,
+        node=f"node-{mid}",
+        local_rank=0,
+        pid=100,
+        host=f"host-{mid}",
+        store_port=20000 + sum(map(ord, mid)),
+        signature=sig,
+    )
 
 
 def ready(mid: str, step: int = 0, prev_gen: int = 0, prev_rank: int = 0, sig: str = SIG) -> ReadyRecord:
@@ -60,8 +67,15 @@ def ready(mid: str, step: int = 0, prev_gen: int = 0, prev_rank: int = 0, sig: s
 
 
 def gen(number: int, members: Sequence[str], sig: str = SIG, step: int = 0) -> GenerationRecord:
-    return GenerationRecord(number, tuple(members), store_host=f"host-{members[0]}", store_port=1,
-                            signature=sig, committed_step=step, reason="start")
+    return GenerationRecord(
+        number,
+        tuple(members),
+        store_host=f"host-{members[0]}",
+        store_port=1,
+        signature=sig,
+        committed_step=step,
+        reason="start",
+    )
 
 
 def snap(
@@ -77,8 +91,9 @@ def snap(
     sigs = member_sigs or {}
     return Snapshot(
         generation=generation,
-        generation_revision=(generation_revision if generation_revision is not None
-                             else (50 if generation is not None else 0)),
+        generation_revision=(
+            generation_revision if generation_revision is not None else (50 if generation is not None else 0)
+        ),
         members={m: member(m, sigs.get(m, SIG)) for m in alive},
         ready={r.member_id: r for r in ready_recs},
         ready_order={r.member_id: 100 + i for i, r in enumerate(ready_recs)},
@@ -118,9 +133,9 @@ class Case:
     world: WorldConfig = W1
     kind: ActionKind = ActionKind.WAIT
     members: tuple[str, ...] | None = None  # published (or joined) rank order
-    generation: int | None = None           # published (or joined) generation number
+    generation: int | None = None  # published (or joined) generation number
     until: float | None = None
-    reason: str | None = None               # PUBLISH: the record's reason
+    reason: str | None = None  # PUBLISH: the record's reason
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -129,174 +144,430 @@ READY_ABC_G3 = [ready("a", 7, 3, 0), ready("b", 7, 3, 1), ready("c", 7, 3, 2)]
 
 CASES = [
     # -- JOIN ----------------------------------------------------------------------------------
-    Case("join: published generation includes me",
-         snap(gen(4, ["b", "a"]), alive=["a", "b"]), me("a", last_gen=3),
-         kind=ActionKind.JOIN, members=("b", "a"), generation=4),
-    Case("join: a newcomer joins the generation that takes it in",
-         snap(gen(4, ["a", "b", "n"]), alive=["a", "b", "n"]), me("n", last_gen=0),
-         kind=ActionKind.JOIN, members=("a", "b", "n"), generation=4),
-    Case("join wins even if my records are gone (the publisher consumed my ready record)",
-         snap(gen(2, ["a"]), alive=[]), me("a", last_gen=1),
-         kind=ActionKind.JOIN, generation=2),
-    Case("no join: the generation that includes me is the one I am leaving",
-         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=[ready("a", 7, 3, 0)]), me("a", last_gen=3),
-         kind=ActionKind.WAIT),
+    Case(
+        "join: published generation includes me",
+        snap(gen(4, ["b", "a"]), alive=["a", "b"]),
+        me("a", last_gen=3),
+        kind=ActionKind.JOIN,
+        members=("b", "a"),
+        generation=4,
+    ),
+    Case(
+        "join: a newcomer joins the generation that takes it in",
+        snap(gen(4, ["a", "b", "n"]), alive=["a", "b", "n"]),
+        me("n", last_gen=0),
+        kind=ActionKind.JOIN,
+        members=("a", "b", "n"),
+        generation=4,
+    ),
+    Case(
+        "join wins even if my records are gone (the publisher consumed my ready record)",
+        snap(gen(2, ["a"]), alive=[]),
+        me("a", last_gen=1),
+        kind=ActionKind.JOIN,
+        generation=2,
+    ),
+    Case(
+        "no join: the generation that includes me is the one I am leaving",
+        snap(G3_ABC, alive=["a", "b", "c"], ready_recs=[ready("a", 7, 3, 0)]),
+        me("a", last_gen=3),
+        kind=ActionKind.WAIT,
+    ),
     # -- healthy generation: wait for its members to reach a step boundary ----------------------
-    Case("newcomer waits while a healthy generation trains",
-         snap(gen(1, ["a", "b"]), alive=["a", "b", "n"], ready_recs=[ready("n")]), me("n"),
-         window=settled(), kind=ActionKind.WAIT, until=None),
-    Case("newcomer still waits when only some members reached the boundary",
-         snap(gen(1, ["a", "b"]), alive=["a", "b", "n"], ready_recs=[ready("n"), ready("a", 5, 1, 0)]),
-         me("n"), window=settled(), kind=ActionKind.WAIT),
-    Case("an abort of an older generation does not break the current one",
-         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=[ready("a", 7, 3, 0)], aborted=2), me("a", 3),
-         window=settled(), kind=ActionKind.WAIT, until=None),
-    Case("survivors regroup (all members ready, no newcomer)",
-         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3), me("b", 3),
-         kind=ActionKind.PUBLISH, members=("a", "b", "c"), generation=4, reason="regroup"),
-    Case("all members ready plus a newcomer: join window still open",
-         snap(G3_ABC, alive=["a", "b", "c", "n"], ready_recs=[*READY_ABC_G3, ready("n")]), me("a", 3),
-         window=Window(NOW - 5, NOW - 0.1), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.25),
-    Case("all members ready plus a newcomer: window over, newcomer joins last",
-         snap(G3_ABC, alive=["a", "b", "c", "n"], ready_recs=[ready("n"), *READY_ABC_G3]), me("a", 3),
-         window=settled(), kind=ActionKind.PUBLISH, members=("a", "b", "c", "n"), generation=4, reason="join"),
+    Case(
+        "newcomer waits while a healthy generation trains",
+        snap(gen(1, ["a", "b"]), alive=["a", "b", "n"], ready_recs=[ready("n")]),
+        me("n"),
+        window=settled(),
+        kind=ActionKind.WAIT,
+        until=None,
+    ),
+    Case(
+        "newcomer still waits when only some members reached the boundary",
+        snap(gen(1, ["a", "b"]), alive=["a", "b", "n"], ready_recs=[ready("n"), ready("a", 5, 1, 0)]),
+        me("n"),
+        window=settled(),
+        kind=ActionKind.WAIT,
+    ),
+    Case(
+        "an abort of an older generation does not break the current one",
+        snap(G3_ABC, alive=["a", "b", "c"], ready_recs=[ready("a", 7, 3, 0)], aborted=2),
+        me("a", 3),
+        window=settled(),
+        kind=ActionKind.WAIT,
+        until=None,
+    ),
+    Case(
+        "survivors regroup (all members ready, no newcomer)",
+        snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3),
+        me("b", 3),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b", "c"),
+        generation=4,
+        reason="regroup",
+    ),
+    Case(
+        "all members ready plus a newcomer: join window still open",
+        snap(G3_ABC, alive=["a", "b", "c", "n"], ready_recs=[*READY_ABC_G3, ready("n")]),
+        me("a", 3),
+        window=Window(NOW - 5, NOW - 0.1),
+        kind=ActionKind.WAIT,
+        until=NOW - 0.1 + 0.25,
+    ),
+    Case(
+        "all members ready plus a newcomer: window over, newcomer joins last",
+        snap(G3_ABC, alive=["a", "b", "c", "n"], ready_recs=[ready("n"), *READY_ABC_G3]),
+        me("a", 3),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b", "c", "n"),
+        generation=4,
+        reason="join",
+    ),
     # -- broken generation: last call, then publish without the missing -------------------------
-    Case("aborted: wait for members that have not come (last call)",
-         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3[:2], aborted=3), me("a", 3),
-         window=Window(NOW - 0.1, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
-    Case("aborted: after last call, publish without the missing member",
-         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3[:2], aborted=3), me("a", 3),
-         window=Window(NOW - 0.31, NOW - 10), kind=ActionKind.PUBLISH, members=("a", "b"), generation=4,
-         reason="aborted"),
-    Case("aborted and everyone came: no last call",
-         snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3, aborted=3), me("a", 3),
-         window=FRESH, kind=ActionKind.PUBLISH, members=("a", "b", "c"), generation=4, reason="aborted"),
-    Case("lost lease: the dead member is not waited for",
-         snap(G3_ABC, alive=["a", "b"], ready_recs=READY_ABC_G3[:2]), me("b", 3),
-         window=FRESH, kind=ActionKind.PUBLISH, members=("a", "b"), generation=4, reason="member_lost"),
-    Case("lost lease: a live member that has not come gets a last call",
-         snap(G3_ABC, alive=["a", "b"], ready_recs=[READY_ABC_G3[1]]), me("b", 3),
-         window=Window(NOW - 0.29, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.29 + 0.3),
-    Case("lost lease: after last call, publish without dead and missing",
-         snap(G3_ABC, alive=["a", "b"], ready_recs=[READY_ABC_G3[1]]), me("b", 3),
-         window=Window(NOW - 0.31, NOW - 10), kind=ActionKind.PUBLISH, members=("b",), generation=4,
-         reason="member_lost"),
-    Case("lost lease: a newcomer also waits through last call",
-         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]), me("n"),
-         window=Window(NOW - 0.1, NOW - 10), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
+    Case(
+        "aborted: wait for members that have not come (last call)",
+        snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3[:2], aborted=3),
+        me("a", 3),
+        window=Window(NOW - 0.1, NOW - 10),
+        kind=ActionKind.WAIT,
+        until=NOW - 0.1 + 0.3,
+    ),
+    Case(
+        "aborted: after last call, publish without the missing member",
+        snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3[:2], aborted=3),
+        me("a", 3),
+        window=Window(NOW - 0.31, NOW - 10),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b"),
+        generation=4,
+        reason="aborted",
+    ),
+    Case(
+        "aborted and everyone came: no last call",
+        snap(G3_ABC, alive=["a", "b", "c"], ready_recs=READY_ABC_G3, aborted=3),
+        me("a", 3),
+        window=FRESH,
+        kind=ActionKind.PUBLISH,
+        members=("a", "b", "c"),
+        generation=4,
+        reason="aborted",
+    ),
+    Case(
+        "lost lease: the dead member is not waited for",
+        snap(G3_ABC, alive=["a", "b"], ready_recs=READY_ABC_G3[:2]),
+        me("b", 3),
+        window=FRESH,
+        kind=ActionKind.PUBLISH,
+        members=("a", "b"),
+        generation=4,
+        reason="member_lost",
+    ),
+    Case(
+        "lost lease: a live member that has not come gets a last call",
+        snap(G3_ABC, alive=["a", "b"], ready_recs=[READY_ABC_G3[1]]),
+        me("b", 3),
+        window=Window(NOW - 0.29, NOW - 10),
+        kind=ActionKind.WAIT,
+        until=NOW - 0.29 + 0.3,
+    ),
+    Case(
+        "lost lease: after last call, publish without dead and missing",
+        snap(G3_ABC, alive=["a", "b"], ready_recs=[READY_ABC_G3[1]]),
+        me("b", 3),
+        window=Window(NOW - 0.31, NOW - 10),
+        kind=ActionKind.PUBLISH,
+        members=("b",),
+        generation=4,
+        reason="member_lost",
+    ),
+    Case(
+        "lost lease: a newcomer also waits through last call",
+        snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]),
+        me("n"),
+        window=Window(NOW - 0.1, NOW - 10),
+        kind=ActionKind.WAIT,
+        until=NOW - 0.1 + 0.3,
+    ),
     # A newcomer waiting for long must not publish a generation of itself alone when a member's
     # lease expires (it would train from step 0 while the survivors hold their newer step).
-    Case("lost lease: a lone newcomer waits for the live members, who hold the state",
-         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[ready("n")]), me("n"),
-         window=settled(), kind=ActionKind.WAIT),
-    Case("lost lease: the last call runs from when the newcomer saw the break, not from its arrival",
-         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]), me("n"),
-         window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.1), kind=ActionKind.WAIT, until=NOW - 0.1 + 0.3),
-    Case("lost lease: after that last call, a survivor and the newcomer go on",
-         snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n", -1)]), me("n"),
-         window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.31), kind=ActionKind.PUBLISH, members=("a", "n"),
-         generation=4, reason="member_lost"),
+    Case(
+        "lost lease: a lone newcomer waits for the live members, who hold the state",
+        snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[ready("n")]),
+        me("n"),
+        window=settled(),
+        kind=ActionKind.WAIT,
+    ),
+    Case(
+        "lost lease: the last call runs from when the newcomer saw the break, not from its arrival",
+        snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n")]),
+        me("n"),
+        window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.1),
+        kind=ActionKind.WAIT,
+        until=NOW - 0.1 + 0.3,
+    ),
+    Case(
+        "lost lease: after that last call, a survivor and the newcomer go on",
+        snap(G3_ABC, alive=["a", "b", "n"], ready_recs=[READY_ABC_G3[0], ready("n", -1)]),
+        me("n"),
+        window=Window(NOW - 60, NOW - 60, broken_at=NOW - 0.31),
+        kind=ActionKind.PUBLISH,
+        members=("a", "n"),
+        generation=4,
+        reason="member_lost",
+    ),
     # A generation of the one member holding step 2511 and three that
     # joined generations never built (they hold nothing); with the holder late, a deputy published
     # the three alone, from step 0, and the job started over. Members of a generation hold its
     # state only from the step it began at.
-    Case("never built: its members that hold nothing wait for the live one that holds the state",
-         snap(gen(56, ["h", "x", "y"], step=2511), alive=["h", "x", "y"],
-              ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)], aborted=56), me("x", 56),
-         window=settled(), kind=ActionKind.WAIT),
-    Case("never built: with the holder gone as well, the state is lost",
-         snap(gen(56, ["h", "x", "y"], step=2511), alive=["x", "y"],
-              ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)]), me("x", 56),
-         window=settled(), kind=ActionKind.STATE_LOST),
-    Case("never built: the holder came, it leads the next generation",
-         snap(gen(56, ["h", "x", "y"], step=2511), alive=["h", "x", "y"],
-              ready_recs=[ready("h", 2511, 56, 0), ready("x", 0, 56, 1), ready("y", -1, 56, 2)]), me("x", 56),
-         window=settled(), kind=ActionKind.PUBLISH, members=("h", "x", "y"), generation=57),
+    Case(
+        "never built: its members that hold nothing wait for the live one that holds the state",
+        snap(
+            gen(56, ["h", "x", "y"], step=2511),
+            alive=["h", "x", "y"],
+            ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)],
+            aborted=56,
+        ),
+        me("x", 56),
+        window=settled(),
+        kind=ActionKind.WAIT,
+    ),
+    Case(
+        "never built: with the holder gone as well, the state is lost",
+        snap(
+            gen(56, ["h", "x", "y"], step=2511),
+            alive=["x", "y"],
+            ready_recs=[ready("x", 0, 56, 1), ready("y", -1, 56, 2)],
+        ),
+        me("x", 56),
+        window=settled(),
+        kind=ActionKind.STATE_LOST,
+    ),
+    Case(
+        "never built: the holder came, it leads the next generation",
+        snap(
+            gen(56, ["h", "x", "y"], step=2511),
+            alive=["h", "x", "y"],
+            ready_recs=[ready("h", 2511, 56, 0), ready("x", 0, 56, 1), ready("y", -1, 56, 2)],
+        ),
+        me("x", 56),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("h", "x", "y"),
+        generation=57,
+    ),
     # -- first generation, join window, min/max workers -----------------------------------------
-    Case("start: join window open after the last arrival",
-         snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]), me("a"),
-         window=Window(NOW - 5, NOW - 0.2), kind=ActionKind.WAIT, until=NOW - 0.2 + 0.25),
-    Case("start: join window closed, publish generation 1 in arrival order",
-         snap(None, alive=["a", "b"], ready_recs=[ready("b"), ready("a")]), me("a"),
-         window=Window(NOW - 5, NOW - 0.26), kind=ActionKind.PUBLISH, members=("b", "a"), generation=1,
-         reason="start"),
-    Case("start: at max_workers the join window is skipped",
-         snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]), me("a"),
-         world=WorldConfig(min_workers=1, max_workers=2), kind=ActionKind.PUBLISH, members=("a", "b"),
-         generation=1),
-    Case("min_workers: not enough ready",
-         snap(None, alive=["a", "b", "c"], ready_recs=[ready("a"), ready("b")]), me("a"),
-         window=settled(), world=WorldConfig(min_workers=3, max_workers=8), kind=ActionKind.WAIT),
-    Case("min_workers: reached",
-         snap(None, alive=["a", "b", "c"], ready_recs=[ready("a"), ready("b"), ready("c")]), me("a"),
-         window=settled(), world=WorldConfig(min_workers=3, max_workers=8), kind=ActionKind.PUBLISH,
-         members=("a", "b", "c")),
-    Case("min_workers: a ready record whose lease is gone does not count",
-         snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b"), ready("ghost")]), me("a"),
-         window=settled(), world=WorldConfig(min_workers=3, max_workers=8), kind=ActionKind.WAIT),
-    Case("min_workers: broken generation below minimum waits even after last call",
-         snap(G3_ABC, alive=["a"], ready_recs=[READY_ABC_G3[0]]), me("a", 3),
-         window=settled(), world=WorldConfig(min_workers=2, max_workers=8), kind=ActionKind.WAIT),
-    Case("max_workers: truncated to the first ranks, arrival order",
-         snap(None, alive=list("abcde"), ready_recs=[ready(x) for x in "cabed"]), me("a"),
-         window=settled(), world=WorldConfig(min_workers=1, max_workers=3), kind=ActionKind.PUBLISH,
-         members=("c", "a", "b"), generation=1),
-    Case("max_workers: survivors are kept over newcomers",
-         snap(gen(2, ["a", "b"]), alive=["a", "b", "x", "y"],
-              ready_recs=[ready("x"), ready("b", 9, 2, 1), ready("y"), ready("a", 9, 2, 0)]),
-         me("x"), window=settled(), world=WorldConfig(min_workers=1, max_workers=3),
-         kind=ActionKind.PUBLISH, members=("a", "b", "x"), generation=3, reason="join"),
+    Case(
+        "start: join window open after the last arrival",
+        snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]),
+        me("a"),
+        window=Window(NOW - 5, NOW - 0.2),
+        kind=ActionKind.WAIT,
+        until=NOW - 0.2 + 0.25,
+    ),
+    Case(
+        "start: join window closed, publish generation 1 in arrival order",
+        snap(None, alive=["a", "b"], ready_recs=[ready("b"), ready("a")]),
+        me("a"),
+        window=Window(NOW - 5, NOW - 0.26),
+        kind=ActionKind.PUBLISH,
+        members=("b", "a"),
+        generation=1,
+        reason="start",
+    ),
+    Case(
+        "start: at max_workers the join window is skipped",
+        snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b")]),
+        me("a"),
+        world=WorldConfig(min_workers=1, max_workers=2),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b"),
+        generation=1,
+    ),
+    Case(
+        "min_workers: not enough ready",
+        snap(None, alive=["a", "b", "c"], ready_recs=[ready("a"), ready("b")]),
+        me("a"),
+        window=settled(),
+        world=WorldConfig(min_workers=3, max_workers=8),
+        kind=ActionKind.WAIT,
+    ),
+    Case(
+        "min_workers: reached",
+        snap(None, alive=["a", "b", "c"], ready_recs=[ready("a"), ready("b"), ready("c")]),
+        me("a"),
+        window=settled(),
+        world=WorldConfig(min_workers=3, max_workers=8),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b", "c"),
+    ),
+    Case(
+        "min_workers: a ready record whose lease is gone does not count",
+        snap(None, alive=["a", "b"], ready_recs=[ready("a"), ready("b"), ready("ghost")]),
+        me("a"),
+        window=settled(),
+        world=WorldConfig(min_workers=3, max_workers=8),
+        kind=ActionKind.WAIT,
+    ),
+    Case(
+        "min_workers: broken generation below minimum waits even after last call",
+        snap(G3_ABC, alive=["a"], ready_recs=[READY_ABC_G3[0]]),
+        me("a", 3),
+        window=settled(),
+        world=WorldConfig(min_workers=2, max_workers=8),
+        kind=ActionKind.WAIT,
+    ),
+    Case(
+        "max_workers: truncated to the first ranks, arrival order",
+        snap(None, alive=list("abcde"), ready_recs=[ready(x) for x in "cabed"]),
+        me("a"),
+        window=settled(),
+        world=WorldConfig(min_workers=1, max_workers=3),
+        kind=ActionKind.PUBLISH,
+        members=("c", "a", "b"),
+        generation=1,
+    ),
+    Case(
+        "max_workers: survivors are kept over newcomers",
+        snap(
+            gen(2, ["a", "b"]),
+            alive=["a", "b", "x", "y"],
+            ready_recs=[ready("x"), ready("b", 9, 2, 1), ready("y"), ready("a", 9, 2, 0)],
+        ),
+        me("x"),
+        window=settled(),
+        world=WorldConfig(min_workers=1, max_workers=3),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b", "x"),
+        generation=3,
+        reason="join",
+    ),
     # -- rank order -----------------------------------------------------------------------------
-    Case("rank order: survivors keep their old ranks, newcomers follow by arrival",
-         snap(gen(5, ["c", "a", "b"]), alive=["a", "b", "c", "y", "x"],
-              ready_recs=[ready("a", 4, 5, 1), ready("y"), ready("b", 4, 5, 2), ready("x"),
-                          ready("c", 4, 5, 0)], aborted=5),
-         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("c", "a", "b", "y", "x"),
-         generation=6, reason="aborted"),
-    Case("rank order: the newest committed step is rank 0",
-         snap(gen(5, ["c", "a", "b"]), alive=["a", "b", "c"],
-              ready_recs=[ready("a", 4, 5, 1), ready("b", 5, 5, 2), ready("c", 4, 5, 0)], aborted=5),
-         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("b", "c", "a"), generation=6),
-    Case("rank order: a newcomer holding a newer step (restored checkpoint) is rank 0",
-         snap(gen(5, ["a", "b"]), alive=["a", "b", "n"],
-              ready_recs=[ready("a", 4, 5, 0), ready("n", 8), ready("b", 4, 5, 1)]),
-         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("n", "a", "b"), generation=6),
-    Case("rank order: a newcomer's rank in an older generation means nothing",
-         snap(gen(5, ["a", "b"]), alive=["a", "b", "x", "y"],
-              ready_recs=[ready("x", 4, 2, 9), ready("y", 4, 2, 0), ready("b", 4, 5, 1), ready("a", 4, 5, 0)],
-              aborted=5),
-         me("a", 5), window=settled(), kind=ActionKind.PUBLISH, members=("a", "b", "x", "y"), generation=6),
+    Case(
+        "rank order: survivors keep their old ranks, newcomers follow by arrival",
+        snap(
+            gen(5, ["c", "a", "b"]),
+            alive=["a", "b", "c", "y", "x"],
+            ready_recs=[ready("a", 4, 5, 1), ready("y"), ready("b", 4, 5, 2), ready("x"), ready("c", 4, 5, 0)],
+            aborted=5,
+        ),
+        me("a", 5),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("c", "a", "b", "y", "x"),
+        generation=6,
+        reason="aborted",
+    ),
+    Case(
+        "rank order: the newest committed step is rank 0",
+        snap(
+            gen(5, ["c", "a", "b"]),
+            alive=["a", "b", "c"],
+            ready_recs=[ready("a", 4, 5, 1), ready("b", 5, 5, 2), ready("c", 4, 5, 0)],
+            aborted=5,
+        ),
+        me("a", 5),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("b", "c", "a"),
+        generation=6,
+    ),
+    Case(
+        "rank order: a newcomer holding a newer step (restored checkpoint) is rank 0",
+        snap(
+            gen(5, ["a", "b"]),
+            alive=["a", "b", "n"],
+            ready_recs=[ready("a", 4, 5, 0), ready("n", 8), ready("b", 4, 5, 1)],
+        ),
+        me("a", 5),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("n", "a", "b"),
+        generation=6,
+    ),
+    Case(
+        "rank order: a newcomer's rank in an older generation means nothing",
+        snap(
+            gen(5, ["a", "b"]),
+            alive=["a", "b", "x", "y"],
+            ready_recs=[ready("x", 4, 2, 9), ready("y", 4, 2, 0), ready("b", 4, 5, 1), ready("a", 4, 5, 0)],
+            aborted=5,
+        ),
+        me("a", 5),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b", "x", "y"),
+        generation=6,
+    ),
     # -- model signature ------------------------------------------------------------------------
-    Case("model mismatch with the published generation fails",
-         snap(gen(1, ["a"]), alive=["a", "n"], ready_recs=[ready("n", sig=OTHER_SIG)],
-              member_sigs={"n": OTHER_SIG}), me("n", sig=OTHER_SIG), kind=ActionKind.FAIL),
-    Case("model mismatch with the first arrival fails (no generation yet)",
-         snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n", sig=OTHER_SIG)],
-              member_sigs={"n": OTHER_SIG}), me("n", sig=OTHER_SIG), kind=ActionKind.FAIL),
-    Case("a mismatched member is never chosen",
-         snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n", sig=OTHER_SIG)],
-              member_sigs={"n": OTHER_SIG}), me("a"), window=settled(), kind=ActionKind.PUBLISH,
-         members=("a",), generation=1),
+    Case(
+        "model mismatch with the published generation fails",
+        snap(gen(1, ["a"]), alive=["a", "n"], ready_recs=[ready("n", sig=OTHER_SIG)], member_sigs={"n": OTHER_SIG}),
+        me("n", sig=OTHER_SIG),
+        kind=ActionKind.FAIL,
+    ),
+    Case(
+        "model mismatch with the first arrival fails (no generation yet)",
+        snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n", sig=OTHER_SIG)], member_sigs={"n": OTHER_SIG}),
+        me("n", sig=OTHER_SIG),
+        kind=ActionKind.FAIL,
+    ),
+    Case(
+        "a mismatched member is never chosen",
+        snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n", sig=OTHER_SIG)], member_sigs={"n": OTHER_SIG}),
+        me("a"),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("a",),
+        generation=1,
+    ),
     # -- reregister -----------------------------------------------------------------------------
-    Case("my member record is gone: reregister",
-         snap(None, alive=["b"], ready_recs=[ready("a"), ready("b")]), me("a"), kind=ActionKind.REREGISTER),
-    Case("my ready record is gone: reregister",
-         snap(None, alive=["a", "b"], ready_recs=[ready("b")]), me("a"), kind=ActionKind.REREGISTER),
-    Case("reregister comes before the signature check",
-         snap(gen(1, ["b"]), alive=["b"]), me("a", sig=OTHER_SIG), kind=ActionKind.REREGISTER),
+    Case(
+        "my member record is gone: reregister",
+        snap(None, alive=["b"], ready_recs=[ready("a"), ready("b")]),
+        me("a"),
+        kind=ActionKind.REREGISTER,
+    ),
+    Case(
+        "my ready record is gone: reregister",
+        snap(None, alive=["a", "b"], ready_recs=[ready("b")]),
+        me("a"),
+        kind=ActionKind.REREGISTER,
+    ),
+    Case(
+        "reregister comes before the signature check",
+        snap(gen(1, ["b"]), alive=["b"]),
+        me("a", sig=OTHER_SIG),
+        kind=ActionKind.REREGISTER,
+    ),
     # -- generation numbers ---------------------------------------------------------------------
-    Case("generation number: past an abort record of a later generation",
-         snap(gen(7, ["a", "b"]), alive=["a", "b"], ready_recs=[ready("a", 1, 7, 0), ready("b", 1, 7, 1)],
-              aborted=9),
-         me("a", 7), window=settled(), kind=ActionKind.PUBLISH, generation=10, reason="aborted"),
-    Case("generation number: past a malformed generation record (known from ready records)",
-         snap(None, alive=["a", "b"], ready_recs=[ready("a", 3, 6, 0), ready("b", 3, 6, 1)],
-              generation_revision=77),
-         me("a", 6), window=settled(), kind=ActionKind.PUBLISH, members=("a", "b"), generation=7,
-         extra={"expected_revision": 77}),
-    Case("generation number: past the newest generation any ready member was in",
-         snap(gen(2, ["a"]), alive=["a", "n"], ready_recs=[ready("a", 3, 2, 0), ready("n", 0, 11, 0)]),
-         me("a", 2), window=settled(), kind=ActionKind.PUBLISH, generation=12),
+    Case(
+        "generation number: past an abort record of a later generation",
+        snap(gen(7, ["a", "b"]), alive=["a", "b"], ready_recs=[ready("a", 1, 7, 0), ready("b", 1, 7, 1)], aborted=9),
+        me("a", 7),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        generation=10,
+        reason="aborted",
+    ),
+    Case(
+        "generation number: past a malformed generation record (known from ready records)",
+        snap(None, alive=["a", "b"], ready_recs=[ready("a", 3, 6, 0), ready("b", 3, 6, 1)], generation_revision=77),
+        me("a", 6),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        members=("a", "b"),
+        generation=7,
+        extra={"expected_revision": 77},
+    ),
+    Case(
+        "generation number: past the newest generation any ready member was in",
+        snap(gen(2, ["a"]), alive=["a", "n"], ready_recs=[ready("a", 3, 2, 0), ready("n", 0, 11, 0)]),
+        me("a", 2),
+        window=settled(),
+        kind=ActionKind.PUBLISH,
+        generation=12,
+    ),
 ]
 
 
@@ -326,8 +597,9 @@ def test_next_action(case: Case) -> None:
 
 
 def test_publish_record_describes_rank0_and_the_job() -> None:
-    s = snap(gen(5, ["c", "a"], step=3), alive=["a", "c"],
-             ready_recs=[ready("a", 4, 5, 1), ready("c", 3, 5, 0)], aborted=5)
+    s = snap(
+        gen(5, ["c", "a"], step=3), alive=["a", "c"], ready_recs=[ready("a", 4, 5, 1), ready("c", 3, 5, 0)], aborted=5
+    )
     action = decide(s, me("c", 5), window=settled())
     assert action.kind is ActionKind.PUBLISH
     rec = action.record
@@ -353,11 +625,22 @@ def test_every_publish_is_consistent_and_newer_than_anything_seen() -> None:
         for m in rng.sample(ids, len(ids)):
             if rng.random() < 0.7:
                 in_g = g is not None and m in g.members and rng.random() < 0.7
-                recs.append(ready(m, rng.randint(-1, 9), g.generation if in_g and g else rng.randint(0, 25),
-                                  g.members.index(m) if in_g and g else 0,
-                                  SIG if rng.random() < 0.9 else OTHER_SIG))
-        s = snap(g, alive=alive, ready_recs=recs, aborted=rng.choice([0, 0, rng.randint(1, 30)]),
-                 generation_revision=rng.choice([0, 3, 99]) if g is None else 42)
+                recs.append(
+                    ready(
+                        m,
+                        rng.randint(-1, 9),
+                        g.generation if in_g and g else rng.randint(0, 25),
+                        g.members.index(m) if in_g and g else 0,
+                        SIG if rng.random() < 0.9 else OTHER_SIG,
+                    )
+                )
+        s = snap(
+            g,
+            alive=alive,
+            ready_recs=recs,
+            aborted=rng.choice([0, 0, rng.randint(1, 30)]),
+            generation_revision=rng.choice([0, 3, 99]) if g is None else 42,
+        )
         mid = rng.choice(ids)
         m = me(mid, last_gen=s.ready[mid].prev_generation if mid in s.ready else rng.randint(0, 20))
         world = WorldConfig(min_workers=rng.randint(1, 3), max_workers=rng.randint(3, 6))
@@ -498,7 +781,9 @@ def test_parse_snapshot_malformed_generation(what: str, value: bytes) -> None:
     assert len(s.malformed) == 1 and s.malformed[0].startswith(KEYS.generation + ": ")
     # written before it (rev 45, 46): who it consumed is unknown, so every older record is spent
     assert set(s.members) == {"a", "b"} and set(s.ready) == set()
-    later = parse_snapshot(KEYS, [r for r in records if r.key != KEYS.generation] + [kv(KEYS.generation, value, rev=46)])
+    later = parse_snapshot(
+        KEYS, [r for r in records if r.key != KEYS.generation] + [kv(KEYS.generation, value, rev=46)]
+    )
     assert set(later.ready) == {"a"}  # b (rev 45) is older than it, a (rev 46) not
 
 
@@ -529,15 +814,19 @@ def _kv(key: str, record: object, rev: int, create: int | None = None) -> KeyVal
     return KeyValue(key, json.dumps(asdict(record)).encode(), rev, create if create is not None else rev)  # type: ignore[call-overload]
 
 
-@pytest.mark.parametrize(("gen_rev", "ready_revs", "left"), [
-    (10, {"a": 5, "b": 6, "c": 17}, ["c"]),          # a, b in the generation, written before it: consumed
-    (10, {"a": 11, "b": 6, "c": 7}, ["a"]),          # a came back to the rendezvous after it: fresh
-    (10, {"c": 12}, ["c"]),                          # a newcomer's record stays
-    (10, {"a": 5, "c": 7}, []),                      # c left out, written before: stale (dead, or it writes anew)
-    (0, {"a": 5, "b": 6}, ["a", "b"]),               # no generation yet: nothing consumed
-])
+@pytest.mark.parametrize(
+    ("gen_rev", "ready_revs", "left"),
+    [
+        (10, {"a": 5, "b": 6, "c": 17}, ["c"]),  # a, b in the generation, written before it: consumed
+        (10, {"a": 11, "b": 6, "c": 7}, ["a"]),  # a came back to the rendezvous after it: fresh
+        (10, {"c": 12}, ["c"]),  # a newcomer's record stays
+        (10, {"a": 5, "c": 7}, []),  # c left out, written before: stale (dead, or it writes anew)
+        (0, {"a": 5, "b": 6}, ["a", "b"]),  # no generation yet: nothing consumed
+    ],
+)
 def test_ready_records_written_before_the_generation_record_are_consumed(
-        gen_rev: int, ready_revs: dict[str, int], left: list[str]) -> None:
+    gen_rev: int, ready_revs: dict[str, int], left: list[str]
+) -> None:
     keys = Keys("/elasticd", "job")
     kvs = [_kv(keys.member(m), member(m), 1) for m in ("a", "b", "c")]
     kvs += [_kv(keys.ready(m), ready(m), r) for m, r in ready_revs.items()]
@@ -559,38 +848,84 @@ G2_AB = gen(2, ["a", "b"])
 
 def _with_spare(s: Snapshot, mid: str) -> Snapshot:
     return replace(s, members={**s.members, mid: replace(s.members[mid], spare=1)})
+
+
 W4 = WorldConfig(min_workers=1, max_workers=4)
 
 
-@pytest.mark.parametrize(("name", "s", "window", "world", "closes"), [
-    ("a newcomer arrived 0.1 s ago: open until 0.25 s after it",
-     snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), Window(NOW - 0.1, NOW - 0.1), W4, NOW + 0.15),
-    ("a second newcomer 0.05 s ago extends it",
-     snap(G2_AB, alive=["a", "b", "n", "m"], ready_recs=[ready("n"), ready("m")]), Window(NOW - 0.3, NOW - 0.05),
-     WorldConfig(min_workers=1, max_workers=8), NOW + 0.2),
-    ("over", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), Window(NOW - 0.3, NOW - 0.3), W4, None),
-    ("cut short: taking the newcomers in brings the generation to max_workers",
-     snap(G2_AB, alive=["a", "b", "n", "m"], ready_recs=[ready("n"), ready("m")]), Window(NOW - 0.1, NOW - 0.1),
-     W4, None),
-    ("nobody new waits (members regroup)",
-     snap(G2_AB, alive=["a", "b"], ready_recs=[ready("a", 3, 2, 0)]), Window(NOW - 0.1, NOW - 0.1), W4, None),
-    ("a standby beyond max_workers is no newcomer to admit",
-     snap(gen(2, ["a", "b", "c", "d"]), alive=["a", "b", "c", "d", "n"], ready_recs=[ready("n")]),
-     Window(NOW - 0.1, NOW - 0.1), W4, None),
-    ("no generation yet: the first one's join window is publish_decision's",
-     snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n")]), Window(NOW - 0.1, NOW - 0.1), W4, None),
-    ("no window", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), None, W4, None),
-    ("a broken generation is left at once: no window", snap(G2_AB, alive=["a", "n"], ready_recs=[ready("n")]),
-     Window(NOW - 0.1, NOW - 0.1), W4, None),
-    ("a spare alone: no join window (publish_decision waits none for spares)",
-     _with_spare(snap(G2_AB, alive=["a", "b", "s"], ready_recs=[ready("s")]), "s"), Window(NOW - 0.1, NOW - 0.1),
-     W4, None),
-    ("a newcomer and a spare bring it to max_workers: cut short",
-     _with_spare(snap(G2_AB, alive=["a", "b", "n", "s"], ready_recs=[ready("n"), ready("s")]), "s"),
-     Window(NOW - 0.1, NOW - 0.1), W4, None),
-])
-def test_join_window_closes_at(name: str, s: Snapshot, window: Window | None, world: WorldConfig,
-                               closes: float | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "s", "window", "world", "closes"),
+    [
+        (
+            "a newcomer arrived 0.1 s ago: open until 0.25 s after it",
+            snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            NOW + 0.15,
+        ),
+        (
+            "a second newcomer 0.05 s ago extends it",
+            snap(G2_AB, alive=["a", "b", "n", "m"], ready_recs=[ready("n"), ready("m")]),
+            Window(NOW - 0.3, NOW - 0.05),
+            WorldConfig(min_workers=1, max_workers=8),
+            NOW + 0.2,
+        ),
+        ("over", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), Window(NOW - 0.3, NOW - 0.3), W4, None),
+        (
+            "cut short: taking the newcomers in brings the generation to max_workers",
+            snap(G2_AB, alive=["a", "b", "n", "m"], ready_recs=[ready("n"), ready("m")]),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+        (
+            "nobody new waits (members regroup)",
+            snap(G2_AB, alive=["a", "b"], ready_recs=[ready("a", 3, 2, 0)]),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+        (
+            "a standby beyond max_workers is no newcomer to admit",
+            snap(gen(2, ["a", "b", "c", "d"]), alive=["a", "b", "c", "d", "n"], ready_recs=[ready("n")]),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+        (
+            "no generation yet: the first one's join window is publish_decision's",
+            snap(None, alive=["a", "n"], ready_recs=[ready("a"), ready("n")]),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+        ("no window", snap(G2_AB, alive=["a", "b", "n"], ready_recs=[ready("n")]), None, W4, None),
+        (
+            "a broken generation is left at once: no window",
+            snap(G2_AB, alive=["a", "n"], ready_recs=[ready("n")]),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+        (
+            "a spare alone: no join window (publish_decision waits none for spares)",
+            _with_spare(snap(G2_AB, alive=["a", "b", "s"], ready_recs=[ready("s")]), "s"),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+        (
+            "a newcomer and a spare bring it to max_workers: cut short",
+            _with_spare(snap(G2_AB, alive=["a", "b", "n", "s"], ready_recs=[ready("n"), ready("s")]), "s"),
+            Window(NOW - 0.1, NOW - 0.1),
+            W4,
+            None,
+        ),
+    ],
+)
+def test_join_window_closes_at(
+    name: str, s: Snapshot, window: Window | None, world: WorldConfig, closes: float | None
+) -> None:
     got = join_window_closes_at(s, window, NOW, world, T)
     assert got == (pytest.approx(closes) if closes is not None else None), name
 
@@ -626,12 +961,20 @@ def test_the_probe_alone_never_takes_out_the_last_member_that_holds_the_state() 
     assert sorted(without_gone(synced, {"h"}).members) == ["x", "y"]
 
 
-@pytest.mark.parametrize(("name", "alive", "gone", "left"), [
-    ("a gone member is left out", ["a", "b", "n"], {"b"}, ["a", "n"]),
-    ("nothing gone", ["a", "b", "n"], set(), ["a", "b", "n"]),
-    ("never every live member of the generation: their leases decide", ["a", "b", "n"], {"a", "b"}, ["a", "b", "n"]),
-    ("a dead one already without a record", ["a", "n"], {"a"}, ["a", "n"]),
-])
+@pytest.mark.parametrize(
+    ("name", "alive", "gone", "left"),
+    [
+        ("a gone member is left out", ["a", "b", "n"], {"b"}, ["a", "n"]),
+        ("nothing gone", ["a", "b", "n"], set(), ["a", "b", "n"]),
+        (
+            "never every live member of the generation: their leases decide",
+            ["a", "b", "n"],
+            {"a", "b"},
+            ["a", "b", "n"],
+        ),
+        ("a dead one already without a record", ["a", "n"], {"a"}, ["a", "n"]),
+    ],
+)
 def test_without_gone(name: str, alive: list[str], gone: set[str], left: list[str]) -> None:
     s = snap(G2_AB, alive=alive, ready_recs=[ready("n")])
     assert sorted(without_gone(s, gone).members) == left, name

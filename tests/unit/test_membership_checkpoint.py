@@ -23,8 +23,9 @@ from tests.unit.test_membership import KEYS, NOW, decide, gen, me, ready, settle
 
 pytestmark = pytest.mark.timeout(60)
 
-CK = CheckpointRecord(step=40, path="/ckpt/job/00000004-step000000000040.ckpt", node="node-a", generation=3,
-                      seq=4, bytes=1000, time=1.5)
+CK = CheckpointRecord(
+    step=40, path="/ckpt/job/00000004-step000000000040.ckpt", node="node-a", generation=3, seq=4, bytes=1000, time=1.5
+)
 
 
 HOLD_S = 60.0  # resume_hold_s's default (test_resume_hold.py checks it)
@@ -36,26 +37,40 @@ def with_ck(s: Snapshot, ck: CheckpointRecord | None = CK, committed: int = -1) 
     return dataclasses.replace(s, checkpoint=ck, committed_step=committed)
 
 
-@pytest.mark.parametrize("name, s, held, want", [
-    ("fresh job, nothing in etcd: look on disk", snap(None), -1, True),
-    ("fresh job, holding state already", snap(None), 5, False),
-    ("live generation: its members hold the state", with_ck(snap(gen(3, ["a"], step=50), alive=["a"])), -1, False),
-    ("every member gone, nothing held", with_ck(snap(gen(3, ["a", "b"], step=50))), -1, True),
-    ("every member gone, holding an older step than the checkpoint",
-     with_ck(snap(gen(3, ["a"], step=30))), 30, True),
-    ("every member gone, holding the newest step", with_ck(snap(gen(3, ["a"], step=30)), committed=41), 41, False),
-    ("every member gone, committed record newer than held", with_ck(snap(gen(3, ["a"], step=30)), None, 60), 50,
-     True),
-    ("finished job", dataclasses.replace(snap(gen(3, ["a"], step=50)), finished=FinishedRecord(3, 50)), -1, False),
-])
+@pytest.mark.parametrize(
+    "name, s, held, want",
+    [
+        ("fresh job, nothing in etcd: look on disk", snap(None), -1, True),
+        ("fresh job, holding state already", snap(None), 5, False),
+        ("live generation: its members hold the state", with_ck(snap(gen(3, ["a"], step=50), alive=["a"])), -1, False),
+        ("every member gone, nothing held", with_ck(snap(gen(3, ["a", "b"], step=50))), -1, True),
+        (
+            "every member gone, holding an older step than the checkpoint",
+            with_ck(snap(gen(3, ["a"], step=30))),
+            30,
+            True,
+        ),
+        ("every member gone, holding the newest step", with_ck(snap(gen(3, ["a"], step=30)), committed=41), 41, False),
+        (
+            "every member gone, committed record newer than held",
+            with_ck(snap(gen(3, ["a"], step=30)), None, 60),
+            50,
+            True,
+        ),
+        ("finished job", dataclasses.replace(snap(gen(3, ["a"], step=50)), finished=FinishedRecord(3, 50)), -1, False),
+    ],
+)
 def test_should_load_checkpoint(name: str, s: Snapshot, held: int, want: bool) -> None:
     assert should_load_checkpoint(s, held) is want
 
 
 def _dead_job(ck: CheckpointRecord | None, ready_steps: dict[str, int]) -> Snapshot:
     """Generation 3 of members x, y (all gone), which reached step 55; newcomers wait."""
-    s = snap(gen(3, ["x", "y"], step=50), alive=list(ready_steps),
-             ready_recs=[ready(m, step) for m, step in ready_steps.items()])
+    s = snap(
+        gen(3, ["x", "y"], step=50),
+        alive=list(ready_steps),
+        ready_recs=[ready(m, step) for m, step in ready_steps.items()],
+    )
     return with_ck(s, ck, committed=55)
 
 
@@ -96,9 +111,14 @@ def test_checkpoint_record_round_trip_and_tolerance() -> None:
     assert decode_checkpoint(encode(CK)) == CK
     extra = json.dumps({"step": 7, "path": "/p", "node": "n", "future_field": [1, 2]}).encode()
     assert decode_checkpoint(extra) == CheckpointRecord(step=7, path="/p", node="n")
-    for bad in (b"[]", b'{"step": 7, "path": "/p"}', b'{"step": "7", "path": "/p", "node": "n"}',
-                b'{"step": -1, "path": "/p", "node": "n"}', b'{"step": true, "path": "/p", "node": "n"}',
-                b"\xff"):
+    for bad in (
+        b"[]",
+        b'{"step": 7, "path": "/p"}',
+        b'{"step": "7", "path": "/p", "node": "n"}',
+        b'{"step": -1, "path": "/p", "node": "n"}',
+        b'{"step": true, "path": "/p", "node": "n"}',
+        b"\xff",
+    ):
         with pytest.raises((ValueError, TypeError, UnicodeDecodeError)):
             decode_checkpoint(bad)
 
@@ -113,8 +133,15 @@ def test_parse_snapshot_reads_the_checkpoint_record_and_lists_garbage() -> None:
 
 def test_a_live_generation_is_never_resumed_from_disk() -> None:
     """A live generation is never resumed from disk, whatever the record says."""
-    s = with_ck(snap(gen(3, ["a", "b"], step=50), alive=["a", "b", "n"],
-                     ready_recs=[ready("a", 50, 3, 0), ready("b", 50, 3, 1), ready("n", 40)]), CK, 50)
+    s = with_ck(
+        snap(
+            gen(3, ["a", "b"], step=50),
+            alive=["a", "b", "n"],
+            ready_recs=[ready("a", 50, 3, 0), ready("b", 50, 3, 1), ready("n", 40)],
+        ),
+        CK,
+        50,
+    )
     action = decide(s, me("a", 3), window=settled())
     assert action.kind is ActionKind.PUBLISH and action.record is not None
     assert action.record.members[:2] == ("a", "b") and action.record.reason == "join"
@@ -133,25 +160,75 @@ def _seen_broken(ago_s: float) -> Window:
     return Window(entered_at=NOW - ago_s, newcomers_changed_at=NOW - ago_s, broken_at=NOW - ago_s)
 
 
-@pytest.mark.parametrize("name, s, window, kind, until, reason", [
-    ("just seen with no live member: held for resume_hold_s",
-     _dead_job(CK, {"a": 40, "b": 40}), _seen_broken(0.0), ActionKind.WAIT, NOW + HOLD_S, None),
-    ("seen 59 s ago: still held",
-     _dead_job(CK, {"a": 40, "b": 40}), _seen_broken(HOLD_S - 1), ActionKind.WAIT, NOW + 1, None),
-    ("a member left behind, holding step 30 in memory, is held too (a resume all the same)",
-     _dead_job(CK, {"a": 30}), _seen_broken(1.0), ActionKind.WAIT, NOW - 1 + HOLD_S, None),
-    ("resume_hold_s after it was seen: published as a resume",
-     _dead_job(CK, {"a": 40, "b": 40}), _seen_broken(HOLD_S), ActionKind.PUBLISH, None, "resume"),
-    ("the cut-off generation reconnects within the hold: it leads with its newest step, no resume",
-     with_ck(snap(gen(3, ["x", "y"], step=50), alive=["x", "y", "a"],
-                  ready_recs=[ready("a", 40), ready("x", 55, 3, 0), ready("y", 55, 3, 1)]), CK, 55),
-     _seen_broken(1.0), ActionKind.PUBLISH, None, "join"),
-    ("a new job started from disk (no earlier generation) never waits",
-     with_ck(snap(None, alive=["a", "b"], ready_recs=[ready("a", 40), ready("b", 40)])),
-     _seen_broken(0.5), ActionKind.PUBLISH, None, "resume"),
-    ("nothing to resume from (no checkpoint, nobody holds the state): state lost at once, not held",
-     _dead_job(None, {"a": -1}), _seen_broken(0.0), ActionKind.STATE_LOST, None, None),
-])
+@pytest.mark.parametrize(
+    "name, s, window, kind, until, reason",
+    [
+        (
+            "just seen with no live member: held for resume_hold_s",
+            _dead_job(CK, {"a": 40, "b": 40}),
+            _seen_broken(0.0),
+            ActionKind.WAIT,
+            NOW + HOLD_S,
+            None,
+        ),
+        (
+            "seen 59 s ago: still held",
+            _dead_job(CK, {"a": 40, "b": 40}),
+            _seen_broken(HOLD_S - 1),
+            ActionKind.WAIT,
+            NOW + 1,
+            None,
+        ),
+        (
+            "a member left behind, holding step 30 in memory, is held too (a resume all the same)",
+            _dead_job(CK, {"a": 30}),
+            _seen_broken(1.0),
+            ActionKind.WAIT,
+            NOW - 1 + HOLD_S,
+            None,
+        ),
+        (
+            "resume_hold_s after it was seen: published as a resume",
+            _dead_job(CK, {"a": 40, "b": 40}),
+            _seen_broken(HOLD_S),
+            ActionKind.PUBLISH,
+            None,
+            "resume",
+        ),
+        (
+            "the cut-off generation reconnects within the hold: it leads with its newest step, no resume",
+            with_ck(
+                snap(
+                    gen(3, ["x", "y"], step=50),
+                    alive=["x", "y", "a"],
+                    ready_recs=[ready("a", 40), ready("x", 55, 3, 0), ready("y", 55, 3, 1)],
+                ),
+                CK,
+                55,
+            ),
+            _seen_broken(1.0),
+            ActionKind.PUBLISH,
+            None,
+            "join",
+        ),
+        (
+            "a new job started from disk (no earlier generation) never waits",
+            with_ck(snap(None, alive=["a", "b"], ready_recs=[ready("a", 40), ready("b", 40)])),
+            _seen_broken(0.5),
+            ActionKind.PUBLISH,
+            None,
+            "resume",
+        ),
+        (
+            "nothing to resume from (no checkpoint, nobody holds the state): state lost at once, not held",
+            _dead_job(None, {"a": -1}),
+            _seen_broken(0.0),
+            ActionKind.STATE_LOST,
+            None,
+            None,
+        ),
+    ],
+)
 def test_a_resume_waits_until_the_last_generation_cannot_be_committing(
     name: str, s: Snapshot, window: Window, kind: ActionKind, until: float | None, reason: str | None
 ) -> None:

@@ -22,8 +22,15 @@ def _member(store: FakeKeyValueStore, name: str) -> Membership:
 
 
 def _publish(store: FakeKeyValueStore, generation: int, members: tuple[str, ...]) -> GenerationRecord:
-    rec = GenerationRecord(generation=generation, members=members, store_host="127.0.0.1", store_port=1,
-                           signature="s", committed_step=0, reason="join")
+    rec = GenerationRecord(
+        generation=generation,
+        members=members,
+        store_host="127.0.0.1",
+        store_port=1,
+        signature="s",
+        committed_step=0,
+        reason="join",
+    )
     store.put(KEYS.generation, encode(rec))
     return rec
 
@@ -75,8 +82,13 @@ def test_a_lease_lost_again_while_re_registering_is_retried_in_the_join() -> Non
 
     store = Flaky(ManualClock())
     rec = MemberRecord(member_id="a", node="n", local_rank=0, pid=1, host="127.0.0.1", store_port=1, signature="s")
-    m = Membership(store, KEYS, rec, WorldConfig(job_id="j", min_workers=1),
-                   Timeouts(keepalive_s=0.01, join_window_s=0.01, last_call_s=0.01))
+    m = Membership(
+        store,
+        KEYS,
+        rec,
+        WorldConfig(job_id="j", min_workers=1),
+        Timeouts(keepalive_s=0.01, join_window_s=0.01, last_call_s=0.01),
+    )
     m._register()
     joined = m.join(-1, Deadline.after(10))
     assert joined.generation == 1 and store.fails == 0

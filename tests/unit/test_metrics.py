@@ -20,11 +20,19 @@ def _get(m: AgentMetrics, name: str, **labels: str) -> float | None:
     return m.registry.get_sample_value(name, labels)
 
 
-def _view(step: int, recoveries: int, last_s: float | None, cause: str | None) -> tuple[JobView, dict[int, WorkerObservation]]:
+def _view(
+    step: int, recoveries: int, last_s: float | None, cause: str | None
+) -> tuple[JobView, dict[int, WorkerObservation]]:
     mine = MemberProgress(step, 3, 0.02, recoveries, last_s, cause, rank=1)
     rank0 = MemberProgress(step, 3, 0.05, 0, rank=0)
-    view = JobView(read_at=1.0, generation=3, world_size=2, in_generation=frozenset({"a.0.1", "b.0.2"}),
-                   job_step=step, progress={"b.0.2": mine, "a.0.1": rank0})
+    view = JobView(
+        read_at=1.0,
+        generation=3,
+        world_size=2,
+        in_generation=frozenset({"a.0.1", "b.0.2"}),
+        job_step=step,
+        progress={"b.0.2": mine, "a.0.1": rank0},
+    )
     return view, {0: WorkerObservation(WorkerPhase.TRAINING, "b.0.2", step, 3, mine)}
 
 
@@ -32,7 +40,11 @@ def test_job_gauges_and_recoveries_counted_once() -> None:
     m = AgentMetrics("j", "b")
     assert _get(m, "elasticd_agent_info", job_id="j", node="b") == 1
     m.set_view(*_view(10, 0, None, None))
-    assert (_get(m, "elasticd_generation"), _get(m, "elasticd_world_size"), _get(m, "elasticd_committed_step")) == (3, 2, 10)
+    assert (_get(m, "elasticd_generation"), _get(m, "elasticd_world_size"), _get(m, "elasticd_committed_step")) == (
+        3,
+        2,
+        10,
+    )
     assert _get(m, "elasticd_step_time_seconds") == 0.05  # rank 0's
     assert _get(m, "elasticd_worker_step_time_seconds", local_rank="0") == 0.02
     assert _get(m, "elasticd_recovery_duration_seconds_count") == 0

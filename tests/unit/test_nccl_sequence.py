@@ -61,8 +61,14 @@ class FakeWork:
 class FakeNccl:
     """Records each call as (name, detail) in ``calls`` (shared with the fake environment)."""
 
-    def __init__(self, calls: list[tuple[str, object]], *, ready: Callable[[], bool] = lambda: True,
-                 fail: str = "", abort_until: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        calls: list[tuple[str, object]],
+        *,
+        ready: Callable[[], bool] = lambda: True,
+        fail: str = "",
+        abort_until: threading.Event | None = None,
+    ) -> None:
         self.calls, self._ready, self._fail, self._abort_until = calls, ready, fail, abort_until
         self.abort_threads: list[str] = []
         self.builds = 0
@@ -75,11 +81,14 @@ class FakeNccl:
     def set_device(self, device: object) -> None:
         self._call("set_device", device)
 
-    def new_backend(self, store: object, rank: int, world_size: int, timeout: timedelta,
-                    nonblocking: bool) -> tuple[Handle, bool]:
+    def new_backend(
+        self, store: object, rank: int, world_size: int, timeout: timedelta, nonblocking: bool
+    ) -> tuple[Handle, bool]:
         self.builds += 1
-        self._call("new_backend", {"rank": rank, "world_size": world_size, "timeout_s": timeout.total_seconds(),
-                                   "nonblocking": nonblocking})
+        self._call(
+            "new_backend",
+            {"rank": rank, "world_size": world_size, "timeout_s": timeout.total_seconds(), "nonblocking": nonblocking},
+        )
         return Handle(f"backend{self.builds}"), nonblocking
 
     def bind(self, backend: Handle, store: object, rank: int, world_size: int, device: object) -> Handle:
@@ -100,8 +109,9 @@ class FakeNccl:
             self._abort_until.wait(10)
 
 
-def groups(fake: FakeNccl, on_abort_hung: Callable[[], None] | None = None,
-           timeouts: Timeouts = TIMEOUTS) -> NcclGroups:
+def groups(
+    fake: FakeNccl, on_abort_hung: Callable[[], None] | None = None, timeouts: Timeouts = TIMEOUTS
+) -> NcclGroups:
     def environ(values: Mapping[str, str]) -> Mapping[str, str]:
         fake.calls.append(("environ", dict(values)))
         return values
@@ -109,8 +119,13 @@ def groups(fake: FakeNccl, on_abort_hung: Callable[[], None] | None = None,
     def must_not_exit() -> None:
         raise AssertionError("hard exit although the abort returned")
 
-    return NcclGroups(fake, DEVICE, timeouts, environ=environ,  # type: ignore[arg-type]  # a fake of torch's types
-                      on_abort_hung=on_abort_hung or must_not_exit)
+    return NcclGroups(
+        fake,
+        DEVICE,
+        timeouts,
+        environ=environ,  # type: ignore[arg-type]  # a fake of torch's types
+        on_abort_hung=on_abort_hung or must_not_exit,
+    )
 
 
 def names(calls: list[tuple[str, object]]) -> list[str]:
@@ -136,14 +151,18 @@ def test_environment_is_set_before_the_device_and_any_group() -> None:
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
 
 
-@pytest.mark.parametrize(("build_s", "abort_s", "nonblocking_s"), [
-    (15.0, 30.0, "15"),  # the defaults: the init's own bound
-    (60.0, 30.0, "15"),  # half the abort bound: an abort waits for the comm's lock at most that long
-    (15.0, 8.0, "4"),
-    (0.5, 1.0, "1"),  # whole seconds, at least 1
-])
-def test_nonblocking_timeout_fits_inside_the_build_and_abort_bounds(build_s: float, abort_s: float,
-                                                                     nonblocking_s: str) -> None:
+@pytest.mark.parametrize(
+    ("build_s", "abort_s", "nonblocking_s"),
+    [
+        (15.0, 30.0, "15"),  # the defaults: the init's own bound
+        (60.0, 30.0, "15"),  # half the abort bound: an abort waits for the comm's lock at most that long
+        (15.0, 8.0, "4"),
+        (0.5, 1.0, "1"),  # whole seconds, at least 1
+    ],
+)
+def test_nonblocking_timeout_fits_inside_the_build_and_abort_bounds(
+    build_s: float, abort_s: float, nonblocking_s: str
+) -> None:
     env = nccl_environ(Timeouts(group_build_s=build_s, group_abort_s=abort_s))
     assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == nonblocking_s
 
@@ -165,11 +184,14 @@ def test_the_agent_passes_the_defaults_under_its_own_environment(monkeypatch: py
     assert env["ELASTICD_LOCAL_RANK"] == "0"
 
 
-@pytest.mark.parametrize(("opts", "applied"), [
-    (SimpleNamespace(config=SimpleNamespace(blocking=-2147483648)), True),  # NCCL_CONFIG_UNDEF_INT
-    (SimpleNamespace(), False),  # a torch without ncclConfig in its options
-    (SimpleNamespace(config=SimpleNamespace()), False),  # an NCCL without non-blocking comms
-])
+@pytest.mark.parametrize(
+    ("opts", "applied"),
+    [
+        (SimpleNamespace(config=SimpleNamespace(blocking=-2147483648)), True),  # NCCL_CONFIG_UNDEF_INT
+        (SimpleNamespace(), False),  # a torch without ncclConfig in its options
+        (SimpleNamespace(config=SimpleNamespace()), False),  # an NCCL without non-blocking comms
+    ],
+)
 def test_nonblocking_init_is_requested_where_the_option_exists(opts: SimpleNamespace, applied: bool) -> None:
     assert request_nonblocking_init(opts) is applied
     if applied:
@@ -186,8 +208,12 @@ def test_a_build_binds_the_device_connects_eagerly_and_waits_until_ready() -> No
     assert repr(pg) == "pg1"
     assert names(fake.calls) == ["environ", "set_device", "new_backend", "bind", "eager_connect", "probe"]
     created = dict(fake.calls)
-    assert created["new_backend"] == {"rank": 1, "world_size": 2, "timeout_s": TIMEOUTS.collective_s,
-                                      "nonblocking": True}
+    assert created["new_backend"] == {
+        "rank": 1,
+        "world_size": 2,
+        "timeout_s": TIMEOUTS.collective_s,
+        "nonblocking": True,
+    }
     assert repr(created["bind"]) == f"(backend1, {DEVICE!r})"  # the backend, bound to the device
     assert repr(created["eager_connect"]) == f"(backend1, {DEVICE!r})"  # the comm now, not at first use
 
@@ -218,11 +244,14 @@ def test_a_build_given_up_by_its_caller_is_aborted() -> None:
     assert names(fake.calls)[-1] == "abort" and "probe" not in names(fake.calls)
 
 
-@pytest.mark.parametrize(("failing", "aborted"), [
-    ("bind", "backend1"),  # not yet in a group: the backend itself is aborted
-    ("eager_connect", "pg1"),
-    ("probe", "pg1"),
-])
+@pytest.mark.parametrize(
+    ("failing", "aborted"),
+    [
+        ("bind", "backend1"),  # not yet in a group: the backend itself is aborted
+        ("eager_connect", "pg1"),
+        ("probe", "pg1"),
+    ],
+)
 def test_a_failed_build_is_aborted_and_its_error_raised(failing: str, aborted: str) -> None:
     fake = FakeNccl([], fail=failing)
     with pytest.raises(RuntimeError, match=f"{failing} failed"):
@@ -285,9 +314,11 @@ def test_an_abort_that_hangs_logs_then_exits_hard() -> None:
     fake = FakeNccl([], abort_until=release)
     logged_first: list[bool] = []
     with structlog.testing.capture_logs() as logs:
-        nccl = groups(fake, on_abort_hung=lambda: logged_first.append(
-            any(e["event"] == "process_group_abort_hung" for e in logs)),
-            timeouts=Timeouts(group_abort_s=0.05, abort_poll_s=0.004))
+        nccl = groups(
+            fake,
+            on_abort_hung=lambda: logged_first.append(any(e["event"] == "process_group_abort_hung" for e in logs)),
+            timeouts=Timeouts(group_abort_s=0.05, abort_poll_s=0.004),
+        )
         try:
             assert nccl.abort(Handle("pg"), "generation 2") is False
         finally:
@@ -304,8 +335,13 @@ def test_the_factory_builds_and_retires_nccl_groups_through_the_sequence() -> No
     fake = FakeNccl([])
     timeouts = Timeouts(group_build_s=5.0, group_abort_s=2.0, abort_poll_s=0.004)
     server = StoreServer("127.0.0.1", timeouts)
-    nccl = NcclGroups(fake, torch.device("cuda", 0), timeouts, environ=lambda values: values,  # type: ignore[arg-type]
-                      on_abort_hung=lambda: None)
+    nccl = NcclGroups(
+        fake,
+        torch.device("cuda", 0),
+        timeouts,
+        environ=lambda values: values,  # type: ignore[arg-type]
+        on_abort_hung=lambda: None,
+    )
     factory = GroupFactory(server, "127.0.0.1", "nccl", 0, timeouts, nccl=nccl)
     group = factory.build(7, 0, 1, "127.0.0.1", server.port, Deadline.after(5), never)
     assert (repr(group.pg), group.backend, group.device) == ("pg1", "nccl", torch.device("cuda", 0))

@@ -52,9 +52,19 @@ NOW = 1_700_000_000.0
 SIG = "s" * 64
 
 
-def worker(lr: int, pid: int, restarts: int = 0, rss: int | None = 50 * 2**20, cpu: float | None = 12.5) -> WorkerRecord:
-    return WorkerRecord(local_rank=lr, pid=pid, state="running", starts=restarts + 1, restarts=restarts,
-                        last_exit="was killed by SIGKILL" if restarts else None, rss_bytes=rss, cpu_percent=cpu)
+def worker(
+    lr: int, pid: int, restarts: int = 0, rss: int | None = 50 * 2**20, cpu: float | None = 12.5
+) -> WorkerRecord:
+    return WorkerRecord(
+        local_rank=lr,
+        pid=pid,
+        state="running",
+        starts=restarts + 1,
+        restarts=restarts,
+        last_exit="was killed by SIGKILL" if restarts else None,
+        rss_bytes=rss,
+        cpu_percent=cpu,
+    )
 
 
 def node(name: str, *workers: WorkerRecord, state: str = "running", age_s: float = 1.0) -> NodeRecord:
@@ -63,8 +73,9 @@ def node(name: str, *workers: WorkerRecord, state: str = "running", age_s: float
 
 def event(t: float, kind: str, source: str = "m0", **detail: object) -> tuple[str, bytes]:
     ns = int(t * 1e9)
-    return KEYS.event(event_name(ns, source)), encode_event(EventRecord(time=ns / 1e9, kind=kind, source=source,
-                                                                        detail=detail))
+    return KEYS.event(event_name(ns, source)), encode_event(
+        EventRecord(time=ns / 1e9, kind=kind, source=source, detail=detail)
+    )
 
 
 def member(mid: str, node_id: str, pid: int) -> tuple[str, bytes]:
@@ -110,10 +121,19 @@ def _with(path: Sequence[object], value: object) -> bytes:
 @pytest.mark.parametrize(
     "raw",
     [
-        b"garbage", b"[]", b"\xff", b"{}",
-        _with(["agent_pid"], "12"), _with(["agent_pid"], True), _with(["time"], None), _with(["workers"], {}),
-        _with(["workers", 0], 5), _with(["workers", 0, "pid"], KeyError), _with(["workers", 0, "cpu_percent"], "x"),
-        _with(["node"], KeyError), b'{"node": "a", "host": "h", "agent_pid": 1, "state": "s", "time": NaN, "workers": []}',
+        b"garbage",
+        b"[]",
+        b"\xff",
+        b"{}",
+        _with(["agent_pid"], "12"),
+        _with(["agent_pid"], True),
+        _with(["time"], None),
+        _with(["workers"], {}),
+        _with(["workers", 0], 5),
+        _with(["workers", 0, "pid"], KeyError),
+        _with(["workers", 0, "cpu_percent"], "x"),
+        _with(["node"], KeyError),
+        b'{"node": "a", "host": "h", "agent_pid": 1, "state": "s", "time": NaN, "workers": []}',
     ],
 )
 def test_decode_node_rejects_garbage(raw: bytes) -> None:
@@ -129,8 +149,13 @@ def test_decode_node_allows_extra_fields_and_nulls_where_optional() -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [b"nope", b'{"time": 1, "kind": "", "source": "x", "detail": {}}', b'{"time": 1, "kind": "k", "source": "x"}',
-     b'{"time": "1", "kind": "k", "source": "x", "detail": {}}', b'{"time": 1, "kind": "k", "source": "x", "detail": []}'],
+    [
+        b"nope",
+        b'{"time": 1, "kind": "", "source": "x", "detail": {}}',
+        b'{"time": 1, "kind": "k", "source": "x"}',
+        b'{"time": "1", "kind": "k", "source": "x", "detail": {}}',
+        b'{"time": 1, "kind": "k", "source": "x", "detail": []}',
+    ],
 )
 def test_decode_event_rejects_garbage(raw: bytes) -> None:
     with pytest.raises(ValueError):
@@ -157,14 +182,24 @@ def test_prune_plan_deletes_the_oldest_beyond_keep(n: int, keep: int, deleted: i
 
 def _job() -> list[KeyValue]:
     return kvs(
-        member("a.0.11", "a", 11), member("b.0.21", "b", 21),
+        member("a.0.11", "a", 11),
+        member("b.0.21", "b", 21),
         generation(3, ["a.0.11", "b.0.21"]),
         (KEYS.node("a"), encode_node(node("a", worker(0, 11, restarts=1)))),
         (KEYS.node("b"), encode_node(node("b", worker(0, 21), state="draining"))),
         (KEYS.drain("b"), encode_drain(DrainRecord("b", "ops", NOW))),
         event(NOW - 30, "generation_published", generation=1),
-        *[event(NOW - 20 + i, "recovered", generation=i + 2, cause="PeerLost", generation_reason="aborted",
-                duration_s=0.25 * i) for i in range(7)],
+        *[
+            event(
+                NOW - 20 + i,
+                "recovered",
+                generation=i + 2,
+                cause="PeerLost",
+                generation_reason="aborted",
+                duration_s=0.25 * i,
+            )
+            for i in range(7)
+        ],
         (KEYS.node("x"), b"garbage"),
         (KEYS.event("zzz"), b"{not json"),
     )
@@ -176,7 +211,9 @@ def test_status_joins_node_records_and_reports_nodes_recoveries_and_malformed() 
     assert (rows["a.0.11"].restarts, rows["a.0.11"].rss_bytes, rows["a.0.11"].cpu_percent) == (1, 50 * 2**20, 12.5)
     assert rows["b.0.21"].restarts == 0
     assert [(n.node, n.state, n.restarts, n.drain_requested, n.workers_running) for n in st.nodes] == [
-        ("a", "running", 1, False, 1), ("b", "draining", 0, True, 1)]
+        ("a", "running", 1, False, 1),
+        ("b", "draining", 0, True, 1),
+    ]
     assert len(st.recoveries) == 5 and [r.generation for r in st.recoveries] == [4, 5, 6, 7, 8]
     assert st.recoveries[-1].cause == "PeerLost (aborted)" and st.recoveries[-1].duration_s == 1.5
     bad = sorted(m.split(":")[0] for m in st.malformed)
@@ -190,8 +227,9 @@ def test_status_joins_node_records_and_reports_nodes_recoveries_and_malformed() 
 
 
 def test_a_member_whose_pid_is_not_in_its_node_record_has_no_resources() -> None:
-    rows = kvs(member("a.0.99", "a", 99), generation(1, ["a.0.99"]),
-               (KEYS.node("a"), encode_node(node("a", worker(0, 11)))))
+    rows = kvs(
+        member("a.0.99", "a", 99), generation(1, ["a.0.99"]), (KEYS.node("a"), encode_node(node("a", worker(0, 11))))
+    )
     (m,) = build_status(KEYS, rows, now=NOW).members
     assert (m.restarts, m.rss_bytes, m.cpu_percent) == (None, None, None)
 
@@ -275,13 +313,19 @@ class FlakyStore(FakeKeyValueStore):
             raise EtcdUnavailable("etcd is down (test)")
         return super().put(key, value, lease)
 
-    def compare_and_put(self, key: str, expected_mod_revision: int, value: bytes, delete_keys: Iterable[str] = (),
-                        put_keys: Mapping[str, bytes] | None = None, lease: int = 0,
-                        delete_ranges: Iterable[tuple[str, str]] = ()) -> bool:
+    def compare_and_put(
+        self,
+        key: str,
+        expected_mod_revision: int,
+        value: bytes,
+        delete_keys: Iterable[str] = (),
+        put_keys: Mapping[str, bytes] | None = None,
+        lease: int = 0,
+        delete_ranges: Iterable[tuple[str, str]] = (),
+    ) -> bool:
         if self.down:
             raise EtcdUnavailable("etcd is down (test)")
-        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease,
-                                       delete_ranges)
+        return super().compare_and_put(key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges)
 
 
 def _events_in(store: FakeKeyValueStore) -> list[EventRecord]:
@@ -411,13 +455,18 @@ def test_agent_publishes_its_node_record_and_drains_on_a_drain_request() -> None
     from elasticd.agent.elastic import Agent
     from elasticd.config import AgentConfig, WorldConfig
 
-    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
-            "time.sleep(60)")
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(60)"
     store = FakeKeyValueStore()
     keys = Keys("/elasticd", "j")
-    config = AgentConfig(program=(sys.executable, "-c", code), node_id="n", nproc_per_node=2,
-                         world=WorldConfig(job_id="j"), poll_interval_s=0.02, stats_interval_s=0.1,
-                         timeouts=Timeouts(shutdown_grace_s=5.0, keepalive_s=0.1, lease_ttl_s=1.0))
+    config = AgentConfig(
+        program=(sys.executable, "-c", code),
+        node_id="n",
+        nproc_per_node=2,
+        world=WorldConfig(job_id="j"),
+        poll_interval_s=0.02,
+        stats_interval_s=0.1,
+        timeouts=Timeouts(shutdown_grace_s=5.0, keepalive_s=0.1, lease_ttl_s=1.0),
+    )
     agent = Agent(config, store)
     seen: list[NodeRecord] = []
 
@@ -468,14 +517,23 @@ def test_an_etcd_outage_does_not_stop_the_agent_or_its_workers(tmp_path: Path) -
     store = DownStore()
     keys = Keys("/elasticd", "j")
     # Each worker runs 1.5 s and exits 0; one fails once first, so the agent also restarts it.
-    code = ("import os, sys, time; time.sleep(1.5); rank = os.environ['ELASTICD_LOCAL_RANK']; "
-            "flag = sys.argv[1] + rank; first = not os.path.exists(flag); open(flag, 'a').close(); "
-            "sys.exit(3 if first and rank == '0' else 0)")
+    code = (
+        "import os, sys, time; time.sleep(1.5); rank = os.environ['ELASTICD_LOCAL_RANK']; "
+        "flag = sys.argv[1] + rank; first = not os.path.exists(flag); open(flag, 'a').close(); "
+        "sys.exit(3 if first and rank == '0' else 0)"
+    )
     flag = str(tmp_path / "failed-once")
-    config = AgentConfig(program=(sys.executable, "-c", code, flag), node_id="n", nproc_per_node=2,
-                         world=WorldConfig(job_id="j"), poll_interval_s=0.02, stats_interval_s=0.1,
-                         restart_backoff_initial_s=0.05, restart_backoff_max_s=0.1,
-                         timeouts=Timeouts(keepalive_s=0.1, lease_ttl_s=1.0, etcd_request_s=0.5))
+    config = AgentConfig(
+        program=(sys.executable, "-c", code, flag),
+        node_id="n",
+        nproc_per_node=2,
+        world=WorldConfig(job_id="j"),
+        poll_interval_s=0.02,
+        stats_interval_s=0.1,
+        restart_backoff_initial_s=0.05,
+        restart_backoff_max_s=0.1,
+        timeouts=Timeouts(keepalive_s=0.1, lease_ttl_s=1.0, etcd_request_s=0.5),
+    )
     agent = Agent(config, store)
 
     def outage() -> None:

@@ -34,8 +34,7 @@ TTL = 3.0
 
 
 def record(pid: int = 4242, host: str = "10.0.0.9", since: float | None = SINCE) -> NodeRecord:
-    return NodeRecord(node="a", host=host, agent_pid=pid, state="running", time=SINCE + 60, workers=(),
-                      since=since)
+    return NodeRecord(node="a", host=host, agent_pid=pid, state="running", time=SINCE + 60, workers=(), since=since)
 
 
 def held(lease: int, value: bytes | None = None) -> KeyValue:
@@ -55,8 +54,17 @@ def held(lease: int, value: bytes | None = None) -> KeyValue:
         (held(0x20, b"not json"), 0, 0.0, ClaimKind.WAIT),  # garbage under a lease still holds the id
         (held(0x20, b"not json"), 0, 60.0, ClaimKind.REFUSE),
     ],
-    ids=["free", "free after waiting", "mine", "held: wait", "held: still wait", "held past the bound",
-         "unleased", "garbage: wait", "garbage: refuse"],
+    ids=[
+        "free",
+        "free after waiting",
+        "mine",
+        "held: wait",
+        "held: still wait",
+        "held past the bound",
+        "unleased",
+        "garbage: wait",
+        "garbage: refuse",
+    ],
 )
 def test_decide_claim(row: KeyValue | None, mine: int, waited_s: float, kind: ClaimKind) -> None:
     assert decide_claim(row, mine, waited_s, TTL).kind is kind
@@ -85,8 +93,16 @@ class Waits:
 
 
 def _presence(store: FakeKeyValueStore) -> NodePresence:
-    return NodePresence(store, KEYS, "a", Timeouts(lease_ttl_s=TTL, keepalive_s=1.0), stats_interval_s=60,
-                        events_keep=10, on_drain=lambda _: None, clock=store.clock)
+    return NodePresence(
+        store,
+        KEYS,
+        "a",
+        Timeouts(lease_ttl_s=TTL, keepalive_s=1.0),
+        stats_interval_s=60,
+        events_keep=10,
+        on_drain=lambda _: None,
+        clock=store.clock,
+    )
 
 
 def _other_agent(store: FakeKeyValueStore) -> int:
@@ -112,8 +128,10 @@ def test_a_node_id_held_by_a_live_agent_is_refused_after_a_lease_ttl_and_left_al
     decision = _presence(store).claim(record(pid=2222), wait, lambda: False, "job")
     assert decision.kind is ClaimKind.REFUSE
     assert TTL + CLAIM_MARGIN_S <= wait.total <= TTL + CLAIM_MARGIN_S + 0.001
-    assert decision.reason.startswith("node_id_taken: node id 'a' of job 'job' (/elasticd/job/nodes/a): it is "
-                                      "held by the elasticd agent pid 1111 on host 10.0.0.9")
+    assert decision.reason.startswith(
+        "node_id_taken: node id 'a' of job 'job' (/elasticd/job/nodes/a): it is "
+        "held by the elasticd agent pid 1111 on host 10.0.0.9"
+    )
     assert store.get(KEYS.node("a")) == before  # untouched, still under the other agent's lease
 
 
@@ -159,15 +177,19 @@ def test_after_losing_its_lease_an_agent_does_not_overwrite_a_node_id_claimed_me
     assert kv is not None and kv.lease == other and decode_node(kv.value).agent_pid == 1111
 
 
-@pytest.mark.parametrize(("began", "seen", "term", "now", "want"), [
-    (10.0, 0, 5, 11.0, (10.0, 5)),   # the first term seen: the wait goes on from when it began
-    (10.0, 5, 5, 12.0, (10.0, 5)),   # the same leader
-    (10.0, 5, 4, 12.0, (10.0, 5)),   # an answer from a member that lags: nothing new
-    (10.0, 5, 6, 12.5, (12.5, 6)),   # a new leader refreshed the holder's lease: wait anew
-    (10.0, 0, 0, 12.0, (10.0, 0)),   # a store that tells no term
-])
-def test_a_new_etcd_leader_restarts_the_wait(began: float, seen: int, term: int, now: float,
-                                             want: tuple[float, int]) -> None:
+@pytest.mark.parametrize(
+    ("began", "seen", "term", "now", "want"),
+    [
+        (10.0, 0, 5, 11.0, (10.0, 5)),  # the first term seen: the wait goes on from when it began
+        (10.0, 5, 5, 12.0, (10.0, 5)),  # the same leader
+        (10.0, 5, 4, 12.0, (10.0, 5)),  # an answer from a member that lags: nothing new
+        (10.0, 5, 6, 12.5, (12.5, 6)),  # a new leader refreshed the holder's lease: wait anew
+        (10.0, 0, 0, 12.0, (10.0, 0)),  # a store that tells no term
+    ],
+)
+def test_a_new_etcd_leader_restarts_the_wait(
+    began: float, seen: int, term: int, now: float, want: tuple[float, int]
+) -> None:
     assert wait_began(began, seen, term, now) == want
 
 

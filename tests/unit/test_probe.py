@@ -30,13 +30,16 @@ def _rec(mid: str, port: int = 1) -> MemberRecord:
 MEMBERS = {m: _rec(m) for m in ("a", "b", "c")}
 
 
-@pytest.mark.parametrize(("missing", "asked", "expected"), [
-    (["a"], set(), ["a"]),
-    (["a", "b"], {"a"}, ["b"]),                       # each once per round window
-    (["a", "x"], set(), ["a"]),                       # no record, nothing to ask
-    ([f"m{i}" for i in range(PROBE_MAX + 1)], set(), []),  # a large rendezvous still arriving
-    ([], set(), []),
-])
+@pytest.mark.parametrize(
+    ("missing", "asked", "expected"),
+    [
+        (["a"], set(), ["a"]),
+        (["a", "b"], {"a"}, ["b"]),  # each once per round window
+        (["a", "x"], set(), ["a"]),  # no record, nothing to ask
+        ([f"m{i}" for i in range(PROBE_MAX + 1)], set(), []),  # a large rendezvous still arriving
+        ([], set(), []),
+    ],
+)
 def test_to_probe(missing: list[str], asked: set[str], expected: list[str]) -> None:
     members = {**MEMBERS, **{m: _rec(m) for m in missing if m.startswith("m")}}
     assert [r.member_id for r in to_probe(missing, members, asked)] == expected
@@ -72,8 +75,9 @@ def test_a_host_that_does_not_answer_is_unreachable_once_the_bound_ran_out() -> 
         assert 0.19 <= time.monotonic() - t0 < 2.0
 
 
-@pytest.mark.parametrize(("host", "port"), [("127.0.0.1", 0), ("127.0.0.1", 70000), ("", -1), ("::1x", 80),
-                                            ("\x00", 80)])
+@pytest.mark.parametrize(
+    ("host", "port"), [("127.0.0.1", 0), ("127.0.0.1", 70000), ("", -1), ("::1x", 80), ("\x00", 80)]
+)
 def test_no_address_decides_nothing(host: str, port: int) -> None:
     assert answers([(host, port)], 0.2) == [N]
 
@@ -123,8 +127,14 @@ def test_a_workers_store_is_asked_without_a_warning_in_its_log() -> None:
         "time.sleep(0.3)\n"
         "print(sum(a == 'accepted' for g in got for a in g))\n"
     )
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=25,
-                          cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=25,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["20"], done.stdout
     assert "TCPStore" not in done.stderr and "[W" not in done.stderr, done.stderr[-2000:]

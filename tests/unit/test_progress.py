@@ -38,8 +38,15 @@ def _member(mid: str, node: str, pid: int) -> KeyValue:
 
 
 def _progress(mid: str, step: int, generation: int = 1, **extra: object) -> KeyValue:
-    rec = {"step": step, "generation": generation, "rank": 0, "step_time_s": 0.01, "recoveries": 0,
-           "time": 1.0, **extra}
+    rec = {
+        "step": step,
+        "generation": generation,
+        "rank": 0,
+        "step_time_s": 0.01,
+        "recoveries": 0,
+        "time": 1.0,
+        **extra,
+    }
     return _kv(KEYS.progress(mid), json.dumps(rec).encode(), lease=7)
 
 
@@ -50,9 +57,10 @@ def _generation(*members: str, step: int = 0) -> KeyValue:
 def test_read_job_view_takes_the_highest_committed_step_and_skips_garbage() -> None:
     rows = [
         _generation("n.0.7", "m.0.8", step=3),
-        _member("n.0.7", "n", 7), _member("m.0.8", "m", 8),
-        _progress("n.0.7", 10), _progress("m.0.8", 12, recoveries=2, last_recovery_s=0.4,
-                                          last_recovery_cause="PeerLost"),
+        _member("n.0.7", "n", 7),
+        _member("m.0.8", "m", 8),
+        _progress("n.0.7", 10),
+        _progress("m.0.8", 12, recoveries=2, last_recovery_s=0.4, last_recovery_cause="PeerLost"),
         _kv(KEYS.progress("junk"), b"not json"),
         _kv(KEYS.progress("bad"), json.dumps({"step": "x", "generation": 1}).encode()),
         _kv(KEYS.committed, json.dumps({"generation": 2, "step": 11}).encode()),
@@ -75,12 +83,16 @@ def test_parse_progress_tolerates_extra_and_missing_optional_fields() -> None:
 
 
 def test_observe_worker_finds_it_by_node_and_pid_and_names_its_phase() -> None:
-    rows = [_generation("n.0.7"), _member("n.0.7", "n", 7), _progress("n.0.7", 4),
-            _member("n.1.9", "n", 9), _member("m.0.7", "m", 7),
-            _kv(KEYS.ready("n.1.9"), encode(ReadyRecord("n.1.9", -1, 0, -1, "s")), lease=7)]
+    rows = [
+        _generation("n.0.7"),
+        _member("n.0.7", "n", 7),
+        _progress("n.0.7", 4),
+        _member("n.1.9", "n", 9),
+        _member("m.0.7", "m", 7),
+        _kv(KEYS.ready("n.1.9"), encode(ReadyRecord("n.1.9", -1, 0, -1, "s")), lease=7),
+    ]
     v = read_job_view(KEYS, rows, 1.0)
-    assert observe_worker(v, "n", {7}) == WorkerObservation(WorkerPhase.TRAINING, "n.0.7", 4, 1,
-                                                             v.progress["n.0.7"])
+    assert observe_worker(v, "n", {7}) == WorkerObservation(WorkerPhase.TRAINING, "n.0.7", 4, 1, v.progress["n.0.7"])
     assert observe_worker(v, "n", {9}).phase is WorkerPhase.WAITING
     assert observe_worker(v, "n", {42}).phase is WorkerPhase.ABSENT
     assert observe_worker(v, "m", {7}).phase is WorkerPhase.REGISTERED  # alive, neither waiting nor training
@@ -97,22 +109,40 @@ TRAINING = WorkerObservation(WorkerPhase.TRAINING, "n.0.7", step=5, generation=1
 ADVANCE_CASES: list[tuple[str, ProgressMark | None, WorkerObservation, ProgressMark | None]] = [
     ("never seen, still absent: no mark", None, WorkerObservation(WorkerPhase.ABSENT), None),
     ("first sighting starts the mark", None, TRAINING, ProgressMark(("training", 1, 5), 10.0, 20)),
-    ("same step again: the mark stays", ProgressMark(("training", 1, 5), 3.0, 9), TRAINING,
-     ProgressMark(("training", 1, 5), 3.0, 9)),
-    ("a new step moves it", ProgressMark(("training", 1, 4), 3.0, 9), TRAINING,
-     ProgressMark(("training", 1, 5), 10.0, 20)),
-    ("its record vanished (SIGSTOP, lease lost): no advance", ProgressMark(("training", 1, 5), 3.0, 9),
-     WorkerObservation(WorkerPhase.ABSENT), ProgressMark(("training", 1, 5), 3.0, 9)),
-    ("waiting for a generation is always progress", ProgressMark(("waiting", 0, -1), 3.0, 9),
-     WorkerObservation(WorkerPhase.WAITING, "n.0.7"), ProgressMark(("waiting", 0, -1), 10.0, 20)),
-    ("dropped from the generation but alive: a change, the clock restarts",
-     ProgressMark(("training", 1, 5), 3.0, 9), WorkerObservation(WorkerPhase.REGISTERED, "n.0.7", 5, 1),
-     ProgressMark(("registered", 1, 5), 10.0, 20)),
+    (
+        "same step again: the mark stays",
+        ProgressMark(("training", 1, 5), 3.0, 9),
+        TRAINING,
+        ProgressMark(("training", 1, 5), 3.0, 9),
+    ),
+    (
+        "a new step moves it",
+        ProgressMark(("training", 1, 4), 3.0, 9),
+        TRAINING,
+        ProgressMark(("training", 1, 5), 10.0, 20),
+    ),
+    (
+        "its record vanished (SIGSTOP, lease lost): no advance",
+        ProgressMark(("training", 1, 5), 3.0, 9),
+        WorkerObservation(WorkerPhase.ABSENT),
+        ProgressMark(("training", 1, 5), 3.0, 9),
+    ),
+    (
+        "waiting for a generation is always progress",
+        ProgressMark(("waiting", 0, -1), 3.0, 9),
+        WorkerObservation(WorkerPhase.WAITING, "n.0.7"),
+        ProgressMark(("waiting", 0, -1), 10.0, 20),
+    ),
+    (
+        "dropped from the generation but alive: a change, the clock restarts",
+        ProgressMark(("training", 1, 5), 3.0, 9),
+        WorkerObservation(WorkerPhase.REGISTERED, "n.0.7", 5, 1),
+        ProgressMark(("registered", 1, 5), 10.0, 20),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("mark", "obs", "expected"), [c[1:] for c in ADVANCE_CASES],
-                         ids=[c[0] for c in ADVANCE_CASES])
+@pytest.mark.parametrize(("mark", "obs", "expected"), [c[1:] for c in ADVANCE_CASES], ids=[c[0] for c in ADVANCE_CASES])
 def test_advance_mark(mark: ProgressMark | None, obs: WorkerObservation, expected: ProgressMark | None) -> None:
     assert advance_mark(mark, obs, _view(10.0, 20)) == expected
 
@@ -128,11 +158,17 @@ def test_advance_mark(mark: ProgressMark | None, obs: WorkerObservation, expecte
         (ProgressMark(("training", 1, 5), 0.0, 10), _view(60.0, 20), 0.0, False),  # hang detection off
         # the job finished: a worker that reached the last step between two reads left (its record
         # vanished) while it exits; it is not hung
-        (ProgressMark(("training", 1, 695), 0.0, 697), JobView(read_at=5.0, job_step=700, finished=True), 3.0,
-         False),
+        (ProgressMark(("training", 1, 695), 0.0, 697), JobView(read_at=5.0, job_step=700, finished=True), 3.0, False),
     ],
-    ids=["stalled while the job grew", "not long enough", "whole job stalled", "no read", "never seen", "off",
-         "job finished"],
+    ids=[
+        "stalled while the job grew",
+        "not long enough",
+        "whole job stalled",
+        "no read",
+        "never seen",
+        "off",
+        "job finished",
+    ],
 )
 def test_is_hung(mark: ProgressMark | None, view: JobView | None, timeout: float, hung: bool) -> None:
     assert is_hung(mark, view, timeout) is hung

@@ -35,25 +35,36 @@ from elasticd.wire.snapshot import Snapshot
 W = Waiting(generation=7, since=100.0)
 
 
-@pytest.mark.parametrize(("waiting", "last", "now", "check_s", "due"), [
-    (None, None, 200.0, 0.5, False),                           # not in a collective
-    (W, None, 100.4, 0.5, False),                              # a short wait (the usual all_reduce)
-    (W, None, 100.5, 0.5, True),                               # waited reach_check_s: ask
-    (W, Checked(W, 100.5), 101.4, 0.5, False),                 # asked about this wait just now
-    (W, Checked(W, 100.5), 101.5, 0.5, True),                  # ... again 2 x reach_check_s later
-    (W, Checked(W, 101.5, 2), 103.4, 0.5, False),              # ... then 4 x: a long wait asks a few times
-    (W, Checked(W, 101.5, 2), 103.5, 0.5, True),
-    (W, Checked(Waiting(7, 90.0), 95.0), 100.5, 0.5, True),    # an earlier wait's check says nothing
-    (W, Checked(Waiting(6, 100.0), 100.5), 100.6, 0.5, True),  # nor one of another generation
-    (W, None, 1000.0, 0.0, False),                             # off
-])
+@pytest.mark.parametrize(
+    ("waiting", "last", "now", "check_s", "due"),
+    [
+        (None, None, 200.0, 0.5, False),  # not in a collective
+        (W, None, 100.4, 0.5, False),  # a short wait (the usual all_reduce)
+        (W, None, 100.5, 0.5, True),  # waited reach_check_s: ask
+        (W, Checked(W, 100.5), 101.4, 0.5, False),  # asked about this wait just now
+        (W, Checked(W, 100.5), 101.5, 0.5, True),  # ... again 2 x reach_check_s later
+        (W, Checked(W, 101.5, 2), 103.4, 0.5, False),  # ... then 4 x: a long wait asks a few times
+        (W, Checked(W, 101.5, 2), 103.5, 0.5, True),
+        (W, Checked(Waiting(7, 90.0), 95.0), 100.5, 0.5, True),  # an earlier wait's check says nothing
+        (W, Checked(Waiting(6, 100.0), 100.5), 100.6, 0.5, True),  # nor one of another generation
+        (W, None, 1000.0, 0.0, False),  # off
+    ],
+)
 def test_check_due(waiting: Waiting | None, last: Checked | None, now: float, check_s: float, due: bool) -> None:
     assert check_due(waiting, last, now, check_s) is due
 
 
-@pytest.mark.parametrize(("rank", "coordinator", "asks"), [
-    (0, False, True), (1, False, True), (2, False, False), (57, False, False), (57, True, True), (-1, False, False),
-])
+@pytest.mark.parametrize(
+    ("rank", "coordinator", "asks"),
+    [
+        (0, False, True),
+        (1, False, True),
+        (2, False, False),
+        (57, False, False),
+        (57, True, True),
+        (-1, False, False),
+    ],
+)
 def test_only_the_coordinator_and_ranks_0_and_1_ask(rank: int, coordinator: bool, asks: bool) -> None:
     assert is_prober(rank, coordinator) is asks
 
@@ -61,12 +72,15 @@ def test_only_the_coordinator_and_ranks_0_and_1_ask(rank: int, coordinator: bool
 A, R, U, N = Answer.ACCEPTED, Answer.REFUSED, Answer.UNREACHABLE, Answer.UNASKED
 
 
-@pytest.mark.parametrize(("got", "gone"), [
-    ([A, A, A], []),                  # every host answers: a slow or stopped peer, its lease decides
-    ([A, U, A], ["b"]),               # a host gone from the network
-    ([R, A, U], ["a", "c"]),          # a process gone, a host gone
-    ([N, N, N], []),                  # no numeric address: nothing is decided
-])
+@pytest.mark.parametrize(
+    ("got", "gone"),
+    [
+        ([A, A, A], []),  # every host answers: a slow or stopped peer, its lease decides
+        ([A, U, A], ["b"]),  # a host gone from the network
+        ([R, A, U], ["a", "c"]),  # a process gone, a host gone
+        ([N, N, N], []),  # no numeric address: nothing is decided
+    ],
+)
 def test_out_of_reach(got: list[Answer], gone: list[str]) -> None:
     assert out_of_reach(["a", "b", "c"], got) == gone
 
@@ -79,17 +93,21 @@ def test_out_of_reach_needs_an_answer_per_member() -> None:
 WS = Waiting(3, 10.0)
 
 
-@pytest.mark.parametrize(("waiting", "last", "now", "check_s", "sleep_s"), [
-    (None, None, 10.0, 0.5, None),  # no wait in progress: sleep until one begins
-    (WS, None, 10.0, 0.0, None),  # the check is off
-    (WS, None, 10.1, 0.5, 0.4),  # until the wait has lasted reach_check_s
-    (WS, None, 11.0, 0.5, 0.0),  # due already
-    (WS, Checked(WS, 10.5, 1), 10.6, 0.5, 0.9),  # asked once: again reach_check_s x 2 after
-    (WS, Checked(WS, 11.5, 2), 11.5, 0.5, 2.0),  # asked twice: x 4
-    (WS, Checked(Waiting(3, 9.0), 9.5, 3), 10.2, 0.5, 0.3),  # the last check was of another wait
-])
-def test_reach_sleep_s(waiting: Waiting | None, last: Checked | None, now: float, check_s: float,
-                       sleep_s: float | None) -> None:
+@pytest.mark.parametrize(
+    ("waiting", "last", "now", "check_s", "sleep_s"),
+    [
+        (None, None, 10.0, 0.5, None),  # no wait in progress: sleep until one begins
+        (WS, None, 10.0, 0.0, None),  # the check is off
+        (WS, None, 10.1, 0.5, 0.4),  # until the wait has lasted reach_check_s
+        (WS, None, 11.0, 0.5, 0.0),  # due already
+        (WS, Checked(WS, 10.5, 1), 10.6, 0.5, 0.9),  # asked once: again reach_check_s x 2 after
+        (WS, Checked(WS, 11.5, 2), 11.5, 0.5, 2.0),  # asked twice: x 4
+        (WS, Checked(Waiting(3, 9.0), 9.5, 3), 10.2, 0.5, 0.3),  # the last check was of another wait
+    ],
+)
+def test_reach_sleep_s(
+    waiting: Waiting | None, last: Checked | None, now: float, check_s: float, sleep_s: float | None
+) -> None:
     got = reach_sleep_s(waiting, last, now, check_s)
     assert got == (None if sleep_s is None else pytest.approx(sleep_s))
     if got is not None and got > 0:  # it wakes exactly when check_due turns
@@ -140,17 +158,21 @@ def test_stuck_holds_the_current_wait() -> None:
 SHORT = [0.01] * RECENT_WAITS
 
 
-@pytest.mark.parametrize(("recent", "min_s", "max_s", "after_s"), [
-    ([], 0.1, 0.5, 0.5),                           # nothing seen yet: the setting
-    ([0.01] * (RECENT_WAITS // 2 - 1), 0.1, 0.5, 0.5),  # too few waits seen (a new generation's first steps)
-    (SHORT, 0.1, 0.5, 0.1),                        # short waits: at the floor
-    ([*SHORT[1:], 0.03], 0.1, 0.5, 0.12),          # four times the longest recent wait
-    ([*SHORT[1:], 0.3], 0.1, 0.5, 0.5),            # a straggler's long wait: no earlier than the setting
-    (SHORT, 0.1, 0.0, 0.0),                        # off stays off
-    (SHORT, 0.5, 0.5, 0.5),                        # the floor at the setting: as before
-])
-def test_a_job_whose_waits_stay_short_asks_sooner(recent: list[float], min_s: float, max_s: float,
-                                                   after_s: float) -> None:
+@pytest.mark.parametrize(
+    ("recent", "min_s", "max_s", "after_s"),
+    [
+        ([], 0.1, 0.5, 0.5),  # nothing seen yet: the setting
+        ([0.01] * (RECENT_WAITS // 2 - 1), 0.1, 0.5, 0.5),  # too few waits seen (a new generation's first steps)
+        (SHORT, 0.1, 0.5, 0.1),  # short waits: at the floor
+        ([*SHORT[1:], 0.03], 0.1, 0.5, 0.12),  # four times the longest recent wait
+        ([*SHORT[1:], 0.3], 0.1, 0.5, 0.5),  # a straggler's long wait: no earlier than the setting
+        (SHORT, 0.1, 0.0, 0.0),  # off stays off
+        (SHORT, 0.5, 0.5, 0.5),  # the floor at the setting: as before
+    ],
+)
+def test_a_job_whose_waits_stay_short_asks_sooner(
+    recent: list[float], min_s: float, max_s: float, after_s: float
+) -> None:
     """A host cut off from a job whose waits are a few ms is asked about at four times the longest
     recent wait (within the settings), not only after reach_check_s."""
     assert reach_after_s(recent, min_s, max_s) == pytest.approx(after_s)
@@ -164,16 +186,19 @@ def test_next_checked_counts_the_checks_of_one_wait() -> None:
     assert next_checked(other, Checked(W, 101.5, 2), 200.5) == Checked(other, 200.5, 1)
 
 
-@pytest.mark.parametrize(("asked", "gone", "unreachable", "waiting", "abort"), [
-    (["b", "c", "d"], [], 0, True, False),            # every host answered
-    (["b", "c", "d"], ["c"], 1, True, True),          # one host gone from the network
-    (["b", "c", "d"], ["c"], 0, True, True),          # one process gone (its port refuses)
-    (["b", "c", "d"], ["c"], 1, False, False),        # the all_reduce finished meanwhile
-    (["b", "c", "d"], ["b", "c"], 2, True, False),    # most silent: this host is likely the one cut off
-    (["b", "c", "d"], ["b", "c"], 0, True, True),     # two processes gone: their ports refuse
-    (["b", "c", "d", "e"], ["b", "c"], 2, True, True),  # half is not most
-    (["b"], ["b"], 1, True, True),                    # a generation of two: the abort's write decides
-])
+@pytest.mark.parametrize(
+    ("asked", "gone", "unreachable", "waiting", "abort"),
+    [
+        (["b", "c", "d"], [], 0, True, False),  # every host answered
+        (["b", "c", "d"], ["c"], 1, True, True),  # one host gone from the network
+        (["b", "c", "d"], ["c"], 0, True, True),  # one process gone (its port refuses)
+        (["b", "c", "d"], ["c"], 1, False, False),  # the all_reduce finished meanwhile
+        (["b", "c", "d"], ["b", "c"], 2, True, False),  # most silent: this host is likely the one cut off
+        (["b", "c", "d"], ["b", "c"], 0, True, True),  # two processes gone: their ports refuse
+        (["b", "c", "d", "e"], ["b", "c"], 2, True, True),  # half is not most
+        (["b"], ["b"], 1, True, True),  # a generation of two: the abort's write decides
+    ],
+)
 def test_verdict(asked: list[str], gone: list[str], unreachable: int, waiting: bool, abort: bool) -> None:
     v = verdict(asked, gone, unreachable, waiting)
     assert v.abort is abort
@@ -206,8 +231,15 @@ class _Job:
         return True
 
     def check(self, rank: int = 0, coordinator: bool = False, **timeouts: float) -> ReachCheck:
-        rc = ReachCheck("a", Timeouts(probe_s=0.2, **timeouts), time.monotonic, self.read, self.abort_now,
-                        lambda: coordinator, lambda: self.abandoned)
+        rc = ReachCheck(
+            "a",
+            Timeouts(probe_s=0.2, **timeouts),
+            time.monotonic,
+            self.read,
+            self.abort_now,
+            lambda: coordinator,
+            lambda: self.abandoned,
+        )
         rc.joined(self.record.generation, rank)
         return rc
 
@@ -265,8 +297,13 @@ def test_a_closed_port_is_a_process_gone_and_aborts_too() -> None:
 
 @pytest.mark.parametrize("case", ["all answer", "wait ended", "abandoned", "most silent", "superseded"])
 def test_nothing_is_aborted(case: str) -> None:
-    kinds = ("silent", "silent", "live") if case == "most silent" else ("live", "live") if case == "all answer" \
+    kinds = (
+        ("silent", "silent", "live")
+        if case == "most silent"
+        else ("live", "live")
+        if case == "all answer"
         else ("live", "silent", "live")
+    )
     with _hosts(*kinds) as ports:
         job = _Job({"a": 1, **ports})
         rc = job.check()
@@ -281,8 +318,9 @@ def test_nothing_is_aborted(case: str) -> None:
         assert not v.abort and job.aborts == [], v
         # what was found still counts for this member's rendezvous when another prober's abort, or
         # the end of the wait, came first; a majority silent or nobody silent notes nothing
-        assert rc.out_of_reach == ((7, frozenset({"silent1"})) if case in ("wait ended", "abandoned")
-                                   else (0, frozenset()))
+        assert rc.out_of_reach == (
+            (7, frozenset({"silent1"})) if case in ("wait ended", "abandoned") else (0, frozenset())
+        )
 
 
 def test_a_prober_that_cannot_write_the_abort_fails_the_check() -> None:

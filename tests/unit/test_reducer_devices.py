@@ -12,14 +12,17 @@ import torch
 from elasticd.worker.collectives import GradientReducer, same_device, vote_dtype
 
 
-@pytest.mark.parametrize(("a", "b", "same"), [
-    ("cpu", "cpu", True),
-    ("cpu", "cuda:0", False),
-    ("cuda:0", "cpu", False),
-    ("cuda:0", "cuda:0", True),
-    ("cuda:0", "cuda:1", False),
-    ("cpu", "meta", False),
-])
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("cpu", "cpu", True),
+        ("cpu", "cuda:0", False),
+        ("cuda:0", "cpu", False),
+        ("cuda:0", "cuda:0", True),
+        ("cuda:0", "cuda:1", False),
+        ("cpu", "meta", False),
+    ],
+)
 def test_same_device(a: str, b: str, same: bool) -> None:
     assert same_device(torch.device(a), torch.device(b)) is same
 
@@ -36,12 +39,15 @@ def test_buckets_split_by_device_and_stage_on_the_group_device() -> None:
     reducer.close()
 
 
-@pytest.mark.parametrize(("dtype", "vote"), [
-    (torch.float32, None),
-    (torch.float64, None),
-    (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float32),
-])
+@pytest.mark.parametrize(
+    ("dtype", "vote"),
+    [
+        (torch.float32, None),
+        (torch.float64, None),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+)
 def test_vote_dtype(dtype: torch.dtype, vote: torch.dtype | None) -> None:
     assert vote_dtype(dtype) is vote
 

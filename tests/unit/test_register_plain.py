@@ -30,8 +30,12 @@ PLAIN: dict[str, Callable[[TrainingState, int], object]] = {
     "ema_dict": lambda s, seed: {k: v + seed for k, v in _ema(s).items()},
     "list_of_tensors": lambda s, seed: [torch.full((3,), float(seed)), torch.arange(4) * seed],
     "counters": lambda s, seed: {"tokens": 100 * seed, "samples": seed, "best": 1.0 / (seed + 1), "tag": f"s{seed}"},
-    "nested": lambda s, seed: {"ema": {"w": torch.full((2, 2), float(seed))}, "hist": [seed, 2.5, None, True, "x"],
-                               "by_step": {seed: (seed, 0.5)}, "deep": [{"t": torch.ones(2) * seed, "n": seed}]},
+    "nested": lambda s, seed: {
+        "ema": {"w": torch.full((2, 2), float(seed))},
+        "hist": [seed, 2.5, None, True, "x"],
+        "by_step": {seed: (seed, 0.5)},
+        "deep": [{"t": torch.ones(2) * seed, "n": seed}],
+    },
     "tensor": lambda s, seed: torch.full((5,), float(seed), dtype=torch.float64),
 }
 
@@ -84,12 +88,16 @@ def test_entries_the_loaded_state_adds_or_lacks_are_inserted_and_removed_in_plac
     assert list(mine) == ["tokens", "new"]  # the loaded order
 
 
-@pytest.mark.parametrize("change", [
-    lambda v: v["ema"]["w"].add_(1.0),
-    lambda v: v.__setitem__("tokens", v["tokens"] + 1),
-    lambda v: v["hist"].append(3),
-    lambda v: v.__setitem__("extra", None),
-], ids=["a_tensor", "a_counter", "a_list_grows", "a_new_key"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda v: v["ema"]["w"].add_(1.0),
+        lambda v: v.__setitem__("tokens", v["tokens"] + 1),
+        lambda v: v["hist"].append(3),
+        lambda v: v.__setitem__("extra", None),
+    ],
+    ids=["a_tensor", "a_counter", "a_list_grows", "a_new_key"],
+)
 def test_the_checksum_covers_a_plain_value(change: Callable[[dict[str, object]], None]) -> None:
     def value() -> dict[str, object]:
         return {"ema": {"w": torch.zeros(3)}, "tokens": 5, "hist": [1, 2]}
@@ -112,8 +120,9 @@ def test_a_plain_value_persists_in_a_durable_checkpoint(tmp_path: Path) -> None:
     for v in ema.values():
         v.mul_(0.5)
     tokens["tokens"] = 1234
-    writer = CheckpointWriter(tmp_path, job_id="j", node="n0", signature=state.signature, every_steps=1,
-                              every_s=0.0, keep=3, wait_s=10.0)
+    writer = CheckpointWriter(
+        tmp_path, job_id="j", node="n0", signature=state.signature, every_steps=1, every_s=0.0, keep=3, wait_s=10.0
+    )
     assert writer.save(state, generation=1)
     assert writer.wait_idle(10)
     writer.close()
@@ -138,8 +147,11 @@ def test_a_tensor_of_another_shape_is_refused_and_nothing_is_loaded() -> None:
     dst.register("ema", mine)
     before = dst.checksum()
     layout, flat = src.pack()
-    with pytest.raises(StateCorrupt, match=r"registered value 'ema' \(dict\) refused.* at b, where the registered "
-                                           r"value holds a torch.float32 tensor of shape \[4\]"):
+    with pytest.raises(
+        StateCorrupt,
+        match=r"registered value 'ema' \(dict\) refused.* at b, where the registered "
+        r"value holds a torch.float32 tensor of shape \[4\]",
+    ):
         dst.unpack(layout, flat.clone())
     assert torch.equal(mine["a"], torch.zeros(2)) and dst.checksum() == before
 
@@ -148,8 +160,11 @@ def test_a_tensor_of_another_shape_is_refused_and_nothing_is_loaded() -> None:
 
 
 MISFITS = {  # (live, value) -> a fragment of the message
-    "shape": ({"w": torch.zeros(2)}, {"w": torch.zeros(3)}, "tensor of shape [3] at w, where the registered value "
-                                                            "holds a torch.float32 tensor of shape [2]"),
+    "shape": (
+        {"w": torch.zeros(2)},
+        {"w": torch.zeros(3)},
+        "tensor of shape [3] at w, where the registered value holds a torch.float32 tensor of shape [2]",
+    ),
     "dtype": ([torch.zeros(2)], [torch.zeros(2, dtype=torch.float64)], "torch.float64 tensor of shape [2] at 0"),
     "not_a_tensor": ({"w": torch.zeros(2)}, {"w": None}, "holds a NoneType at w"),
     "not_a_dict": ({"d": {"x": 1}}, {"d": [1]}, "holds a list at d, where the registered value holds a dict"),

@@ -51,15 +51,20 @@ def test_a_heartbeat_repeating_the_last_read_is_decoded_from_its_head_and_any_ot
     beat = reader.decode(body(Frame(seq=5, read_at=13.0, view=(KV,), extra=(ROSTER,))))
     assert beat == Frame(seq=5, read_at=13.0, view=(KV,), extra=(ROSTER,))
     assert isinstance(beat, Frame) and beat.view is got.view  # not parsed again
-    for changed in (Frame(seq=6, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,)),  # a new read
-                    Frame(seq=7, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,), error="etcd down",
-                          error_at=15.0)):  # a failed read after it
+    for changed in (
+        Frame(seq=6, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,)),  # a new read
+        Frame(seq=7, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,), error="etcd down", error_at=15.0),
+    ):  # a failed read after it
         assert reader.decode(body(changed)) == changed
     assert reader.decode(encode_reply(Reply(3, 9))[4:]) == Reply(3, 9)  # replies pass through
-    assert reader.decode(body(Frame(seq=8, read_at=16.0, view=(KV, ROSTER), extra=(ROSTER,), error="etcd down",
-                                    error_at=15.0))).read_at == 16.0  # type: ignore[union-attr]
+    assert (
+        reader.decode(
+            body(Frame(seq=8, read_at=16.0, view=(KV, ROSTER), extra=(ROSTER,), error="etcd down", error_at=15.0))
+        ).read_at
+        == 16.0
+    )  # type: ignore[union-attr]
     # a head that is not a frame's is refused as in full, even with the last frame's tail
-    tail = body(first)[body(first).find(b',"view":'):]
+    tail = body(first)[body(first).find(b',"view":') :]
     reader.decode(body(first))
     for bad in (b'{"seq":"9","read_at":1.0' + tail, b'{"seq":9,"read_at":1e999' + tail):
         with pytest.raises(RelayError):
@@ -68,35 +73,57 @@ def test_a_heartbeat_repeating_the_last_read_is_decoded_from_its_head_and_any_ot
     assert reader.decode(extra_field) == decode_message(extra_field)
 
 
-@pytest.mark.parametrize("raw", [
-    b"not json", b"[]", b"{}", json.dumps({"seq": "1", "read_at": 0, "view": [], "extra": [], "error": "",
-                                           "error_at": 0}).encode(),
-    json.dumps({"seq": 1, "read_at": 0, "view": [["k", "!!notbase64", 1, 1, 0]], "extra": [], "error": "",
-                "error_at": 0}).encode(),
-    json.dumps({"seq": 1, "read_at": 0, "view": [["k", "", 1, 1]], "extra": [], "error": "",
-                "error_at": 0}).encode(),
-    json.dumps({"seq": 1, "read_at": 0, "view": [["k", "", True, 1, 0]], "extra": [], "error": "",
-                "error_at": 0}).encode(),
-    json.dumps({"seq": 1, "read_at": 0, "view": {}, "extra": [], "error": "", "error_at": 0}).encode(),
-    b'{"seq": 1, "read_at": Infinity, "view": [], "extra": [], "error": "", "error_at": 0}',
-    b"[" * 100000 + b"]" * 100000,
-], ids=["garbage", "a list", "no fields", "seq a string", "value not base64", "short row", "bool revision",
-        "view not a list", "a time not finite", "nested too deep"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[]",
+        b"{}",
+        json.dumps({"seq": "1", "read_at": 0, "view": [], "extra": [], "error": "", "error_at": 0}).encode(),
+        json.dumps(
+            {"seq": 1, "read_at": 0, "view": [["k", "!!notbase64", 1, 1, 0]], "extra": [], "error": "", "error_at": 0}
+        ).encode(),
+        json.dumps(
+            {"seq": 1, "read_at": 0, "view": [["k", "", 1, 1]], "extra": [], "error": "", "error_at": 0}
+        ).encode(),
+        json.dumps(
+            {"seq": 1, "read_at": 0, "view": [["k", "", True, 1, 0]], "extra": [], "error": "", "error_at": 0}
+        ).encode(),
+        json.dumps({"seq": 1, "read_at": 0, "view": {}, "extra": [], "error": "", "error_at": 0}).encode(),
+        b'{"seq": 1, "read_at": Infinity, "view": [], "extra": [], "error": "", "error_at": 0}',
+        b"[" * 100000 + b"]" * 100000,
+    ],
+    ids=[
+        "garbage",
+        "a list",
+        "no fields",
+        "seq a string",
+        "value not base64",
+        "short row",
+        "bool revision",
+        "view not a list",
+        "a time not finite",
+        "nested too deep",
+    ],
+)
 def test_anything_but_a_frame_is_refused(raw: bytes) -> None:
     with pytest.raises(RelayError):
         decode_frame(raw)
 
 
-@pytest.mark.parametrize(("frame", "since", "expected"), [
-    (None, 0.0, Serve.WAIT),                                               # nothing heard yet
-    (Frame(seq=0), 0.0, Serve.WAIT),                                       # connected, no read yet
-    (Frame(seq=1, read_at=10.0, view=(KV,)), 9.0, Serve.VIEW),             # read after what is needed
-    (Frame(seq=1, read_at=10.0, view=(KV,)), 10.0, Serve.VIEW),            # ... at that very moment
-    (Frame(seq=1, read_at=10.0, view=(KV,)), 10.5, Serve.WAIT),            # too old, or before my write
-    (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 10.5, Serve.FAIL),  # the read after failed
-    (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 11.5, Serve.WAIT),  # a failure before: wait
-    (Frame(seq=2, read_at=12.0, error="down", error_at=11.0), 11.5, Serve.VIEW),  # a good read after it
-])
+@pytest.mark.parametrize(
+    ("frame", "since", "expected"),
+    [
+        (None, 0.0, Serve.WAIT),  # nothing heard yet
+        (Frame(seq=0), 0.0, Serve.WAIT),  # connected, no read yet
+        (Frame(seq=1, read_at=10.0, view=(KV,)), 9.0, Serve.VIEW),  # read after what is needed
+        (Frame(seq=1, read_at=10.0, view=(KV,)), 10.0, Serve.VIEW),  # ... at that very moment
+        (Frame(seq=1, read_at=10.0, view=(KV,)), 10.5, Serve.WAIT),  # too old, or before my write
+        (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 10.5, Serve.FAIL),  # the read after failed
+        (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 11.5, Serve.WAIT),  # a failure before: wait
+        (Frame(seq=2, read_at=12.0, error="down", error_at=11.0), 11.5, Serve.VIEW),  # a good read after it
+    ],
+)
 def test_serve(frame: Frame | None, since: float, expected: Serve) -> None:
     assert serve(frame, since) is expected
 
@@ -116,15 +143,27 @@ def test_put_requests_and_replies_round_trip_and_are_told_apart_from_frames() ->
     assert decode_message(body(frame)) == frame
 
 
-@pytest.mark.parametrize("raw", [
-    b"[]", json.dumps({"put": 1, "key": "k", "value": "!!", "lease": 1}).encode(),
-    json.dumps({"put": "1", "key": "k", "value": "", "lease": 1}).encode(),
-    json.dumps({"put": 1, "key": 5, "value": "", "lease": 1}).encode(),
-    json.dumps({"put": 1, "key": "k", "value": "", "lease": True}).encode(),
-    json.dumps({"put": 1, "key": "k", "value": "", "lease": 2**63}).encode(),
-    json.dumps({"put": 1, "key": "k", "value": "", "lease": -1}).encode(),
-], ids=["a list", "value not base64", "id a string", "key a number", "bool lease", "lease too large",
-        "lease negative"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[]",
+        json.dumps({"put": 1, "key": "k", "value": "!!", "lease": 1}).encode(),
+        json.dumps({"put": "1", "key": "k", "value": "", "lease": 1}).encode(),
+        json.dumps({"put": 1, "key": 5, "value": "", "lease": 1}).encode(),
+        json.dumps({"put": 1, "key": "k", "value": "", "lease": True}).encode(),
+        json.dumps({"put": 1, "key": "k", "value": "", "lease": 2**63}).encode(),
+        json.dumps({"put": 1, "key": "k", "value": "", "lease": -1}).encode(),
+    ],
+    ids=[
+        "a list",
+        "value not base64",
+        "id a string",
+        "key a number",
+        "bool lease",
+        "lease too large",
+        "lease negative",
+    ],
+)
 def test_anything_but_a_put_request_is_refused(raw: bytes) -> None:
     with pytest.raises(RelayError):
         decode_request(raw)

@@ -61,41 +61,99 @@ def dead(verdict: VerdictRecord | None = None, alive: tuple[str, ...] = ("a",)) 
 
 # -- the rule ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, s, seen, wall, until", [
-    ("a new job (no earlier generation): nothing holds it",
-     snap(None, alive=["a"], ready_recs=[ready("a", 40)]), NOW, WALL, None),
-    ("a member of the last generation lives: nothing holds it (it holds the state, or the generation "
-     "cannot train without it)", dead(alive=("a", "x")), NOW, WALL, None),
-    ("every lease ended, no time recorded yet: resume_hold_s from this process's own sight",
-     dead(), NOW - 10, WALL, NOW - 10 + HOLD_S),
-    ("recorded 25 s ago by another coordinator: the 5 s left, not a new hold from my own sight",
-     dead(orphaned(WALL - 25)), NOW - 1, WALL, NOW + 5),
-    ("recorded an hour ago (a job restarted long after): over",
-     dead(orphaned(WALL - 3600)), NOW, WALL, NOW - 3600 + HOLD_S),
-    ("recorded by a clock an hour ahead: at most resume_hold_s past my own sight",
-     dead(orphaned(WALL + 3600)), NOW - 1, WALL, NOW - 1 + HOLD_S),
-    ("no wall clock given (next_action, tests): my own sight alone",
-     dead(orphaned(WALL - 25)), NOW - 1, None, NOW - 1 + HOLD_S),
-    ("a verdict on an older generation says nothing",
-     dead(orphaned(WALL - 25, generation=2)), NOW - 1, WALL, NOW - 1 + HOLD_S),
-    ("a verdict that does not say orphaned says nothing",
-     dead(dataclasses.replace(orphaned(WALL - 25), orphaned=0)), NOW - 1, WALL, NOW - 1 + HOLD_S),
-    ("a verdict orphaned with no time (written without one) says nothing",
-     dead(orphaned(0.0)), NOW - 1, WALL, NOW - 1 + HOLD_S),
-])
+
+@pytest.mark.parametrize(
+    "name, s, seen, wall, until",
+    [
+        (
+            "a new job (no earlier generation): nothing holds it",
+            snap(None, alive=["a"], ready_recs=[ready("a", 40)]),
+            NOW,
+            WALL,
+            None,
+        ),
+        (
+            "a member of the last generation lives: nothing holds it (it holds the state, or the generation "
+            "cannot train without it)",
+            dead(alive=("a", "x")),
+            NOW,
+            WALL,
+            None,
+        ),
+        (
+            "every lease ended, no time recorded yet: resume_hold_s from this process's own sight",
+            dead(),
+            NOW - 10,
+            WALL,
+            NOW - 10 + HOLD_S,
+        ),
+        (
+            "recorded 25 s ago by another coordinator: the 5 s left, not a new hold from my own sight",
+            dead(orphaned(WALL - 25)),
+            NOW - 1,
+            WALL,
+            NOW + 5,
+        ),
+        (
+            "recorded an hour ago (a job restarted long after): over",
+            dead(orphaned(WALL - 3600)),
+            NOW,
+            WALL,
+            NOW - 3600 + HOLD_S,
+        ),
+        (
+            "recorded by a clock an hour ahead: at most resume_hold_s past my own sight",
+            dead(orphaned(WALL + 3600)),
+            NOW - 1,
+            WALL,
+            NOW - 1 + HOLD_S,
+        ),
+        (
+            "no wall clock given (next_action, tests): my own sight alone",
+            dead(orphaned(WALL - 25)),
+            NOW - 1,
+            None,
+            NOW - 1 + HOLD_S,
+        ),
+        (
+            "a verdict on an older generation says nothing",
+            dead(orphaned(WALL - 25, generation=2)),
+            NOW - 1,
+            WALL,
+            NOW - 1 + HOLD_S,
+        ),
+        (
+            "a verdict that does not say orphaned says nothing",
+            dead(dataclasses.replace(orphaned(WALL - 25), orphaned=0)),
+            NOW - 1,
+            WALL,
+            NOW - 1 + HOLD_S,
+        ),
+        (
+            "a verdict orphaned with no time (written without one) says nothing",
+            dead(orphaned(0.0)),
+            NOW - 1,
+            WALL,
+            NOW - 1 + HOLD_S,
+        ),
+    ],
+)
 def test_resume_held_until(name: str, s: Snapshot, seen: float, wall: float | None, until: float | None) -> None:
     got = resume_held_until(s, seen, NOW, T, wall)
     assert got == (None if until is None else pytest.approx(until)), name
 
 
-@pytest.mark.parametrize("name, s, now, want", [
-    ("no generation", snap(None, alive=["a"]), WALL, 0.0),
-    ("a member lives", dead(alive=("a", "y")), WALL, 0.0),
-    ("first judged orphaned now", dead(), WALL, WALL),
-    ("kept from the stored verdict (a later coordinator)", dead(orphaned(WALL - 25)), WALL, WALL - 25),
-    ("a stored verdict on another generation is not kept", dead(orphaned(WALL - 25, generation=2)), WALL, WALL),
-    ("a stored verdict with no time: from now", dead(orphaned(0.0)), WALL, WALL),
-])
+@pytest.mark.parametrize(
+    "name, s, now, want",
+    [
+        ("no generation", snap(None, alive=["a"]), WALL, 0.0),
+        ("a member lives", dead(alive=("a", "y")), WALL, 0.0),
+        ("first judged orphaned now", dead(), WALL, WALL),
+        ("kept from the stored verdict (a later coordinator)", dead(orphaned(WALL - 25)), WALL, WALL - 25),
+        ("a stored verdict on another generation is not kept", dead(orphaned(WALL - 25, generation=2)), WALL, WALL),
+        ("a stored verdict with no time: from now", dead(orphaned(0.0)), WALL, WALL),
+    ],
+)
 def test_orphaned_since(name: str, s: Snapshot, now: float, want: float) -> None:
     assert orphaned_since(s, now) == want, name
 
@@ -120,6 +178,7 @@ def test_the_hold_goes_through_the_coordinators_decision() -> None:
 
 
 # -- the record and the setting ------------------------------------------------------------------
+
 
 def test_the_verdict_carries_orphaned_at_and_refuses_garbage() -> None:
     v = orphaned(WALL + 0.25)
@@ -159,8 +218,17 @@ def _member(store: FakeKeyValueStore, name: str, lease: int, ready_step: int | N
 
 def _coordinator(store: FakeKeyValueStore, clock: ManualClock, wall: list[float], me: str) -> Coordinator:
     store.put(KEYS.coordinator, encode(CoordinatorRecord(me, me.split(".")[0])))
-    return Coordinator(store, KEYS, me, W, T, clock, JobReader(store, KEYS, "n").snapshot,
-                       lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"), wall=lambda: wall[0])
+    return Coordinator(
+        store,
+        KEYS,
+        me,
+        W,
+        T,
+        clock,
+        JobReader(store, KEYS, "n").snapshot,
+        lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"),
+        wall=lambda: wall[0],
+    )
 
 
 def _generation(store: FakeKeyValueStore) -> GenerationRecord:

@@ -34,8 +34,18 @@ def _node(member: str) -> str:
     return member.split(".")[0]
 
 
-@pytest.mark.parametrize(("n", "buckets"), [(1, 0), (ROSTER_INLINE, 0), (ROSTER_INLINE + 1, 2), (1000, 16),
-                                            (4000, 63), (16000, ROSTER_BUCKETS_MAX), (10**6, ROSTER_BUCKETS_MAX)])
+@pytest.mark.parametrize(
+    ("n", "buckets"),
+    [
+        (1, 0),
+        (ROSTER_INLINE, 0),
+        (ROSTER_INLINE + 1, 2),
+        (1000, 16),
+        (4000, 63),
+        (16000, ROSTER_BUCKETS_MAX),
+        (10**6, ROSTER_BUCKETS_MAX),
+    ],
+)
 def test_buckets_grow_with_the_world_up_to_a_bound(n: int, buckets: int) -> None:
     assert buckets_for(n) == buckets
 
@@ -62,9 +72,18 @@ def test_a_large_generation_round_trips_and_a_member_reads_only_its_nodes_bucket
     assert sum(1 for m in mine.members if m) < max(2 * n / len(buckets), 64)  # a bucket, not the job
 
 
-@pytest.mark.parametrize(("bad", "why"), [
-    ({"ranks": {"a": 5000}}, "out of range"), ({"ranks": {"a": 0, "b": 0}}, "taken"), ({"ranks": {"a": True}}, "out of range"),
-    ({"ranks": []}, "ranks"), ({"other": 1}, "ranks"), ([], "ranks"), ({"ranks": {"": 1}}, "out of range")])
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ({"ranks": {"a": 5000}}, "out of range"),
+        ({"ranks": {"a": 0, "b": 0}}, "taken"),
+        ({"ranks": {"a": True}}, "out of range"),
+        ({"ranks": []}, "ranks"),
+        ({"other": 1}, "ranks"),
+        ([], "ranks"),
+        ({"ranks": {"": 1}}, "out of range"),
+    ],
+)
 def test_a_bad_bucket_is_refused(bad: object, why: str) -> None:
     sparse = decode_generation(encode_generation(_gen(100), _node)[0])
     with pytest.raises(ValueError, match=why):

@@ -24,16 +24,20 @@ def _raises(exc: BaseException) -> Callable[[], int]:
     return body
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    (_returns(0), 0),
-    (_returns(1), 1),
-    (_raises(ConfigError("etcd: no etcd binary on PATH")), 2),
-    (_raises(RuntimeError("etcd did not answer")), 1),
-    (_raises(KeyboardInterrupt()), 130),
-    (_raises(Terminated()), 130),
-])
-def test_exit_code_of_each_way_out_and_every_process_stopped(body: Callable[[], int], code: int,
-                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (_returns(0), 0),
+        (_returns(1), 1),
+        (_raises(ConfigError("etcd: no etcd binary on PATH")), 2),
+        (_raises(RuntimeError("etcd did not answer")), 1),
+        (_raises(KeyboardInterrupt()), 130),
+        (_raises(Terminated()), 130),
+    ],
+)
+def test_exit_code_of_each_way_out_and_every_process_stopped(
+    body: Callable[[], int], code: int, tmp_path: Path
+) -> None:
     stopped: list[bool] = []
     said: list[str] = []
     workdir = tmp_path / "run"

@@ -233,7 +233,9 @@ def test_each_epoch_order_is_built_once_even_when_a_prefetch_looks_ahead() -> No
     ],
 )
 def test_next_batch_predicts_the_batch_after_a_commit_with_no_change(
-    dataset_size: int | None, kwargs: dict[str, object], start: tuple[int, int, int, int, int],
+    dataset_size: int | None,
+    kwargs: dict[str, object],
+    start: tuple[int, int, int, int, int],
     expected: tuple[int, int, int, tuple[int, int]],
 ) -> None:
     s = ElasticSampler(dataset_size, 4, seed=2, **kwargs)  # type: ignore[arg-type]
@@ -262,8 +264,9 @@ def test_split_micro_is_contiguous_and_keeps_the_share(indices: list[int], count
     micros = split_micro(share, count)
     assert [m.indices for m in micros] == parts
     assert [(m.micro, m.micro_count) for m in micros] == [(k, count) for k in range(count)]
-    assert all((m.step, m.epoch, m.position, m.global_size, m.world_size, m.rank) == (4, 1, 12, 10, 3, 2)
-               for m in micros)
+    assert all(
+        (m.step, m.epoch, m.position, m.global_size, m.world_size, m.rank) == (4, 1, 12, 10, 3, 2) for m in micros
+    )
     assert sum(m.weight for m in micros) == pytest.approx(share.weight)
 
 

@@ -56,13 +56,19 @@ def abstract_systemd() -> Iterator[tuple[str, socket.socket]]:
 MESSAGES: list[tuple[str, Callable[[Notifier], bool], bytes]] = [
     ("ready", lambda n: n.ready(), b"READY=1\n"),
     ("watchdog", lambda n: n.watchdog(), b"WATCHDOG=1\n"),
-    ("status", lambda n: n.status("generation 3, world 4/2..8, step 1200"),
-     b"STATUS=generation 3, world 4/2..8, step 1200\n"),
+    (
+        "status",
+        lambda n: n.status("generation 3, world 4/2..8, step 1200"),
+        b"STATUS=generation 3, world 4/2..8, step 1200\n",
+    ),
     ("status_multiline", lambda n: n.status("draining\nstep 7"), b"STATUS=draining step 7\n"),
     ("stopping", lambda n: n.stopping(), b"STOPPING=1\n"),
     ("extend_timeout", lambda n: n.extend_timeout(timedelta(seconds=2.5)), b"EXTEND_TIMEOUT_USEC=2500000\n"),
-    ("several_fields", lambda n: n.notify(READY=1, STATUS="joined generation 1"),
-     b"READY=1\nSTATUS=joined generation 1\n"),
+    (
+        "several_fields",
+        lambda n: n.notify(READY=1, STATUS="joined generation 1"),
+        b"READY=1\nSTATUS=joined generation 1\n",
+    ),
     ("bool_value", lambda n: n.notify(WATCHDOG=True), b"WATCHDOG=1\n"),
 ]
 
@@ -104,8 +110,14 @@ def test_disabled_notifier_is_a_no_op(path: str | None) -> None:
     with capture_logs() as logs:
         notifier = Notifier(path)
         assert not notifier.enabled
-        results = [notifier.ready(), notifier.watchdog(), notifier.status("x"), notifier.stopping(),
-                   notifier.extend_timeout(timedelta(seconds=1)), notifier.notify(READY=1)]
+        results = [
+            notifier.ready(),
+            notifier.watchdog(),
+            notifier.status("x"),
+            notifier.stopping(),
+            notifier.extend_timeout(timedelta(seconds=1)),
+            notifier.notify(READY=1),
+        ]
         notifier.close()
     assert results == [False] * 6
     assert logs == []
@@ -191,9 +203,7 @@ WATCHDOG_CASES: list[tuple[str | None, str | None, float | None]] = [
 
 
 @pytest.mark.parametrize(("usec", "pid", "expected"), WATCHDOG_CASES)
-def test_watchdog_interval_is_half_of_watchdog_usec(
-    usec: str | None, pid: str | None, expected: float | None
-) -> None:
+def test_watchdog_interval_is_half_of_watchdog_usec(usec: str | None, pid: str | None, expected: float | None) -> None:
     got = watchdog_interval(usec, pid)
     if expected is None:
         assert got is None

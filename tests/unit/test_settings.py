@@ -104,13 +104,36 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.etcd.prefix == "/custom"
     assert env.world == WorldConfig(job_id="job-42", min_workers=2, max_workers=6)
     assert env.timeouts == Timeouts(
-        join_s=50.0, join_window_s=0.5, last_call_s=0.6, coordinator_grace_s=0.4, view_poll_s=4.0, lease_ttl_s=4.0, keepalive_s=1.5,
-        collective_s=11.0, group_build_s=12.0, group_abort_s=16.0, checkpoint_transfer_s=13.0, etcd_request_s=1.25, lease_renew_s=0.4, etcd_outage_s=300.0, resume_hold_s=20.0, standby_s=3600.0,
-        abort_poll_s=0.05, shutdown_grace_s=14.0, progress_event_s=3.0, relay_heartbeat_s=0.4, relay_stale_s=1.7,
-        round_poll_s=0.3, probe_s=0.07, reach_check_s=0.9, reach_check_min_s=0.15, deputy_step_s=0.8,
+        join_s=50.0,
+        join_window_s=0.5,
+        last_call_s=0.6,
+        coordinator_grace_s=0.4,
+        view_poll_s=4.0,
+        lease_ttl_s=4.0,
+        keepalive_s=1.5,
+        collective_s=11.0,
+        group_build_s=12.0,
+        group_abort_s=16.0,
+        checkpoint_transfer_s=13.0,
+        etcd_request_s=1.25,
+        lease_renew_s=0.4,
+        etcd_outage_s=300.0,
+        resume_hold_s=20.0,
+        standby_s=3600.0,
+        abort_poll_s=0.05,
+        shutdown_grace_s=14.0,
+        progress_event_s=3.0,
+        relay_heartbeat_s=0.4,
+        relay_stale_s=1.7,
+        round_poll_s=0.3,
+        probe_s=0.07,
+        reach_check_s=0.9,
+        reach_check_min_s=0.15,
+        deputy_step_s=0.8,
     )
-    assert env.retry == RetryPolicy(etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0, etcd_reconnect_max_s=0.25,
-                                    step_retries=4)
+    assert env.retry == RetryPolicy(
+        etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0, etcd_reconnect_max_s=0.25, step_retries=4
+    )
     assert (env.node_id, env.local_rank, env.advertise_addr, env.backend) == ("node-7", 3, "10.1.2.3", "gloo")
     assert env.events_keep == 42
     assert (env.spare, env.standby) == (True, True)
@@ -118,9 +141,14 @@ def test_from_environ_parses_every_variable() -> None:
     assert env.audit_dir == "/data/audit"
     assert (env.stop_after_sum, env.miss_sum_at, env.kill_after_apply) == (17, 18, 19)
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
-    assert env.checkpoint == CheckpointConfig(checkpoint_dir="/data/ckpt", checkpoint_every_steps=50,
-                                              checkpoint_every_s=30.0, checkpoint_keep=5, checkpoint_wait_s=20.0,
-                                              checkpoint_allow_new_model=True)
+    assert env.checkpoint == CheckpointConfig(
+        checkpoint_dir="/data/ckpt",
+        checkpoint_every_steps=50,
+        checkpoint_every_s=30.0,
+        checkpoint_keep=5,
+        checkpoint_wait_s=20.0,
+        checkpoint_allow_new_model=True,
+    )
 
 
 def test_every_field_has_a_variable_in_the_test() -> None:
@@ -225,7 +253,10 @@ def test_value_is_quoted_in_the_message() -> None:
             etcd=EtcdConfig(endpoints=("a:1", "b:2", "[::1]:3"), prefix="/p/q"),
             timeouts=Timeouts(join_window_s=0.1, keepalive_s=0.3, lease_ttl_s=1.0, abort_poll_s=0.001),
             retry=RetryPolicy(etcd_attempts=1, etcd_backoff_initial_s=0.001, step_retries=1),
-            node_id="host.example.com", local_rank=15, advertise_addr="::1", backend="nccl",
+            node_id="host.example.com",
+            local_rank=15,
+            advertise_addr="::1",
+            backend="nccl",
         ),
     ],
     ids=["defaults", "full", "edges"],
@@ -265,12 +296,15 @@ def test_etcd_security_settings_round_trip_to_workers(tmp_path) -> None:
     assert worker_env_from_environ(worker_env_to_environ(WorkerEnv(node_id="n", etcd=by_value))).etcd == by_value
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(ca_cert="/absent.pem"), "etcd_ca_cert: no such file: '/absent.pem'"),
-    (dict(ca_cert="/absent.pem", cert_cert="CERT"), "etcd_ca_cert: no such file: '/absent.pem'"),  # before pairing
-    (dict(endpoints=("nohost",), ca_cert="/absent.pem"), "etcd_endpoints: expected host:port"),  # after the address
-    (dict(cert_cert="CERT"), "etcd_cert_cert: a client certificate needs its key"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(ca_cert="/absent.pem"), "etcd_ca_cert: no such file: '/absent.pem'"),
+        (dict(ca_cert="/absent.pem", cert_cert="CERT"), "etcd_ca_cert: no such file: '/absent.pem'"),  # before pairing
+        (dict(endpoints=("nohost",), ca_cert="/absent.pem"), "etcd_endpoints: expected host:port"),  # after the address
+        (dict(cert_cert="CERT"), "etcd_cert_cert: a client certificate needs its key"),
+    ],
+)
 def test_etcd_files_are_checked_by_the_loader_in_order(tmp_path, fields: dict[str, object], message: str) -> None:
     real = dict(zip(("CERT",), _files(tmp_path, "c.pem"), strict=True))
     values = {k: real.get(v, v) if isinstance(v, str) else v for k, v in fields.items()}
@@ -280,10 +314,17 @@ def test_etcd_files_are_checked_by_the_loader_in_order(tmp_path, fields: dict[st
     EtcdConfig(ca_cert="/absent.pem")  # the value object itself touches no file
 
 
-@pytest.mark.parametrize(("kind", "raw", "value"), [
-    (int, " 7 ", 7), (float, "2", 2.0), (bool, "Yes", True), (bool, "off", False), (str, " x ", "x"),
-    (tuple, "a:1, b:2 ,", ("a:1", "b:2")),
-])
+@pytest.mark.parametrize(
+    ("kind", "raw", "value"),
+    [
+        (int, " 7 ", 7),
+        (float, "2", 2.0),
+        (bool, "Yes", True),
+        (bool, "off", False),
+        (str, " x ", "x"),
+        (tuple, "a:1, b:2 ,", ("a:1", "b:2")),
+    ],
+)
 def test_one_text_converter(kind: type, raw: str, value: object) -> None:
     assert from_text(kind, raw) == value and type(from_text(kind, raw)) is type(value)
 
@@ -300,17 +341,20 @@ def test_an_empty_password_file_is_a_clear_error(tmp_path) -> None:
         read_password(EtcdConfig(user="u", password_file=str(tmp_path / "pw")))
 
 
-@pytest.mark.parametrize("variable, value, message", [
-    ("ELASTICD_CHECKPOINT_EVERY_STEPS", "-1", r"^checkpoint_every_steps: must be an integer >= 0"),
-    ("ELASTICD_CHECKPOINT_EVERY_S", "-2", r"^checkpoint_every_s: must be a finite number >= 0"),
-    ("ELASTICD_CHECKPOINT_EVERY_S", "nan", r"^checkpoint_every_s: must be a finite number >= 0"),
-    ("ELASTICD_CHECKPOINT_KEEP", "0", r"^checkpoint_keep: must be an integer >= 1"),
-    ("ELASTICD_CHECKPOINT_WAIT_S", "0", r"^checkpoint_wait_s: must be a positive"),
-    ("ELASTICD_CHECKPOINT_KEEP", "three", r"^ELASTICD_CHECKPOINT_KEEP: expected a int"),
-    ("ELASTICD_STOP_AFTER_SUM", "-1", r"^stop_after_sum: must be >= 0 \(0: never\)"),
-    ("ELASTICD_MISS_SUM_AT", "-3", r"^miss_sum_at: must be >= 0 \(0: never\), got -3"),
-    ("ELASTICD_KILL_AFTER_APPLY", "-2", r"^kill_after_apply: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("ELASTICD_CHECKPOINT_EVERY_STEPS", "-1", r"^checkpoint_every_steps: must be an integer >= 0"),
+        ("ELASTICD_CHECKPOINT_EVERY_S", "-2", r"^checkpoint_every_s: must be a finite number >= 0"),
+        ("ELASTICD_CHECKPOINT_EVERY_S", "nan", r"^checkpoint_every_s: must be a finite number >= 0"),
+        ("ELASTICD_CHECKPOINT_KEEP", "0", r"^checkpoint_keep: must be an integer >= 1"),
+        ("ELASTICD_CHECKPOINT_WAIT_S", "0", r"^checkpoint_wait_s: must be a positive"),
+        ("ELASTICD_CHECKPOINT_KEEP", "three", r"^ELASTICD_CHECKPOINT_KEEP: expected a int"),
+        ("ELASTICD_STOP_AFTER_SUM", "-1", r"^stop_after_sum: must be >= 0 \(0: never\)"),
+        ("ELASTICD_MISS_SUM_AT", "-3", r"^miss_sum_at: must be >= 0 \(0: never\), got -3"),
+        ("ELASTICD_KILL_AFTER_APPLY", "-2", r"^kill_after_apply: must be >= 0"),
+    ],
+)
 def test_bad_checkpoint_settings_name_the_setting(variable: str, value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         worker_env_from_environ({"ELASTICD_NODE_ID": "n", variable: value})
@@ -322,39 +366,63 @@ def test_checkpoint_settings_round_trip() -> None:
 
 
 def test_agent_passes_checkpoint_settings_to_its_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    cfg = load_agent_config({"checkpoint_dir": str(tmp_path / "ck"), "checkpoint_every_steps": "25",
-                             "checkpoint_keep": "2"}, program=["/bin/true"], environ={"ELASTICD_CHECKPOINT_EVERY_S": "9"},
-                            default_config_file=tmp_path / "none.toml")
+    cfg = load_agent_config(
+        {"checkpoint_dir": str(tmp_path / "ck"), "checkpoint_every_steps": "25", "checkpoint_keep": "2"},
+        program=["/bin/true"],
+        environ={"ELASTICD_CHECKPOINT_EVERY_S": "9"},
+        default_config_file=tmp_path / "none.toml",
+    )
     env = worker_env_from_environ(worker_env_to_environ(cfg.worker_env(0)))
-    assert env.checkpoint == CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every_steps=25,
-                                              checkpoint_every_s=9.0, checkpoint_keep=2)
+    assert env.checkpoint == CheckpointConfig(
+        checkpoint_dir=str(tmp_path / "ck"), checkpoint_every_steps=25, checkpoint_every_s=9.0, checkpoint_keep=2
+    )
     with pytest.raises(ConfigError, match=r"^checkpoint_keep: must be an integer >= 1"):
-        load_agent_config({"checkpoint_keep": "0"}, program=["/bin/true"], environ={},
-                          default_config_file=tmp_path / "none.toml")
+        load_agent_config(
+            {"checkpoint_keep": "0"}, program=["/bin/true"], environ={}, default_config_file=tmp_path / "none.toml"
+        )
 
 
-@pytest.mark.parametrize(("source", "raw", "expected"), [
-    ("flag", "true", True), ("flag", "0", False), ("env", "yes", True), ("env", "off", False),
-    ("toml", "true", True), ("toml", "false", False), ("none", "", False),
-])
+@pytest.mark.parametrize(
+    ("source", "raw", "expected"),
+    [
+        ("flag", "true", True),
+        ("flag", "0", False),
+        ("env", "yes", True),
+        ("env", "off", False),
+        ("toml", "true", True),
+        ("toml", "false", False),
+        ("none", "", False),
+    ],
+)
 def test_checkpoint_allow_new_model_is_one_setting_from_flag_env_or_file(  # type: ignore[no-untyped-def]
-        tmp_path, source: str, raw: str, expected: bool) -> None:
+    tmp_path, source: str, raw: str, expected: bool
+) -> None:
     setting = AGENT_SETTINGS["checkpoint_allow_new_model"]
     assert (setting.variable, setting.flag, setting.kind) == (
-        "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL", "--checkpoint-allow-new-model", bool)
+        "ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL",
+        "--checkpoint-allow-new-model",
+        bool,
+    )
     toml = tmp_path / "elasticd.toml"
     toml.write_text(f"checkpoint_allow_new_model = {raw}\n" if source == "toml" else "")
-    cfg = load_agent_config({"checkpoint_allow_new_model": raw} if source == "flag" else {},
-                            program=["/bin/true"], config_file=toml,
-                            environ={"ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL": raw} if source == "env" else {})
+    cfg = load_agent_config(
+        {"checkpoint_allow_new_model": raw} if source == "flag" else {},
+        program=["/bin/true"],
+        config_file=toml,
+        environ={"ELASTICD_CHECKPOINT_ALLOW_NEW_MODEL": raw} if source == "env" else {},
+    )
     env = worker_env_from_environ(worker_env_to_environ(cfg.worker_env(0)))
     assert env.checkpoint.checkpoint_allow_new_model is expected
 
 
 def test_checkpoint_allow_new_model_refuses_what_is_not_a_boolean(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=r"^checkpoint_allow_new_model: expected true or false, got 'maybe'"):
-        load_agent_config({"checkpoint_allow_new_model": "maybe"}, program=["/bin/true"], environ={},
-                          default_config_file=tmp_path / "none.toml")
+        load_agent_config(
+            {"checkpoint_allow_new_model": "maybe"},
+            program=["/bin/true"],
+            environ={},
+            default_config_file=tmp_path / "none.toml",
+        )
     toml = tmp_path / "bad.toml"
     toml.write_text("checkpoint_allow_new_model = 1\n")
     with pytest.raises(ConfigError, match=r"^checkpoint_allow_new_model: expected true or false, got 1"):
@@ -366,26 +434,48 @@ def test_checkpoint_allow_new_model_refuses_what_is_not_a_boolean(tmp_path) -> N
 # -- the node agent's configuration --------------------------------------------------------------
 
 
-def _load(tmp_path: Path, toml: str | None = None, environ: dict[str, str] | None = None,
-          flags: dict[str, str | None] | None = None, **kw: object) -> AgentConfig:
+def _load(
+    tmp_path: Path,
+    toml: str | None = None,
+    environ: dict[str, str] | None = None,
+    flags: dict[str, str | None] | None = None,
+    **kw: object,
+) -> AgentConfig:
     config_file = None
     if toml is not None:
         config_file = tmp_path / "elasticd.toml"
         config_file.write_text(toml)
     kw.setdefault("program", ["true"])
-    return load_agent_config(flags, config_file=config_file, environ=environ or {},  # type: ignore[arg-type]
-                             default_config_file=tmp_path / "absent.toml", **kw)
+    return load_agent_config(
+        flags,
+        config_file=config_file,
+        environ=environ or {},  # type: ignore[arg-type]
+        default_config_file=tmp_path / "absent.toml",
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
     ("toml", "env", "flag", "ttl"),
-    [(False, False, False, 3.0), (True, False, False, 5.0), (True, True, False, 6.0), (True, True, True, 7.0),
-     (False, True, False, 6.0), (False, False, True, 7.0), (True, False, True, 7.0)],
+    [
+        (False, False, False, 3.0),
+        (True, False, False, 5.0),
+        (True, True, False, 6.0),
+        (True, True, True, 7.0),
+        (False, True, False, 6.0),
+        (False, False, True, 7.0),
+        (True, False, True, 7.0),
+    ],
 )
-def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path, toml: bool, env: bool, flag: bool,
-                                                         ttl: float) -> None:
-    cfg = _load(tmp_path, "lease_ttl_s = 5\njob_id = 'from-file'\n" if toml else None,
-                {"ELASTICD_LEASE_TTL_S": "6"} if env else None, {"lease_ttl_s": "7"} if flag else None)
+def test_precedence_flag_over_env_over_file_over_default(
+    tmp_path: Path, toml: bool, env: bool, flag: bool, ttl: float
+) -> None:
+    cfg = _load(
+        tmp_path,
+        "lease_ttl_s = 5\njob_id = 'from-file'\n" if toml else None,
+        {"ELASTICD_LEASE_TTL_S": "6"} if env else None,
+        {"lease_ttl_s": "7"} if flag else None,
+    )
     assert cfg.timeouts.lease_ttl_s == ttl
     assert cfg.world.job_id == ("from-file" if toml else "default")
 
@@ -393,7 +483,9 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path, toml: b
 def test_every_setting_from_a_file(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    cfg = _load(tmp_path, f"""
+    cfg = _load(
+        tmp_path,
+        f"""
 job_id = "j1"
 min_workers = 2
 max_workers = 8
@@ -413,7 +505,9 @@ max_restarts = 5
 restart_window_s = 600
 restart_backoff_initial_s = 0.25
 restart_backoff_max_s = 10
-""", program=[])
+""",
+        program=[],
+    )
     assert cfg.world == WorldConfig(job_id="j1", min_workers=2, max_workers=8)
     assert cfg.etcd.endpoints == ("10.0.0.1:2379", "10.0.0.2:2379") and cfg.etcd.prefix == "/x"
     assert (cfg.timeouts.lease_ttl_s, cfg.timeouts.keepalive_s, cfg.timeouts.shutdown_grace_s) == (4.0, 1.5, 20.5)
@@ -422,7 +516,11 @@ restart_backoff_max_s = 10
     assert (cfg.nproc_per_node, cfg.node_id, cfg.advertise_addr, cfg.backend) == (2, "gpu-7", "10.1.1.1", "gloo")
     assert cfg.checkpoint_dir == ckpt
     assert (cfg.max_restarts, cfg.restart_window_s, cfg.restart_backoff_initial_s, cfg.restart_backoff_max_s) == (
-        5, 600.0, 0.25, 10.0)
+        5,
+        600.0,
+        0.25,
+        10.0,
+    )
 
 
 def test_the_default_file_is_read_only_if_it_exists(tmp_path: Path) -> None:
@@ -469,8 +567,7 @@ def test_bad_file_fields_name_the_field(tmp_path: Path, toml: str, named: str) -
 
 def test_each_bad_field_gets_its_own_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
-        _load(tmp_path, "bogus = 1\nlease_ttl_s = 'x'", {"ELASTICD_MAX_RESTARTS": "many"},
-              {"restart_window_s": "soon"})
+        _load(tmp_path, "bogus = 1\nlease_ttl_s = 'x'", {"ELASTICD_MAX_RESTARTS": "many"}, {"restart_window_s": "soon"})
     lines = str(info.value).splitlines()
     assert len(lines) == 4, lines
     assert lines[0].startswith("bogus: unknown setting")
@@ -499,12 +596,14 @@ def test_missing_or_unrunnable_program(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^program: 'no-such-program-x' is not an executable"):
         _load(tmp_path, program=["no-such-program-x"])
     assert _load(tmp_path, program=["agents/mlp.py", "--steps", "3"]).program == (
-        sys.executable, "agents/mlp.py", "--steps", "3")
+        sys.executable,
+        "agents/mlp.py",
+        "--steps",
+        "3",
+    )
 
 
-@pytest.mark.parametrize(
-    ("visible", "nproc"), [(None, 1), ("", 1), ("0", 1), ("0,1,2", 3), ("GPU-a,GPU-b", 2)]
-)
+@pytest.mark.parametrize(("visible", "nproc"), [(None, 1), ("", 1), ("0", 1), ("0,1,2", 3), ("GPU-a,GPU-b", 2)])
 def test_nproc_per_node_defaults_to_the_visible_devices(tmp_path: Path, visible: str | None, nproc: int) -> None:
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert default_nproc_per_node(env) == nproc
@@ -528,15 +627,42 @@ def _cli(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None) -> A
 
 
 def test_torchrun_flags(tmp_path: Path) -> None:
-    cfg = _cli(tmp_path, "--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-endpoint", "10.0.0.9:2379",
-               "--rdzv-id", "run-1", "--max-restarts", "7", "--", "true", "--lr", "0.1")
+    cfg = _cli(
+        tmp_path,
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-endpoint",
+        "10.0.0.9:2379",
+        "--rdzv-id",
+        "run-1",
+        "--max-restarts",
+        "7",
+        "--",
+        "true",
+        "--lr",
+        "0.1",
+    )
     assert (cfg.world.min_workers, cfg.world.max_workers) == (2, 6)
     assert cfg.nproc_per_node == 2 and cfg.etcd.endpoints == ("10.0.0.9:2379",)
     assert cfg.world.job_id == "run-1" and cfg.max_restarts == 7
     assert cfg.program == ("true", "--lr", "0.1")
     # torchrun's underscore spellings, and the program as the first non-flag argument (no --)
-    cfg = _cli(tmp_path, "--nproc_per_node", "3", "--rdzv_id", "r", "--max_restarts", "0", "--nnodes", "2",
-               "true", "--steps", "5")
+    cfg = _cli(
+        tmp_path,
+        "--nproc_per_node",
+        "3",
+        "--rdzv_id",
+        "r",
+        "--max_restarts",
+        "0",
+        "--nnodes",
+        "2",
+        "true",
+        "--steps",
+        "5",
+    )
     assert (cfg.nproc_per_node, cfg.world.job_id, cfg.max_restarts) == (3, "r", 0)
     assert (cfg.world.min_workers, cfg.world.max_workers) == (6, 6)
     assert cfg.program == ("true", "--steps", "5")
@@ -564,8 +690,9 @@ def test_every_setting_has_a_flag_and_unknown_flags_are_usage_errors(tmp_path: P
 
 
 def test_worker_environ_is_the_worker_contract(tmp_path: Path) -> None:
-    cfg = _cli(tmp_path, "--node-id", "gpu-3", "--job-id", "jj", "--lease-ttl-s", "9", "--nproc-per-node", "2",
-               "--", "true")
+    cfg = _cli(
+        tmp_path, "--node-id", "gpu-3", "--job-id", "jj", "--lease-ttl-s", "9", "--nproc-per-node", "2", "--", "true"
+    )
     variables = worker_env_to_environ(cfg.worker_env(1))
     env = worker_env_from_environ(variables)
     assert env == cfg.worker_env(1)
@@ -587,14 +714,19 @@ def test_workers_do_not_inherit_systemds_notify_variables(monkeypatch: pytest.Mo
 _REMOTE_AUTH = ("--etcd", "10.0.0.1:2379", "--etcd-user", "u")
 
 
-@pytest.mark.parametrize(("argv", "environ", "toml"), [
-    (("--etcd-insecure", "true"), {}, None),
-    (("--insecure",), {}, None),
-    ((), {"ELASTICD_ETCD_INSECURE": "yes"}, None),
-    ((), {}, "etcd_insecure = true\n"),
-], ids=["flag", "switch", "variable", "file"])
+@pytest.mark.parametrize(
+    ("argv", "environ", "toml"),
+    [
+        (("--etcd-insecure", "true"), {}, None),
+        (("--insecure",), {}, None),
+        ((), {"ELASTICD_ETCD_INSECURE": "yes"}, None),
+        ((), {}, "etcd_insecure = true\n"),
+    ],
+    ids=["flag", "switch", "variable", "file"],
+)
 def test_insecure_allows_a_password_in_plaintext_to_a_remote_etcd(
-        tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str], toml: str | None) -> None:
+    tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str], toml: str | None
+) -> None:
     if toml is not None:
         (tmp_path / "e.toml").write_text(toml)
         argv = ("--config", str(tmp_path / "e.toml"), *argv)
@@ -605,23 +737,30 @@ def test_insecure_allows_a_password_in_plaintext_to_a_remote_etcd(
     assert worker_env_from_environ(variables).etcd == cfg.etcd
 
 
-@pytest.mark.parametrize(("argv", "environ"), [
-    ((), {}),
-    (("--etcd-insecure", "false"), {"ELASTICD_ETCD_INSECURE": "true"}),  # the flag wins
-])
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        ((), {}),
+        (("--etcd-insecure", "false"), {"ELASTICD_ETCD_INSECURE": "true"}),  # the flag wins
+    ],
+)
 def test_a_password_in_plaintext_to_a_remote_etcd_is_refused(
-        tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str]) -> None:
+    tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str]
+) -> None:
     with pytest.raises(ConfigError) as info:
         _cli(tmp_path, *_REMOTE_AUTH, *argv, "--", "true", environ={"ELASTICD_ETCD_PASSWORD": "pw", **environ})
     message = str(info.value)
-    assert message.startswith("etcd_user: its password would cross the network in plaintext to 10.0.0.1:2379; "), message
+    assert message.startswith("etcd_user: its password would cross the network in plaintext to 10.0.0.1:2379; "), (
+        message
+    )
     assert "etcd_insecure (--insecure)" in message and "(etcd_user from --etcd-user" in message, message
 
 
 @pytest.mark.parametrize("endpoints", ["127.0.0.1:2379", "localhost:2379", "[::1]:2379", "https://10.0.0.1:2379"])
 def test_a_password_goes_to_loopback_or_over_tls_without_insecure(tmp_path: Path, endpoints: str) -> None:
-    cfg = _cli(tmp_path, "--etcd", endpoints, "--etcd-user", "u", "--", "true",
-               environ={"ELASTICD_ETCD_PASSWORD": "pw"})
+    cfg = _cli(
+        tmp_path, "--etcd", endpoints, "--etcd-user", "u", "--", "true", environ={"ELASTICD_ETCD_PASSWORD": "pw"}
+    )
     assert not cfg.etcd.insecure and cfg.etcd.tls is endpoints.startswith("https://")
 
 
@@ -631,27 +770,42 @@ def test_https_endpoints_reach_the_workers_as_tls(tmp_path: Path) -> None:
     assert env.etcd.endpoints == ("https://e1:2379", "https://e2:2379") and env.etcd.tls and not env.etcd.ca_cert
 
 
-@pytest.mark.parametrize(("environ", "found"), [
-    ({}, {}),
-    ({"ELASTICD_ETCD_INSECURE": "on", "ELASTICD_ETCD_USER": "u", "ELASTICD_JOB_ID": "j"}, {"insecure": True, "user": "u"}),
-    ({"ELASTICD_ETCD_INSECURE": "0", "ELASTICD_ETCD_CA_CERT": "/ca.pem"}, {"insecure": False, "ca_cert": "/ca.pem"}),
-])
+@pytest.mark.parametrize(
+    ("environ", "found"),
+    [
+        ({}, {}),
+        (
+            {"ELASTICD_ETCD_INSECURE": "on", "ELASTICD_ETCD_USER": "u", "ELASTICD_JOB_ID": "j"},
+            {"insecure": True, "user": "u"},
+        ),
+        (
+            {"ELASTICD_ETCD_INSECURE": "0", "ELASTICD_ETCD_CA_CERT": "/ca.pem"},
+            {"insecure": False, "ca_cert": "/ca.pem"},
+        ),
+    ],
+)
 def test_etcd_security_environ(environ: dict[str, str], found: dict[str, object]) -> None:
     assert etcd_security_environ(environ) == found
 
 
 def test_etcd_security_environ_refuses_a_bad_boolean() -> None:
-    with pytest.raises(ConfigError, match=r"^etcd_insecure: expected true or false, got 'maybe' "
-                                          r"\(from ELASTICD_ETCD_INSECURE\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^etcd_insecure: expected true or false, got 'maybe' "
+        r"\(from ELASTICD_ETCD_INSECURE\)$",
+    ):
         etcd_security_environ({"ELASTICD_ETCD_INSECURE": "maybe"})
 
 
-@pytest.mark.parametrize(("argv", "named"), [
-    (("--job-id", ".."), "job_id"),
-    (("--rdzv-id", "a/b"), "job_id"),
-    (("--node-id", "."), "node_id"),
-    (("--node-id=-n",), "node_id"),
-])
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (("--job-id", ".."), "job_id"),
+        (("--rdzv-id", "a/b"), "job_id"),
+        (("--node-id", "."), "node_id"),
+        (("--node-id=-n",), "node_id"),
+    ],
+)
 def test_the_agent_refuses_ids_that_are_not_names(tmp_path: Path, argv: tuple[str, ...], named: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{named}: must be 1 to 128 of the characters A-Z a-z 0-9 \. _ -"):
         _cli(tmp_path, *argv, "--", "true")

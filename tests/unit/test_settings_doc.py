@@ -31,12 +31,15 @@ def test_the_groups_name_only_settings_that_exist() -> None:
     assert set(TESTING_ONLY) <= set(WORKER_VARIABLES)
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("lease_ttl_s", "3.0"),
-    ("node_id", "the host name"),
-    ("checkpoint_dir", "unset"),
-    ("relay", "false"),
-    ("etcd_endpoints", "127.0.0.1:2379"),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("lease_ttl_s", "3.0"),
+        ("node_id", "the host name"),
+        ("checkpoint_dir", "unset"),
+        ("relay", "false"),
+        ("etcd_endpoints", "127.0.0.1:2379"),
+    ],
+)
 def test_defaults_are_shown_as_the_code_has_them(name: str, expected: str) -> None:
     assert default_text(AGENT_SETTINGS[name]) == expected

@@ -42,15 +42,24 @@ def on(mid: str, node: str) -> MemberRecord:
     return replace(member(mid), node=node)
 
 
-def snapshot(g: GenerationRecord | None, records: list[MemberRecord], ready_ids: list[str],
-             steps: dict[str, int] | None = None) -> Snapshot:
+def snapshot(
+    g: GenerationRecord | None, records: list[MemberRecord], ready_ids: list[str], steps: dict[str, int] | None = None
+) -> Snapshot:
     """``records`` are alive; ``ready_ids`` wait, in that order (spares and newcomers hold nothing)."""
     steps = steps or {}
     return Snapshot(
-        generation=g, generation_revision=50 if g else 0,
+        generation=g,
+        generation_revision=50 if g else 0,
         members={r.member_id: r for r in records},
-        ready={m: ready(m, steps.get(m, -1), prev_gen=g.generation if g and m in g.members else 0,
-                        prev_rank=g.rank_of(m) if g and m in g.members else 0) for m in ready_ids},
+        ready={
+            m: ready(
+                m,
+                steps.get(m, -1),
+                prev_gen=g.generation if g and m in g.members else 0,
+                prev_rank=g.rank_of(m) if g and m in g.members else 0,
+            )
+            for m in ready_ids
+        },
         ready_order={m: 100 + i for i, m in enumerate(ready_ids)},
         coordinator=CoordinatorRecord("a", "n1"),
     )
@@ -65,36 +74,92 @@ W8 = WorldConfig(min_workers=1, max_workers=8)
 CHOICE = [
     # (what, generation, alive, ready, world, chosen)
     ("a crashed worker's own node's spare replaces it", G3, BASE, ["a", "c", "s1", "s2", "s3"], W3, ["a", "c", "s2"]),
-    ("the job is back at its full size, never past it, even below max_workers", G3, BASE,
-     ["a", "c", "s1", "s2", "s3"], W8, ["a", "c", "s2"]),
-    ("a lost node: a standby node's spare takes its place",
-     G3, [on("a", "n1"), on("c", "n3"), spare("s9", "n9", standby=True)], ["a", "c", "s9"], W3, ["a", "c", "s9"]),
-    ("between two empty nodes, the standby node comes last",
-     G3, [on("a", "n1"), on("c", "n3"), spare("s9", "n9", standby=True), spare("s2", "n2")],
-     ["a", "c", "s9", "s2"], W3, ["a", "c", "s2"]),
-    ("a lost node's spare (its leases not expired yet) comes after a working node's",
-     G3, [on("a", "n1"), on("b", "n2"), on("c", "n3"), spare("s2", "n2"), spare("s3", "n3")],
-     ["a", "c", "s2", "s3"], W3, ["a", "c", "s3"]),
-    ("... and after a standby node's", G3,
-     [on("a", "n1"), on("b", "n2"), on("c", "n3"), spare("s2", "n2"), spare("s9", "n9", standby=True)],
-     ["a", "c", "s2", "s9"], W3, ["a", "c", "s9"]),
+    (
+        "the job is back at its full size, never past it, even below max_workers",
+        G3,
+        BASE,
+        ["a", "c", "s1", "s2", "s3"],
+        W8,
+        ["a", "c", "s2"],
+    ),
+    (
+        "a lost node: a standby node's spare takes its place",
+        G3,
+        [on("a", "n1"), on("c", "n3"), spare("s9", "n9", standby=True)],
+        ["a", "c", "s9"],
+        W3,
+        ["a", "c", "s9"],
+    ),
+    (
+        "between two empty nodes, the standby node comes last",
+        G3,
+        [on("a", "n1"), on("c", "n3"), spare("s9", "n9", standby=True), spare("s2", "n2")],
+        ["a", "c", "s9", "s2"],
+        W3,
+        ["a", "c", "s2"],
+    ),
+    (
+        "a lost node's spare (its leases not expired yet) comes after a working node's",
+        G3,
+        [on("a", "n1"), on("b", "n2"), on("c", "n3"), spare("s2", "n2"), spare("s3", "n3")],
+        ["a", "c", "s2", "s3"],
+        W3,
+        ["a", "c", "s3"],
+    ),
+    (
+        "... and after a standby node's",
+        G3,
+        [on("a", "n1"), on("b", "n2"), on("c", "n3"), spare("s2", "n2"), spare("s9", "n9", standby=True)],
+        ["a", "c", "s2", "s9"],
+        W3,
+        ["a", "c", "s9"],
+    ),
     ("no spare ready: the survivors go on alone", G3, [on("a", "n1"), on("c", "n3")], ["a", "c"], W3, ["a", "c"]),
-    ("a first generation takes no spare while the regular workers reach min_workers", None,
-     [on("a", "n1"), on("b", "n2"), spare("s1", "n1")], ["a", "b", "s1"], WorldConfig(min_workers=2), ["a", "b"]),
-    ("... nor when they do not: spares never start a job (the first one up would start it alone)", None,
-     [on("a", "n1"), spare("s1", "n1")], ["a", "s1"], WorldConfig(min_workers=2), ["a"]),
+    (
+        "a first generation takes no spare while the regular workers reach min_workers",
+        None,
+        [on("a", "n1"), on("b", "n2"), spare("s1", "n1")],
+        ["a", "b", "s1"],
+        WorldConfig(min_workers=2),
+        ["a", "b"],
+    ),
+    (
+        "... nor when they do not: spares never start a job (the first one up would start it alone)",
+        None,
+        [on("a", "n1"), spare("s1", "n1")],
+        ["a", "s1"],
+        WorldConfig(min_workers=2),
+        ["a"],
+    ),
     ("a spare alone does not start a job", None, [spare("s1", "n1")], ["s1"], W3, []),
-    ("below min_workers after a loss, spares fill up to it", gen(3, ("a", "b")),
-     [on("a", "n1"), spare("s1", "n1")], ["a", "s1"], WorldConfig(min_workers=2), ["a", "s1"]),
-    ("a spare that a generation took is a member like any other",
-     gen(4, ("a", "c", "s2"), step=50), [on("a", "n1"), on("c", "n3"), spare("s2", "n2"), spare("s3", "n3")],
-     ["a", "s2", "s3"], W3, ["a", "s2", "s3"]),
+    (
+        "below min_workers after a loss, spares fill up to it",
+        gen(3, ("a", "b")),
+        [on("a", "n1"), spare("s1", "n1")],
+        ["a", "s1"],
+        WorldConfig(min_workers=2),
+        ["a", "s1"],
+    ),
+    (
+        "a spare that a generation took is a member like any other",
+        gen(4, ("a", "c", "s2"), step=50),
+        [on("a", "n1"), on("c", "n3"), spare("s2", "n2"), spare("s3", "n3")],
+        ["a", "s2", "s3"],
+        W3,
+        ["a", "s2", "s3"],
+    ),
 ]
 
 
 @pytest.mark.parametrize(("what", "g", "alive", "ready_ids", "world", "chosen"), CHOICE, ids=[c[0] for c in CHOICE])
-def test_choose_members(what: str, g: GenerationRecord | None, alive: list[MemberRecord], ready_ids: list[str],
-                        world: WorldConfig, chosen: list[str]) -> None:
+def test_choose_members(
+    what: str,
+    g: GenerationRecord | None,
+    alive: list[MemberRecord],
+    ready_ids: list[str],
+    world: WorldConfig,
+    chosen: list[str],
+) -> None:
     s = snapshot(g, alive, ready_ids, steps={"a": 40, "c": 40} if g is G3 else {"a": 50})
     got = [r.member_id for r in choose_members(s, s.ready.values(), world)]
     assert got == chosen, (what, got)
@@ -138,13 +203,17 @@ def test_a_waiting_spare_waits_as_a_standby_until_a_generation_takes_it() -> Non
     assert taken.kind is ActionKind.JOIN
 
 
-@pytest.mark.parametrize(("nproc", "spares", "standby", "expect"), [
-    (1, 0, False, [(0, 0, False), (0, 1, False)]),  # no spares: a restart is a newcomer
-    (1, 1, False, [(0, 0, False), (1, 0, True), (0, 1, True), (1, 1, True)]),  # a restart goes back as a spare
-    (2, 0, True, [(0, 0, True), (1, 0, True), (1, 2, True)]),  # a standby node: all spares
-])
-def test_which_worker_starts_as_a_spare(nproc: int, spares: int, standby: bool,
-                                        expect: list[tuple[int, int, bool]]) -> None:
+@pytest.mark.parametrize(
+    ("nproc", "spares", "standby", "expect"),
+    [
+        (1, 0, False, [(0, 0, False), (0, 1, False)]),  # no spares: a restart is a newcomer
+        (1, 1, False, [(0, 0, False), (1, 0, True), (0, 1, True), (1, 1, True)]),  # a restart goes back as a spare
+        (2, 0, True, [(0, 0, True), (1, 0, True), (1, 2, True)]),  # a standby node: all spares
+    ],
+)
+def test_which_worker_starts_as_a_spare(
+    nproc: int, spares: int, standby: bool, expect: list[tuple[int, int, bool]]
+) -> None:
     c = AgentConfig(program=("x",), nproc_per_node=nproc, spares_per_node=spares, standby_node=standby)
     assert c.slots == nproc + spares
     for local_rank, starts, is_spare in expect:
@@ -158,8 +227,15 @@ def test_status_counts_spares_per_node_and_names_a_standby_node() -> None:
     for r in (on("a", "n1"), on("c", "n3"), spare("s1", "n1"), spare("s9", "n9", standby=True)):
         rows.append(KeyValue(KEYS.member(r.member_id), encode(r), 10, 10, 1))
     for n in ("n1", "n3", "n9"):
-        rows.append(KeyValue(KEYS.node(n), encode_node(NodeRecord(node=n, host="h", agent_pid=1, state="running",
-                                                                 time=NOW, workers=())), 10, 10, 1))
+        rows.append(
+            KeyValue(
+                KEYS.node(n),
+                encode_node(NodeRecord(node=n, host="h", agent_pid=1, state="running", time=NOW, workers=())),
+                10,
+                10,
+                1,
+            )
+        )
     st = build_status(KEYS, rows, now=NOW)
     assert {m.member_id: m.state for m in st.members}["s1"] is WorkerState.SPARE
     nodes = {n.node: (n.spares, n.standby) for n in st.nodes}

@@ -23,8 +23,6 @@ from tests.unit.test_checkpoint import make_model
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
 # -- the encoding, pure ---------------------------------------------------------------------------
 
 
@@ -63,11 +61,23 @@ ROUND_TRIPS = {
     "tuples": {"betas": (0.9, 0.999), "nested": ((1, 2), [3, (4,)]), "empty": ()},
     "empties": {"d": {}, "l": [], "s": ""},
     "ordered": OrderedDict([("b", 1), ("a", 2)]),
-    "tensors": {"f32": torch.randn(3, 2), "f16": torch.randn(4).half(), "bf16": torch.randn(2).bfloat16(),
-                "i64": torch.arange(5), "bool": torch.tensor([True, False]), "u8": torch.arange(3, dtype=torch.uint8),
-                "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3), "by_int": {0: torch.ones(2)}},
-    "colliding_paths": {0: torch.zeros(1), "0": torch.ones(1), "a.b": torch.full((1,), 2.0),
-                        "a": {"b": torch.full((1,), 3.0)}},
+    "tensors": {
+        "f32": torch.randn(3, 2),
+        "f16": torch.randn(4).half(),
+        "bf16": torch.randn(2).bfloat16(),
+        "i64": torch.arange(5),
+        "bool": torch.tensor([True, False]),
+        "u8": torch.arange(3, dtype=torch.uint8),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "by_int": {0: torch.ones(2)},
+    },
+    "colliding_paths": {
+        0: torch.zeros(1),
+        "0": torch.ones(1),
+        "a.b": torch.full((1,), 2.0),
+        "a": {"b": torch.full((1,), 3.0)},
+    },
     "tensor_at_root": torch.arange(4, dtype=torch.int32),
     "plain_value": 42,
 }
@@ -203,8 +213,9 @@ class Rig:
     """A model trained by SGD (its body) and Adam (its head), each with a scheduler, a GradScaler,
     an EMA and a token counter, all registered."""
 
-    def __init__(self, seed: int, register: Sequence[str] = ("adam", "warmup_cosine", "plateau", "scaler",
-                                                              "ema", "tokens")) -> None:
+    def __init__(
+        self, seed: int, register: Sequence[str] = ("adam", "warmup_cosine", "plateau", "scaler", "ema", "tokens")
+    ) -> None:
         self.model = make_model(seed)
         body = [p for n, p in self.model.named_parameters() if not n.startswith("3.")]
         self.sgd = torch.optim.SGD(body, lr=0.1, momentum=0.9)
@@ -217,8 +228,14 @@ class Rig:
         self.ema = Ema(self.model)
         self.tokens = TokenCounter()
         self.state = TrainingState(self.model, self.sgd)
-        objects = {"adam": self.adam, "warmup_cosine": self.sched, "plateau": self.plateau, "scaler": self.scaler,
-                   "ema": self.ema, "tokens": self.tokens}
+        objects = {
+            "adam": self.adam,
+            "warmup_cosine": self.sched,
+            "plateau": self.plateau,
+            "scaler": self.scaler,
+            "ema": self.ema,
+            "tokens": self.tokens,
+        }
         for name in register:
             self.state.register(name, objects[name])
 
@@ -240,8 +257,15 @@ class Rig:
             self.state.counters.step += 1
 
     def objects(self) -> dict[str, object]:
-        return {"sgd": self.sgd, "adam": self.adam, "warmup_cosine": self.sched, "plateau": self.plateau,
-                "scaler": self.scaler, "ema": self.ema, "tokens": self.tokens}
+        return {
+            "sgd": self.sgd,
+            "adam": self.adam,
+            "warmup_cosine": self.sched,
+            "plateau": self.plateau,
+            "scaler": self.scaler,
+            "ema": self.ema,
+            "tokens": self.tokens,
+        }
 
 
 def state_dicts(rig: Rig) -> dict[str, object]:
@@ -341,10 +365,33 @@ def _tuple_vs_list(rig: Rig) -> None:
     rig.ema.history[1] = list(rig.ema.history[1])  # type: ignore[assignment]
 
 
-@pytest.mark.parametrize("change", [_only_the_scheduler_steps, _lr, _betas, _plateau_best, _scale, _ema_updates,
-                                    _ema_history_key, _ema_tensor, _tokens, _tuple_vs_list],
-                         ids=["scheduler_only", "param_group_lr", "betas", "plateau_best", "grad_scale", "ema_int",
-                              "ema_int_key", "ema_tensor", "token_count", "tuple_vs_list"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        _only_the_scheduler_steps,
+        _lr,
+        _betas,
+        _plateau_best,
+        _scale,
+        _ema_updates,
+        _ema_history_key,
+        _ema_tensor,
+        _tokens,
+        _tuple_vs_list,
+    ],
+    ids=[
+        "scheduler_only",
+        "param_group_lr",
+        "betas",
+        "plateau_best",
+        "grad_scale",
+        "ema_int",
+        "ema_int_key",
+        "ema_tensor",
+        "token_count",
+        "tuple_vs_list",
+    ],
+)
 def test_checksum_differs_when_any_registered_state_differs(change: Callable[[Rig], None]) -> None:
     a, b = Rig(5), Rig(5)
     a.train(2)
@@ -405,8 +452,7 @@ def _other_optimizer(rig: Rig) -> object:
 
 
 REFUSED = {  # (name, object maker) -> a fragment of the message
-    "lambda_in_a_scheduler": ("s", lambda r: torch.optim.lr_scheduler.LambdaLR(r.sgd, _Callable()),
-                              "lr_lambdas.0.fn"),
+    "lambda_in_a_scheduler": ("s", lambda r: torch.optim.lr_scheduler.LambdaLR(r.sgd, _Callable()), "lr_lambdas.0.fn"),
     "arbitrary_object": ("x", lambda r: _HoldsAnObject(), "nested.bad.0"),
     "complex_tensor": ("x", lambda r: _ComplexTensor(), "the tensor at z"),
     "no_state_dict": ("x", lambda r: object(), "has no state_dict()"),
@@ -436,15 +482,17 @@ def test_a_scheduler_of_a_registered_optimizer_is_accepted() -> None:
     assert list(rig.state.registered()) == ["adam", "plateau"]
 
 
-@pytest.mark.parametrize("names", [["ema"], ["ema", "tokens", "scaler"], ["ema", "counter"]],
-                         ids=["fewer", "more", "renamed"])
+@pytest.mark.parametrize(
+    "names", [["ema"], ["ema", "tokens", "scaler"], ["ema", "counter"]], ids=["fewer", "more", "renamed"]
+)
 def test_a_layout_of_other_registered_names_is_refused_with_nothing_loaded(names: list[str]) -> None:
     src = Rig(1, register=["ema", "tokens"])
     src.train(2)
     dst = Rig(2, register=[])
     for n in names:
-        dst.state.register(n, {"ema": dst.ema, "tokens": dst.tokens, "scaler": dst.scaler,
-                               "counter": TokenCounter()}[n])
+        dst.state.register(
+            n, {"ema": dst.ema, "tokens": dst.tokens, "scaler": dst.scaler, "counter": TokenCounter()}[n]
+        )
     before, ema_before = dst.state.checksum(), dst.ema.state_dict()
     layout, flat = src.state.pack()
     with pytest.raises(ModelMismatch, match="registered objects"):
@@ -458,13 +506,17 @@ def _edit(layout: bytes, change: Callable[[dict[str, object]], None]) -> bytes:
     return json.dumps(meta).encode()
 
 
-@pytest.mark.parametrize("change", [
-    lambda m: m["extras"]["ema"].__setitem__("best", {"$pickle": "x"}),
-    lambda m: m["extras"]["ema"]["shadow"].__setitem__("0.weight", 5),  # the tensor entry is left over
-    lambda m: m.__setitem__("extras", []),
-    lambda m: m["extras"]["adam"]["param_groups"].pop(),
-    lambda m: m.__setitem__("cuda_rng", [16]),  # bytes the buffer does not have
-], ids=["unknown_tag", "unreferenced_tensor", "extras_not_an_object", "registered_optimizer_groups", "rng_sizes"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m["extras"]["ema"].__setitem__("best", {"$pickle": "x"}),
+        lambda m: m["extras"]["ema"]["shadow"].__setitem__("0.weight", 5),  # the tensor entry is left over
+        lambda m: m.__setitem__("extras", []),
+        lambda m: m["extras"]["adam"]["param_groups"].pop(),
+        lambda m: m.__setitem__("cuda_rng", [16]),  # bytes the buffer does not have
+    ],
+    ids=["unknown_tag", "unreferenced_tensor", "extras_not_an_object", "registered_optimizer_groups", "rng_sizes"],
+)
 def test_a_malformed_extras_layout_is_refused_with_nothing_loaded(change: Callable[[dict[str, object]], None]) -> None:
     src, dst = Rig(1), Rig(2)
     src.train(2)
@@ -554,15 +606,19 @@ def test_a_load_refused_half_way_restores_what_was_there() -> None:
         assert same(after[name], before[name]), name
 
 
-@pytest.mark.parametrize(("value", "live", "devices"), [
-    (torch.ones(2), torch.empty(2, device="meta"), ["meta"]),
-    ({"a": torch.ones(1), "b": 3}, {"a": torch.empty(1, device="meta")}, ["meta"]),
-    ([torch.ones(1), torch.ones(1)], [torch.empty(1, device="meta"), 0], ["meta", "cpu"]),
-    ((torch.ones(1),), None, ["cpu"]),  # nothing to follow: stays
-    ({"new": torch.ones(1)}, {}, ["cpu"]),
-])
-def test_registered_tensors_load_on_the_device_of_the_objects_own(value: object, live: object,
-                                                                   devices: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("value", "live", "devices"),
+    [
+        (torch.ones(2), torch.empty(2, device="meta"), ["meta"]),
+        ({"a": torch.ones(1), "b": 3}, {"a": torch.empty(1, device="meta")}, ["meta"]),
+        ([torch.ones(1), torch.ones(1)], [torch.empty(1, device="meta"), 0], ["meta", "cpu"]),
+        ((torch.ones(1),), None, ["cpu"]),  # nothing to follow: stays
+        ({"new": torch.ones(1)}, {}, ["cpu"]),
+    ],
+)
+def test_registered_tensors_load_on_the_device_of_the_objects_own(
+    value: object, live: object, devices: list[str]
+) -> None:
     from elasticd.worker.extras import like_devices
 
     out = like_devices(value, live)

@@ -38,19 +38,47 @@ KEYS = Keys("/elasticd", "job")
 
 
 def member(mid: str, node: str = "n1", pid: int = 100) -> MemberRecord:
-    return MemberRecord(mid, node=node, local_rank=int(mid[-1]) if mid[-1].isdigit() else 0, pid=pid,
-                        host="10.0.0.1", store_port=29500, signature=SIG)
+    return MemberRecord(
+        mid,
+        node=node,
+        local_rank=int(mid[-1]) if mid[-1].isdigit() else 0,
+        pid=pid,
+        host="10.0.0.1",
+        store_port=29500,
+        signature=SIG,
+    )
 
 
 def gen(number: int, members: Sequence[str], reason: str = "start", step: int = 0) -> GenerationRecord:
-    return GenerationRecord(number, tuple(members), store_host="10.0.0.1", store_port=29500,
-                            signature=SIG, committed_step=step, reason=reason)
+    return GenerationRecord(
+        number,
+        tuple(members),
+        store_host="10.0.0.1",
+        store_port=29500,
+        signature=SIG,
+        committed_step=step,
+        reason=reason,
+    )
 
 
-def progress(step: int, generation: int = 1, rank: int = 0, step_time_s: float | None = 0.02,
-             recoveries: int = 0, age_s: float = 1.5) -> bytes:
-    return json.dumps({"step": step, "generation": generation, "rank": rank, "step_time_s": step_time_s,
-                       "recoveries": recoveries, "time": NOW - age_s}).encode()
+def progress(
+    step: int,
+    generation: int = 1,
+    rank: int = 0,
+    step_time_s: float | None = 0.02,
+    recoveries: int = 0,
+    age_s: float = 1.5,
+) -> bytes:
+    return json.dumps(
+        {
+            "step": step,
+            "generation": generation,
+            "rank": rank,
+            "step_time_s": step_time_s,
+            "recoveries": recoveries,
+            "time": NOW - age_s,
+        }
+    ).encode()
 
 
 @dataclass
@@ -93,30 +121,90 @@ def status_of(job: Job, min_workers: int | None = None, max_workers: int | None 
 CASES = [
     # (name, job, min, max, health, words in the reason)
     ("no keys at all", Job(), None, None, Health.DOWN, "no such job"),
-    ("registered, no generation yet", Job().alive("m0", "m1").ready("m0"), 2, None, Health.DOWN,
-     "no generation yet: 2 registered, 1 ready of min_workers 2"),
-    ("all live members in the generation", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), None, None,
-     Health.HEALTHY, "all 2 live members"),
-    ("a live member left out, no max known", Job().alive("m0", "m1", "m2").ready("m2").generation(1, ["m0", "m1"]),
-     None, None, Health.DEGRADED, "1 live member(s) not in generation 1"),
+    (
+        "registered, no generation yet",
+        Job().alive("m0", "m1").ready("m0"),
+        2,
+        None,
+        Health.DOWN,
+        "no generation yet: 2 registered, 1 ready of min_workers 2",
+    ),
+    (
+        "all live members in the generation",
+        Job().alive("m0", "m1").generation(1, ["m0", "m1"]),
+        None,
+        None,
+        Health.HEALTHY,
+        "all 2 live members",
+    ),
+    (
+        "a live member left out, no max known",
+        Job().alive("m0", "m1", "m2").ready("m2").generation(1, ["m0", "m1"]),
+        None,
+        None,
+        Health.DEGRADED,
+        "1 live member(s) not in generation 1",
+    ),
     ("at max", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), 1, 2, Health.HEALTHY, "= max_workers 2"),
-    ("at max with a newcomer that cannot fit", Job().alive("m0", "m1", "m2").ready("m2").generation(1, ["m0", "m1"]),
-     1, 2, Health.HEALTHY, "= max_workers 2"),
+    (
+        "at max with a newcomer that cannot fit",
+        Job().alive("m0", "m1", "m2").ready("m2").generation(1, ["m0", "m1"]),
+        1,
+        2,
+        Health.HEALTHY,
+        "= max_workers 2",
+    ),
     ("below max", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), 2, 3, Health.DEGRADED, "2 < max_workers 3"),
     ("below min", Job().alive("m0", "m1").generation(1, ["m0", "m1"]), 3, 4, Health.DOWN, "2 < min_workers 3"),
-    ("a generation member lost its lease", Job().alive("m0").generation(1, ["m0", "m1"]), None, 2, Health.DOWN,
-     "lost 1 of 2"),
-    ("the generation was aborted", Job().alive("m0", "m1").generation(2, ["m0", "m1"]).abort(2), None, 2,
-     Health.DOWN, "generation 2 was aborted"),
-    ("an abort of an older generation is history", Job().alive("m0", "m1").abort(1).generation(2, ["m0", "m1"]),
-     None, 2, Health.HEALTHY, "= max_workers 2"),
-    ("finished, members gone", Job().generation(3, ["m0", "m1"]).finished(3, 400), 2, 2, Health.FINISHED,
-     "finished at step 400"),
+    (
+        "a generation member lost its lease",
+        Job().alive("m0").generation(1, ["m0", "m1"]),
+        None,
+        2,
+        Health.DOWN,
+        "lost 1 of 2",
+    ),
+    (
+        "the generation was aborted",
+        Job().alive("m0", "m1").generation(2, ["m0", "m1"]).abort(2),
+        None,
+        2,
+        Health.DOWN,
+        "generation 2 was aborted",
+    ),
+    (
+        "an abort of an older generation is history",
+        Job().alive("m0", "m1").abort(1).generation(2, ["m0", "m1"]),
+        None,
+        2,
+        Health.HEALTHY,
+        "= max_workers 2",
+    ),
+    (
+        "finished, members gone",
+        Job().generation(3, ["m0", "m1"]).finished(3, 400),
+        2,
+        2,
+        Health.FINISHED,
+        "finished at step 400",
+    ),
     ("finished without any generation", Job().finished(1, 5), None, None, Health.FINISHED, "at step 5"),
-    ("finished long ago, a newer generation runs", Job().alive("m0").finished(1, 5).generation(2, ["m0"]),
-     None, None, Health.HEALTHY, "all 1 live members"),
-    ("garbage generation record", Job().alive("m0").put(KEYS.generation, b"[[[["), None, None, Health.DOWN,
-     "generation record is malformed"),
+    (
+        "finished long ago, a newer generation runs",
+        Job().alive("m0").finished(1, 5).generation(2, ["m0"]),
+        None,
+        None,
+        Health.HEALTHY,
+        "all 1 live members",
+    ),
+    (
+        "garbage generation record",
+        Job().alive("m0").put(KEYS.generation, b"[[[["),
+        None,
+        None,
+        Health.DOWN,
+        "generation record is malformed",
+    ),
 ]
 
 
@@ -125,8 +213,12 @@ def test_health(name: str, job: Job, lo: int | None, hi: int | None, health: Hea
     st = status_of(job, lo, hi)
     assert st.health is health, st.reason
     assert reason in st.reason
-    assert st.exit_code == {Health.HEALTHY: EXIT_OK, Health.FINISHED: EXIT_OK,
-                            Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN}[health]
+    assert (
+        st.exit_code
+        == {Health.HEALTHY: EXIT_OK, Health.FINISHED: EXIT_OK, Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN}[
+            health
+        ]
+    )
 
 
 def test_exit_codes_are_0_1_2() -> None:
@@ -156,8 +248,11 @@ def test_members_have_rank_state_and_progress_in_rank_order() -> None:
     rows = {m.member_id: m for m in st.members}
     assert [m.member_id for m in st.members] == ["m1", "m0", "m2", "m3"]
     assert [(m.rank, m.state) for m in st.members] == [
-        (0, WorkerState.TRAINING), (1, WorkerState.TRAINING), (None, WorkerState.WAITING),
-        (None, WorkerState.REGISTERED)]
+        (0, WorkerState.TRAINING),
+        (1, WorkerState.TRAINING),
+        (None, WorkerState.WAITING),
+        (None, WorkerState.REGISTERED),
+    ]
     m0, m1 = rows["m0"], rows["m1"]
     assert (m0.node, m0.local_rank, m0.pid, m0.host) == ("n1", 0, 100, "10.0.0.1")
     assert (m0.committed_step, m0.step_time_s, m0.recoveries) == (130, 0.02, 2)
@@ -166,8 +261,13 @@ def test_members_have_rank_state_and_progress_in_rank_order() -> None:
     assert rows["m2"].committed_step is None and rows["m2"].heartbeat_age_s is None
     assert rows["m3"].recoveries is None
     assert st.generation is not None
-    assert (st.generation.number, st.generation.world_size, st.generation.members, st.generation.reason,
-            st.generation.committed_step) == (4, 3, ("m1", "m0", "m9"), "join", 120)
+    assert (
+        st.generation.number,
+        st.generation.world_size,
+        st.generation.members,
+        st.generation.reason,
+        st.generation.committed_step,
+    ) == (4, 3, ("m1", "m0", "m9"), "join", 120)
     assert st.missing == ("m9",) and st.health is Health.DOWN
     assert st.job_id == "job" and st.prefix == "/elasticd/job/"
 
@@ -175,7 +275,9 @@ def test_members_have_rank_state_and_progress_in_rank_order() -> None:
 def test_waiting_member_shows_the_step_of_its_ready_record() -> None:
     st = status_of(Job().alive("m0", "m1").generation(1, ["m0"]).ready("m1", step=57))
     assert [(m.member_id, m.state, m.committed_step) for m in st.members] == [
-        ("m0", WorkerState.TRAINING, None), ("m1", WorkerState.WAITING, 57)]
+        ("m0", WorkerState.TRAINING, None),
+        ("m1", WorkerState.WAITING, 57),
+    ]
 
 
 def test_malformed_records_are_listed_and_never_fatal() -> None:
@@ -193,8 +295,9 @@ def test_malformed_records_are_listed_and_never_fatal() -> None:
     assert st.health is Health.HEALTHY
     assert st.last_abort is None
     bad = sorted(s.split(":")[0] for s in st.malformed)
-    assert bad == sorted([KEYS.member("garbage"), KEYS.ready("x"), KEYS.abort, KEYS.progress("m0"),
-                          KEYS.progress("m1")])
+    assert bad == sorted(
+        [KEYS.member("garbage"), KEYS.ready("x"), KEYS.abort, KEYS.progress("m0"), KEYS.progress("m1")]
+    )
     assert all(m.committed_step is None for m in st.members)
 
 
@@ -208,11 +311,27 @@ def test_last_abort_and_finished_are_reported() -> None:
     ("raw", "ok"),
     [
         (progress(5), True),
-        (json.dumps({"step": 1, "generation": 1, "rank": 0, "step_time_s": None, "recoveries": 0, "time": 1.0,
-                     "extra": "fields are fine"}).encode(), True),
+        (
+            json.dumps(
+                {
+                    "step": 1,
+                    "generation": 1,
+                    "rank": 0,
+                    "step_time_s": None,
+                    "recoveries": 0,
+                    "time": 1.0,
+                    "extra": "fields are fine",
+                }
+            ).encode(),
+            True,
+        ),
         (json.dumps({"step": 1, "generation": 1, "rank": 0, "recoveries": 0, "time": 1.0}).encode(), False),
-        (json.dumps({"step": True, "generation": 1, "rank": 0, "step_time_s": 1, "recoveries": 0,
-                     "time": 1.0}).encode(), False),
+        (
+            json.dumps(
+                {"step": True, "generation": 1, "rank": 0, "step_time_s": 1, "recoveries": 0, "time": 1.0}
+            ).encode(),
+            False,
+        ),
         (b'{"step": 1, "generation": 1, "rank": 0, "step_time_s": NaN, "recoveries": 0, "time": 1}', False),
         (b"\x00", False),
     ],
@@ -241,13 +360,56 @@ def test_read_status_reads_one_prefix_of_a_store_and_no_other_job() -> None:
 
 # -- renderers ----------------------------------------------------------------------------------
 
-JSON_KEYS = ["job", "prefix", "health", "reason", "exit_code", "min_workers", "max_workers", "generation",
-             "members", "nodes", "recoveries", "drains", "missing", "finished", "last_abort", "malformed",
-             "restart", "checkpoint", "save_failed", "stall_after_s", "last_activity_age_s"]
-MEMBER_KEYS = ["member_id", "node", "local_rank", "pid", "host", "rank", "state", "committed_step",
-               "step_time_s", "recoveries", "heartbeat_age_s", "restarts", "rss_bytes", "cpu_percent"]
-NODE_KEYS = ["node", "host", "agent_pid", "state", "workers_running", "workers", "restarts", "heartbeat_age_s",
-             "drain_requested"]
+JSON_KEYS = [
+    "job",
+    "prefix",
+    "health",
+    "reason",
+    "exit_code",
+    "min_workers",
+    "max_workers",
+    "generation",
+    "members",
+    "nodes",
+    "recoveries",
+    "drains",
+    "missing",
+    "finished",
+    "last_abort",
+    "malformed",
+    "restart",
+    "checkpoint",
+    "save_failed",
+    "stall_after_s",
+    "last_activity_age_s",
+]
+MEMBER_KEYS = [
+    "member_id",
+    "node",
+    "local_rank",
+    "pid",
+    "host",
+    "rank",
+    "state",
+    "committed_step",
+    "step_time_s",
+    "recoveries",
+    "heartbeat_age_s",
+    "restarts",
+    "rss_bytes",
+    "cpu_percent",
+]
+NODE_KEYS = [
+    "node",
+    "host",
+    "agent_pid",
+    "state",
+    "workers_running",
+    "workers",
+    "restarts",
+    "heartbeat_age_s",
+    "drain_requested",
+]
 
 
 @pytest.mark.parametrize("job", [Job(), _job_with_everyone(), Job().finished(1, 5).abort(1)])
@@ -267,12 +429,29 @@ def test_json_is_one_object_on_one_line_with_stable_keys(job: Job) -> None:
 def test_json_values() -> None:
     data = json.loads(render_json(status_of(_job_with_everyone(), 2, 3)))
     assert data["health"] == "down" and data["exit_code"] == 2
-    assert data["generation"] == {"number": 4, "world_size": 3, "members": ["m1", "m0", "m9"],
-                                  "reason": "join", "committed_step": 120}
-    assert data["members"][1] == {"member_id": "m0", "node": "n1", "local_rank": 0, "pid": 100,
-                                  "host": "10.0.0.1", "rank": 1, "state": "training", "committed_step": 130,
-                                  "step_time_s": 0.02, "recoveries": 2, "heartbeat_age_s": 0.25,
-                                  "restarts": None, "rss_bytes": None, "cpu_percent": None}
+    assert data["generation"] == {
+        "number": 4,
+        "world_size": 3,
+        "members": ["m1", "m0", "m9"],
+        "reason": "join",
+        "committed_step": 120,
+    }
+    assert data["members"][1] == {
+        "member_id": "m0",
+        "node": "n1",
+        "local_rank": 0,
+        "pid": 100,
+        "host": "10.0.0.1",
+        "rank": 1,
+        "state": "training",
+        "committed_step": 130,
+        "step_time_s": 0.02,
+        "recoveries": 2,
+        "heartbeat_age_s": 0.25,
+        "restarts": None,
+        "rss_bytes": None,
+        "cpu_percent": None,
+    }
     assert (data["nodes"], data["recoveries"], data["drains"]) == ([], [], [])
     assert data["missing"] == ["m9"] and data["finished"] is None and data["last_abort"] is None
     assert (data["min_workers"], data["max_workers"]) == (2, 3)
@@ -282,11 +461,11 @@ def test_table_columns_are_aligned() -> None:
     text = render_table(status_of(_job_with_everyone(), 2, 3))
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("MEMBER"))
-    table = lines[header:header + 5]
+    table = lines[header : header + 5]
     for col in ("NODE", "RANK", "STATE", "STEP", "HEARTBEAT"):
         at = table[0].index(col)
         for row in table[1:]:
-            assert row[at - 2:at] == "  " and row[at] != " ", (col, row)
+            assert row[at - 2 : at] == "  " and row[at] != " ", (col, row)
     assert "training" in table[1] and "130" in table[2] and "0.2s ago" in table[2]
     assert "waiting" in table[3] and "registered" in table[4]
     assert "HEALTH" not in text and "DOWN: generation 4 lost 1 of 3" in text
@@ -309,8 +488,15 @@ def test_table_escapes_control_characters_from_records() -> None:
 def test_checkpoint_record_is_shown_in_table_and_json() -> None:
     from elasticd.wire.records import CheckpointRecord
 
-    ck = CheckpointRecord(step=120, path="/ckpt/job/00000012-step000000000120.ckpt", node="n2", generation=3,
-                          seq=12, bytes=104857664, time=NOW - 4.0)
+    ck = CheckpointRecord(
+        step=120,
+        path="/ckpt/job/00000012-step000000000120.ckpt",
+        node="n2",
+        generation=3,
+        seq=12,
+        bytes=104857664,
+        time=NOW - 4.0,
+    )
     job = Job().alive("a.0").put(KEYS.generation, encode(gen(3, ["a.0"]))).put(KEYS.checkpoint, encode(ck))
     st = status_of(job)
     assert st.checkpoint == ck
@@ -327,8 +513,9 @@ def test_checkpoint_record_is_shown_in_table_and_json() -> None:
 # -- restart mode (unmodified torchrun scripts) -------------------------------------------------
 
 
-def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] = ("a", "b"),
-                  garbage: bool = False) -> list[KeyValue]:
+def _restart_rows(
+    *, failed: int = 0, finished: int = 0, agents: Sequence[str] = ("a", "b"), garbage: bool = False
+) -> list[KeyValue]:
     from elasticd.wire.records import encode
     from elasticd.wire.restart import (
         AgentRecord,
@@ -337,13 +524,34 @@ def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] =
         RoundRecord,
     )
 
-    rows = [KeyValue(KEYS.restart_round, encode(RoundRecord(round=3, nodes=("a", "b"), nproc_per_node=2,
-                                                            master_addr="10.0.0.1", master_port=29500,
-                                                            restart_count=1, reason="worker_failed")), 5, 5)]
+    rows = [
+        KeyValue(
+            KEYS.restart_round,
+            encode(
+                RoundRecord(
+                    round=3,
+                    nodes=("a", "b"),
+                    nproc_per_node=2,
+                    master_addr="10.0.0.1",
+                    master_port=29500,
+                    restart_count=1,
+                    reason="worker_failed",
+                )
+            ),
+            5,
+            5,
+        )
+    ]
     rows += [KeyValue(KEYS.restart_agent(n), encode(AgentRecord(node=n, host="h", pid=1)), 2, 2) for n in agents]
     if failed:
-        rows.append(KeyValue(KEYS.restart_failed, encode(FailedRecord(round=failed, node="a", cause="worker_failed",
-                                                                      detail="x")), 6, 6))
+        rows.append(
+            KeyValue(
+                KEYS.restart_failed,
+                encode(FailedRecord(round=failed, node="a", cause="worker_failed", detail="x")),
+                6,
+                6,
+            )
+        )
     if finished:
         rows.append(KeyValue(KEYS.restart_finished, encode(FinishedRecord(round=finished)), 7, 7))
     if garbage:
@@ -351,16 +559,20 @@ def _restart_rows(*, failed: int = 0, finished: int = 0, agents: Sequence[str] =
     return rows
 
 
-@pytest.mark.parametrize(("kw", "lo", "hi", "health", "words"), [
-    ({}, 1, 4, Health.HEALTHY, "round 3 runs with world size 4"),
-    ({}, 1, 8, Health.DEGRADED, "world size 4 < max_workers 8"),
-    ({}, 6, 8, Health.DOWN, "world size 4 < min_workers 6"),
-    ({"failed": 3}, None, None, Health.DOWN, "round 3 ended"),
-    ({"agents": ("a",)}, None, None, Health.DOWN, "lost the agent of b"),
-    ({"finished": 3}, None, None, Health.FINISHED, "round 3 finished"),
-])
-def test_a_restart_mode_job_is_shown_by_its_round(kw: dict, lo: int | None, hi: int | None, health: Health,
-                                                  words: str) -> None:
+@pytest.mark.parametrize(
+    ("kw", "lo", "hi", "health", "words"),
+    [
+        ({}, 1, 4, Health.HEALTHY, "round 3 runs with world size 4"),
+        ({}, 1, 8, Health.DEGRADED, "world size 4 < max_workers 8"),
+        ({}, 6, 8, Health.DOWN, "world size 4 < min_workers 6"),
+        ({"failed": 3}, None, None, Health.DOWN, "round 3 ended"),
+        ({"agents": ("a",)}, None, None, Health.DOWN, "lost the agent of b"),
+        ({"finished": 3}, None, None, Health.FINISHED, "round 3 finished"),
+    ],
+)
+def test_a_restart_mode_job_is_shown_by_its_round(
+    kw: dict, lo: int | None, hi: int | None, health: Health, words: str
+) -> None:
     st = build_status(KEYS, _restart_rows(**kw), now=NOW, min_workers=lo, max_workers=hi)
     assert st.health is health and words in st.reason, st.reason
     data = json.loads(render_json(st))["restart"]
@@ -395,20 +607,31 @@ from elasticd.wire.ops import (  # noqa: E402
     event_name,
     save_failed_key,
 )
-from elasticd.wire.records import CheckpointRecord
+from elasticd.wire.records import CheckpointRecord  # noqa: E402
 
 SAVE_FAILED = save_failed_key(KEYS.job)
 
 
 def failed_save(step: int, age_s: float, errno: str | None = "EROFS") -> bytes:
-    return encode_save_failed(SaveFailedRecord(time=NOW - age_s, step=step, generation=1, node="n1",
-                                               directory="/ckpt/job", error="[Errno 30] Read-only file system",
-                                               errno=errno))
+    return encode_save_failed(
+        SaveFailedRecord(
+            time=NOW - age_s,
+            step=step,
+            generation=1,
+            node="n1",
+            directory="/ckpt/job",
+            error="[Errno 30] Read-only file system",
+            errno=errno,
+        )
+    )
 
 
 def checkpoint(step: int, age_s: float) -> bytes:
-    return encode(CheckpointRecord(step=step, path=f"/ckpt/job/x-step{step}.ckpt", node="n1", generation=1,
-                                   seq=1, bytes=10, time=NOW - age_s))
+    return encode(
+        CheckpointRecord(
+            step=step, path=f"/ckpt/job/x-step{step}.ckpt", node="n1", generation=1, seq=1, bytes=10, time=NOW - age_s
+        )
+    )
 
 
 def published(number: int, age_s: float) -> tuple[str, bytes]:
@@ -418,79 +641,169 @@ def published(number: int, age_s: float) -> tuple[str, bytes]:
 
 def training(*, age_s: float = 1.5, step_time_s: float | None = 0.02) -> Job:
     """m0 and m1 train in generation 1; their progress records are ``age_s`` old."""
-    return (Job().alive("m0", "m1").generation(1, ["m0", "m1"])
-            .put(KEYS.progress("m0"), progress(50, rank=0, age_s=age_s, step_time_s=step_time_s))
-            .put(KEYS.progress("m1"), progress(50, rank=1, age_s=age_s + 0.3, step_time_s=step_time_s)))
+    return (
+        Job()
+        .alive("m0", "m1")
+        .generation(1, ["m0", "m1"])
+        .put(KEYS.progress("m0"), progress(50, rank=0, age_s=age_s, step_time_s=step_time_s))
+        .put(KEYS.progress("m1"), progress(50, rank=1, age_s=age_s + 0.3, step_time_s=step_time_s))
+    )
 
 
 LIVE_CASES = [
     # (name, job, stall_after_s, health, words in the reason)
-    ("malformed generation, live members report training",
-     Job().alive("m0", "m1").put(KEYS.generation, b"[[[[")
-     .put(KEYS.progress("m0"), progress(80, generation=3, rank=0))
-     .put(KEYS.progress("m1"), progress(79, generation=3, rank=1)),
-     STALL_AFTER_S, Health.DEGRADED, "2 live member(s) train in generation 3"),
-    ("malformed generation, progress too old to count", Job().alive("m0").put(KEYS.generation, b"[[[[")
-     .put(KEYS.progress("m0"), progress(80, generation=3, age_s=500)), STALL_AFTER_S, Health.DOWN,
-     "generation record is malformed"),
-    ("malformed generation, only a gone member's progress", Job().alive("m0").put(KEYS.generation, b"[[[[")
-     .put(KEYS.progress("m9"), progress(80, generation=3)), STALL_AFTER_S, Health.DOWN, "malformed"),
+    (
+        "malformed generation, live members report training",
+        Job()
+        .alive("m0", "m1")
+        .put(KEYS.generation, b"[[[[")
+        .put(KEYS.progress("m0"), progress(80, generation=3, rank=0))
+        .put(KEYS.progress("m1"), progress(79, generation=3, rank=1)),
+        STALL_AFTER_S,
+        Health.DEGRADED,
+        "2 live member(s) train in generation 3",
+    ),
+    (
+        "malformed generation, progress too old to count",
+        Job().alive("m0").put(KEYS.generation, b"[[[[").put(KEYS.progress("m0"), progress(80, generation=3, age_s=500)),
+        STALL_AFTER_S,
+        Health.DOWN,
+        "generation record is malformed",
+    ),
+    (
+        "malformed generation, only a gone member's progress",
+        Job().alive("m0").put(KEYS.generation, b"[[[[").put(KEYS.progress("m9"), progress(80, generation=3)),
+        STALL_AFTER_S,
+        Health.DOWN,
+        "malformed",
+    ),
     ("committing", training(), STALL_AFTER_S, Health.HEALTHY, "all 2 live members"),
-    ("no commit for longer than the bound", training(age_s=STALL_AFTER_S + 5), STALL_AFTER_S, Health.STALLED,
-     f"no step committed for {STALL_AFTER_S + 5:.1f}s (> {STALL_AFTER_S:g}s)"),
+    (
+        "no commit for longer than the bound",
+        training(age_s=STALL_AFTER_S + 5),
+        STALL_AFTER_S,
+        Health.STALLED,
+        f"no step committed for {STALL_AFTER_S + 5:.1f}s (> {STALL_AFTER_S:g}s)",
+    ),
     ("a smaller bound given", training(age_s=30), 10.0, Health.STALLED, "generation 1 (step 50)"),
     ("stall checks off", training(age_s=9999), 0.0, Health.HEALTHY, "all 2 live members"),
-    ("slow steps get more time", training(age_s=150, step_time_s=20.0), STALL_AFTER_S, Health.HEALTHY,
-     "all 2 live members"),
+    (
+        "slow steps get more time",
+        training(age_s=150, step_time_s=20.0),
+        STALL_AFTER_S,
+        Health.HEALTHY,
+        "all 2 live members",
+    ),
     ("slow steps, still too long", training(age_s=250, step_time_s=20.0), STALL_AFTER_S, Health.STALLED, "> 200s"),
-    ("joined long ago, never committed", Job().alive("m0").generation(2, ["m0"]).put(*published(2, 500)),
-     STALL_AFTER_S, Health.STALLED, "(no step yet)"),
-    ("joined just now", Job().alive("m0").generation(2, ["m0"]).put(*published(2, 3)), STALL_AFTER_S,
-     Health.HEALTHY, "all 1 live members"),
-    ("an older generation's event says nothing", Job().alive("m0").generation(2, ["m0"]).put(*published(1, 500)),
-     STALL_AFTER_S, Health.HEALTHY, "all 1 live members"),
-    ("a member lost is down, not stalled",
-     Job().alive("m0").generation(1, ["m0", "m1"]).put(KEYS.progress("m0"), progress(5, age_s=500)),
-     STALL_AFTER_S, Health.DOWN, "lost 1 of 2"),
-    ("the latest save failed", training().put(KEYS.checkpoint, checkpoint(40, 60)).put(SAVE_FAILED, failed_save(50, 5)),
-     STALL_AFTER_S, Health.DEGRADED, "the last checkpoint save failed (step 50: EROFS)"),
-    ("a failed save, and no good one ever", training().put(SAVE_FAILED, failed_save(10, 5, errno=None)),
-     STALL_AFTER_S, Health.DEGRADED, "save failed (step 10: [Errno 30]"),
-    ("a good save since the failure",
-     training().put(SAVE_FAILED, failed_save(40, 60)).put(KEYS.checkpoint, checkpoint(50, 5)),
-     STALL_AFTER_S, Health.HEALTHY, "all 2 live members"),
-    ("a failed save on top of a small world", training().put(SAVE_FAILED, failed_save(40, 5)), STALL_AFTER_S,
-     Health.DEGRADED, "2 < max_workers 3; the last checkpoint save failed"),
-    ("stalled wins over a failed save", training(age_s=500).put(SAVE_FAILED, failed_save(40, 5)), STALL_AFTER_S,
-     Health.STALLED, "no step committed"),
+    (
+        "joined long ago, never committed",
+        Job().alive("m0").generation(2, ["m0"]).put(*published(2, 500)),
+        STALL_AFTER_S,
+        Health.STALLED,
+        "(no step yet)",
+    ),
+    (
+        "joined just now",
+        Job().alive("m0").generation(2, ["m0"]).put(*published(2, 3)),
+        STALL_AFTER_S,
+        Health.HEALTHY,
+        "all 1 live members",
+    ),
+    (
+        "an older generation's event says nothing",
+        Job().alive("m0").generation(2, ["m0"]).put(*published(1, 500)),
+        STALL_AFTER_S,
+        Health.HEALTHY,
+        "all 1 live members",
+    ),
+    (
+        "a member lost is down, not stalled",
+        Job().alive("m0").generation(1, ["m0", "m1"]).put(KEYS.progress("m0"), progress(5, age_s=500)),
+        STALL_AFTER_S,
+        Health.DOWN,
+        "lost 1 of 2",
+    ),
+    (
+        "the latest save failed",
+        training().put(KEYS.checkpoint, checkpoint(40, 60)).put(SAVE_FAILED, failed_save(50, 5)),
+        STALL_AFTER_S,
+        Health.DEGRADED,
+        "the last checkpoint save failed (step 50: EROFS)",
+    ),
+    (
+        "a failed save, and no good one ever",
+        training().put(SAVE_FAILED, failed_save(10, 5, errno=None)),
+        STALL_AFTER_S,
+        Health.DEGRADED,
+        "save failed (step 10: [Errno 30]",
+    ),
+    (
+        "a good save since the failure",
+        training().put(SAVE_FAILED, failed_save(40, 60)).put(KEYS.checkpoint, checkpoint(50, 5)),
+        STALL_AFTER_S,
+        Health.HEALTHY,
+        "all 2 live members",
+    ),
+    (
+        "a failed save on top of a small world",
+        training().put(SAVE_FAILED, failed_save(40, 5)),
+        STALL_AFTER_S,
+        Health.DEGRADED,
+        "2 < max_workers 3; the last checkpoint save failed",
+    ),
+    (
+        "stalled wins over a failed save",
+        training(age_s=500).put(SAVE_FAILED, failed_save(40, 5)),
+        STALL_AFTER_S,
+        Health.STALLED,
+        "no step committed",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "job", "stall_after_s", "health", "reason"), LIVE_CASES,
-                         ids=[c[0] for c in LIVE_CASES])
+@pytest.mark.parametrize(
+    ("name", "job", "stall_after_s", "health", "reason"), LIVE_CASES, ids=[c[0] for c in LIVE_CASES]
+)
 def test_health_from_live_records(name: str, job: Job, stall_after_s: float, health: Health, reason: str) -> None:
     hi = 3 if "small world" in name else None
     st = build_status(KEYS, job.kvs(), now=NOW, max_workers=hi, stall_after_s=stall_after_s)
     assert st.health is health, st.reason
     assert reason in st.reason, st.reason
-    assert st.exit_code == {Health.HEALTHY: EXIT_OK, Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN,
-                            Health.STALLED: EXIT_DOWN}[health]
+    assert (
+        st.exit_code
+        == {Health.HEALTHY: EXIT_OK, Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN, Health.STALLED: EXIT_DOWN}[
+            health
+        ]
+    )
 
 
 def test_a_malformed_generation_shows_the_members_that_train_by_their_progress() -> None:
-    job = (Job().alive("m0", "m1", "m2").put(KEYS.generation, b"{}")
-           .put(KEYS.progress("m0"), progress(80, generation=3, rank=1))
-           .put(KEYS.progress("m1"), progress(81, generation=3, rank=0))
-           .put(KEYS.progress("m2"), progress(20, generation=2, rank=0)))  # left behind in an older one
+    job = (
+        Job()
+        .alive("m0", "m1", "m2")
+        .put(KEYS.generation, b"{}")
+        .put(KEYS.progress("m0"), progress(80, generation=3, rank=1))
+        .put(KEYS.progress("m1"), progress(81, generation=3, rank=0))
+        .put(KEYS.progress("m2"), progress(20, generation=2, rank=0))
+    )  # left behind in an older one
     st = status_of(job)
     assert [(m.member_id, m.rank, m.state) for m in st.members] == [
-        ("m1", 0, WorkerState.TRAINING), ("m0", 1, WorkerState.TRAINING), ("m2", None, WorkerState.REGISTERED)]
+        ("m1", 0, WorkerState.TRAINING),
+        ("m0", 1, WorkerState.TRAINING),
+        ("m2", None, WorkerState.REGISTERED),
+    ]
     assert st.generation is None and any(KEYS.generation in m for m in st.malformed)
 
 
-@pytest.mark.parametrize(("stall_after_s", "step_times", "bound"), [
-    (120.0, [], 120.0), (120.0, [None, 0.5], 120.0), (120.0, [3.0, 20.0], 200.0), (0.0, [1.0], 10.0),
-])
+@pytest.mark.parametrize(
+    ("stall_after_s", "step_times", "bound"),
+    [
+        (120.0, [], 120.0),
+        (120.0, [None, 0.5], 120.0),
+        (120.0, [3.0, 20.0], 200.0),
+        (0.0, [1.0], 10.0),
+    ],
+)
 def test_stall_bound(stall_after_s: float, step_times: list[float | None], bound: float) -> None:
     assert stall_bound(stall_after_s, step_times) == bound
 
@@ -498,24 +811,31 @@ def test_stall_bound(stall_after_s: float, step_times: list[float | None], bound
 def test_last_activity_is_the_newest_progress_or_the_generation_published() -> None:
     from elasticd.ops.parse import Progress
 
-    p = {"m0": Progress(5, 1, 0, 0.1, 0, 100.0), "m1": Progress(5, 1, 1, 0.1, 0, 105.0),
-         "x": Progress(9, 1, 0, 0.1, 0, 900.0)}
+    p = {
+        "m0": Progress(5, 1, 0, 0.1, 0, 100.0),
+        "m1": Progress(5, 1, 1, 0.1, 0, 105.0),
+        "x": Progress(9, 1, 0, 0.1, 0, 900.0),
+    }
     assert last_activity(["m0", "m1"], p, None) == 105.0
     assert last_activity(["m0", "m1"], p, 110.0) == 110.0
     assert last_activity(["m2"], p, None) is None
     assert last_activity(["m2"], p, 50.0) == 50.0
 
 
-@pytest.mark.parametrize(("failed_at", "failed_step", "ck_time", "ck_step", "failing"), [
-    (None, 0, 100.0, 10, False),  # nothing failed
-    (200.0, 20, None, 0, True),  # failed, and no checkpoint recorded
-    (200.0, 20, 100.0, 10, True),  # failed after the last good one
-    (100.0, 10, 200.0, 20, False),  # a good one since
-    (200.0, 20, 0.0, 30, False),  # a record without time: by step, a newer step was saved
-    (200.0, 30, 0.0, 20, True),
-])
-def test_save_failing(failed_at: float | None, failed_step: int, ck_time: float | None, ck_step: int,
-                      failing: bool) -> None:
+@pytest.mark.parametrize(
+    ("failed_at", "failed_step", "ck_time", "ck_step", "failing"),
+    [
+        (None, 0, 100.0, 10, False),  # nothing failed
+        (200.0, 20, None, 0, True),  # failed, and no checkpoint recorded
+        (200.0, 20, 100.0, 10, True),  # failed after the last good one
+        (100.0, 10, 200.0, 20, False),  # a good one since
+        (200.0, 20, 0.0, 30, False),  # a record without time: by step, a newer step was saved
+        (200.0, 30, 0.0, 20, True),
+    ],
+)
+def test_save_failing(
+    failed_at: float | None, failed_step: int, ck_time: float | None, ck_step: int, failing: bool
+) -> None:
     failed = None if failed_at is None else SaveFailedRecord(failed_at, failed_step, 1, "n", "/d", "e", None)
     ck = None if ck_time is None else CheckpointRecord(step=ck_step, path="p", node="n", time=ck_time)
     assert save_failing(failed, ck) is failing
@@ -525,11 +845,21 @@ def test_a_failed_save_is_shown_in_table_and_json() -> None:
     st = status_of(training().put(KEYS.checkpoint, checkpoint(40, 60)).put(SAVE_FAILED, failed_save(50, 5)))
     table = render_table(st)
     assert "health      DEGRADED: the last checkpoint save failed (step 50: EROFS)" in table
-    assert ("save error  the latest save: step 50 at 2023-11-14T22:13:15Z on n1 into /ckpt/job: "
-            "[Errno 30] Read-only file system") in table
+    assert (
+        "save error  the latest save: step 50 at 2023-11-14T22:13:15Z on n1 into /ckpt/job: "
+        "[Errno 30] Read-only file system"
+    ) in table
     data = json.loads(render_json(st))
-    assert data["save_failed"] == {"time": NOW - 5, "step": 50, "generation": 1, "node": "n1", "directory": "/ckpt/job",
-                                   "errno": "EROFS", "error": "[Errno 30] Read-only file system", "failing": True}
+    assert data["save_failed"] == {
+        "time": NOW - 5,
+        "step": 50,
+        "generation": 1,
+        "node": "n1",
+        "directory": "/ckpt/job",
+        "errno": "EROFS",
+        "error": "[Errno 30] Read-only file system",
+        "failing": True,
+    }
     assert data["stall_after_s"] == STALL_AFTER_S and data["last_activity_age_s"] == 1.5
     healed = status_of(training().put(SAVE_FAILED, failed_save(40, 60)).put(KEYS.checkpoint, checkpoint(50, 5)))
     assert "save error  a good checkpoint was saved since: step 40" in render_table(healed)
@@ -542,6 +872,7 @@ def test_a_failed_save_is_shown_in_table_and_json() -> None:
 
 def test_a_stalled_job_says_so_in_the_table() -> None:
     st = build_status(KEYS, training(age_s=300).kvs(), now=NOW, stall_after_s=60)
-    assert render_table(st).splitlines()[1] == ("health      STALLED: no step committed for 300.0s (> 60s) by the 2 "
-                                                "live member(s) of generation 1 (step 50)")
+    assert render_table(st).splitlines()[1] == (
+        "health      STALLED: no step committed for 300.0s (> 60s) by the 2 live member(s) of generation 1 (step 50)"
+    )
     assert json.loads(render_json(st))["health"] == "stalled" and st.exit_code == EXIT_DOWN

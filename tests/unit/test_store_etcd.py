@@ -18,15 +18,19 @@ import grpc  # isort: skip  (after store.etcd, which sets gRPC's verbosity befor
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize(("present", "candidates", "found"), [
-    (["a", "b"], ["a", "b"], "a"),
-    (["b"], ["a", "b"], "b"),
-    (["b"], ["", "a", "b"], "b"),  # OpenSSL's file unset
-    (["dir/"], ["dir", "b"], None),  # a directory is not a bundle
-    ([], ["a", "b"], None),
-])
-def test_system_ca_bundle_is_the_first_file_found(tmp_path: Path, present: list[str], candidates: list[str],
-                                                   found: str | None) -> None:
+@pytest.mark.parametrize(
+    ("present", "candidates", "found"),
+    [
+        (["a", "b"], ["a", "b"], "a"),
+        (["b"], ["a", "b"], "b"),
+        (["b"], ["", "a", "b"], "b"),  # OpenSSL's file unset
+        (["dir/"], ["dir", "b"], None),  # a directory is not a bundle
+        ([], ["a", "b"], None),
+    ],
+)
+def test_system_ca_bundle_is_the_first_file_found(
+    tmp_path: Path, present: list[str], candidates: list[str], found: str | None
+) -> None:
     for name in present:
         if name.endswith("/"):
             (tmp_path / name).mkdir()
@@ -40,8 +44,7 @@ def test_system_ca_bundle_is_the_first_file_found(tmp_path: Path, present: list[
         system_ca_bundle(paths)
     message = str(info.value)
     assert message.startswith("etcd_ca_cert: the etcd endpoints are https:// but no etcd_ca_cert is set"), message
-    assert paths[-1] in message and message.endswith("set etcd_ca_cert to the CA file that signs "
-                                                               "etcd's certificate")
+    assert paths[-1] in message and message.endswith("set etcd_ca_cert to the CA file that signs etcd's certificate")
 
 
 def test_the_default_candidates_start_with_openssls_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,15 +54,19 @@ def test_the_default_candidates_start_with_openssls_file(tmp_path: Path, monkeyp
     assert system_ca_bundle() == str(bundle)
 
 
-@pytest.mark.parametrize(("endpoints", "ca_cert", "secure"), [
-    (("127.0.0.1:1",), "", False),
-    (("http://127.0.0.1:1",), "", False),
-    (("https://127.0.0.1:1",), "", True),  # was plaintext: the scheme was dropped
-    (("127.0.0.1:1",), "CA", True),
-    (("https://127.0.0.1:1", "https://127.0.0.1:2"), "CA", True),
-])
-def test_https_or_a_ca_file_makes_a_tls_channel(tmp_path: Path, endpoints: tuple[str, ...], ca_cert: str,
-                                                 secure: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("endpoints", "ca_cert", "secure"),
+    [
+        (("127.0.0.1:1",), "", False),
+        (("http://127.0.0.1:1",), "", False),
+        (("https://127.0.0.1:1",), "", True),  # was plaintext: the scheme was dropped
+        (("127.0.0.1:1",), "CA", True),
+        (("https://127.0.0.1:1", "https://127.0.0.1:2"), "CA", True),
+    ],
+)
+def test_https_or_a_ca_file_makes_a_tls_channel(
+    tmp_path: Path, endpoints: tuple[str, ...], ca_cert: str, secure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bundle = tmp_path / "bundle.pem"
     bundle.write_text("")  # gRPC reads the roots when a connection is made: none is, here
     monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
@@ -76,23 +83,50 @@ def test_https_or_a_ca_file_makes_a_tls_channel(tmp_path: Path, endpoints: tuple
 ROLE_HINT = "-- see `elasticctl auth setup-job`"
 
 
-@pytest.mark.parametrize(("prefix", "key", "user", "message"), [
-    ("/elasticd", "/elasticd/jobA/generation", "jobB",
-     f"permission denied for job jobA (etcd user jobB): the user's role does not cover /elasticd/jobA/ {ROLE_HINT}"),
-    ("/elasticd", "/elasticd/jobA/", "jobB",
-     f"permission denied for job jobA (etcd user jobB): the user's role does not cover /elasticd/jobA/ {ROLE_HINT}"),
-    ("/x/y", "/x/y/j.1/members/m", "u",
-     f"permission denied for job j.1 (etcd user u): the user's role does not cover /x/y/j.1/ {ROLE_HINT}"),
-    ("/elasticd", "/elasticd/jobA/generation", "",
-     "permission denied for job jobA (no etcd user: set --etcd-user): the user's role does not cover "
-     f"/elasticd/jobA/ {ROLE_HINT}"),
-    ("/elasticd", "/other/jobA/generation", "u",
-     "permission denied for get of /other/jobA/generation (etcd user u): etcd refused it to the user's role "
-     f"{ROLE_HINT}"),
-    ("/elasticd", "", "u", f"permission denied for get (etcd user u): etcd refused it to the user's role {ROLE_HINT}"),
-])
-def test_permission_denied_names_the_job_the_user_and_the_range(prefix: str, key: str, user: str,
-                                                                 message: str) -> None:
+@pytest.mark.parametrize(
+    ("prefix", "key", "user", "message"),
+    [
+        (
+            "/elasticd",
+            "/elasticd/jobA/generation",
+            "jobB",
+            f"permission denied for job jobA (etcd user jobB): the user's role does not cover /elasticd/jobA/ {ROLE_HINT}",
+        ),
+        (
+            "/elasticd",
+            "/elasticd/jobA/",
+            "jobB",
+            f"permission denied for job jobA (etcd user jobB): the user's role does not cover /elasticd/jobA/ {ROLE_HINT}",
+        ),
+        (
+            "/x/y",
+            "/x/y/j.1/members/m",
+            "u",
+            f"permission denied for job j.1 (etcd user u): the user's role does not cover /x/y/j.1/ {ROLE_HINT}",
+        ),
+        (
+            "/elasticd",
+            "/elasticd/jobA/generation",
+            "",
+            "permission denied for job jobA (no etcd user: set --etcd-user): the user's role does not cover "
+            f"/elasticd/jobA/ {ROLE_HINT}",
+        ),
+        (
+            "/elasticd",
+            "/other/jobA/generation",
+            "u",
+            "permission denied for get of /other/jobA/generation (etcd user u): etcd refused it to the user's role "
+            f"{ROLE_HINT}",
+        ),
+        (
+            "/elasticd",
+            "",
+            "u",
+            f"permission denied for get (etcd user u): etcd refused it to the user's role {ROLE_HINT}",
+        ),
+    ],
+)
+def test_permission_denied_names_the_job_the_user_and_the_range(prefix: str, key: str, user: str, message: str) -> None:
     config = EtcdConfig(prefix=prefix, user=user, password="pw" if user else "")
     err = permission_denied(config, "get", key)
     assert isinstance(err, PermissionDenied) and not isinstance(err, EtcdUnavailable)
@@ -132,17 +166,21 @@ class _RefusingEtcd:
 
 
 def _client_with(fake: _RefusingEtcd) -> EtcdClient:
-    client = EtcdClient(EtcdConfig(), Timeouts(), RetryPolicy(etcd_attempts=4, etcd_backoff_initial_s=0.01,
-                                                             etcd_backoff_max_s=0.01))
+    client = EtcdClient(
+        EtcdConfig(), Timeouts(), RetryPolicy(etcd_attempts=4, etcd_backoff_initial_s=0.01, etcd_backoff_max_s=0.01)
+    )
     client.close()  # the real client made no connection yet; the fake answers instead
     client._client = fake
     return client
 
 
-@pytest.mark.parametrize("error", [
-    _RpcError(grpc.StatusCode.PERMISSION_DENIED, "etcdserver: permission denied"),
-    _RpcError(grpc.StatusCode.UNKNOWN, "etcdserver: permission denied"),  # a transient code: not retried either
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        _RpcError(grpc.StatusCode.PERMISSION_DENIED, "etcdserver: permission denied"),
+        _RpcError(grpc.StatusCode.UNKNOWN, "etcdserver: permission denied"),  # a transient code: not retried either
+    ],
+)
 def test_etcds_permission_denied_is_one_clear_error_and_not_retried(error: BaseException) -> None:
     fake = _RefusingEtcd(error)
     with pytest.raises(PermissionDenied) as info:

@@ -64,14 +64,17 @@ def test_a_sealed_value_opens_only_under_its_token_and_key(value: bytes) -> None
             opener.open(at, sealed)
 
 
-@pytest.mark.parametrize("tamper", [
-    lambda s: s[:-1] + bytes([s[-1] ^ 1]),  # the tag
-    lambda s: s[:20] + bytes([s[20] ^ 1]) + s[21:],  # the body
-    lambda s: s[:-1],  # truncated
-    lambda s: b"E0" + s[2:],  # another format
-    lambda s: b"",
-    lambda s: b"127.0.0.1",  # a value written without the token
-])
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda s: s[:-1] + bytes([s[-1] ^ 1]),  # the tag
+        lambda s: s[:20] + bytes([s[20] ^ 1]) + s[21:],  # the body
+        lambda s: s[:-1],  # truncated
+        lambda s: b"E0" + s[2:],  # another format
+        lambda s: b"",
+        lambda s: b"127.0.0.1",  # a value written without the token
+    ],
+)
 def test_a_changed_value_fails_to_open(tamper) -> None:  # type: ignore[no-untyped-def]
     seal = Seal.from_token(TOKEN)
     name = seal.name("k")
@@ -144,8 +147,11 @@ def test_the_listener_is_bound_to_the_address_it_was_given() -> None:
 def test_the_store_server_listens_on_its_host_only() -> None:
     """Given a port, c10d alone listens on every interface: the server is handed its socket."""
     server = StoreServer("127.0.0.1", Timeouts())
-    ours = [c for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port]
+    ours = [
+        c
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+    ]
     assert [c.laddr.ip for c in ours] == ["127.0.0.1"]
     server.store.set("k", "v")
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
@@ -166,8 +172,9 @@ def test_a_gloo_group_over_the_sealed_store_works_and_leaves_nothing_readable() 
     groups: dict[int, Group] = {}
 
     def build(rank: int) -> None:
-        groups[rank] = factories[rank].build(5, rank, 2, "127.0.0.1", servers[0].port, Deadline.after(20), never,
-                                             token=TOKEN)
+        groups[rank] = factories[rank].build(
+            5, rank, 2, "127.0.0.1", servers[0].port, Deadline.after(20), never, token=TOKEN
+        )
 
     subgroups: dict[int, Group] = {}
 

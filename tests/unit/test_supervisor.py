@@ -19,9 +19,12 @@ from elasticd.agent.supervisor import (
 pytestmark = pytest.mark.timeout(60)
 
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
-STUBBORN = [sys.executable, "-c",
-            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"]
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)",
+]
 
 
 @pytest.mark.parametrize(
@@ -62,14 +65,24 @@ def test_exits_are_reaped_and_classified() -> None:
     sup.send_signal(signal.SIGKILL, [2])
     exits = _wait_exits(sup, 3)
     assert [(e.local_rank, e.kind, e.code, e.signal) for e in exits] == [
-        (0, ExitKind.SUCCEEDED, 0, None), (1, ExitKind.FAILED, 4, None), (2, ExitKind.SIGNALED, None, 9)]
+        (0, ExitKind.SUCCEEDED, 0, None),
+        (1, ExitKind.FAILED, 4, None),
+        (2, ExitKind.SIGNALED, None, 9),
+    ]
     assert exits[2].pid == pid and sup.running() == {} and sup.poll() == []
 
 
 def test_the_environment_is_exactly_the_one_given() -> None:
     sup = Supervisor()
-    sup.spawn(0, [sys.executable, "-c", "import os, sys; sys.exit(0 if os.environ.get('A') == '1' and 'HOME' not in os.environ else 1)"],
-              {"A": "1"})
+    sup.spawn(
+        0,
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; sys.exit(0 if os.environ.get('A') == '1' and 'HOME' not in os.environ else 1)",
+        ],
+        {"A": "1"},
+    )
     (e,) = _wait_exits(sup, 1)
     assert e.ok, e
 
@@ -93,9 +106,16 @@ def test_terminate_all_is_bounded_and_kills_what_ignores_sigterm() -> None:
 
 def test_kill_takes_the_workers_children_too() -> None:
     sup = Supervisor()
-    sup.spawn(0, [sys.executable, "-c",
-                  "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
-                  "time.sleep(60)']); time.sleep(60)"], {})
+    sup.spawn(
+        0,
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)']); time.sleep(60)",
+        ],
+        {},
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         sup.sample()

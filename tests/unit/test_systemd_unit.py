@@ -91,10 +91,12 @@ def _verify(analyze: str, unit_text: str, tmp_path: Path) -> tuple[int, list[str
     assert count == 1, "ExecStart=/usr/local/bin/elasticd ... not found exactly once in the unit"
     copy = tmp_path / "elasticd.service"
     copy.write_text(text)
-    proc = subprocess.run([analyze, "verify", "--man=no", str(copy)], capture_output=True, text=True,
-                          timeout=45)
-    ours = [line for line in (proc.stdout + proc.stderr).splitlines()
-            if str(copy) in line or "elasticd.service" in line or "Unknown" in line]
+    proc = subprocess.run([analyze, "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=45)
+    ours = [
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if str(copy) in line or "elasticd.service" in line or "Unknown" in line
+    ]
     return proc.returncode, ours
 
 
@@ -120,8 +122,11 @@ def test_verify_check_catches_a_bad_directive(analyze: str, tmp_path: Path, bad_
 
 def test_every_directive_is_preceded_by_a_comment() -> None:
     lines = UNIT.read_text().splitlines()
-    bare = [f"{UNIT.name}:{n}: {lines[n - 1]}" for n, _s, _k, _v in _directives(UNIT.read_text())
-            if n < 2 or not _is_comment(lines[n - 2])]
+    bare = [
+        f"{UNIT.name}:{n}: {lines[n - 1]}"
+        for n, _s, _k, _v in _directives(UNIT.read_text())
+        if n < 2 or not _is_comment(lines[n - 2])
+    ]
     assert bare == [], "directives without a comment line right above them:\n" + "\n".join(bare)
 
 
@@ -191,8 +196,7 @@ def test_unit_environment() -> None:
 # JITs (CUDA, NVRTC, Triton) need W+X memory; workers talk TCP, netlink and AF_UNIX to peers and
 # etcd; CUDA drivers use unusual calls; PyTorch and psutil read /proc/meminfo and /proc/cpuinfo.
 MAY_BE_NO = {"PrivateDevices", "MemoryDenyWriteExecute", "PrivateNetwork", "ProtectClock", "PrivateUsers"}
-ABSENT = {"DevicePolicy", "DeviceAllow", "IPAddressDeny", "RestrictAddressFamilies", "SystemCallFilter",
-          "ProcSubset"}
+ABSENT = {"DevicePolicy", "DeviceAllow", "IPAddressDeny", "RestrictAddressFamilies", "SystemCallFilter", "ProcSubset"}
 
 
 def test_unit_has_no_settings_that_break_training() -> None:
@@ -205,8 +209,9 @@ def test_the_install_creates_the_user_and_directories_the_unit_runs_with() -> No
     install = (SYSTEMD_DIR / "README.md").read_text()
     (user,) = _values("User")
     (group,) = _values("Group")
-    assert re.search(rf"useradd --system (--\S+ )*--home-dir /var/lib/{user} --shell /usr/sbin/nologin {user}\n",
-                     install)
+    assert re.search(
+        rf"useradd --system (--\S+ )*--home-dir /var/lib/{user} --shell /usr/sbin/nologin {user}\n", install
+    )
     for extra in _values("SupplementaryGroups")[0].split():
         assert re.search(rf"usermod .*-aG .*\b{extra}\b.* {user}", install), extra
     checkpoint_dir = tomllib.loads(TOML_EXAMPLE.read_text())["checkpoint_dir"]
@@ -223,10 +228,13 @@ def test_systemd_analyze_security_exposure(analyze: str) -> None:
     version = subprocess.run([analyze, "--version"], capture_output=True, text=True, timeout=30).stdout
     match = re.match(r"systemd (\d+)", version)
     if match is None or int(match.group(1)) < OFFLINE_SINCE:
-        pytest.skip(f"{analyze} ({(version.splitlines() or ['version unknown'])[0]}) cannot rate a unit "
-                    f"file: `security --offline=yes` needs systemd >= {OFFLINE_SINCE}")
-    proc = subprocess.run([analyze, "security", "--offline=yes", "--no-pager", str(UNIT)],
-                          capture_output=True, text=True, timeout=45)
+        pytest.skip(
+            f"{analyze} ({(version.splitlines() or ['version unknown'])[0]}) cannot rate a unit "
+            f"file: `security --offline=yes` needs systemd >= {OFFLINE_SINCE}"
+        )
+    proc = subprocess.run(
+        [analyze, "security", "--offline=yes", "--no-pager", str(UNIT)], capture_output=True, text=True, timeout=45
+    )
     overall = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", proc.stdout)
     assert overall, proc.stdout + proc.stderr
     failing = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("\N{BALLOT X}"))
@@ -279,8 +287,19 @@ def test_toml_example_parses_and_every_key_has_a_comment() -> None:
 
 def test_toml_example_documents_the_agent_settings() -> None:
     keys = {k for _, k, _ in _toml_key_lines(TOML_EXAMPLE.read_text())}
-    wanted = {"job_id", "etcd_endpoints", "program", "nproc_per_node", "min_workers", "max_workers",
-              "lease_ttl_s", "shutdown_grace_s", "max_restarts", "restart_window_s", "checkpoint_dir"}
+    wanted = {
+        "job_id",
+        "etcd_endpoints",
+        "program",
+        "nproc_per_node",
+        "min_workers",
+        "max_workers",
+        "lease_ttl_s",
+        "shutdown_grace_s",
+        "max_restarts",
+        "restart_window_s",
+        "checkpoint_dir",
+    }
     assert wanted <= keys, f"missing: {sorted(wanted - keys)}"
 
 
@@ -291,8 +310,7 @@ def test_toml_example_values_are_valid_for_config() -> None:
     assert timeouts, "the example shows no timeouts"
     # The file says its timeouts are the defaults, so an operator can read them off it.
     assert Timeouts(**timeouts) == Timeouts()
-    WorldConfig(job_id=settings["job_id"], min_workers=settings["min_workers"],
-                max_workers=settings["max_workers"])
+    WorldConfig(job_id=settings["job_id"], min_workers=settings["min_workers"], max_workers=settings["max_workers"])
     EtcdConfig(endpoints=tuple(settings["etcd_endpoints"]), prefix=settings["etcd_prefix"])
     assert isinstance(settings["program"], list) and all(isinstance(a, str) for a in settings["program"])
 

@@ -19,8 +19,7 @@ def ev(t: float, kind: str, source: str = "n0.0.1", **detail: object) -> EventRe
 
 
 def gen(t: float, number: int, world: int, reason: str, committed: int = -1) -> EventRecord:
-    return ev(t, "generation_published", generation=number, world_size=world, reason=reason,
-              committed_step=committed)
+    return ev(t, "generation_published", generation=number, world_size=world, reason=reason, committed_step=committed)
 
 
 HISTORY = [
@@ -32,7 +31,7 @@ HISTORY = [
     ev(15.0, "checkpoint_saved", step=150, duration_s=0.05),
     gen(16.0, 3, 3, "join", committed=190),
     ev(20.0, "progress", step=240),
-    ev(21.0, "mystery_kind", whatever=1),                  # unknown kinds are skipped
+    ev(21.0, "mystery_kind", whatever=1),  # unknown kinds are skipped
     ev(22.0, "recovered", cause="x", duration_s="bad", step=250),  # a field of the wrong type too
 ]
 
@@ -40,39 +39,60 @@ HISTORY = [
 def test_the_series_from_a_history() -> None:
     tl = build_timeline("job", reversed(HISTORY))  # any order
     assert tl.start == T0 and tl.end_s == 22.0
-    assert tl.generations == (Generation(0.0, 1, 3, "start"), Generation(12.125, 2, 2, "aborted"),
-                              Generation(16.0, 3, 3, "join"))
+    assert tl.generations == (
+        Generation(0.0, 1, 3, "start"),
+        Generation(12.125, 2, 2, "aborted"),
+        Generation(16.0, 3, 3, "join"),
+    )
     assert tl.steps == ((10.0, 100), (12.125, 119), (12.375, 120), (15.0, 150), (16.0, 190), (20.0, 240))
     assert tl.throughput[0] == (10.0, 12.125, pytest.approx(19 / 2.125))
-    assert tl.faults == (Mark(12.0, "worker_exited", "node-1: worker killed by SIGKILL"),
-                         Mark(12.125, "generation_aborted", "gen 2 aborted"))
+    assert tl.faults == (
+        Mark(12.0, "worker_exited", "node-1: worker killed by SIGKILL"),
+        Mark(12.125, "generation_aborted", "gen 2 aborted"),
+    )
     assert tl.recoveries == (Recovery(12.375, 0.25, "PeerLost", 120),)
     assert tl.saves == (Save(15.0, 150, 0.05),)
     assert tl.lost_s == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize("events, steps", [
-    ([], ()),
-    # a generation's committed step arrives after a later progress point: steps only go up
-    ([ev(0, "progress", step=50), gen(1, 2, 2, "member_lost", committed=40), ev(2, "progress", step=60)],
-     ((0.0, 50), (2.0, 60))),
-    ([gen(0, 1, 2, "start", committed=-1)], ()),           # no step yet
-    ([ev(0, "progress", step=True)], ()),                   # a bool is no step
-])
+@pytest.mark.parametrize(
+    "events, steps",
+    [
+        ([], ()),
+        # a generation's committed step arrives after a later progress point: steps only go up
+        (
+            [ev(0, "progress", step=50), gen(1, 2, 2, "member_lost", committed=40), ev(2, "progress", step=60)],
+            ((0.0, 50), (2.0, 60)),
+        ),
+        ([gen(0, 1, 2, "start", committed=-1)], ()),  # no step yet
+        ([ev(0, "progress", step=True)], ()),  # a bool is no step
+    ],
+)
 def test_step_points_only_go_up(events, steps) -> None:
     assert build_timeline("j", events).steps == steps
 
 
-@pytest.mark.parametrize("kind, detail, label", [
-    ("worker_stopped", {}, "node-1: worker stopped"),
-    ("restarts_exhausted", {}, "node-1: restarts exhausted"),
-    ("node_draining", {"cause": "SIGTERM"}, "node-1: draining (SIGTERM)"),
-    ("node_draining", {"cause": "elasticctl drain by root@vm (elasticctl pid 9)"}, "node-1: draining (elasticctl drain)"),
-    ("worker_exited", {"exit_kind": "succeeded", "code": 0, "how": "exited with code 0"}, None),  # finished
-    ("worker_exited", {"exit_kind": "failed", "code": 3, "how": "exited with code 3"}, "node-1: worker exited with code 3"),
-    ("node_drained", {}, None),          # the end of a drain is no fault
-    ("worker_restarted", {}, None),
-])
+@pytest.mark.parametrize(
+    "kind, detail, label",
+    [
+        ("worker_stopped", {}, "node-1: worker stopped"),
+        ("restarts_exhausted", {}, "node-1: restarts exhausted"),
+        ("node_draining", {"cause": "SIGTERM"}, "node-1: draining (SIGTERM)"),
+        (
+            "node_draining",
+            {"cause": "elasticctl drain by root@vm (elasticctl pid 9)"},
+            "node-1: draining (elasticctl drain)",
+        ),
+        ("worker_exited", {"exit_kind": "succeeded", "code": 0, "how": "exited with code 0"}, None),  # finished
+        (
+            "worker_exited",
+            {"exit_kind": "failed", "code": 3, "how": "exited with code 3"},
+            "node-1: worker exited with code 3",
+        ),
+        ("node_drained", {}, None),  # the end of a drain is no fault
+        ("worker_restarted", {}, None),
+    ],
+)
 def test_agent_events_that_are_faults(kind, detail, label) -> None:
     tl = build_timeline("j", [ev(0, kind, source="agent.node-1.9", **detail)])
     assert [f.label for f in tl.faults] == ([label] if label else [])
