@@ -29,7 +29,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(trainer, name)
     if name in ("Batch", "BatchMode"):
-        from elasticd.worker import sampler
+        from elasticd.worker.data import sampler
 
         return getattr(sampler, name)
     raise AttributeError(name)

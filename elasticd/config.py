@@ -505,7 +505,7 @@ class AgentConfig:
         default=False,
         metadata={
             "doc": "Relay the job's generation keys to this node's workers (--relay): the agent watches them "
-            "once and reads the workers' view once per change for all of them (rendezvous.relay), "
+            "once and reads the workers' view once per change for all of them (relay.node), "
             "so etcd serves one watcher per node instead of one per worker; each worker keeps its "
             "own lease. Elastic mode."
         },

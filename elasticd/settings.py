@@ -308,7 +308,7 @@ def child_environ(extra: Mapping[str, str], defaults: Mapping[str, str] | None =
     return env
 
 
-# -- NCCL's environment (why each value: ``worker/nccl.py``) --------------------------------------
+# -- NCCL's environment (why each value: ``worker/group/nccl.py``) --------------------------------------
 
 
 def nccl_environ(timeouts: Timeouts) -> dict[str, str]:

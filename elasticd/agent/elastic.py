@@ -81,7 +81,7 @@ from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 from elasticd.config import AgentConfig
 from elasticd.errors import EtcdUnavailable, LeaseLost, PermissionDenied
-from elasticd.rendezvous.relay import NodeRelay
+from elasticd.relay.node import NodeRelay
 from elasticd.retry import Clock
 from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
@@ -214,7 +214,7 @@ class Agent(AgentDaemon):
             self._presence = None
 
     def _start_relay(self) -> NodeRelay | None:
-        """This node's relay (``rendezvous.relay``), on a socket in a directory of its own (0700);
+        """This node's relay (``relay.node``), on a socket in a directory of its own (0700);
         None when it cannot start: the workers then read etcd themselves."""
         c = self._config
         relay = NodeRelay(

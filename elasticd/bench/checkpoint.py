@@ -139,8 +139,8 @@ def run_throughput(workdir: Path, s: CheckpointBenchSettings, progress: Callable
     """The writer vs a plain write+fsync of the same bytes, alternating, in one directory."""
     import torch
 
-    from elasticd.worker.durable import CheckpointWriter, SavedCheckpoint
-    from elasticd.worker.state import TrainingState
+    from elasticd.worker.state.durable import CheckpointWriter, SavedCheckpoint
+    from elasticd.worker.state.training import TrainingState
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_model  # type: ignore[import-not-found, unused-ignore]

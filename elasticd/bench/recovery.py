@@ -494,10 +494,10 @@ def _transfer_worker(
     from elasticd.log import configure_logging
     from elasticd.retry import Deadline
     from elasticd.testing.groups import fixed_gloo_group, never
-    from elasticd.worker.collectives import barrier as collective_barrier
-    from elasticd.worker.process_group import Group
-    from elasticd.worker.state import ChecksumAhead, TrainingState
-    from elasticd.worker.sync import sync_state
+    from elasticd.worker.group.collectives import barrier as collective_barrier
+    from elasticd.worker.group.process_group import Group
+    from elasticd.worker.state.training import ChecksumAhead, TrainingState
+    from elasticd.worker.state.sync import sync_state
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_model  # type: ignore[import-not-found, unused-ignore]

@@ -32,8 +32,8 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import ElasticdError, EtcdUnavailable
 from elasticd.log import configure_logging
 from elasticd.rendezvous.membership import Membership
-from elasticd.rendezvous.relay import NodeRelay
-from elasticd.rendezvous.relayed_store import RelayedStore
+from elasticd.relay.node import NodeRelay
+from elasticd.relay.store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValue, KeyValueStore
@@ -155,7 +155,7 @@ class Plan:
     endpoint: str
     job_id: str
     log_path: str
-    per_node: int = 1  # members per node: more than 1, each node's members share its relay (rendezvous.relay)
+    per_node: int = 1  # members per node: more than 1, each node's members share its relay (relay.node)
 
 
 def _member_process(conn: Connection, plan: Plan) -> None:

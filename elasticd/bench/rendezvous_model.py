@@ -185,7 +185,7 @@ def coordinated_protocol(
     (``abort_poll_s``) before each survivor joins from the view it read. ``reads_per_member``
     (measured) gives the round's etcd CPU and bytes, not its time.
 
-    ``per_node`` > 1: node relays (``rendezvous.relay``): a node's relay watches and reads for its
+    ``per_node`` > 1: node relays (``relay.node``): a node's relay watches and reads for its
     ``per_node`` members, so the sweeps read etcd once per node (``readers``) and the generation
     reaches one watcher per node; the ready puts of a join still reach the coordinator one each."""
     m = n - 1 if leave else n

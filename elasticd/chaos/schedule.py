@@ -348,7 +348,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--relay",
         choices=RELAY_CHOICES,
         default="off",
-        help="the agents' relay setting (rendezvous.relay): off, on, or mixed (on for the even node "
+        help="the agents' relay setting (relay.node): off, on, or mixed (on for the even node "
         "numbers: both paths under the same faults); default off",
     )
     p.add_argument(

@@ -11,7 +11,7 @@ from multiprocessing import Queue
 
 from elasticd.config import Timeouts
 from elasticd.retry import Deadline
-from elasticd.worker.process_group import Group, GroupFactory, StoreServer
+from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer
 
 BUILD_BOUND_S = 60.0  # bound on handing out the port and on building the group
 

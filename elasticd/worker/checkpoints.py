@@ -23,11 +23,18 @@ import torch
 
 from elasticd.config import CheckpointConfig
 from elasticd.errors import CheckpointModelChanged, ConfigError
-from elasticd.worker.durable import CheckpointWriter
-from elasticd.worker.durable_format import LoadedCheckpoint, job_dir, load_latest, refuse_new_model, scan, signature_of
-from elasticd.worker.extras import load_in_place
-from elasticd.worker.journal import Journal
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.durable import CheckpointWriter
+from elasticd.worker.state.durable_format import (
+    LoadedCheckpoint,
+    job_dir,
+    load_latest,
+    refuse_new_model,
+    scan,
+    signature_of,
+)
+from elasticd.worker.state.extras import load_in_place
+from elasticd.worker.step.journal import Journal
+from elasticd.worker.state.training import TrainingState
 
 log = structlog.get_logger(__name__)
 

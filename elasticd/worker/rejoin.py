@@ -22,15 +22,15 @@ from elasticd.errors import CheckpointTransferError, CollectiveError
 from elasticd.log import set_moment
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
-from elasticd.rendezvous.relayed_store import RelayedStore
+from elasticd.relay.store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
-from elasticd.worker.collectives import barrier
-from elasticd.worker.process_group import Group, GroupFactory, StoreServer
-from elasticd.worker.state import ChecksumAhead, TrainingState
-from elasticd.worker.sync import Discard, SyncReport, sync_state
+from elasticd.worker.group.collectives import barrier
+from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer
+from elasticd.worker.state.training import ChecksumAhead, TrainingState
+from elasticd.worker.state.sync import Discard, SyncReport, sync_state
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +62,7 @@ def connect(
 
         store = EtcdClient(env.etcd, env.timeouts, env.retry)
     keys = Keys(env.etcd.prefix, env.world.job_id)
-    if env.relay_socket:  # the view and watches from the node's relay (rendezvous.relay)
+    if env.relay_socket:  # the view and watches from the node's relay (relay.node)
         store = RelayedStore(store, keys, env.relay_socket, env.timeouts, env.retry)
     server = StoreServer(env.advertise_addr, env.timeouts)
     factory = GroupFactory(server, env.advertise_addr, env.backend, env.local_rank, env.timeouts)

@@ -30,19 +30,19 @@ from elasticd.retry import Clock, Deadline
 from elasticd.settings import worker_env_from_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.worker.checkpoints import Checkpoints, load_initial
-from elasticd.worker.collectives import GradientReducer
-from elasticd.worker.data import DataPlan, collated
-from elasticd.worker.commit import Outcome
-from elasticd.worker.faults import injecting
-from elasticd.worker.durable import LoadedCheckpoint
-from elasticd.worker.journal import Journal
-from elasticd.worker.loader import ElasticLoader, loader_arguments
-from elasticd.worker.optimizers import Optimizers
-from elasticd.worker.process_group import Group, GroupFactory
+from elasticd.worker.step.reducer import GradientReducer
+from elasticd.worker.data.plan import DataPlan, collated
+from elasticd.worker.step.commit import Outcome
+from elasticd.worker.step.faults import injecting
+from elasticd.worker.state.durable import LoadedCheckpoint
+from elasticd.worker.step.journal import Journal
+from elasticd.worker.data.loader import ElasticLoader, loader_arguments
+from elasticd.worker.step.optimizers import Optimizers
+from elasticd.worker.group.process_group import Group, GroupFactory
 from elasticd.worker.rejoin import connect, goodbye, rejoin
-from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler, split_micro
-from elasticd.worker.state import TrainingState
-from elasticd.worker.step import OpenStep, StepProtocol, StepResult
+from elasticd.worker.data.sampler import Batch, BatchMode, ElasticSampler, split_micro
+from elasticd.worker.state.training import TrainingState
+from elasticd.worker.step.protocol import OpenStep, StepProtocol, StepResult
 
 log = structlog.get_logger(__name__)
 

@@ -80,7 +80,7 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
         "3",
         "--netns" if netns else "--no-netns",
         "--relay",
-        "mixed",  # both ways of following the job (rendezvous.relay) under the same faults
+        "mixed",  # both ways of following the job (relay.node) under the same faults
         # A little more than the job commits in the warm-up and the 45 s of faults (~750 at ~13
         # steps/s; ~20 faults, so every kind at least once): the faults must end on time, not near
         # the last step, and the default (a fault-free rate) left ~25 s of steps to finish after

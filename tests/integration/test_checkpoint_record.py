@@ -20,9 +20,9 @@ from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import CheckpointRecord, MemberRecord, decode_checkpoint, encode
-from elasticd.worker.durable import SavedCheckpoint
-from elasticd.worker.durable_format import FORMAT, VERSION, Manifest
-from elasticd.worker.journal import Journal
+from elasticd.worker.state.durable import SavedCheckpoint
+from elasticd.worker.state.durable_format import FORMAT, VERSION, Manifest
+from elasticd.worker.step.journal import Journal
 
 pytestmark = pytest.mark.timeout(60)
 

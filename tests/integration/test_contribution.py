@@ -12,8 +12,8 @@ import torch
 from elasticd.errors import ProtocolViolation
 from elasticd.retry import Deadline
 from elasticd.testing.groups import fixed_gloo_group, never
-from elasticd.worker.collectives import GradientReducer
-from elasticd.worker.commit import Vote
+from elasticd.worker.step.reducer import GradientReducer
+from elasticd.worker.step.commit import Vote
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,8 +29,8 @@ from elasticd.store.etcd import EtcdClient
 from elasticd.testing.audit import check, read_lines
 from elasticd.testing.localcluster import REPO_ROOT
 from elasticd.wire.keys import Keys
-from elasticd.worker.durable import load_latest
-from elasticd.worker.durable_format import job_dir, read_manifest, scan
+from elasticd.worker.state.durable import load_latest
+from elasticd.worker.state.durable_format import job_dir, read_manifest, scan
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -261,7 +261,7 @@ def _intact(directory: Path, step: int) -> None:
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_model
 
-    from elasticd.worker.state import TrainingState
+    from elasticd.worker.state.training import TrainingState
 
     saved = torch.get_rng_state()
     try:

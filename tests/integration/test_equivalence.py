@@ -83,7 +83,7 @@ def test_a_skipped_batch_would_be_caught():
     import sys
 
     from elasticd.testing.localcluster import REPO_ROOT
-    from elasticd.worker.sampler import ElasticSampler
+    from elasticd.worker.data.sampler import ElasticSampler
 
     sys.path.insert(0, str(REPO_ROOT / "agents"))
     from mlp import make_dataset, make_model

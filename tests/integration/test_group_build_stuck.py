@@ -15,8 +15,8 @@ from torch._C._distributed_c10d import TCPStore
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError
 from elasticd.retry import Deadline
-from elasticd.worker.process_group import GroupFactory, StoreServer
-from elasticd.worker.store_seal import generation_store
+from elasticd.worker.group.process_group import GroupFactory, StoreServer
+from elasticd.worker.group.store_seal import generation_store
 
 pytestmark = pytest.mark.timeout(60)
 

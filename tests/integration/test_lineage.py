@@ -35,7 +35,7 @@ class _Membership:
 def _state(seed: int, step: int):  # type: ignore[no-untyped-def]
     import torch
 
-    from elasticd.worker.state import TrainingState
+    from elasticd.worker.state.training import TrainingState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
@@ -53,7 +53,7 @@ def _rank0(port_q: Queue[int]) -> None:
     from elasticd.log import configure_logging
     from elasticd.retry import Deadline
     from elasticd.testing.groups import fixed_gloo_group
-    from elasticd.worker import sync
+    from elasticd.worker.state import sync
 
     configure_logging(json=True, level=40)
     timeouts, _, group = fixed_gloo_group(0, 2, port_q)
@@ -76,9 +76,9 @@ def _member(port_q: Queue[int], audit: str, res_q: Queue[dict[str, object]]) -> 
     from elasticd.log import configure_logging
     from elasticd.retry import Deadline
     from elasticd.testing.groups import fixed_gloo_group
-    from elasticd.worker.journal import Journal
-    from elasticd.worker.sampler import Batch
-    from elasticd.worker.sync import sync_state
+    from elasticd.worker.step.journal import Journal
+    from elasticd.worker.data.sampler import Batch
+    from elasticd.worker.state.sync import sync_state
     from elasticd.config import WorkerEnv
     from tests.fakes import FakeKeyValueStore, ManualClock
 

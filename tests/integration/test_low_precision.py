@@ -1,5 +1,5 @@
 """A model with bfloat16 parameters under elasticd, in real gloo groups: its gradients are summed in
-bfloat16, but the commit vote is summed in float32 (``collectives.vote_dtype``). In bfloat16 the
+bfloat16, but the commit vote is summed in float32 (``reducer.vote_dtype``). In bfloat16 the
 vote's voter count is exact only up to 256 members (257 rounds to 256: every step of a larger
 generation would abort), and the global loss it carries loses all but ~3 digits. The test cannot
 start 257 members; it checks the other half of the same fault, the loss, which a bfloat16 vote

@@ -138,7 +138,7 @@ def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it
     # A 10 s lease: survivors that waited for the dead worker's lease to expire would show it.
     job = agent_job(lease_ttl_s=10)
     # 600 steps: the restarted worker (a fresh Python importing torch) must be back before the end.
-    # b runs its node relay (rendezvous.relay): its workers, the restarted one too, follow the job
+    # b runs its node relay (relay.node): its workers, the restarted one too, follow the job
     # through it, and the victim's lease, its own, is still revoked at once.
     a = job.start("a", "--nnodes", "1:2", steps=600)
     b = job.start("b", "--nnodes", "1:2", "--relay", "true", steps=600)

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from elasticd import ElasticTrainer, WorkerEnv
 from elasticd.config import EtcdConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError
-from elasticd.worker.step import constant_divisor
+from elasticd.worker.step.protocol import constant_divisor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""The node relay (``rendezvous.relay``) against a real etcd, with the relay and lightweight members
+"""The node relay (``relay.node``) against a real etcd, with the relay and lightweight members
 (no torch) each in a process of their own, as an agent and its workers run them: the members form
 generations and see a leave through the relay alone; an etcd held by SIGSTOP fails their view reads
 without making them leave the relay; a relay held by SIGSTOP is left within ``relay_stale_s`` and the
@@ -160,8 +160,8 @@ def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only
     from concurrent.futures import ThreadPoolExecutor
 
     from elasticd.errors import LeaseLost
-    from elasticd.rendezvous.relay import NodeRelay
-    from elasticd.rendezvous.relayed_store import RelayedStore
+    from elasticd.relay.node import NodeRelay
+    from elasticd.relay.store import RelayedStore
 
     keys = Keys("/elasticd", f"relayput{time.monotonic_ns()}")
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
@@ -203,7 +203,7 @@ def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only
 
 def _relay_and_store(etcd_server, procs: list[Proc], tmp_path: Path, keys: Keys):  # type: ignore[no-untyped-def]
     """A relay process for ``keys``' job, and a worker's store in this process: (relay, etcd client, RelayedStore)."""
-    from elasticd.rendezvous.relayed_store import RelayedStore
+    from elasticd.relay.store import RelayedStore
 
     path = str(tmp_path / "relay.sock")
     relay = Proc(

@@ -16,7 +16,7 @@ from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.store.etcd import EtcdClient
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import GenerationRecord, decode_generation
-from elasticd.worker.store_seal import MAGIC, Seal
+from elasticd.worker.group.store_seal import MAGIC, Seal
 
 pytestmark = pytest.mark.timeout(90)
 

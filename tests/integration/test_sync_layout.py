@@ -45,7 +45,7 @@ def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ig
     model of its own seed."""
     import torch
 
-    from elasticd.worker.state import TrainingState
+    from elasticd.worker.state.training import TrainingState
 
     model = _model(layers, width, seed=0 if holds else seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -62,7 +62,7 @@ def _worker(
     rank: int, world: int, layers: int, holders: list[int], port_q: Queue[int], res_q: Queue[dict[str, object]]
 ) -> None:
     from elasticd.retry import Deadline
-    from elasticd.worker.sync import plan_transfer, sync_state
+    from elasticd.worker.state.sync import plan_transfer, sync_state
 
     timeouts, factory, group = _setup(rank, world, port_q)
     holds = rank in holders
@@ -147,7 +147,7 @@ _BIG_WIDTH = 2048  # ~34 MB of state with momentum: more than the sockets buffer
 def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
     from elasticd.errors import CollectiveError
     from elasticd.retry import Deadline
-    from elasticd.worker.sync import _UNSET, _max_reduce, sync_state
+    from elasticd.worker.state.sync import _UNSET, _max_reduce, sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
     state = _trained_state(2, _BIG_WIDTH, rank == 0, seed=rank)
@@ -227,7 +227,7 @@ def _scheduled_worker(rank: int, port_q: Queue[int], res_q: Queue[dict[str, obje
     import torch
 
     from elasticd.retry import Deadline
-    from elasticd.worker.sync import sync_state
+    from elasticd.worker.state.sync import sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
     state = _trained_state(2, 4, True, seed=0)  # both ranks hold step 7 of the same lineage...

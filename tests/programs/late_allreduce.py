@@ -22,9 +22,9 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # noqa: E402
 
 from elasticd.errors import CollectiveError  # noqa: E402
 from elasticd.retry import Deadline  # noqa: E402
-from elasticd.worker.collectives import GradientReducer  # noqa: E402
-from elasticd.worker.commit import Vote  # noqa: E402
-from elasticd.worker.process_group import Group  # noqa: E402
+from elasticd.worker.step.reducer import GradientReducer  # noqa: E402
+from elasticd.worker.step.commit import Vote  # noqa: E402
+from elasticd.worker.group.process_group import Group  # noqa: E402
 
 
 def main() -> int:

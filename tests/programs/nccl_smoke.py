@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from elasticd.config import Timeouts  # noqa: E402
 from elasticd.errors import CollectiveError  # noqa: E402
 from elasticd.retry import Deadline  # noqa: E402
-from elasticd.worker.collectives import all_reduce  # noqa: E402
-from elasticd.worker.process_group import Group, GroupFactory, StoreServer  # noqa: E402
+from elasticd.worker.group.collectives import all_reduce  # noqa: E402
+from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer  # noqa: E402
 
 SKIPPED = 77
 TIMEOUTS = Timeouts(collective_s=5.0, group_build_s=20.0, group_abort_s=30.0)

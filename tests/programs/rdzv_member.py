@@ -15,7 +15,7 @@ import time
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import ElasticdError
 from elasticd.rendezvous.membership import Membership
-from elasticd.rendezvous.relayed_store import RelayedStore
+from elasticd.relay.store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
 from elasticd.store.kv import KeyValueStore

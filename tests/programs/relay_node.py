@@ -1,4 +1,4 @@
-"""One node's relay (``rendezvous.relay.NodeRelay``) in a process of its own, as an agent runs it:
+"""One node's relay (``relay.node.NodeRelay``) in a process of its own, as an agent runs it:
 prints one JSON line when it listens, then relays until SIGTERM (or SIGKILL).
 
 Usage: relay_node.py ENDPOINT JOB NODE SOCKET_PATH
@@ -12,7 +12,7 @@ import sys
 import threading
 
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
-from elasticd.rendezvous.relay import NodeRelay
+from elasticd.relay.node import NodeRelay
 from elasticd.store.etcd import EtcdClient
 from elasticd.wire.keys import Keys
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.testing.audit import check, check_dir
-from elasticd.worker.sampler import ElasticSampler
+from elasticd.worker.data.sampler import ElasticSampler
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elasticd.errors import ModelMismatch, StateCorrupt
-from elasticd.worker.state import _ALIGN, Counters, TrainingState, model_signature
+from elasticd.worker.state.training import _ALIGN, Counters, TrainingState, model_signature
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -325,7 +325,7 @@ def test_unpack_from_an_unaligned_slice() -> None:
     ],
 )
 def test_transfer_members(world: int, needy: list[int], nbytes: int, can: bool, expected: list[int]) -> None:
-    from elasticd.worker.sync import transfer_members
+    from elasticd.worker.state.sync import transfer_members
 
     assert transfer_members(world, needy, nbytes, can) == expected
 
@@ -343,7 +343,7 @@ def test_transfer_members(world: int, needy: list[int], nbytes: int, can: bool, 
     ],
 )
 def test_plan_transfer(world: int, needy: list[int], backend: str, mode: str, members: list[int]) -> None:
-    from elasticd.worker.sync import plan_transfer
+    from elasticd.worker.state.sync import plan_transfer
 
     plan = plan_transfer(world, needy, 34 << 20, backend, True)
     assert (plan.mode, plan.members) == (mode, members)

@@ -20,13 +20,13 @@ from elasticd.config import CheckpointConfig, WorkerEnv, WorldConfig
 from elasticd.rendezvous.membership import Membership
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord, decode_checkpoint
-from elasticd.worker import durable
+from elasticd.worker.state import durable
 from elasticd.worker.checkpoints import Checkpoints
-from elasticd.worker.durable import load_latest
-from elasticd.worker.durable_format import job_dir, scan
-from elasticd.worker.journal import Journal
-from elasticd.worker.sampler import Batch
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.durable import load_latest
+from elasticd.worker.state.durable_format import job_dir, scan
+from elasticd.worker.step.journal import Journal
+from elasticd.worker.data.sampler import Batch
+from elasticd.worker.state.training import TrainingState
 from tests.fakes import FakeKeyValueStore
 from tests.unit.test_checkpoint import make_state, train
 

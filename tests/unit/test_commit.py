@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import elasticd.worker.commit as commit
-from elasticd.worker.commit import VOTE_SLOTS, Outcome, Tally, Vote, commit_outcome
+import elasticd.worker.step.commit as commit
+from elasticd.worker.step.commit import VOTE_SLOTS, Outcome, Tally, Vote, commit_outcome
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,9 +63,9 @@ def test_vote_slots_round_trip_through_a_sum() -> None:
 
 
 def test_the_step_path_hands_the_verdict_the_tally_and_the_world_size_and_reads_no_clock() -> None:
-    """``worker/step.py`` (one member's step) calls the verdict with the summed vote and the
+    """``worker/step/protocol.py`` (one member's step) calls the verdict with the summed vote and the
     generation's size only, and imports nothing that reads a clock, a lease or etcd."""
-    import elasticd.worker.step as step
+    import elasticd.worker.step.protocol as step
 
     tree = ast.parse(Path(step.__file__).read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "commit_outcome"]

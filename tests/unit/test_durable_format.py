@@ -15,10 +15,18 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elasticd.worker.durable import DIRECT_ALIGN, CheckpointWriter, load_latest
-from elasticd.worker.checksum import state_checksum
-from elasticd.worker.durable_format import FORMAT, HEADER_LEN, MAGIC, VERSION, checkpoint_name, read_manifest, scan
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.durable import DIRECT_ALIGN, CheckpointWriter, load_latest
+from elasticd.worker.state.checksum import state_checksum
+from elasticd.worker.state.durable_format import (
+    FORMAT,
+    HEADER_LEN,
+    MAGIC,
+    VERSION,
+    checkpoint_name,
+    read_manifest,
+    scan,
+)
+from elasticd.worker.state.training import TrainingState
 from tests.unit.test_checkpoint import make_state, train
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,13 +16,13 @@ from elasticd.config import CheckpointConfig, WorkerEnv, WorldConfig
 from elasticd.errors import CheckpointModelChanged, ModelMismatch
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import decode_save_failed, save_failed_key
-from elasticd.worker.durable import (
+from elasticd.worker.state.durable import (
     CheckpointWriter,
     load_latest,
     new_model_refusal,
     removable,
 )
-from elasticd.worker.durable_format import (
+from elasticd.worker.state.durable_format import (
     Entry,
     job_dir,
     other_models,

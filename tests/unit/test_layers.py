@@ -40,6 +40,7 @@ FLAT = {
 PACKAGES = {
     "store": "store",
     "wire": "wire",
+    "relay": "relay",
     "rendezvous": "rendezvous",
     "worker": "worker",
     "agent": "agent",
@@ -56,9 +57,10 @@ ALLOWED: dict[str, set[str]] = {
     "store": set(),
     "wire": {"store"},
     "events": {"wire", "store"},
+    "relay": {"wire", "store"},  # the node relay: a transport between an agent and its workers
     "rendezvous": {"wire", "store", "events"},
-    "worker": {"rendezvous", "wire", "events", "store", "settings"},
-    "agent": {"rendezvous", "wire", "events", "store", "settings"},  # rendezvous: the node relay
+    "worker": {"rendezvous", "relay", "wire", "events", "store", "settings"},
+    "agent": {"relay", "wire", "events", "store", "settings"},
     "ops": {"wire", "store"},
     "cli": {"agent", "ops", "store", "wire", "settings"},
     "api": {"worker", "settings"},
@@ -119,13 +121,13 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "store.etcd:EtcdClient.watch_prefix": 71,
     "testing.audit:check": 105,
     "wire.snapshot:parse_snapshot": 81,
-    "worker.durable:CheckpointWriter._write": 65,
-    "worker.durable_format:verify": 62,
-    "worker.loader:ElasticLoader.__init__": 61,
+    "worker.state.durable:CheckpointWriter._write": 65,
+    "worker.state.durable_format:verify": 62,
+    "worker.data.loader:ElasticLoader.__init__": 61,
     "worker.rejoin:rejoin": 67,
-    "worker.state:TrainingState._decode": 79,
-    "worker.sync:_transfer": 74,
-    "worker.sync:sync_state": 78,
+    "worker.state.training:TrainingState._decode": 79,
+    "worker.state.sync:_transfer": 74,
+    "worker.state.sync:sync_state": 78,
     "worker.trainer:ElasticTrainer.__init__": 73,
 }
 

@@ -28,8 +28,8 @@ from torch.utils.data import (
 )
 
 from elasticd.errors import ConfigError
-from elasticd.worker.loader import ElasticLoader
-from elasticd.worker.sampler import Batch, ElasticSampler, split_micro
+from elasticd.worker.data.loader import ElasticLoader
+from elasticd.worker.data.sampler import Batch, ElasticSampler, split_micro
 
 pytestmark = pytest.mark.timeout(60)
 

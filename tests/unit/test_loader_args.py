@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from elasticd import ElasticTrainer, WorkerEnv
 from elasticd.config import EtcdConfig
 from elasticd.errors import ConfigError
-from elasticd.worker.loader import LOADER_ARGUMENTS, ElasticLoader, loader_arguments
-from elasticd.worker.sampler import ElasticSampler
+from elasticd.worker.data.loader import LOADER_ARGUMENTS, ElasticLoader, loader_arguments
+from elasticd.worker.data.sampler import ElasticSampler
 
 DATASET = TensorDataset(torch.arange(40.0))
 

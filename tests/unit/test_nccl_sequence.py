@@ -24,8 +24,8 @@ from elasticd.config import Timeouts
 from elasticd.errors import CollectiveTimeout, PeerLost
 from elasticd.retry import Deadline
 from elasticd.settings import child_environ, environ_defaults, nccl_environ
-from elasticd.worker.nccl import NcclGroups, request_nonblocking_init
-from elasticd.worker.process_group import GroupFactory, StoreServer
+from elasticd.worker.group.nccl import NcclGroups, request_nonblocking_init
+from elasticd.worker.group.process_group import GroupFactory, StoreServer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,7 +7,7 @@ import structlog
 import torch
 
 from elasticd.errors import ConfigError
-from elasticd.worker.optimizers import Optimizers
+from elasticd.worker.step.optimizers import Optimizers
 
 
 def _model_and_grad() -> tuple[torch.nn.Linear, torch.Tensor]:

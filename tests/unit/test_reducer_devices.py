@@ -1,4 +1,4 @@
-"""The gradient reducer's bucket rules (``collectives.same_device``, buckets per device, the
+"""The gradient reducer's bucket rules (``reducer.same_device``, buckets per device, the
 staging copy on the group's device; ``vote_dtype``, the vote's own float32 bucket for a
 low-precision model). The cross-device path itself runs on a GPU: ``tests/programs/gpu_job.py``
 (NCCL with the model on the CPU) and ``python -m elasticd.chaos --device cuda`` (gloo with the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticd.worker.collectives import GradientReducer, same_device, vote_dtype
+from elasticd.worker.step.reducer import GradientReducer, same_device, vote_dtype
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ import torch
 
 from elasticd import ElasticTrainer
 from elasticd.errors import ConfigError, StateCorrupt
-from elasticd.worker.durable import CheckpointWriter, load_latest
-from elasticd.worker.extras import load_in_place
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.durable import CheckpointWriter, load_latest
+from elasticd.worker.state.extras import load_in_place
+from elasticd.worker.state.training import TrainingState
 from tests.unit.test_checkpoint import make_state, train
 from tests.unit.test_state_extras import same
 

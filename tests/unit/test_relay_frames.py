@@ -1,4 +1,4 @@
-"""The node relay's pure parts (``rendezvous.relay_messages``): the frame codec, its refusal of anything a
+"""The node relay's pure parts (``relay.messages``): the frame codec, its refusal of anything a
 relay does not send, and the rule that says whether a frame answers a member's view read."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from elasticd.config import ConfigError, Timeouts
-from elasticd.rendezvous.relay_messages import (
+from elasticd.relay.messages import (
     LEASE_LOST,
     Frame,
     MessageReader,

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from elasticd.errors import ConfigError
-from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler, split_micro
+from elasticd.worker.data.sampler import Batch, BatchMode, ElasticSampler, split_micro
 
 pytestmark = pytest.mark.timeout(60)
 

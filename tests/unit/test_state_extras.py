@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
-from elasticd.worker.checksum import checksum_key, state_checksum, state_hasher
-from elasticd.worker.durable_format import legacy_checksum_key
-from elasticd.worker.extras import decode, encode
-from elasticd.worker.rng import CudaRng
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.checksum import checksum_key, state_checksum, state_hasher
+from elasticd.worker.state.durable_format import legacy_checksum_key
+from elasticd.worker.state.extras import decode, encode
+from elasticd.worker.state.rng import CudaRng
+from elasticd.worker.state.training import TrainingState
 from tests.unit.test_checkpoint import make_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -619,7 +619,7 @@ def test_a_load_refused_half_way_restores_what_was_there() -> None:
 def test_registered_tensors_load_on_the_device_of_the_objects_own(
     value: object, live: object, devices: list[str]
 ) -> None:
-    from elasticd.worker.extras import like_devices
+    from elasticd.worker.state.extras import like_devices
 
     out = like_devices(value, live)
     found: list[str] = []

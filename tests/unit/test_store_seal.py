@@ -14,8 +14,8 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from elasticd.config import Timeouts
 from elasticd.retry import Deadline
-from elasticd.worker.process_group import Group, GroupFactory, StoreServer, listen_on
-from elasticd.worker.store_seal import MAGIC, SealedStore, Seal, generation_store
+from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer, listen_on
+from elasticd.worker.group.store_seal import MAGIC, SealedStore, Seal, generation_store
 
 pytestmark = pytest.mark.timeout(60)
 

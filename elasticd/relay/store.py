@@ -1,4 +1,4 @@
-"""A worker's side of its node's relay (``RelayedStore``; the relay and its rules: ``rendezvous.relay``).
+"""A worker's side of its node's relay (``RelayedStore``; the relay and its rules: ``relay.node``).
 
 A ``KeyValueStore`` that answers the membership's view reads and watches from the frames its node's
 relay sends, sends its member and ready records to the relay, which batches
@@ -19,7 +19,7 @@ import structlog
 
 from elasticd.config import RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.rendezvous.relay_messages import (
+from elasticd.relay.messages import (
     HEADER,
     LEASE_LOST,
     MAX_FRAME,

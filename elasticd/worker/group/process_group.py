@@ -30,8 +30,8 @@ from torch._C._distributed_c10d import (  # typed here, unlike torch.distributed
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, CollectiveTimeout, ConfigError, PeerLost
 from elasticd.retry import Deadline
-from elasticd.worker.nccl import NcclGroups, TorchNccl
-from elasticd.worker.store_seal import generation_store
+from elasticd.worker.group.nccl import NcclGroups, TorchNccl
+from elasticd.worker.group.store_seal import generation_store
 
 log = structlog.get_logger(__name__)
 

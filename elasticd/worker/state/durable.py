@@ -33,8 +33,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from elasticd.worker.checksum import checksum_key, state_checksum
-from elasticd.worker.durable_format import (
+from elasticd.worker.state.checksum import checksum_key, state_checksum
+from elasticd.worker.state.durable_format import (
     CHUNK_BYTES,
     FORMAT,
     VERSION,
@@ -49,7 +49,7 @@ from elasticd.worker.durable_format import (
     scan,
     signature_of,
 )
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.training import TrainingState
 
 __all__ = [
     "DIRECT_ALIGN",

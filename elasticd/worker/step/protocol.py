@@ -20,10 +20,10 @@ from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, ConfigError
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Deadline
-from elasticd.worker.collectives import GradientReducer
-from elasticd.worker.commit import Tally, Verdict, Vote, commit_outcome
-from elasticd.worker.process_group import Group
-from elasticd.worker.sampler import Batch
+from elasticd.worker.step.reducer import GradientReducer
+from elasticd.worker.step.commit import Tally, Verdict, Vote, commit_outcome
+from elasticd.worker.group.process_group import Group
+from elasticd.worker.data.sampler import Batch
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from elasticd.errors import CheckpointTransferError, StateCorrupt
 from elasticd.retry import Deadline
-from elasticd.worker.collectives import (
+from elasticd.worker.group.collectives import (
     Abandon,
     all_reduce,
     start_broadcast,
@@ -34,9 +34,9 @@ from elasticd.worker.collectives import (
     wait,
     wait_each,
 )
-from elasticd.worker.process_group import Group
-from elasticd.worker.checksum import checksum_key, state_hasher
-from elasticd.worker.state import TrainingState
+from elasticd.worker.group.process_group import Group
+from elasticd.worker.state.checksum import checksum_key, state_hasher
+from elasticd.worker.state.training import TrainingState
 
 log = structlog.get_logger(__name__)
 

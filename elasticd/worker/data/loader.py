@@ -57,7 +57,7 @@ from torch.utils.data import (
 )
 
 from elasticd.errors import ConfigError
-from elasticd.worker.sampler import Batch, ElasticSampler
+from elasticd.worker.data.sampler import Batch, ElasticSampler
 
 log = structlog.get_logger(__name__)
 

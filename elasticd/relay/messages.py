@@ -1,4 +1,4 @@
-"""The node relay's messages and the rule that serves a relayed view (``rendezvous.relay``).
+"""The node relay's messages and the rule that serves a relayed view (``relay.node``).
 
 Owns the frames a relay sends (``Frame``: its newest good read of the members' view and its newest
 failure), the put requests a worker sends and their replies, their codecs (a length, then JSON;

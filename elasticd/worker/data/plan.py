@@ -15,9 +15,9 @@ from typing import Any
 import structlog
 
 from elasticd.errors import ConfigError
-from elasticd.worker.loader import ElasticLoader
-from elasticd.worker.sampler import Batch, BatchMode, ElasticSampler
-from elasticd.worker.state import Counters
+from elasticd.worker.data.loader import ElasticLoader
+from elasticd.worker.data.sampler import Batch, BatchMode, ElasticSampler
+from elasticd.worker.state.training import Counters
 
 log = structlog.get_logger(__name__)
 

@@ -39,12 +39,12 @@ from elasticd.wire.ops import (
     save_failed_key,
 )
 from elasticd.wire.records import CheckpointRecord, GenerationRecord
-from elasticd.worker.durable import LoadedCheckpoint, SavedCheckpoint, describe_failure
-from elasticd.worker.durable_format import Manifest
-from elasticd.worker.process_group import Group
-from elasticd.worker.sampler import Batch
-from elasticd.worker.state import Counters
-from elasticd.worker.sync import SyncReport
+from elasticd.worker.state.durable import LoadedCheckpoint, SavedCheckpoint, describe_failure
+from elasticd.worker.state.durable_format import Manifest
+from elasticd.worker.group.process_group import Group
+from elasticd.worker.data.sampler import Batch
+from elasticd.worker.state.training import Counters
+from elasticd.worker.state.sync import SyncReport
 
 log = structlog.get_logger(__name__)
 

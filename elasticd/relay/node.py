@@ -26,7 +26,7 @@ The rules that keep a relayed view as good as a read of its own (``serve``, pure
   idempotent).
 
 This module is the agent's side (``NodeRelay``); the messages and the rule are
-``rendezvous.relay_messages``, the worker's side ``rendezvous.relayed_store``. Never decides anything of the rendezvous; never imports etcd3 or torch.
+``relay.messages``, the worker's side ``relay.store``. Never decides anything of the rendezvous; never imports etcd3 or torch.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import structlog
 
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
-from elasticd.rendezvous.relay_messages import (
+from elasticd.relay.messages import (
     HEADER,
     LEASE_LOST,
     MAX_FRAME,

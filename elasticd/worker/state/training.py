@@ -28,9 +28,9 @@ import torch
 
 from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
 from elasticd.retry import Deadline
-from elasticd.worker.checksum import MASK63, StateHasher, checksum_key, state_checksum
-from elasticd.worker.extras import STATE_DICT_HINT, JsonValue, decode, encode, like_devices, load_in_place
-from elasticd.worker.rng import CudaRng, DeviceRng, rng_states, split_rng_states
+from elasticd.worker.state.checksum import MASK63, StateHasher, checksum_key, state_checksum
+from elasticd.worker.state.extras import STATE_DICT_HINT, JsonValue, decode, encode, like_devices, load_in_place
+from elasticd.worker.state.rng import CudaRng, DeviceRng, rng_states, split_rng_states
 
 log = structlog.get_logger(__name__)
 

@@ -49,8 +49,8 @@ import structlog
 import torch
 
 from elasticd.errors import CheckpointModelChanged, ModelMismatch, StateCorrupt
-from elasticd.worker.checksum import checksum_key, state_checksum
-from elasticd.worker.state import TrainingState
+from elasticd.worker.state.checksum import checksum_key, state_checksum
+from elasticd.worker.state.training import TrainingState
 
 log = structlog.get_logger(__name__)
 

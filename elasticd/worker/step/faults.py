@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from elasticd.config import WorkerEnv
 from elasticd.errors import CollectiveError
 from elasticd.retry import Deadline
-from elasticd.worker.collectives import Abandon, GradientReducer
-from elasticd.worker.process_group import Group
+from elasticd.worker.group.collectives import Abandon
+from elasticd.worker.step.reducer import GradientReducer
+from elasticd.worker.group.process_group import Group
 
 MISSED_SUM_WAIT_S = 0.3  # miss_sum_at: how long the member waits for the sum before it fails the step
 
