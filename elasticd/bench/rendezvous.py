@@ -209,7 +209,7 @@ def calibrate(store: EtcdClient, probe: Probe, keys: Keys) -> Costs:
 
 def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
     """Send transactions of ``--max-txn-ops`` operations and of one more (a put and deletes, the shape
-    of the publish before 3fe7fcf): what this etcd answers (the wall measured, not only computed).
+    of a publish that deletes its consumed ready keys): what this etcd answers (the wall measured, not only computed).
 
     Raises:
         EtcdUnavailable: etcd did not answer.

@@ -49,7 +49,9 @@ ETCD_METRICS = {
 DEFAULT_READS_PER_MEMBER = 2.0
 VIEW_FIXED_B = 1024  # a member's view without the roster: generation pointer, verdict, coordinator, ... (framed)
 COORDINATED_FIXED_REQUESTS = 1  # a member's requests in a round besides its reads: its ready put
-COORDINATOR_READS = 2.0  # the coordinator's reads of the job on a round's critical path  # no round measured: a member's two readers (join loop, watcher) read once each
+# The coordinator's reads of the job on a round's critical path (with no round measured: a
+# member's two readers, the join loop and the watcher, read once each).
+COORDINATOR_READS = 2.0
 
 
 @dataclass(frozen=True)
@@ -92,14 +94,14 @@ class Sizes:
 
 def publish_ops(n: int, deletes: bool = False) -> int:
     """Operations in the publish transaction (``Membership.join``): the generation put and the
-    ``generation_published`` event put; ``deletes``: and one delete per consumed ready key, as
-    before 3fe7fcf (which consumes them by revision, ``wire.snapshot.consumed``)."""
+    ``generation_published`` event put; ``deletes``: and one delete per consumed ready key (a
+    publish that deletes them, where elasticd consumes them by revision, ``wire.snapshot.consumed``)."""
     return 2 + (n if deletes else 0)
 
 
 def walls(n: int, sizes: Sizes, deletes: bool = False) -> list[str]:
-    """What stops a generation of ``n`` on a stock etcd (empty: nothing known); ``deletes``: with the
-    publish of before 3fe7fcf."""
+    """What stops a generation of ``n`` on a stock etcd (empty: nothing known); ``deletes``: with a
+    publish that deletes its consumed ready keys."""
     out = []
     if publish_ops(n, deletes) > STOCK_MAX_TXN_OPS:
         out.append(f"publish txn has {publish_ops(n, deletes)} ops > --max-txn-ops {STOCK_MAX_TXN_OPS}: cannot publish")
@@ -210,12 +212,12 @@ def coordinated_protocol(
 def current_protocol(
     n: int, reads_per_member: float, sizes: Sizes, timeouts: Timeouts, leave: bool, deletes: bool = False
 ) -> RoundCounts:
-    """The protocol of 3fe7fcf (before the coordinator), kept for comparison. Every member watches ``members/``, ``ready/`` and the
-    generation, so each ready put and the generation put reach all members (join: N^2+N events;
-    leave, with M = N-1 survivors: the leaver's delete, then M^2+M); ``deletes``: the publish also
-    deleted the N consumed ready keys, each reaching all members, as before 3fe7fcf (join 2N^2+N,
-    leave 2M^2+2M). Each member re-reads both prefixes in full on an event. Reads are coalesced (events that arrive
-    during a read cause one more), so while events arrive every member reads back to back: a
+    """The protocol without a coordinator, kept for comparison. Every member watches ``members/``,
+    ``ready/`` and the generation, so each ready put and the generation put reach all members
+    (join: N^2+N events; leave, with M = N-1 survivors: the leaver's delete, then M^2+M);
+    ``deletes``: the publish also deletes the N consumed ready keys, each reaching all members
+    (join 2N^2+N, leave 2M^2+2M). Each member re-reads both prefixes in full on an event. Reads
+    are coalesced (events that arrive during a read cause one more), so while events arrive every member reads back to back: a
     "sweep". The generation is published at most ~2 sweeps after the last ready record lands (the
     read in flight missed it, the next one sees it) and learned by all ~2 sweeps later: 4 sweeps
     (``JOIN_SWEEPS``); a leave adds the survivors' read that sees the leaver gone and their ready

@@ -26,7 +26,8 @@ The rules that keep a relayed view as good as a read of its own (``serve``, pure
   idempotent).
 
 This module is the agent's side (``NodeRelay``); the messages and the rule are
-``relay.messages``, the worker's side ``relay.store``. Never decides anything of the rendezvous; never imports etcd3 or torch.
+``relay.messages``, the worker's side ``relay.store``. Never decides anything of the rendezvous;
+never imports etcd3 or torch.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ answers it (``Reachability``, for the logs). Liveness only: nothing here enters 
 ``Lease`` owns the lease id (a new grant after the old one was lost replaces it).
 
 Never writes a key, never starts a thread (``Reachability.background`` is the loop of the
-membership's own), and never decides what a lost lease means (the membership does). The keepalive thread renews it while the training thread may grant a new
-one: a renewal's answer names the lease it was asked for.
+membership's own), and never decides what a lost lease means (the membership does). The
+keepalive thread renews it while the training thread may grant a new one: a renewal's answer
+names the lease it was asked for.
 """
 
 from __future__ import annotations

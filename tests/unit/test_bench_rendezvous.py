@@ -83,7 +83,7 @@ def test_first_n_bisects(threshold: int, expected: int | None) -> None:
 @pytest.mark.parametrize(
     ("n", "deletes", "join_events", "leave_events"),
     [
-        (50, True, 5_050, 2 * 49 * 49 + 2 * 49),  # the 5,050 at 50 members (before 3fe7fcf)
+        (50, True, 5_050, 2 * 49 * 49 + 2 * 49),  # 5,050 events at 50 members with the deletes
         (200, True, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
         (50, False, 2_550, 49 * 49 + 2 * 49),  # 3fe7fcf: the ready records are no longer deleted
     ],
@@ -105,7 +105,7 @@ def test_coordinated_protocol_events_are_linear_and_reads_small(n: int) -> None:
     t = Timeouts()
     join = coordinated_protocol(n, 3.0, SIZES, t, leave=False)
     leave = coordinated_protocol(n, 3.0, SIZES, t, leave=True)
-    assert (join.events, leave.events) == (2 * n, (n - 1) + 2)  # the bound: <= 3N per change
+    assert (join.events, leave.events) == (2 * n, (n - 1) + 2)  # at most 3N per change
     assert leave.requests == 0 and leave.sweeps == join.sweeps  # a leave: no ready round (rendezvous.survivors)
     assert join.read_bytes == leave.read_bytes == SIZES.view(n) < 8 * 1024  # a member's read stays small
     assert join.full_bytes == SIZES.full_read(n) and join.coordinator_reads == COORDINATOR_READS

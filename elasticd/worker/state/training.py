@@ -372,7 +372,8 @@ class TrainingState:
         Everything is decoded and checked before anything is loaded, so a bad transfer leaves this
         worker's state as it was. Then the optimizer, each registered object (its
         ``load_state_dict``, in the order of registration; each tensor on the device of the
-        object's own tensor at that place), the model, the counters and the RNG states are loaded. CPU tensors of the model and the optimizer are adopted as views of
+        object's own tensor at that place), the model, the counters and the RNG states are loaded.
+        CPU tensors of the model and the optimizer are adopted as views of
         ``flat`` (no copy), so ``flat`` becomes this state's arena and must not be written to
         afterwards; registered objects are given copies.
 
