@@ -755,6 +755,7 @@ _AGENT_GROUPS = {
     "etcd": "etcd",
     "timeouts": "timeouts (seconds)",
     "retry": "etcd retries",
+    "checkpoint": "durable checkpoints",
     "agent": "node agent",
 }
 

@@ -18,7 +18,6 @@ import math
 import re
 import socket
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 from elasticd.errors import ConfigError
@@ -174,10 +173,6 @@ class Timeouts:
                 f"got {self.relay_stale_s}"
             )
 
-    def td(self, name: str) -> timedelta:
-        """The setting ``<name>_s`` as a timedelta (``td("collective")``)."""
-        return timedelta(seconds=float(getattr(self, f"{name}_s")))
-
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -252,13 +247,6 @@ def _check_events_keep(value: object) -> None:
         raise ConfigError(f"events_keep: must be an integer >= 1, got {value!r}")
 
 
-CHECKPOINT_ALLOW_NEW_MODEL_DOC = (
-    "Allow a job to start over from step 1 with a model whose signature differs from the "
-    "checkpoints in its directory (they are kept: retention deletes only checkpoints of the saving "
-    "model). Off: such a worker stops with CheckpointModelChanged and deletes nothing."
-)
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Durable checkpoints (``elasticd.durable``): where, how often, how many are kept.
@@ -293,7 +281,14 @@ class CheckpointConfig:
             "it, this save is skipped (checkpoint_skipped) and the next one is tried."
         },
     )
-    checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
+    checkpoint_allow_new_model: bool = field(
+        default=False,
+        metadata={
+            "doc": "Allow a job to start over from step 1 with a model whose signature differs from the "
+            "checkpoints in its directory (they are kept: retention deletes only checkpoints of the saving "
+            "model). Off: such a worker stops with CheckpointModelChanged and deletes nothing."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_allow_new_model, bool):
@@ -452,30 +447,7 @@ class AgentConfig:
         default="127.0.0.1", metadata={"doc": "Address the workers of this node listen on for their peers."}
     )
     backend: str = field(default="auto", metadata={"doc": "torch.distributed backend: auto, gloo or nccl."})
-    checkpoint_dir: Path | None = field(
-        default=None,
-        metadata={
-            "doc": "Directory of durable checkpoints, passed to the workers (ELASTICD_CHECKPOINT_DIR); "
-            "unset: no checkpoints."
-        },
-    )
-    checkpoint_every_steps: int = field(
-        default=CheckpointConfig.checkpoint_every_steps,
-        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_steps"].metadata["doc"]},
-    )
-    checkpoint_every_s: float = field(
-        default=CheckpointConfig.checkpoint_every_s,
-        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_every_s"].metadata["doc"]},
-    )
-    checkpoint_keep: int = field(
-        default=CheckpointConfig.checkpoint_keep,
-        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_keep"].metadata["doc"]},
-    )
-    checkpoint_wait_s: float = field(
-        default=CheckpointConfig.checkpoint_wait_s,
-        metadata={"doc": CheckpointConfig.__dataclass_fields__["checkpoint_wait_s"].metadata["doc"]},
-    )
-    checkpoint_allow_new_model: bool = field(default=False, metadata={"doc": CHECKPOINT_ALLOW_NEW_MODEL_DOC})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     audit_dir: Path | None = field(
         default=None,
         metadata={
@@ -648,10 +620,8 @@ class AgentConfig:
                 "spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
                 "restarts every worker at once)"
             )
-        for name in ("checkpoint_dir", "audit_dir"):
-            path = getattr(self, name)
-            if path is not None and (not str(path) or "\0" in str(path)):
-                raise ConfigError(f"{name}: not a valid path: {str(path)!r}")
+        if self.audit_dir is not None and (not str(self.audit_dir) or "\0" in str(self.audit_dir)):
+            raise ConfigError(f"audit_dir: not a valid path: {str(self.audit_dir)!r}")
         if self.mode not in AGENT_MODES:
             raise ConfigError(f"mode: must be one of {', '.join(AGENT_MODES)}, got {self.mode!r}")
         self.worker_env(0)  # validates node_id, advertise_addr, backend and events_keep as a worker would
@@ -680,20 +650,9 @@ class AgentConfig:
             advertise_addr=self.advertise_addr,
             backend=self.backend,
             events_keep=self.events_keep,
-            checkpoint=self.checkpoint_config(),
+            checkpoint=self.checkpoint,
             spare=spare,
             standby=spare and self.standby_node,
             relay_socket=relay_socket,
             audit_dir=str(self.audit_dir) if self.audit_dir is not None else "",
-        )
-
-    def checkpoint_config(self) -> CheckpointConfig:
-        """The workers' durable-checkpoint settings."""
-        return CheckpointConfig(
-            checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir is not None else "",
-            checkpoint_every_steps=self.checkpoint_every_steps,
-            checkpoint_every_s=self.checkpoint_every_s,
-            checkpoint_keep=self.checkpoint_keep,
-            checkpoint_wait_s=self.checkpoint_wait_s,
-            checkpoint_allow_new_model=self.checkpoint_allow_new_model,
         )

@@ -1,4 +1,4 @@
-"""``Deadline`` (monotonic) and the named tenacity retry policies.
+"""``Deadline`` (monotonic), ``Bound`` (one bounded wait) and the named tenacity retry policies.
 
 Owns how elasticd waits and retries. It knows nothing about etcd or torch: callers pass in which
 exception types are transient.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TypeVar
 
@@ -20,6 +20,7 @@ from elasticd.config import RetryPolicy
 log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
+Abandon = Callable[[], bool]  # true once a wait should end early (its generation was abandoned)
 _T = TypeVar("_T")
 
 
@@ -43,6 +44,47 @@ class Deadline:
 
     def expired(self) -> bool:
         return self.clock() >= self.at
+
+
+def never() -> bool:
+    """The abandon signal of a wait that nothing abandons."""
+    return False
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One bounded wait, handed whole to every callee that waits under it.
+
+    A wait under a bound ends at ``deadline`` (a timeout), or early once ``abandon()`` is true (the
+    generation was abandoned, or the caller gave up); a waiter that nothing wakes looks at both
+    every ``poll_s`` seconds (``Timeouts.abort_poll_s``). A bound limits how long survivors wait,
+    never what the wait's outcome means.
+    """
+
+    deadline: Deadline
+    poll_s: float
+    abandon: Abandon = never
+
+    @classmethod
+    def after(
+        cls, span: timedelta | float, *, poll_s: float, abandon: Abandon = never, clock: Clock = time.monotonic
+    ) -> Bound:
+        """A bound that ends ``span`` (seconds, or a timedelta) from now."""
+        return cls(Deadline.after(span, clock), poll_s, abandon)
+
+    def abandoned(self) -> bool:
+        return self.abandon()
+
+    def expired(self) -> bool:
+        return self.deadline.expired()
+
+    def remaining_s(self) -> float:
+        return self.deadline.remaining_s()
+
+    def abandoned_also_when(self, signal: Abandon) -> Bound:
+        """This bound, abandoned as well once ``signal()`` is true (checked first)."""
+        own = self.abandon
+        return replace(self, abandon=lambda: signal() or own())
 
 
 def call_with_retry(

@@ -112,7 +112,8 @@ def _table(sections: Sequence[str]) -> dict[str, Setting]:
 
 
 # The node agent's settings: a flag, a variable and a TOML key each (the program is not a variable).
-AGENT_SETTINGS: Mapping[str, Setting] = _table(("world", "etcd", "timeouts", "retry", "agent"))
+_AGENT_SECTIONS = ("world", "etcd", "timeouts", "retry", "checkpoint", "agent")
+AGENT_SETTINGS: Mapping[str, Setting] = _table(_AGENT_SECTIONS)
 # The worker environment contract, in the order ``worker_env_to_environ`` writes it.
 WORKER_VARIABLES: Mapping[str, Setting] = _table(("etcd", "world", "timeouts", "retry", "checkpoint", "worker"))
 
@@ -200,7 +201,9 @@ def etcd_config(values: Mapping[str, object], where: str = "etcd") -> EtcdConfig
     return _build(EtcdConfig, values, where)
 
 
-def _check_directory(name: str, path: Path | None) -> None:
+def _check_directory(name: str, directory: str | Path | None) -> None:
+    """An unset or empty ``directory`` is none; one that exists must be a directory."""
+    path = Path(directory) if directory else None
     if path is not None and path.exists() and not path.is_dir():
         raise ConfigError(f"{name}: {path} exists and is not a directory")
 
@@ -475,13 +478,12 @@ def load_agent_config(
     prog = values.get("program")
     if isinstance(prog, tuple) and prog and str(prog[0]).endswith(".py"):
         values["program"] = (sys.executable, *prog)
-    for name in ("checkpoint_dir", "audit_dir"):
-        directory = values.get(name)
-        if isinstance(directory, str):
-            values[name] = Path(directory) if directory else None
+    audit_dir = values.get("audit_dir")
+    if isinstance(audit_dir, str):
+        values["audit_dir"] = Path(audit_dir) if audit_dir else None
     try:
         config = _assemble(values)
-        _check_directory("checkpoint_dir", config.checkpoint_dir)
+        _check_directory("checkpoint_dir", config.checkpoint.checkpoint_dir)
         _check_directory("audit_dir", config.audit_dir)
     except ConfigError as exc:
         raise ConfigError(_with_sources(str(exc), sources)) from exc
@@ -500,7 +502,7 @@ def _with_sources(message: str, sources: Mapping[str, str]) -> str:
 
 
 def _assemble(values: Mapping[str, object]) -> AgentConfig:
-    parts: dict[str, dict[str, object]] = {section: {} for section in ("world", "etcd", "timeouts", "retry", "agent")}
+    parts: dict[str, dict[str, object]] = {section: {} for section in _AGENT_SECTIONS}
     for name, value in values.items():
         known = AGENT_SETTINGS[name]
         parts[known.section][known.attr] = value
@@ -509,4 +511,5 @@ def _assemble(values: Mapping[str, object]) -> AgentConfig:
     top["etcd"] = etcd_config(parts["etcd"], "etcd")
     top["timeouts"] = _build(Timeouts, parts["timeouts"], "timeouts")
     top["retry"] = _build(RetryPolicy, parts["retry"], "retry")
+    top["checkpoint"] = _build(CheckpointConfig, parts["checkpoint"], "checkpoint")
     return _build(AgentConfig, top, "agent")

@@ -21,7 +21,6 @@ worker that reached the last step between two reads looks, until it exits, like 
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,23 +33,11 @@ from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import DECODE_ERRORS, MemberRecord
+from elasticd.wire.progress import ProgressRecord, parse_progress
+from elasticd.wire.records import MemberRecord
 from elasticd.wire.snapshot import parse_snapshot
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class MemberProgress:
-    """A member's last progress record (``progress/<id>``); fields that do not parse are None."""
-
-    step: int
-    generation: int
-    step_time_s: float | None = None
-    recoveries: int = 0
-    last_recovery_s: float | None = None  # how long the member's last recovery took
-    last_recovery_cause: str | None = None  # what broke the generation it recovered from
-    rank: int = -1  # its rank in ``generation`` (-1: unknown)
 
 
 @dataclass(frozen=True)
@@ -64,54 +51,16 @@ class JobView:
     job_step: int = -1  # the newest committed step anyone published (-1: none)
     members: Mapping[str, MemberRecord] = field(default_factory=dict)
     waiting: frozenset[str] = frozenset()  # members with a ready record
-    progress: Mapping[str, MemberProgress] = field(default_factory=dict)
+    progress: Mapping[str, ProgressRecord] = field(default_factory=dict)
     finished: bool = False  # the job reached its target step (``finished`` record)
 
 
-def _number(data: Mapping[str, object], name: str) -> float | None:
-    v = data.get(name)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def parse_progress(raw: bytes) -> MemberProgress:
-    """Parse a progress record written by the trainer (extra fields allowed).
-
-    Raises:
-        ValueError, TypeError, UnicodeDecodeError, RecursionError: not a progress record.
-    """
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    step, generation, recoveries = data.get("step"), data.get("generation"), data.get("recoveries", 0)
-    for name, v in (("step", step), ("generation", generation), ("recoveries", recoveries)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ValueError(f"field {name} is not an integer")
-    assert isinstance(step, int) and isinstance(generation, int) and isinstance(recoveries, int)
-    cause, rank = data.get("last_recovery_cause"), data.get("rank")
-    return MemberProgress(
-        step,
-        generation,
-        _number(data, "step_time_s"),
-        recoveries,
-        _number(data, "last_recovery_s"),
-        cause if isinstance(cause, str) else None,
-        rank if isinstance(rank, int) and not isinstance(rank, bool) else -1,
-    )
-
-
 def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobView:
-    """Parse the rows of a job (``keys.rendezvous`` and ``progress/``); records that do not parse are
-    left out."""
+    """Parse the rows of a job (``keys.rendezvous`` and ``progress/``, the latter read tolerantly:
+    ``wire.progress``); records that do not parse are left out."""
     rows = list(kvs)
     snap = parse_snapshot(keys, rows)
-    progress: dict[str, MemberProgress] = {}
-    under = keys.progress("")
-    for kv in rows:
-        if kv.key.startswith(under):
-            try:
-                progress[kv.key[len(under) :]] = parse_progress(kv.value)
-            except DECODE_ERRORS:
-                continue
+    progress, _ = parse_progress(keys, rows, tolerant=True)
     g = snap.generation
     steps = [snap.committed_step, g.committed_step if g else -1, *(p.step for p in progress.values())]
     return JobView(
@@ -142,7 +91,7 @@ class WorkerObservation:
     member_id: str = ""
     step: int = -1
     generation: int = 0
-    progress: MemberProgress | None = None
+    progress: ProgressRecord | None = None
 
 
 def local_members(view: JobView, node: str, pids: Collection[int]) -> list[str]:

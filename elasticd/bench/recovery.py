@@ -492,8 +492,8 @@ def _transfer_worker(
     import torch.distributed as dist  # the raw baseline must bypass elasticd's collectives
 
     from elasticd.log import configure_logging
-    from elasticd.retry import Deadline
-    from elasticd.testing.groups import fixed_gloo_group, never
+    from elasticd.retry import Bound, Deadline
+    from elasticd.testing.groups import fixed_gloo_group
     from elasticd.worker.group.collectives import barrier as collective_barrier
     from elasticd.worker.group.process_group import Group
     from elasticd.worker.state.training import ChecksumAhead, TrainingState
@@ -505,6 +505,7 @@ def _transfer_worker(
     configure_logging(json=True, level=40)  # errors only: the parent prints the figures
     torch.set_num_threads(1)
     timeouts, factory, group = fixed_gloo_group(rank, world, port_q)
+    poll_s = timeouts.abort_poll_s
     newcomer = rank == world - 1
 
     def fresh() -> TrainingState:
@@ -512,10 +513,10 @@ def _transfer_worker(
         return TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
     def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
-        return factory.build_subgroup(parent, ranks, f"{name}r{len(sync_s)}", Deadline.after(60), never)
+        return factory.build_subgroup(parent, ranks, f"{name}r{len(sync_s)}", Bound.after(60, poll_s=poll_s))
 
     def barrier() -> None:
-        collective_barrier(group, Deadline.after(60), never, timeouts.abort_poll_s)
+        collective_barrier(group, Bound.after(60, poll_s=poll_s))
 
     state = fresh()
     result: dict[str, object] = {"rank": rank}
@@ -552,9 +553,7 @@ def _transfer_worker(
                 report = sync_state(
                     group,
                     state,
-                    Deadline.after(timeouts.checkpoint_transfer_s),
-                    never,
-                    timeouts.abort_poll_s,
+                    Bound.after(timeouts.checkpoint_transfer_s, poll_s=poll_s),
                     subgroup=subgroup,
                     retire=factory.retire,
                     own_checksum=own,

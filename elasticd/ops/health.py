@@ -38,8 +38,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
-from elasticd.ops.parse import Progress, RestartStatus
+from elasticd.ops.parse import RestartStatus
 from elasticd.wire.ops import SaveFailedRecord
+from elasticd.wire.progress import ProgressRecord
 from elasticd.wire.records import CheckpointRecord, GenerationRecord
 from elasticd.wire.snapshot import Snapshot
 
@@ -102,7 +103,9 @@ def stall_bound(stall_after_s: float, step_times: Iterable[float | None]) -> flo
     return max(stall_after_s, STALL_STEP_FACTOR * slowest)
 
 
-def last_activity(members: Iterable[str], progress: Mapping[str, Progress], published_at: float | None) -> float | None:
+def last_activity(
+    members: Iterable[str], progress: Mapping[str, ProgressRecord], published_at: float | None
+) -> float | None:
     """The wall-clock time of a generation's last sign of life (pure): the newest progress record of
     its members (written at each commit and when a member finished joining), else the time its
     ``generation_published`` event says; None when neither is known."""
@@ -113,7 +116,7 @@ def last_activity(members: Iterable[str], progress: Mapping[str, Progress], publ
 
 
 def derived_generation(
-    snap: Snapshot, progress: Mapping[str, Progress], now: float, stall_after_s: float
+    snap: Snapshot, progress: Mapping[str, ProgressRecord], now: float, stall_after_s: float
 ) -> tuple[int, tuple[str, ...]] | None:
     """When the ``generation`` record does not parse: (number, members in rank order) of the
     newest generation that live members report training in, by progress records younger than the
@@ -150,7 +153,7 @@ def classify(
     max_workers: int | None,
     *,
     now: float = 0.0,
-    progress: Mapping[str, Progress] | None = None,
+    progress: Mapping[str, ProgressRecord] | None = None,
     stall_after_s: float = 0.0,
     activity: float | None = None,
     save_failed: SaveFailedRecord | None = None,

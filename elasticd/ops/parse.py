@@ -1,10 +1,10 @@
 """A job's raw rows parsed into what ``elasticctl``'s read model is built from. Pure.
 
-Owns turning the rows of one job (one ``get_prefix``) into values: the members' progress records
-(``Progress``, ``decode_progress``), the node agents' records, the events in time order, the
-pending drain requests, the last failed checkpoint save, the abort record, and a restart-mode
-job's round (``RestartStatus``, from ``wire.restart``'s ``RoundView``). Every parser returns the
-rows it could not parse as ``"<key>: <why>"`` beside what it parsed.
+Owns turning the rows of one job (one ``get_prefix``) into values: the node agents' records, the
+events in time order, the pending drain requests, the last failed checkpoint save, the abort
+record, and a restart-mode job's round (``RestartStatus``, from ``wire.restart``'s ``RoundView``);
+the members' progress records are ``wire.progress``'s (``parse_progress``, its strict read).
+Every parser returns the rows it could not parse as ``"<key>: <why>"`` beside what it parsed.
 
 Never does I/O, never raises on a malformed record (it lists it), and never judges the job's
 health (``ops.health``) or assembles the status (``ops.status``).
@@ -12,9 +12,7 @@ health (``ops.health``) or assembles the status (``ops.status``).
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -34,18 +32,6 @@ from elasticd.wire.records import DECODE_ERRORS, AbortRecord, decode_abort
 from elasticd.wire.restart import RoundView
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A member's last progress record (``progress/<id>``, written after commits)."""
-
-    step: int
-    generation: int
-    rank: int
-    step_time_s: float | None
-    recoveries: int
-    time: float  # wall clock (time.time()) of the writer
 
 
 @dataclass(frozen=True)
@@ -112,58 +98,6 @@ def parse_drains(keys: Keys, rows: Sequence[KeyValue]) -> tuple[set[str], tuple[
     under = keys.drain("")
     _, bad = _parse_under(rows, under, lambda kv: decode_drain(kv.value))
     return {kv.key[len(under) :] for kv in rows if kv.key.startswith(under)}, bad
-
-
-def parse_progress(keys: Keys, rows: Sequence[KeyValue]) -> tuple[dict[str, Progress], tuple[str, ...]]:
-    """Progress records by member id; unparseable ones as ``"<key>: <why>"``."""
-    under = keys.progress("")
-
-    def progress(kv: KeyValue) -> tuple[str, Progress]:
-        mid = kv.key[len(under) :]
-        if not mid or "/" in mid:
-            raise ValueError("not progress/<member id>")
-        return mid, decode_progress(kv.value)
-
-    records, bad = _parse_under(rows, under, progress)
-    return dict(records), bad
-
-
-def decode_progress(raw: bytes) -> Progress:
-    """Parse a progress record written by the trainer; extra fields are allowed, wrong types not.
-
-    Raises:
-        ValueError: not JSON, not an object, or a field is missing or of the wrong type.
-    """
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    step_time = _number(data, "step_time_s", optional=True)
-    moment = _number(data, "time")
-    assert moment is not None
-    return Progress(
-        step=_integer(data, "step"),
-        generation=_integer(data, "generation"),
-        rank=_integer(data, "rank"),
-        step_time_s=step_time,
-        recoveries=_integer(data, "recoveries"),
-        time=moment,
-    )
-
-
-def _integer(data: Mapping[str, object], name: str) -> int:
-    value = data.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"field {name} is not an integer")
-    return value
-
-
-def _number(data: Mapping[str, object], name: str, optional: bool = False) -> float | None:
-    value = data.get(name)
-    if value is None and optional and name in data:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"field {name} is not a finite number")
-    return float(value)
 
 
 def parse_save_failed(keys: Keys, rows: Sequence[KeyValue]) -> tuple[SaveFailedRecord | None, tuple[str, ...]]:

@@ -35,13 +35,13 @@ from elasticd.ops.parse import (
     parse_drains,
     parse_events,
     parse_nodes,
-    parse_progress,
     parse_save_failed,
     restart_status,
 )
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import EventKind, EventRecord, SaveFailedRecord
+from elasticd.wire.progress import parse_progress
 from elasticd.wire.records import AbortRecord, CheckpointRecord, FinishedRecord
 from elasticd.wire.restart import parse_view
 from elasticd.wire.snapshot import parse_snapshot

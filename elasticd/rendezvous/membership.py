@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 
 import structlog
@@ -50,6 +50,7 @@ from elasticd.rendezvous.watch import GenerationWatch
 from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
+from elasticd.wire.progress import ProgressRecord
 from elasticd.wire.records import (
     CheckpointRecord,
     CoordinatorRecord,
@@ -208,9 +209,9 @@ class Membership:
         self._changed.set()
         self._view_changed.set()
 
-    def set_progress(self, payload: Mapping[str, object]) -> None:
+    def set_progress(self, record: ProgressRecord) -> None:
         """Hand the latest progress to the keepalive thread, which publishes it (off the hot path)."""
-        self._publish.set_progress(payload)
+        self._publish.set_progress(record)
 
     def _keepalive_loop(self) -> None:
         # Renewals only: the progress writes follow each granted renewal on a thread of their own

@@ -15,10 +15,9 @@ being unreachable is logged (the abort is retried up to ``etcd_outage_s``).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import structlog
 
@@ -28,6 +27,7 @@ from elasticd.retry import Clock, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import EventKind, EventRecord, encode_event, event_name
+from elasticd.wire.progress import ProgressRecord, encode_progress
 from elasticd.wire.records import (
     DECODE_ERRORS,
     AbortRecord,
@@ -65,8 +65,8 @@ class Publisher:
         self._timeouts = timeouts
         self._clock = clock
         self._stop = stop  # the member left: stop retrying
-        self._progress: Mapping[str, object] | None = None  # the newest handed over
-        self._published: Mapping[str, object] | None = None  # the newest written
+        self._progress: ProgressRecord | None = None  # the newest handed over
+        self._published: ProgressRecord | None = None  # the newest written
 
     def abort(self, generation: int, reason: str) -> None:
         """Mark ``generation`` broken, from a thread of its own (see ``Membership.abort``)."""
@@ -154,13 +154,11 @@ class Publisher:
         )
         return self._keys.event(event_name(now_ns, self._member_id)), encode_event(event)
 
-    def committed(self, progress: Mapping[str, object]) -> None:
+    def committed(self, progress: ProgressRecord) -> None:
         """Record the job's committed step from rank 0's progress (best effort)."""
-        step, generation = progress.get("step"), progress.get("generation")
-        if not isinstance(step, int) or not isinstance(generation, int):
-            return
         try:
-            self._store.put(self._keys.committed, encode(CommittedRecord(generation=generation, step=step)))
+            record = CommittedRecord(generation=progress.generation, step=progress.step)
+            self._store.put(self._keys.committed, encode(record))
         except EtcdUnavailable as exc:
             log.warning("committed_publish_failed", error=str(exc))
 
@@ -207,9 +205,9 @@ class Publisher:
         except EtcdUnavailable as exc:
             log.warning("finished_publish_failed", error=str(exc))
 
-    def set_progress(self, payload: Mapping[str, object]) -> None:
+    def set_progress(self, record: ProgressRecord) -> None:
         """Hand over the newest progress; the next ``flush_progress`` writes it."""
-        self._progress = payload
+        self._progress = record
 
     def progress_loop(
         self, stop: threading.Event, due: threading.Event, lease: Callable[[], int], poll_s: float
@@ -232,12 +230,12 @@ class Publisher:
         if progress is not None and progress is not self._published:
             self.progress(progress, lease)
             self._published = progress
-            if progress.get("rank") == 0:
+            if progress.rank == 0:
                 self.committed(progress)
 
-    def progress(self, payload: Mapping[str, object], lease: int) -> None:
-        """This member's progress record for ``elasticctl``, under ``lease`` (best effort)."""
+    def progress(self, record: ProgressRecord, lease: int) -> None:
+        """This member's progress record for ``elasticctl`` and the agent, under ``lease`` (best effort)."""
         try:
-            self._store.put(self._keys.progress(self._member_id), json.dumps(dict(payload)).encode(), lease=lease)
+            self._store.put(self._keys.progress(self._member_id), encode_progress(record), lease=lease)
         except (EtcdUnavailable, LeaseLost) as exc:
             log.warning("progress_publish_failed", error=str(exc))

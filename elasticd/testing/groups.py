@@ -10,15 +10,10 @@ from __future__ import annotations
 from multiprocessing import Queue
 
 from elasticd.config import Timeouts
-from elasticd.retry import Deadline
+from elasticd.retry import Bound
 from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer
 
 BUILD_BOUND_S = 60.0  # bound on handing out the port and on building the group
-
-
-def never() -> bool:
-    """The abandon test of a group that nothing aborts."""
-    return False
 
 
 def fixed_gloo_group(
@@ -34,5 +29,5 @@ def fixed_gloo_group(
     else:
         port = port_q.get(timeout=BUILD_BOUND_S)
     factory = GroupFactory(server, "127.0.0.1", "gloo", rank, timeouts)
-    group = factory.build(1, rank, world, "127.0.0.1", port, Deadline.after(BUILD_BOUND_S), never)
+    group = factory.build(1, rank, world, "127.0.0.1", port, Bound.after(BUILD_BOUND_S, poll_s=timeouts.abort_poll_s))
     return timeouts, factory, group

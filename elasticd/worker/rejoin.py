@@ -23,7 +23,7 @@ from elasticd.log import set_moment
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
 from elasticd.relay.store import RelayedStore
-from elasticd.retry import Deadline
+from elasticd.retry import Bound, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
@@ -111,7 +111,11 @@ def rejoin(
         CollectiveError, CheckpointTransferError: the join deadline passed with no generation joined.
         JobFinished: the job's last step was already committed.
     """
-    deadline = Deadline.after(timeouts.td("join"))
+    deadline = Deadline.after(timeouts.join_s)
+
+    def bound(span_s: float) -> Bound:  # a wait in the generation being joined
+        return Bound.after(span_s, poll_s=timeouts.abort_poll_s, abandon=membership.must_abandon)
+
     # Hash our state while we rendezvous (nothing changes it until the sync): rank 0 and the
     # survivors that receive nothing then have their checksum ready when the transfer starts.
     ahead = ChecksumAhead(state) if has_state() else None
@@ -130,8 +134,7 @@ def rejoin(
                 rec.world_size,
                 rec.store_host,
                 rec.store_port,
-                Deadline.after(min(timeouts.group_build_s, deadline.remaining_s())),
-                membership.must_abandon,
+                bound(min(timeouts.group_build_s, deadline.remaining_s())),
                 token=rec.token,
             )
             # Members that all loaded the same checkpoint hold one lineage (its seq names it).
@@ -140,25 +143,15 @@ def rejoin(
                 state.lineage = DISK_LINEAGE_BASE + seq
             if not has_state():
                 state.lineage = -1
-            sync_deadline = Deadline.after(timeouts.td("checkpoint_transfer"))
-            own = ahead.result(sync_deadline) if ahead is not None else None
+            sync = bound(timeouts.checkpoint_transfer_s)
+            own = ahead.result(sync.deadline) if ahead is not None else None
             ahead = None  # a failed attempt may have changed the state: a retry hashes it anew
 
             def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
-                return factory.build_subgroup(
-                    parent, ranks, name, Deadline.after(timeouts.group_build_s), membership.must_abandon
-                )
+                return factory.build_subgroup(parent, ranks, name, bound(timeouts.group_build_s))
 
             report = sync_state(
-                group,
-                state,
-                sync_deadline,
-                membership.must_abandon,
-                timeouts.abort_poll_s,
-                subgroup=subgroup,
-                retire=factory.retire,
-                own_checksum=own,
-                discard=discard,
+                group, state, sync, subgroup=subgroup, retire=factory.retire, own_checksum=own, discard=discard
             )
             return Rejoined(group, joined, report)
         except (CollectiveError, CheckpointTransferError) as exc:
@@ -177,8 +170,9 @@ def goodbye(group: Group | None, membership: Membership, timeouts: Timeouts, ste
     confirmed, and the member must rejoin holding it."""
     if group is None or membership.must_abandon():
         return False
+    bound = Bound.after(timeouts.collective_s, poll_s=timeouts.abort_poll_s, abandon=membership.must_abandon)
     try:
-        barrier(group, Deadline.after(timeouts.td("collective")), membership.must_abandon, timeouts.abort_poll_s)
+        barrier(group, bound)
     except CollectiveError as exc:
         log.warning("goodbye_barrier_failed", generation=group.generation, rank=group.rank, error=str(exc)[:300])
         return False

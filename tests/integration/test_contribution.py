@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from elasticd.errors import ProtocolViolation
-from elasticd.retry import Deadline
-from elasticd.testing.groups import fixed_gloo_group, never
+from elasticd.retry import Bound
+from elasticd.testing.groups import fixed_gloo_group
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.step.commit import Vote
 
@@ -28,7 +28,7 @@ def test_a_member_cannot_contribute_to_a_step_before_applying_the_one_it_receive
     def run(step: int) -> list[float]:
         reducer.begin(group, step, 1.0, lambda: Vote(1.0, False, False).slots())
         model(x).sum().backward()
-        return reducer.finish(Deadline.after(30), never, timeouts.abort_poll_s)
+        return reducer.finish(Bound.after(30, poll_s=timeouts.abort_poll_s))
 
     try:
         assert run(1)[-1] == 1.0  # one voter

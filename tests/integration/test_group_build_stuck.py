@@ -14,7 +14,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError
-from elasticd.retry import Deadline
+from elasticd.retry import Bound
 from elasticd.worker.group.process_group import GroupFactory, StoreServer
 from elasticd.worker.group.store_seal import generation_store
 
@@ -39,7 +39,8 @@ def test_rank_0s_next_build_does_not_wait_for_an_abandoned_build_stuck_in_gloo_c
 
     def build3(r: int) -> None:
         try:
-            factories[r].build(3, r, 3, HOST, port, Deadline.after(T.group_build_s), abandoned.is_set, token="03" * 16)
+            bound = Bound.after(T.group_build_s, poll_s=T.abort_poll_s, abandon=abandoned.is_set)
+            factories[r].build(3, r, 3, HOST, port, bound, token="03" * 16)
         except CollectiveError as exc:  # PeerLost, once abandoned
             errors.append(exc)
 
@@ -56,7 +57,8 @@ def test_rank_0s_next_build_does_not_wait_for_an_abandoned_build_stuck_in_gloo_c
 
     def build4(r: int) -> None:
         started = time.monotonic()
-        group = factories[r].build(4, r, 2, HOST, port, Deadline.after(T.group_build_s), lambda: False, token="04" * 16)
+        bound = Bound.after(T.group_build_s, poll_s=T.abort_poll_s)
+        group = factories[r].build(4, r, 2, HOST, port, bound, token="04" * 16)
         built.append(time.monotonic() - started)
         factories[r].retire(group)
 

@@ -51,7 +51,7 @@ def _state(seed: int, step: int):  # type: ignore[no-untyped-def]
 def _rank0(port_q: Queue[int]) -> None:
     """Sends its state, then dies before the checksum round (the sync's second all_reduce)."""
     from elasticd.log import configure_logging
-    from elasticd.retry import Deadline
+    from elasticd.retry import Bound
     from elasticd.testing.groups import fixed_gloo_group
     from elasticd.worker.state import sync
 
@@ -68,13 +68,13 @@ def _rank0(port_q: Queue[int]) -> None:
         return reduce(*args, **kwargs)
 
     sync._max_reduce = dies_at_the_checksum_round
-    sync.sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
+    sync.sync_state(group, state, Bound.after(60, poll_s=timeouts.abort_poll_s))
 
 
 def _member(port_q: Queue[int], audit: str, res_q: Queue[dict[str, object]]) -> None:
     from elasticd.errors import CollectiveError
     from elasticd.log import configure_logging
-    from elasticd.retry import Deadline
+    from elasticd.retry import Bound
     from elasticd.testing.groups import fixed_gloo_group
     from elasticd.worker.step.journal import Journal
     from elasticd.worker.data.sampler import Batch
@@ -93,14 +93,14 @@ def _member(port_q: Queue[int], audit: str, res_q: Queue[dict[str, object]]) -> 
     journal.committed(Batch(OWN_STEP, 0, 0, [0], 1, 2, 1), OWN_STEP, 1.0, OWN_LINEAGE, 2, 0.01)
     out: dict[str, object] = {}
     try:
-        sync_state(group, state, Deadline.after(30), lambda: False, timeouts.abort_poll_s, discard=journal.discard)
+        sync_state(group, state, Bound.after(30, poll_s=timeouts.abort_poll_s), discard=journal.discard)
         out["first"] = "completed"
     except CollectiveError as exc:
         out["first"] = type(exc).__name__
     out["after_failure"] = (state.counters.step, state.lineage)
     # It is rank 0 of the next generation, alone: its completed sync confirms what it holds pending.
     _, _, alone = fixed_gloo_group(0, 1, multiprocessing.get_context("spawn").Queue())
-    sync_state(alone, state, Deadline.after(30), lambda: False, timeouts.abort_poll_s, discard=journal.discard)
+    sync_state(alone, state, Bound.after(30, poll_s=timeouts.abort_poll_s), discard=journal.discard)
     journal.confirm()
     journal.close(state.counters.step, state.checksum)
     res_q.put(out)

@@ -61,7 +61,7 @@ def _trained_state(layers: int, width: int, holds: bool, seed: int):  # type: ig
 def _worker(
     rank: int, world: int, layers: int, holders: list[int], port_q: Queue[int], res_q: Queue[dict[str, object]]
 ) -> None:
-    from elasticd.retry import Deadline
+    from elasticd.retry import Bound
     from elasticd.worker.state.sync import plan_transfer, sync_state
 
     timeouts, factory, group = _setup(rank, world, port_q)
@@ -74,11 +74,9 @@ def _worker(
     report = sync_state(
         group,
         state,
-        Deadline.after(60),
-        lambda: False,
-        timeouts.abort_poll_s,
+        Bound.after(60, poll_s=timeouts.abort_poll_s),
         subgroup=lambda parent, ranks, name: factory.build_subgroup(
-            parent, ranks, name, Deadline.after(60), lambda: False
+            parent, ranks, name, Bound.after(60, poll_s=timeouts.abort_poll_s)
         ),
         retire=factory.retire,
     )
@@ -146,7 +144,7 @@ _BIG_WIDTH = 2048  # ~34 MB of state with momentum: more than the sockets buffer
 
 def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
     from elasticd.errors import CollectiveError
-    from elasticd.retry import Deadline
+    from elasticd.retry import Bound
     from elasticd.worker.state.sync import _UNSET, _max_reduce, sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
@@ -157,7 +155,7 @@ def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], re
         # the receiver freezes or dies before it takes a byte.
         probe = [_UNSET] * (2 + 2 * 2)  # sizes, and (step, lineage) per rank
         probe[4], probe[5] = 0, -1
-        _max_reduce(probe, group, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
+        _max_reduce(probe, group, Bound.after(60, poll_s=timeouts.abort_poll_s))
         res_q.put({"rank": 1, "probed": True})
         res_q.close()
         res_q.join_thread()
@@ -169,7 +167,7 @@ def _sender_or_receiver(rank: int, fault: str, flag: str, port_q: Queue[int], re
         # The test touches ``flag`` as the membership watcher would raise "abandon" when the frozen
         # peer's lease expires; a dead peer needs no flag: its connections break.
         state.lineage = 1
-        sync_state(group, state, Deadline.after(60), lambda: os.path.exists(flag), timeouts.abort_poll_s)
+        sync_state(group, state, Bound.after(60, poll_s=timeouts.abort_poll_s, abandon=lambda: os.path.exists(flag)))
         outcome["error"] = None
     except CollectiveError as exc:
         outcome["error"] = type(exc).__name__
@@ -226,7 +224,7 @@ def test_a_receiver_lost_mid_transfer_does_not_hold_rank_0(fault: str, tmp_path)
 def _scheduled_worker(rank: int, port_q: Queue[int], res_q: Queue[dict[str, object]]) -> None:
     import torch
 
-    from elasticd.retry import Deadline
+    from elasticd.retry import Bound
     from elasticd.worker.state.sync import sync_state
 
     timeouts, _, group = _setup(rank, 2, port_q)
@@ -240,7 +238,7 @@ def _scheduled_worker(rank: int, port_q: Queue[int], res_q: Queue[dict[str, obje
             g["lr"] = lr
     before = state.checksum()
     state.lineage = 1
-    report = sync_state(group, state, Deadline.after(60), lambda: False, timeouts.abort_poll_s)
+    report = sync_state(group, state, Bound.after(60, poll_s=timeouts.abort_poll_s))
     res_q.put(
         {
             "rank": rank,

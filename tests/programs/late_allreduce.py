@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # noqa: E402
 
 from elasticd.errors import CollectiveError  # noqa: E402
-from elasticd.retry import Deadline  # noqa: E402
+from elasticd.retry import Bound  # noqa: E402
 from elasticd.worker.step.reducer import GradientReducer  # noqa: E402
 from elasticd.worker.step.commit import Vote  # noqa: E402
 from elasticd.worker.group.process_group import Group  # noqa: E402
@@ -48,13 +48,13 @@ def main() -> int:
         time.sleep(1.5)  # rank 0 has abandoned its step and begun the next one by now
         reducer.begin(group, 1, 1.0, vote)
         (1000.0 * model(x).sum()).backward()  # gradients of 1000: the late sum is ~1001
-        reducer.finish(Deadline.after(20), lambda: False, 0.02)
+        reducer.finish(Bound.after(20, poll_s=0.02))
         time.sleep(1.0)
         return 0
     reducer.begin(group, 1, 1.0, vote)
     model(x).sum().backward()  # gradients of 1
     try:
-        reducer.finish(Deadline.after(20), lambda: True, 0.02)  # abandoned at once
+        reducer.finish(Bound.after(20, poll_s=0.02, abandon=lambda: True))  # abandoned at once
         raise AssertionError("the all_reduce completed without rank 1")
     except CollectiveError:
         reducer.cancel()

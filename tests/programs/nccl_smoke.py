@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from elasticd.config import Timeouts  # noqa: E402
 from elasticd.errors import CollectiveError  # noqa: E402
-from elasticd.retry import Deadline  # noqa: E402
+from elasticd.retry import Bound, Deadline  # noqa: E402
 from elasticd.worker.group.collectives import all_reduce  # noqa: E402
 from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer  # noqa: E402
 
@@ -49,7 +49,7 @@ def check(ok: bool, what: str) -> None:
 
 def reduce_ones(group: Group, world: int) -> None:
     t = torch.ones(4, device=group.device)
-    all_reduce(t, group, dist.ReduceOp.SUM, Deadline.after(TIMEOUTS.collective_s), lambda: False, 0.02)
+    all_reduce(t, group, dist.ReduceOp.SUM, Bound.after(TIMEOUTS.collective_s, poll_s=TIMEOUTS.abort_poll_s))
     check(bool(torch.all(t == world).item()), f"generation {group.generation}: all_reduce of {world} ranks")
 
 
@@ -61,8 +61,7 @@ def build(factory: GroupFactory, generation: int, rank: int, world: int, port: i
         world,
         HOST,
         port,
-        Deadline.after(TIMEOUTS.group_build_s),
-        lambda: False,
+        Bound.after(TIMEOUTS.group_build_s, poll_s=TIMEOUTS.abort_poll_s),
         token=f"{generation:032x}",
     )
 
@@ -105,7 +104,7 @@ def worker(rank: int, store_port: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     t = torch.ones(4, device=group.device)
     try:
-        all_reduce(t, group, dist.ReduceOp.SUM, Deadline.after(TIMEOUTS.collective_s + 5), lambda: False, 0.02)
+        all_reduce(t, group, dist.ReduceOp.SUM, Bound.after(TIMEOUTS.collective_s + 5, poll_s=TIMEOUTS.abort_poll_s))
         check(False, "rank 0: an all_reduce with a dead peer failed")
     except CollectiveError as exc:
         check(True, f"rank 0: an all_reduce with a dead peer failed ({type(exc).__name__}); the process lives")

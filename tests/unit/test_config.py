@@ -1,9 +1,7 @@
-"""config.py: the value objects validate themselves (naming the setting), touch no file, and give
-their durations as timedelta. The loading of these values is tested in test_settings.py."""
+"""config.py: the value objects validate themselves (naming the setting) and touch no file. The
+loading of these values is tested in test_settings.py."""
 
 from __future__ import annotations
-
-from datetime import timedelta
 
 import pytest
 
@@ -21,12 +19,6 @@ from elasticd.config import (
 from elasticd.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def test_timeouts_as_timedelta() -> None:
-    t = Timeouts(collective_s=11, keepalive_s=1.5)
-    assert t.td("collective") == timedelta(seconds=11)
-    assert t.td("keepalive") == timedelta(seconds=1.5)
 
 
 @pytest.mark.parametrize(
@@ -238,9 +230,12 @@ def test_value_objects_touch_no_file(tmp_path) -> None:  # type: ignore[no-untyp
     etcd = EtcdConfig(ca_cert=absent, cert_cert=absent, cert_key=absent, user="u", password_file=absent)
     assert WorkerEnv(node_id="n", etcd=etcd).etcd.tls
     (tmp_path / "file").write_text("")
-    AgentConfig(program=("w",), checkpoint_dir=tmp_path / "file")  # a file there: the loader's check
+    AgentConfig(program=("w",), audit_dir=tmp_path / "file")  # a file there: the loader's check
+    AgentConfig(program=("w",), checkpoint=CheckpointConfig(checkpoint_dir=str(tmp_path / "file")))
+    with pytest.raises(ConfigError, match="audit_dir: not a valid path"):
+        AgentConfig(program=("w",), audit_dir=tmp_path / "a\0b")
     with pytest.raises(ConfigError, match="checkpoint_dir: not a valid path"):
-        AgentConfig(program=("w",), checkpoint_dir=tmp_path / "a\0b")
+        CheckpointConfig(checkpoint_dir=str(tmp_path / "a\0b"))
 
 
 def test_checkpoint_switches() -> None:

@@ -93,7 +93,7 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "agent.restart:GroupRestartAgent._apply": 89,
     "agent.restart_decide:_joining": 76,
     "bench.checkpoint:run_throughput": 84,
-    "bench.recovery:_transfer_worker": 104,
+    "bench.recovery:_transfer_worker": 103,
     "bench.recovery:render_recovery": 97,
     "bench.recovery:run_fault_rep": 87,
     "bench.recovery:run_recovery": 119,
@@ -124,10 +124,9 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "worker.state.durable:CheckpointWriter._write": 65,
     "worker.state.durable_format:verify": 62,
     "worker.data.loader:ElasticLoader.__init__": 61,
-    "worker.rejoin:rejoin": 67,
     "worker.state.training:TrainingState._decode": 79,
-    "worker.state.sync:_transfer": 74,
-    "worker.state.sync:sync_state": 78,
+    "worker.state.sync:_transfer": 72,
+    "worker.state.sync:sync_state": 74,
     "worker.trainer:ElasticTrainer.__init__": 73,
 }
 

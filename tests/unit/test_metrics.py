@@ -6,12 +6,12 @@ import pytest
 
 from elasticd.agent.jobview import (
     JobView,
-    MemberProgress,
     WorkerObservation,
     WorkerPhase,
 )
 from elasticd.agent.metrics import AgentMetrics
 from elasticd.agent.supervisor import WorkerStats
+from elasticd.wire.progress import ProgressRecord
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,8 +23,10 @@ def _get(m: AgentMetrics, name: str, **labels: str) -> float | None:
 def _view(
     step: int, recoveries: int, last_s: float | None, cause: str | None
 ) -> tuple[JobView, dict[int, WorkerObservation]]:
-    mine = MemberProgress(step, 3, 0.02, recoveries, last_s, cause, rank=1)
-    rank0 = MemberProgress(step, 3, 0.05, 0, rank=0)
+    mine = ProgressRecord(
+        step, 3, rank=1, step_time_s=0.02, recoveries=recoveries, last_recovery_s=last_s, last_recovery_cause=cause
+    )
+    rank0 = ProgressRecord(step, 3, rank=0, step_time_s=0.05)
     view = JobView(
         read_at=1.0,
         generation=3,

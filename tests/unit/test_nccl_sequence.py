@@ -22,7 +22,7 @@ from torch._C._distributed_c10d import HashStore
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveTimeout, PeerLost
-from elasticd.retry import Deadline
+from elasticd.retry import Abandon, Bound, Deadline, never
 from elasticd.settings import child_environ, environ_defaults, nccl_environ
 from elasticd.worker.group.nccl import NcclGroups, request_nonblocking_init
 from elasticd.worker.group.process_group import GroupFactory, StoreServer
@@ -132,8 +132,9 @@ def names(calls: list[tuple[str, object]]) -> list[str]:
     return [n for n, _ in calls]
 
 
-def never() -> bool:
-    return False
+def within(span_s: float, abandon: Abandon = never) -> Bound:
+    """A build's bound, polled as ``TIMEOUTS`` says."""
+    return Bound.after(span_s, poll_s=TIMEOUTS.abort_poll_s, abandon=abandon)
 
 
 # -- the environment ------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def test_nonblocking_init_is_requested_where_the_option_exists(opts: SimpleNames
 def test_a_build_binds_the_device_connects_eagerly_and_waits_until_ready() -> None:
     fake = FakeNccl([])
     nccl = groups(fake)
-    pg = nccl.build(STORE, 1, 2, Deadline.after(5), never, "generation 3")
+    pg = nccl.build(STORE, 1, 2, within(5), "generation 3")
     assert repr(pg) == "pg1"
     assert names(fake.calls) == ["environ", "set_device", "new_backend", "bind", "eager_connect", "probe"]
     created = dict(fake.calls)
@@ -228,7 +229,7 @@ def test_a_build_past_its_deadline_is_aborted_and_times_out() -> None:
     fake = FakeNccl([], ready=not_yet)
     nccl = groups(fake)
     with pytest.raises(CollectiveTimeout, match="not built in time"):
-        nccl.build(STORE, 0, 2, Deadline(3.0, clock=lambda: now[0]), never, "generation 3")
+        nccl.build(STORE, 0, 2, Bound(Deadline(3.0, clock=lambda: now[0]), TIMEOUTS.abort_poll_s), "generation 3")
     assert names(fake.calls)[-2:] == ["probe", "abort"]
     assert repr(fake.calls[-1][1]) == "pg1"  # the group, aborted; nothing is ever destroyed
     assert fake.abort_threads == ["elasticd-nccl-abort"]
@@ -240,7 +241,7 @@ def test_a_build_given_up_by_its_caller_is_aborted() -> None:
     nccl = groups(fake)
     fake.eager_connect = lambda backend, device: gave_up.set()  # type: ignore[method-assign]
     with pytest.raises(PeerLost):
-        nccl.build(STORE, 0, 2, Deadline.after(5), gave_up.is_set, "generation 3")
+        nccl.build(STORE, 0, 2, within(5, gave_up.is_set), "generation 3")
     assert names(fake.calls)[-1] == "abort" and "probe" not in names(fake.calls)
 
 
@@ -255,7 +256,7 @@ def test_a_build_given_up_by_its_caller_is_aborted() -> None:
 def test_a_failed_build_is_aborted_and_its_error_raised(failing: str, aborted: str) -> None:
     fake = FakeNccl([], fail=failing)
     with pytest.raises(RuntimeError, match=f"{failing} failed"):
-        groups(fake).build(STORE, 0, 2, Deadline.after(5), never, "generation 3")
+        groups(fake).build(STORE, 0, 2, within(5), "generation 3")
     assert names(fake.calls)[-1] == "abort" and repr(fake.calls[-1][1]) == aborted
 
 
@@ -268,7 +269,7 @@ def test_a_new_build_waits_until_a_given_up_build_is_aborted() -> None:
 
     def old_build() -> None:
         try:
-            nccl.build(STORE, 0, 2, Deadline.after(5), given_up.is_set, "generation 3")
+            nccl.build(STORE, 0, 2, within(5, given_up.is_set), "generation 3")
         except PeerLost as exc:
             ended.append(exc)
 
@@ -281,14 +282,14 @@ def test_a_new_build_waits_until_a_given_up_build_is_aborted() -> None:
             assert not deadline.expired()
             release.wait(0.005)
         with pytest.raises(CollectiveTimeout, match="earlier build"):
-            nccl.build(STORE, 0, 2, Deadline.after(0.05), never, "generation 4")
+            nccl.build(STORE, 0, 2, within(0.05), "generation 4")
         assert fake.builds == 1  # nothing was created while the old comm was being aborted
     finally:
         release.set()
         t.join(5)
     assert len(ended) == 1
     del fake.eager_connect
-    assert repr(nccl.build(STORE, 0, 2, Deadline.after(5), never, "generation 5")) == "pg2"
+    assert repr(nccl.build(STORE, 0, 2, within(5), "generation 5")) == "pg2"
 
 
 # -- the abort ------------------------------------------------------------------------------------
@@ -343,7 +344,7 @@ def test_the_factory_builds_and_retires_nccl_groups_through_the_sequence() -> No
         on_abort_hung=lambda: None,
     )
     factory = GroupFactory(server, "127.0.0.1", "nccl", 0, timeouts, nccl=nccl)
-    group = factory.build(7, 0, 1, "127.0.0.1", server.port, Deadline.after(5), never)
+    group = factory.build(7, 0, 1, "127.0.0.1", server.port, Bound.after(5, poll_s=timeouts.abort_poll_s))
     assert (repr(group.pg), group.backend, group.device) == ("pg1", "nccl", torch.device("cuda", 0))
     factory.retire(group)
     assert group.pg is None

@@ -10,18 +10,17 @@ import pytest
 
 from elasticd.agent.jobview import (
     JobView,
-    MemberProgress,
     ProgressMark,
     WorkerObservation,
     WorkerPhase,
     advance_mark,
     is_hung,
     observe_worker,
-    parse_progress,
     read_job_view,
 )
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
+from elasticd.wire.progress import ProgressRecord
 from elasticd.wire.records import GenerationRecord, MemberRecord, ReadyRecord, encode
 
 pytestmark = pytest.mark.timeout(30)
@@ -70,16 +69,27 @@ def test_read_job_view_takes_the_highest_committed_step_and_skips_garbage() -> N
     done = read_job_view(KEYS, [*rows, _kv(KEYS.finished, json.dumps({"generation": 2, "step": 12}).encode())], 1.0)
     assert done.finished
     assert set(v.progress) == {"n.0.7", "m.0.8"}
-    assert v.progress["m.0.8"] == MemberProgress(12, 1, 0.01, 2, 0.4, "PeerLost", 0)
+    assert v.progress["m.0.8"] == ProgressRecord(
+        step=12,
+        generation=1,
+        rank=0,
+        step_time_s=0.01,
+        recoveries=2,
+        last_recovery_s=0.4,
+        last_recovery_cause="PeerLost",
+        time=1.0,
+    )
     assert read_job_view(KEYS, [], 1.0).job_step == -1
 
 
-def test_parse_progress_tolerates_extra_and_missing_optional_fields() -> None:
-    p = parse_progress(json.dumps({"step": 1, "generation": 1, "extra": [1]}).encode())
-    assert (p.step, p.step_time_s, p.recoveries, p.last_recovery_s, p.rank) == (1, None, 0, None, -1)
-    for bad in (b"[]", b"{}", json.dumps({"step": True, "generation": 1}).encode()):
-        with pytest.raises(ValueError):
-            parse_progress(bad)
+def test_read_job_view_reads_progress_tolerantly() -> None:
+    """A record that says where a worker is counts: only step and generation are required (the
+    strict read's rules are elasticctl's; both are ``wire.progress``'s)."""
+    rows = [
+        _kv(KEYS.progress("n.0.7"), json.dumps({"step": 1, "generation": 1, "extra": [1]}).encode()),
+        _kv(KEYS.progress("m.0.8"), json.dumps({"step": True, "generation": 1}).encode()),
+    ]
+    assert read_job_view(KEYS, rows, 1.0).progress == {"n.0.7": ProgressRecord(step=1, generation=1)}
 
 
 def test_observe_worker_finds_it_by_node_and_pid_and_names_its_phase() -> None:

@@ -514,7 +514,7 @@ restart_backoff_max_s = 10
     assert isinstance(cfg.timeouts.lease_ttl_s, float) and cfg.retry.etcd_attempts == 3
     assert cfg.program == ("true", "--flag")
     assert (cfg.nproc_per_node, cfg.node_id, cfg.advertise_addr, cfg.backend) == (2, "gpu-7", "10.1.1.1", "gloo")
-    assert cfg.checkpoint_dir == ckpt
+    assert cfg.checkpoint.checkpoint_dir == str(ckpt)
     assert (cfg.max_restarts, cfg.restart_window_s, cfg.restart_backoff_initial_s, cfg.restart_backoff_max_s) == (
         5,
         600.0,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from elasticd.config import Timeouts
-from elasticd.retry import Deadline
+from elasticd.retry import Bound, Deadline
 from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer, listen_on
 from elasticd.worker.group.store_seal import MAGIC, SealedStore, Seal, generation_store
 
@@ -21,10 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"
-
-
-def never() -> bool:
-    return False
 
 
 # -- Seal (pure) ---------------------------------------------------------------------------------
@@ -172,14 +168,14 @@ def test_a_gloo_group_over_the_sealed_store_works_and_leaves_nothing_readable() 
     groups: dict[int, Group] = {}
 
     def build(rank: int) -> None:
-        groups[rank] = factories[rank].build(
-            5, rank, 2, "127.0.0.1", servers[0].port, Deadline.after(20), never, token=TOKEN
-        )
+        bound = Bound.after(20, poll_s=timeouts.abort_poll_s)
+        groups[rank] = factories[rank].build(5, rank, 2, "127.0.0.1", servers[0].port, bound, token=TOKEN)
 
     subgroups: dict[int, Group] = {}
 
     def subgroup(rank: int) -> None:  # a transfer's, under the generation's token too
-        subgroups[rank] = factories[rank].build_subgroup(groups[rank], [0, 1], "xfer", Deadline.after(20), never)
+        bound = Bound.after(20, poll_s=timeouts.abort_poll_s)
+        subgroups[rank] = factories[rank].build_subgroup(groups[rank], [0, 1], "xfer", bound)
 
     for target in (build, subgroup):
         threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]

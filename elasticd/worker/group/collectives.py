@@ -1,11 +1,12 @@
 """Bounded collectives on a generation's group.
 
 Owns every collective call made on a generation's group (the gradient reducer's buckets go out
-through the group directly, and are waited for with ``wait``): each wait is bounded by a deadline and
-checks, every ``abort_poll_s``, whether the generation was abandoned (a peer lost its lease), so a
-peer frozen with SIGSTOP cannot hold the survivors; point-to-point sends and receives are waited
-for with the same bounds (``wait_each``). torch errors become ``CollectiveError``. Never retries in
-place: a failed collective latches the failure and the caller re-rendezvouses.
+through the group directly, and are waited for with ``wait``): each wait runs under a
+``retry.Bound``, ends at its deadline and checks, every ``poll_s``, whether the generation was
+abandoned (a peer lost its lease), so a peer frozen with SIGSTOP cannot hold the survivors;
+point-to-point sends and receives are waited for with the same bounds (``wait_each``). torch errors
+become ``CollectiveError``. Never retries in place: a failed collective latches the failure and the
+caller re-rendezvouses.
 """
 
 from __future__ import annotations
@@ -20,30 +21,28 @@ import torch
 import torch.distributed as dist
 
 from elasticd.errors import CollectiveError, CollectiveTimeout, PeerLost
-from elasticd.retry import Deadline
+from elasticd.retry import Bound
 from elasticd.worker.group.process_group import Group
 
-Abandon = Callable[[], bool]
 
-
-def wait(work: dist.Work, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float, what: str) -> None:
-    """Wait for ``work`` without ever blocking past ``deadline`` or an abandoned generation.
+def wait(work: dist.Work, group: Group, bound: Bound, what: str) -> None:
+    """Wait for ``work`` without ever blocking past ``bound``'s deadline or an abandoned generation.
 
     Raises:
         CollectiveError: the collective failed (e.g. a peer crashed and closed its sockets).
         PeerLost: the generation was abandoned while waiting.
-        CollectiveTimeout: ``deadline`` passed.
+        CollectiveTimeout: ``bound``'s deadline passed.
     """
     if group.backend == "nccl":
         while not work.is_completed():
-            _check(group, deadline, abandon, what)
-            time.sleep(poll_s / 10)
+            _check(group, bound, what)
+            time.sleep(bound.poll_s / 10)
         try:
             work.wait()
         except RuntimeError as exc:
             raise CollectiveError(f"{what} failed in generation {group.generation}: {exc}") from exc
         return
-    slice_ = timedelta(seconds=poll_s)
+    slice_ = timedelta(seconds=bound.poll_s)
     while True:
         try:
             work.wait(slice_)
@@ -57,13 +56,13 @@ def wait(work: dist.Work, group: Group, deadline: Deadline, abandon: Abandon, po
                     return
                 except RuntimeError as exc:
                     raise CollectiveError(f"{what} failed in generation {group.generation}: {exc}") from exc
-        _check(group, deadline, abandon, what)
+        _check(group, bound, what)
 
 
-def _check(group: Group, deadline: Deadline, abandon: Abandon, what: str) -> None:
-    if abandon():
+def _check(group: Group, bound: Bound, what: str) -> None:
+    if bound.abandoned():
         raise PeerLost(f"{what} abandoned: generation {group.generation} lost a member")
-    if deadline.expired():
+    if bound.expired():
         raise CollectiveTimeout(f"{what} timed out in generation {group.generation}")
 
 
@@ -74,9 +73,7 @@ def _launch(fn: Callable[[], dist.Work], group: Group, what: str) -> dist.Work:
         raise CollectiveError(f"{what} could not start in generation {group.generation}: {exc}") from exc
 
 
-def all_reduce(
-    tensor: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType, deadline: Deadline, abandon: Abandon, poll_s: float
-) -> None:
+def all_reduce(tensor: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType, bound: Bound) -> None:
     """In-place bounded all_reduce.
 
     Raises:
@@ -85,16 +82,16 @@ def all_reduce(
     opts = dist.AllreduceOptions()
     opts.reduceOp = op  # type: ignore[assignment]  # the stubs disagree with the binding
     work = _launch(lambda: group.pg.allreduce([tensor], opts), group, "all_reduce")
-    wait(work, group, deadline, abandon, poll_s, "all_reduce")
+    wait(work, group, bound, "all_reduce")
 
 
-def barrier(group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
+def barrier(group: Group, bound: Bound) -> None:
     """A bounded barrier: a one-element all_reduce every rank must reach.
 
     Raises:
         CollectiveError: see ``wait``.
     """
-    all_reduce(torch.zeros(1, device=group.device), group, dist.ReduceOp.SUM, deadline, abandon, poll_s)
+    all_reduce(torch.zeros(1, device=group.device), group, dist.ReduceOp.SUM, bound)
 
 
 def start_broadcast(tensor: torch.Tensor, root: int, group: Group) -> dist.Work:
@@ -127,9 +124,7 @@ def start_recv(tensor: torch.Tensor, src: int, group: Group, tag: int) -> dist.W
     return _launch(lambda: group.pg.recv([tensor], src, tag), group, "recv")
 
 
-def wait_each(
-    works: Sequence[dist.Work], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float, what: str
-) -> Iterator[int]:
+def wait_each(works: Sequence[dist.Work], group: Group, bound: Bound, what: str) -> Iterator[int]:
     """Wait for ``works`` in order, yielding each one's index once it completed, with the bounds of
     ``wait``. Use it for point-to-point works (``start_send``/``start_recv``).
 
@@ -144,7 +139,7 @@ def wait_each(
     """
     if group.backend != "gloo":
         for i, work in enumerate(works):
-            wait(work, group, deadline, abandon, poll_s, what)
+            wait(work, group, bound, what)
             yield i
         return
     done: queue.SimpleQueue[int | RuntimeError] = queue.SimpleQueue()
@@ -152,10 +147,10 @@ def wait_each(
     for _ in works:
         while True:
             try:
-                item = done.get(timeout=poll_s)
+                item = done.get(timeout=bound.poll_s)
                 break
             except queue.Empty:
-                _check(group, deadline, abandon, what)
+                _check(group, bound, what)
         if isinstance(item, RuntimeError):
             raise CollectiveError(f"{what} failed in generation {group.generation}: {item}") from item
         yield item

@@ -60,7 +60,7 @@ from torch._C._distributed_c10d import Backend, ProcessGroup, Store
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveTimeout, PeerLost
-from elasticd.retry import Deadline
+from elasticd.retry import Bound
 from elasticd.settings import environ_defaults, nccl_environ
 
 log = structlog.get_logger(__name__)
@@ -169,7 +169,7 @@ class NcclGroups:
         calls: the torch calls (``TorchNccl()``; tests pass a recording fake).
         device: the worker's CUDA device.
         timeouts: ``group_abort_s`` bounds an abort, ``collective_s`` is the backend's own
-            timeout, ``abort_poll_s`` paces the readiness poll.
+            timeout (a build's bound, with its ``poll_s``, is the caller's).
         environ: sets the environment's defaults and returns the values in effect
             (``settings.environ_defaults``).
         on_abort_hung: called, after the log line, when an abort outlives ``group_abort_s``
@@ -194,38 +194,34 @@ class NcclGroups:
         self._builds = threading.Condition()
         self._building = 0  # builds under way, including given-up ones not yet aborted
 
-    def build(
-        self, store: Store, rank: int, world_size: int, deadline: Deadline, cancelled: Callable[[], bool], what: str
-    ) -> ProcessGroup:
+    def build(self, store: Store, rank: int, world_size: int, bound: Bound, what: str) -> ProcessGroup:
         """Build a group whose communicator is ready, on the calling (helper) thread.
 
         Waits first for an earlier build that its caller gave up on to be aborted, so that no
         communicator is created on the device while another one is being aborted.
 
         Raises:
-            PeerLost: ``cancelled()`` turned true (the caller gave up, or the generation was
+            PeerLost: ``bound`` was abandoned (the caller gave up, or the generation was
                 abandoned); whatever was built is aborted.
-            CollectiveTimeout: ``deadline`` passed; whatever was built is aborted.
+            CollectiveTimeout: ``bound``'s deadline passed; whatever was built is aborted.
             RuntimeError: a torch call failed (``DistBackendError`` included); whatever was built
                 is aborted.
         """
         with self._builds:
             while self._building:
-                self._check(deadline, cancelled, f"{what}: an earlier build (given up) has not been aborted yet")
-                self._builds.wait(min(self._timeouts.abort_poll_s, deadline.remaining_s()))
+                self._check(bound, f"{what}: an earlier build (given up) has not been aborted yet")
+                self._builds.wait(min(bound.poll_s, bound.remaining_s()))
             self._building += 1
         try:
-            return self._build(store, rank, world_size, deadline, cancelled, what)
+            return self._build(store, rank, world_size, bound, what)
         finally:
             with self._builds:
                 self._building -= 1
                 self._builds.notify_all()
 
-    def _build(
-        self, store: Store, rank: int, world_size: int, deadline: Deadline, cancelled: Callable[[], bool], what: str
-    ) -> ProcessGroup:
+    def _build(self, store: Store, rank: int, world_size: int, bound: Bound, what: str) -> ProcessGroup:
         backend, nonblocking = self._calls.new_backend(
-            store, rank, world_size, self._timeouts.td("collective"), nonblocking=True
+            store, rank, world_size, timedelta(seconds=self._timeouts.collective_s), nonblocking=True
         )
         target: Abortable = backend
         ready = False
@@ -233,13 +229,13 @@ class NcclGroups:
             pg = self._calls.bind(backend, store, rank, world_size, self.device)
             target = pg
             self._calls.eager_connect(backend, self.device)
-            self._check(deadline, cancelled, what)
+            self._check(bound, what)
             probe = self._calls.probe(pg, self.device)
             while not probe.is_completed():
-                self._check(deadline, cancelled, what)
-                time.sleep(self._timeouts.abort_poll_s / 4)
+                self._check(bound, what)
+                time.sleep(bound.poll_s / 4)
             probe.wait()
-            self._check(deadline, cancelled, what)
+            self._check(bound, what)
             ready = True
         finally:
             if not ready:  # whatever went wrong: a half-built communicator is aborted, never destroyed
@@ -255,10 +251,10 @@ class NcclGroups:
         return pg
 
     @staticmethod
-    def _check(deadline: Deadline, cancelled: Callable[[], bool], what: str) -> None:
-        if cancelled():
+    def _check(bound: Bound, what: str) -> None:
+        if bound.abandoned():
             raise PeerLost(f"{what}: given up while it was being built")
-        if deadline.expired():
+        if bound.expired():
             raise CollectiveTimeout(f"{what}: not built in time")
 
     def abort(self, target: Abortable, what: str) -> bool:

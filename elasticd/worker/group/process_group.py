@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (  # typed here, unlike torch.distributed
 
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, CollectiveTimeout, ConfigError, PeerLost
-from elasticd.retry import Deadline
+from elasticd.retry import Bound, Deadline
 from elasticd.worker.group.nccl import NcclGroups, TorchNccl
 from elasticd.worker.group.store_seal import generation_store
 
@@ -105,7 +105,7 @@ class StoreServer:
             self.port,
             is_master=True,
             wait_for_workers=False,
-            timeout=timeouts.td("group_build"),
+            timeout=timedelta(seconds=timeouts.group_build_s),
             master_listen_fd=listener.detach(),
             use_libuv=True,
         )
@@ -140,7 +140,7 @@ class GroupFactory:
         self._retiring: list[threading.Thread] = []
         self._bases: dict[int, tuple[Store, str]] = {}  # generation -> its base store and token
 
-    def _store_for(self, host: str, port: int, deadline: Deadline, abandon: Callable[[], bool]) -> Store:
+    def _store_for(self, host: str, port: int, bound: Bound) -> Store:
         # Rank 0 too talks to its own server through a client connection of its own, never through
         # the server's store object: a c10d store runs one call at a time per connection, and an
         # abandoned build left stuck in gloo's connect (a member that arrived and died before it
@@ -154,7 +154,7 @@ class GroupFactory:
             return self._client
         self._client, self._client_addr = None, None  # drop the old connection before opening one
         while True:
-            if abandon():
+            if bound.abandoned():
                 raise PeerLost(f"generation abandoned while connecting to store {host}:{port}")
             try:
                 client = TCPStore(
@@ -162,14 +162,14 @@ class GroupFactory:
                     port,
                     is_master=False,
                     timeout=timedelta(
-                        seconds=max(STORE_CONNECT_MIN_S, min(STORE_CONNECT_ATTEMPT_S, deadline.remaining_s()))
+                        seconds=max(STORE_CONNECT_MIN_S, min(STORE_CONNECT_ATTEMPT_S, bound.remaining_s()))
                     ),
                 )
             except (RuntimeError, dist.DistError) as exc:
-                if deadline.expired():
+                if bound.expired():
                     raise CollectiveTimeout(f"store {host}:{port} unreachable: {exc}") from exc
                 continue
-            client.set_timeout(self._timeouts.td("group_build"))
+            client.set_timeout(timedelta(seconds=self._timeouts.group_build_s))
             self._client, self._client_addr = client, (host, port)
             return client
 
@@ -180,24 +180,24 @@ class GroupFactory:
         world_size: int,
         store_host: str,
         store_port: int,
-        deadline: Deadline,
-        abandon: Callable[[], bool],
+        bound: Bound,
         *,
         token: str = "",
     ) -> Group:
-        """Build generation ``generation``'s group, with every member of it; ``token`` is the
-        generation record's secret, under which its keys are sealed ("": a plain key prefix).
+        """Build generation ``generation``'s group, with every member of it, within ``bound``;
+        ``token`` is the generation record's secret, under which its keys are sealed ("": a plain
+        key prefix).
 
         Raises:
             PeerLost: the generation was abandoned while waiting for peers to arrive.
-            CollectiveTimeout: not every member arrived before ``deadline``.
+            CollectiveTimeout: not every member arrived before ``bound``'s deadline.
             CollectiveError: the backend failed to connect.
         """
         started = time.monotonic()
-        base = self._store_for(store_host, store_port, deadline, abandon)
+        base = self._store_for(store_host, store_port, bound)
         self._bases = {generation: (base, token)}  # subgroups are built only in the newest generation
         store = generation_store(base, f"gen/{generation}/", token)
-        pg = self._meet(store, rank, world_size, deadline, abandon, f"generation {generation}")
+        pg = self._meet(store, rank, world_size, bound, f"generation {generation}")
         log.info(
             "process_group_rebuilt",
             generation=generation,
@@ -208,9 +208,7 @@ class GroupFactory:
         )
         return Group(pg, generation, rank, world_size, self.backend, self.device, store)
 
-    def build_subgroup(
-        self, parent: Group, ranks: Sequence[int], name: str, deadline: Deadline, abandon: Callable[[], bool]
-    ) -> Group:
+    def build_subgroup(self, parent: Group, ranks: Sequence[int], name: str, bound: Bound) -> Group:
         """A group of some ranks of ``parent`` (this rank among them), over the parent's store under
         ``gen/<generation>/<name>/``; rank i of the subgroup is ``ranks[i]``. Every rank in ``ranks``
         must call this with the same ``ranks`` and ``name``; retire it like any group.
@@ -224,9 +222,7 @@ class GroupFactory:
         started = time.monotonic()
         store = generation_store(base, f"gen/{parent.generation}/{name}/", token)
         sub_rank = list(ranks).index(parent.rank)
-        pg = self._meet(
-            store, sub_rank, len(ranks), deadline, abandon, f"subgroup {name} of generation {parent.generation}"
-        )
+        pg = self._meet(store, sub_rank, len(ranks), bound, f"subgroup {name} of generation {parent.generation}")
         log.debug(
             "subgroup_built",
             generation=parent.generation,
@@ -237,12 +233,10 @@ class GroupFactory:
         )
         return Group(pg, parent.generation, sub_rank, len(ranks), self.backend, self.device, store)
 
-    def _meet(
-        self, store: Store, rank: int, world_size: int, deadline: Deadline, abandon: Callable[[], bool], what: str
-    ) -> dist.ProcessGroup:
+    def _meet(self, store: Store, rank: int, world_size: int, bound: Bound, what: str) -> dist.ProcessGroup:
         """An abandonable arrival barrier on ``store``, then the backend's group over it.
 
-        Both run on a helper thread while this one polls ``abandon`` and ``deadline``: a store
+        Both run on a helper thread while this one polls ``bound`` (abandoned, expired): a store
         call to a rank 0 frozen mid-build blocks for the store's timeout (``group_build_s``), and
         the backend's constructor waits for every peer's address for its own (``collective_s``),
         and neither can be interrupted. A build left behind finishes (or fails) on its thread,
@@ -254,9 +248,7 @@ class GroupFactory:
         def run() -> None:
             try:
                 outcome.append(
-                    self._meet_blocking(
-                        store, rank, world_size, deadline, lambda: cancelled.is_set() or abandon(), what
-                    )
+                    self._meet_blocking(store, rank, world_size, bound.abandoned_also_when(cancelled.is_set), what)
                 )
             except BaseException as exc:  # handed to the caller below
                 outcome.append(exc)
@@ -270,13 +262,12 @@ class GroupFactory:
 
         t = threading.Thread(target=run, name="elasticd-group-build", daemon=True)
         t.start()
-        poll_s = self._timeouts.abort_poll_s / 4
-        while not done.wait(poll_s):
-            if abandon() or deadline.expired():
+        while not done.wait(bound.poll_s / 4):
+            if bound.abandoned() or bound.expired():
                 cancelled.set()
                 self._client, self._client_addr = None, None  # a stuck call may hold its connection
                 self._retiring = [r for r in self._retiring if r.is_alive()] + [t]
-                if abandon():
+                if bound.abandoned():
                     raise PeerLost(f"{what} abandoned while it was being built")
                 raise CollectiveTimeout(f"{what}: not built in time")
         result = outcome[0]
@@ -284,26 +275,24 @@ class GroupFactory:
             raise result
         return result
 
-    def _meet_blocking(
-        self, store: Store, rank: int, world_size: int, deadline: Deadline, abandon: Callable[[], bool], what: str
-    ) -> dist.ProcessGroup:
+    def _meet_blocking(self, store: Store, rank: int, world_size: int, bound: Bound, what: str) -> dist.ProcessGroup:
         try:
             store.add("arrived", 1)
             while int(store.add("arrived", 0)) < world_size:
-                if abandon():
+                if bound.abandoned():
                     raise PeerLost(f"{what} abandoned while waiting for peers")
-                if deadline.expired():
+                if bound.expired():
                     raise CollectiveTimeout(f"{what}: peers did not arrive in time")
-                time.sleep(self._timeouts.abort_poll_s / 4)
+                time.sleep(bound.poll_s / 4)
             if self._nccl is not None:
-                return self._nccl.build(store, rank, world_size, deadline, abandon, what)
+                return self._nccl.build(store, rank, world_size, bound, what)
             return self._make(store, rank, world_size)
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveError(f"building {what} failed: {exc}") from exc
 
     def _make(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroup:
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._timeout = self._timeouts.td("collective")
+        opts._timeout = timedelta(seconds=self._timeouts.collective_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._addr)]
         return dist.ProcessGroupGloo(store, rank, world_size, opts)  # type: ignore[return-value]
 

@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from elasticd.errors import CheckpointTransferError, StateCorrupt
-from elasticd.retry import Deadline
+from elasticd.retry import Bound
 from elasticd.worker.group.collectives import (
-    Abandon,
     all_reduce,
     start_broadcast,
     start_recv,
@@ -64,9 +63,7 @@ _UNSET = -(1 << 62)  # an int64 slot no rank wrote (every real value is larger)
 def sync_state(
     group: Group,
     state: TrainingState,
-    deadline: Deadline,
-    abandon: Abandon,
-    poll_s: float,
+    bound: Bound,
     subgroup: SubgroupBuilder | None = None,
     retire: Retire | None = None,
     own_checksum: int | None = None,
@@ -95,6 +92,8 @@ def sync_state(
     lineage is this generation.
 
     Args:
+        bound: bounds every wait of the sync (the transfer's deadline, the generation's abandon
+            signal).
         subgroup: builds a group of some of ``group``'s ranks (``GroupFactory.build_subgroup``);
             None: transfers always use the whole group.
         retire: lets go of a subgroup after its transfer (``GroupFactory.retire``).
@@ -119,7 +118,7 @@ def sync_state(
     if arena is not None:
         probe[0], probe[1] = len(layout), arena.numel()
     probe[2 + 2 * me], probe[3 + 2 * me] = step, state.lineage
-    got = _max_reduce(probe, group, deadline, abandon, poll_s)
+    got = _max_reduce(probe, group, bound)
     n_layout, n_arena = got[0], got[1]
     steps, lineages = got[2 : 2 + 2 * world : 2], got[3 : 2 + 2 * world : 2]
     newest = max(range(world), key=lambda r: steps[r])
@@ -139,9 +138,7 @@ def sync_state(
                 n_layout,
                 n_arena,
                 attempt,
-                deadline,
-                abandon,
-                poll_s,
+                bound,
                 subgroup,
                 retire,
                 own_checksum if attempt == 0 else None,
@@ -152,7 +149,7 @@ def sync_state(
             mine = own_checksum if attempt == 0 and own_checksum is not None else state.checksum()
         sums = [_UNSET] * world
         sums[me] = mine
-        sums = _max_reduce(sums, group, deadline, abandon, poll_s)
+        sums = _max_reduce(sums, group, bound)
         diverged = [r for r in range(1, world) if sums[r] != sums[0]]
         if not diverged:
             break
@@ -187,9 +184,9 @@ def _adopt_lineage(state: TrainingState, lineage: int, discard: Discard | None) 
     state.lineage = lineage
 
 
-def _max_reduce(values: list[int], group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[int]:
+def _max_reduce(values: list[int], group: Group, bound: Bound) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64, device=group.device)
-    all_reduce(t, group, dist.ReduceOp.MAX, deadline, abandon, poll_s)
+    all_reduce(t, group, dist.ReduceOp.MAX, bound)
     return [int(x) for x in t.tolist()]
 
 
@@ -249,8 +246,8 @@ class _Link(Protocol):
 
 
 class _BroadcastLink:
-    def __init__(self, group: Group, deadline: Deadline, abandon: Abandon, poll_s: float) -> None:
-        self.group, self._deadline, self._abandon, self._poll_s = group, deadline, abandon, poll_s
+    def __init__(self, group: Group, bound: Bound) -> None:
+        self.group, self._bound = group, bound
 
     def move(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
         works = [start_broadcast(t, 0, self.group) for t in tensors]
@@ -258,7 +255,7 @@ class _BroadcastLink:
 
     def _arrivals(self, works: list[dist.Work]) -> Iterator[int]:
         for i, work in enumerate(works):
-            wait(work, self.group, self._deadline, self._abandon, self._poll_s, "state broadcast")
+            wait(work, self.group, self._bound, "state broadcast")
             yield i
 
 
@@ -266,11 +263,8 @@ class _PointToPointLink:
     """Rank 0 sends each tensor to every receiver; a receiver receives each from rank 0. Tags count
     the tensors moved over this link, from ``tag_base``: both sides make the same calls."""
 
-    def __init__(
-        self, group: Group, receivers: Sequence[int], tag_base: int, deadline: Deadline, abandon: Abandon, poll_s: float
-    ) -> None:
-        self.group, self._receivers, self._tag = group, list(receivers), tag_base
-        self._deadline, self._abandon, self._poll_s = deadline, abandon, poll_s
+    def __init__(self, group: Group, receivers: Sequence[int], tag_base: int, bound: Bound) -> None:
+        self.group, self._receivers, self._tag, self._bound = group, list(receivers), tag_base, bound
 
     def move(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
         g, first = self.group, self._tag
@@ -284,7 +278,7 @@ class _PointToPointLink:
         return self._arrivals(works, per)
 
     def _arrivals(self, works: list[dist.Work], per: int) -> Iterator[int]:
-        for j in wait_each(works, self.group, self._deadline, self._abandon, self._poll_s, "state transfer"):
+        for j in wait_each(works, self.group, self._bound, "state transfer"):
             if (j + 1) % per == 0:
                 yield j // per
 
@@ -298,9 +292,7 @@ def _transfer(
     n_layout: int,
     n_arena: int,
     attempt: int,
-    deadline: Deadline,
-    abandon: Abandon,
-    poll_s: float,
+    bound: Bound,
     subgroup: SubgroupBuilder | None,
     retire: Retire | None,
     own_checksum: int | None,
@@ -317,9 +309,9 @@ def _transfer(
     if plan.mode is TransferMode.BROADCAST and len(plan.members) < group.world_size and subgroup is not None:
         sub = subgroup(group, plan.members, f"sync{attempt}")
     link: _Link = (
-        _PointToPointLink(group, plan.members[1:], attempt << 8, deadline, abandon, poll_s)
+        _PointToPointLink(group, plan.members[1:], attempt << 8, bound)
         if plan.mode is TransferMode.P2P
-        else _BroadcastLink(sub, deadline, abandon, poll_s)
+        else _BroadcastLink(sub, bound)
     )
     try:
         if me == 0:

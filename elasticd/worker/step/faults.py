@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from elasticd.config import WorkerEnv
 from elasticd.errors import CollectiveError
-from elasticd.retry import Deadline
-from elasticd.worker.group.collectives import Abandon
+from elasticd.retry import Bound
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.group.process_group import Group
 
@@ -59,8 +58,8 @@ class FaultyReducer:
         self._step = step
         self._reducer.begin(group, step, scale, vote, sync)
 
-    def finish(self, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[float]:
-        summed = self._reducer.finish(deadline, abandon, poll_s)
+    def finish(self, bound: Bound) -> list[float]:
+        summed = self._reducer.finish(bound)
         inj = self._injected
         if self._step == inj.miss_sum_at:  # this member's last hop broke, once
             inj.miss_sum_at = 0

@@ -38,6 +38,7 @@ from elasticd.wire.ops import (
     encode_save_failed,
     save_failed_key,
 )
+from elasticd.wire.progress import ProgressRecord
 from elasticd.wire.records import CheckpointRecord, GenerationRecord
 from elasticd.worker.state.durable import LoadedCheckpoint, SavedCheckpoint, describe_failure
 from elasticd.worker.state.durable_format import Manifest
@@ -379,16 +380,16 @@ class Journal:
         """Hand the progress record to the membership's keepalive thread."""
         assert self._membership is not None
         self._membership.set_progress(
-            {
-                "step": step,
-                "generation": generation,
-                "rank": rank,
-                "step_time_s": step_time_s,
-                "recoveries": self.recoveries,
-                "last_recovery_s": self._last_recovery_s,
-                "last_recovery_cause": self._last_recovery_cause,
-                "time": time.time(),
-            }
+            ProgressRecord(
+                step=step,
+                generation=generation,
+                rank=rank,
+                step_time_s=step_time_s,
+                recoveries=self.recoveries,
+                last_recovery_s=self._last_recovery_s,
+                last_recovery_cause=self._last_recovery_cause,
+                time=time.time(),
+            )
         )
 
     def _audit_line(self, record: dict[str, object]) -> None:

@@ -19,7 +19,7 @@ import torch
 from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, ConfigError
 from elasticd.rendezvous.membership import Membership
-from elasticd.retry import Deadline
+from elasticd.retry import Bound
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.step.commit import Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.group.process_group import Group
@@ -97,7 +97,7 @@ class StepProtocol:
         self._membership.reach.began(group.generation)  # a long wait is checked on (rendezvous.reach)
         try:
             summed = self._reducer.finish(
-                Deadline.after(t.td("collective")), self._membership.must_abandon, t.abort_poll_s
+                Bound.after(t.collective_s, poll_s=t.abort_poll_s, abandon=self._membership.must_abandon)
             )
         except CollectiveError:
             self._reducer.cancel()

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from elasticd.errors import CollectiveError, ProtocolViolation
-from elasticd.retry import Deadline
-from elasticd.worker.group.collectives import Abandon, wait
+from elasticd.retry import Bound
+from elasticd.worker.group.collectives import wait
 from elasticd.worker.group.process_group import Group
 from elasticd.worker.step.commit import VOTE_SLOTS
 
@@ -246,7 +246,7 @@ class GradientReducer:
         except RuntimeError as exc:  # a broken group can refuse at launch; latch, never raise in autograd
             self._error = CollectiveError(f"gradient all_reduce could not start: {exc}")
 
-    def finish(self, deadline: Deadline, abandon: Abandon, poll_s: float) -> list[float]:
+    def finish(self, bound: Bound) -> list[float]:
         """Launch what backward did not, wait for every bucket, write the averaged gradients back.
 
         Returns:
@@ -264,7 +264,7 @@ class GradientReducer:
                 raise self._error
             for b in self._buckets:
                 assert b.work is not None
-                wait(b.work, group, deadline, abandon, poll_s, "gradient all_reduce")
+                wait(b.work, group, bound, "gradient all_reduce")
             for b in self._buckets:
                 b.inbound()
             self._unapplied = (group.generation, self._step)
