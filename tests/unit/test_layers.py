@@ -28,7 +28,6 @@ FLAT = {
     "errors": BASE,
     "log": BASE,
     "config": BASE,
-    "etcd_config": BASE,
     "retry": BASE,
     "settings": "settings",
     "settings_doc": "settings",
