@@ -11,7 +11,7 @@ permission denied is not retried: the queued events are dropped and the writer s
 Retention: the history holds at most ``events_keep`` events. Every ``EventLog`` (each node agent,
 and each rank 0 that records a recovery) prunes after it writes: it lists ``events/`` and deletes
 the oldest names beyond ``events_keep``. The ``generation_published`` events, written inside the
-publishing transaction (``membership.py``), are pruned by the next ``EventLog`` round of any
+publishing transaction (``rendezvous.coordinator``), are pruned by the next ``EventLog`` round of any
 writer, so between rounds the history can exceed ``events_keep`` by the generations published
 since. Concurrent pruners may delete the same key; deleting a missing key is harmless.
 

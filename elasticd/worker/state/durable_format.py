@@ -18,7 +18,7 @@ Files of one checkpoint, in the directory of its job (``job_dir``: ``<checkpoint
   and the state layout of ``TrainingState.pack``: tensor names, dtypes, shapes, offsets, optimizer
   param groups and scalars, the registered objects' state); zero padding to a 4096-byte boundary
   (64 in files of earlier versions); the payload: the flat arena (model, optimizer and registered
-  objects' tensors, the counters ``step, epoch, position``, then the CPU RNG state and each CUDA
+  objects' tensors, the counters ``step, epoch, position, reference_world``, then the CPU RNG state and each CUDA
   device's).
 * ``<name>.json``: the ``Manifest``, written after the data file is durable (under a temp name,
   and renamed to this one once the saved step is confirmed committed): step, seq, sizes, the
