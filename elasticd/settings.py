@@ -67,6 +67,11 @@ class Setting:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    @property
+    def field(self) -> dataclasses.Field[object]:
+        """Its field in its section's dataclass (default, documentation)."""
+        return next(f for f in dataclasses.fields(_CLASSES[self.section]) if f.name == self.attr)
+
 
 _CLASSES: Mapping[str, type] = {
     "world": WorldConfig,

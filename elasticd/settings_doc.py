@@ -19,12 +19,7 @@ import sys
 import textwrap
 from collections.abc import Iterable, Mapping
 
-from elasticd.settings import (
-    _CLASSES,
-    AGENT_SETTINGS,
-    WORKER_VARIABLES,
-    Setting,
-)
+from elasticd.settings import AGENT_SETTINGS, WORKER_VARIABLES, Setting
 
 # The agent settings a new job sets; the rest tune it.
 ESSENTIAL = (
@@ -81,15 +76,13 @@ TOML_SECTIONS = {
 
 def default_text(setting: Setting) -> str:
     """The default of ``setting`` as the page shows it (a computed default by what computes it)."""
-    f = next(f for f in dataclasses.fields(_CLASSES[setting.section]) if f.name == setting.attr)
+    f = setting.field
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
-        factory = f.default_factory
-        name = getattr(factory, "__name__", "")
-        if name in ("gethostname",):
+        if getattr(f.default_factory, "__name__", "") == "gethostname":
             return "the host name"
-        value = factory()
+        value = f.default_factory()
     else:
         return "(required)"
     if value is None or value == "" or value == ():
@@ -185,10 +178,8 @@ def _toml_value(value: object) -> str:
 
 
 def _default_value(setting: Setting) -> object:
-    f = next(f for f in dataclasses.fields(_CLASSES[setting.section]) if f.name == setting.attr)
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return None  # computed (the host name) or a factory's
+    default = setting.field.default
+    return None if default is dataclasses.MISSING else default  # None: computed (the host name) or a factory's
 
 
 def render_toml(agent: Mapping[str, Setting] = AGENT_SETTINGS) -> str:

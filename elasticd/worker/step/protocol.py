@@ -57,6 +57,7 @@ class StepProtocol:
     ) -> None:
         self._reducer, self._membership, self._drain = reducer, membership, drain
         self._timeouts = timeouts
+        self._loss_checked = False  # the first accumulated loss was checked for a division by the count
 
     def backward(self, group: Group, op: OpenStep, micro: Batch, loss: torch.Tensor) -> bool:
         """This micro-batch's backward; at the last one, the all_reduce and the verdict
@@ -68,12 +69,14 @@ class StepProtocol:
                 (the reducer forgot the step).
         """
         whole, last = op.batch, micro.micro == micro.micro_count - 1
-        if micro.micro_count > 1 and constant_divisor(loss) == micro.micro_count:
-            raise ConfigError(
-                f"ElasticTrainer.backward(loss): the loss is divided by {micro.micro_count}, the "
-                f"accumulation_steps; pass each micro-batch's own mean loss (elasticd weighs the "
-                f"micro-batches of a step itself, so a divided loss would scale the gradient down)"
-            )
+        if micro.micro_count > 1 and not self._loss_checked:  # a script divides every loss alike: once
+            self._loss_checked = True
+            if constant_divisor(loss) == micro.micro_count:
+                raise ConfigError(
+                    f"ElasticTrainer.backward(loss): the loss is divided by {micro.micro_count}, the "
+                    f"accumulation_steps; pass each micro-batch's own mean loss (elasticd weighs the "
+                    f"micro-batches of a step itself, so a divided loss would scale the gradient down)"
+                )
         if micro.micro == 0:
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
