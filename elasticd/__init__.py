@@ -1,7 +1,8 @@
 """elasticd: fault-tolerant elastic data-parallel training for PyTorch.
 
-The worker API: build the model and optimizer as usual, wrap them in ``ElasticTrainer``, and take
-batches from it. See README.md for a complete example.
+The worker API, two forms: the drop-in form keeps a torchrun + DDP script's loop and swaps
+``DistributedDataParallel`` and ``DistributedSampler`` for elasticd's (docs/porting.md); the short
+form wraps the model and optimizer in ``ElasticTrainer`` and takes batches from it (README.md).
 """
 
 from elasticd.config import CheckpointConfig, WorkerEnv
@@ -12,6 +13,8 @@ __all__ = [
     "Batch",
     "BatchMode",
     "CheckpointConfig",
+    "DistributedDataParallel",
+    "DistributedSampler",
     "ElasticTrainer",
     "ElasticdError",
     "FatalError",
@@ -28,6 +31,10 @@ def __getattr__(name: str) -> object:
         from elasticd.worker import trainer
 
         return getattr(trainer, name)
+    if name in ("DistributedDataParallel", "DistributedSampler"):
+        from elasticd.worker import dropin
+
+        return getattr(dropin, name)
     if name in ("Batch", "BatchMode"):
         from elasticd.worker.data import sampler
 

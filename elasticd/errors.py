@@ -84,6 +84,11 @@ class ProtocolViolation(FatalError):
     contribute to a step before applying the one whose sum it received."""
 
 
+class MemberReplaced(TransientError):
+    """A regroup gave this member the job's state in the middle of its script's step (it missed
+    steps the others committed): it leaves, and its agent starts it again as a newcomer."""
+
+
 class StateCorrupt(FatalError):
     """Training state differs between ranks after a sync, or a record is unreadable."""
 

@@ -89,6 +89,7 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             v.append(f"generation {gen}: a rank synced twice: {ranks}")
     per_epoch: dict[int, list[int]] = defaultdict(list)
     spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    stream_steps: list[list[dict[str, object]]] = []
     last_of_generation: dict[int, int] = {}  # generation -> its last committed step
     for step in rep.steps:
         for r in commits[step]:
@@ -132,6 +133,12 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         # the samples: of one generation's shares (all of them where some generation has all)
         gen = min(absent_of, key=lambda g: (len(absent_of[g]), -g))
         rows, absent, world = by_gen[gen], absent_of[gen], int(by_gen[gen][0]["world_size"])  # type: ignore[call-overload]
+        if "blocks" in rows[0]:  # the drop-in form: blocks of one sample stream (worker.data.stream)
+            rep.step_world[step] = world
+            if len({tuple(r["blocks"]) for r in all_rows}) != 1:  # type: ignore[arg-type]
+                v.append(f"step {step}: ranks disagree on the step's blocks")
+            stream_steps.append(all_rows)
+            continue
         batch_keys = {(int(r["epoch"]), int(r["position"]), int(r.get("global_size", 0))) for r in all_rows}  # type: ignore[call-overload]
         if len(batch_keys) != 1:
             v.append(f"step {step}: ranks disagree on the global batch {sorted(batch_keys)}")
@@ -146,6 +153,7 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         if not absent and len(set(used)) != size:
             v.append(f"step {step}: the ranks' shares hold {len(set(used))} samples, not the global batch of {size}")
         per_epoch[epoch].extend(used)
+    _check_stream(stream_steps, dataset_size, rep)
     last_epoch = max(spans, default=0)
     for epoch, used in sorted(per_epoch.items()):
         dupes = len(used) - len(set(used))
@@ -167,6 +175,41 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         if len(sums) > 1:
             v.append(f"members that left at step {step} hold different parameters: {sorted(sums)}")
     return rep
+
+
+def _check_stream(steps: list[list[dict[str, object]]], dataset_size: int, rep: AuditReport) -> None:
+    """The drop-in form's samples: each stream block used by one committed step at most, every
+    block below the lowest unused one used, and in each epoch of the stream no sample used twice
+    (each rank's own indices) and, where complete, every sample used."""
+    if not steps:
+        return
+    v = rep.violations
+    blocks = [int(b) for rows in steps for b in rows[0]["blocks"]]  # type: ignore[attr-defined]
+    if len(set(blocks)) != len(blocks):
+        v.append(f"stream blocks used twice: {sorted(b for b in set(blocks) if blocks.count(b) > 1)[:10]}")
+        return
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for rows in steps:
+        step_blocks = [int(b) for b in rows[0]["blocks"]]  # type: ignore[attr-defined]
+        per_rank = len(step_blocks) // int(rows[0]["world_size"])  # type: ignore[call-overload]
+        for r in rows:
+            mine = step_blocks[int(r["rank"]) * per_rank : (int(r["rank"]) + 1) * per_rank]  # type: ignore[call-overload]
+            indices = [int(i) for i in r["indices"]]  # type: ignore[attr-defined]
+            size = len(indices) // max(1, len(mine))
+            for k, b in enumerate(mine):
+                for offset, i in enumerate(indices[k * size : (k + 1) * size]):
+                    per_epoch[(b * size + offset) // dataset_size].append(i)
+    taken, frontier = set(blocks), 0
+    while frontier in taken:
+        frontier += 1
+    above = sum(1 for b in taken if b > frontier)
+    if above > 64:  # blocks of the last steps, around one a member left in flight: a few
+        v.append(f"{above} stream blocks used above the unused block {frontier}: samples were skipped")
+    for epoch, samples in sorted(per_epoch.items()):
+        if len(samples) != len(set(samples)):
+            v.append(f"epoch {epoch}: {len(samples) - len(set(samples))} samples used more than once")
+        elif len(samples) == dataset_size:
+            rep.epochs_complete += 1
 
 
 def first_commit_times(directory: Path) -> dict[int, float]:

@@ -224,10 +224,16 @@ class ElasticTrainer:
             if initial.step is not None:
                 self.state.counters.step = initial.step
         self._store, self._factory, self._membership = connect(env, self.state.signature, self._store)
-        self._reducer = injecting(GradientReducer(list(self.model.parameters()), self._factory.device), env)
+        self._reducer = injecting(self._make_reducer(self._factory.device), env)
         self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts)
         self._journal.open(self._membership, self._store, self._membership.member_id, started_wall)
         self._failed_at = self._clock()
+
+    def _make_reducer(self, device: torch.device) -> GradientReducer:
+        return GradientReducer(list(self.model.parameters()), device)
+
+    def _state_replaced(self, reason: str) -> None:  # the sync replaced this member's state (another lineage)
+        self._journal.discard(reason)
 
     def close(self, clean: bool = True) -> None:
         """Leave the job: a due save, then revoke the lease, drop the group, stop the threads
@@ -574,7 +580,7 @@ class ElasticTrainer:
                 ck.resumed_from.manifest.seq if ck.resumed_from is not None and not self._has_state else None
             ),
             resume=ck.resume if self.checkpoint.enabled else None,
-            discard=self._journal.discard,
+            discard=self._state_replaced,
         )
         self.group, self.joined = done.group, done.joined
         self._has_state, self._need_rendezvous = True, False

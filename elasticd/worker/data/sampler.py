@@ -44,6 +44,7 @@ class Batch:
     rank: int
     micro: int = 0  # which micro-batch of this rank's share (``split_micro``), from 0
     micro_count: int = 1  # micro-batches the share is split into (1: the whole share)
+    blocks: tuple[int, ...] = ()  # the drop-in form: the whole step's stream blocks, rank after rank (``data.stream``)
 
     @property
     def weight(self) -> float:

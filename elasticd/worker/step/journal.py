@@ -359,6 +359,7 @@ class Journal:
                     "position": batch.position,
                     "global_size": batch.global_size,
                     "indices": batch.indices,
+                    **({"blocks": list(batch.blocks)} if batch.blocks else {}),
                     "loss": loss,
                     "t": time.time(),
                 },

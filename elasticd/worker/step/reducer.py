@@ -46,6 +46,8 @@ class _Bucket:
         self.ready = 0
         self.work: dist.Work | None = None
         self.comm_device = comm_device
+        self.kept: torch.Tensor | None = None  # this rank's own gradients of step ``kept_step``, where kept
+        self.kept_step = -1
         self.renew()
 
     def renew(self) -> None:
@@ -142,7 +144,12 @@ class GradientReducer:
         params: Sequence[torch.nn.Parameter],
         device: torch.device,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        keep_local: bool = False,
     ) -> None:
+        """``keep_local``: keep a copy of this rank's own gradients of each step (one more
+        gradient-sized buffer), so a step whose all_reduce failed can be summed again in the next
+        generation without its backward (``replay``)."""
+        self._keep = keep_local
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters")
@@ -228,7 +235,15 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.work is not None or self._error is not None or self._group is None:
+        if bucket.work is not None or self._group is None:
+            return
+        if self._keep and bucket.kept_step != self._step:
+            bucket.gather_grads()
+            if bucket.kept is None:
+                bucket.kept = torch.empty_like(bucket.grads)
+            bucket.kept.copy_(bucket.grads)
+            bucket.kept_step = self._step
+        if self._error is not None:
             return
         bucket.gather_grads()
         if self._scale != 1.0:
@@ -245,6 +260,21 @@ class GradientReducer:
             bucket.work = group.pg.allreduce([flat], opts)
         except RuntimeError as exc:  # a broken group can refuse at launch; latch, never raise in autograd
             self._error = CollectiveError(f"gradient all_reduce could not start: {exc}")
+
+    def replay(self) -> None:
+        """After ``begin`` in a new group: this rank's kept gradients of the step (``keep_local``)
+        go out again, as if its backward had just ended.
+
+        Raises:
+            ValueError: nothing was kept (the reducer does not keep, or no bucket went out).
+        """
+        if not self._keep or any(b.kept is None or b.kept_step != self._step for b in self._buckets if b.params):
+            raise ValueError(f"no kept gradients of step {self._step} to sum again")
+        for b in self._buckets:
+            if b.kept is not None:
+                b.grads.copy_(b.kept)
+            b.ready = len(b.params)
+        self._syncing = True
 
     def finish(self, bound: Bound) -> list[float]:
         """Launch what backward did not, wait for every bucket, write the averaged gradients back.
