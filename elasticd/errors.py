@@ -84,9 +84,22 @@ class ProtocolViolation(FatalError):
     contribute to a step before applying the one whose sum it received."""
 
 
-class MemberReplaced(TransientError):
-    """A regroup gave this member the job's state in the middle of its script's step (it missed
-    steps the others committed): it leaves, and its agent starts it again as a newcomer."""
+# A worker's exit code meaning "start me again as a newcomer" (``MemberReplaced``): its agent
+# restarts it at once, outside the restart budget (sysexits' EX_TEMPFAIL).
+EXIT_REJOIN = 75
+
+
+class MemberReplaced(SystemExit):
+    """The drop-in form: a regroup gave this member the job's state in the middle of its script's
+    step (it missed steps the others committed while it was stopped or cut off), so its loop cannot
+    go on: the process exits with ``EXIT_REJOIN``, and its agent starts it again as a newcomer."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_REJOIN)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 class StateCorrupt(FatalError):

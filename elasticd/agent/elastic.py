@@ -421,8 +421,8 @@ class Agent(AgentDaemon):
             self._set_slot(action.local_rank, state=action.slot_state, restart_at=action.restart_at, pid=0)
             if action.slot_state is SlotState.BACKOFF:
                 kept = tuple(t for t in self.snapshot.restarts if now - t < c.restart_window_s)  # bounded
-                self.snapshot = replace(self.snapshot, restarts=(*kept, now))
-                recent = len(kept) + 1
+                self.snapshot = replace(self.snapshot, restarts=(*kept, now) if action.budgeted else kept)
+                recent = len(self.snapshot.restarts)
                 log.info(
                     "worker_restart_scheduled",
                     local_rank=action.local_rank,

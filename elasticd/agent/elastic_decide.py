@@ -25,8 +25,9 @@ from elasticd.agent.daemon import (
     stop_ladder,
 )
 from elasticd.agent.jobview import JobView, ProgressMark, is_hung
-from elasticd.agent.supervisor import WorkerExit
+from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.config import AgentConfig
+from elasticd.errors import EXIT_REJOIN
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import DECODE_ERRORS, MemberRecord, decode
@@ -120,6 +121,7 @@ class Action:
     next_state: AgentState | None = None
     until: float | None = None
     exit_code: int = EXIT_OK
+    budgeted: bool = True  # a RELEASE to BACKOFF counts against max_restarts
 
 
 def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
@@ -223,6 +225,15 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
         )
     if e.ok:
         return Action(ActionKind.RELEASE, f"{what}: done", local_rank=slot.local_rank, slot_state=SlotState.DONE)
+    if e.kind is ExitKind.FAILED and e.code == EXIT_REJOIN:  # it asked for it: no fault of its own
+        return Action(
+            ActionKind.RELEASE,
+            f"{what}: it missed steps of the job and starts again as a newcomer now",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.BACKOFF,
+            restart_at=now,
+            budgeted=False,
+        )
     recent = restarts_in_window(snap.restarts, now, config.restart_window_s)
     if recent >= config.max_restarts:
         return Action(

@@ -71,7 +71,7 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             commits[int(r["step"])].append(r)  # type: ignore[call-overload]
         elif r["event"] == "sync":
             syncs[int(r["generation"])].append(r)  # type: ignore[call-overload]
-        elif r["event"] == "final" and not r.get("branch"):  # a branch's bytes are not the job's
+        elif r["event"] == "final" and not (r.get("branch") or r.get("never_joined")):  # not the job's bytes
             rep.final_checksums.append(str(r["checksum"]))
             rep.finals_by_step.setdefault(int(r["step"]), set()).add(str(r["checksum"]))  # type: ignore[call-overload]
     v = rep.violations
@@ -87,9 +87,7 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         ranks = sorted(int(r["rank"]) for r in rows)  # type: ignore[call-overload]
         if len(set(ranks)) != len(ranks):
             v.append(f"generation {gen}: a rank synced twice: {ranks}")
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    stream_steps: list[list[dict[str, object]]] = []
+    shares: list[tuple[int, list[dict[str, object]], list[dict[str, object]], list[int], int]] = []
     last_of_generation: dict[int, int] = {}  # generation -> its last committed step
     for step in rep.steps:
         for r in commits[step]:
@@ -133,12 +131,28 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         # the samples: of one generation's shares (all of them where some generation has all)
         gen = min(absent_of, key=lambda g: (len(absent_of[g]), -g))
         rows, absent, world = by_gen[gen], absent_of[gen], int(by_gen[gen][0]["world_size"])  # type: ignore[call-overload]
-        if "blocks" in rows[0]:  # the drop-in form: blocks of one sample stream (worker.data.stream)
-            rep.step_world[step] = world
-            if len({tuple(r["blocks"]) for r in all_rows}) != 1:  # type: ignore[arg-type]
-                v.append(f"step {step}: ranks disagree on the step's blocks")
-            stream_steps.append(all_rows)
-            continue
+        shares.append((step, all_rows, rows, absent, world))
+    _check_stream([sh[1] for sh in shares if "blocks" in sh[1][0]], dataset_size, rep)
+    _check_spans([sh for sh in shares if "blocks" not in sh[1][0]], dataset_size, loss_rtol, rep)
+    for step, sums in sorted(rep.finals_by_step.items()):
+        if len(sums) > 1:
+            v.append(f"members that left at step {step} hold different parameters: {sorted(sums)}")
+    return rep
+
+
+def _check_spans(
+    shares: list[tuple[int, list[dict[str, object]], list[dict[str, object]], list[int], int]],
+    dataset_size: int,
+    loss_rtol: float,
+    rep: AuditReport,
+) -> None:
+    """The trainer's samples: each step's global batch a span of its epoch's order (one
+    generation's ``rows`` hold its shares; ``absent``: ranks without a line), the spans of an
+    epoch tiling it, the loss agreed."""
+    v = rep.violations
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for step, all_rows, rows, absent, world in shares:
         batch_keys = {(int(r["epoch"]), int(r["position"]), int(r.get("global_size", 0))) for r in all_rows}  # type: ignore[call-overload]
         if len(batch_keys) != 1:
             v.append(f"step {step}: ranks disagree on the global batch {sorted(batch_keys)}")
@@ -153,7 +167,6 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         if not absent and len(set(used)) != size:
             v.append(f"step {step}: the ranks' shares hold {len(set(used))} samples, not the global batch of {size}")
         per_epoch[epoch].extend(used)
-    _check_stream(stream_steps, dataset_size, rep)
     last_epoch = max(spans, default=0)
     for epoch, used in sorted(per_epoch.items()):
         dupes = len(used) - len(set(used))
@@ -171,10 +184,6 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
                 v.append(f"epoch {epoch}: {dataset_size - cursor} samples never used")
             elif cursor == dataset_size:
                 rep.epochs_complete += 1
-    for step, sums in sorted(rep.finals_by_step.items()):
-        if len(sums) > 1:
-            v.append(f"members that left at step {step} hold different parameters: {sorted(sums)}")
-    return rep
 
 
 def _check_stream(steps: list[list[dict[str, object]]], dataset_size: int, rep: AuditReport) -> None:
@@ -184,6 +193,11 @@ def _check_stream(steps: list[list[dict[str, object]]], dataset_size: int, rep: 
     if not steps:
         return
     v = rep.violations
+    for rows in steps:
+        step = int(rows[0]["step"])  # type: ignore[call-overload]
+        rep.step_world[step] = int(rows[0]["world_size"])  # type: ignore[call-overload]
+        if len({tuple(r["blocks"]) for r in rows}) != 1:  # type: ignore[arg-type]
+            v.append(f"step {step}: ranks disagree on the step's blocks")
     blocks = [int(b) for rows in steps for b in rows[0]["blocks"]]  # type: ignore[attr-defined]
     if len(set(blocks)) != len(blocks):
         v.append(f"stream blocks used twice: {sorted(b for b in set(blocks) if blocks.count(b) > 1)[:10]}")

@@ -24,17 +24,18 @@ Owns ``DistributedDataParallel`` (in place of torch's DDP wrapper and ``init_pro
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 import torch
 import torch.distributed as dist
 
 from elasticd.config import CheckpointConfig, WorkerEnv
-from elasticd.errors import CollectiveError, ConfigError, MemberReplaced
+from elasticd.errors import EXIT_REJOIN, CollectiveError, ConfigError, MemberReplaced
 from elasticd.retry import Bound
 from elasticd.store.kv import KeyValueStore
 from elasticd.worker.data.sampler import Batch
@@ -143,9 +144,8 @@ class _Session(ElasticTrainer):
             self._replaced = False
             super()._recover()
             if had and (held or in_step) and (self._replaced or self.state.counters.step != step):
-                raise MemberReplaced(
-                    f"the job went on without this member (its step {step}, the job's {self.state.counters.step}): "
-                    "it starts again as a newcomer"
+                self._leave_replaced(
+                    f"the job went on without this member (its step {step}, the job's {self.state.counters.step})"
                 )
             try:
                 self._exchange(held)
@@ -170,8 +170,15 @@ class _Session(ElasticTrainer):
         try:
             self.plan = make_plan(self.data_state.consumed, rows)
         except ValueError as exc:
-            raise MemberReplaced(f"the members' prefetched batches overlap ({exc}): this member starts again") from exc
+            self._leave_replaced(f"the members' prefetched batches overlap ({exc})")
         self.handed, self.taken = len(held), 0
+
+    def _leave_replaced(self, why: str) -> NoReturn:
+        """This member's loop cannot go on (see ``MemberReplaced``): leave now, so the others
+        regroup at once, and exit for the agent to start a newcomer."""
+        log.warning("member_replaced", reason=why)
+        self.close(clean=False)
+        raise MemberReplaced(f"{why}: this worker exits (code {EXIT_REJOIN}) and starts again as a newcomer")
 
     # --- the data ------------------------------------------------------------------------------
 
@@ -192,11 +199,17 @@ class _Session(ElasticTrainer):
         if ds.epoch.epoch == epoch:
             return ds.epoch
         assert self.order is not None and self.group is not None
+        consumed, skip = ds.consumed, ds.epoch.epoch < 0 and ds.consumed.count == 0 and epoch > 0 and self.handed == 0
+        if skip:  # a loop that starts at a later epoch (the script resumed itself) starts the stream there
+            consumed = Consumed(epoch * self.order.dataset_size // self.order.block_size)
         new = plan_epoch(
-            epoch, step, ds.consumed, self.order.dataset_size, self.order.block_size, self.group.world_size * self.accum
+            epoch, step, consumed, self.order.dataset_size, self.order.block_size, self.group.world_size * self.accum
         )
         if start:
-            ds.epoch = new
+            ds.consumed, ds.epoch = consumed, new
+            if skip:  # every member skips alike, before any hands out a block
+                self.plan = make_plan(consumed, [[] for _ in range(self.group.world_size)])
+                self.handed = 0
         return new
 
     def blocks(self, epoch: int) -> Iterator[int]:
@@ -292,7 +305,7 @@ class _Session(ElasticTrainer):
     def _applied(self) -> None:
         """Every optimizer stepped: the step is applied here (pending until the next collective)."""
         assert self._reduced is not None and self.group is not None and self._reducer is not None
-        tally, verdict, started = self._reduced
+        _, verdict, started = self._reduced
         self._reduced, self.micro = None, 0
         group, c = self.group, self.state.counters
         c.step += 1
@@ -309,7 +322,8 @@ class _Session(ElasticTrainer):
         size = group.world_size * self.accum * (self.order.block_size if self.order else 0)
         epoch = self.data_state.epoch.epoch
         batch = Batch(c.step, epoch, -1, indices, size, group.world_size, group.rank, blocks=tuple(used))
-        result = StepResult(c.step, tally.loss, group.generation, group.world_size, self._clock() - started)
+        # the script computes its loss: the vote carries none (NaN: not known)
+        result = StepResult(c.step, math.nan, group.generation, group.world_size, self._clock() - started)
         self.last_result = result
         if self._drain_requested.is_set() and verdict.regroup:
             self._drained = True

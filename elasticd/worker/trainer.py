@@ -256,7 +256,7 @@ class ElasticTrainer:
             self._factory.retire(self.group)
             self._factory.drain(Deadline.after(self.env.timeouts.collective_s + 1.0))
         self.group = None
-        self._journal.close(self.state.counters.step, self.state.checksum)
+        self._journal.close(self.state.counters.step, self.state.checksum, joined=self._has_state)
 
     @property
     def step_count(self) -> int:

@@ -15,6 +15,7 @@ sums have the same order (worlds of 1 and 2) the replay is bitwise equal to the 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from elasticd.errors import EXIT_REJOIN
 from elasticd.testing.audit import check, read_lines
 from elasticd.testing.localcluster import REPO_ROOT
 from tests.dropin_replay import replay, steps_of, worst
@@ -204,3 +206,31 @@ def test_the_replay_sees_one_step_left_out(local_job) -> None:
     tampered = [{**r, "blocks": six} if r["event"] == "commit" and r["step"] == 5 else r for r in records]
     with pytest.raises(AssertionError):
         _assert_replays(tampered, final, argv)
+
+
+def test_a_stopped_worker_that_missed_steps_starts_again_as_a_newcomer(agent_job) -> None:
+    # SIGSTOP past the lease: the other goes on alone; continued, the stopped one finds the job's
+    # steps beyond its own mid-step, exits EXIT_REJOIN, and its agent starts it again at once.
+    argv = (*ARGS, "--samples", "1024", "--steps", "120", "--step-sleep", "0.03")
+    job = agent_job(lease_ttl_s=2, keepalive_s=0.5)
+    final = job.dir / "final.pt"
+    program = [sys.executable, str(PORT), *argv, "--save-final", str(final)]
+    flags = ("--nnodes", "1:2", "--audit-dir", str(job.dir), "--max-restarts", "0")
+    a, b = job.start("a", *flags, program=program), job.start("b", *flags, program=program)
+    audits = job.dir / job.job_id
+    job.wait_for(lambda: _world_steps(audits, 2) >= 10, 90, "two nodes training together")
+    victim = _worker_pid(b)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        job.wait_for(lambda: _world_steps(audits, 1) >= 10, 30, "the job going on without the stopped worker")
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    job.wait_for(lambda: _after_world_one(audits), 90, "the restarted worker joining")
+    assert a.wait(120) == 0 and b.wait(60) == 0, job.logs_tail()
+    exits = [e for e in b.events("worker_exited") if e["pid"] == victim]
+    assert exits and exits[0]["code"] == EXIT_REJOIN, b.log_text()[-3000:]
+    records = _audit(audits)
+    rep = check(records, 1024)
+    assert rep.ok, rep.violations
+    assert rep.last_step == 120 and len(rep.finals_by_step[120]) == 1  # the replaced one left a final line too
+    _assert_replays(records, final, (*argv, "--save-final", str(final)))

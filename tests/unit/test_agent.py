@@ -30,6 +30,7 @@ from elasticd.agent.elastic_decide import (
 )
 from elasticd.agent.jobview import JobView, ProgressMark, job_read_interval_s
 from elasticd.agent.supervisor import ExitKind, WorkerExit
+from elasticd.errors import EXIT_REJOIN
 from elasticd.config import AgentConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.store.kv import KeyValue
@@ -87,6 +88,11 @@ CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
         dict(
             kind=ActionKind.RELEASE, local_rank=0, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0, next_state=None
         ),
+    ),
+    (
+        "a worker that exits EXIT_REJOIN (it missed steps) restarts now, outside the budget",
+        snap(R, ended(0, FAILED, EXIT_REJOIN), running(1), restarts=(NOW - 10, NOW - 5)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW, budgeted=False, next_state=None),
     ),
     (
         "a death by signal is a failure too",

@@ -169,16 +169,19 @@ class Journal:
         else:
             self.discard(f"the job finished in generation {generation} at step {step} without them")
 
-    def close(self, step: int, checksum: Callable[[], int]) -> None:
+    def close(self, step: int, checksum: Callable[[], int], joined: bool = True) -> None:
         """Discard the unconfirmed steps, then write the audit file's last line (the step and
         ``checksum()`` of the state held; ``branch`` when that step was discarded: a member whose
-        last application the job left holds bytes that are not the job's), and close it."""
+        last application the job left holds bytes that are not the job's; ``never_joined`` for a
+        member that arrived after the job's end and never held its state), and close it."""
         self.discard("left the job before a later collective or sync confirmed them")
         if self._audit is None:
             return
         final: dict[str, object] = {"event": "final", "step": step, "checksum": f"{checksum():016x}"}
         if step > self.confirmed_step and self._discarded_last == step:
             final["branch"] = True  # its last step was discarded: these bytes are not the job's
+        if not joined:
+            final["never_joined"] = True
         self._audit_line(final)
         if self._audit_memory:
             self._audit.writelines(json.dumps(r) + "\n" for r in self._audit_memory)
@@ -338,7 +341,7 @@ class Journal:
                 generation=generation,
                 rank=batch.rank,
                 step=step,
-                loss=round(loss, 6),
+                **({"loss": round(loss, 6)} if loss == loss else {}),  # NaN: not known (the drop-in form)
                 world_size=world_size,
                 duration_s=round(duration_s, 5),
             )
