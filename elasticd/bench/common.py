@@ -217,8 +217,11 @@ class BenchWorker:
 class BenchJob:
     """Workers of one elastic job, all tracked by PID; their audit logs are tailed by ``poll``."""
 
-    def __init__(self, etcd: EtcdServer, workdir: Path, job_id: str, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, etcd: EtcdServer, workdir: Path, job_id: str, env: Mapping[str, str], program: str = WORKLOAD
+    ) -> None:
         self.etcd = etcd
+        self.program = program  # the workload's script: the short form's, or the drop-in form's
         self.dir = workdir
         self.job_id = job_id
         self.env = dict(env)
@@ -240,7 +243,9 @@ class BenchJob:
             **(env or {}),
         }
         proc = WorkerProcess(
-            [*prefix, *python_program(WORKLOAD, *args, "--audit", str(audit))], full_env, self.dir / f"worker{i}.log"
+            [*prefix, *python_program(self.program, *args, "--audit", str(audit))],
+            full_env,
+            self.dir / f"worker{i}.log",
         )
         w = BenchWorker(i, proc, audit)
         self.workers.append(w)

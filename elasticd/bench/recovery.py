@@ -75,6 +75,9 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
 DDP_WORKLOAD = "agents/mlp_ddp.py"
+# The drop-in form (``--dropin``): the same model and data through a DataLoader, a script's own
+# loop; its baseline is the same script under torch's DDP and DistributedSampler (``--plain``).
+DROPIN_WORKLOAD = "agents/mlp_dropin.py"
 KILL_AT_STEP = 30  # the SIGKILL lands this far into training
 SETTLE_STEPS = 10  # steps at the new world size before the next fault
 JOIN_SETTLE_STEPS = 20  # steps after the newcomer's first commit before the SIGSTOP
@@ -104,6 +107,7 @@ class RecoverySettings(LeaseSettings):
     transfer_hidden: int = 2048  # width of the MLP whose state the transfer phase moves
     transfer_rounds: int = 15  # sync and raw broadcast rounds of the transfer phase (~0.1 s each)
     min_workers_faults: int = 2
+    dropin: bool = False  # also run the fault and overhead phases in the drop-in form
 
     def describe(self) -> dict[str, object]:
         t = self.timeouts()
@@ -256,14 +260,14 @@ def join_timeline(
 # Phase 1: faults (SIGKILL, join, SIGSTOP) in one job per repetition
 
 
-def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> FaultRep:
+def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings, program: str = WORKLOAD) -> FaultRep:
     """3 workers; SIGKILL one (3 -> 2), a newcomer joins (2 -> 3), SIGSTOP one (3 -> 2), finish.
 
     The victims' ranks rotate with ``rep`` so that rank 0 (which hosts the generation's store) is
     among them.
     """
     out = FaultRep()
-    job = BenchJob(etcd, workdir, f"bench{os.getpid()}f{rep}", s.worker_env(s.min_workers_faults))
+    job = BenchJob(etcd, workdir, f"bench{os.getpid()}f{rep}", s.worker_env(s.min_workers_faults), program)
     args = ("--steps", str(s.fault_steps), "--step-sleep", str(s.step_sleep_s))
     try:
         for _ in range(s.workers):
@@ -391,9 +395,9 @@ def window_step_times(series: Iterable[Sequence[tuple[int, float, int]]], lo: in
 
 
 def _run_elastic(
-    etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
+    etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings, program: str
 ) -> tuple[StepTimes, dict[int, float], AuditReport]:
-    job = BenchJob(etcd, workdir, f"bench{os.getpid()}o{rep}", s.worker_env(s.workers))
+    job = BenchJob(etcd, workdir, f"bench{os.getpid()}o{rep}", s.worker_env(s.workers), program)
     try:
         for _ in range(s.workers):
             job.spawn("--steps", str(s.overhead_steps), "--audit-in-memory")  # as DDP keeps its records
@@ -414,7 +418,7 @@ def _run_elastic(
     return times, losses, check_dir(workdir, DATASET_SIZE)
 
 
-def _run_ddp(workdir: Path, s: RecoverySettings) -> tuple[StepTimes, dict[int, float]]:
+def _run_ddp(workdir: Path, s: RecoverySettings, baseline: Sequence[str]) -> tuple[StepTimes, dict[int, float]]:
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[WorkerProcess] = []
@@ -431,7 +435,7 @@ def _run_ddp(workdir: Path, s: RecoverySettings) -> tuple[StepTimes, dict[int, f
             }
             procs.append(
                 WorkerProcess(
-                    python_program(DDP_WORKLOAD, "--steps", str(s.overhead_steps), "--out", str(outs[r])),
+                    python_program(*baseline, "--steps", str(s.overhead_steps), "--out", str(outs[r])),
                     env,
                     workdir / f"ddp{r}.log",
                 ).start()
@@ -458,21 +462,26 @@ def _run_ddp(workdir: Path, s: RecoverySettings) -> tuple[StepTimes, dict[int, f
     return times, losses
 
 
-def run_overhead_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings) -> OverheadRep:
-    """One elastic job and one DDP job of the same steps, in alternating order."""
+def run_overhead_rep(
+    etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings, dropin: bool = False
+) -> OverheadRep:
+    """One elastic job and one DDP job of the same steps, in alternating order (``dropin``: the
+    drop-in form's script, against the same script under torch's DDP)."""
     out = OverheadRep()
+    program, baseline = (DROPIN_WORKLOAD, (DROPIN_WORKLOAD, "--plain")) if dropin else (WORKLOAD, (DDP_WORKLOAD,))
     try:
         if rep % 2:
-            ddp, ddp_losses = _run_ddp(workdir / "ddp", s)
-            el, el_losses, report = _run_elastic(etcd, workdir / "elastic", rep, s)
+            ddp, ddp_losses = _run_ddp(workdir / "ddp", s, baseline)
+            el, el_losses, report = _run_elastic(etcd, workdir / "elastic", rep, s, program)
         else:
-            el, el_losses, report = _run_elastic(etcd, workdir / "elastic", rep, s)
-            ddp, ddp_losses = _run_ddp(workdir / "ddp", s)
+            el, el_losses, report = _run_elastic(etcd, workdir / "elastic", rep, s, program)
+            ddp, ddp_losses = _run_ddp(workdir / "ddp", s, baseline)
         out.elastic_step_s, out.ddp_step_s, out.ratio = el.mean_s, ddp.mean_s, el.mean_s / ddp.mean_s
         out.elastic_median_step_s, out.ddp_median_step_s = el.median_s, ddp.median_s
         out.median_ratio = el.median_s / ddp.median_s
         common = sorted(set(el_losses) & set(ddp_losses))
-        out.max_loss_diff = max((abs(el_losses[k] - ddp_losses[k]) for k in common), default=None)
+        if not dropin:  # the drop-in form's script computes its loss: none in its records
+            out.max_loss_diff = max((abs(el_losses[k] - ddp_losses[k]) for k in common), default=None)
         out.steps_lost = lost_steps(report)
         out.violations = list(report.violations)
     except BenchError as exc:
@@ -647,31 +656,44 @@ def run_transfer(s: RecoverySettings) -> TransferResult:
 # The recovery subcommand
 
 
+def _run_phases(
+    etcd: EtcdServer, workdir: Path, s: RecoverySettings, dropin: bool, progress: Callable[[str], None]
+) -> tuple[list[FaultRep], list[OverheadRep]]:
+    """The fault repetitions, then the overhead pairs, of one form."""
+    form = "drop-in " if dropin else ""
+    faults: list[FaultRep] = []
+    overheads: list[OverheadRep] = []
+    for rep in range(s.reps):
+        t0 = time.monotonic()
+        faults.append(run_fault_rep(etcd, workdir / f"faults{rep}", rep, s, DROPIN_WORKLOAD if dropin else WORKLOAD))
+        f = faults[-1]
+        progress(
+            f"{form}faults rep {rep + 1}/{s.reps}: sigkill {fmt(f.sigkill_s)} s, join {fmt(f.join_s)} s, "
+            f"sigstop {fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
+            + (f" ERROR {f.error.splitlines()[0]}" if f.error else "")
+        )
+    for rep in range(s.overhead_reps):
+        t0 = time.monotonic()
+        overheads.append(run_overhead_rep(etcd, workdir / f"overhead{rep}", rep, s, dropin))
+        o = overheads[-1]
+        progress(
+            f"{form}overhead rep {rep + 1}/{s.overhead_reps}: elastic {fmt(o.elastic_step_s, 5)} s, "
+            f"ddp {fmt(o.ddp_step_s, 5)} s, ratio {fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
+            + (f" ERROR {o.error.splitlines()[0]}" if o.error else "")
+        )
+    return faults, overheads
+
+
 def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], None]) -> dict[str, object]:
     """Run every phase and return the result object (what ``--json`` prints)."""
     started = time.monotonic()
     load_before = os.getloadavg()
-    faults: list[FaultRep] = []
-    overheads: list[OverheadRep] = []
+    dropin_faults: list[FaultRep] = []
+    dropin_overheads: list[OverheadRep] = []
     with EtcdServer() as etcd:  # stopped by PID on the way out
-        for rep in range(s.reps):
-            t0 = time.monotonic()
-            faults.append(run_fault_rep(etcd, workdir / f"faults{rep}", rep, s))
-            f = faults[-1]
-            progress(
-                f"faults rep {rep + 1}/{s.reps}: sigkill {fmt(f.sigkill_s)} s, join {fmt(f.join_s)} s, "
-                f"sigstop {fmt(f.sigstop_s)} s, lost {f.steps_lost} ({time.monotonic() - t0:.0f} s)"
-                + (f" ERROR {f.error.splitlines()[0]}" if f.error else "")
-            )
-        for rep in range(s.overhead_reps):
-            t0 = time.monotonic()
-            overheads.append(run_overhead_rep(etcd, workdir / f"overhead{rep}", rep, s))
-            o = overheads[-1]
-            progress(
-                f"overhead rep {rep + 1}/{s.overhead_reps}: elastic {fmt(o.elastic_step_s, 5)} s, "
-                f"ddp {fmt(o.ddp_step_s, 5)} s, ratio {fmt(o.ratio)} ({time.monotonic() - t0:.0f} s)"
-                + (f" ERROR {o.error.splitlines()[0]}" if o.error else "")
-            )
+        faults, overheads = _run_phases(etcd, workdir, s, False, progress)
+        if s.dropin:  # the same phases in the drop-in form, in the same run
+            dropin_faults, dropin_overheads = _run_phases(etcd, workdir / "dropin", s, True, progress)
     t0 = time.monotonic()
     transfer = run_transfer(s)
     progress(
@@ -685,11 +707,12 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
     send_mbps = [mb / x for x in transfer.send_s]
     ratios = [a / b for a, b in zip(sync_mbps, raw_mbps, strict=False)]
     send_ratios = [a / b for a, b in zip(sync_mbps, send_mbps, strict=False)]
-    violations = [f"faults rep {i}: {v}" for i, f in enumerate(faults) for v in f.violations]
-    violations += [f"overhead rep {i}: {v}" for i, o in enumerate(overheads) for v in o.violations]
-    steps_lost = sum(f.steps_lost for f in faults) + sum(o.steps_lost for o in overheads)
-    errors = [f"faults rep {i}: {f.error}" for i, f in enumerate(faults) if f.error]
-    errors += [f"overhead rep {i}: {o.error}" for i, o in enumerate(overheads) if o.error]
+    every_fault, every_overhead = faults + dropin_faults, overheads + dropin_overheads
+    violations = [f"faults rep {i}: {v}" for i, f in enumerate(every_fault) for v in f.violations]
+    violations += [f"overhead rep {i}: {v}" for i, o in enumerate(every_overhead) for v in o.violations]
+    steps_lost = sum(f.steps_lost for f in every_fault) + sum(o.steps_lost for o in every_overhead)
+    errors = [f"faults rep {i}: {f.error}" for i, f in enumerate(every_fault) if f.error]
+    errors += [f"overhead rep {i}: {o.error}" for i, o in enumerate(every_overhead) if o.error]
     errors += [f"transfer: {transfer.error}"] if transfer.error else []
 
     def samples(xs: Iterable[float | None]) -> list[float | None]:
@@ -707,6 +730,15 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
         "transfer_bytes": transfer.bytes,
         "steps_lost": steps_lost,
     }
+    if s.dropin:
+        figures.update(
+            dropin_recovery_sigkill_s=median_of(f.sigkill_s for f in dropin_faults),
+            dropin_recovery_sigstop_s=median_of(f.sigstop_s for f in dropin_faults),
+            dropin_join_s=median_of(f.join_s for f in dropin_faults),
+            dropin_overhead_ratio=median_of(o.ratio for o in dropin_overheads),
+        )
+        short, drop = figures["recovery_sigkill_s"], figures["dropin_recovery_sigkill_s"]
+        figures["dropin_vs_short_sigkill_ratio"] = drop / short if short and drop else None
     baselines = {
         "ddp_step_s": median_of(o.ddp_step_s for o in overheads),
         "elastic_step_s": median_of(o.elastic_step_s for o in overheads),
@@ -738,6 +770,7 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
         "targets": {
             "recovery_sigstop_s": f"<= lease_ttl_s + 1 = {s.lease_ttl_s + 1:g}",
             "overhead_ratio": "<= 1.03",
+            "dropin_overhead_ratio": "<= 1.02 (against the same script under torch DDP)",
             "transfer_ratio": ">= 0.7",
             "steps_lost": "0",
         },
@@ -753,6 +786,8 @@ def run_recovery(s: RecoverySettings, workdir: Path, progress: Callable[[str], N
             "elastic_step_s": samples(o.elastic_step_s for o in overheads),
             "ddp_step_s": samples(o.ddp_step_s for o in overheads),
             "overhead_ratio_of_median_steps": samples(o.median_ratio for o in overheads),
+            "dropin_recovery_sigkill_s": samples(f.sigkill_s for f in dropin_faults),
+            "dropin_overhead_ratio": samples(o.ratio for o in dropin_overheads),
             "transfer_ratio": samples(ratios),
             "transfer_vs_send_ratio": samples(send_ratios),
             "sync_MBps": samples(sync_mbps),
@@ -803,6 +838,7 @@ def render_recovery(result: Mapping[str, object]) -> str:
         f"{'transfer_vs_send_ratio':<22}{fmt(fig['transfer_vs_send_ratio']):>10}   {spread('transfer_vs_send_ratio'):<26}"
         "sync_state / raw send of the same bytes to the newcomer alone",
         f"{'steps_lost':<22}{fmt(fig['steps_lost']):>10}   {'':<26}audit.check over every job; must be 0",
+        *_dropin_lines(fig, spread),
         "",
         "baselines",
         f"  ddp_step_s          {fmt(base['ddp_step_s'], 5):>10}   plain torch DDP (gloo): wall time / steps over "
@@ -869,6 +905,21 @@ def render_recovery(result: Mapping[str, object]) -> str:
     return "\n".join(lines)
 
 
+def _dropin_lines(fig: Mapping[str, object], spread: Callable[[str], str]) -> list[str]:
+    """The drop-in form's rows of the table (none unless ``--dropin`` ran)."""
+    if "dropin_overhead_ratio" not in fig:
+        return []
+    return [
+        f"{'dropin_recovery_sigkill_s':<22}{fmt(fig['dropin_recovery_sigkill_s']):>10}   "
+        f"{spread('dropin_recovery_sigkill_s'):<26}the drop-in form (agents/mlp_dropin.py)",
+        f"{'dropin_vs_short_sigkill':<22}{fmt(fig['dropin_vs_short_sigkill_ratio']):>10}   {'':<26}"
+        "drop-in / short form, same run",
+        f"{'dropin_join_s':<22}{fmt(fig['dropin_join_s']):>10}",
+        f"{'dropin_overhead_ratio':<22}{fmt(fig['dropin_overhead_ratio']):>10}   "
+        f"{spread('dropin_overhead_ratio'):<26}the drop-in script / itself under torch DDP; target <= 1.02",
+    ]
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """``recovery``'s flags."""
     d = RecoverySettings()
@@ -888,6 +939,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="--step-sleep of the fault jobs' workers (default %(default)s; none in the overhead jobs)",
     )
     p.add_argument(
+        "--dropin",
+        action="store_true",
+        help="also run the fault and overhead phases in the drop-in form (agents/mlp_dropin.py)",
+    )
+    p.add_argument(
         "--transfer-hidden",
         type=int,
         default=d.transfer_hidden,
@@ -904,6 +960,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         keepalive_s=args.keepalive,
         step_sleep_s=args.step_sleep,
         transfer_hidden=args.transfer_hidden,
+        dropin=args.dropin,
     )
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
     return run_subcommand(args, "elasticd-bench-", lambda workdir: run_recovery(s, workdir, progress), render_recovery)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -56,6 +58,13 @@ from elasticd.worker.trainer import ElasticTrainer
 log = structlog.get_logger(__name__)
 
 _current: weakref.ref[_Session] | None = None  # the process's session (one DistributedDataParallel)
+
+
+def _drain_current(*_: object) -> None:
+    """SIGTERM: the process's session leaves after its next step (``ElasticTrainer.drain``)."""
+    session = _current() if _current is not None else None
+    if session is not None:
+        session.drain()
 
 
 class _DataState:
@@ -375,6 +384,7 @@ class DistributedDataParallel(torch.nn.Module):
         env: WorkerEnv | None = None,
         store: KeyValueStore | None = None,
         audit_path: str | Path | None = None,
+        audit_in_memory: bool = False,
         checkpoint: CheckpointConfig | None = None,
     ) -> None:
         """
@@ -385,7 +395,7 @@ class DistributedDataParallel(torch.nn.Module):
                 one's backward averages the gradients (``no_sync()`` is accepted and not needed).
             state: further objects newcomers receive and checkpoints keep: schedulers, an EMA
                 (a ``state_dict()`` object or a plain dict of tensors and numbers).
-            init_from, env, store, audit_path, checkpoint: as ``elasticd.ElasticTrainer``'s.
+            init_from, env, store, audit_path, audit_in_memory, checkpoint: as ``elasticd.ElasticTrainer``'s.
 
         Raises:
             ConfigError: a second DistributedDataParallel in one process, or an invalid value.
@@ -409,9 +419,13 @@ class DistributedDataParallel(torch.nn.Module):
             env=env,
             store=store,
             audit_path=audit_path,
+            audit_in_memory=audit_in_memory,
             checkpoint=checkpoint,
         )
         _current = weakref.ref(self._session)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            # SIGTERM (the agent's and systemd's stop): finish the step, leave, exit 0 at the next batch
+            signal.signal(signal.SIGTERM, _drain_current)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # an evaluation under no_grad is no micro-batch
