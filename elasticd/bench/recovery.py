@@ -267,7 +267,8 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
     among them.
     """
     out = FaultRep()
-    job = BenchJob(etcd, workdir, f"bench{os.getpid()}f{rep}", s.worker_env(s.min_workers_faults), program)
+    form = "d" if program == DROPIN_WORKLOAD else ""  # one etcd: each form's jobs have ids of their own
+    job = BenchJob(etcd, workdir, f"bench{os.getpid()}{form}f{rep}", s.worker_env(s.min_workers_faults), program)
     args = ("--steps", str(s.fault_steps), "--step-sleep", str(s.step_sleep_s))
     try:
         for _ in range(s.workers):
@@ -397,7 +398,8 @@ def window_step_times(series: Iterable[Sequence[tuple[int, float, int]]], lo: in
 def _run_elastic(
     etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings, program: str
 ) -> tuple[StepTimes, dict[int, float], AuditReport]:
-    job = BenchJob(etcd, workdir, f"bench{os.getpid()}o{rep}", s.worker_env(s.workers), program)
+    form = "d" if program == DROPIN_WORKLOAD else ""
+    job = BenchJob(etcd, workdir, f"bench{os.getpid()}{form}o{rep}", s.worker_env(s.workers), program)
     try:
         for _ in range(s.workers):
             job.spawn("--steps", str(s.overhead_steps), "--audit-in-memory")  # as DDP keeps its records

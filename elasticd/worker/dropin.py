@@ -46,6 +46,7 @@ from elasticd.worker.data.stream import (
     EpochPlan,
     GenerationPlan,
     StreamOrder,
+    conflicts,
     make_plan,
     plan_epoch,
 )
@@ -158,9 +159,13 @@ class _Session(ElasticTrainer):
                 )
             try:
                 self._exchange(held)
-                return
             except CollectiveError as exc:
                 self._fail(exc)
+                continue
+            if in_step and self._reduced is None and self._reducer is not None and self.group is not None:
+                # between two micro-batches: the step goes on in the new group with what it accumulated
+                self._reducer.rearm(self.group, 1.0 / self.group.world_size)
+            return
 
     def _exchange(self, held: list[int]) -> None:
         """Every member's held blocks, to every member (two small all_reduces); the generation's plan."""
@@ -176,10 +181,12 @@ class _Session(ElasticTrainer):
         table[group.rank, : len(held)] = torch.tensor(held, dtype=torch.int64) + 1
         all_reduce(table, group, dist.ReduceOp.SUM, bound)
         rows = [[int(b) - 1 for b in table[r, : int(lens[r])]] for r in range(group.world_size)]
-        try:
-            self.plan = make_plan(self.data_state.consumed, rows)
-        except ValueError as exc:
-            self._leave_replaced(f"the members' prefetched batches overlap ({exc})")
+        leaving = conflicts(self.data_state.consumed, rows)
+        if group.rank in leaving:
+            self._leave_replaced("batches it prefetched were used or handed out while it was away")
+        if leaving:  # they leave; the others form the next generation without them
+            raise CollectiveError(f"ranks {sorted(leaving)} of generation {group.generation} leave (their batches)")
+        self.plan = make_plan(self.data_state.consumed, rows)
         self.handed, self.taken = len(held), 0
 
     def _leave_replaced(self, why: str) -> NoReturn:
@@ -326,8 +333,9 @@ class _Session(ElasticTrainer):
             used = self.plan.step_blocks(self.taken, self.accum)
             self.taken += self.accum
             self.data_state.consumed = self.data_state.consumed.add(used)
-            mine = used[group.rank * self.accum : (group.rank + 1) * self.accum]
-            indices = [i for b in mine for i in self.order.indices(b)]
+            if self._journal.auditing:
+                mine = used[group.rank * self.accum : (group.rank + 1) * self.accum]
+                indices = [i for b in mine for i in self.order.indices(b)]
         size = group.world_size * self.accum * (self.order.block_size if self.order else 0)
         epoch = self.data_state.epoch.epoch
         batch = Batch(c.step, epoch, -1, indices, size, group.world_size, group.rank, blocks=tuple(used))

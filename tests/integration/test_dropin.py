@@ -129,8 +129,8 @@ def _steps(directory: Path) -> int:
     return max((len(p.read_text().splitlines()) for p in directory.glob("*.jsonl")), default=0)
 
 
-def test_under_agents_a_node_lost_and_a_node_joining_mid_epoch(agent_job) -> None:
-    argv = (*ARGS, "--samples", "1024", "--steps", "90", "--step-sleep", "0.03")
+def test_under_agents_a_worker_killed_a_node_lost_and_a_node_joining_mid_epoch(agent_job) -> None:
+    argv = (*ARGS, "--samples", "1024", "--steps", "120", "--step-sleep", "0.03")
     job = agent_job(lease_ttl_s=2, keepalive_s=0.5)
     final = job.dir / "final.pt"
     program = [sys.executable, str(PORT), *argv, "--save-final", str(final)]
@@ -138,15 +138,24 @@ def test_under_agents_a_node_lost_and_a_node_joining_mid_epoch(agent_job) -> Non
     a, b = job.start("a", *flags, program=program), job.start("b", *flags, program=program)
     audits = job.dir / job.job_id
     job.wait_for(lambda: _world_steps(audits, 2) >= 10, 90, "two nodes training together")
+    killed = _worker_pid(a)
+    os.kill(killed, signal.SIGKILL)  # its agent starts a newcomer; b goes on alone meanwhile
+    job.wait_for(lambda: len(a.events("worker_started")) == 2, 30, "the killed worker's restart")
+    job.wait_for(lambda: _after_world_one(audits), 90, "the restarted worker back in the job")
+    at_world_two = _world_steps(audits, 2)
+    job.wait_for(lambda: _world_steps(audits, 2) >= at_world_two + 5, 60, "training at world 2 again")
     _kill_node(b.pid, [_worker_pid(b)])
-    job.wait_for(lambda: _world_steps(audits, 1) >= 5, 30, "the job going on at world 1")
+    lost_at = _world_steps(audits, 1)
+    job.wait_for(lambda: _world_steps(audits, 1) >= lost_at + 5, 30, "the job going on at world 1")
+    at_world_two = _world_steps(audits, 2)
     c = job.start("c", *flags, program=program)
-    job.wait_for(lambda: _after_world_one(audits), 90, "the new node joining")
+    job.wait_for(lambda: _world_steps(audits, 2) > at_world_two, 90, "the new node joining")
     assert a.wait(120) == 0 and c.wait(60) == 0, job.logs_tail()
     records = _audit(audits)
     rep = check(records, 1024)
     assert rep.ok, rep.violations
-    assert rep.last_step == 90 and len(set(rep.final_checksums)) == 1
+    assert rep.last_step == 120 and len(set(rep.final_checksums)) == 1
+    assert [e["signal"] for e in a.events("worker_exited") if e["pid"] == killed] == [signal.SIGKILL]
     _assert_replays(records, final, (*argv, "--save-final", str(final)))
 
 

@@ -11,6 +11,7 @@ from elasticd.worker.data.stream import (
     Consumed,
     EpochPlan,
     StreamOrder,
+    conflicts,
     free_pool,
     make_plan,
     plan_epoch,
@@ -132,3 +133,20 @@ def test_resizes_with_prefetching_members_use_every_block_once(seed: int) -> Non
     assert len(used) == len(set(used))
     assert consumed.count == len(used)
     assert len(consumed.above) <= 4 * (3 + 3)  # held by members at a regroup, used later: bounded
+
+
+@pytest.mark.parametrize(
+    ("consumed", "held", "leaving"),
+    [
+        (Consumed(4), [[5, 6], [], [7]], set()),
+        (Consumed(4), [[5], [3, 8]], {1}),  # rank 1 holds a used block
+        (Consumed(4), [[5, 6], [6], [6, 9]], {1, 2}),  # the lowest rank keeps a block held twice
+        (Consumed(0, (9,)), [[9], [9]], {0, 1}),
+    ],
+)
+def test_the_ranks_whose_held_blocks_cannot_be_used_leave(
+    consumed: Consumed, held: list[list[int]], leaving: set[int]
+) -> None:
+    assert conflicts(consumed, held) == leaving
+    if not leaving:
+        make_plan(consumed, held)

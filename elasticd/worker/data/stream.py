@@ -48,6 +48,8 @@ class Consumed:
             ValueError: a block was used already (a sample would be used twice).
         """
         new = sorted(blocks)
+        if not self.above and new == list(range(self.frontier, self.frontier + len(new))):
+            return Consumed(self.frontier + len(new))  # the usual step: the next blocks in order
         if len(set(new)) != len(new) or any(b in self for b in new):
             raise ValueError(f"blocks used twice: {sorted(b for b in set(new) if b in self or new.count(b) > 1)}")
         merged = sorted((*self.above, *new))
@@ -101,6 +103,18 @@ class GenerationPlan:
         return [self.block(r, j) for r in range(self.world_size) for j in range(taken, taken + count)]
 
 
+def conflicts(consumed: Consumed, held: Sequence[Sequence[int]]) -> set[int]:
+    """The ranks whose held blocks cannot be used: a block steps already used (the rank missed
+    a generation whose steps used what it had prefetched), or a block a lower rank also holds
+    (a generation it missed handed it out again). Those ranks leave; the others can plan."""
+    out, owner = set(), {}
+    for rank, blocks in enumerate(held):
+        for b in blocks:
+            if b in consumed or owner.setdefault(b, rank) != rank:
+                out.add(rank)
+    return out
+
+
 def make_plan(consumed: Consumed, held: Sequence[Sequence[int]]) -> GenerationPlan:
     """The plan of a generation whose ranks hold ``held`` (rank order; a newcomer holds nothing).
 
@@ -151,10 +165,12 @@ class StreamOrder:
     _orders: dict[int, list[int]] = field(default_factory=dict)
 
     def indices(self, block: int) -> list[int]:
-        first = block * self.block_size
-        return [
-            self._order(p // self.dataset_size)[p % self.dataset_size] for p in range(first, first + self.block_size)
-        ]
+        epoch, offset = divmod(block * self.block_size, self.dataset_size)
+        out = self._order(epoch)[offset : offset + self.block_size]
+        while len(out) < self.block_size:  # the block runs into the next epochs' orders
+            epoch += 1
+            out += self._order(epoch)[: self.block_size - len(out)]
+        return out
 
     def epoch_of(self, block: int) -> int:
         return block * self.block_size // self.dataset_size

@@ -102,6 +102,10 @@ class Journal:
         self.confirmed_step = 0  # the newest step this member knows committed (0: none yet)
         self._discarded_last = -1  # the newest step discarded here
 
+    @property
+    def auditing(self) -> bool:  # commit lines are kept (what a step's audit line needs is worth computing)
+        return self._audit_path is not None
+
     def open(self, membership: Membership, store: KeyValueStore, member_id: str, started_wall: float) -> None:
         """Bind to ``membership`` (progress and checkpoint records) and ``store`` (failed saves,
         the job's events) of member ``member_id``; open the audit file."""

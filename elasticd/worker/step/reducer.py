@@ -217,6 +217,13 @@ class GradientReducer:
             b.ready, b.work = 0, None
             b.bind_grads()
 
+    def rearm(self, group: Group, scale: float) -> None:
+        """The open step moves to ``group`` (a regroup between its micro-batches, before any bucket
+        went out): the gradients accumulated so far stay in the buckets."""
+        if any(b.work is not None for b in self._buckets):
+            raise ProtocolViolation("a step whose buckets went out cannot move to another group")
+        self._group, self._scale, self._error = group, scale, None
+
     def applied(self, step: int) -> None:
         """This rank applied ``step``, whose sum ``finish`` delivered: it may contribute to the next one."""
         if self._unapplied is not None and self._unapplied[1] == step:
