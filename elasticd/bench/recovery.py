@@ -260,6 +260,11 @@ def join_timeline(
 # Phase 1: faults (SIGKILL, join, SIGSTOP) in one job per repetition
 
 
+def _job_id(phase: str, rep: int, program: str) -> str:
+    """One etcd serves every job of a run: each phase, repetition and form has an id of its own."""
+    return f"bench{os.getpid()}{'d' if program == DROPIN_WORKLOAD else ''}{phase}{rep}"
+
+
 def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings, program: str = WORKLOAD) -> FaultRep:
     """3 workers; SIGKILL one (3 -> 2), a newcomer joins (2 -> 3), SIGSTOP one (3 -> 2), finish.
 
@@ -267,8 +272,7 @@ def run_fault_rep(etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings
     among them.
     """
     out = FaultRep()
-    form = "d" if program == DROPIN_WORKLOAD else ""  # one etcd: each form's jobs have ids of their own
-    job = BenchJob(etcd, workdir, f"bench{os.getpid()}{form}f{rep}", s.worker_env(s.min_workers_faults), program)
+    job = BenchJob(etcd, workdir, _job_id("f", rep, program), s.worker_env(s.min_workers_faults), program)
     args = ("--steps", str(s.fault_steps), "--step-sleep", str(s.step_sleep_s))
     try:
         for _ in range(s.workers):
@@ -398,8 +402,7 @@ def window_step_times(series: Iterable[Sequence[tuple[int, float, int]]], lo: in
 def _run_elastic(
     etcd: EtcdServer, workdir: Path, rep: int, s: RecoverySettings, program: str
 ) -> tuple[StepTimes, dict[int, float], AuditReport]:
-    form = "d" if program == DROPIN_WORKLOAD else ""
-    job = BenchJob(etcd, workdir, f"bench{os.getpid()}{form}o{rep}", s.worker_env(s.workers), program)
+    job = BenchJob(etcd, workdir, _job_id("o", rep, program), s.worker_env(s.workers), program)
     try:
         for _ in range(s.workers):
             job.spawn("--steps", str(s.overhead_steps), "--audit-in-memory")  # as DDP keeps its records
@@ -813,8 +816,7 @@ def render_recovery(result: Mapping[str, object]) -> str:
     smp = result["samples"]
     bd = result["breakdown_s"]
     st = result["settings"]
-    assert isinstance(fig, dict) and isinstance(base, dict) and isinstance(smp, dict)
-    assert isinstance(bd, dict) and isinstance(st, dict)
+    assert all(isinstance(d, dict) for d in (fig, base, smp, bd, st))
 
     def spread(key: str) -> str:
         xs = [x for x in smp.get(key, []) if x is not None]
