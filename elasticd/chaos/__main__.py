@@ -237,22 +237,12 @@ class ChaosRun:
         self.say(f"etcd {','.join(self.agent_endpoints)} ({len(self.etcd_members)} member(s))")
 
     def program(self, audit_name: str) -> list[str]:
-        return python_program(
-            "agents/mlp.py",
-            "--steps",
-            str(self.s.steps),
-            "--samples",
-            str(SAMPLES),
-            "--global-batch",
-            str(GLOBAL_BATCH),
-            "--step-sleep",
-            str(self.s.step_sleep_s),
-            "--audit",
-            str(self.audit_dir / f"{audit_name}.jsonl"),
-            "--device",
-            self.s.device,
-            *(["--fp16"] if self.s.fp16 else []),
-        )
+        common = ("--steps", str(self.s.steps), "--samples", str(SAMPLES), "--step-sleep", str(self.s.step_sleep_s))
+        audit = ("--audit", str(self.audit_dir / f"{audit_name}.jsonl"))
+        if self.s.form == "dropin":  # its own loop; the global batch follows the world size
+            return python_program("agents/mlp_dropin.py", *common, *audit, "--batch-size", str(GLOBAL_BATCH // 3))
+        device = ("--device", self.s.device, *(["--fp16"] if self.s.fp16 else []))
+        return python_program("agents/mlp.py", *common, "--global-batch", str(GLOBAL_BATCH), *audit, *device)
 
     def start_agent(self, name: str, duplicate: bool = False) -> Node:
         log_name = name

@@ -132,7 +132,7 @@ def parse_finals(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Fina
     return [
         Final(node, as_int(r["step"]), str(r["checksum"]))
         for node, r in pairs
-        if r.get("event") == "final" and not r.get("branch")
+        if r.get("event") == "final" and not (r.get("branch") or r.get("never_joined"))
     ]  # a branch's bytes are not the job's
 
 

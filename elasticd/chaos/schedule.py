@@ -272,6 +272,7 @@ class Settings:
     relay: str = "off"  # the agents' relay setting: off, on, or mixed (on for even node numbers)
     device: str = "cpu"  # the workload's --device: cpu, or cuda (the model on the GPU; groups stay gloo)
     fp16: bool = False  # the workload's --fp16: autocast and a GradScaler (cuda only)
+    form: str = "short"  # the workload's form: short (agents/mlp.py) or dropin (agents/mlp_dropin.py)
 
 
 RELAY_CHOICES = ("off", "on", "mixed")
@@ -363,6 +364,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="fp16 autocast with a GradScaler (agents/mlp.py --fp16; needs --device cuda)",
     )
+    p.add_argument(
+        "--form",
+        choices=("short", "dropin"),
+        default="short",
+        help="the workload's worker API: short (agents/mlp.py, ElasticTrainer) or dropin "
+        "(agents/mlp_dropin.py: its own loop, elasticd's DistributedDataParallel); default short",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.add_argument(
         "--workdir",
@@ -410,6 +418,8 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         )
     if args.fp16 and args.device != "cuda":
         raise ConfigError("--fp16: needs --device cuda")
+    if args.form == "dropin" and (args.device != "cpu" or args.fp16):
+        raise ConfigError("--form dropin: runs on the CPU without --fp16")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     return Settings(
         minutes=args.minutes,
@@ -429,4 +439,5 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         relay=args.relay,
         device=args.device,
         fp16=args.fp16,
+        form=args.form,
     )
