@@ -283,6 +283,29 @@ def relayed(relay: str, node_number: int) -> bool:
     return relay == "on" or (relay == "mixed" and node_number % 2 == 0)
 
 
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """The flags that choose the workload: its device, fp16, its worker API."""
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where each worker's model trains (agents/mlp.py --device): cuda puts every worker's model "
+        "on a GPU (several may share one); the groups stay gloo. Default cpu",
+    )
+    p.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 autocast with a GradScaler (agents/mlp.py --fp16; needs --device cuda)",
+    )
+    p.add_argument(
+        "--form",
+        choices=("short", "dropin"),
+        default="short",
+        help="the workload's worker API: short (agents/mlp.py, ElasticTrainer) or dropin "
+        "(agents/mlp_dropin.py: its own loop, elasticd's DistributedDataParallel); default short",
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m elasticd.chaos",
@@ -352,25 +375,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the agents' relay setting (relay.node): off, on, or mixed (on for the even node "
         "numbers: both paths under the same faults); default off",
     )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="where each worker's model trains (agents/mlp.py --device): cuda puts every worker's model "
-        "on a GPU (several may share one); the groups stay gloo. Default cpu",
-    )
-    p.add_argument(
-        "--fp16",
-        action="store_true",
-        help="fp16 autocast with a GradScaler (agents/mlp.py --fp16; needs --device cuda)",
-    )
-    p.add_argument(
-        "--form",
-        choices=("short", "dropin"),
-        default="short",
-        help="the workload's worker API: short (agents/mlp.py, ElasticTrainer) or dropin "
-        "(agents/mlp_dropin.py: its own loop, elasticd's DistributedDataParallel); default short",
-    )
+    _workload_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.add_argument(
         "--workdir",

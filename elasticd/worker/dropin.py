@@ -231,6 +231,11 @@ class _Session(ElasticTrainer):
     def blocks(self, epoch: int) -> Iterator[int]:
         """This member's blocks for its loop over epoch ``epoch`` (the sampler's iterator)."""
         self.ensure_current()
+        if self.handed > self.taken + self.micro:
+            raise ConfigError(
+                f"elasticd.DistributedSampler: a loop over the DataLoader ended with {self.handed - self.taken} "
+                "of its batches unused; run each epoch's loop to its end (len(loader) batches)"
+            )
         plan = self.epoch_plan(epoch, start=True)
         for _ in range(plan.steps_left(self.state.counters.step) * self.accum):
             self.ensure_current()

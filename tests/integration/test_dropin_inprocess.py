@@ -105,3 +105,21 @@ def test_wrong_uses_are_config_errors_naming_the_public_api(etcd_server) -> None
     opt.step()
     assert ddp.step_count == 1
     ddp.close()
+
+
+def test_an_epoch_loop_left_early_is_named_before_the_next_one_starts(etcd_server) -> None:
+    model, opt, data = _parts()
+    ddp = elasticd.DistributedDataParallel(model, opt, env=_env(etcd_server))
+    sampler = elasticd.DistributedSampler(data, batch_size=4)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=1, prefetch_factor=2)
+    try:
+        for i, (x, y) in enumerate(loader):  # 10 batches; the loop leaves after 3, 2 more prefetched
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            if i == 2:
+                break
+        sampler.set_epoch(1)
+        with pytest.raises(ConfigError, match="ended with 2 of its batches unused"):
+            next(iter(loader))
+    finally:
+        ddp.close()

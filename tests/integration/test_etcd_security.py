@@ -292,6 +292,7 @@ def test_auth_a_job_runs_as_its_user_and_elasticctl_needs_the_password(tmp_path:
         server.stop()
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(150)
 def test_auth_a_worker_started_while_etcd_is_down_waits_for_it_and_spends_no_restart(tmp_path: Path) -> None:
     """With a user, etcd3 authenticates as it makes its client: a worker its agent restarted during an

@@ -27,6 +27,7 @@ def test_sigkill_mid_step_survivors_finish_at_world_2(local_job):
     assert sorted(set(rep.generations.values()))[:1] == [2]
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_fourth_worker_joins_mid_run_and_gets_rank0_state(local_job):
     job = local_job(min_workers=3)
     for _ in range(3):
@@ -46,6 +47,7 @@ def test_fourth_worker_joins_mid_run_and_gets_rank0_state(local_job):
     assert len(set(rep.final_checksums)) == 1 and len(rep.final_checksums) == 4
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_sigstop_peer_is_dropped_after_lease_expiry_and_rejoins_on_resume(local_job):
     # collective_s bounds how long a group stuck on the frozen peer lingers (and so the exit)
     job = local_job(min_workers=2, collective_s=5)
@@ -89,6 +91,7 @@ def test_fds_and_threads_stay_bounded_over_50_generation_changes(local_job):
     assert rep.ok, rep.violations
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_etcd_restart_and_freezes_are_ridden_out(local_job, etcd_server):
     """etcd is off the hot path. A restart (keys and leases survive on disk) and a freeze shorter
     than lease_ttl_s - keepalive_s do not stop training. A freeze longer than the lease TTL pauses

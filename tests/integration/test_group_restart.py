@@ -247,6 +247,7 @@ def test_two_agents_restart_every_worker_after_a_sigkill_and_end_like_torchrun(
     assert sorted(data["restart"]["nodes"]) == ["a", "b"] and data["restart"]["world_size"] == 2
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(150)
 def test_one_agent_with_two_workers_restarts_both_when_one_is_killed(
     etcd_server: EtcdServer, run: Run, reference: str

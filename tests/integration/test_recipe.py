@@ -119,6 +119,7 @@ def fault_free(etcd_server, tmp_path_factory):
         job.stop()
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_two_failures_and_a_join_end_like_a_fault_free_run(local_job, fault_free) -> None:
     ref_final, ref = fault_free
 
@@ -170,6 +171,7 @@ def test_a_step_applied_after_a_stop_by_the_survivor_of_its_appliers_is_committe
     torch.testing.assert_close(_losses(rep), _losses(ref), rtol=0, atol=TOL)
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_a_full_restart_from_a_durable_checkpoint_continues_the_curve(local_job, fault_free, tmp_path: Path) -> None:
     ref_final, ref = fault_free
     ckpt = tmp_path / "ckpt"
