@@ -32,6 +32,7 @@ def _syncs_after(job: AgentJob, node: str, t: float) -> list[dict[str, object]]:
     return [r for r in read_lines([job.audit_path(node)]) if r["event"] == "sync" and float(r["t"]) > t]
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(150)
 def test_a_frozen_worker_is_detected_as_hung_killed_and_replaced(agent_job):
     # lease 2 s: the frozen worker drops out of the job after 2 s; hang_timeout 3 s: then it is replaced.

@@ -133,6 +133,7 @@ def _worker_pid(agent: AgentProcess) -> int:
     return int(started[-1]["pid"])  # type: ignore[call-overload]
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(120)
 def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it(agent_job):
     # A 10 s lease: survivors that waited for the dead worker's lease to expire would show it.
