@@ -26,6 +26,7 @@ from mlp import add_workload_arguments, make_dataset, make_model  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import elasticd  # noqa: E402
+from elasticd.log import configure_logging  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging()  # JSON log lines, as agents/mlp.py writes them (the chaos run reads them)
     torch.set_num_threads(1)
     data = TensorDataset(*make_dataset(args.samples, args.features, args.classes, args.seed))
     model = make_model(args.features, args.hidden, args.classes, args.seed)
