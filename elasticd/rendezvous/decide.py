@@ -124,7 +124,10 @@ def without_gone(snap: Snapshot, gone: Collection[str]) -> Snapshot:
     kept = [m for m in g.members if m in snap.members and m not in gone]
     if not any(m not in snap.ready or snap.ready[m].committed_step >= g.committed_step for m in kept):
         return snap
-    return replace(snap, members={m: r for m, r in snap.members.items() if m not in gone})
+    lost = frozenset(r.node for m, r in snap.members.items() if m in gone)
+    return replace(
+        snap, members={m: r for m, r in snap.members.items() if m not in gone}, lost_nodes=snap.lost_nodes | lost
+    )
 
 
 def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldConfig) -> list[ReadyRecord]:
@@ -143,8 +146,10 @@ def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldCon
         node = snap.members[r.member_id].node
         per_node[node] = per_node.get(node, 0) + 1
     # A node whose member of the generation is alive but not ready is suspect: lost with all its
-    # processes, their leases not expired yet (a crashed worker's agent revokes its lease at once).
+    # processes, their leases not expired yet (a crashed worker's agent revokes its lease at once);
+    # so is one whose member's process was found gone with its lease alive (``without_gone``).
     suspect = {snap.members[m].node for m in missing_members(snap, {r.member_id for r in pool})}
+    suspect |= snap.lost_nodes
     spares = sorted(
         (r for r in pool if is_spare(snap, r.member_id)),
         key=lambda r: (

@@ -47,6 +47,9 @@ class Snapshot:
     ready_revision: Mapping[str, int] = field(default_factory=dict)  # each ready record's mod_revision
     coordinator_revision: int = 0
     spent_generation: int = 0  # the newest generation a consumed ready record's member had left
+    # nodes of members left out because their processes are gone while their leases live
+    # (``rendezvous.decide.without_gone``): a node lost whole, whose spares are gone too
+    lost_nodes: frozenset[str] = frozenset()
 
     @property
     def highest_generation_seen(self) -> int:

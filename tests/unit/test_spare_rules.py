@@ -21,6 +21,7 @@ from elasticd.rendezvous.decide import (
     newcomers_admitted,
     publish_decision,
     spare_target,
+    without_gone,
 )
 from elasticd.store.kv import KeyValue
 from elasticd.wire.ops import NodeRecord, encode_node
@@ -149,6 +150,21 @@ CHOICE = [
         ["a", "s2", "s3"],
     ),
 ]
+
+
+def test_a_lost_nodes_spare_comes_last_also_once_the_probe_left_its_member_out() -> None:
+    # the node's member found gone (its store port refuses) while its lease lives: a node lost
+    # whole; its spare's lease lives too, but the spare is as dead as the member
+    s = snapshot(
+        G3,
+        [on("a", "n1"), on("b", "n2"), on("c", "n3"), spare("s2", "n2"), spare("s9", "n9", standby=True)],
+        ["a", "c", "s2", "s9"],
+        steps={"a": 40, "c": 40},
+    )
+    live = without_gone(s, {"b"})
+    assert "b" not in live.members and live.lost_nodes == {"n2"}
+    got = [r.member_id for r in choose_members(live, live.ready.values(), W3)]
+    assert got == ["a", "c", "s9"], got
 
 
 @pytest.mark.parametrize(("what", "g", "alive", "ready_ids", "world", "chosen"), CHOICE, ids=[c[0] for c in CHOICE])
