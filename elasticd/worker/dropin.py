@@ -28,7 +28,7 @@ import math
 import signal
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -106,6 +106,7 @@ class _Session(ElasticTrainer):
         self._stepped = 0  # optimizers stepped since the sum arrived
         self._replaced = False
         self._step_started = 0.0
+        self._vote: Callable[[], list[float]] | None = None  # the vote closure, made at the first step
         self._hooks: list[Any] = []
         for opt in self.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._before_optimizer_step))
@@ -254,9 +255,10 @@ class _Session(ElasticTrainer):
             )
         self.ensure_current()
         assert self.group is not None and self._reducer is not None and self._membership is not None
-        if self.micro == 0:
+        if self._vote is None:  # a closure over these, never over the session (see ElasticTrainer)
             membership, draining = self._membership, self._drain_requested
             self._vote = lambda: Vote(0.0, membership.veto(), membership.join_pending() or draining.is_set()).slots()
+        if self.micro == 0:
             self._reducer.begin(
                 self.group, self.state.counters.step + 1, 1.0 / self.group.world_size, self._vote, sync=self.accum == 1
             )
@@ -306,6 +308,7 @@ class _Session(ElasticTrainer):
         self._fail(exc)  # RestartsExhausted past retry.step_retries
         self._join_or_finish()
         assert self.group is not None and self._reducer is not None
+        assert self._vote is not None
         self._reducer.begin(self.group, self.state.counters.step + 1, 1.0 / self.group.world_size, self._vote)
         self._reducer.replay()
 

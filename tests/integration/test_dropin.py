@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from elasticd.testing.localcluster import REPO_ROOT
 from tests.dropin_replay import replay, steps_of, worst
 from tests.integration.test_agent_faults import _kill_node
 from tests.integration.test_node_agent import _worker_pid, agent_job  # noqa: F401 (fixture)
+from tests.integration.test_recipe import _body
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,13 +40,6 @@ SAMPLES = 384  # 6 steps per epoch at world 2 (2 ranks x 2 micro-batches x 16)
 ARGS = ("--samples", str(SAMPLES), "--warmup", "8")
 TOL = 1.5e-3  # bf16 rounding of other micro-batch splits (module docstring)
 EXACT = 1e-6  # the replay against the job: the same operations, sums in another order at world 3+
-
-
-def _body(path: Path) -> list[str]:
-    text = path.read_text()
-    m = re.match(r'\s*""".*?"""\n', text, re.S)
-    assert m is not None
-    return text[m.end() :].splitlines()
 
 
 def test_the_port_changes_at_most_ten_lines_and_restructures_nothing() -> None:

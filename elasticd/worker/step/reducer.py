@@ -244,15 +244,14 @@ class GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None or self._group is None:
             return
-        if self._keep and bucket.kept_step != self._step:
-            bucket.gather_grads()
+        bucket.gather_grads()
+        if self._keep and bucket.kept_step != self._step:  # kept even where the step already failed
             if bucket.kept is None:
                 bucket.kept = torch.empty_like(bucket.grads)
             bucket.kept.copy_(bucket.grads)
             bucket.kept_step = self._step
         if self._error is not None:
             return
-        bucket.gather_grads()
         if self._scale != 1.0:
             bucket.grads.mul_(self._scale)
         if bucket is self._vote_bucket and self._vote is not None:
