@@ -477,7 +477,12 @@ def test_choose_fault_covers_the_least_injected_kinds_first_and_is_seeded() -> N
     kinds = [FaultKind.WORKER_KILL, FaultKind.ETCD_RESTART, FaultKind.NODE_JOIN]
     v = view(3, injected={FaultKind.WORKER_KILL: 2, FaultKind.ETCD_RESTART: 1, FaultKind.NODE_JOIN: 1})
     picks = {choose_fault(v, kinds, random.Random(seed)).kind for seed in range(20)}  # type: ignore[union-attr]
-    assert picks == {FaultKind.ETCD_RESTART, FaultKind.NODE_JOIN}
+    assert picks == {FaultKind.ETCD_RESTART}  # among the least injected, the etcd kind first
+    v = view(3, etcd_busy=True, injected={FaultKind.WORKER_KILL: 2, FaultKind.ETCD_RESTART: 1, FaultKind.NODE_JOIN: 1})
+    assert {choose_fault(v, kinds, random.Random(s)).kind for s in range(20)} == {FaultKind.NODE_JOIN}  # type: ignore[union-attr]
+    both = [FaultKind.WORKER_KILL, FaultKind.NODE_JOIN]
+    v = view(3, injected={FaultKind.WORKER_KILL: 1, FaultKind.NODE_JOIN: 1})
+    assert {choose_fault(v, both, random.Random(s)).kind for s in range(20)} == set(both)  # type: ignore[union-attr]
     a = [choose_fault(view(3), kinds, random.Random(7)) for _ in range(3)]
     assert len(set(a)) == 1  # the same seed, the same choice
     choice = choose_fault(view(3), [FaultKind.WORKER_KILL], random.Random(1))
