@@ -87,6 +87,10 @@ class ProtocolViolation(FatalError):
 # A worker's exit code meaning "start me again as a newcomer" (``MemberReplaced``): its agent
 # restarts it at once, outside the restart budget (sysexits' EX_TEMPFAIL).
 EXIT_REJOIN = 75
+# A worker's exit code meaning "fatal: do not start me again" (sysexits' EX_CONFIG): its agent
+# stops its workers and exits 3 instead of restarting it. A worker exits with it on an uncaught
+# ``ConfigError`` or ``ModelMismatch``; a script may exit with it too (``sys.exit(78)``).
+EXIT_NO_RESTART = 78
 
 
 class MemberReplaced(SystemExit):

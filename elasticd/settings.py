@@ -214,10 +214,37 @@ def _check_directory(name: str, directory: str | Path | None) -> None:
 
 
 def _check_program(program: tuple[str, ...]) -> None:
+    """The program can start: its executable exists, and a Python script it names is a file. Checked
+    before the first worker starts, so that a typo is one clear error, not a restart loop."""
     exe = program[0]
     found = shutil.which(exe) if os.sep not in exe else (exe if os.access(exe, os.X_OK) else None)
     if found is None or os.path.isdir(found):
         raise ConfigError(f"program: {exe!r} is not an executable file or a command on PATH")
+    script = python_script(program)
+    if script is not None and not os.path.isfile(script):
+        what = "is a directory, not a script" if os.path.isdir(script) else "no such file"
+        raise ConfigError(f"program: {script!r}: {what} (the script {exe} would run, from {os.getcwd()})")
+
+
+# Python's options that take the next argument as their value (``python -W error script.py``).
+_PYTHON_OPTIONS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+
+
+def python_script(program: Sequence[str]) -> str | None:
+    """The script a Python interpreter in ``program`` would run: its first argument that is not an
+    option. None when ``program`` is not a Python interpreter, or it runs ``-m``, ``-c`` or stdin
+    (``-``). Pure."""
+    if not os.path.basename(program[0]).startswith("python"):
+        return None
+    args = iter(program[1:])
+    for arg in args:
+        if arg in _PYTHON_OPTIONS_WITH_VALUE:
+            next(args, None)
+        elif arg == "-" or arg.startswith(("-m", "-c")) or arg == "--":
+            return None if arg != "--" else next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 # -- the worker environment contract ----------------------------------------------------------

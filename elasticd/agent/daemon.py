@@ -18,28 +18,34 @@ import select
 import signal
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import FrameType
+from typing import TypeVar
 
 import structlog
 
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit
 from elasticd.config import AgentConfig
-from elasticd.errors import PermissionDenied
+from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.log import bind_context
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValueStore
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 EXIT_OK = 0
 EXIT_FATAL = 1
-# the configuration cannot work: another live agent of the job has this node id, or the etcd user's
-# role does not cover the job (``PermissionDenied``)
+# the configuration cannot work: another live agent of the job has this node id, the etcd user's
+# role does not cover the job (``PermissionDenied``), or etcd never answered since the start
 EXIT_CONFIG = 2
+# the job stopped on a bug, not a fault: the same exception at the same step in two or more workers
+# (``wire.failures``), or a worker that exited ``EXIT_NO_RESTART``; restarting cannot get past it
+EXIT_JOB_FAILED = 3
 
 
 @dataclass(frozen=True)
@@ -280,6 +286,41 @@ class AgentDaemon(ABC):
             if stop_workers:
                 self._supervisor.terminate_all(self._config.timeouts.shutdown_grace_s, self._config.kill_wait_s)
             return AgentOutcome(EXIT_FATAL, f"agent_failed: {exc!r}")
+
+    def _until_etcd_answers(self, waker: Waker, call: Callable[[], T]) -> T | AgentOutcome:
+        """The agent's first use of etcd, ``call``, tried again every ``keepalive_s`` while etcd
+        does not answer (an agent started during an outage waits rather than exit into systemd's
+        restart loop), logging ``agent_waiting_for_etcd`` with the endpoints. Gives up after
+        ``etcd_outage_s`` with exit 2: an etcd that never answered this agent is most often a wrong
+        ``--etcd`` (systemd does not restart it; ``RestartPreventExitStatus=2``). Returns ``call``'s
+        result, or the outcome to exit with (also a permission denied: exit 2, or a stop: 0)."""
+        c = self._config
+        ends = self._clock() + c.timeouts.etcd_outage_s
+        while True:
+            try:
+                return call()
+            except PermissionDenied as exc:  # the user's role does not cover the job: waiting cannot help
+                log.error("agent_permission_denied", error=str(exc))
+                return AgentOutcome(EXIT_CONFIG, str(exc))
+            except EtcdUnavailable as exc:
+                now = self._clock()
+                if now >= ends:
+                    return AgentOutcome(
+                        EXIT_CONFIG,
+                        f"etcd_unreachable: no etcd at {','.join(c.etcd.endpoints)} answered since the agent "
+                        f"started, for etcd_outage_s ({c.timeouts.etcd_outage_s:g} s); check --etcd (or "
+                        f"ELASTICD_ETCD, etcd in the config file) and that etcd runs: {exc}",
+                    )
+                if self._stop_requests(waker) > 0:
+                    return AgentOutcome(EXIT_OK, "stopped while waiting for etcd")
+                log.warning(
+                    "agent_waiting_for_etcd",
+                    endpoints=list(c.etcd.endpoints),
+                    error=str(exc)[:200],
+                    gives_up_in_s=round(ends - now, 1),
+                )
+                self._ping(now)  # the systemd watchdog, while the agent waits
+                waker.wait(min(c.timeouts.keepalive_s, ends - now))
 
     def _stop_requests(self, waker: Waker) -> int:
         """SIGTERM/SIGINT received plus ``request_stop`` calls."""

@@ -15,7 +15,8 @@ snapshot goes to ``decide``) and never reads etcd on its loop. What it does:
   (``max_restarts`` per ``restart_window_s``); the restarted worker joins as a newcomer (as a spare
   when the node keeps spares: one of them took the crashed one's place). When the
   budget is spent it stops its workers and exits 1 (``restarts_exhausted``). A worker that exits
-  0 is done; when all are done the agent exits 0;
+  0 is done when the job finished (a ``finished`` record, read once more right after the exit);
+  an exit 0 before that is a failure like any other. When all are done the agent exits 0;
 * it reads the job's keys every ``keepalive_s`` in a background thread (``jobview.JobReader``), so
   the loop never waits on etcd; a local worker whose progress has not advanced for
   ``hang_timeout_s`` while the job's committed step grew is SIGKILLed (with its children) and then
@@ -52,7 +53,6 @@ import structlog
 
 from elasticd.agent.daemon import (
     EXIT_CONFIG,
-    EXIT_FATAL,
     EXIT_OK,
     AgentDaemon,
     AgentOutcome,
@@ -76,11 +76,11 @@ from elasticd.agent.jobview import (
     observe_worker,
 )
 from elasticd.agent.metrics import AgentMetrics
-from elasticd.agent.presence import ClaimKind, NodePresence
+from elasticd.agent.presence import ClaimDecision, ClaimKind, NodePresence
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 from elasticd.config import AgentConfig
-from elasticd.errors import EtcdUnavailable, LeaseLost, PermissionDenied
+from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.relay.node import NodeRelay
 from elasticd.retry import Clock
 from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
@@ -164,42 +164,29 @@ class Agent(AgentDaemon):
         def stopping() -> bool:
             return self._stop_requests(waker) > 0
 
-        # An agent started during an etcd outage (a replacement node, a restart) waits for etcd,
-        # up to etcd_outage_s, rather than exiting into systemd's restart loop.
-        outage_ends = self._clock() + c.timeouts.etcd_outage_s
-        while True:
-            try:
-                self._store.get(self._keys.generation)
-                claim = presence.claim(self._node_record(), claim_wait, stopping, c.world.job_id)
-                break
-            except PermissionDenied as exc:  # the user's role does not cover the job: waiting cannot help
-                log.error("agent_permission_denied", error=str(exc))
-                return AgentOutcome(EXIT_CONFIG, str(exc))
-            except EtcdUnavailable as exc:
-                if self._clock() >= outage_ends:
-                    return AgentOutcome(
-                        EXIT_FATAL, f"etcd_unreachable for etcd_outage_s ({c.timeouts.etcd_outage_s:g} s): {exc}"
-                    )
-                if stopping():
-                    return AgentOutcome(EXIT_OK, "stopped while waiting for etcd")
-                log.warning(
-                    "agent_waiting_for_etcd", error=str(exc)[:200], bound_s=round(outage_ends - self._clock(), 1)
-                )
-                claim_wait(c.timeouts.keepalive_s)
+        def first_contact() -> ClaimDecision:
+            self._store.get(self._keys.generation)
+            return presence.claim(self._node_record(), claim_wait, stopping, c.world.job_id)
+
+        claim = self._until_etcd_answers(waker, first_contact)
+        if isinstance(claim, AgentOutcome):
+            return claim
         if claim.kind is ClaimKind.REFUSE:
             return AgentOutcome(EXIT_CONFIG, claim.reason)
         if claim.kind is not ClaimKind.CLAIMED:
             return AgentOutcome(EXIT_OK, f"stopped while waiting for the node id: {claim.reason}")
         self._presence = presence
         self._presence.start()
+        self._clear_failures_of_a_past_run()
         self._relay = self._start_relay() if c.relay else None
-        if c.hang_timeout_s > 0 or self._metrics is not None or self._notifier.enabled:
-            self._reader = JobReader(
-                self._store,
-                self._keys,
-                self._clock,
-                job_read_interval_s(c, live_consumers=self._metrics is not None or self._notifier.enabled),
-            )
+        # Always read: a worker's exit 0 is done only when the job finished (``awaits_finish``).
+        self._reader = JobReader(
+            self._store,
+            self._keys,
+            self._clock,
+            job_read_interval_s(c, live_consumers=self._metrics is not None or self._notifier.enabled),
+            waker.poke,
+        )
         try:
             outcome = self._guarded_loop(waker)
             if outcome.exit_code == EXIT_OK and outcome.reason == "drained":
@@ -212,6 +199,24 @@ class Agent(AgentDaemon):
             # Bounded: the last events, the drain request and the node record (its lease) go now.
             self._presence.close(2 * c.timeouts.etcd_request_s)
             self._presence = None
+
+    def _clear_failures_of_a_past_run(self) -> None:
+        """A job with no live member is started anew (after a fix): the failure records of its last
+        run go, so that the bug they show stops it no more. With a live member the job runs on,
+        and its records stay (best effort: etcd down, they stay)."""
+        members, failures = self._keys.member(""), self._keys.failure("")
+        try:
+            rows = self._store.get_prefixes((members, failures))
+            if any(kv.key.startswith(members) and kv.lease for kv in rows):
+                return
+            old = [kv.key for kv in rows if kv.key.startswith(failures)]
+            for key in old:
+                self._store.delete(key)
+        except EtcdUnavailable as exc:
+            log.warning("failures_not_cleared", error=str(exc)[:200])
+            return
+        if old:
+            log.info("failures_of_a_past_run_cleared", count=len(old))
 
     def _start_relay(self) -> NodeRelay | None:
         """This node's relay (``relay.node``), on a socket in a directory of its own (0700);
@@ -336,7 +341,9 @@ class Agent(AgentDaemon):
             self.snapshot = replace(self.snapshot, stop_requests=requests)
         for e in self._supervisor.poll():
             self._log_exit(e)
-            self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e)
+            self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e, exited_at=now)
+            if self._reader is not None:  # did the job finish (``awaits_finish``), or show a bug?
+                self._reader.refresh()
         if self._config.stopped_worker_s > 0:
             self._observe_stopped(now)
         for thread in (self._presence, self._reader):  # their etcd refused them: stop (_guarded_loop)
@@ -409,34 +416,42 @@ class Agent(AgentDaemon):
         self.snapshot = replace(self.snapshot, slots=tuple(slots))
         return slots[local_rank]
 
+    def _release(self, action: Action, now: float) -> None:
+        """A worker ended: revoke its lease, put its slot in the state ``decide`` chose (a restart
+        counts against the budget when ``action.budgeted``)."""
+        c = self._config
+        slot = self.snapshot.slots[action.local_rank]
+        assert slot.exit is not None and action.slot_state is not None
+        if slot.exit.kind is not ExitKind.SPAWN_FAILED:
+            self._revoke(slot.exit)
+        self._set_slot(action.local_rank, state=action.slot_state, restart_at=action.restart_at, pid=0, exited_at=None)
+        if action.slot_state is SlotState.BACKOFF:
+            kept = tuple(t for t in self.snapshot.restarts if now - t < c.restart_window_s)  # bounded
+            self.snapshot = replace(self.snapshot, restarts=(*kept, now) if action.budgeted else kept)
+            recent = len(self.snapshot.restarts)
+            log.info(
+                "worker_restart_scheduled",
+                local_rank=action.local_rank,
+                in_s=round(action.restart_at - now, 3),
+                restarts_in_window=recent,
+                max_restarts=c.max_restarts,
+                reason=action.reason,
+            )
+            if self._metrics is not None:
+                self._metrics.worker_restarted(action.local_rank)
+        if action.next_state is AgentState.STOPPING:
+            name = action.reason.split(":", 1)[0]  # restarts_exhausted, worker_fatal
+            log.error(name, local_rank=action.local_rank, reason=action.reason)
+            kind = EventKind.RESTARTS_EXHAUSTED if name == "restarts_exhausted" else EventKind.WORKER_FATAL
+            self._event(kind, local_rank=action.local_rank, reason=action.reason)
+            self.snapshot = replace(self.snapshot, reason=action.reason, exit_code=action.exit_code)
+
     def _apply(self, action: Action, now: float) -> None:
         c = self._config
         if action.kind is ActionKind.SPAWN:
             self._spawn(action.local_rank, now)
         elif action.kind is ActionKind.RELEASE:
-            slot = self.snapshot.slots[action.local_rank]
-            assert slot.exit is not None and action.slot_state is not None
-            if slot.exit.kind is not ExitKind.SPAWN_FAILED:
-                self._revoke(slot.exit)
-            self._set_slot(action.local_rank, state=action.slot_state, restart_at=action.restart_at, pid=0)
-            if action.slot_state is SlotState.BACKOFF:
-                kept = tuple(t for t in self.snapshot.restarts if now - t < c.restart_window_s)  # bounded
-                self.snapshot = replace(self.snapshot, restarts=(*kept, now) if action.budgeted else kept)
-                recent = len(self.snapshot.restarts)
-                log.info(
-                    "worker_restart_scheduled",
-                    local_rank=action.local_rank,
-                    in_s=round(action.restart_at - now, 3),
-                    restarts_in_window=recent,
-                    max_restarts=c.max_restarts,
-                    reason=action.reason,
-                )
-                if self._metrics is not None:
-                    self._metrics.worker_restarted(action.local_rank)
-            if action.next_state is AgentState.STOPPING:
-                log.error("restarts_exhausted", local_rank=action.local_rank, reason=action.reason)
-                self._event(EventKind.RESTARTS_EXHAUSTED, local_rank=action.local_rank, reason=action.reason)
-                self.snapshot = replace(self.snapshot, reason=action.reason)
+            self._release(action, now)
         elif action.kind is ActionKind.TERMINATE:
             pids = self._supervisor.send_signal(signal.SIGTERM)
             log.info(
@@ -455,6 +470,26 @@ class Agent(AgentDaemon):
                 )
                 self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
             self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
+        elif action.kind is ActionKind.JOB_FAILED:
+            bug = self.snapshot.view.bug if self.snapshot.view is not None else None
+            assert bug is not None
+            log.error(
+                "job_failed",
+                step=bug.step,
+                exception=f"{bug.exc_type}: {bug.message}",
+                members=list(bug.members),
+                nodes=list(bug.nodes),
+                reason=action.reason,
+                detail=bug.detail,
+            )
+            self._event(
+                EventKind.JOB_FAILED,
+                step=bug.step,
+                exception=f"{bug.exc_type}: {bug.message}",
+                members=list(bug.members),
+                nodes=list(bug.nodes),
+            )
+            self.snapshot = replace(self.snapshot, reason=action.reason, exit_code=action.exit_code)
         elif action.kind is ActionKind.KILL:
             self._kill_workers(action.reason)
             self.snapshot = replace(self.snapshot, kill_deadline=action.until)
@@ -494,6 +529,8 @@ class Agent(AgentDaemon):
     def _spawn(self, local_rank: int, now: float) -> None:
         c = self._config
         slot = self.snapshot.slots[local_rank]
+        if slot.starts and self._reader is not None:
+            self._reader.refresh()  # a restart: the other workers' failure records may be in by now
         spare = c.starts_spare(local_rank, slot.starts)
         env = c.worker_env(
             local_rank, spare, self._relay.path if self._relay is not None else ""

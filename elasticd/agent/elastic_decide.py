@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from elasticd.agent.daemon import (
     EXIT_FATAL,
+    EXIT_JOB_FAILED,
     EXIT_OK,
     Rung,
     restart_backoff_s,
@@ -27,7 +28,7 @@ from elasticd.agent.daemon import (
 from elasticd.agent.jobview import JobView, ProgressMark, is_hung
 from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.config import AgentConfig
-from elasticd.errors import EXIT_REJOIN
+from elasticd.errors import EXIT_NO_RESTART, EXIT_REJOIN
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import DECODE_ERRORS, MemberRecord, decode
@@ -38,8 +39,10 @@ class AgentState(StrEnum):
 
     * STARTING -> RUNNING: the first worker is started.
     * STARTING, RUNNING -> DRAINING: a stop request (SIGTERM/SIGINT, ``request_stop``, ``drain/<node>``).
-    * RUNNING -> STOPPING: a worker failed with the restart budget spent (``restarts_exhausted``).
-    * DRAINING, STOPPING -> exit: once no worker runs (0 drained, 1 stopping), or 1 when killed
+    * RUNNING -> STOPPING: a worker failed with the restart budget spent (``restarts_exhausted``),
+      exited ``EXIT_NO_RESTART`` (``worker_fatal``), or the job's failure records show a bug
+      (``job_failed``: the same exception at the same step in two or more workers).
+    * DRAINING, STOPPING -> exit: once no worker runs (0 drained; stopping: 1, or 3 for a bug), or 1 when killed
       workers are not reaped within ``kill_wait_s``. RUNNING -> exit 0 when every worker is DONE.
     """
 
@@ -54,7 +57,9 @@ class SlotState(StrEnum):
 
     * PENDING -> RUNNING: started; PENDING, BACKOFF -> EXITED: it could not be started.
     * RUNNING -> EXITED: its process ended (seen by the executor, not yet acted on).
-    * EXITED -> DONE: it exited 0 (never restarted).
+    * EXITED -> DONE: it exited 0 and the job finished, or the agent is stopping (never restarted);
+      an exit 0 before the job finished is a failure (-> BACKOFF or STOPPED). Until a read of the
+      job after the exit says which, the slot stays EXITED (``awaits_finish``).
     * EXITED -> BACKOFF: it failed and the budget allows a restart; BACKOFF -> RUNNING after the backoff.
     * EXITED -> STOPPED: it failed while the agent stops, or with the budget spent.
     * DONE and STOPPED are final; PENDING and BACKOFF slots stay so while the agent drains.
@@ -80,6 +85,7 @@ class Slot:
     hang_killed: bool = False  # RUNNING: SIGKILLed as hung; its exit is on the way
     stopped_at: float | None = None  # RUNNING: first seen stopped (state T) at (monotonic); None: not stopped
     stop_revoked: bool = False  # RUNNING: stopped past stopped_worker_s, and its lease was revoked
+    exited_at: float | None = None  # EXITED: when the executor saw its process end (monotonic)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class AgentSnapshot:
     terminate_deadline: float | None = None  # SIGTERM forwarded: kill after this
     kill_deadline: float | None = None  # SIGKILL sent: stop waiting after this
     reason: str = ""  # why the agent is stopping (STOPPING)
+    exit_code: int = EXIT_FATAL  # STOPPING: the exit code once no worker runs
     view: JobView | None = None  # the newest read of the job's keys (None: none succeeded yet)
 
     @classmethod
@@ -107,6 +114,7 @@ class ActionKind(StrEnum):
     KILL = "kill"  # SIGKILL to every running worker (and its children); give up after `until`
     KILL_HUNG = "kill_hung"  # SIGKILL the hung worker of local_rank (and its children); its exit restarts it
     REVOKE_STOPPED = "revoke_stopped"  # revoke the lease of local_rank's stopped worker (it is not killed)
+    JOB_FAILED = "job_failed"  # a bug stops the job (``JobView.bug``): record it, stop (STOPPING, exit 3)
     WAIT = "wait"  # nothing to do until `until` (None: until something happens)
     EXIT = "exit"  # the agent is done: exit with exit_code
 
@@ -126,7 +134,17 @@ class Action:
 
 def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     """What the agent does next. Pure: no I/O, no clock reads."""
-    ended = next((s for s in snap.slots if s.state is SlotState.EXITED), None)
+    bug = snap.view.bug if snap.view is not None else None
+    if bug is not None and snap.state not in (AgentState.DRAINING, AgentState.STOPPING):
+        return Action(
+            ActionKind.JOB_FAILED,
+            f"job_failed: {bug.describe()}",
+            next_state=AgentState.STOPPING,
+            exit_code=EXIT_JOB_FAILED,
+        )
+    ended = next(
+        (s for s in snap.slots if s.state is SlotState.EXITED and not awaits_finish(s, snap, now, config)), None
+    )
     if ended is not None:
         return _release(snap, ended, now, config)
     running = [s for s in snap.slots if s.state is SlotState.RUNNING]
@@ -140,7 +158,7 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
         )
     if stopping:
         draining = snap.state is AgentState.DRAINING
-        code = EXIT_OK if draining else EXIT_FATAL
+        code = EXIT_OK if draining else snap.exit_code
         reason = "drained" if draining else snap.reason
         if not running:
             return Action(ActionKind.EXIT, reason, exit_code=code)
@@ -190,12 +208,38 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
         return Action(ActionKind.SPAWN, "restart", local_rank=ready.local_rank, next_state=AgentState.RUNNING)
     if all(s.state is SlotState.DONE for s in snap.slots):
         return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
+    return Action(ActionKind.WAIT, "supervising", until=_next_deadline(snap, running, config))
+
+
+def _next_deadline(snap: AgentSnapshot, running: list[Slot], config: AgentConfig) -> float | None:
+    """When ``decide`` has something to do next with nothing else happening: a restart due, a
+    stopped worker past ``stopped_worker_s``, an exit 0 whose wait for a read of the job ends."""
     stops = [
         s.stopped_at + config.stopped_worker_s
         for s in running
         if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0
     ]
-    return Action(ActionKind.WAIT, "supervising", until=min([*(s.restart_at for s in due), *stops], default=None))
+    due = [s.restart_at for s in snap.slots if s.state is SlotState.BACKOFF]
+    unsure = [
+        s.exited_at + config.timeouts.etcd_outage_s
+        for s in snap.slots
+        if s.exited_at is not None and s.state is SlotState.EXITED
+    ]
+    return min([*due, *stops, *unsure], default=None)
+
+
+def awaits_finish(slot: Slot, snap: AgentSnapshot, now: float, config: AgentConfig) -> bool:
+    """``slot``'s worker exited 0 while the agent is not stopping, and no read of the job taken
+    since says whether the job finished: the agent waits for one (at most ``etcd_outage_s`` after
+    the exit) before it takes the exit as done or as a failure (``_release``)."""
+    e, v = slot.exit, snap.view
+    if slot.state is not SlotState.EXITED or e is None or not e.ok or slot.exited_at is None:
+        return False
+    if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
+        return False
+    if v is not None and (v.finished or v.read_at >= slot.exited_at):
+        return False
+    return now < slot.exited_at + config.timeouts.etcd_outage_s
 
 
 def stopped_past(slot: Slot, now: float, stopped_worker_s: float) -> bool:
@@ -224,7 +268,25 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
             slot_state=SlotState.DONE if e.ok else SlotState.STOPPED,
         )
     if e.ok:
-        return Action(ActionKind.RELEASE, f"{what}: done", local_rank=slot.local_rank, slot_state=SlotState.DONE)
+        v = snap.view
+        if v is not None and v.finished:
+            return Action(
+                ActionKind.RELEASE,
+                f"{what}: done (the job finished)",
+                local_rank=slot.local_rank,
+                slot_state=SlotState.DONE,
+            )
+        if v is None or slot.exited_at is None or v.read_at < slot.exited_at:
+            return Action(
+                ActionKind.RELEASE,
+                f"{what}: taken as done (no read of the job from etcd since, within etcd_outage_s "
+                f"{config.timeouts.etcd_outage_s:g} s, says whether the job finished)",
+                local_rank=slot.local_rank,
+                slot_state=SlotState.DONE,
+            )
+        # A worker leaves with 0 at the job's end (a ``finished`` record), or when drained (the
+        # agent is stopping then): any other exit 0 is a script that ended before the job did.
+        what += " before the job finished (no finished record in etcd): a failure"
     if e.kind is ExitKind.FAILED and e.code == EXIT_REJOIN:  # it asked for it: no fault of its own
         return Action(
             ActionKind.RELEASE,
@@ -233,6 +295,15 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
             slot_state=SlotState.BACKOFF,
             restart_at=now,
             budgeted=False,
+        )
+    if e.kind is ExitKind.FAILED and e.code == EXIT_NO_RESTART:  # the worker says a restart cannot help
+        return Action(
+            ActionKind.RELEASE,
+            f"worker_fatal: {what} (EXIT_NO_RESTART: fatal, not restarted; its log says why)",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.STOPPED,
+            next_state=AgentState.STOPPING,
+            exit_code=EXIT_JOB_FAILED,
         )
     recent = restarts_in_window(snap.restarts, now, config.restart_window_s)
     if recent >= config.max_restarts:
@@ -243,6 +314,7 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
             local_rank=slot.local_rank,
             slot_state=SlotState.STOPPED,
             next_state=AgentState.STOPPING,
+            exit_code=EXIT_FATAL,
         )
     delay = restart_backoff_s(recent, config.restart_backoff_initial_s, config.restart_backoff_max_s)
     return Action(

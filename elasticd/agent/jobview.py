@@ -21,8 +21,9 @@ worker that reached the last step between two reads looks, until it exits, like 
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -33,6 +34,7 @@ from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
+from elasticd.wire.failures import DeterministicFailure, FailureRecord, decode_failure, deterministic_failure
 from elasticd.wire.progress import ProgressRecord, parse_progress
 from elasticd.wire.records import MemberRecord
 from elasticd.wire.snapshot import parse_snapshot
@@ -53,12 +55,23 @@ class JobView:
     waiting: frozenset[str] = frozenset()  # members with a ready record
     progress: Mapping[str, ProgressRecord] = field(default_factory=dict)
     finished: bool = False  # the job reached its target step (``finished`` record)
+    failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions (``failures/``)
+
+    @property
+    def bug(self) -> DeterministicFailure | None:
+        """The bug that stops the job, if the failure records show one (``wire.failures``)."""
+        return deterministic_failure(self.failures)
 
 
 def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobView:
-    """Parse the rows of a job (``keys.rendezvous`` and ``progress/``, the latter read tolerantly:
-    ``wire.progress``); records that do not parse are left out."""
+    """Parse the rows of a job (``keys.rendezvous``, ``progress/`` and ``failures/``, the latter two
+    read tolerantly: ``wire.progress``); records that do not parse are left out."""
     rows = list(kvs)
+    failures = []
+    for kv in rows:
+        if kv.key.startswith(keys.failure("")):
+            with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                failures.append(decode_failure(kv.value))
     snap = parse_snapshot(keys, rows)
     progress, _ = parse_progress(keys, rows, tolerant=True)
     g = snap.generation
@@ -73,6 +86,7 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
         waiting=frozenset(snap.ready),
         progress=progress,
         finished=snap.finished is not None,
+        failures=tuple(failures),
     )
 
 
@@ -171,10 +185,23 @@ class JobReader:
     denied ends the thread and stays in ``denied`` (the agent stops on it).
     """
 
-    def __init__(self, store: KeyValueStore, keys: Keys, clock: Clock, interval_s: float) -> None:
+    def __init__(
+        self,
+        store: KeyValueStore,
+        keys: Keys,
+        clock: Clock,
+        interval_s: float,
+        on_read: Callable[[], None] = lambda: None,
+    ) -> None:
+        """
+        Args:
+            on_read: called (on this thread) after each successful read: the agent's loop wakes.
+        """
         self._store, self._keys, self._clock, self._interval_s = store, keys, clock, interval_s
+        self._on_read = on_read
         self._latest: JobView | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # read now (``refresh``) or stop
         self._failing = False
         self.denied: PermissionDenied | None = None  # set when etcd refused the reads; the thread ended
         self._thread = threading.Thread(target=self._run, name="elasticd-job-reader", daemon=True)
@@ -183,14 +210,22 @@ class JobReader:
     def latest(self) -> JobView | None:
         return self._latest
 
+    def refresh(self) -> None:
+        """Read again now rather than at the next interval (the agent needs a view newer than an event)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(self._interval_s + 1.0)  # a read under way may outlast this; it is a daemon
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # a refresh from now on asks for a read after this one
             try:
-                rows = self._store.get_prefixes((*self._keys.rendezvous, self._keys.progress("")))
+                rows = self._store.get_prefixes(
+                    (*self._keys.rendezvous, self._keys.progress(""), self._keys.failure(""))
+                )
             except EtcdUnavailable as exc:
                 if not self._failing:
                     log.warning("job_read_failed", error=str(exc)[:300])
@@ -204,4 +239,5 @@ class JobReader:
                     log.info("job_read_recovered")
                 self._failing = False
                 self._latest = read_job_view(self._keys, rows, self._clock())
-            self._stop.wait(self._interval_s)
+                self._on_read()
+            self._wake.wait(self._interval_s)

@@ -47,7 +47,7 @@ from dataclasses import replace
 
 import structlog
 
-from elasticd.agent.daemon import EXIT_CONFIG, EXIT_FATAL, AgentDaemon, AgentOutcome, Waker
+from elasticd.agent.daemon import AgentDaemon, AgentOutcome, Waker
 from elasticd.agent.restart_decide import (
     Action,
     ActionKind,
@@ -142,13 +142,9 @@ class GroupRestartAgent(AgentDaemon):
 
     def _serve(self, waker: Waker) -> AgentOutcome:
         c = self._config
-        try:
-            self._register_agent()
-        except EtcdUnavailable as exc:
-            return AgentOutcome(EXIT_FATAL, f"etcd_unreachable: {exc}")
-        except PermissionDenied as exc:  # the user's role does not cover the job
-            log.error("agent_permission_denied", error=str(exc))
-            return AgentOutcome(EXIT_CONFIG, str(exc))
+        outcome = self._until_etcd_answers(waker, self._register_agent)
+        if isinstance(outcome, AgentOutcome):
+            return outcome
         try:
             return self._guarded_loop(waker, stop_workers=False)
         finally:

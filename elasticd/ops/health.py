@@ -7,6 +7,8 @@ never reads a clock (``now`` is passed in), and never formats a report (``ops.re
 Health (``classify``), first match wins:
 
 * ``finished``: a ``finished`` record exists for the current (or a later) generation.
+* ``failed``: the job's failure records show a bug (``wire.failures.deterministic_failure``: the
+  same exception at the same step in two or more workers); the agents stop the job on it.
 * ``degraded`` (first): the ``generation`` record does not parse (written by hand), but live members
   report by their progress records (written within the stall bound) that they train in a
   generation: health comes from those live records, and they are shown as training.
@@ -30,7 +32,7 @@ Exit codes of ``elasticctl status`` (``JobStatus.exit_code``; ``EXIT_*`` below):
 
 * 0: healthy or finished;
 * 1: degraded;
-* 2: down, stalled, no such job, or etcd did not answer (the last one is decided in ``cli.py``).
+* 2: down, stalled, failed, no such job, or etcd did not answer (the last one is decided in ``cli.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Health(StrEnum):
     DOWN = "down"
     STALLED = "stalled"
     FINISHED = "finished"
+    FAILED = "failed"  # a bug stopped the job (``wire.failures``): no restart gets past it
 
     @property
     def exit_code(self) -> int:
@@ -73,6 +76,7 @@ _EXIT_CODES = {
     Health.DEGRADED: EXIT_DEGRADED,
     Health.DOWN: EXIT_DOWN,
     Health.STALLED: EXIT_DOWN,
+    Health.FAILED: EXIT_DOWN,
 }
 
 

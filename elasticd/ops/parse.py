@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from elasticd.store.kv import KeyValue
+from elasticd.wire.failures import FailureRecord, decode_failure
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import (
     EventRecord,
@@ -110,6 +111,19 @@ def parse_save_failed(keys: Keys, rows: Sequence[KeyValue]) -> tuple[SaveFailedR
             except DECODE_ERRORS as exc:
                 return None, (f"{kv.key}: {exc}",)
     return None, ()
+
+
+def parse_failures(keys: Keys, rows: Sequence[KeyValue]) -> tuple[tuple[FailureRecord, ...], tuple[str, ...]]:
+    """The workers' failure records (``failures/``), oldest first, and those that do not parse."""
+    found, bad = [], []
+    prefix = keys.failure("")
+    for kv in rows:
+        if kv.key.startswith(prefix):
+            try:
+                found.append(decode_failure(kv.value))
+            except DECODE_ERRORS as exc:
+                bad.append(f"{kv.key}: {exc}")
+    return tuple(sorted(found, key=lambda r: (r.time, r.member))), tuple(bad)
 
 
 def parse_abort(keys: Keys, rows: Sequence[KeyValue]) -> AbortRecord | None:

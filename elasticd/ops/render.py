@@ -133,6 +133,26 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "error": status.save_failed.error,
             "failing": status.save_failing,
         },
+        "bug": None
+        if status.bug is None
+        else {
+            "step": status.bug.step,
+            "exception": f"{status.bug.exc_type}: {status.bug.message}",
+            "members": list(status.bug.members),
+            "nodes": list(status.bug.nodes),
+            "detail": status.bug.detail,
+        },
+        "failures": [
+            {
+                "member": f.member,
+                "node": f.node,
+                "step": f.step,
+                "generation": f.generation,
+                "exception": f"{f.exc_type}: {f.message}",
+                "time": f.time,
+            }
+            for f in status.failures
+        ],
         "stall_after_s": status.stall_after_s,
         "last_activity_age_s": _round(status.last_activity_age_s, 3),
     }
@@ -195,6 +215,19 @@ def render_table(status: JobStatus) -> str:
     ]
     if status.save_failed is not None:
         lines.append(("save error", _save_failed_line(status)))
+    if status.bug is not None:
+        b = status.bug
+        lines.append(
+            ("stopped by", _clean(f"step {b.step}: {b.exc_type}: {b.message} (workers {', '.join(b.members)})"))
+        )
+    elif status.failures:
+        f = status.failures[-1]
+        lines.append(
+            (
+                "last failure",
+                _clean(f"{f.member} at step {f.step}: {f.exc_type}: {f.message} ({len(status.failures)} recorded)"),
+            )
+        )
     r = status.restart
     if r is not None:
         lines.append(

@@ -35,10 +35,12 @@ from elasticd.ops.parse import (
     parse_drains,
     parse_events,
     parse_nodes,
+    parse_failures,
     parse_save_failed,
     restart_status,
 )
 from elasticd.store.kv import KeyValue
+from elasticd.wire.failures import DeterministicFailure, FailureRecord, deterministic_failure
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import EventKind, EventRecord, SaveFailedRecord
 from elasticd.wire.progress import parse_progress
@@ -146,6 +148,8 @@ class JobStatus:
     save_failing: bool = False  # that failure is newer than the last good checkpoint
     stall_after_s: float = STALL_AFTER_S  # the bound given (0: stalls not checked)
     last_activity_age_s: float | None = None  # now - the generation's last commit or join; None: unknown
+    bug: DeterministicFailure | None = None  # the bug the failure records show (health ``failed``)
+    failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions, oldest first
 
     @property
     def exit_code(self) -> int:
@@ -201,6 +205,8 @@ def build_status(
     events, bad_events = parse_events(keys, rows)
     drains, bad_drains = parse_drains(keys, rows)
     save_failed, bad_save = parse_save_failed(keys, rows)
+    failures, bad_failures = parse_failures(keys, rows)
+    bug = deterministic_failure(failures)
     slots = {(n.node, w.pid): w for n in node_records.values() for w in n.workers if w.pid}
     last_abort = parse_abort(keys, rows)
     g = snap.generation
@@ -285,6 +291,8 @@ def build_status(
     )
     if snap.generation is None and snap.finished is None and restart is not None:
         health, reason = classify_restart(restart, min_workers, max_workers)
+    if bug is not None and health is not Health.FINISHED:
+        health, reason = Health.FAILED, f"stopped by a bug at {bug.describe()}"
     return JobStatus(
         job_id=keys.job.rpartition("/")[2],
         prefix=keys.prefix,
@@ -296,7 +304,14 @@ def build_status(
         finished=snap.finished,
         last_abort=last_abort,
         malformed=(
-            snap.malformed + bad_progress + bad_nodes + bad_drains + bad_events + restart_view.malformed + bad_save
+            snap.malformed
+            + bad_progress
+            + bad_nodes
+            + bad_drains
+            + bad_events
+            + restart_view.malformed
+            + bad_save
+            + bad_failures
         ),
         min_workers=min_workers,
         max_workers=max_workers,
@@ -325,6 +340,8 @@ def build_status(
         save_failing=failing,
         stall_after_s=stall_after_s,
         last_activity_age_s=now - activity if activity is not None else None,
+        bug=bug,
+        failures=failures,
     )
 
 

@@ -81,6 +81,10 @@ class Keys:
     def progress(self, member_id: str) -> str:
         return f"{self.job}/progress/{member_id}"
 
+    def failure(self, member_id: str) -> str:
+        """``failures/<member>``: a worker's uncaught exception (``wire.failures``), not leased."""
+        return f"{self.job}/failures/{member_id}"
+
     def event(self, name: str) -> str:
         """``events/<name>``; writers take ``name`` from ``oprecords.event_name`` (sorts by time)."""
         return f"{self.job}/events/{name}"

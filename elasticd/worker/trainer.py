@@ -29,6 +29,7 @@ from elasticd.rendezvous.membership import Joined, Membership
 from elasticd.retry import Clock, Deadline
 from elasticd.settings import worker_env_from_environ
 from elasticd.store.kv import KeyValueStore
+from elasticd.worker import failure
 from elasticd.worker.checkpoints import Checkpoints, load_initial
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.data.plan import DataPlan, collated
@@ -135,6 +136,7 @@ class ElasticTrainer:
             ConfigError: a value is invalid.
         """
         self.env, self._clock = env or worker_env_from_environ(), clock
+        failure.install(self.env)  # an exception that ends the script is recorded for the job
         self._optimizers = Optimizers(optimizer, scaler)
         optimizers = self._optimizers.all
         if accumulation_steps < 1:
@@ -185,6 +187,7 @@ class ElasticTrainer:
         self._drained = self._job_finished = self._finished_together = self._closed = self._auto = False
         self._last_rank, self._last_world = -1, 0
         self.last_result: StepResult | None = None
+        failure.attach(self)
 
     def __enter__(self) -> ElasticTrainer:
         self.start()

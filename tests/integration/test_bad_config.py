@@ -156,3 +156,23 @@ def test_a_password_in_plaintext_to_a_remote_etcd_is_refused_before_it_is_sent(t
         f"{prog}: etcd_user: its password would cross the network in plaintext to 192.0.2.1:2379; "
     ), line
     assert "set etcd_insecure (--insecure) to allow it" in line, line
+
+
+# -- the program ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("program", "expected"),
+    [
+        (["train_missing.py"], "elasticd: program: 'train_missing.py': no such file (the script "),
+        ([sys.executable, "-u", "missing/train.py"], "elasticd: program: 'missing/train.py': no such file"),
+        ([sys.executable, "agents"], "elasticd: program: 'agents': is a directory, not a script"),
+        (["no-such-command-here"], "elasticd: program: 'no-such-command-here' is not an executable file"),
+    ],
+    ids=["script", "script after an option", "a directory", "command"],
+)
+def test_a_program_that_cannot_start_is_refused_before_any_worker_starts(program: list[str], expected: str) -> None:
+    """Found at the start with exit 2 (systemd does not restart it), not after the restart budget."""
+    proc = _run(AGENT + ["--etcd", "127.0.0.1:9", "--", *program])
+    line = _one_error_line(proc, "elasticd")
+    assert line.startswith(expected), line

@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import etcd3
 import pytest
 
 from elasticd.testing.audit import check_dir, read_lines
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import REPO_ROOT, free_port, log_events
+from elasticd.wire.keys import Keys
+from elasticd.wire.records import FinishedRecord, encode
 from tests.jobs import job_factory, wait_until
 
 AGENT = [sys.executable, "-c", "import sys; from elasticd.cli import agent_main; sys.exit(agent_main())"]
@@ -276,20 +279,26 @@ def test_bad_config_exits_2_with_one_line_naming_the_field(
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_etcd_is_a_clear_fatal_error_before_any_worker_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["elastic", "restart"])
+def test_an_etcd_that_never_answers_is_a_clear_error_with_exit_2_before_any_worker_starts(mode: str) -> None:
+    """The agent says what it waits for while it waits, and gives up after etcd_outage_s with exit 2
+    (systemd does not restart it): an etcd that never answered is most often a wrong --etcd."""
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
     proc = subprocess.run(
-        AGENT + ["--etcd", endpoint, "--etcd-outage-s", "1", "--", "true"],
+        AGENT + ["--mode", mode, "--etcd", endpoint, "--etcd-outage-s", "3", "--", "true"],
         env=_env(),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=40,
     )
-    assert proc.returncode == 1, proc
+    assert proc.returncode == 2, proc
     assert proc.stderr.startswith(
-        f"elasticd: etcd_unreachable for etcd_outage_s (1 s): etcd at {endpoint} did not answer"
+        f"elasticd: etcd_unreachable: no etcd at {endpoint} answered since the agent started, "
+        "for etcd_outage_s (3 s); check --etcd"
     ), proc.stderr
+    waiting = [json.loads(line) for line in proc.stdout.splitlines() if '"agent_waiting_for_etcd"' in line]
+    assert waiting and waiting[0]["endpoints"] == [endpoint], proc.stdout
     assert '"worker_started"' not in proc.stdout
 
 
@@ -316,6 +325,10 @@ def test_an_agent_started_during_an_etcd_outage_waits_for_etcd_and_runs(tmp_path
         )
         assert agent.poll() is None
         server.start()
+        # `true` is no elasticd worker: the job's end is written for it, so that its exit 0 is done
+        etcd3.client("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])).put(
+            Keys("/elasticd", "default").finished, encode(FinishedRecord(generation=1, step=1))
+        )
         assert agent.wait(60) == 0, log_path.read_text()[-3000:]
         assert '"worker_started"' in log_path.read_text()
     finally:

@@ -30,12 +30,13 @@ from elasticd.agent.elastic_decide import (
 )
 from elasticd.agent.jobview import JobView, ProgressMark, job_read_interval_s
 from elasticd.agent.supervisor import ExitKind, WorkerExit
-from elasticd.errors import EXIT_REJOIN
+from elasticd.errors import EXIT_NO_RESTART, EXIT_REJOIN
+from elasticd.wire.failures import FailureRecord
 from elasticd.config import AgentConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import MemberRecord, encode
+from elasticd.wire.records import FinishedRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,6 +61,14 @@ def running(lr: int) -> Slot:
 
 def ended(lr: int, kind: ExitKind, code: int | None = None, sig: int | None = None) -> Slot:
     return Slot(lr, SlotState.EXITED, pid=100 + lr, exit=WorkerExit(lr, 100 + lr, kind, code, sig), starts=1)
+
+
+BUG_A = FailureRecord("a.0.1", "a", 0, 1, 7, "ValueError", "bad sample N", "", 1.0)
+BUG_B = FailureRecord("b.0.2", "b", 0, 1, 7, "ValueError", "bad sample N", "", 1.0)
+
+
+def exit0(at: float) -> Slot:
+    return replace(ended(0, ExitKind.SUCCEEDED, 0), exited_at=at)
 
 
 FAILED = ExitKind.FAILED
@@ -120,9 +129,69 @@ CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
         dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=S),
     ),
     (
-        "exit 0 is done, not restarted",
+        "exit 0 with no time of exit (nothing to compare a read with): done, not restarted",
         snap(R, ended(0, OK, 0), running(1)),
         dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE, next_state=None),
+    ),
+    (
+        "the failure records show a bug: the job failed, stop (exit 3)",
+        snap(R, running(0), running(1), view=JobView(read_at=NOW, failures=(BUG_A, BUG_B))),
+        dict(kind=ActionKind.JOB_FAILED, next_state=S, exit_code=3),
+    ),
+    (
+        "one failure record is no bug: supervise on",
+        snap(R, running(0), running(1), view=JobView(read_at=NOW, failures=(BUG_A,))),
+        dict(kind=ActionKind.WAIT),
+    ),
+    (
+        "a bug while draining: the drain goes on",
+        snap(D, running(0), running(1), view=JobView(read_at=NOW, failures=(BUG_A, BUG_B)), terminate_deadline=NOW + 5),
+        dict(kind=ActionKind.WAIT),
+    ),
+    (
+        "stopped for a bug, every worker gone: exit 3",
+        snap(S, Slot(0, SlotState.STOPPED), Slot(1, SlotState.STOPPED), exit_code=3, reason="job_failed: x"),
+        dict(kind=ActionKind.EXIT, exit_code=3, reason="job_failed: x"),
+    ),
+    (
+        "a worker that exits EXIT_NO_RESTART is not restarted: stop, exit 3",
+        snap(R, ended(0, FAILED, EXIT_NO_RESTART), running(1)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=S, exit_code=3),
+    ),
+    (
+        "exit 0 and the job finished: done",
+        snap(R, exit0(NOW - 1), running(1), view=JobView(read_at=NOW - 5, finished=True)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE, next_state=None),
+    ),
+    (
+        "exit 0 and no read since: wait for one, at most etcd_outage_s after the exit",
+        snap(R, exit0(NOW - 1), running(1), view=JobView(read_at=NOW - 2)),
+        dict(kind=ActionKind.WAIT, until=NOW - 1 + 600.0),
+    ),
+    (
+        "exit 0 and a read since without a finished record: a failure, restarted within the budget",
+        snap(R, exit0(NOW - 1), running(1), view=JobView(read_at=NOW - 0.5)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.BACKOFF, restart_at=NOW + 1.0, budgeted=True),
+    ),
+    (
+        "exit 0 before the job finished with the budget spent: stop, exit 1 later",
+        snap(R, exit0(NOW - 1), running(1), view=JobView(read_at=NOW), restarts=(NOW - 10, NOW - 5)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.STOPPED, next_state=S),
+    ),
+    (
+        "exit 0 and no read within etcd_outage_s: taken as done",
+        snap(R, exit0(NOW - 601), running(1), view=JobView(read_at=NOW - 700)),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE),
+    ),
+    (
+        "exit 0 while draining: done, no read needed",
+        snap(D, exit0(NOW - 1), running(1), view=JobView(read_at=NOW - 2), terminate_deadline=NOW + 5),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE),
+    ),
+    (
+        "a stop request arrived meanwhile: done, no read needed",
+        snap(R, exit0(NOW - 1), running(1), stop_requests=1),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.DONE),
     ),
     ("one done, one running: wait", snap(R, Slot(0, SlotState.DONE), running(1)), dict(kind=ActionKind.WAIT)),
     (
@@ -319,13 +388,23 @@ def test_a_worker_that_always_fails_exhausts_the_restarts() -> None:
     assert _events(logs, "agent_stopped")[-1]["exit_code"] == 1
 
 
-def test_workers_that_exit_0_are_done_and_the_agent_exits_0() -> None:
-    agent, _ = _agent([sys.executable, "-c", "pass"], nproc_per_node=2)
+def test_workers_that_exit_0_once_the_job_finished_are_done_and_the_agent_exits_0() -> None:
+    agent, store = _agent([sys.executable, "-c", "pass"], nproc_per_node=2)
+    store.put(Keys("/elasticd", "j").finished, encode(FinishedRecord(generation=1, step=10)))
     with structlog.testing.capture_logs() as logs:
         outcome = agent.run(install_signals=False)
     assert (outcome.exit_code, outcome.reason) == (0, "workers_finished")
     assert sorted(e["local_rank"] for e in _events(logs, "worker_started")) == [0, 1]
     assert not _events(logs, "worker_restart_scheduled")
+
+
+def test_a_worker_that_exits_0_before_the_job_finished_is_a_failure() -> None:
+    agent, _ = _agent([sys.executable, "-c", "pass"], max_restarts=1)
+    with structlog.testing.capture_logs() as logs:
+        outcome = agent.run(install_signals=False)
+    assert outcome.exit_code == 1 and outcome.reason.startswith("restarts_exhausted: worker 0"), outcome
+    assert "exited with code 0 before the job finished" in outcome.reason, outcome.reason
+    assert len(_events(logs, "worker_started")) == 2
 
 
 def test_a_program_that_cannot_start_is_a_failure_with_a_clear_reason() -> None:

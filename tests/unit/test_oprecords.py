@@ -532,7 +532,8 @@ def test_an_etcd_outage_does_not_stop_the_agent_or_its_workers(tmp_path: Path) -
         stats_interval_s=0.1,
         restart_backoff_initial_s=0.05,
         restart_backoff_max_s=0.1,
-        timeouts=Timeouts(keepalive_s=0.1, lease_ttl_s=1.0, etcd_request_s=0.5),
+        # an exit 0 is taken as done once no read of the job said otherwise for etcd_outage_s
+        timeouts=Timeouts(keepalive_s=0.1, lease_ttl_s=1.0, etcd_request_s=0.5, etcd_outage_s=1.0),
     )
     agent = Agent(config, store)
 

@@ -809,3 +809,23 @@ def test_etcd_security_environ_refuses_a_bad_boolean() -> None:
 def test_the_agent_refuses_ids_that_are_not_names(tmp_path: Path, argv: tuple[str, ...], named: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{named}: must be 1 to 128 of the characters A-Z a-z 0-9 \. _ -"):
         _cli(tmp_path, *argv, "--", "true")
+
+
+@pytest.mark.parametrize(
+    ("program", "script"),
+    [
+        (("python3", "train.py", "--lr", "1"), "train.py"),
+        (("/usr/bin/python3.11", "-u", "-W", "error", "-X", "dev", "t.py"), "t.py"),
+        (("python", "-m", "pkg.train"), None),
+        (("python", "-c", "pass"), None),
+        (("python", "-mpkg"), None),
+        (("python", "-"), None),
+        (("python",), None),
+        (("torchrun", "train.py"), None),  # not an interpreter: its own arguments are not checked
+        (("./train.sh", "x.py"), None),
+    ],
+)
+def test_python_script_finds_the_script_an_interpreter_would_run(program: tuple[str, ...], script: str | None) -> None:
+    from elasticd.settings import python_script
+
+    assert python_script(program) == script

@@ -221,7 +221,7 @@ def test_health(name: str, job: Job, lo: int | None, hi: int | None, health: Hea
 
 
 def test_exit_codes_are_0_1_2() -> None:
-    assert [h.exit_code for h in Health] == [0, 1, 2, 2, 0]  # healthy, degraded, down, stalled, finished
+    assert [h.exit_code for h in Health] == [0, 1, 2, 2, 0, 2]  # healthy, degraded, down, stalled, finished, failed
 
 
 # -- members ------------------------------------------------------------------------------------
@@ -350,6 +350,8 @@ JSON_KEYS = [
     "restart",
     "checkpoint",
     "save_failed",
+    "bug",
+    "failures",
     "stall_after_s",
     "last_activity_age_s",
 ]
@@ -577,6 +579,7 @@ from elasticd.wire.ops import (  # noqa: E402
     event_name,
     save_failed_key,
 )
+from elasticd.wire.failures import FailureRecord, encode_failure  # noqa: E402
 from elasticd.wire.records import CheckpointRecord  # noqa: E402
 
 SAVE_FAILED = save_failed_key(KEYS.job)
@@ -594,6 +597,10 @@ def failed_save(step: int, age_s: float, errno: str | None = "EROFS") -> bytes:
             errno=errno,
         )
     )
+
+
+def raised(member: str, step: int) -> bytes:
+    return encode_failure(FailureRecord(member, "n1", 0, 1, step, "ValueError", "bad sample N", "Traceback", NOW))
 
 
 def checkpoint(step: int, age_s: float) -> bytes:
@@ -648,6 +655,20 @@ LIVE_CASES = [
         "malformed",
     ),
     ("committing", training(), STALL_AFTER_S, Health.HEALTHY, "all 2 live members"),
+    (
+        "one worker's exception: no bug yet",
+        training().put(KEYS.failure("m2"), raised("m2", 30)),
+        STALL_AFTER_S,
+        Health.HEALTHY,
+        "all 2 live members",
+    ),
+    (
+        "the same exception at one step twice: failed",
+        training().put(KEYS.failure("m2"), raised("m2", 30)).put(KEYS.failure("m3"), raised("m3", 30)),
+        STALL_AFTER_S,
+        Health.FAILED,
+        "stopped by a bug at step 30: ValueError: bad sample N",
+    ),
     (
         "no commit for longer than the bound",
         training(age_s=STALL_AFTER_S + 5),
@@ -741,9 +762,13 @@ def test_health_from_live_records(name: str, job: Job, stall_after_s: float, hea
     assert reason in st.reason, st.reason
     assert (
         st.exit_code
-        == {Health.HEALTHY: EXIT_OK, Health.DEGRADED: EXIT_DEGRADED, Health.DOWN: EXIT_DOWN, Health.STALLED: EXIT_DOWN}[
-            health
-        ]
+        == {
+            Health.HEALTHY: EXIT_OK,
+            Health.DEGRADED: EXIT_DEGRADED,
+            Health.DOWN: EXIT_DOWN,
+            Health.STALLED: EXIT_DOWN,
+            Health.FAILED: EXIT_DOWN,
+        }[health]
     )
 
 

@@ -1,0 +1,140 @@
+"""A bug is not a fault: real agents stop the job on the same exception at the same step, and on a
+worker that exits EXIT_NO_RESTART, instead of restarting until the budget is spent; a worker that
+exits 0 before the job finished is restarted; a new run after the fix starts clean."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT
+from tests.integration.test_node_agent import AgentJob, _env
+from tests.jobs import job_factory
+
+pytestmark = pytest.mark.timeout(150)
+
+RAISES = [sys.executable, "tests/programs/raises.py"]
+CTL = [sys.executable, "-c", "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())"]
+LEASE_TTL_S = 2.0  # etcd's minimum here: what the agents' workers get
+
+
+@pytest.fixture
+def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
+    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
+        yield make
+
+
+def _status(job: AgentJob) -> dict[str, object]:
+    proc = subprocess.run(
+        [*CTL, "--etcd", job.etcd.endpoint, "status", "--job", job.job_id, "--json"],
+        env=_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return json.loads(proc.stdout)
+
+
+def _stderr_reason(agent_log: str) -> str:
+    return [line for line in agent_log.splitlines() if line.startswith("elasticd: ")][-1]
+
+
+def test_the_same_exception_at_the_same_step_on_every_rank_stops_every_agent_with_exit_3(agent_job) -> None:
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    prog = [*RAISES, "--raise-at", "12", "--steps", "200"]
+    agents = [job.start(node, "--max-restarts", "5", program=prog) for node in ("a", "b")]
+    codes = [a.wait(90) for a in agents]
+    assert codes == [3, 3], job.logs_tail()
+    for a in agents:
+        reason = _stderr_reason(a.log_text())
+        assert reason.startswith("elasticd: job_failed: step 12: ValueError: bad sample N in shard N"), reason
+        # stopped within one restart of each worker, not after the budget of five
+        assert len(a.events("worker_started")) <= 2, a.log_text()[-3000:]
+        (failed,) = a.events("job_failed")
+        assert failed["step"] == 12 and sorted(failed["nodes"]) == ["a", "b"]  # type: ignore[arg-type]
+    # the failure ended training within 2 x lease TTL + one restart of its first record
+    status = _status(job)
+    assert status["health"] == "failed", status
+    bug = status["bug"]
+    assert isinstance(bug, dict) and bug["step"] == 12 and bug["exception"].startswith("ValueError: bad sample")
+    assert "raises.py" in bug["detail"]
+    stopped = max(a.events("agent_stopped")[-1]["timestamp"] for a in agents)  # type: ignore[type-var]
+    first = min(f["time"] for f in status["failures"])  # type: ignore[union-attr, index]
+    elapsed = _iso(str(stopped)) - float(first)
+    print(f"job_failed: every agent stopped {elapsed:.2f} s after the first failure record")
+    assert elapsed < 2 * LEASE_TTL_S + 3.0, elapsed  # one restart: the backoff, a start, the step
+
+
+def _iso(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def test_a_worker_that_raises_again_at_the_same_step_after_its_restart_stops_the_job(agent_job) -> None:
+    """World 1: the first exception is restarted (it could be a fault); the same one at the same
+    step after the restart is a bug."""
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    agent = job.start("a", "--max-restarts", "5", program=[*RAISES, "--raise-at", "6", "--steps", "50"])
+    assert agent.wait(90) == 3, job.logs_tail()
+    assert len(agent.events("worker_started")) == 2  # the first start and one restart
+    assert _stderr_reason(agent.log_text()).startswith("elasticd: job_failed: step 6: ValueError")
+
+
+def test_one_rank_raising_once_is_restarted_and_the_job_finishes(agent_job) -> None:
+    """An exception on one rank at one step is no bug yet: the worker restarts, rejoins as a
+    newcomer after the others committed that step, and the job finishes."""
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    prog = [*RAISES, "--raise-at", "8", "--ranks", "1", "--steps", "120"]
+    agents = [job.start(node, program=prog) for node in ("a", "b")]
+    assert [a.wait(120) for a in agents] == [0, 0], job.logs_tail()
+    assert sum(len(a.events("worker_started")) for a in agents) == 3
+    assert _status(job)["health"] == "finished"
+
+
+def test_a_worker_exiting_no_restart_stops_its_agent_at_once_with_exit_3(agent_job) -> None:
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    agent = job.start("a", "--max-restarts", "5", program=[*RAISES, "--config-error"])
+    assert agent.wait(60) == 3, job.logs_tail()
+    assert len(agent.events("worker_started")) == 1
+    reason = _stderr_reason(agent.log_text())
+    assert reason.startswith("elasticd: worker_fatal: worker 0") and "exited with code 78" in reason, reason
+    assert "ConfigError: data_path: /no/such/dataset does not exist" in agent.log_text()
+
+
+def test_a_new_run_after_the_fix_is_not_stopped_by_the_last_runs_bug(agent_job) -> None:
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    agent = job.start("a", "--max-restarts", "5", program=[*RAISES, "--raise-at", "4", "--steps", "30"])
+    assert agent.wait(90) == 3, job.logs_tail()
+    assert _status(job)["health"] == "failed"
+    fixed = job.start("a", program=[*RAISES, "--steps", "30"])  # the same job, the bug fixed
+    assert fixed.wait(90) == 0, job.logs_tail()
+    assert fixed.events("failures_of_a_past_run_cleared")
+    assert _status(job)["health"] == "finished"
+
+
+def test_a_worker_that_exits_0_before_the_job_finished_is_restarted(agent_job, tmp_path: Path) -> None:
+    """A script that leaves its loop early (here: one rank, once) ends with 0 while the job goes on:
+    the agent says so and restarts it like a failed worker; the job finishes with both nodes."""
+    flag = tmp_path / "left-once"
+    code = (
+        "import os, sys, runpy; f = sys.argv.pop(1); first = not os.path.exists(f); open(f, 'a').close(); "
+        "sys.argv[0] = 'tests/programs/raises.py'; "
+        "sys.exit(0) if first else runpy.run_path('tests/programs/raises.py', run_name='__main__')"
+    )
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    a = job.start("a", program=[*RAISES, "--steps", "150"])
+    time.sleep(1.0)
+    b = job.start("b", program=[sys.executable, "-c", code, str(flag), "--steps", "150"])
+    assert [a.wait(120), b.wait(120)] == [0, 0], job.logs_tail()
+    (scheduled,) = b.events("worker_restart_scheduled")
+    assert "exited with code 0 before the job finished" in str(scheduled["reason"]), scheduled
+    assert _status(job)["health"] == "finished"
