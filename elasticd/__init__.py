@@ -6,7 +6,7 @@ form wraps the model and optimizer in ``ElasticTrainer`` and takes batches from 
 """
 
 from elasticd.config import CheckpointConfig, WorkerEnv
-from elasticd.errors import ElasticdError, FatalError, TransientError
+from elasticd.errors import EXIT_NO_RESTART, ElasticdError, FatalError, TransientError
 from elasticd.settings import worker_env_from_environ
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointConfig",
     "DistributedDataParallel",
     "DistributedSampler",
+    "EXIT_NO_RESTART",
     "ElasticTrainer",
     "ElasticdError",
     "FatalError",
