@@ -326,9 +326,18 @@ class RetryPolicy:
     step_retries: int = field(
         default=8, metadata={"doc": "Times one step may fail and be retried before the worker gives up."}
     )
+    nonfinite_steps: int = field(
+        default=3,
+        metadata={
+            "doc": "A member whose own gradients hold a NaN or an infinity makes every member skip the step "
+            "(no update anywhere; not checked where a GradScaler owns that decision). At this many such "
+            "steps in a row, its node is taken as bad: the member leaves and its worker exits 78 "
+            "(EXIT_NO_RESTART), so its agent stops."
+        },
+    )
 
     def __post_init__(self) -> None:
-        for name in ("etcd_attempts", "step_retries"):
+        for name in ("etcd_attempts", "step_retries", "nonfinite_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")

@@ -79,6 +79,11 @@ class CheckpointModelChanged(ModelMismatch):
     can resume from; starting over from step 1 is allowed only with ``checkpoint_allow_new_model``."""
 
 
+class GradientsNotFinite(FatalError):
+    """This member's own gradients were not finite at ``retry.nonfinite_steps`` steps in a row: its
+    node is taken as bad, and the member leaves (its worker exits ``EXIT_NO_RESTART``)."""
+
+
 class ProtocolViolation(FatalError):
     """The step protocol's own invariant broke (a bug, never a fault): a member was about to
     contribute to a step before applying the one whose sum it received."""

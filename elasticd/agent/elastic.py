@@ -446,6 +446,33 @@ class Agent(AgentDaemon):
             self._event(kind, local_rank=action.local_rank, reason=action.reason)
             self.snapshot = replace(self.snapshot, reason=action.reason, exit_code=action.exit_code)
 
+    def _terminate(self, action: Action) -> None:
+        """SIGTERM to every worker (they finish their step and leave); a drain is recorded."""
+        pids = self._supervisor.send_signal(signal.SIGTERM)
+        grace_s = self._config.timeouts.shutdown_grace_s
+        log.info("workers_signalled", signal="SIGTERM", pids=pids, grace_s=grace_s, reason=action.reason)
+        if action.next_state is AgentState.DRAINING:
+            req = self._drain_request
+            cause = (
+                "elasticctl drain" + (f" by {req.requested_by}" if req else "")
+                if self._drain_acted
+                else "stop signal (SIGTERM/SIGINT)"
+            )
+            self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
+        self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
+
+    def _job_failed(self, action: Action) -> None:
+        """A bug stops the job (``JobView.bug``): log it with its traceback's tail, record the event,
+        and stop (``decide`` terminates the workers; the exit code is 3)."""
+        bug = self.snapshot.view.bug if self.snapshot.view is not None else None
+        assert bug is not None
+        fields = dict(
+            step=bug.step, exception=f"{bug.exc_type}: {bug.message}", members=list(bug.members), nodes=list(bug.nodes)
+        )
+        log.error("job_failed", **fields, reason=action.reason, detail=bug.detail)
+        self._event(EventKind.JOB_FAILED, **fields)
+        self.snapshot = replace(self.snapshot, reason=action.reason, exit_code=action.exit_code)
+
     def _apply(self, action: Action, now: float) -> None:
         c = self._config
         if action.kind is ActionKind.SPAWN:
@@ -453,43 +480,9 @@ class Agent(AgentDaemon):
         elif action.kind is ActionKind.RELEASE:
             self._release(action, now)
         elif action.kind is ActionKind.TERMINATE:
-            pids = self._supervisor.send_signal(signal.SIGTERM)
-            log.info(
-                "workers_signalled",
-                signal="SIGTERM",
-                pids=pids,
-                grace_s=c.timeouts.shutdown_grace_s,
-                reason=action.reason,
-            )
-            if action.next_state is AgentState.DRAINING:
-                req = self._drain_request
-                cause = (
-                    "elasticctl drain" + (f" by {req.requested_by}" if req else "")
-                    if self._drain_acted
-                    else "stop signal (SIGTERM/SIGINT)"
-                )
-                self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
-            self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
+            self._terminate(action)
         elif action.kind is ActionKind.JOB_FAILED:
-            bug = self.snapshot.view.bug if self.snapshot.view is not None else None
-            assert bug is not None
-            log.error(
-                "job_failed",
-                step=bug.step,
-                exception=f"{bug.exc_type}: {bug.message}",
-                members=list(bug.members),
-                nodes=list(bug.nodes),
-                reason=action.reason,
-                detail=bug.detail,
-            )
-            self._event(
-                EventKind.JOB_FAILED,
-                step=bug.step,
-                exception=f"{bug.exc_type}: {bug.message}",
-                members=list(bug.members),
-                nodes=list(bug.nodes),
-            )
-            self.snapshot = replace(self.snapshot, reason=action.reason, exit_code=action.exit_code)
+            self._job_failed(action)
         elif action.kind is ActionKind.KILL:
             self._kill_workers(action.reason)
             self.snapshot = replace(self.snapshot, kill_deadline=action.until)

@@ -157,28 +157,7 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
             until=now + config.timeouts.shutdown_grace_s,
         )
     if stopping:
-        draining = snap.state is AgentState.DRAINING
-        code = EXIT_OK if draining else snap.exit_code
-        reason = "drained" if draining else snap.reason
-        if not running:
-            return Action(ActionKind.EXIT, reason, exit_code=code)
-        if snap.terminate_deadline is None:
-            return Action(
-                ActionKind.TERMINATE, "stopping the other workers", until=now + config.timeouts.shutdown_grace_s
-            )
-        step = stop_ladder(
-            now,
-            terminate_deadline=snap.terminate_deadline,
-            kill_deadline=snap.kill_deadline,
-            stop_requests=snap.stop_requests,
-            grace_s=config.timeouts.shutdown_grace_s,
-            kill_wait_s=config.kill_wait_s,
-            workers=f"pids {[s.pid for s in running]}",
-        )
-        if step.rung is Rung.GIVE_UP:
-            return Action(ActionKind.EXIT, f"{step.reason}; {reason}", exit_code=EXIT_FATAL)
-        kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
-        return Action(kind, step.reason, until=step.until)
+        return _stopping(snap, running, now, config)
     hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)), None)
     if hung is not None:
         assert hung.mark is not None and snap.view is not None
@@ -209,6 +188,31 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     if all(s.state is SlotState.DONE for s in snap.slots):
         return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
     return Action(ActionKind.WAIT, "supervising", until=_next_deadline(snap, running, config))
+
+
+def _stopping(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig) -> Action:
+    """DRAINING or STOPPING: stop the workers (the stop ladder), then exit (0 drained, else the
+    snapshot's code)."""
+    draining = snap.state is AgentState.DRAINING
+    code = EXIT_OK if draining else snap.exit_code
+    reason = "drained" if draining else snap.reason
+    if not running:
+        return Action(ActionKind.EXIT, reason, exit_code=code)
+    if snap.terminate_deadline is None:
+        return Action(ActionKind.TERMINATE, "stopping the other workers", until=now + config.timeouts.shutdown_grace_s)
+    step = stop_ladder(
+        now,
+        terminate_deadline=snap.terminate_deadline,
+        kill_deadline=snap.kill_deadline,
+        stop_requests=snap.stop_requests,
+        grace_s=config.timeouts.shutdown_grace_s,
+        kill_wait_s=config.kill_wait_s,
+        workers=f"pids {[s.pid for s in running]}",
+    )
+    if step.rung is Rung.GIVE_UP:
+        return Action(ActionKind.EXIT, f"{step.reason}; {reason}", exit_code=EXIT_FATAL)
+    kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
+    return Action(kind, step.reason, until=step.until)
 
 
 def _next_deadline(snap: AgentSnapshot, running: list[Slot], config: AgentConfig) -> float | None:
@@ -268,22 +272,9 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
             slot_state=SlotState.DONE if e.ok else SlotState.STOPPED,
         )
     if e.ok:
-        v = snap.view
-        if v is not None and v.finished:
-            return Action(
-                ActionKind.RELEASE,
-                f"{what}: done (the job finished)",
-                local_rank=slot.local_rank,
-                slot_state=SlotState.DONE,
-            )
-        if v is None or slot.exited_at is None or v.read_at < slot.exited_at:
-            return Action(
-                ActionKind.RELEASE,
-                f"{what}: taken as done (no read of the job from etcd since, within etcd_outage_s "
-                f"{config.timeouts.etcd_outage_s:g} s, says whether the job finished)",
-                local_rank=slot.local_rank,
-                slot_state=SlotState.DONE,
-            )
+        done = _exit_0(snap, slot, what, config)
+        if done is not None:
+            return done
         # A worker leaves with 0 at the job's end (a ``finished`` record), or when drained (the
         # agent is stopping then): any other exit 0 is a script that ended before the job did.
         what += " before the job finished (no finished record in etcd): a failure"
@@ -324,6 +315,28 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
         slot_state=SlotState.BACKOFF,
         restart_at=now + delay,
     )
+
+
+def _exit_0(snap: AgentSnapshot, slot: Slot, what: str, config: AgentConfig) -> Action | None:
+    """The RELEASE of a worker that exited 0 as done: the job finished, or no read of the job since
+    its exit said otherwise within ``etcd_outage_s``. None: the job did not finish (a failure)."""
+    v = snap.view
+    if v is not None and v.finished:
+        return Action(
+            ActionKind.RELEASE,
+            f"{what}: done (the job finished)",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.DONE,
+        )
+    if v is None or slot.exited_at is None or v.read_at < slot.exited_at:
+        return Action(
+            ActionKind.RELEASE,
+            f"{what}: taken as done (no read of the job from etcd since, within etcd_outage_s "
+            f"{config.timeouts.etcd_outage_s:g} s, says whether the job finished)",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.DONE,
+        )
+    return None
 
 
 def member_leases(kvs: Iterable[KeyValue], keys: Keys, node: str, pids: Collection[int]) -> list[tuple[str, int]]:

@@ -121,6 +121,17 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "bytes": status.checkpoint.bytes,
             "age_s": _round(status.checkpoint_age_s, 3),
         },
+        **_failures_dict(status),
+        "stall_after_s": status.stall_after_s,
+        "last_activity_age_s": _round(status.last_activity_age_s, 3),
+    }
+
+
+def _failures_dict(status: JobStatus) -> dict[str, object]:
+    """``save_failed`` (the last failed checkpoint save), ``bug`` (the bug that stopped the job, or
+    None) and ``failures`` (every record) of ``to_dict``."""
+    b = status.bug
+    return {
         "save_failed": None
         if status.save_failed is None
         else {
@@ -134,13 +145,13 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             "failing": status.save_failing,
         },
         "bug": None
-        if status.bug is None
+        if b is None
         else {
-            "step": status.bug.step,
-            "exception": f"{status.bug.exc_type}: {status.bug.message}",
-            "members": list(status.bug.members),
-            "nodes": list(status.bug.nodes),
-            "detail": status.bug.detail,
+            "step": b.step,
+            "exception": f"{b.exc_type}: {b.message}",
+            "members": list(b.members),
+            "nodes": list(b.nodes),
+            "detail": b.detail,
         },
         "failures": [
             {
@@ -153,9 +164,27 @@ def to_dict(status: JobStatus) -> dict[str, object]:
             }
             for f in status.failures
         ],
-        "stall_after_s": status.stall_after_s,
-        "last_activity_age_s": _round(status.last_activity_age_s, 3),
     }
+
+
+def _failure_lines(status: JobStatus) -> list[tuple[str, str]]:
+    """The report's ``save error`` line (a failed checkpoint save), and its ``stopped by`` line (a
+    bug) or ``last failure`` (records, no bug yet)."""
+    lines = [("save error", _save_failed_line(status))] if status.save_failed is not None else []
+    if status.bug is not None:
+        b = status.bug
+        return [
+            *lines,
+            ("stopped by", _clean(f"step {b.step}: {b.exc_type}: {b.message} (workers {', '.join(b.members)})")),
+        ]
+    if status.failures:
+        f = status.failures[-1]
+        n = len(status.failures)
+        return [
+            *lines,
+            ("last failure", _clean(f"{f.member} at step {f.step}: {f.exc_type}: {f.message} ({n} recorded)")),
+        ]
+    return lines
 
 
 def render_json(status: JobStatus) -> str:
@@ -213,21 +242,7 @@ def render_table(status: JobStatus) -> str:
         ),
         ("checkpoint", _checkpoint_line(status)),
     ]
-    if status.save_failed is not None:
-        lines.append(("save error", _save_failed_line(status)))
-    if status.bug is not None:
-        b = status.bug
-        lines.append(
-            ("stopped by", _clean(f"step {b.step}: {b.exc_type}: {b.message} (workers {', '.join(b.members)})"))
-        )
-    elif status.failures:
-        f = status.failures[-1]
-        lines.append(
-            (
-                "last failure",
-                _clean(f"{f.member} at step {f.step}: {f.exc_type}: {f.message} ({len(status.failures)} recorded)"),
-            )
-        )
+    lines += _failure_lines(status)
     r = status.restart
     if r is not None:
         lines.append(

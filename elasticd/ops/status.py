@@ -15,7 +15,7 @@ formats text (``ops.render``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -42,11 +42,11 @@ from elasticd.ops.parse import (
 from elasticd.store.kv import KeyValue
 from elasticd.wire.failures import DeterministicFailure, FailureRecord, deterministic_failure
 from elasticd.wire.keys import Keys
-from elasticd.wire.ops import EventKind, EventRecord, SaveFailedRecord
-from elasticd.wire.progress import parse_progress
-from elasticd.wire.records import AbortRecord, CheckpointRecord, FinishedRecord
+from elasticd.wire.ops import EventKind, EventRecord, SaveFailedRecord, WorkerRecord
+from elasticd.wire.progress import ProgressRecord, parse_progress
+from elasticd.wire.records import AbortRecord, CheckpointRecord, FinishedRecord, MemberRecord
 from elasticd.wire.restart import parse_view
-from elasticd.wire.snapshot import parse_snapshot
+from elasticd.wire.snapshot import Snapshot, parse_snapshot
 
 RECOVERIES_SHOWN = 5  # how many of the newest ``recovered`` events ``status`` reports
 
@@ -188,6 +188,54 @@ def read_status(
     )
 
 
+def _member(
+    mid: str,
+    rec: MemberRecord,
+    snap: Snapshot,
+    progress: Mapping[str, ProgressRecord],
+    slots: Mapping[tuple[str, int], WorkerRecord],
+    in_generation: set[str],
+    now: float,
+) -> MemberStatus:
+    """One live member as ``status`` shows it: its state, rank and progress, and its worker's
+    restarts, memory and CPU from its agent's node record."""
+    g = snap.generation
+    ready = snap.ready.get(mid)
+    prog = progress.get(mid)
+    if mid in in_generation:
+        state = WorkerState.TRAINING
+    elif rec.spare:
+        state = WorkerState.SPARE
+    elif ready is not None:
+        state = WorkerState.WAITING
+    else:
+        state = WorkerState.REGISTERED
+    slot = slots.get((rec.node, rec.pid))
+    step: int | None = None
+    if prog is not None:
+        step = prog.step
+    elif ready is not None and ready.committed_step >= 0:
+        step = ready.committed_step
+    return MemberStatus(
+        member_id=mid,
+        node=rec.node,
+        local_rank=rec.local_rank,
+        pid=rec.pid,
+        host=rec.host,
+        rank=(g.rank_of(mid) if g is not None else prog.rank if prog is not None else None)
+        if mid in in_generation
+        else None,
+        state=state,
+        committed_step=step,
+        step_time_s=prog.step_time_s if prog else None,
+        recoveries=prog.recoveries if prog else None,
+        heartbeat_age_s=now - prog.time if prog else None,
+        restarts=slot.restarts if slot else None,
+        rss_bytes=slot.rss_bytes if slot else None,
+        cpu_percent=slot.cpu_percent if slot else None,
+    )
+
+
 def build_status(
     keys: Keys,
     kvs: Iterable[KeyValue],
@@ -220,44 +268,7 @@ def build_status(
         if e.kind == EventKind.GENERATION_PUBLISHED and isinstance(number, int) and not isinstance(number, bool):
             published[number] = max(e.time, published.get(number, e.time))
     activity = last_activity(g.members, progress, published.get(g.generation)) if g else None
-    members = []
-    for mid, rec in snap.members.items():
-        ready = snap.ready.get(mid)
-        prog = progress.get(mid)
-        if mid in in_generation:
-            state = WorkerState.TRAINING
-        elif rec.spare:
-            state = WorkerState.SPARE
-        elif ready is not None:
-            state = WorkerState.WAITING
-        else:
-            state = WorkerState.REGISTERED
-        slot = slots.get((rec.node, rec.pid))
-        step: int | None = None
-        if prog is not None:
-            step = prog.step
-        elif ready is not None and ready.committed_step >= 0:
-            step = ready.committed_step
-        members.append(
-            MemberStatus(
-                member_id=mid,
-                node=rec.node,
-                local_rank=rec.local_rank,
-                pid=rec.pid,
-                host=rec.host,
-                rank=(g.rank_of(mid) if g is not None else prog.rank if prog is not None else None)
-                if mid in in_generation
-                else None,
-                state=state,
-                committed_step=step,
-                step_time_s=prog.step_time_s if prog else None,
-                recoveries=prog.recoveries if prog else None,
-                heartbeat_age_s=now - prog.time if prog else None,
-                restarts=slot.restarts if slot else None,
-                rss_bytes=slot.rss_bytes if slot else None,
-                cpu_percent=slot.cpu_percent if slot else None,
-            )
-        )
+    members = [_member(mid, rec, snap, progress, slots, in_generation, now) for mid, rec in snap.members.items()]
     order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.SPARE: 2, WorkerState.REGISTERED: 3}
     by_node = {n: [m for m in members if m.node == n] for n in node_records}
     spares = {n: sum(1 for m in on if m.state is WorkerState.SPARE) for n, on in by_node.items()}

@@ -36,6 +36,7 @@ class EventKind(StrEnum):
     WORKER_RESTARTED = "worker_restarted"  # by the agent
     WORKER_STOPPED = "worker_stopped"  # by the agent: a stopped worker's lease revoked (stopped_worker_s)
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # by the agent
+    GRADIENTS_NOT_FINITE = "gradients_not_finite"  # by a member whose own gradients held a NaN or an infinity
     WORKER_FATAL = "worker_fatal"  # by the agent: a worker exited EXIT_NO_RESTART (not restarted)
     JOB_FAILED = "job_failed"  # by each agent: a bug (the same exception at the same step) stopped the job
     NODE_DRAINING = "node_draining"  # by the agent (SIGTERM or elasticctl drain)

@@ -256,8 +256,10 @@ class _Session(ElasticTrainer):
         self.ensure_current()
         assert self.group is not None and self._reducer is not None and self._membership is not None
         if self._vote is None:  # a closure over these, never over the session (see ElasticTrainer)
-            membership, draining = self._membership, self._drain_requested
-            self._vote = lambda: Vote(0.0, membership.veto(), membership.join_pending() or draining.is_set()).slots()
+            membership, draining, reducer = self._membership, self._drain_requested, self._reducer
+            self._vote = lambda: Vote(
+                0.0, membership.veto(), membership.join_pending() or draining.is_set(), reducer.local_nonfinite()
+            ).slots()
         if self.micro == 0:
             self._reducer.begin(
                 self.group, self.state.counters.step + 1, 1.0 / self.group.world_size, self._vote, sync=self.accum == 1
@@ -297,6 +299,7 @@ class _Session(ElasticTrainer):
                 verdict = commit_outcome(tally, group.world_size)
                 if verdict.outcome is Outcome.APPLY:
                     self._journal.confirm()  # the whole group summed this step: each applied the one before
+                    self._note_verdict(self.state.counters.step + 1, verdict)
                     self._reduced = (tally, verdict, self._step_started)
                     return
                 failure = CollectiveError(f"step {self.state.counters.step + 1} not applied: {verdict.reason}")
@@ -357,6 +360,7 @@ class _Session(ElasticTrainer):
             self._failed_at = self._clock()
         self._journal.committed(batch, c.step, result.loss, group.generation, group.world_size, result.duration_s)
         self._save_due = group.rank == 0
+        self._leave_if_unhealthy()
 
     def finish(self) -> None:
         """The script's loop ended: the goodbye barrier confirms the last step, then ``close``."""

@@ -11,6 +11,8 @@ changes what the state holds (``state`` does).
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +48,19 @@ class Rejoined:
     report: SyncReport
 
 
+def etcd_client(env: WorkerEnv, attempts: int | None = None) -> KeyValueStore:
+    """An etcd client for ``env.etcd`` (the worker's default store), with ``attempts`` per call
+    instead of ``env.retry``'s when given.
+
+    Raises:
+        EtcdUnavailable: with a user, connecting authenticates, and etcd did not answer.
+    """
+    from elasticd.store.etcd import EtcdClient  # an etcd client only where none was given
+
+    retry = env.retry if attempts is None else dataclasses.replace(env.retry, etcd_attempts=attempts)
+    return EtcdClient(env.etcd, env.timeouts, retry)
+
+
 def connect(
     env: WorkerEnv, signature: str, store: KeyValueStore | None
 ) -> tuple[KeyValueStore, GroupFactory, Membership]:
@@ -56,11 +71,7 @@ def connect(
         EtcdUnavailable: etcd could not be reached within the retry bound.
     """
     if store is None:
-        from elasticd.store.etcd import (
-            EtcdClient,  # an etcd client only where none was given
-        )
-
-        store = EtcdClient(env.etcd, env.timeouts, env.retry)
+        store = etcd_client(env)
     keys = Keys(env.etcd.prefix, env.world.job_id)
     if env.relay_socket:  # the view and watches from the node's relay (relay.node)
         store = RelayedStore(store, keys, env.relay_socket, env.timeouts, env.retry)

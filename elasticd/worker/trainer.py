@@ -24,16 +24,17 @@ import structlog
 import torch
 
 from elasticd.config import CheckpointConfig, WorkerEnv
-from elasticd.errors import CollectiveError, ConfigError, JobFinished, RestartsExhausted
+from elasticd.errors import CollectiveError, ConfigError, GradientsNotFinite, JobFinished, RestartsExhausted
 from elasticd.rendezvous.membership import Joined, Membership
 from elasticd.retry import Clock, Deadline
 from elasticd.settings import worker_env_from_environ
 from elasticd.store.kv import KeyValueStore
+from elasticd.wire.ops import EventKind
 from elasticd.worker import failure
 from elasticd.worker.checkpoints import Checkpoints, load_initial
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.data.plan import DataPlan, collated
-from elasticd.worker.step.commit import Outcome
+from elasticd.worker.step.commit import Outcome, Verdict
 from elasticd.worker.step.faults import injecting
 from elasticd.worker.state.durable import LoadedCheckpoint
 from elasticd.worker.step.journal import Journal
@@ -150,13 +151,11 @@ class ElasticTrainer:
             self.state.register("grad_scaler", scaler)
         for name, obj in (state or {}).items():
             self.state.register(name, obj)
-        self._mode = BatchMode(batch_mode)
+        self._mode, self.accumulation_steps = BatchMode(batch_mode), accumulation_steps
         self.data = DataPlan(
             dataset_size, global_batch_size, seed, self._mode, reference_world_size, accumulation_steps
         )
-        self.accumulation_steps = accumulation_steps
-        self._init_from = init_from
-        self._store = store
+        self._init_from, self._store = init_from, store
         audit_path = audit_path if audit_path is not None else self.env.audit_file  # ELASTICD_AUDIT_DIR
         self._journal = Journal(self.env, store, audit_path, audit_in_memory, log_interval_s, clock)
         # no callback into the trainer: a reference cycle kept closed trainers (and their store
@@ -185,9 +184,9 @@ class ElasticTrainer:
         # kept retired groups alive until a garbage collection: fds grew by one per generation).
         self._drain_requested = threading.Event()
         self._drained = self._job_finished = self._finished_together = self._closed = self._auto = False
-        self._last_rank, self._last_world = -1, 0
+        self._last_rank, self._last_world, self._nonfinite_in_a_row = -1, 0, 0  # last rank, world; bad steps in a row
         self.last_result: StepResult | None = None
-        failure.attach(self)
+        failure.attach(self._failure_context)
 
     def __enter__(self) -> ElasticTrainer:
         self.start()
@@ -232,8 +231,57 @@ class ElasticTrainer:
         self._journal.open(self._membership, self._store, self._membership.member_id, started_wall)
         self._failed_at = self._clock()
 
+    def _failure_context(self) -> failure.Context:
+        """Where this worker stands, for the record of an exception that ends its script."""
+        joined, membership = self.joined, self._membership
+        return failure.Context(
+            member=membership.member_id if membership is not None else "",
+            generation=joined.record.generation if joined is not None else 0,
+            step=self.state.counters.step + 1,
+            store=self._store,
+        )
+
     def _make_reducer(self, device: torch.device) -> GradientReducer:
-        return GradientReducer(list(self.model.parameters()), device)
+        return GradientReducer(list(self.model.parameters()), device, check_finite=self.scaler is None)
+
+    def _note_verdict(self, step: int, verdict: Verdict) -> None:
+        """An APPLY verdict on ``step``. A skip (the sum is not finite: ``Verdict.skip``): every
+        member drops its gradients, so the optimizers update no parameter and the step still counts;
+        a member whose own gradients were not finite names itself and its node
+        (``gradients_not_finite``, also an event) and counts the skips in a row."""
+        mine = verdict.skip and self._reducer is not None and self._reducer.local_nonfinite()
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if mine else 0
+        if not verdict.skip:
+            return
+        for p in self.model.parameters():
+            p.grad = None
+        log.warning("step_skipped", step=step, reason=verdict.reason, own_gradients_not_finite=mine)
+        if mine:
+            assert self._membership is not None and self.group is not None
+            detail = dict(
+                step=step,
+                member=self._membership.member_id,
+                node=self.env.node_id,
+                rank=self.group.rank,
+                in_a_row=self._nonfinite_in_a_row,
+            )
+            log.error("gradients_not_finite", **detail)
+            self._journal.event(EventKind.GRADIENTS_NOT_FINITE, **detail)
+
+    def _leave_if_unhealthy(self) -> None:
+        """After a step is applied: a member whose own gradients were not finite at
+        ``retry.nonfinite_steps`` steps in a row leaves (its node is taken as bad).
+
+        Raises:
+            GradientsNotFinite: that many in a row (the worker exits ``EXIT_NO_RESTART``).
+        """
+        limit = self.env.retry.nonfinite_steps
+        if self._nonfinite_in_a_row >= limit:
+            raise GradientsNotFinite(
+                f"the gradients of this member (node {self.env.node_id}) were not finite at "
+                f"{self._nonfinite_in_a_row} steps in a row (nonfinite_steps {limit}): its node is taken as bad; "
+                f"the job goes on without it"
+            )
 
     def _state_replaced(self, reason: str) -> None:  # the sync replaced this member's state (another lineage)
         self._journal.discard(reason)
@@ -489,6 +537,8 @@ class ElasticTrainer:
             self._fail(exc)
             return False
         if op.verdict is None or op.verdict.outcome is Outcome.APPLY:
+            if op.verdict is not None:
+                self._note_verdict(op.batch.step, op.verdict)
             return True
         self._open = None  # nobody applies it: the same step is taken again in the next generation
         self._optimizers.skip()
@@ -528,6 +578,7 @@ class ElasticTrainer:
         )
         # rank 0 saves at the next batch, after the script's own post-step code (scheduler, EMA)
         self._save_due = group.rank == 0
+        self._leave_if_unhealthy()
         return result
 
     @property

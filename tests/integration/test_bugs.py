@@ -138,3 +138,55 @@ def test_a_worker_that_exits_0_before_the_job_finished_is_restarted(agent_job, t
     (scheduled,) = b.events("worker_restart_scheduled")
     assert "exited with code 0 before the job finished" in str(scheduled["reason"]), scheduled
     assert _status(job)["health"] == "finished"
+
+
+def _finals(job: AgentJob, nodes: tuple[str, ...]) -> list[str]:
+    return [
+        line.split("final ", 1)[1] for n in nodes for line in job.agents[n].log_text().splitlines() if " final " in line
+    ]
+
+
+def test_nan_gradients_from_one_rank_are_never_applied_and_the_rank_is_named(agent_job) -> None:
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    prog = [*RAISES, "--steps", "60", "--nan-at", "20", "--nan-steps", "2", "--nan-rank", "1"]
+    agents = {node: job.start(node, "--nnodes", "2", program=prog) for node in ("a", "b")}
+    assert [a.wait(120) for a in agents.values()] == [0, 0], job.logs_tail()
+    finals = _finals(job, ("a", "b"))
+    assert len(finals) == 2 and finals[0] == finals[1] and finals[0].endswith("finite True"), finals
+    named = [e for a in agents.values() for e in a.events("gradients_not_finite")]
+    assert [e["step"] for e in named] == [20, 21] and len({e["node"] for e in named}) == 1, named
+    assert all(e["rank"] == 1 for e in named)
+    skipped = [e["step"] for a in agents.values() for e in a.events("step_skipped")]
+    assert sorted(skipped) == [20, 20, 21, 21], skipped  # on every member
+    assert len([e for a in agents.values() for e in a.events("worker_started")]) == 2  # nobody restarted
+
+
+def test_a_rank_whose_gradients_stay_nan_leaves_and_its_node_is_out(agent_job) -> None:
+    """At nonfinite_steps (3) in a row its worker exits 78: its agent stops (exit 3, not restarted),
+    and the other node finishes the job alone, its parameters finite."""
+    job = agent_job(lease_ttl_s=LEASE_TTL_S)
+    prog = [
+        *RAISES,
+        "--steps",
+        "300",
+        "--nan-at",
+        "15",
+        "--nan-steps",
+        "1000",
+        "--nan-rank",
+        "1",
+        "--step-sleep",
+        "0.03",
+    ]
+    a = job.start("a", "--nnodes", "1:2", program=prog)
+    job.wait_for(lambda: bool(a.events("worker_started")), 60, "a's worker")
+    time.sleep(0.5)  # rank 0 on node a, rank 1 on node b (it joins at a regroup)
+    b = job.start("b", "--nnodes", "1:2", program=prog)
+    assert b.wait(120) == 3, job.logs_tail()
+    assert "GradientsNotFinite" in b.log_text() and "worker_fatal" in _stderr_reason(b.log_text())
+    assert a.wait(120) == 0, job.logs_tail()
+    (final,) = _finals(job, ("a",))
+    assert final.endswith("finite True"), final
+    steps = [e["step"] for e in b.events("gradients_not_finite")]
+    assert len(steps) == 3 and steps == list(range(steps[0], steps[0] + 3)), steps
+    assert len(b.events("worker_started")) == 1  # not restarted

@@ -17,13 +17,23 @@ pytestmark = pytest.mark.timeout(30)
 WORLD = 3
 
 
-def tally(vetoes: int = 0, regroups: int = 0, voters: int = WORLD) -> Tally:
-    return Tally(loss=1.5, vetoes=vetoes, regroups=regroups, voters=voters)
+def tally(vetoes: int = 0, regroups: int = 0, voters: int = WORLD, nonfinite: int = 0) -> Tally:
+    return Tally(loss=1.5, vetoes=vetoes, regroups=regroups, voters=voters, nonfinite=nonfinite)
 
 
 CASES = [
-    # (what, tally, outcome, regroup)
+    # (what, tally, outcome, regroup[, skip])
     ("every member voted", tally(), Outcome.APPLY, False),
+    ("a member's gradients are not finite: applied with no update", tally(nonfinite=1), Outcome.APPLY, False, True),
+    (
+        "not finite, and a regroup asked: skipped, then regroup",
+        tally(nonfinite=2, regroups=1),
+        Outcome.APPLY,
+        True,
+        True,
+    ),
+    ("a veto wins over gradients that are not finite", tally(nonfinite=1, vetoes=1), Outcome.ABORT, False),
+    ("a vote missing wins over them too", tally(nonfinite=1, voters=2), Outcome.ABORT, False),
     ("a newcomer waits or a member drains: apply, then regroup", tally(regroups=1), Outcome.APPLY, True),
     ("every member asks to regroup", tally(regroups=3), Outcome.APPLY, True),
     ("a member knows the generation is abandoned: nobody applies", tally(vetoes=1), Outcome.ABORT, False),
@@ -33,10 +43,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("what", "t", "outcome", "regroup"), CASES, ids=[c[0] for c in CASES])
-def test_commit_outcome(what: str, t: Tally, outcome: Outcome, regroup: bool) -> None:
+@pytest.mark.parametrize(
+    ("what", "t", "outcome", "regroup", "skip"), [(*c, False)[:5] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_commit_outcome(what: str, t: Tally, outcome: Outcome, regroup: bool, skip: bool) -> None:
     v = commit_outcome(t, WORLD)
-    assert (v.outcome, v.regroup) == (outcome, regroup), v.reason
+    assert (v.outcome, v.regroup, v.skip) == (outcome, regroup, skip), v.reason
     assert v.reason
 
 

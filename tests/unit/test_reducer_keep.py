@@ -14,7 +14,7 @@ from elasticd.retry import Bound
 from elasticd.worker.group.process_group import Group
 from elasticd.worker.step.reducer import GradientReducer
 
-VOTE = [0.0, 0.0, 0.0, 1.0]
+VOTE = [0.0, 0.0, 0.0, 1.0, 0.0]
 
 
 def _group(generation: int) -> Group:
@@ -71,4 +71,26 @@ def test_a_step_moves_to_a_new_group_between_micro_batches_with_what_it_accumula
         torch.testing.assert_close(p.grad, r.grad * 0.25)
     with pytest.raises(ProtocolViolation):  # its buckets went out: it cannot move now
         reducer.rearm(_group(3), 1.0)
+    reducer.close()
+
+
+@pytest.mark.parametrize(
+    ("poison", "check", "nonfinite"),
+    [(None, True, False), (float("nan"), True, True), (float("inf"), True, True), (float("nan"), False, False)],
+)
+def test_the_vote_sees_whether_this_ranks_own_gradients_are_finite(
+    poison: float | None, check: bool, nonfinite: bool
+) -> None:
+    """Each bucket is checked as it goes out, so the vote (written into the last one) knows; off
+    where a GradScaler owns that decision."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    reducer = GradientReducer(list(model.parameters()), torch.device("cpu"), bucket_cap_bytes=40, check_finite=check)
+    seen: list[bool] = []
+    reducer.begin(_group(1), 1, 1.0, lambda: seen.append(reducer.local_nonfinite()) or VOTE)
+    loss = model(torch.randn(2, 3)).sum()
+    (loss * poison if poison is not None else loss).backward()
+    reducer.finish(Bound.after(5.0, poll_s=0.05))
+    assert seen == [nonfinite] and reducer.local_nonfinite() is nonfinite
+    reducer.begin(_group(2), 2, 1.0, lambda: VOTE)  # a new step starts clean
+    assert reducer.local_nonfinite() is False
     reducer.close()

@@ -71,6 +71,7 @@ FULL_ENV = {
     "ELASTICD_ETCD_BACKOFF_MAX_S": "2",
     "ELASTICD_ETCD_RECONNECT_MAX_S": "0.25",
     "ELASTICD_STEP_RETRIES": "4",
+    "ELASTICD_NONFINITE_STEPS": "5",
     "ELASTICD_NODE_ID": "node-7",
     "ELASTICD_LOCAL_RANK": "3",
     "ELASTICD_ADVERTISE_ADDR": "10.1.2.3",
@@ -132,7 +133,12 @@ def test_from_environ_parses_every_variable() -> None:
         deputy_step_s=0.8,
     )
     assert env.retry == RetryPolicy(
-        etcd_attempts=3, etcd_backoff_initial_s=0.1, etcd_backoff_max_s=2.0, etcd_reconnect_max_s=0.25, step_retries=4
+        etcd_attempts=3,
+        etcd_backoff_initial_s=0.1,
+        etcd_backoff_max_s=2.0,
+        etcd_reconnect_max_s=0.25,
+        step_retries=4,
+        nonfinite_steps=5,
     )
     assert (env.node_id, env.local_rank, env.advertise_addr, env.backend) == ("node-7", 3, "10.1.2.3", "gloo")
     assert env.events_keep == 42

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-VOTE_SLOTS = 4  # the extra floats carried by the last gradient bucket (Vote.slots)
+VOTE_SLOTS = 5  # the extra floats carried by the last gradient bucket (Vote.slots)
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,10 @@ class Vote:
     weighted_loss: float  # its loss times its share of the global batch
     veto: bool  # it already knows this generation is abandoned (fenced, or its lease is gone)
     regroup: bool  # it asks the members to regroup after this step (newcomers wait, or it drains)
+    nonfinite: bool = False  # its own gradients hold a NaN or an infinity (checked where no GradScaler is)
 
     def slots(self) -> list[float]:
-        return [self.weighted_loss, float(self.veto), float(self.regroup), 1.0]
+        return [self.weighted_loss, float(self.veto), float(self.regroup), 1.0, float(self.nonfinite)]
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,20 @@ class Tally:
     vetoes: int
     regroups: int
     voters: int
+    nonfinite: int = 0  # members whose own gradients were not finite
 
     @classmethod
     def from_slots(cls, summed: Sequence[float]) -> Tally:
         if len(summed) != VOTE_SLOTS:
             raise ValueError(f"expected {VOTE_SLOTS} vote slots, got {len(summed)}")
-        loss, vetoes, regroups, voters = summed
-        return cls(float(loss), round(vetoes), round(regroups), round(voters))
+        loss, vetoes, regroups, voters, nonfinite = summed
+        return cls(float(loss), round(vetoes), round(regroups), round(voters), round(nonfinite))
 
 
 class Outcome(StrEnum):
-    APPLY = "apply"  # every receiver applies the step (optimizer.step(), counters) and holds it pending
+    # every receiver applies the step (optimizer.step(), counters) and holds it pending; a skipped
+    # step (``Verdict.skip``) is applied with no update: the counters and the data move on
+    APPLY = "apply"
     ABORT = "abort"  # nobody applies; every member leaves the generation and re-rendezvouses
 
 
@@ -64,6 +68,7 @@ class Verdict:
     outcome: Outcome
     reason: str
     regroup: bool = False  # APPLY: re-rendezvous after this step
+    skip: bool = False  # APPLY: the sum is not finite: every receiver applies no update (its gradients dropped)
 
 
 def commit_outcome(tally: Tally, world_size: int) -> Verdict:
@@ -72,6 +77,13 @@ def commit_outcome(tally: Tally, world_size: int) -> Verdict:
         return Verdict(Outcome.ABORT, f"{tally.voters} votes in a generation of {world_size}")
     if tally.vetoes:
         return Verdict(Outcome.ABORT, f"{tally.vetoes} member(s) vetoed: the generation is abandoned")
+    if tally.nonfinite:
+        return Verdict(
+            Outcome.APPLY,
+            f"{tally.nonfinite} member(s) had gradients that are not finite: the step is skipped",
+            regroup=tally.regroups > 0,
+            skip=True,
+        )
     if tally.regroups:
         return Verdict(Outcome.APPLY, f"{tally.regroups} member(s) asked to regroup", regroup=True)
     return Verdict(Outcome.APPLY, "every member voted")

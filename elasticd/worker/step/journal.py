@@ -277,6 +277,11 @@ class Journal:
         )
         self._publish_checkpoint(m, loaded.path)
 
+    def event(self, kind: EventKind, /, **detail: object) -> None:
+        """Record an event of this member for the job (best effort, in the background)."""
+        if self._events is not None:
+            self._events.record(kind, **detail)
+
     def checkpoint_saved(self, saved: SavedCheckpoint) -> None:
         """On the writer thread, once the checkpoint is in place (its step confirmed): the job's
         ``checkpoint`` record, by compare-and-set and never over a newer (step, seq) (a late

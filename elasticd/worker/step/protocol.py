@@ -81,10 +81,12 @@ class StepProtocol:
             # a closure over these, never over the trainer (a closure holding the trainer kept
             # retired groups alive until a garbage collection: fds grew by one per generation)
             membership, draining, wl, vd = self._membership, self._drain, op.weighted_loss, op.voted_drain
+            reducer = self._reducer
 
             def vote() -> list[float]:  # called right before the last bucket goes out
                 vd[0] = draining.is_set()  # only a drain the others were told of may end here
-                return Vote(wl[0], membership.veto(), membership.join_pending() or vd[0]).slots()
+                regroup = membership.join_pending() or vd[0]
+                return Vote(wl[0], membership.veto(), regroup, reducer.local_nonfinite()).slots()
 
             # begin() zeroes the gradients: they are views into its buckets
             self._reducer.begin(group, whole.step, whole.weight, vote, sync=micro.micro_count == 1)

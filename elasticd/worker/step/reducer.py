@@ -145,11 +145,16 @@ class GradientReducer:
         device: torch.device,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         keep_local: bool = False,
+        check_finite: bool = True,
     ) -> None:
         """``keep_local``: keep a copy of this rank's own gradients of each step (one more
         gradient-sized buffer), so a step whose all_reduce failed can be summed again in the next
-        generation without its backward (``replay``)."""
+        generation without its backward (``replay``). ``check_finite``: test this rank's own
+        gradients for NaN and infinity as each bucket goes out (``local_nonfinite``, for the vote);
+        off where a GradScaler owns that decision."""
         self._keep = keep_local
+        self._check_finite = check_finite
+        self._finite: list[torch.Tensor] = []  # per bucket gone out this step: all of its gradients finite
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters")
@@ -213,6 +218,7 @@ class GradientReducer:
         self._group, self._scale, self._error, self._vote = group, scale, None, vote
         self._step = step
         self._syncing = sync
+        self._finite = []
         for b in self._buckets:
             b.ready, b.work = 0, None
             b.bind_grads()
@@ -254,6 +260,8 @@ class GradientReducer:
             return
         if self._scale != 1.0:
             bucket.grads.mul_(self._scale)
+        if self._check_finite and bucket.numel:
+            self._finite.append(torch.isfinite(bucket.grads).all())
         if bucket is self._vote_bucket and self._vote is not None:
             slots = self._vote()
             assert len(slots) == bucket.extra, (len(slots), bucket.extra)
@@ -266,6 +274,11 @@ class GradientReducer:
             bucket.work = group.pg.allreduce([flat], opts)
         except RuntimeError as exc:  # a broken group can refuse at launch; latch, never raise in autograd
             self._error = CollectiveError(f"gradient all_reduce could not start: {exc}")
+
+    def local_nonfinite(self) -> bool:
+        """This rank's own gradients of the step, in the buckets gone out so far, hold a NaN or an
+        infinity (the vote bucket goes out last, so its vote sees every bucket). False unchecked."""
+        return not all(bool(f) for f in self._finite)
 
     def replay(self) -> None:
         """After ``begin`` in a new group: this rank's kept gradients of the step (``keep_local``)
@@ -281,6 +294,7 @@ class GradientReducer:
                 b.grads.copy_(b.kept)
             b.ready = len(b.params)
         self._syncing = True
+        self._finite = []
 
     def finish(self, bound: Bound) -> list[float]:
         """Launch what backward did not, wait for every bucket, write the averaged gradients back.
