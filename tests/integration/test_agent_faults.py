@@ -91,6 +91,7 @@ def _kill_node(agent_pid: int, worker_pids: list[int]) -> None:
     assert not alive, f"still alive {KILL_WAIT_S} s after SIGKILL: {alive}"
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(150)
 def test_node_loss_the_job_goes_on_smaller_and_the_node_rejoins_when_its_agent_is_back(agent_job):
     job = agent_job(lease_ttl_s=2, keepalive_s=0.5)

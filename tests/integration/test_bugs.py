@@ -79,16 +79,6 @@ def _iso(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def test_a_worker_that_raises_again_at_the_same_step_after_its_restart_stops_the_job(agent_job) -> None:
-    """World 1: the first exception is restarted (it could be a fault); the same one at the same
-    step after the restart is a bug."""
-    job = agent_job(lease_ttl_s=LEASE_TTL_S)
-    agent = job.start("a", "--max-restarts", "5", program=[*RAISES, "--raise-at", "6", "--steps", "50"])
-    assert agent.wait(90) == 3, job.logs_tail()
-    assert len(agent.events("worker_started")) == 2  # the first start and one restart
-    assert _stderr_reason(agent.log_text()).startswith("elasticd: job_failed: step 6: ValueError")
-
-
 def test_one_rank_raising_once_is_restarted_and_the_job_finishes(agent_job) -> None:
     """An exception on one rank at one step is no bug yet: the worker restarts, rejoins as a
     newcomer after the others committed that step, and the job finishes."""
@@ -110,10 +100,17 @@ def test_a_worker_exiting_no_restart_stops_its_agent_at_once_with_exit_3(agent_j
     assert "ConfigError: data_path: /no/such/dataset does not exist" in agent.log_text()
 
 
-def test_a_new_run_after_the_fix_is_not_stopped_by_the_last_runs_bug(agent_job) -> None:
+def test_a_worker_raising_again_after_its_restart_stops_the_job_and_a_new_run_after_the_fix_is_clean(
+    agent_job,
+) -> None:
+    """World 1: the first exception is restarted (it could be a fault); the same one at the same
+    step after the restart is a bug. The job started again with the bug fixed is not stopped by the
+    last run's records."""
     job = agent_job(lease_ttl_s=LEASE_TTL_S)
     agent = job.start("a", "--max-restarts", "5", program=[*RAISES, "--raise-at", "4", "--steps", "30"])
     assert agent.wait(90) == 3, job.logs_tail()
+    assert len(agent.events("worker_started")) == 2  # the first start and one restart
+    assert _stderr_reason(agent.log_text()).startswith("elasticd: job_failed: step 4: ValueError")
     assert _status(job)["health"] == "failed"
     fixed = job.start("a", program=[*RAISES, "--steps", "30"])  # the same job, the bug fixed
     assert fixed.wait(90) == 0, job.logs_tail()

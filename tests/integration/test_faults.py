@@ -219,6 +219,7 @@ def test_a_standby_beyond_max_workers_waits_without_forcing_generations(local_jo
     assert len(rep.generations) <= 3, rep.generations
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_etcd_restarts_mixed_with_worker_kills_repeat_no_step(local_job, etcd_server):
     """A mix that can commit a step twice: etcd SIGKILLed and restarted, and a worker
     SIGKILLed right after, again and again, with replacements joining. Every step is committed

@@ -300,6 +300,7 @@ def test_a_bogus_mode_is_one_clear_error_and_exit_2() -> None:
     assert proc.stderr.splitlines() == ["elasticd: mode: must be one of elastic, restart, got 'bogus' (from --mode)"]
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(180)
 def test_a_node_joining_and_a_node_leaving_each_restart_the_group_without_using_the_budget(
     etcd_server: EtcdServer, run: Run

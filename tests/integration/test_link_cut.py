@@ -61,6 +61,7 @@ def _commits(audit: Path) -> list[dict[str, object]]:
     return out
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_a_host_cut_off_is_left_behind_before_its_lease_ends_and_rejoins(net: NetnsHosts, tmp_path: Path) -> None:
     bridge = net.plan.bridge_addr
     etcd = EtcdServer(extra_hosts=[bridge]).start()

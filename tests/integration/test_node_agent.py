@@ -172,6 +172,7 @@ def test_sigkill_of_a_worker_revokes_its_lease_at_once_and_the_agent_restarts_it
     assert len(set(rep.final_checksums)) == 1
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(120)
 def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigcont(agent_job):
     # A 10 s lease: without the agent's revocation the other worker would wait for it to expire.

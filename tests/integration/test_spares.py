@@ -124,6 +124,7 @@ def test_a_crashed_and_then_a_hung_worker_are_each_replaced_by_a_waiting_spare(a
     assert synced and synced[0]["world_size"] == 2
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(200)
 def test_spares_beyond_max_workers_wait_quietly_and_a_standby_node_replaces_a_lost_node(agent_job):
     job = agent_job(lease_ttl_s=4)
