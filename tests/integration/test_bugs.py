@@ -165,7 +165,7 @@ def test_a_rank_whose_gradients_stay_nan_leaves_and_its_node_is_out(agent_job) -
     prog = [
         *RAISES,
         "--steps",
-        "300",
+        "200",
         "--nan-at",
         "15",
         "--nan-steps",
