@@ -347,6 +347,28 @@ class RetryPolicy:
                 raise ConfigError(f"{name}: must be a positive, finite number, got {value!r}")
 
 
+def _check_stragglers_and_health(c: AgentConfig) -> None:
+    """The straggler and health check settings of ``AgentConfig``.
+
+    Raises:
+        ConfigError: naming the first bad one.
+    """
+    for name in ("health_check_timeout_s", "straggler_s", "straggler_cooldown_s"):
+        if not _positive_finite(getattr(c, name)):
+            raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {getattr(c, name)!r}")
+    if not (_positive_finite(c.straggler_score) and c.straggler_score > 1):
+        raise ConfigError(f"straggler_score: must be a finite number > 1, got {c.straggler_score!r}")
+    if c.straggler_policy not in STRAGGLER_POLICIES:
+        raise ConfigError(
+            f"straggler_policy: must be one of {', '.join(STRAGGLER_POLICIES)}, got {c.straggler_policy!r}"
+        )
+    interval = c.health_check_interval_s
+    if not (_positive_finite(interval) or (type(interval) in (int, float) and interval == 0)):
+        raise ConfigError(
+            f"health_check_interval_s: must be a finite number of seconds >= 0 (0: only before starts), got {interval!r}"
+        )
+
+
 # A job id and a node id are etcd key segments, file names (a job's checkpoints go to
 # <checkpoint_dir>/<job_id>/) and parts of member ids (<node>.<local_rank>.<pid>). Starting with a
 # letter or digit keeps out '.', '..' and what looks like a flag.
@@ -553,6 +575,7 @@ class WorkerEnv:
 # The node agent
 
 AGENT_MODES = ("elastic", "restart")  # AgentConfig.mode
+STRAGGLER_POLICIES = ("report", "replace")  # AgentConfig.straggler_policy
 
 
 @dataclass(frozen=True)
@@ -677,6 +700,47 @@ class AgentConfig:
             "newcomer when it continues (0: never)."
         },
     )
+    straggler_score: float = field(
+        default=1.5,
+        metadata={
+            "doc": "A worker whose own compute time per step (smoothed; its batch, forward and backward) is at "
+            "least this many times the median of the others' in its generation is slow (its straggler score)."
+        },
+    )
+    straggler_s: float = field(
+        default=10.0,
+        metadata={"doc": "A worker slow for this long is a straggler: its agent reports it (straggler_detected)."},
+    )
+    straggler_policy: str = field(
+        default="report",
+        metadata={
+            "doc": "report: a straggler is logged, recorded as an event and scored in elasticctl status and the "
+            "metrics; replace: also, when a warm spare waits on another node, the straggler's node is drained "
+            "so that the spare takes its place (one node per straggler_cooldown_s, never below min_workers)."
+        },
+    )
+    straggler_cooldown_s: float = field(
+        default=60.0,
+        metadata={
+            "doc": "After a node is replaced as a straggler, no other is for this long (the job's straggler lease)."
+        },
+    )
+    health_check: str = field(
+        default="",
+        metadata={
+            "doc": "A shell command (run with sh -c) that checks this node before its workers start, before each "
+            "restart and every health_check_interval_s; exit 0 passes. A failing check keeps the node out of "
+            "the job: its workers are stopped (as in a drain) and none starts until a check passes. Its "
+            "output goes to the log, an event and elasticctl status. Empty: no check."
+        },
+    )
+    health_check_timeout_s: float = field(
+        default=60.0, metadata={"doc": "A health check that has not ended after this long fails (it is killed)."}
+    )
+    health_check_interval_s: float = field(
+        default=300.0,
+        metadata={"doc": "How often the health check runs while the node is up (0: only before starts)."},
+    )
     metrics_port: int = field(
         default=0, metadata={"doc": "TCP port of the Prometheus metrics endpoint (/metrics); 0: no endpoint."}
     )
@@ -706,6 +770,7 @@ class AgentConfig:
             value = getattr(self, name)
             if not _positive_finite(value):
                 raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+        _check_stragglers_and_health(self)
         if not (
             isinstance(self.hang_timeout_s, (int, float))
             and not isinstance(self.hang_timeout_s, bool)

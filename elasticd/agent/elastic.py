@@ -68,9 +68,11 @@ from elasticd.agent.elastic_decide import (
     decide,
     member_leases,
 )
+from elasticd.agent.health import HealthChecker, HealthResult
 from elasticd.agent.jobview import (
     JobReader,
     JobView,
+    WorkerPhase,
     advance_mark,
     job_read_interval_s,
     observe_worker,
@@ -87,6 +89,7 @@ from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord
+from elasticd.wire.stragglers import StragglerRecord, encode_straggler, slow_since
 
 log = structlog.get_logger(__name__)
 
@@ -123,6 +126,8 @@ class Agent(AgentDaemon):
         self._last_exit: dict[int, str] = {}
         self._since: float | None = None  # wall clock of the node id claim
         self._relay: NodeRelay | None = None  # this node's relay, while it runs
+        self._health: HealthChecker | None = None  # the node's health check, when one is set
+        self._stop_cause = ""  # why the agent drains itself (a straggler), when it does
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -142,6 +147,9 @@ class Agent(AgentDaemon):
         if self._reader is not None:
             self._reader.stop()
             self._reader = None
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
 
     def _serve(self, waker: Waker) -> AgentOutcome:
         c = self._config
@@ -178,6 +186,10 @@ class Agent(AgentDaemon):
         self._presence = presence
         self._presence.start()
         self._clear_failures_of_a_past_run()
+        if c.health_check:
+            self._health = HealthChecker(
+                c.health_check, c.health_check_timeout_s, c.health_check_interval_s, self._clock, waker.poke
+            )
         self._relay = self._start_relay() if c.relay else None
         # Always read: a worker's exit 0 is done only when the job finished (``awaits_finish``).
         self._reader = JobReader(
@@ -281,6 +293,7 @@ class Agent(AgentDaemon):
             time=time.time(),
             workers=tuple(workers),
             since=self._since,
+            health=_health_text(self.snapshot.health) if c.health_check else None,
         )
 
     def _loop(self, waker: Waker) -> AgentOutcome:
@@ -344,6 +357,10 @@ class Agent(AgentDaemon):
             self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e, exited_at=now)
             if self._reader is not None:  # did the job finish (``awaits_finish``), or show a bug?
                 self._reader.refresh()
+            if self._health is not None:  # a restart waits for a check run after this exit
+                self.snapshot = replace(self.snapshot, health_after=now)
+                self._health.request()
+        self._observe_health()
         if self._config.stopped_worker_s > 0:
             self._observe_stopped(now)
         for thread in (self._presence, self._reader):  # their etcd refused them: stop (_guarded_loop)
@@ -352,6 +369,17 @@ class Agent(AgentDaemon):
         view = self._reader.latest() if self._reader is not None else None
         if view is not None and view is not self.snapshot.view:
             self._take_view(view)
+
+    def _observe_health(self) -> None:
+        """Take the newest health check; a change from passing to failing (or back) is an event."""
+        h = self._health.latest() if self._health is not None else None
+        old = self.snapshot.health
+        if h is None or h is old:
+            return
+        self.snapshot = replace(self.snapshot, health=h)
+        if old is None or old.passed != h.passed:
+            kind = EventKind.HEALTH_CHECK_PASSED if h.passed else EventKind.HEALTH_CHECK_FAILED
+            self._event(kind, output=h.output[-500:], duration_s=round(h.duration_s, 3))
 
     def _observe_stopped(self, now: float) -> None:
         """Note when each running worker was first seen stopped (state T), and when it continued."""
@@ -370,18 +398,24 @@ class Agent(AgentDaemon):
 
     def _take_view(self, view: JobView) -> None:
         """A new read of the job: move each running worker's progress mark; update the metrics."""
-        node = self._config.node_id
+        node, bound = self._config.node_id, self._config.straggler_score
         slots = []
         observed = {}
+        scores = view.scores
         for s in self.snapshot.slots:
             if s.state is SlotState.RUNNING and s.pid:
                 obs = observe_worker(view, node, self._supervisor.pids(s.local_rank) or {s.pid})
                 observed[s.local_rank] = obs
-                s = replace(s, mark=advance_mark(s.mark, obs, view))
+                score = scores.get(obs.member_id) if obs.phase is WorkerPhase.TRAINING else None
+                since = slow_since(s.slow_since, score, view.read_at, bound)
+                acted = s.straggler_acted and since is not None  # a new episode is reported again
+                s = replace(
+                    s, mark=advance_mark(s.mark, obs, view), score=score, slow_since=since, straggler_acted=acted
+                )
             slots.append(s)
         self.snapshot = replace(self.snapshot, slots=tuple(slots), view=view)
         if self._metrics is not None:
-            self._metrics.set_view(view, observed)
+            self._metrics.set_view(view, observed, scores)
 
     def _log_exit(self, e: WorkerExit) -> None:
         stats = e.last_stats
@@ -453,13 +487,47 @@ class Agent(AgentDaemon):
         log.info("workers_signalled", signal="SIGTERM", pids=pids, grace_s=grace_s, reason=action.reason)
         if action.next_state is AgentState.DRAINING:
             req = self._drain_request
-            cause = (
+            cause = self._stop_cause or (
                 "elasticctl drain" + (f" by {req.requested_by}" if req else "")
                 if self._drain_acted
                 else "stop signal (SIGTERM/SIGINT)"
             )
             self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
         self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
+
+    def _straggler(self, action: Action) -> None:
+        """A local worker is a straggler: report it (a log line, an event); with ``straggler_policy``
+        replace, drain this node when a spare waits on another node and no other replacement holds
+        the job's ``straggler`` lease (compare-and-set on absence: never two at once)."""
+        c, v = self._config, self.snapshot.view
+        slot = self._set_slot(action.local_rank, straggler_acted=True)
+        obs = observe_worker(v, c.node_id, self._supervisor.pids(slot.local_rank) or {slot.pid}) if v else None
+        member = obs.member_id if obs is not None else ""
+        compute = obs.progress.compute_s if obs is not None and obs.progress is not None else None
+        detail = dict(local_rank=slot.local_rank, member=member, score=round(slot.score or 0.0, 3), compute_s=compute)
+        log.warning("straggler_detected", **detail, reason=action.reason)
+        self._event(EventKind.STRAGGLER_DETECTED, **detail)
+        if self._metrics is not None:
+            self._metrics.straggler_detected(slot.local_rank)
+        if c.straggler_policy != "replace" or v is None or self.snapshot.stop_requests:
+            return
+        if not v.spares_waiting(other_than=c.node_id):
+            log.info("straggler_not_replaced", member=member, reason="no warm spare waits on another node")
+            return
+        record = StragglerRecord(c.node_id, member, round(slot.score or 0.0, 3), time.time())
+        try:
+            lease = self._store.grant_lease(c.straggler_cooldown_s)
+            won = self._store.compare_and_put(self._keys.straggler, 0, encode_straggler(record), lease=lease)
+        except EtcdUnavailable as exc:
+            log.warning("straggler_not_replaced", member=member, reason=f"etcd: {str(exc)[:200]}")
+            return
+        if not won:
+            log.info("straggler_not_replaced", member=member, reason="another node is being replaced (straggler lease)")
+            return
+        log.warning("straggler_replaced", **detail, cooldown_s=c.straggler_cooldown_s)
+        self._event(EventKind.STRAGGLER_REPLACED, **detail)
+        self._stop_cause = f"straggler (score {slot.score or 0.0:.2f}): a waiting spare takes its place"
+        self._pending_stop += 1
 
     def _job_failed(self, action: Action) -> None:
         """A bug stops the job (``JobView.bug``): log it with its traceback's tail, record the event,
@@ -486,6 +554,8 @@ class Agent(AgentDaemon):
         elif action.kind is ActionKind.KILL:
             self._kill_workers(action.reason)
             self.snapshot = replace(self.snapshot, kill_deadline=action.until)
+        elif action.kind is ActionKind.STRAGGLER:
+            self._straggler(action)
         elif action.kind is ActionKind.KILL_HUNG:
             slot = self.snapshot.slots[action.local_rank]
             pids = self._supervisor.kill([action.local_rank])
@@ -518,6 +588,8 @@ class Agent(AgentDaemon):
             self._revoke_leases(action.local_rank, slot.pid, self._supervisor.pids(action.local_rank))
         if action.next_state is not None:
             self.snapshot = replace(self.snapshot, state=action.next_state)
+        if action.next_state is AgentState.RUNNING:  # back from UNHEALTHY: its stop is over
+            self.snapshot = replace(self.snapshot, terminate_deadline=None, kill_deadline=None)
 
     def _spawn(self, local_rank: int, now: float) -> None:
         c = self._config
@@ -597,3 +669,10 @@ def _close_relay(relay: NodeRelay) -> None:
     """Stop ``relay`` and remove the directory of its socket (``Agent._start_relay`` made it)."""
     relay.close()
     os.rmdir(os.path.dirname(relay.path))
+
+
+def _health_text(h: HealthResult | None) -> str | None:
+    """The node record's ``health``: "passing", "failing: <output's tail>", or None (no result yet)."""
+    if h is None:
+        return None
+    return "passing" if h.passed else f"failing: {h.output[-300:]}"

@@ -25,6 +25,7 @@ from elasticd.agent.daemon import (
     restarts_in_window,
     stop_ladder,
 )
+from elasticd.agent.health import HealthResult
 from elasticd.agent.jobview import JobView, ProgressMark, is_hung
 from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.config import AgentConfig
@@ -39,6 +40,9 @@ class AgentState(StrEnum):
 
     * STARTING -> RUNNING: the first worker is started.
     * STARTING, RUNNING -> DRAINING: a stop request (SIGTERM/SIGINT, ``request_stop``, ``drain/<node>``).
+    * STARTING, RUNNING -> UNHEALTHY: the health check failed (its workers are stopped; an exit
+      puts its slot back to PENDING); UNHEALTHY -> RUNNING: a check passed and a worker starts;
+      UNHEALTHY -> DRAINING: a stop request.
     * RUNNING -> STOPPING: a worker failed with the restart budget spent (``restarts_exhausted``),
       exited ``EXIT_NO_RESTART`` (``worker_fatal``), or the job's failure records show a bug
       (``job_failed``: the same exception at the same step in two or more workers).
@@ -50,6 +54,7 @@ class AgentState(StrEnum):
     RUNNING = "running"  # supervising: restarting failed workers within the budget
     DRAINING = "draining"  # asked to stop (SIGTERM): workers finish their step and leave; exit 0
     STOPPING = "stopping"  # a fatal condition (restarts exhausted): workers are stopped; exit 1
+    UNHEALTHY = "unhealthy"  # the health check failed: workers stopped, none started until a check passes
 
 
 class SlotState(StrEnum):
@@ -86,6 +91,9 @@ class Slot:
     stopped_at: float | None = None  # RUNNING: first seen stopped (state T) at (monotonic); None: not stopped
     stop_revoked: bool = False  # RUNNING: stopped past stopped_worker_s, and its lease was revoked
     exited_at: float | None = None  # EXITED: when the executor saw its process end (monotonic)
+    score: float | None = None  # RUNNING: its straggler score at the last read (None: none)
+    slow_since: float | None = None  # RUNNING: when its slow episode began (``wire.stragglers``)
+    straggler_acted: bool = False  # RUNNING: this slow episode was reported (and acted on)
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,8 @@ class AgentSnapshot:
     reason: str = ""  # why the agent is stopping (STOPPING)
     exit_code: int = EXIT_FATAL  # STOPPING: the exit code once no worker runs
     view: JobView | None = None  # the newest read of the job's keys (None: none succeeded yet)
+    health: HealthResult | None = None  # the newest health check (None: none ended yet, or no check)
+    health_after: float = float("-inf")  # a (re)start waits for a check that ended after this (monotonic)
 
     @classmethod
     def initial(cls, nproc: int) -> AgentSnapshot:
@@ -112,6 +122,7 @@ class ActionKind(StrEnum):
     RELEASE = "release"  # a worker ended: revoke its lease, then put its slot in slot_state
     TERMINATE = "terminate"  # SIGTERM to every running worker; kill after `until`
     KILL = "kill"  # SIGKILL to every running worker (and its children); give up after `until`
+    STRAGGLER = "straggler"  # local_rank's worker is a straggler: report it (and replace its node, by policy)
     KILL_HUNG = "kill_hung"  # SIGKILL the hung worker of local_rank (and its children); its exit restarts it
     REVOKE_STOPPED = "revoke_stopped"  # revoke the lease of local_rank's stopped worker (it is not killed)
     JOB_FAILED = "job_failed"  # a bug stops the job (``JobView.bug``): record it, stop (STOPPING, exit 3)
@@ -158,26 +169,12 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
         )
     if stopping:
         return _stopping(snap, running, now, config)
-    hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)), None)
-    if hung is not None:
-        assert hung.mark is not None and snap.view is not None
-        return Action(
-            ActionKind.KILL_HUNG,
-            f"worker {hung.local_rank} (pid {hung.pid}) made no progress for "
-            f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
-            f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
-            local_rank=hung.local_rank,
-        )
-    frozen = next((s for s in running if stopped_past(s, now, config.stopped_worker_s)), None)
-    if frozen is not None:
-        assert frozen.stopped_at is not None
-        return Action(
-            ActionKind.REVOKE_STOPPED,
-            f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for "
-            f"{now - frozen.stopped_at:.2f} s (stopped_worker_s {config.stopped_worker_s:g}): its lease "
-            f"is revoked so that the others regroup without it now; it rejoins when it continues",
-            local_rank=frozen.local_rank,
-        )
+    unhealthy = _health(snap, running, now, config)
+    if unhealthy is not None:
+        return unhealthy
+    fault = _running_fault(snap, running, now, config)
+    if fault is not None:
+        return fault
     pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
     if pending is not None:
         return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
@@ -188,6 +185,45 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     if all(s.state is SlotState.DONE for s in snap.slots):
         return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
     return Action(ActionKind.WAIT, "supervising", until=_next_deadline(snap, running, config))
+
+
+def _health(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig) -> Action | None:
+    """What the health check asks for, if anything (None: no check, or a passing one that no
+    (re)start waits for). A failed check stops the workers (SIGTERM, then the stop ladder) and
+    keeps the node UNHEALTHY; a (re)start waits for a passing check that ended after
+    ``health_after`` (the last exit); a pass brings an UNHEALTHY node back (its slots start)."""
+    if not config.health_check:
+        return None
+    h = snap.health
+    if h is not None and not h.passed:
+        if snap.state is not AgentState.UNHEALTHY:
+            return Action(
+                ActionKind.TERMINATE,
+                f"health_check_failed: {h.output[-300:]}",
+                next_state=AgentState.UNHEALTHY,
+                until=now + config.timeouts.shutdown_grace_s,
+            )
+        if not running:
+            return Action(ActionKind.WAIT, "unhealthy: waiting for a health check to pass")
+        assert snap.terminate_deadline is not None
+        step = stop_ladder(
+            now,
+            terminate_deadline=snap.terminate_deadline,
+            kill_deadline=snap.kill_deadline,
+            stop_requests=snap.stop_requests,
+            grace_s=config.timeouts.shutdown_grace_s,
+            kill_wait_s=config.kill_wait_s,
+        )
+        if step.rung is Rung.GIVE_UP:
+            return Action(ActionKind.EXIT, f"{step.reason}; the node is unhealthy", exit_code=EXIT_FATAL)
+        kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
+        return Action(kind, step.reason, until=step.until)
+    starting = any(
+        s.state is SlotState.PENDING or (s.state is SlotState.BACKOFF and s.restart_at <= now) for s in snap.slots
+    )
+    if starting and (h is None or h.at < snap.health_after):
+        return Action(ActionKind.WAIT, "waiting for a health check before a worker starts")
+    return None
 
 
 def _stopping(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig) -> Action:
@@ -239,11 +275,57 @@ def awaits_finish(slot: Slot, snap: AgentSnapshot, now: float, config: AgentConf
     e, v = slot.exit, snap.view
     if slot.state is not SlotState.EXITED or e is None or not e.ok or slot.exited_at is None:
         return False
-    if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
+    if snap.state in (AgentState.DRAINING, AgentState.STOPPING, AgentState.UNHEALTHY) or snap.stop_requests:
         return False
     if v is not None and (v.finished or v.read_at >= slot.exited_at):
         return False
     return now < slot.exited_at + config.timeouts.etcd_outage_s
+
+
+def _running_fault(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig) -> Action | None:
+    """A running worker to act on: hung (killed), stopped past ``stopped_worker_s`` (its lease
+    revoked), or a straggler (reported; replaced by policy). None: none."""
+    hung = next((s for s in running if not s.hang_killed and is_hung(s.mark, snap.view, config.hang_timeout_s)), None)
+    if hung is not None:
+        assert hung.mark is not None and snap.view is not None
+        return Action(
+            ActionKind.KILL_HUNG,
+            f"worker {hung.local_rank} (pid {hung.pid}) made no progress for "
+            f"{snap.view.read_at - hung.mark.at:.1f} s (hang_timeout_s {config.hang_timeout_s:g}) while "
+            f"the job's committed step grew from {hung.mark.job_step} to {snap.view.job_step}",
+            local_rank=hung.local_rank,
+        )
+    frozen = next((s for s in running if stopped_past(s, now, config.stopped_worker_s)), None)
+    if frozen is not None:
+        assert frozen.stopped_at is not None
+        return Action(
+            ActionKind.REVOKE_STOPPED,
+            f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for "
+            f"{now - frozen.stopped_at:.2f} s (stopped_worker_s {config.stopped_worker_s:g}): its lease "
+            f"is revoked so that the others regroup without it now; it rejoins when it continues",
+            local_rank=frozen.local_rank,
+        )
+    slow = next((s for s in running if is_straggler(s, now, config)), None)
+    if slow is not None:
+        assert slow.slow_since is not None and slow.score is not None
+        return Action(
+            ActionKind.STRAGGLER,
+            f"worker {slow.local_rank} (pid {slow.pid}) scored {slow.score:.2f} (straggler_score "
+            f"{config.straggler_score:g}) for {now - slow.slow_since:.1f} s (straggler_s {config.straggler_s:g})",
+            local_rank=slow.local_rank,
+        )
+    return None
+
+
+def is_straggler(slot: Slot, now: float, config: AgentConfig) -> bool:
+    """``slot``'s running worker has been slow (``wire.stragglers``) for ``straggler_s`` or longer,
+    and this episode was not acted on yet."""
+    return (
+        slot.state is SlotState.RUNNING
+        and slot.slow_since is not None
+        and not slot.straggler_acted
+        and now - slot.slow_since >= config.straggler_s
+    )
 
 
 def stopped_past(slot: Slot, now: float, stopped_worker_s: float) -> bool:
@@ -264,13 +346,9 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
     what = f"worker {slot.local_rank} (pid {e.pid}) {e.describe()}"
     if slot.hang_killed:
         what += " as hung"
-    if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
-        return Action(
-            ActionKind.RELEASE,
-            f"{what}; the agent is stopping",
-            local_rank=slot.local_rank,
-            slot_state=SlotState.DONE if e.ok else SlotState.STOPPED,
-        )
+    held = _release_out_of_service(snap, slot, what)
+    if held is not None:
+        return held
     if e.ok:
         done = _exit_0(snap, slot, what, config)
         if done is not None:
@@ -315,6 +393,27 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
         slot_state=SlotState.BACKOFF,
         restart_at=now + delay,
     )
+
+
+def _release_out_of_service(snap: AgentSnapshot, slot: Slot, what: str) -> Action | None:
+    """The RELEASE of a worker that ended while the agent stops (DONE on 0, else STOPPED) or while
+    the node is unhealthy (PENDING: it starts again once a check passes). None: neither."""
+    if snap.state in (AgentState.DRAINING, AgentState.STOPPING) or snap.stop_requests:
+        return Action(
+            ActionKind.RELEASE,
+            f"{what}; the agent is stopping",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.DONE if slot.exit is not None and slot.exit.ok else SlotState.STOPPED,
+        )
+    if snap.state is AgentState.UNHEALTHY:  # stopped for the node's sake: started again once healthy
+        return Action(
+            ActionKind.RELEASE,
+            f"{what}; the node is unhealthy: it starts again once a health check passes",
+            local_rank=slot.local_rank,
+            slot_state=SlotState.PENDING,
+            budgeted=False,
+        )
+    return None
 
 
 def _exit_0(snap: AgentSnapshot, slot: Slot, what: str, config: AgentConfig) -> Action | None:

@@ -38,6 +38,7 @@ from elasticd.wire.failures import DeterministicFailure, FailureRecord, decode_f
 from elasticd.wire.progress import ProgressRecord, parse_progress
 from elasticd.wire.records import MemberRecord
 from elasticd.wire.snapshot import parse_snapshot
+from elasticd.wire.stragglers import straggler_scores
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +57,24 @@ class JobView:
     progress: Mapping[str, ProgressRecord] = field(default_factory=dict)
     finished: bool = False  # the job reached its target step (``finished`` record)
     failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions (``failures/``)
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Each generation member's straggler score (``wire.stragglers``), from its progress record."""
+        compute = {
+            m: p.compute_s
+            for m, p in self.progress.items()
+            if m in self.in_generation and p.generation == self.generation and p.compute_s is not None
+        }
+        return straggler_scores(compute)
+
+    def spares_waiting(self, other_than: str) -> int:
+        """Warm spares waiting outside the generation on nodes other than ``other_than``."""
+        return sum(
+            1
+            for m, rec in self.members.items()
+            if rec.spare and rec.node != other_than and m in self.waiting and m not in self.in_generation
+        )
 
     @property
     def bug(self) -> DeterministicFailure | None:
@@ -163,17 +182,23 @@ def is_hung(mark: ProgressMark | None, view: JobView | None, hang_timeout_s: flo
 
 
 HANG_READS_PER_TIMEOUT = 10  # reads of the job per hang_timeout_s when only hang detection needs them
+STRAGGLER_READS_PER_BOUND = 4  # reads of the job per straggler_s (a straggler is found within 1.25 x straggler_s)
 
 
 def job_read_interval_s(config: AgentConfig, live_consumers: bool) -> float:
     """How often the agent reads the job's keys: every ``keepalive_s`` for metrics and systemd
-    STATUS (``live_consumers``); for hang detection alone, ``HANG_READS_PER_TIMEOUT`` times per
-    ``hang_timeout_s`` but never more often than every ``keepalive_s`` (each read holds every
-    member's records, so many nodes reading a large job often would load etcd)."""
+    STATUS (``live_consumers``); else ``STRAGGLER_READS_PER_BOUND`` times per ``straggler_s`` and
+    ``HANG_READS_PER_TIMEOUT`` times per ``hang_timeout_s``, whichever is more often, but never more
+    often than every ``keepalive_s`` (each read holds every member's records, so many nodes
+    reading a large job often would load etcd)."""
     k = config.timeouts.keepalive_s
-    if live_consumers or config.hang_timeout_s <= 0:
+    if live_consumers:
         return k
-    return max(k, config.hang_timeout_s / HANG_READS_PER_TIMEOUT)
+    # straggler detection: STRAGGLER_READS_PER_BOUND reads per straggler_s
+    interval = config.straggler_s / STRAGGLER_READS_PER_BOUND
+    if config.hang_timeout_s > 0:
+        interval = min(interval, config.hang_timeout_s / HANG_READS_PER_TIMEOUT)
+    return max(k, interval)
 
 
 class JobReader:

@@ -13,6 +13,11 @@ Metrics (all prefixed ``elasticd_``):
 * ``generation``, ``world_size``, ``committed_step``: the job, as of the last read;
 * ``step_time_seconds``: the last step time reported by the generation's rank 0;
 * ``worker_step_time_seconds{local_rank}``: the last step time of this node's worker;
+* ``worker_compute_seconds{local_rank}``: its own compute time per step, smoothed (batch start to
+  its contribution to the sum);
+* ``worker_straggler_score{local_rank}``: that time over the median of the other members'
+  (``wire.stragglers``; about 1 when healthy);
+* ``worker_stragglers_total{local_rank}``: its slow episodes that lasted ``straggler_s``;
 * ``recoveries_total{cause}``: recoveries of this node's workers (a generation broke and they
   trained again in a new one), by what broke it;
 * ``recovery_duration_seconds``: histogram of those recoveries' durations (failure to training);
@@ -63,6 +68,24 @@ class AgentMetrics:
         self.worker_step_time = Gauge(
             "elasticd_worker_step_time_seconds", "The last step time of this node's worker.", ["local_rank"], registry=r
         )
+        self.worker_compute = Gauge(
+            "elasticd_worker_compute_seconds",
+            "This node's worker's own compute time per step, smoothed.",
+            ["local_rank"],
+            registry=r,
+        )
+        self.straggler_score = Gauge(
+            "elasticd_worker_straggler_score",
+            "This node's worker's compute time over the median of the others' (about 1 when healthy).",
+            ["local_rank"],
+            registry=r,
+        )
+        self.stragglers = Counter(
+            "elasticd_worker_stragglers",
+            "Slow episodes of this node's worker that lasted straggler_s.",
+            ["local_rank"],
+            registry=r,
+        )
         self.recoveries = Counter(
             "elasticd_recoveries", "Recoveries of this node's workers, by cause.", ["cause"], registry=r
         )
@@ -88,8 +111,11 @@ class AgentMetrics:
         )
         self._recoveries_seen: dict[str, int] = {}  # member id -> its recoveries count last seen
 
-    def set_view(self, view: JobView, local: Mapping[int, WorkerObservation]) -> None:
-        """Take a read of the job's keys, and what this node's running workers look like in it."""
+    def set_view(
+        self, view: JobView, local: Mapping[int, WorkerObservation], scores: Mapping[str, float] | None = None
+    ) -> None:
+        """Take a read of the job's keys, what this node's running workers look like in it, and the
+        generation's straggler scores (``wire.stragglers``)."""
         self.generation.set(view.generation)
         self.world_size.set(view.world_size)
         self.committed_step.set(view.job_step)
@@ -112,6 +138,11 @@ class AgentMetrics:
                 continue
             if p.step_time_s is not None:
                 self.worker_step_time.labels(local_rank=str(lr)).set(p.step_time_s)
+            if p.compute_s is not None:
+                self.worker_compute.labels(local_rank=str(lr)).set(p.compute_s)
+            score = (scores or {}).get(obs.member_id)
+            if score is not None:
+                self.straggler_score.labels(local_rank=str(lr)).set(score)
             before = self._recoveries_seen.get(obs.member_id, 0)
             if p.recoveries > before:
                 self.recoveries.labels(cause=p.last_recovery_cause or "unknown").inc(p.recoveries - before)
@@ -121,6 +152,9 @@ class AgentMetrics:
         live = {o.member_id for o in local.values() if o.member_id}
         for mid in [m for m in self._recoveries_seen if m not in live and m not in view.members]:
             del self._recoveries_seen[mid]  # bounded: forget members that are gone
+
+    def straggler_detected(self, local_rank: int) -> None:
+        self.stragglers.labels(local_rank=str(local_rank)).inc()
 
     def set_workers(self, nproc: int, running: Mapping[int, int], stats: Mapping[int, WorkerStats]) -> None:
         """Which local ranks run, and their last resource samples."""

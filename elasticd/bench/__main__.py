@@ -6,6 +6,8 @@ node agents) and prints its figures: a table, or one JSON object with ``--json``
 * ``recovery``: fault recovery (SIGKILL, SIGSTOP), a newcomer's join, step time vs plain torch DDP
   and the newcomer's state transfer vs a raw gloo broadcast (``bench.recovery``);
 * ``agent``: under real node agents, crash detection, drain and node-loss recovery (``bench.agent``);
+* ``straggler``: a slowed worker found and its node replaced by a standby node's spare
+  (``bench.straggler``);
 * ``checkpoint``: durable checkpoints' step overhead, write throughput and resume time
   (``bench.checkpoint``);
 * ``outage``: what an etcd outage with no membership change costs (``bench.outage``);
@@ -27,7 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from elasticd.bench import agent, checkpoint, hostloss, leader, outage, recovery, rendezvous
+from elasticd.bench import agent, checkpoint, hostloss, leader, outage, recovery, rendezvous, straggler
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "under real node agents: crash detection, drain and node-loss recovery (elasticd.bench.agent)",
         agent.add_args,
         agent.run_cmd,
+    ),
+    "straggler": Subcommand(
+        "under real node agents: a worker slowed by a stop/continue duty cycle, found and its node replaced by a "
+        "standby node's spare (detection time, step rate while slowed and after, elasticd.bench.straggler)",
+        straggler.add_args,
+        straggler.run_cmd,
     ),
     "checkpoint": Subcommand(
         "durable checkpoints with ~100 MB of state: step overhead, write throughput vs a plain "

@@ -87,10 +87,14 @@ class GenerationWatch:
 class AgentJob:
     """One job under ``nodes`` agents; each node's worker appends to ``<node>.jsonl``."""
 
-    def __init__(self, etcd: EtcdServer, workdir: Path, job_id: str, s: AgentBenchSettings) -> None:
+    def __init__(
+        self, etcd: EtcdServer, workdir: Path, job_id: str, s: AgentBenchSettings, workload: tuple[str, ...] = ()
+    ) -> None:
+        """``workload``: more flags of the workers' program (``agents/mlp.py``)."""
         from elasticd.store.etcd import EtcdClient
 
         self.etcd, self.dir, self.job_id, self.s = etcd, workdir, job_id, s
+        self.workload = workload
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_file = self.dir / "elasticd.toml"
         self.config_file.write_text("# settings come from flags\n")
@@ -106,7 +110,14 @@ class AgentJob:
         """Start ``node``'s agent (``flags``: more of its own, such as ``--spares 1``)."""
         audit = self.dir / f"{node}.jsonl"
         program = python_program(
-            WORKLOAD, "--steps", "1000000", "--step-sleep", str(self.s.step_sleep_s), "--audit", str(audit)
+            WORKLOAD,
+            "--steps",
+            "1000000",
+            "--step-sleep",
+            str(self.s.step_sleep_s),
+            "--audit",
+            str(audit),
+            *self.workload,
         )
         argv = agent_program(
             "--config",

@@ -53,6 +53,8 @@ def to_dict(status: JobStatus) -> dict[str, object]:
                 "state": str(m.state),
                 "committed_step": m.committed_step,
                 "step_time_s": _round(m.step_time_s, 6),
+                "compute_s": _round(m.compute_s, 6),
+                "straggler_score": _round(m.straggler_score, 3),
                 "recoveries": m.recoveries,
                 "heartbeat_age_s": _round(m.heartbeat_age_s, 3),
                 "restarts": m.restarts,
@@ -74,6 +76,7 @@ def to_dict(status: JobStatus) -> dict[str, object]:
                 "drain_requested": n.drain_requested,
                 "spares": n.spares,
                 "standby": n.standby,
+                "health": n.health,
             }
             for n in status.nodes
         ],
@@ -168,9 +171,12 @@ def _failures_dict(status: JobStatus) -> dict[str, object]:
 
 
 def _failure_lines(status: JobStatus) -> list[tuple[str, str]]:
-    """The report's ``save error`` line (a failed checkpoint save), and its ``stopped by`` line (a
-    bug) or ``last failure`` (records, no bug yet)."""
+    """The report's ``save error`` line (a failed checkpoint save), a ``health`` line per node whose
+    check fails, and its ``stopped by`` line (a bug) or ``last failure`` (records, no bug yet)."""
     lines = [("save error", _save_failed_line(status))] if status.save_failed is not None else []
+    lines += [
+        ("health", _clean(f"node {n.node}: {n.health}")) for n in status.nodes if n.health and n.health != "passing"
+    ]
     if status.bug is not None:
         b = status.bug
         return [
@@ -202,6 +208,8 @@ _COLUMNS = (
     "STATE",
     "STEP",
     "STEP_TIME",
+    "COMPUTE",
+    "SCORE",
     "RECOVERIES",
     "HEARTBEAT",
     "RESTARTS",
@@ -342,6 +350,8 @@ def _row(m: MemberStatus) -> tuple[str, ...]:
         str(m.state),
         _opt(m.committed_step),
         "-" if m.step_time_s is None else f"{m.step_time_s:.3f}s",
+        "-" if m.compute_s is None else f"{m.compute_s:.3f}s",
+        "-" if m.straggler_score is None else f"{m.straggler_score:.2f}",
         _opt(m.recoveries),
         "-" if m.heartbeat_age_s is None else f"{m.heartbeat_age_s:.1f}s ago",
         _opt(m.restarts),

@@ -47,6 +47,7 @@ from elasticd.wire.progress import ProgressRecord, parse_progress
 from elasticd.wire.records import AbortRecord, CheckpointRecord, FinishedRecord, MemberRecord
 from elasticd.wire.restart import parse_view
 from elasticd.wire.snapshot import Snapshot, parse_snapshot
+from elasticd.wire.stragglers import straggler_scores
 
 RECOVERIES_SHOWN = 5  # how many of the newest ``recovered`` events ``status`` reports
 
@@ -84,6 +85,8 @@ class MemberStatus:
     restarts: int | None = None  # of its local rank, by its agent (None: no node record for it)
     rss_bytes: int | None = None  # from its agent's last sample
     cpu_percent: float | None = None  # since the sample before; 100 is one full core
+    compute_s: float | None = None  # its own compute time per step, smoothed (progress record)
+    straggler_score: float | None = None  # compute_s over the median of the other members' (``wire.stragglers``)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class NodeStatus:
     drain_requested: bool
     spares: int = 0  # its live warm spares outside the current generation
     standby: bool = False  # a standby node: its live workers are all spares of a --standby agent
+    health: str | None = None  # its health check: "passing", "failing: <output>"; None: no check
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,7 @@ def _member(
     slots: Mapping[tuple[str, int], WorkerRecord],
     in_generation: set[str],
     now: float,
+    scores: Mapping[str, float],
 ) -> MemberStatus:
     """One live member as ``status`` shows it: its state, rank and progress, and its worker's
     restarts, memory and CPU from its agent's node record."""
@@ -233,6 +238,8 @@ def _member(
         restarts=slot.restarts if slot else None,
         rss_bytes=slot.rss_bytes if slot else None,
         cpu_percent=slot.cpu_percent if slot else None,
+        compute_s=prog.compute_s if prog else None,
+        straggler_score=scores.get(mid),
     )
 
 
@@ -268,7 +275,11 @@ def build_status(
         if e.kind == EventKind.GENERATION_PUBLISHED and isinstance(number, int) and not isinstance(number, bool):
             published[number] = max(e.time, published.get(number, e.time))
     activity = last_activity(g.members, progress, published.get(g.generation)) if g else None
-    members = [_member(mid, rec, snap, progress, slots, in_generation, now) for mid, rec in snap.members.items()]
+    compute = {m: p.compute_s for m, p in progress.items() if m in in_generation and p.compute_s is not None}
+    scores = straggler_scores(compute)
+    members = [
+        _member(mid, rec, snap, progress, slots, in_generation, now, scores) for mid, rec in snap.members.items()
+    ]
     order = {WorkerState.TRAINING: 0, WorkerState.WAITING: 1, WorkerState.SPARE: 2, WorkerState.REGISTERED: 3}
     by_node = {n: [m for m in members if m.node == n] for n in node_records}
     spares = {n: sum(1 for m in on if m.state is WorkerState.SPARE) for n, on in by_node.items()}
@@ -339,6 +350,7 @@ def build_status(
                 drain_requested=n.node in drains,
                 spares=spares[n.node],
                 standby=standby[n.node],
+                health=n.health,
             )
             for _, n in sorted(node_records.items())
         ),

@@ -81,6 +81,11 @@ class Keys:
     def progress(self, member_id: str) -> str:
         return f"{self.job}/progress/{member_id}"
 
+    @property
+    def straggler(self) -> str:
+        """``straggler``: the node being replaced as a straggler (``wire.stragglers``), leased."""
+        return f"{self.job}/straggler"
+
     def failure(self, member_id: str) -> str:
         """``failures/<member>``: a worker's uncaught exception (``wire.failures``), not leased."""
         return f"{self.job}/failures/{member_id}"

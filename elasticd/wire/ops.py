@@ -37,6 +37,10 @@ class EventKind(StrEnum):
     WORKER_STOPPED = "worker_stopped"  # by the agent: a stopped worker's lease revoked (stopped_worker_s)
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # by the agent
     GRADIENTS_NOT_FINITE = "gradients_not_finite"  # by a member whose own gradients held a NaN or an infinity
+    STRAGGLER_DETECTED = "straggler_detected"  # by the agent: its worker was slow for straggler_s
+    STRAGGLER_REPLACED = "straggler_replaced"  # by the agent: it drains its node, a waiting spare takes the place
+    HEALTH_CHECK_FAILED = "health_check_failed"  # by the agent: its node's check failed (its workers stop)
+    HEALTH_CHECK_PASSED = "health_check_passed"  # by the agent: the check passes again (or at first)
     WORKER_FATAL = "worker_fatal"  # by the agent: a worker exited EXIT_NO_RESTART (not restarted)
     JOB_FAILED = "job_failed"  # by each agent: a bug (the same exception at the same step) stopped the job
     NODE_DRAINING = "node_draining"  # by the agent (SIGTERM or elasticctl drain)
@@ -80,6 +84,7 @@ class NodeRecord:
     time: float  # wall clock of the write
     workers: tuple[WorkerRecord, ...]
     since: float | None = None  # wall clock when the agent claimed the node id; None: not recorded
+    health: str | None = None  # its health check: "passing", "failing: <output's tail>"; None: no check (yet)
 
     @property
     def restarts(self) -> int:
@@ -162,6 +167,7 @@ def encode_node(record: NodeRecord) -> bytes:
             "state": record.state,
             "time": record.time,
             "since": record.since,
+            "health": record.health,
             "workers": [
                 {
                     "local_rank": w.local_rank,
@@ -310,6 +316,7 @@ def decode_node(raw: bytes) -> NodeRecord:
         time=_req_float(data, "time"),
         workers=tuple(parsed),
         since=_float(data, "since", optional=True) if "since" in data else None,
+        health=_str(data, "health", optional=True) if "health" in data else None,
     )
 
 

@@ -7,8 +7,8 @@ and what ``elasticctl status`` (``ops.status``) and the node agent's hang test a
 ``parse_progress``, a job's ``progress/`` rows by member id.
 
 Every field is written, those at their default too, so that a strict reader finds each one. Both
-reads allow extra fields and take ``last_recovery_s`` and ``last_recovery_cause`` as None when
-absent or of another type:
+reads allow extra fields and take ``last_recovery_s``, ``last_recovery_cause`` and ``compute_s`` as
+None when absent or of another type:
 
 * strict (``elasticctl``: a record it cannot trust is listed as malformed): ``step``,
   ``generation``, ``rank`` and ``recoveries`` are integers, ``time`` a finite number,
@@ -44,6 +44,9 @@ class ProgressRecord:
     last_recovery_s: float | None = None  # how long its last recovery took
     last_recovery_cause: str | None = None  # what broke the generation it recovered from
     time: float = 0.0  # wall clock (time.time()) of the writer (0: unknown, in a tolerant read)
+    # its own compute time per step, smoothed: a step's start to its contribution to the sum (its
+    # batch, forward and backward; not the wait for the others). None: not measured yet
+    compute_s: float | None = None
 
 
 def encode_progress(record: ProgressRecord) -> bytes:
@@ -67,6 +70,7 @@ def decode_progress(raw: bytes, *, tolerant: bool = False) -> ProgressRecord:
         recoveries=_integer(data, "recoveries") if "recoveries" in data or not tolerant else 0,
         last_recovery_s=_number_or_none(data.get("last_recovery_s")),
         last_recovery_cause=cause if isinstance(cause, str) else None,
+        compute_s=_duration_or_none(data.get("compute_s")),
     )
     if tolerant:
         rank, moment = data.get("rank"), _number_or_none(data.get("time"))
@@ -113,6 +117,11 @@ def _finite(data: Mapping[str, object], name: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"field {name} is not a finite number")
     return float(value)
+
+
+def _duration_or_none(value: object) -> float | None:
+    v = _number_or_none(value)
+    return v if v is not None and math.isfinite(v) and v >= 0 else None
 
 
 def _number_or_none(value: object) -> float | None:

@@ -257,9 +257,12 @@ class _Session(ElasticTrainer):
         assert self.group is not None and self._reducer is not None and self._membership is not None
         if self._vote is None:  # a closure over these, never over the session (see ElasticTrainer)
             membership, draining, reducer = self._membership, self._drain_requested, self._reducer
-            self._vote = lambda: Vote(
-                0.0, membership.veto(), membership.join_pending() or draining.is_set(), reducer.local_nonfinite()
-            ).slots()
+
+            def vote() -> list[float]:
+                regroup = membership.join_pending() or draining.is_set()
+                return Vote(0.0, membership.veto(), regroup, reducer.local_nonfinite()).slots()
+
+            self._vote = vote
         if self.micro == 0:
             self._reducer.begin(
                 self.group, self.state.counters.step + 1, 1.0 / self.group.world_size, self._vote, sync=self.accum == 1
@@ -358,7 +361,11 @@ class _Session(ElasticTrainer):
         elif verdict.regroup:
             self._need_rendezvous, self._cause, self._cause_detail = True, "regroup", ""
             self._failed_at = self._clock()
-        self._journal.committed(batch, c.step, result.loss, group.generation, group.world_size, result.duration_s)
+        sent = self._reducer.vote_sent_at  # its contribution: the compute of the step ends there
+        compute_s = sent - started if sent >= started else None
+        self._journal.committed(
+            batch, c.step, result.loss, group.generation, group.world_size, result.duration_s, compute_s
+        )
         self._save_due = group.rank == 0
         self._leave_if_unhealthy()
 

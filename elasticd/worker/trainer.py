@@ -573,8 +573,10 @@ class ElasticTrainer:
         elif verdict.regroup:
             self._need_rendezvous, self._cause, self._cause_detail = True, "regroup", ""
             self._failed_at = self._clock()
+        sent = self._reducer.vote_sent_at  # its contribution: the compute of the step ends there
+        compute_s = sent - op.started if sent >= op.started else None
         self._journal.committed(
-            batch, result.step, result.loss, result.generation, result.world_size, result.duration_s
+            batch, result.step, result.loss, result.generation, result.world_size, result.duration_s, compute_s
         )
         # rank 0 saves at the next batch, after the script's own post-step code (scheduler, EMA)
         self._save_due = group.rank == 0

@@ -28,6 +28,7 @@ from elasticd.agent.elastic_decide import (
     decide,
     member_leases,
 )
+from elasticd.agent.health import HealthResult, run_check
 from elasticd.agent.jobview import JobView, ProgressMark, job_read_interval_s
 from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.errors import EXIT_NO_RESTART, EXIT_REJOIN
@@ -467,6 +468,117 @@ def test_action_defaults_are_inert() -> None:
     assert (a.next_state, a.slot_state, a.until, a.exit_code) == (None, None, None, 0)
 
 
+# -- the health check -----------------------------------------------------------------------------
+
+HEALTH_CFG = replace(CFG, health_check="true")
+OK_CHECK = HealthResult(True, "", NOW - 1, 0.1)
+BAD_CHECK = HealthResult(False, "exit code 1: disk full", NOW - 1, 0.1)
+U = AgentState.UNHEALTHY
+
+HEALTH_CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
+    ("no result yet: nothing starts", AgentSnapshot.initial(2), dict(kind=ActionKind.WAIT)),
+    (
+        "a passing check: the first worker starts",
+        replace(AgentSnapshot.initial(2), health=OK_CHECK),
+        dict(kind=ActionKind.SPAWN, local_rank=0),
+    ),
+    (
+        "a failing check before any start: stay out",
+        replace(AgentSnapshot.initial(2), health=BAD_CHECK),
+        dict(kind=ActionKind.TERMINATE, next_state=U),
+    ),
+    (
+        "a check fails while the workers run: stop them (UNHEALTHY)",
+        snap(R, running(0), running(1), health=BAD_CHECK),
+        dict(kind=ActionKind.TERMINATE, next_state=U, until=NOW + 10.0),
+    ),
+    (
+        "unhealthy, workers still stopping: wait for them",
+        snap(U, running(0), Slot(1), health=BAD_CHECK, terminate_deadline=NOW + 5),
+        dict(kind=ActionKind.WAIT, until=NOW + 5),
+    ),
+    (
+        "unhealthy, a worker ignores SIGTERM past the grace: killed",
+        snap(U, running(0), Slot(1), health=BAD_CHECK, terminate_deadline=NOW - 1),
+        dict(kind=ActionKind.KILL),
+    ),
+    (
+        "unhealthy, a worker's exit: its slot waits to start again, no budget spent",
+        snap(U, ended(0, OK, 0), Slot(1), health=BAD_CHECK, terminate_deadline=NOW + 5),
+        dict(kind=ActionKind.RELEASE, slot_state=SlotState.PENDING, budgeted=False),
+    ),
+    (
+        "unhealthy, nothing runs: wait for a passing check",
+        snap(U, Slot(0), Slot(1), health=BAD_CHECK, terminate_deadline=NOW - 9),
+        dict(kind=ActionKind.WAIT, until=None),
+    ),
+    (
+        "the check passes again: the node starts its workers (RUNNING)",
+        snap(U, Slot(0), Slot(1), health=OK_CHECK, terminate_deadline=NOW - 9),
+        dict(kind=ActionKind.SPAWN, local_rank=0, next_state=R),
+    ),
+    (
+        "a restart waits for a check that ended after the exit",
+        snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW - 0.1), running(1), health=OK_CHECK, health_after=NOW - 0.5),
+        dict(kind=ActionKind.WAIT),
+    ),
+    (
+        "a check after the exit passed: the restart goes",
+        snap(R, Slot(0, SlotState.BACKOFF, restart_at=NOW - 0.1), running(1), health=OK_CHECK, health_after=NOW - 2),
+        dict(kind=ActionKind.SPAWN, local_rank=0, reason="restart"),
+    ),
+    (
+        "a stop request while unhealthy: drain",
+        snap(U, Slot(0), Slot(1), health=BAD_CHECK, stop_requests=1),
+        dict(kind=ActionKind.TERMINATE, next_state=D),
+    ),
+]
+
+
+@pytest.mark.parametrize(("s", "expected"), [c[1:] for c in HEALTH_CASES], ids=[c[0] for c in HEALTH_CASES])
+def test_decide_with_a_health_check(s: AgentSnapshot, expected: dict[str, object]) -> None:
+    action = decide(s, NOW, HEALTH_CFG)
+    assert {k: getattr(action, k) for k in expected} == expected, action
+
+
+def test_a_health_check_passes_on_exit_0_and_fails_on_an_error_or_its_timeout() -> None:
+    ok = run_check("echo fine", 5.0, time.monotonic)
+    assert ok.passed and ok.output == "fine"
+    bad = run_check("echo 'disk full' >&2; exit 3", 5.0, time.monotonic)
+    assert not bad.passed and bad.output == "exit code 3: disk full"
+    started = time.monotonic()
+    slow = run_check("echo begun; sleep 30", 0.5, time.monotonic)
+    assert not slow.passed and slow.output.startswith("no answer within health_check_timeout_s (0.5 s)")
+    assert "begun" in slow.output and time.monotonic() - started < 5
+
+
+# -- stragglers -------------------------------------------------------------------------------
+
+
+STRAGGLER_CASES: list[tuple[str, Slot, dict[str, object]]] = [
+    (
+        "slow for straggler_s: a straggler",
+        replace(running(0), score=2.0, slow_since=NOW - 10.0),
+        dict(kind=ActionKind.STRAGGLER, local_rank=0),
+    ),
+    ("slow, not for long enough yet", replace(running(0), score=2.0, slow_since=NOW - 9.0), dict(kind=ActionKind.WAIT)),
+    (
+        "this episode was acted on",
+        replace(running(0), score=2.0, slow_since=NOW - 30.0, straggler_acted=True),
+        dict(kind=ActionKind.WAIT),
+    ),
+    ("not slow", replace(running(0), score=1.1), dict(kind=ActionKind.WAIT)),
+]
+
+
+@pytest.mark.parametrize(("slot", "expected"), [c[1:] for c in STRAGGLER_CASES], ids=[c[0] for c in STRAGGLER_CASES])
+def test_decide_reports_a_straggler_once_per_episode(slot: Slot, expected: dict[str, object]) -> None:
+    action = decide(snap(R, slot, running(1)), NOW, CFG)
+    assert {k: getattr(action, k) for k in expected} == expected, action
+    if action.kind is ActionKind.STRAGGLER:
+        assert "scored 2.00 (straggler_score 1.5) for 10.0 s (straggler_s 10)" in action.reason
+
+
 # -- hang detection -------------------------------------------------------------------------------
 
 HANG_CFG = AgentConfig(
@@ -655,6 +767,9 @@ def test_the_executor_kills_a_stalled_worker_but_not_on_an_etcd_outage(etcd_down
 
 def test_job_read_interval() -> None:
     base = dict(program=("w",), timeouts=Timeouts(keepalive_s=0.75))
-    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=False) == 6.0  # type: ignore[arg-type]
+    # straggler_s 10 s (the default): 4 reads per bound; hang detection asks for fewer
+    assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=False) == 2.5  # type: ignore[arg-type]
+    far = AgentConfig(**base, hang_timeout_s=60.0, straggler_s=120.0)  # type: ignore[arg-type]
+    assert job_read_interval_s(far, live_consumers=False) == 6.0
     assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=60.0), live_consumers=True) == 0.75  # type: ignore[arg-type]
     assert job_read_interval_s(AgentConfig(**base, hang_timeout_s=3.0), live_consumers=False) == 0.75  # type: ignore[arg-type]

@@ -29,7 +29,17 @@ WRITTEN = ProgressRecord(
 )
 
 # What the worker writes: every field, those at their default too (null where None).
-FIELDS = {"step", "generation", "rank", "step_time_s", "recoveries", "last_recovery_s", "last_recovery_cause", "time"}
+FIELDS = {
+    "step",
+    "generation",
+    "rank",
+    "step_time_s",
+    "recoveries",
+    "last_recovery_s",
+    "last_recovery_cause",
+    "time",
+    "compute_s",
+}
 
 
 _DROP = object()  # a field _raw leaves out
@@ -91,6 +101,24 @@ CASES: list[tuple[str, bytes, ProgressRecord | None, ProgressRecord | None]] = [
     ),
     ("step_time_s a string", _raw(step_time_s="fast"), None, ProgressRecord(1, 1, 0, None, 0, time=1.0)),
     ("rank missing", _raw(rank=_DROP), None, ProgressRecord(1, 1, -1, 0.5, 0, time=1.0)),
+    (
+        "compute_s a duration",
+        _raw(compute_s=0.25),
+        ProgressRecord(1, 1, 0, 0.5, 0, time=1.0, compute_s=0.25),
+        ProgressRecord(1, 1, 0, 0.5, 0, time=1.0, compute_s=0.25),
+    ),
+    (
+        "compute_s negative: unknown",
+        _raw(compute_s=-1.0),
+        ProgressRecord(1, 1, 0, 0.5, 0, time=1.0),
+        ProgressRecord(1, 1, 0, 0.5, 0, time=1.0),
+    ),
+    (
+        "compute_s a string: unknown",
+        _raw(compute_s="x"),
+        ProgressRecord(1, 1, 0, 0.5, 0, time=1.0),
+        ProgressRecord(1, 1, 0, 0.5, 0, time=1.0),
+    ),
     ("rank a bool", _raw(rank=True), None, ProgressRecord(1, 1, -1, 0.5, 0, time=1.0)),
     ("time missing", _raw(time=_DROP), None, ProgressRecord(1, 1, 0, 0.5, 0)),
     ("time infinite", _raw(time=float("inf")), None, ProgressRecord(1, 1, 0, 0.5, 0, time=float("inf"))),

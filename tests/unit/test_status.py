@@ -365,6 +365,8 @@ MEMBER_KEYS = [
     "state",
     "committed_step",
     "step_time_s",
+    "compute_s",
+    "straggler_score",
     "recoveries",
     "heartbeat_age_s",
     "restarts",
@@ -423,6 +425,8 @@ def test_json_values() -> None:
         "restarts": None,
         "rss_bytes": None,
         "cpu_percent": None,
+        "compute_s": None,
+        "straggler_score": None,
     }
     assert (data["nodes"], data["recoveries"], data["drains"]) == ([], [], [])
     assert data["missing"] == ["m9"] and data["finished"] is None and data["last_abort"] is None

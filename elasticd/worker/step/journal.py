@@ -49,6 +49,10 @@ from elasticd.worker.state.sync import SyncReport
 
 log = structlog.get_logger(__name__)
 
+# The weight of the newest step in the smoothed compute time (an exponential moving average): a
+# change is half taken in 3 steps, and one slow step moves it by a fifth.
+COMPUTE_SMOOTHING = 0.2
+
 
 class Journal:
     """One worker's records. ``open`` binds it to the membership and the store (at the trainer's
@@ -93,6 +97,7 @@ class Journal:
         self.recoveries = 0
         self._last_recovery_s: float | None = None  # how long the last recovery took (progress record)
         self._last_recovery_cause: str | None = None
+        self._compute_s: float | None = None  # this member's compute time per step, smoothed
         # Rank 0 of a generation that was a recovery: what to record at its first commit.
         self._unrecorded_recovery: dict[str, object] | None = None
         # Steps applied here and not yet confirmed (``confirm``): (step, generation, its audit line or None)
@@ -334,7 +339,14 @@ class Journal:
             log.warning("checkpoint_failure_publish_failed", step=step, error=str(exc2))
 
     def committed(
-        self, batch: Batch, step: int, loss: float, generation: int, world_size: int, duration_s: float
+        self,
+        batch: Batch,
+        step: int,
+        loss: float,
+        generation: int,
+        world_size: int,
+        duration_s: float,
+        compute_s: float | None = None,
     ) -> None:
         """This member applied ``step`` (from ``batch``): the log line, the progress record, and
         (rank 0, first commit of a recovery generation) the ``recovered`` event, from the fault
@@ -377,6 +389,9 @@ class Journal:
                 },
             )
         )
+        if compute_s is not None:  # smoothed: one slow step is no straggler
+            prev = self._compute_s
+            self._compute_s = compute_s if prev is None else prev + COMPUTE_SMOOTHING * (compute_s - prev)
         self._publish_progress(step, generation, batch.rank, duration_s)
         if batch.rank == 0 and self._samples is not None and now - self._progress_evented_at >= self._progress_event_s:
             self._progress_evented_at = now  # the points of elasticctl timeline (a queue append)
@@ -402,6 +417,7 @@ class Journal:
                 last_recovery_s=self._last_recovery_s,
                 last_recovery_cause=self._last_recovery_cause,
                 time=time.time(),
+                compute_s=None if self._compute_s is None else round(self._compute_s, 6),
             )
         )
 

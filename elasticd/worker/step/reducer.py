@@ -9,6 +9,8 @@ Its waits are ``group.collectives.wait``'s. Never decides a verdict (``commit`` 
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Sequence
 
 import torch
@@ -155,6 +157,7 @@ class GradientReducer:
         self._keep = keep_local
         self._check_finite = check_finite
         self._finite: list[torch.Tensor] = []  # per bucket gone out this step: all of its gradients finite
+        self.vote_sent_at = 0.0  # monotonic time the vote bucket of the last step went out (0: never)
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters")
@@ -263,6 +266,7 @@ class GradientReducer:
         if self._check_finite and bucket.numel:
             self._finite.append(torch.isfinite(bucket.grads).all())
         if bucket is self._vote_bucket and self._vote is not None:
+            self.vote_sent_at = time.monotonic()  # this rank's compute of the step ends: its contribution
             slots = self._vote()
             assert len(slots) == bucket.extra, (len(slots), bucket.extra)
             bucket.buffer[bucket.numel :] = torch.tensor(slots, dtype=bucket.buffer.dtype, device=bucket.buffer.device)

@@ -1,0 +1,70 @@
+"""A node's health check with real agents: a failing check keeps the node out of the job (no worker
+started), a passing one admits it, and a check that fails later takes its workers out while the
+job goes on with the other node."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import REPO_ROOT
+from tests.integration.test_node_agent import AgentJob, _env
+from tests.jobs import job_factory
+
+pytestmark = pytest.mark.timeout(150)
+
+CTL = [sys.executable, "-c", "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())"]
+
+
+@pytest.fixture
+def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
+    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
+        yield make
+
+
+def _node(job: AgentJob, node: str) -> dict[str, object]:
+    proc = subprocess.run(
+        [*CTL, "--etcd", job.etcd.endpoint, "status", "--job", job.job_id, "--json"],
+        env=_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    nodes = {n["node"]: n for n in json.loads(proc.stdout)["nodes"]}
+    return nodes.get(node, {})
+
+
+def test_a_failing_check_keeps_a_node_out_and_a_passing_one_admits_it(agent_job, tmp_path: Path) -> None:
+    healthy = tmp_path / "healthy"
+    check = f"test -e {healthy} || {{ echo 'no {healthy.name} file'; exit 1; }}"
+    job = agent_job(lease_ttl_s=2.0)
+    steps = 100000  # the job runs until the test ends it
+    job.start("a", "--nnodes", "1:2", steps=steps)
+    b = job.start("b", "--nnodes", "1:2", "--health-check", check, "--health-check-interval-s", "0.5", steps=steps)
+    job.wait_for(lambda: bool(b.events("health_check_failed")), 60, "b's failing check")
+    job.wait_for(
+        lambda: str(_node(job, "b").get("health", "")).startswith("failing: exit code 1: no healthy file"), 30, "status"
+    )
+    assert _node(job, "b")["state"] == "unhealthy"
+    job.wait_for(lambda: job.commits_at_world("a", 1) > 20, 60, "a training alone")
+    assert not b.events("worker_started")  # kept out: no worker of b ever started
+    healthy.touch()  # the node is fixed
+    job.wait_for(lambda: job.commits_at_world("b", 2) > 10, 60, "b admitted: a world of 2")
+    assert _node(job, "b")["health"] == "passing"
+    healthy.unlink()  # it goes bad again: its worker leaves, the job goes on with a
+    job.wait_for(lambda: len(b.events("health_check_failed")) >= 2, 30, "b's second failing check")
+    job.wait_for(lambda: _node(job, "b").get("workers_running") == 0, 30, "b's worker stopped")
+    at_one = job.commits_at_world("a", 1)
+    job.wait_for(lambda: job.commits_at_world("a", 1) > at_one + 20, 60, "a training alone again")
+    assert b.proc.poll() is None  # b waits for its check to pass, its agent up
+    assert len(b.events("worker_started")) == 1 and not b.events("restarts_exhausted")
+    b.proc.send_signal(signal.SIGTERM)  # a drain of an unhealthy node ends its agent with 0
+    assert b.wait(30) == 0, b.log_text()[-3000:]

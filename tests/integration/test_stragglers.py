@@ -1,0 +1,96 @@
+"""A straggler for real: one node's worker slowed by a SIGSTOP/SIGCONT duty cycle (it computes about
+half the time), found by its agent within a bounded time, reported, and, with ``straggler_policy``
+replace, its node drained so that a standby node's waiting spare takes its place; the job's step
+rate comes back and no step is lost or repeated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.testing.audit import check_dir
+from elasticd.testing.etcd import EtcdServer
+from tests.integration.test_node_agent import AgentJob
+from tests.integration.test_spares import _started
+from tests.jobs import job_factory
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = 900  # ~25 s at the program's pace: the slowdown, its detection and the replacement fit
+STRAGGLER_S = 2.0
+DUTY_S = 0.005  # stopped this long, then running this long (shorter than a step): it computes half the time
+
+
+def _program(job: AgentJob, node: str) -> list[str]:
+    """A workload whose step is compute (no sleep): a stopped worker's step takes longer by the stop."""
+    return [
+        sys.executable,
+        "agents/mlp.py",
+        "--hidden",
+        "512",
+        "--global-batch",
+        "256",
+        "--steps",
+        str(STEPS),
+        "--audit",
+        str(job.audit_path(node)),
+    ]
+
+
+@pytest.fixture
+def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
+    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
+        yield make
+
+
+def duty_cycle(pid: int, stop: threading.Event, until: float) -> None:
+    """SIGSTOP/SIGCONT ``pid`` every DUTY_S until ``stop`` or ``until`` (it is left running)."""
+    try:
+        while not stop.is_set() and time.monotonic() < until:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(DUTY_S)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(DUTY_S)
+    except ProcessLookupError:
+        return  # it left (drained)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_slowed_worker_is_found_and_its_node_replaced_by_a_waiting_spare(agent_job) -> None:
+    job = agent_job(lease_ttl_s=4, straggler_s=STRAGGLER_S, straggler_policy="replace")
+    a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
+    b = job.start("b", "--nnodes", "1:2", program=_program(job, "b"))
+    s = job.start("s", "--nnodes", "1:2", "--standby", program=_program(job, "s"))
+    job.wait_for(
+        lambda: job.commits_at_world("a", 2) >= 50 and len(_started(s, True)) == 1, 90, "a world of 2, a spare waiting"
+    )
+    victim = _started(b, False)[0]
+    stop = threading.Event()
+    slowed_at = time.monotonic()
+    t = threading.Thread(target=duty_cycle, args=(victim, stop, slowed_at + 60), daemon=True)
+    t.start()
+    try:
+        job.wait_for(lambda: bool(b.events("straggler_replaced")), 40, "b replaced as a straggler")
+    finally:
+        stop.set()
+        t.join(5)
+    (found,) = b.events("straggler_detected")
+    assert float(found["score"]) >= 1.5, found  # type: ignore[arg-type]
+    assert b.wait(30) == 0, job.logs_tail()  # drained: its agent leaves
+    job.wait_for(lambda: bool(job.commits("s")), 30, "the standby node's spare in b's place")
+    assert a.wait(150) == 0 and s.wait(30) == 0, job.logs_tail()
+    assert not a.events("straggler_detected") and not s.events("straggler_detected")
+    rep = check_dir(job.dir, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == STEPS
