@@ -116,6 +116,7 @@ from elasticd.settings import (
     worker_env_from_environ,
 )
 from elasticd.wire.keys import Keys
+from elasticd.wire.nodefaults import CordonRecord, encode_cordon
 
 if TYPE_CHECKING:  # the client is imported where it is wired (etcd3 and grpc slow the start)
     from elasticd.ops.jobauth import SetupJobQuery
@@ -196,6 +197,9 @@ def ctl_main(
             return run_drain(drain_query(parser, args), out, err, sleep)
         if args.command == "events":
             return run_events(events_query(args), out, err)
+        if args.command in ("cordon", "uncordon"):
+            etcd, job_id = _target(args)
+            return run_cordon(etcd, job_id, args.node, args.command == "cordon", args.reason, out, err)
         if args.command == "timeline":
             from elasticd.ops.timeline_plot import output_format
 
@@ -221,15 +225,37 @@ CTL_SECURITY_FLAGS = {
 }
 
 
+CTL_DESCRIPTION = (
+    "Inspect elastic training jobs in etcd, and drain or cordon nodes. Exit codes of status: 0 healthy or "
+    "finished, 1 degraded, 2 down, failed, no such job, etcd unreachable, or bad input; of drain: 0 requested "
+    "(with --wait: the node's members left the generation), 2 unknown node, timeout, etcd unreachable or bad "
+    "input; of cordon and uncordon: 0 done, 2 etcd unreachable or bad input; of events: 0 listed, 2 no such "
+    "job, etcd unreachable or bad input; etcd's permission denied: 2; of auth setup-job: 0 done, 1 etcd "
+    "refused or unreachable, 2 bad input."
+)
+
+
+def _add_cordon_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``cordon NODE [--reason]`` and ``uncordon NODE``."""
+    for name, what in (
+        ("cordon", "keep NODE out of the job: its agent stops its workers and starts none until uncordon"),
+        ("uncordon", "let a cordoned NODE (by an operator, or by its agent for its crashes) run workers again"),
+    ):
+        sub = commands.add_parser(
+            name,
+            help=what,
+            description=f"{what[0].upper()}{what[1:]}. Exit codes: 0 done, 2 etcd unreachable or bad input.",
+        )
+        sub.add_argument("node", type=_node_id, metavar="NODE", help="the node id")
+        sub.add_argument("--job", type=_job_id, default=None, help="job id (default: $ELASTICD_JOB_ID, else 'default')")
+        sub.add_argument("--reason", default="", help=argparse.SUPPRESS if name == "uncordon" else "why, for status")
+
+
 def build_ctl_parser() -> argparse.ArgumentParser:
     """The ``elasticctl`` argument parser (flag defaults are None: the environment fills them)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect elastic training jobs in etcd, and drain nodes. Exit codes of status: 0 "
-        "healthy or finished, 1 degraded, 2 down, no such job, etcd unreachable, or bad input; of drain: "
-        "0 requested (with --wait: the node's members left the generation), 2 unknown node, timeout, etcd "
-        "unreachable or bad input; of events: 0 listed, 2 no such job, etcd unreachable or bad input; etcd's "
-        "permission denied: 2; of auth setup-job: 0 done, 1 etcd refused or unreachable, 2 bad input.",
+        description=CTL_DESCRIPTION,
     )
     parser.add_argument(
         "--etcd",
@@ -319,6 +345,7 @@ def build_ctl_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"with --wait: give up (exit 2) after S seconds (default: {DEFAULT_DRAIN_WAIT_S:g})",
     )
+    _add_cordon_parsers(commands)
     events = commands.add_parser(
         "events",
         help="show the job's membership and recovery history",
@@ -476,6 +503,28 @@ def requester() -> str:
     except (KeyError, OSError):
         user = "unknown"
     return f"{user}@{socket.gethostname()} (elasticctl pid {os.getpid()})"
+
+
+def run_cordon(etcd: EtcdConfig, job_id: str, node: str, cordon: bool, reason: str, out: TextIO, err: TextIO) -> int:
+    """``cordon``: write ``cordon/<node>`` (who and why); ``uncordon``: delete it."""
+    keys = Keys(etcd.prefix, job_id)
+    client = _ctl_client(etcd, err)
+    if client is None:
+        return EXIT_DOWN
+    try:
+        if cordon:
+            record = CordonRecord(node, requester(), reason or "by an operator", time.time())
+            client.put(keys.cordon(node), encode_cordon(record))
+            print(f"cordoned node {node} of job {job_id}: its agent stops its workers and starts none", file=out)
+        else:
+            client.delete(keys.cordon(node))
+            print(f"uncordoned node {node} of job {job_id}: its agent may start its workers", file=out)
+        return EXIT_OK
+    except (EtcdUnavailable, PermissionDenied) as exc:
+        print(unreachable_message(etcd, exc), file=err, flush=True)
+        return EXIT_DOWN
+    finally:
+        client.close()
 
 
 def run_drain(query: DrainQuery, out: TextIO, err: TextIO, sleep: Callable[[float], None]) -> int:

@@ -348,12 +348,14 @@ class RetryPolicy:
 
 
 def _check_stragglers_and_health(c: AgentConfig) -> None:
-    """The straggler and health check settings of ``AgentConfig``.
+    """The straggler, cordon and health check settings of ``AgentConfig``.
 
     Raises:
         ConfigError: naming the first bad one.
     """
-    for name in ("health_check_timeout_s", "straggler_s", "straggler_cooldown_s"):
+    if not isinstance(c.cordon_crashes, int) or isinstance(c.cordon_crashes, bool) or c.cordon_crashes < 0:
+        raise ConfigError(f"cordon_crashes: must be an integer >= 0 (0: never), got {c.cordon_crashes!r}")
+    for name in ("health_check_timeout_s", "straggler_s", "straggler_cooldown_s", "cordon_window_s"):
         if not _positive_finite(getattr(c, name)):
             raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {getattr(c, name)!r}")
     if not (_positive_finite(c.straggler_score) and c.straggler_score > 1):
@@ -724,6 +726,17 @@ class AgentConfig:
         metadata={
             "doc": "After a node is replaced as a straggler, no other is for this long (the job's straggler lease)."
         },
+    )
+    cordon_crashes: int = field(
+        default=5,
+        metadata={
+            "doc": "A node whose workers crashed (or hung) more than this many times within cordon_window_s, "
+            "counted from the job's events across agent restarts, is cordoned: its agent writes cordon/<node> "
+            "and runs no worker until elasticctl uncordon (0: never)."
+        },
+    )
+    cordon_window_s: float = field(
+        default=3600.0, metadata={"doc": "The window of cordon_crashes (and of elasticctl status's fault counts)."}
     )
     health_check: str = field(
         default="",

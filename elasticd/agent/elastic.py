@@ -42,6 +42,7 @@ CPU) under its own lease, records ``worker_exited``, ``worker_restarted``, ``res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -67,8 +68,9 @@ from elasticd.agent.elastic_decide import (
     SlotState,
     decide,
     member_leases,
+    out_of_service,
 )
-from elasticd.agent.health import HealthChecker, HealthResult
+from elasticd.agent.health import HealthChecker
 from elasticd.agent.jobview import (
     JobReader,
     JobView,
@@ -82,13 +84,14 @@ from elasticd.agent.presence import ClaimDecision, ClaimKind, NodePresence
 from elasticd.agent.sdnotify import Notifier
 from elasticd.agent.supervisor import ExitKind, Supervisor, WorkerExit, WorkerStats
 from elasticd.config import AgentConfig
-from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.errors import EXIT_REJOIN, EtcdUnavailable, LeaseLost
 from elasticd.relay.node import NodeRelay
 from elasticd.retry import Clock
 from elasticd.settings import child_environ, nccl_environ, worker_env_to_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
-from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord
+from elasticd.wire.nodefaults import CordonRecord, crash_times, encode_cordon, should_cordon
+from elasticd.wire.ops import DrainRecord, EventKind, NodeRecord, WorkerRecord, decode_event
 from elasticd.wire.stragglers import StragglerRecord, encode_straggler, slow_since
 
 log = structlog.get_logger(__name__)
@@ -128,6 +131,7 @@ class Agent(AgentDaemon):
         self._relay: NodeRelay | None = None  # this node's relay, while it runs
         self._health: HealthChecker | None = None  # the node's health check, when one is set
         self._stop_cause = ""  # why the agent drains itself (a straggler), when it does
+        self._crashes: list[float] = []  # wall-clock times of this node's crashes within cordon_window_s
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -185,11 +189,7 @@ class Agent(AgentDaemon):
             return AgentOutcome(EXIT_OK, f"stopped while waiting for the node id: {claim.reason}")
         self._presence = presence
         self._presence.start()
-        self._clear_failures_of_a_past_run()
-        if c.health_check:
-            self._health = HealthChecker(
-                c.health_check, c.health_check_timeout_s, c.health_check_interval_s, self._clock, waker.poke
-            )
+        self._before_the_workers(waker)
         self._relay = self._start_relay() if c.relay else None
         # Always read: a worker's exit 0 is done only when the job finished (``awaits_finish``).
         self._reader = JobReader(
@@ -211,6 +211,17 @@ class Agent(AgentDaemon):
             # Bounded: the last events, the drain request and the node record (its lease) go now.
             self._presence.close(2 * c.timeouts.etcd_request_s)
             self._presence = None
+
+    def _before_the_workers(self, waker: Waker) -> None:
+        """Once the node id is claimed: the last run's failure records cleared (if it is a new run),
+        this node's crash history read, and its health check started (when one is set)."""
+        c = self._config
+        self._clear_failures_of_a_past_run()
+        self._read_fault_history()
+        if c.health_check:
+            self._health = HealthChecker(
+                c.health_check, c.health_check_timeout_s, c.health_check_interval_s, self._clock, waker.poke
+            )
 
     def _clear_failures_of_a_past_run(self) -> None:
         """A job with no live member is started anew (after a fix): the failure records of its last
@@ -293,7 +304,7 @@ class Agent(AgentDaemon):
             time=time.time(),
             workers=tuple(workers),
             since=self._since,
-            health=_health_text(self.snapshot.health) if c.health_check else None,
+            health=out_of_service(self.snapshot, c) or ("passing" if self.snapshot.health is not None else None),
         )
 
     def _loop(self, waker: Waker) -> AgentOutcome:
@@ -354,6 +365,7 @@ class Agent(AgentDaemon):
             self.snapshot = replace(self.snapshot, stop_requests=requests)
         for e in self._supervisor.poll():
             self._log_exit(e)
+            self._note_crash(e)
             self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e, exited_at=now)
             if self._reader is not None:  # did the job finish (``awaits_finish``), or show a bug?
                 self._reader.refresh()
@@ -495,6 +507,68 @@ class Agent(AgentDaemon):
             self._event(EventKind.NODE_DRAINING, cause=cause, workers=pids)
         self.snapshot = replace(self.snapshot, terminate_deadline=action.until)
 
+    def _kill_hung(self, action: Action) -> None:
+        """SIGKILL a hung worker (and its children): its exit restarts it; recorded as an event."""
+        c = self._config
+        slot = self.snapshot.slots[action.local_rank]
+        pids = self._supervisor.kill([action.local_rank])
+        v, m = self.snapshot.view, slot.mark
+        log.warning(
+            "worker_hung",
+            local_rank=action.local_rank,
+            pid=slot.pid,
+            killed=pids,
+            stalled_s=round(v.read_at - m.at, 2) if v and m else None,
+            last_progress=list(m.key) if m else None,
+            job_step_then=m.job_step if m else None,
+            job_step_now=v.job_step if v else None,
+            hang_timeout_s=c.hang_timeout_s,
+            reason=action.reason,
+        )
+        self._event(EventKind.WORKER_HUNG, local_rank=action.local_rank, pid=slot.pid, reason=action.reason)
+        self._set_slot(action.local_rank, hang_killed=True)
+        if self._metrics is not None:
+            self._metrics.worker_hung(action.local_rank)
+
+    def _note_crash(self, e: WorkerExit) -> None:
+        """A worker crashed (or was killed as hung): more than ``cordon_crashes`` within
+        ``cordon_window_s`` (this agent's and, from the job's events, its predecessors') cordon the
+        node: ``cordon/<node>`` is written, and the node runs no worker until uncordoned."""
+        c, now = self._config, time.time()
+        if e.ok or e.code == EXIT_REJOIN or self.snapshot.state is not AgentState.RUNNING:
+            return
+        self._crashes = [t for t in self._crashes if now - t <= c.cordon_window_s] + [now]
+        if not should_cordon(self._crashes, now, c.cordon_crashes, c.cordon_window_s):
+            return
+        reason = (
+            f"{len(self._crashes)} crashes within cordon_window_s ({c.cordon_window_s:g} s) > "
+            f"cordon_crashes ({c.cordon_crashes})"
+        )
+        try:
+            self._store.put(self._keys.cordon(c.node_id), encode_cordon(CordonRecord(c.node_id, "agent", reason, now)))
+        except EtcdUnavailable as exc:
+            log.warning("cordon_not_written", reason=reason, error=str(exc)[:200])
+            return
+        log.error("node_cordoned", reason=reason)
+        self._event(EventKind.NODE_CORDONED, reason=reason)
+        if self._reader is not None:
+            self._reader.refresh()
+
+    def _read_fault_history(self) -> None:
+        """This node's crashes in the job's events (an agent restarted by systemd counts its
+        predecessors' too); best effort."""
+        try:
+            rows = self._store.get_prefix(self._keys.events)
+        except EtcdUnavailable as exc:
+            log.warning("fault_history_not_read", error=str(exc)[:200])
+            return
+        events = []
+        for kv in rows:
+            with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                events.append(decode_event(kv.value))
+        now, window = time.time(), self._config.cordon_window_s
+        self._crashes = [t for t in crash_times(events, self._config.node_id) if now - t <= window]
+
     def _straggler(self, action: Action) -> None:
         """A local worker is a straggler: report it (a log line, an event); with ``straggler_policy``
         replace, drain this node when a spare waits on another node and no other replacement holds
@@ -557,24 +631,7 @@ class Agent(AgentDaemon):
         elif action.kind is ActionKind.STRAGGLER:
             self._straggler(action)
         elif action.kind is ActionKind.KILL_HUNG:
-            slot = self.snapshot.slots[action.local_rank]
-            pids = self._supervisor.kill([action.local_rank])
-            v, m = self.snapshot.view, slot.mark
-            log.warning(
-                "worker_hung",
-                local_rank=action.local_rank,
-                pid=slot.pid,
-                killed=pids,
-                stalled_s=round(v.read_at - m.at, 2) if v and m else None,
-                last_progress=list(m.key) if m else None,
-                job_step_then=m.job_step if m else None,
-                job_step_now=v.job_step if v else None,
-                hang_timeout_s=c.hang_timeout_s,
-                reason=action.reason,
-            )
-            self._set_slot(action.local_rank, hang_killed=True)
-            if self._metrics is not None:
-                self._metrics.worker_hung(action.local_rank)
+            self._kill_hung(action)
         elif action.kind is ActionKind.REVOKE_STOPPED:
             slot = self._set_slot(action.local_rank, stop_revoked=True)
             log.warning(
@@ -669,10 +726,3 @@ def _close_relay(relay: NodeRelay) -> None:
     """Stop ``relay`` and remove the directory of its socket (``Agent._start_relay`` made it)."""
     relay.close()
     os.rmdir(os.path.dirname(relay.path))
-
-
-def _health_text(h: HealthResult | None) -> str | None:
-    """The node record's ``health``: "passing", "failing: <output's tail>", or None (no result yet)."""
-    if h is None:
-        return None
-    return "passing" if h.passed else f"failing: {h.output[-300:]}"

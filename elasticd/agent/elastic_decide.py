@@ -54,7 +54,7 @@ class AgentState(StrEnum):
     RUNNING = "running"  # supervising: restarting failed workers within the budget
     DRAINING = "draining"  # asked to stop (SIGTERM): workers finish their step and leave; exit 0
     STOPPING = "stopping"  # a fatal condition (restarts exhausted): workers are stopped; exit 1
-    UNHEALTHY = "unhealthy"  # the health check failed: workers stopped, none started until a check passes
+    UNHEALTHY = "unhealthy"  # cordoned, or the health check failed: workers stopped, none started until back
 
 
 class SlotState(StrEnum):
@@ -187,24 +187,35 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     return Action(ActionKind.WAIT, "supervising", until=_next_deadline(snap, running, config))
 
 
-def _health(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig) -> Action | None:
-    """What the health check asks for, if anything (None: no check, or a passing one that no
-    (re)start waits for). A failed check stops the workers (SIGTERM, then the stop ladder) and
-    keeps the node UNHEALTHY; a (re)start waits for a passing check that ended after
-    ``health_after`` (the last exit); a pass brings an UNHEALTHY node back (its slots start)."""
-    if not config.health_check:
-        return None
+def out_of_service(snap: AgentSnapshot, config: AgentConfig) -> str | None:
+    """Why the node must run no worker now: cordoned (``cordon/<node>``), or its last health check
+    failed. None: it may run workers."""
+    cordon = snap.view.cordoned.get(config.node_id) if snap.view is not None else None
+    if cordon is not None:
+        return f"cordoned: {cordon} (elasticctl uncordon {config.node_id})"
     h = snap.health
-    if h is not None and not h.passed:
+    if config.health_check and h is not None and not h.passed:
+        return f"health_check_failed: {h.output[-300:]}"
+    return None
+
+
+def _health(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig) -> Action | None:
+    """What the node's service asks for, if anything (None: nothing holds its workers). Out of
+    service (``out_of_service``: cordoned, or a failed health check), the workers are stopped
+    (SIGTERM, then the stop ladder) and the node stays UNHEALTHY; with a check, a (re)start waits
+    for a passing one that ended after ``health_after`` (the last exit); back in service, an
+    UNHEALTHY node's slots start."""
+    out = out_of_service(snap, config)
+    if out is not None:
         if snap.state is not AgentState.UNHEALTHY:
             return Action(
                 ActionKind.TERMINATE,
-                f"health_check_failed: {h.output[-300:]}",
+                out,
                 next_state=AgentState.UNHEALTHY,
                 until=now + config.timeouts.shutdown_grace_s,
             )
         if not running:
-            return Action(ActionKind.WAIT, "unhealthy: waiting for a health check to pass")
+            return Action(ActionKind.WAIT, f"out of service: {out}")
         assert snap.terminate_deadline is not None
         step = stop_ladder(
             now,
@@ -215,9 +226,12 @@ def _health(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentC
             kill_wait_s=config.kill_wait_s,
         )
         if step.rung is Rung.GIVE_UP:
-            return Action(ActionKind.EXIT, f"{step.reason}; the node is unhealthy", exit_code=EXIT_FATAL)
+            return Action(ActionKind.EXIT, f"{step.reason}; the node is out of service", exit_code=EXIT_FATAL)
         kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
         return Action(kind, step.reason, until=step.until)
+    if not config.health_check:
+        return None
+    h = snap.health
     starting = any(
         s.state is SlotState.PENDING or (s.state is SlotState.BACKOFF and s.restart_at <= now) for s in snap.slots
     )

@@ -34,6 +34,7 @@ from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
 from elasticd.wire.keys import Keys
+from elasticd.wire.nodefaults import decode_cordon
 from elasticd.wire.failures import DeterministicFailure, FailureRecord, decode_failure, deterministic_failure
 from elasticd.wire.progress import ProgressRecord, parse_progress
 from elasticd.wire.records import MemberRecord
@@ -57,6 +58,7 @@ class JobView:
     progress: Mapping[str, ProgressRecord] = field(default_factory=dict)
     finished: bool = False  # the job reached its target step (``finished`` record)
     failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions (``failures/``)
+    cordoned: Mapping[str, str] = field(default_factory=dict)  # node -> why (``cordon/<node>``)
 
     @property
     def scores(self) -> dict[str, float]:
@@ -86,11 +88,17 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
     """Parse the rows of a job (``keys.rendezvous``, ``progress/`` and ``failures/``, the latter two
     read tolerantly: ``wire.progress``); records that do not parse are left out."""
     rows = list(kvs)
-    failures = []
+    failures, cordoned = [], {}
     for kv in rows:
         if kv.key.startswith(keys.failure("")):
             with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError, RecursionError):
                 failures.append(decode_failure(kv.value))
+        elif kv.key.startswith(keys.cordon("")):  # a record that does not parse still cordons
+            node = kv.key[len(keys.cordon("")) :]
+            try:
+                cordoned[node] = decode_cordon(kv.value).reason
+            except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                cordoned[node] = "a cordon record that does not parse"
     snap = parse_snapshot(keys, rows)
     progress, _ = parse_progress(keys, rows, tolerant=True)
     g = snap.generation
@@ -106,6 +114,7 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
         progress=progress,
         finished=snap.finished is not None,
         failures=tuple(failures),
+        cordoned=cordoned,
     )
 
 
@@ -249,7 +258,7 @@ class JobReader:
             self._wake.clear()  # a refresh from now on asks for a read after this one
             try:
                 rows = self._store.get_prefixes(
-                    (*self._keys.rendezvous, self._keys.progress(""), self._keys.failure(""))
+                    (*self._keys.rendezvous, self._keys.progress(""), self._keys.failure(""), self._keys.cordon(""))
                 )
             except EtcdUnavailable as exc:
                 if not self._failing:

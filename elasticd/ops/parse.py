@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from elasticd.store.kv import KeyValue
 from elasticd.wire.failures import FailureRecord, decode_failure
+from elasticd.wire.nodefaults import decode_cordon
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import (
     EventRecord,
@@ -124,6 +125,19 @@ def parse_failures(keys: Keys, rows: Sequence[KeyValue]) -> tuple[tuple[FailureR
             except DECODE_ERRORS as exc:
                 bad.append(f"{kv.key}: {exc}")
     return tuple(sorted(found, key=lambda r: (r.time, r.member))), tuple(bad)
+
+
+def parse_cordons(keys: Keys, rows: Sequence[KeyValue]) -> dict[str, str]:
+    """Cordoned nodes and why (``cordon/<node>``); a record that does not parse still cordons."""
+    prefix, out = keys.cordon(""), {}
+    for kv in rows:
+        if kv.key.startswith(prefix):
+            try:
+                rec = decode_cordon(kv.value)
+                out[kv.key[len(prefix) :]] = f"{rec.reason} (by {rec.by})"
+            except DECODE_ERRORS:
+                out[kv.key[len(prefix) :]] = "a cordon record that does not parse"
+    return out
 
 
 def parse_abort(keys: Keys, rows: Sequence[KeyValue]) -> AbortRecord | None:

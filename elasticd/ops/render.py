@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
+from elasticd.wire.nodefaults import describe as describe_faults
 from elasticd.ops.status import (
     RECOVERIES_SHOWN,
     JobEvents,
@@ -77,6 +78,8 @@ def to_dict(status: JobStatus) -> dict[str, object]:
                 "spares": n.spares,
                 "standby": n.standby,
                 "health": n.health,
+                "faults_last_hour": dict(n.faults),
+                "cordoned": n.cordoned,
             }
             for n in status.nodes
         ],
@@ -177,6 +180,7 @@ def _failure_lines(status: JobStatus) -> list[tuple[str, str]]:
     lines += [
         ("health", _clean(f"node {n.node}: {n.health}")) for n in status.nodes if n.health and n.health != "passing"
     ]
+    lines += [("cordoned", _clean(f"node {node}: {why}")) for node, why in sorted(status.cordoned.items())]
     if status.bug is not None:
         b = status.bug
         return [
@@ -216,7 +220,18 @@ _COLUMNS = (
     "RSS",
     "CPU",
 )
-_NODE_COLUMNS = ("NODE", "HOST", "AGENT_PID", "AGENT_STATE", "WORKERS", "SPARES", "RESTARTS", "HEARTBEAT", "DRAIN")
+_NODE_COLUMNS = (
+    "NODE",
+    "HOST",
+    "AGENT_PID",
+    "AGENT_STATE",
+    "WORKERS",
+    "SPARES",
+    "RESTARTS",
+    "FAULTS_1H",
+    "HEARTBEAT",
+    "DRAIN",
+)
 
 
 def render_table(status: JobStatus) -> str:
@@ -311,6 +326,7 @@ def _node_row(n: NodeStatus) -> tuple[str, ...]:
         f"{n.workers_running}/{n.workers}",
         f"{n.spares} (standby node)" if n.standby else str(n.spares),
         str(n.restarts),
+        describe_faults(n.faults),
         f"{n.heartbeat_age_s:.1f}s ago",
         "requested" if n.drain_requested else "-",
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
@@ -35,6 +35,7 @@ from elasticd.ops.parse import (
     parse_drains,
     parse_events,
     parse_nodes,
+    parse_cordons,
     parse_failures,
     parse_save_failed,
     restart_status,
@@ -42,6 +43,7 @@ from elasticd.ops.parse import (
 from elasticd.store.kv import KeyValue
 from elasticd.wire.failures import DeterministicFailure, FailureRecord, deterministic_failure
 from elasticd.wire.keys import Keys
+from elasticd.wire.nodefaults import node_faults
 from elasticd.wire.ops import EventKind, EventRecord, SaveFailedRecord, WorkerRecord
 from elasticd.wire.progress import ProgressRecord, parse_progress
 from elasticd.wire.records import AbortRecord, CheckpointRecord, FinishedRecord, MemberRecord
@@ -50,6 +52,7 @@ from elasticd.wire.snapshot import Snapshot, parse_snapshot
 from elasticd.wire.stragglers import straggler_scores
 
 RECOVERIES_SHOWN = 5  # how many of the newest ``recovered`` events ``status`` reports
+FAULT_WINDOW_S = 3600.0  # the window of each node's fault counts (``NodeStatus.faults``)
 
 
 class PrefixReader(Protocol):
@@ -105,6 +108,8 @@ class NodeStatus:
     spares: int = 0  # its live warm spares outside the current generation
     standby: bool = False  # a standby node: its live workers are all spares of a --standby agent
     health: str | None = None  # its health check: "passing", "failing: <output>"; None: no check
+    faults: Mapping[str, int] = field(default_factory=dict)  # its faults by kind in the last FAULT_WINDOW_S
+    cordoned: str | None = None  # why it is cordoned (``cordon/<node>``); None: not cordoned
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,7 @@ class JobStatus:
     stall_after_s: float = STALL_AFTER_S  # the bound given (0: stalls not checked)
     last_activity_age_s: float | None = None  # now - the generation's last commit or join; None: unknown
     bug: DeterministicFailure | None = None  # the bug the failure records show (health ``failed``)
+    cordoned: Mapping[str, str] = field(default_factory=dict)  # every cordoned node (with an agent or not) -> why
     failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions, oldest first
 
     @property
@@ -261,6 +267,8 @@ def build_status(
     drains, bad_drains = parse_drains(keys, rows)
     save_failed, bad_save = parse_save_failed(keys, rows)
     failures, bad_failures = parse_failures(keys, rows)
+    faults = node_faults((e for _, e in events), now, FAULT_WINDOW_S)
+    cordons = parse_cordons(keys, rows)
     bug = deterministic_failure(failures)
     slots = {(n.node, w.pid): w for n in node_records.values() for w in n.workers if w.pid}
     last_abort = parse_abort(keys, rows)
@@ -351,6 +359,8 @@ def build_status(
                 spares=spares[n.node],
                 standby=standby[n.node],
                 health=n.health,
+                faults=dict(faults.get(n.node, {})),
+                cordoned=cordons.get(n.node),
             )
             for _, n in sorted(node_records.items())
         ),
@@ -365,6 +375,7 @@ def build_status(
         last_activity_age_s=now - activity if activity is not None else None,
         bug=bug,
         failures=failures,
+        cordoned=cordons,
     )
 
 

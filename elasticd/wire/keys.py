@@ -108,6 +108,10 @@ class Keys:
         """``nodes/<node>``: the node agent's record, under the agent's lease."""
         return f"{self.job}/nodes/{node}"
 
+    def cordon(self, node: str) -> str:
+        """``cordon/<node>``: the node stays out of the job until uncordoned (``wire.nodefaults``)."""
+        return f"{self.job}/cordon/{node}"
+
     def drain(self, node: str) -> str:
         """``drain/<node>``: an operator's request that this node drain (``elasticctl drain``)."""
         return f"{self.job}/drain/{node}"

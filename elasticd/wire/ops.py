@@ -37,6 +37,8 @@ class EventKind(StrEnum):
     WORKER_STOPPED = "worker_stopped"  # by the agent: a stopped worker's lease revoked (stopped_worker_s)
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # by the agent
     GRADIENTS_NOT_FINITE = "gradients_not_finite"  # by a member whose own gradients held a NaN or an infinity
+    WORKER_HUNG = "worker_hung"  # by the agent: a worker killed as hung (hang_timeout_s)
+    NODE_CORDONED = "node_cordoned"  # by the agent: more than cordon_crashes crashes within cordon_window_s
     STRAGGLER_DETECTED = "straggler_detected"  # by the agent: its worker was slow for straggler_s
     STRAGGLER_REPLACED = "straggler_replaced"  # by the agent: it drains its node, a waiting spare takes the place
     HEALTH_CHECK_FAILED = "health_check_failed"  # by the agent: its node's check failed (its workers stop)

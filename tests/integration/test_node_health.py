@@ -1,6 +1,7 @@
-"""A node's health check with real agents: a failing check keeps the node out of the job (no worker
-started), a passing one admits it, and a check that fails later takes its workers out while the
-job goes on with the other node."""
+"""A node's health check and its cordon with real agents: a failing check keeps the node out of the
+job (no worker started), a passing one admits it, and a check that fails later takes its workers
+out while the job goes on with the other node; a node that keeps crashing is cordoned until
+``elasticctl uncordon``, as one an operator cordons."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -68,3 +70,40 @@ def test_a_failing_check_keeps_a_node_out_and_a_passing_one_admits_it(agent_job,
     assert len(b.events("worker_started")) == 1 and not b.events("restarts_exhausted")
     b.proc.send_signal(signal.SIGTERM)  # a drain of an unhealthy node ends its agent with 0
     assert b.wait(30) == 0, b.log_text()[-3000:]
+
+
+def _ctl(job: AgentJob, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CTL, "--etcd", job.etcd.endpoint, *argv, "--job", job.job_id],
+        env=_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_a_node_that_keeps_crashing_is_cordoned_until_uncordon(agent_job) -> None:
+    """More than cordon_crashes (2) crashes: the agent cordons its node and starts no worker; status
+    counts its faults; elasticctl uncordon lets it start again; an operator's cordon holds it too."""
+    job = agent_job(lease_ttl_s=2.0, cordon_crashes=2, max_restarts=20, restart_backoff_initial_s=0.05)
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    b = job.start("b", program=crash)
+    job.wait_for(lambda: bool(b.events("node_cordoned")), 60, "b cordoned")
+    job.wait_for(lambda: _node(job, "b").get("state") == "unhealthy", 30, "b out of service")
+    time.sleep(1.0)
+    starts = len(b.events("worker_started"))
+    assert starts == 3, b.log_text()[-3000:]  # the third crash is more than 2: no fourth start
+    node = _node(job, "b")
+    assert node["faults_last_hour"] == {"crash": 3} and "3 crashes within cordon_window_s" in str(node["cordoned"])
+    assert _ctl(job, "uncordon", "b").returncode == 0
+    job.wait_for(lambda: len(b.events("worker_started")) > starts, 30, "b starting workers again")
+    job.wait_for(lambda: len(b.events("node_cordoned")) >= 2, 30, "b cordoned again (its crashes still count)")
+    b.kill_group()
+    ok = job.start("c", program=[sys.executable, "-c", "import time; time.sleep(60)"])
+    job.wait_for(lambda: bool(ok.events("worker_started")), 30, "c's worker")
+    assert _ctl(job, "cordon", "c", "--reason", "disk swap").returncode == 0  # an operator's cordon
+    job.wait_for(lambda: _node(job, "c").get("workers_running") == 0, 30, "c's worker stopped")
+    assert "disk swap" in str(_node(job, "c")["cordoned"]) and len(ok.events("worker_started")) == 1
+    assert _ctl(job, "uncordon", "c").returncode == 0
+    job.wait_for(lambda: len(ok.events("worker_started")) == 2, 30, "c's worker started again")

@@ -528,6 +528,21 @@ HEALTH_CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
         dict(kind=ActionKind.SPAWN, local_rank=0, reason="restart"),
     ),
     (
+        "cordoned (no health check needed): stop the workers",
+        snap(R, running(0), running(1), view=JobView(read_at=NOW, cordoned={"n": "6 crashes"})),
+        dict(kind=ActionKind.TERMINATE, next_state=U),
+    ),
+    (
+        "uncordoned, the check passing: the node starts its workers",
+        snap(U, Slot(0), Slot(1), health=OK_CHECK, view=JobView(read_at=NOW), terminate_deadline=NOW - 9),
+        dict(kind=ActionKind.SPAWN, local_rank=0, next_state=R),
+    ),
+    (
+        "another node cordoned: nothing to do here",
+        snap(R, running(0), running(1), health=OK_CHECK, view=JobView(read_at=NOW, cordoned={"m": "x"})),
+        dict(kind=ActionKind.WAIT),
+    ),
+    (
         "a stop request while unhealthy: drain",
         snap(U, Slot(0), Slot(1), health=BAD_CHECK, stop_requests=1),
         dict(kind=ActionKind.TERMINATE, next_state=D),
@@ -539,6 +554,13 @@ HEALTH_CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
 def test_decide_with_a_health_check(s: AgentSnapshot, expected: dict[str, object]) -> None:
     action = decide(s, NOW, HEALTH_CFG)
     assert {k: getattr(action, k) for k in expected} == expected, action
+
+
+def test_a_cordon_holds_a_node_without_a_health_check() -> None:
+    s = snap(R, running(0), running(1), view=JobView(read_at=NOW, cordoned={"n": "6 crashes"}))
+    action = decide(s, NOW, CFG)  # CFG has no health check
+    assert (action.kind, action.next_state) == (ActionKind.TERMINATE, U)
+    assert action.reason == "cordoned: 6 crashes (elasticctl uncordon n)"
 
 
 def test_a_health_check_passes_on_exit_0_and_fails_on_an_error_or_its_timeout() -> None:
