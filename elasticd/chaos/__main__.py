@@ -11,6 +11,7 @@ training, rendezvous or supervision logic. Nothing imports it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import math
@@ -19,6 +20,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +60,10 @@ from elasticd.chaos.netns import (
 from elasticd.chaos.report import Report, render_table, report_to_dict
 from elasticd.chaos.schedule import (
     KIND_NAMES,
+    PRODUCTION_MIX,
     STEP_OVERHEAD_S,
+    STRAGGLER_DUTY_S,
+    STRAGGLER_FAULT_S,
     TIMEOUTS,
     Choice,
     ClusterView,
@@ -103,6 +108,21 @@ GROW_BOUND_S = 90.0  # warm-up: one more agent started -> a commit at the bigger
 
 # ---------------------------------------------------------------------------------------------
 # The executor
+
+
+def duty_cycle(pid: int, until: float) -> None:
+    """SIGSTOP/SIGCONT ``pid`` every STRAGGLER_DUTY_S until ``until`` (monotonic); it is left running."""
+    try:
+        while time.monotonic() < until:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(STRAGGLER_DUTY_S)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(STRAGGLER_DUTY_S)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 class Phase(StrEnum):
@@ -411,6 +431,17 @@ class ChaosRun:
             self.record(kind, node.name, f"second agent pid {dup.proc.pid}")
             self.later(DUPLICATE_BOUND_S, f"end duplicate {dup.proc.pid}", partial(self.end_duplicate, dup))
 
+        elif kind is FaultKind.WORKER_ABORT:
+            assert node is not None
+            signal_pid(pid, signal.SIGABRT)
+            node.busy_until = now + 2.0
+            self.record(kind, node.name, f"worker pid {pid}")
+        elif kind is FaultKind.STRAGGLER:
+            assert node is not None
+            node.busy_until = now + STRAGGLER_FAULT_S + 1.0
+            stop = time.monotonic() + STRAGGLER_FAULT_S
+            threading.Thread(target=duty_cycle, args=(pid, stop), name="chaos-straggler", daemon=True).start()
+            self.record(kind, node.name, f"worker pid {pid} at half speed for {STRAGGLER_FAULT_S:g} s")
         elif kind is FaultKind.LINK_DOWN:
             assert node is not None and self.net is not None
             host = self.net.host(host_index(node.name))
@@ -653,7 +684,8 @@ class ChaosRun:
                     )
                 else:
                     if now >= next_fault:
-                        choice = choose_fault(self.view(now), self.s.kinds, self.rng)
+                        weights = PRODUCTION_MIX if self.s.mix == "production" else None
+                        choice = choose_fault(self.view(now), self.s.kinds, self.rng, weights)
                         if choice is not None:
                             self.inject(choice)
                         next_fault = now + next_delay(self.rng, self.s.mean_interval_s)

@@ -47,6 +47,8 @@ class FaultKind(StrEnum):
     NODE_JOIN = "node_join"
     DUPLICATE_NODE = "duplicate_node"
     LINK_DOWN = "link_down"
+    WORKER_ABORT = "worker_abort"
+    STRAGGLER = "straggler"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,11 @@ class KindSpec:
     needs_etcd: bool = False  # needs etcd up (it writes there, or its outcome means nothing without)
     netns: bool = False  # needs every node on a network-namespace host (--netns)
 
+
+# How long a straggler fault slows its worker, and the duty cycle that slows it: stopped this long,
+# then running this long, over and over (shorter than a step: its compute takes about twice as long).
+STRAGGLER_FAULT_S = 5.0
+STRAGGLER_DUTY_S = 0.005
 
 KINDS: Mapping[FaultKind, KindSpec] = {
     FaultKind.WORKER_KILL: KindSpec("SIGKILL one worker; its agent restarts it", removes=True, on_node=True),
@@ -98,6 +105,17 @@ KINDS: Mapping[FaultKind, KindSpec] = {
     FaultKind.DUPLICATE_NODE: KindSpec(
         "start a second agent with an existing node's id: it must exit non-zero", on_node=True, needs_etcd=True
     ),
+    FaultKind.WORKER_ABORT: KindSpec(
+        "SIGABRT one worker (it dies as a CUDA error or an assertion in native code ends a process); "
+        "its agent restarts it",
+        removes=True,
+        on_node=True,
+    ),
+    FaultKind.STRAGGLER: KindSpec(
+        f"slow one worker for {STRAGGLER_FAULT_S:g} s by a SIGSTOP/SIGCONT duty cycle "
+        f"({STRAGGLER_DUTY_S * 1000:g} ms each): it computes half the time, and every all_reduce waits for it",
+        on_node=True,
+    ),
     # needs_etcd: with etcd down, nobody could notice the lost host, so the fault would test nothing.
     FaultKind.LINK_DOWN: KindSpec(
         "take a network-namespace host's link down (`ip link set VETH down`) for "
@@ -111,6 +129,33 @@ KINDS: Mapping[FaultKind, KindSpec] = {
 
 
 KIND_NAMES = frozenset(k.value for k in FaultKind)
+
+# ``--mix production``: each kind's weight, from the causes of the 419 unplanned interruptions of
+# Llama 3's pre-training on 16k GPUs (Meta, "The Llama 3 Herd of Models", 2024, table 5): GPU and
+# GPU-memory faults 58.7 % (a worker dying as a CUDA error ends it, or killed), software bugs
+# 13.4 % (a worker crash; a bug at the same step on every rank is its own scenario, which ends the
+# job), host and maintenance 11 % (a node lost, drained or stopped for maintenance), network
+# 10.1 % (a link down; a worker cut off), NCCL watchdog hangs 1.7 % (a worker stopped, then found
+# hung), silent data corruption 1.4 % (a slow or bad node: a straggler here). The etcd faults are
+# the control plane's, absent from that table; they keep a small weight so that every run meets them.
+PRODUCTION_MIX: Mapping[FaultKind, float] = {
+    FaultKind.WORKER_ABORT: 35.2,
+    FaultKind.WORKER_KILL: 23.5 + 13.4,
+    FaultKind.NODE_LOSS: 5.0,
+    FaultKind.DRAIN: 2.0,
+    FaultKind.AGENT_SIGTERM: 2.0,
+    FaultKind.AGENT_STOP: 2.0,
+    FaultKind.LINK_DOWN: 10.1,
+    FaultKind.WORKER_STOP: 1.7,
+    FaultKind.STRAGGLER: 1.4,
+    FaultKind.NODE_JOIN: 2.0,
+    FaultKind.DUPLICATE_NODE: 0.5,
+    FaultKind.ETCD_RESTART: 0.5,
+    FaultKind.ETCD_OUTAGE: 0.5,
+    FaultKind.ETCD_FOLLOWER_KILL: 0.5,
+    FaultKind.ETCD_LEADER_KILL: 0.5,
+}
+MIXES = ("uniform", "production")
 
 
 def kinds_possible(etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
@@ -213,9 +258,15 @@ def allowed(kind: FaultKind, view: ClusterView) -> bool:
     return not (kind is FaultKind.DUPLICATE_NODE and view.duplicate_running)
 
 
-def choose_fault(view: ClusterView, kinds: Sequence[FaultKind], rng: random.Random) -> Choice | None:
+def choose_fault(
+    view: ClusterView,
+    kinds: Sequence[FaultKind],
+    rng: random.Random,
+    weights: Mapping[FaultKind, float] | None = None,
+) -> Choice | None:
     """The next fault: a kind allowed now, among those injected least so far (so a short run covers
-    every kind), picked at random; for an on-node kind, a ready node at random. None: none allowed.
+    every kind), picked at random; with ``weights`` (``--mix production``), any allowed kind, drawn
+    by its weight. For an on-node kind, a ready node at random. None: none allowed.
 
     Among the least injected, an etcd kind goes first when etcd is free: etcd faults come one at a
     time and each holds etcd for seconds, so left to chance the last of them may not fit a short
@@ -223,9 +274,15 @@ def choose_fault(view: ClusterView, kinds: Sequence[FaultKind], rng: random.Rand
     possible = [k for k in kinds if allowed(k, view)]
     if not possible:
         return None
-    least = min(view.injected.get(k, 0) for k in possible)
-    candidates = sorted(k for k in possible if view.injected.get(k, 0) == least)
-    kind = rng.choice([k for k in candidates if KINDS[k].etcd] or candidates)
+    if weights is not None:
+        weighted = sorted(k for k in possible if weights.get(k, 0.0) > 0)
+        if not weighted:
+            return None
+        kind = rng.choices(weighted, [weights[k] for k in weighted])[0]
+    else:
+        least = min(view.injected.get(k, 0) for k in possible)
+        candidates = sorted(k for k in possible if view.injected.get(k, 0) == least)
+        kind = rng.choice([k for k in candidates if KINDS[k].etcd] or candidates)
     node = rng.choice(view.ready) if KINDS[kind].on_node else None
     return Choice(kind, node)
 
@@ -278,6 +335,7 @@ class Settings:
     device: str = "cpu"  # the workload's --device: cpu, or cuda (the model on the GPU; groups stay gloo)
     fp16: bool = False  # the workload's --fp16: autocast and a GradScaler (cuda only)
     form: str = "short"  # the workload's form: short (agents/mlp.py) or dropin (agents/mlp_dropin.py)
+    mix: str = "uniform"  # uniform (every kind covered alike) or production (PRODUCTION_MIX's weights)
 
 
 RELAY_CHOICES = ("off", "on", "mixed")
@@ -325,6 +383,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="KIND[,KIND]",
         help=f"fault kinds to inject (default: every kind possible here): {', '.join(k.value for k in FaultKind)}",
+    )
+    p.add_argument(
+        "--mix",
+        choices=MIXES,
+        default="uniform",
+        help="uniform: every kind alike (a short run covers each); production: kinds drawn by the shares of "
+        "Llama 3's unplanned interruptions (GPU 58.7 %%, software 13.4 %%, host 11 %%, network 10.1 %%, ...; "
+        "elasticd.chaos.schedule.PRODUCTION_MIX). Default uniform",
     )
     p.add_argument("--nodes", type=int, default=3, help="agents at the start (default 3)")
     p.add_argument("--min-nodes", type=int, default=2, help="the job's min size; never taken below (default 2)")
@@ -450,4 +516,5 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         device=args.device,
         fp16=args.fp16,
         form=args.form,
+        mix=args.mix,
     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import random
@@ -54,6 +55,7 @@ from elasticd.chaos.netns import (
 )
 from elasticd.chaos.report import Report, render_table, report_to_dict
 from elasticd.chaos.schedule import (
+    KINDS,
     ClusterView,
     FaultKind,
     NodeView,
@@ -1055,3 +1057,25 @@ def test_an_agent_that_exits_between_two_polls_is_recorded_with_its_code_not_as_
     assert proc.wait(30.0) == 0
     assert run.live_nodes() == []
     assert run.nodes[0].code == 0 and run.nodes[0].message == "bye"
+
+
+def test_the_production_mix_draws_kinds_by_their_published_shares() -> None:
+    from elasticd.chaos.schedule import PRODUCTION_MIX
+
+    assert set(PRODUCTION_MIX) == set(kinds_possible(3, netns=True))  # every kind has a weight
+    rng = random.Random(5)
+    kinds = list(kinds_possible(3, netns=True))
+    picks = collections.Counter(
+        choose_fault(view(3, injected={}), kinds, rng, PRODUCTION_MIX).kind  # type: ignore[union-attr]
+        for _ in range(4000)
+    )
+    total = sum(PRODUCTION_MIX[k] for k in kinds if allowed(k, view(3, injected={})))
+    gpu = (picks[FaultKind.WORKER_ABORT] + picks[FaultKind.WORKER_KILL]) / 4000
+    assert abs(gpu - (PRODUCTION_MIX[FaultKind.WORKER_ABORT] + PRODUCTION_MIX[FaultKind.WORKER_KILL]) / total) < 0.05
+    assert picks[FaultKind.WORKER_KILL] > picks[FaultKind.LINK_DOWN] > picks[FaultKind.ETCD_RESTART]
+    # a kind not allowed now is never drawn: one etcd fault at a time
+    busy = view(3, etcd_busy=True)
+    assert all(
+        not KINDS[choose_fault(busy, kinds, rng, PRODUCTION_MIX).kind].etcd  # type: ignore[union-attr]
+        for _ in range(200)
+    )
