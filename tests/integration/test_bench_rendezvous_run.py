@@ -20,6 +20,7 @@ from elasticd.testing.localcluster import REPO_ROOT
 N = 20
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(90)
 def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_path: Path) -> None:
     result = run_rendezvous(RendezvousSettings(members=N, per_process=10), tmp_path, etcd=etcd_server)

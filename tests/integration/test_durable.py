@@ -328,6 +328,7 @@ def test_a_read_only_directory_is_reported_and_training_goes_on(local_job: Any, 
     _intact(directory, frozen[0])
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_a_changed_model_keeps_the_old_checkpoints_and_starts_over_only_when_allowed(
     local_job: Any, tmp_path: Path
 ) -> None:

@@ -214,6 +214,7 @@ def test_a_sigstopped_worker_loses_its_lease_to_its_agent_and_rejoins_after_sigc
     assert rep.last_step == STOPPED_STEPS and len(set(rep.final_checksums)) == 1
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(120)
 def test_sigterm_drains_the_node_and_the_job_goes_on_at_world_1(agent_job):
     job = agent_job()

@@ -143,6 +143,7 @@ def test_elasticctl_drain_takes_a_node_out_and_the_job_goes_on_smaller(agent_job
     assert draining["detail"]["cause"].startswith("elasticctl drain by ")
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 @pytest.mark.timeout(150)
 def test_a_killed_worker_shows_up_in_the_events_in_time_order(agent_job: Any) -> None:
     job = agent_job(stats_interval_s=0.5)
