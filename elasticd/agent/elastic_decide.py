@@ -215,6 +215,8 @@ def _health(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentC
                 until=now + config.timeouts.shutdown_grace_s,
             )
         if not running:
+            if snap.view is not None and snap.view.finished:  # nothing left to come back for
+                return Action(ActionKind.EXIT, "workers_finished: the job finished while the node was out of service")
             return Action(ActionKind.WAIT, f"out of service: {out}")
         assert snap.terminate_deadline is not None
         step = stop_ladder(

@@ -60,7 +60,6 @@ from elasticd.chaos.netns import (
 from elasticd.chaos.report import Report, render_table, report_to_dict
 from elasticd.chaos.schedule import (
     KIND_NAMES,
-    PRODUCTION_MIX,
     STEP_OVERHEAD_S,
     STRAGGLER_DUTY_S,
     STRAGGLER_FAULT_S,
@@ -72,6 +71,7 @@ from elasticd.chaos.schedule import (
     Settings,
     choose_fault,
     make_settings,
+    mix_weights,
     next_delay,
     parse_args,
     relayed,
@@ -269,7 +269,9 @@ class ChaosRun:
         if duplicate:
             self._dups += 1
             log_name = f"{name}-dup{self._dups}"
-        flags = ["--max-restarts", "1000"]  # a worker killed again and again is restarted again
+        # a worker killed again and again is restarted again, and its node never cordoned for it: the
+        # crashes are the run's own
+        flags = ["--max-restarts", "1000", "--cordon-crashes", "0"]
         if relayed(self.s.relay, host_index(name)):
             flags += ["--relay", "true"]
         prefix: list[str] = []
@@ -358,11 +360,9 @@ class ChaosRun:
             self.say(f"skipped {kind} on {node.name}: it runs {len(pids)} workers now")
             return
         pid = pids[0] if pids else 0
-        if kind is FaultKind.WORKER_KILL:
+        if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_ABORT, FaultKind.STRAGGLER):
             assert node is not None
-            signal_pid(pid, signal.SIGKILL)
-            node.busy_until = now + 2.0
-            self.record(kind, node.name, f"worker pid {pid}")
+            self.signal_worker(kind, node, pid, now)
         elif kind is FaultKind.NODE_LOSS:
             assert node is not None
             node.expected = "killed"
@@ -431,17 +431,6 @@ class ChaosRun:
             self.record(kind, node.name, f"second agent pid {dup.proc.pid}")
             self.later(DUPLICATE_BOUND_S, f"end duplicate {dup.proc.pid}", partial(self.end_duplicate, dup))
 
-        elif kind is FaultKind.WORKER_ABORT:
-            assert node is not None
-            signal_pid(pid, signal.SIGABRT)
-            node.busy_until = now + 2.0
-            self.record(kind, node.name, f"worker pid {pid}")
-        elif kind is FaultKind.STRAGGLER:
-            assert node is not None
-            node.busy_until = now + STRAGGLER_FAULT_S + 1.0
-            stop = time.monotonic() + STRAGGLER_FAULT_S
-            threading.Thread(target=duty_cycle, args=(pid, stop), name="chaos-straggler", daemon=True).start()
-            self.record(kind, node.name, f"worker pid {pid} at half speed for {STRAGGLER_FAULT_S:g} s")
         elif kind is FaultKind.LINK_DOWN:
             assert node is not None and self.net is not None
             host = self.net.host(host_index(node.name))
@@ -456,6 +445,18 @@ class ChaosRun:
             node.busy_until = now + self.s.link_down_s + 2 * ttl + 3.0
             self.record(kind, node.name, f"{host.root_veth} down for {self.s.link_down_s:g} s (worker pid {pid})")
             self.later(self.s.link_down_s, f"link up {node.name}", partial(self.link_up, node.name, host))
+
+    def signal_worker(self, kind: FaultKind, node: Node, pid: int, now: float) -> None:
+        """worker_kill (SIGKILL), worker_abort (SIGABRT) or straggler (a SIGSTOP/SIGCONT duty cycle)."""
+        if kind is FaultKind.STRAGGLER:
+            node.busy_until = now + STRAGGLER_FAULT_S + 1.0
+            stop = time.monotonic() + STRAGGLER_FAULT_S
+            threading.Thread(target=duty_cycle, args=(pid, stop), name="chaos-straggler", daemon=True).start()
+            self.record(kind, node.name, f"worker pid {pid} at half speed for {STRAGGLER_FAULT_S:g} s")
+            return
+        signal_pid(pid, signal.SIGKILL if kind is FaultKind.WORKER_KILL else signal.SIGABRT)
+        node.busy_until = now + 2.0
+        self.record(kind, node.name, f"worker pid {pid}")
 
     def link_up(self, name: str, host: NetnsHost) -> None:
         assert self.net is not None
@@ -684,8 +685,7 @@ class ChaosRun:
                     )
                 else:
                     if now >= next_fault:
-                        weights = PRODUCTION_MIX if self.s.mix == "production" else None
-                        choice = choose_fault(self.view(now), self.s.kinds, self.rng, weights)
+                        choice = choose_fault(self.view(now), self.s.kinds, self.rng, mix_weights(self.s.mix))
                         if choice is not None:
                             self.inject(choice)
                         next_fault = now + next_delay(self.rng, self.s.mean_interval_s)

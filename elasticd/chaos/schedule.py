@@ -158,6 +158,11 @@ PRODUCTION_MIX: Mapping[FaultKind, float] = {
 MIXES = ("uniform", "production")
 
 
+def mix_weights(mix: str) -> Mapping[FaultKind, float] | None:
+    """The weights ``choose_fault`` draws by for ``--mix`` (None: uniform, every kind covered alike)."""
+    return PRODUCTION_MIX if mix == "production" else None
+
+
 def kinds_possible(etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
     """The fault kinds that can be injected with an etcd cluster of this size, with (or without)
     network-namespace hosts."""

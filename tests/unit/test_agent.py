@@ -513,6 +513,11 @@ HEALTH_CASES: list[tuple[str, AgentSnapshot, dict[str, object]]] = [
         dict(kind=ActionKind.WAIT, until=None),
     ),
     (
+        "unhealthy, nothing runs, and the job finished: exit 0",
+        snap(U, Slot(0), Slot(1), health=BAD_CHECK, view=JobView(read_at=NOW, finished=True)),
+        dict(kind=ActionKind.EXIT, exit_code=0),
+    ),
+    (
         "the check passes again: the node starts its workers (RUNNING)",
         snap(U, Slot(0), Slot(1), health=OK_CHECK, terminate_deadline=NOW - 9),
         dict(kind=ActionKind.SPAWN, local_rank=0, next_state=R),
