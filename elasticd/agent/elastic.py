@@ -304,7 +304,7 @@ class Agent(AgentDaemon):
             time=time.time(),
             workers=tuple(workers),
             since=self._since,
-            health=out_of_service(self.snapshot, c) or ("passing" if self.snapshot.health is not None else None),
+            health=_health_text(self.snapshot, c),
         )
 
     def _loop(self, waker: Waker) -> AgentOutcome:
@@ -726,3 +726,14 @@ def _close_relay(relay: NodeRelay) -> None:
     """Stop ``relay`` and remove the directory of its socket (``Agent._start_relay`` made it)."""
     relay.close()
     os.rmdir(os.path.dirname(relay.path))
+
+
+def _health_text(snap: AgentSnapshot, config: AgentConfig) -> str | None:
+    """The node record's ``health``: ``cordoned: <why>``, ``failing: <the check's output>``,
+    ``passing``, or None (no check, or no result yet)."""
+    out, h = out_of_service(snap, config), snap.health
+    if out is not None and out.startswith("cordoned: "):
+        return out
+    if h is None or not config.health_check:
+        return None
+    return "passing" if h.passed else f"failing: {h.output[-300:]}"
