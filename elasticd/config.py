@@ -735,9 +735,7 @@ class AgentConfig:
             "and runs no worker until elasticctl uncordon (0: never)."
         },
     )
-    cordon_window_s: float = field(
-        default=3600.0, metadata={"doc": "The window of cordon_crashes (and of elasticctl status's fault counts)."}
-    )
+    cordon_window_s: float = field(default=3600.0, metadata={"doc": "The window in which cordon_crashes are counted."})
     health_check: str = field(
         default="",
         metadata={

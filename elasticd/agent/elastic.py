@@ -70,7 +70,7 @@ from elasticd.agent.elastic_decide import (
     member_leases,
     out_of_service,
 )
-from elasticd.agent.health import HealthChecker
+from elasticd.agent.health import SHOWN_OUTPUT_CHARS, HealthChecker
 from elasticd.agent.jobview import (
     JobReader,
     JobView,
@@ -596,6 +596,8 @@ class Agent(AgentDaemon):
             log.warning("straggler_not_replaced", member=member, reason=f"etcd: {str(exc)[:200]}")
             return
         if not won:
+            with contextlib.suppress(EtcdUnavailable, LeaseLost):
+                self._store.revoke_lease(lease)  # unused: another node holds the straggler lease
             log.info("straggler_not_replaced", member=member, reason="another node is being replaced (straggler lease)")
             return
         log.warning("straggler_replaced", **detail, cooldown_s=c.straggler_cooldown_s)
@@ -736,4 +738,4 @@ def _health_text(snap: AgentSnapshot, config: AgentConfig) -> str | None:
         return out
     if h is None or not config.health_check:
         return None
-    return "passing" if h.passed else f"failing: {h.output[-300:]}"
+    return "passing" if h.passed else f"failing: {h.output[-SHOWN_OUTPUT_CHARS:]}"

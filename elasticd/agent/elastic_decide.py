@@ -25,7 +25,7 @@ from elasticd.agent.daemon import (
     restarts_in_window,
     stop_ladder,
 )
-from elasticd.agent.health import HealthResult
+from elasticd.agent.health import SHOWN_OUTPUT_CHARS, HealthResult
 from elasticd.agent.jobview import JobView, ProgressMark, is_hung
 from elasticd.agent.supervisor import ExitKind, WorkerExit
 from elasticd.config import AgentConfig
@@ -195,7 +195,7 @@ def out_of_service(snap: AgentSnapshot, config: AgentConfig) -> str | None:
         return f"cordoned: {cordon} (elasticctl uncordon {config.node_id})"
     h = snap.health
     if config.health_check and h is not None and not h.passed:
-        return f"health_check_failed: {h.output[-300:]}"
+        return f"health_check_failed: {h.output[-SHOWN_OUTPUT_CHARS:]}"
     return None
 
 
@@ -218,19 +218,7 @@ def _health(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentC
             if snap.view is not None and snap.view.finished:  # nothing left to come back for
                 return Action(ActionKind.EXIT, "workers_finished: the job finished while the node was out of service")
             return Action(ActionKind.WAIT, f"out of service: {out}")
-        assert snap.terminate_deadline is not None
-        step = stop_ladder(
-            now,
-            terminate_deadline=snap.terminate_deadline,
-            kill_deadline=snap.kill_deadline,
-            stop_requests=snap.stop_requests,
-            grace_s=config.timeouts.shutdown_grace_s,
-            kill_wait_s=config.kill_wait_s,
-        )
-        if step.rung is Rung.GIVE_UP:
-            return Action(ActionKind.EXIT, f"{step.reason}; the node is out of service", exit_code=EXIT_FATAL)
-        kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
-        return Action(kind, step.reason, until=step.until)
+        return _ladder(snap, running, now, config, "the node is out of service")
     if not config.health_check:
         return None
     h = snap.health
@@ -252,6 +240,13 @@ def _stopping(snap: AgentSnapshot, running: list[Slot], now: float, config: Agen
         return Action(ActionKind.EXIT, reason, exit_code=code)
     if snap.terminate_deadline is None:
         return Action(ActionKind.TERMINATE, "stopping the other workers", until=now + config.timeouts.shutdown_grace_s)
+    return _ladder(snap, running, now, config, reason)
+
+
+def _ladder(snap: AgentSnapshot, running: list[Slot], now: float, config: AgentConfig, why: str) -> Action:
+    """The next rung of stopping the ``running`` workers that were sent SIGTERM (``stop_ladder``):
+    wait, SIGKILL, or exit 1 once they outlived SIGKILL (``why``: what the agent was stopping for)."""
+    assert snap.terminate_deadline is not None
     step = stop_ladder(
         now,
         terminate_deadline=snap.terminate_deadline,
@@ -262,7 +257,7 @@ def _stopping(snap: AgentSnapshot, running: list[Slot], now: float, config: Agen
         workers=f"pids {[s.pid for s in running]}",
     )
     if step.rung is Rung.GIVE_UP:
-        return Action(ActionKind.EXIT, f"{step.reason}; {reason}", exit_code=EXIT_FATAL)
+        return Action(ActionKind.EXIT, f"{step.reason}; {why}", exit_code=EXIT_FATAL)
     kind = ActionKind.KILL if step.rung is Rung.KILL else ActionKind.WAIT
     return Action(kind, step.reason, until=step.until)
 

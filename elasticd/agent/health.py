@@ -28,7 +28,8 @@ from elasticd.retry import Clock
 
 log = structlog.get_logger(__name__)
 
-OUTPUT_CHARS = 2000  # the output's tail kept in a result (and in the node record: 300)
+OUTPUT_CHARS = 2000  # the output's tail kept in a result
+SHOWN_OUTPUT_CHARS = 300  # the tail shown in the node record, a stop reason and elasticctl status
 
 
 @dataclass(frozen=True)

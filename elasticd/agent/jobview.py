@@ -22,6 +22,7 @@ worker that reached the last step between two reads looks, until it exits, like 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class JobView:
     failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions (``failures/``)
     cordoned: Mapping[str, str] = field(default_factory=dict)  # node -> why (``cordon/<node>``)
 
-    @property
+    @functools.cached_property
     def scores(self) -> dict[str, float]:
         """Each generation member's straggler score (``wire.stragglers``), from its progress record."""
         compute = {
@@ -78,7 +79,7 @@ class JobView:
             if rec.spare and rec.node != other_than and m in self.waiting and m not in self.in_generation
         )
 
-    @property
+    @functools.cached_property
     def bug(self) -> DeterministicFailure | None:
         """The bug that stops the job, if the failure records show one (``wire.failures``)."""
         return deterministic_failure(self.failures)

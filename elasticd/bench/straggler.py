@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +35,7 @@ from elasticd.bench.agentjob import SETTLE_STEPS, AgentBenchSettings, AgentJob, 
 from elasticd.bench.common import BenchError, dist_version, fmt, median_of, progress, run_subcommand
 from elasticd.errors import ElasticdError
 from elasticd.testing.etcd import EtcdServer
+from elasticd.testing.localcluster import duty_cycle
 from elasticd.wire.snapshot import parse_snapshot
 
 COMPUTE_WORKLOAD = ("--hidden", "512", "--global-batch", "256")  # a step of compute, ~20-40 ms here
@@ -67,23 +66,6 @@ class StragglerRep:
     steps_lost: int = 0
     violations: list[str] = field(default_factory=list)
     error: str | None = None
-
-
-def duty_cycle(pid: int, stop: threading.Event, until: float) -> None:
-    """SIGSTOP/SIGCONT ``pid`` every DUTY_S until ``stop`` or ``until``; it is left running."""
-    try:
-        while not stop.is_set() and time.monotonic() < until:
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(DUTY_S)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(DUTY_S)
-    except ProcessLookupError:
-        pass
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def _agent_event(job: AgentJob, node: str, name: str) -> dict[str, object] | None:
@@ -142,7 +124,7 @@ def run_straggler_rep(etcd: EtcdServer, workdir: Path, rep: int, s: StragglerBen
         victim, generation = job.worker_pid("b"), job.generation()
         job.expected_gone.add("b")  # drained as a straggler: its agent leaves
         slowed_at = time.time()
-        t = threading.Thread(target=duty_cycle, args=(victim, stop, time.monotonic() + 90), daemon=True)
+        t = threading.Thread(target=duty_cycle, args=(victim, DUTY_S, time.monotonic() + 90, stop), daemon=True)
         t.start()
         job.wait_for(lambda: _agent_event(job, "b", "straggler_detected") is not None, "b's straggler_detected")
         found = _agent_event(job, "b", "straggler_detected")

@@ -11,7 +11,6 @@ training, rendezvous or supervision logic. Nothing imports it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import io
 import json
 import math
@@ -83,6 +82,7 @@ from elasticd.testing.audit import check as audit_check
 from elasticd.testing.etcd import EtcdCluster, EtcdServer
 from elasticd.testing.localcluster import (
     AuditTail,
+    duty_cycle,
     WorkerProcess,
     group_pids,
     local_agent_argv,
@@ -108,21 +108,6 @@ GROW_BOUND_S = 90.0  # warm-up: one more agent started -> a commit at the bigger
 
 # ---------------------------------------------------------------------------------------------
 # The executor
-
-
-def duty_cycle(pid: int, until: float) -> None:
-    """SIGSTOP/SIGCONT ``pid`` every STRAGGLER_DUTY_S until ``until`` (monotonic); it is left running."""
-    try:
-        while time.monotonic() < until:
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(STRAGGLER_DUTY_S)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(STRAGGLER_DUTY_S)
-    except ProcessLookupError:
-        return
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
 
 
 class Phase(StrEnum):
@@ -451,7 +436,8 @@ class ChaosRun:
         if kind is FaultKind.STRAGGLER:
             node.busy_until = now + STRAGGLER_FAULT_S + 1.0
             stop = time.monotonic() + STRAGGLER_FAULT_S
-            threading.Thread(target=duty_cycle, args=(pid, stop), name="chaos-straggler", daemon=True).start()
+            args = (pid, STRAGGLER_DUTY_S, stop)
+            threading.Thread(target=duty_cycle, args=args, name="chaos-straggler", daemon=True).start()
             self.record(kind, node.name, f"worker pid {pid} at half speed for {STRAGGLER_FAULT_S:g} s")
             return
         signal_pid(pid, signal.SIGKILL if kind is FaultKind.WORKER_KILL else signal.SIGABRT)

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -165,6 +166,21 @@ def signal_pid(pid: int, sig: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def duty_cycle(pid: int, duty_s: float, until: float, stop: threading.Event | None = None) -> None:
+    """Slow ``pid`` as a straggler: SIGSTOP, ``duty_s``, SIGCONT, ``duty_s``, over and over until
+    ``until`` (monotonic) or ``stop``; it is left running. Returns early once it is gone."""
+    try:
+        while time.monotonic() < until and not (stop is not None and stop.is_set()):
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(duty_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(duty_s)
+    except ProcessLookupError:
+        return
+    finally:
+        signal_pid(pid, signal.SIGCONT)
 
 
 def _proc_stat(pid: int) -> list[str] | None:

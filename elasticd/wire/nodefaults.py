@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
+from elasticd.errors import EXIT_REJOIN
 from elasticd.wire.ops import EventKind, EventRecord
 
 FAULT_KINDS = ("crash", "hang", "health", "straggler")
-EXIT_REJOIN_CODE = 75  # errors.EXIT_REJOIN: a member that asks to start again is no fault
 _FAULTS: Mapping[str, str] = {
     EventKind.WORKER_HUNG: "hang",
     EventKind.HEALTH_CHECK_FAILED: "health",
@@ -34,7 +34,7 @@ def fault_of(event: EventRecord) -> str | None:
     """The fault kind ``event`` records (None: no fault)."""
     if event.kind == EventKind.WORKER_EXITED:
         d = event.detail
-        clean = d.get("exit_kind") == "succeeded" or d.get("code") == EXIT_REJOIN_CODE
+        clean = d.get("exit_kind") == "succeeded" or d.get("code") == EXIT_REJOIN  # a member that asks to start again
         return None if clean else "crash"
     return _FAULTS.get(event.kind)
 

@@ -30,6 +30,8 @@ from elasticd.wire.failures import DETAIL_CHARS, FailureRecord, encode_failure, 
 from elasticd.wire.keys import Keys
 from elasticd.worker.rejoin import etcd_client
 
+# Attempts of the failure record's put on a client of its own: the process is ending, so a short bound.
+RECORD_ATTEMPTS = 2
 # Exceptions that no restart cures: the worker exits EXIT_NO_RESTART after its record.
 NOT_RESTARTABLE: tuple[type[BaseException], ...] = (ConfigError, ModelMismatch, GradientsNotFinite)
 
@@ -105,14 +107,14 @@ def failure_record(
 
 
 def record(env: WorkerEnv, where: Context | None, exc: BaseException, tb: TracebackType | None) -> None:
-    """Write ``failures/<member>`` through the worker's store, or a client of its own (two
-    attempts of ``etcd_request_s`` each)."""
+    """Write ``failures/<member>`` through the worker's store, or a client of its own
+    (``RECORD_ATTEMPTS`` attempts of ``etcd_request_s`` each)."""
     rec = failure_record(env, where, exc, tb, time.time())
     key, value = Keys(env.etcd.prefix, env.world.job_id).failure(rec.member), encode_failure(rec)
     if where is not None and where.store is not None:
         where.store.put(key, value)
         return
-    client = etcd_client(env, attempts=2)
+    client = etcd_client(env, attempts=RECORD_ATTEMPTS)
     try:
         client.put(key, value)
     finally:

@@ -4,43 +4,19 @@ exits 0 before the job finished is restarted; a new run after the fix starts cle
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from elasticd.testing.etcd import EtcdServer
-from elasticd.testing.localcluster import REPO_ROOT
-from tests.integration.test_node_agent import AgentJob, _env
-from tests.jobs import job_factory
+from tests.integration.test_node_agent import AgentJob, agent_job  # noqa: F401
+from tests.integration.test_ops import status_json
 
 pytestmark = pytest.mark.timeout(150)
 
 RAISES = [sys.executable, "tests/programs/raises.py"]
-CTL = [sys.executable, "-c", "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())"]
 LEASE_TTL_S = 2.0  # etcd's minimum here: what the agents' workers get
-
-
-@pytest.fixture
-def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
-    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
-        yield make
-
-
-def _status(job: AgentJob) -> dict[str, object]:
-    proc = subprocess.run(
-        [*CTL, "--etcd", job.etcd.endpoint, "status", "--job", job.job_id, "--json"],
-        env=_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return json.loads(proc.stdout)
 
 
 def _stderr_reason(agent_log: str) -> str:
@@ -61,7 +37,7 @@ def test_the_same_exception_at_the_same_step_on_every_rank_stops_every_agent_wit
         (failed,) = a.events("job_failed")
         assert failed["step"] == 12 and sorted(failed["nodes"]) == ["a", "b"]  # type: ignore[arg-type]
     # the failure ended training within 2 x lease TTL + one restart of its first record
-    status = _status(job)
+    status = status_json(job)
     assert status["health"] == "failed", status
     bug = status["bug"]
     assert isinstance(bug, dict) and bug["step"] == 12 and bug["exception"].startswith("ValueError: bad sample")
@@ -87,7 +63,7 @@ def test_one_rank_raising_once_is_restarted_and_the_job_finishes(agent_job) -> N
     agents = [job.start(node, program=prog) for node in ("a", "b")]
     assert [a.wait(120) for a in agents] == [0, 0], job.logs_tail()
     assert sum(len(a.events("worker_started")) for a in agents) == 3
-    assert _status(job)["health"] == "finished"
+    assert status_json(job)["health"] == "finished"
 
 
 def test_a_worker_exiting_no_restart_stops_its_agent_at_once_with_exit_3(agent_job) -> None:
@@ -111,11 +87,11 @@ def test_a_worker_raising_again_after_its_restart_stops_the_job_and_a_new_run_af
     assert agent.wait(90) == 3, job.logs_tail()
     assert len(agent.events("worker_started")) == 2  # the first start and one restart
     assert _stderr_reason(agent.log_text()).startswith("elasticd: job_failed: step 4: ValueError")
-    assert _status(job)["health"] == "failed"
+    assert status_json(job)["health"] == "failed"
     fixed = job.start("a", program=[*RAISES, "--steps", "30"])  # the same job, the bug fixed
     assert fixed.wait(90) == 0, job.logs_tail()
     assert fixed.events("failures_of_a_past_run_cleared")
-    assert _status(job)["health"] == "finished"
+    assert status_json(job)["health"] == "finished"
 
 
 def test_a_worker_that_exits_0_before_the_job_finished_is_restarted(agent_job, tmp_path: Path) -> None:
@@ -134,7 +110,7 @@ def test_a_worker_that_exits_0_before_the_job_finished_is_restarted(agent_job, t
     assert [a.wait(120), b.wait(120)] == [0, 0], job.logs_tail()
     (scheduled,) = b.events("worker_restart_scheduled")
     assert "exited with code 0 before the job finished" in str(scheduled["reason"]), scheduled
-    assert _status(job)["health"] == "finished"
+    assert status_json(job)["health"] == "finished"
 
 
 def _finals(job: AgentJob, nodes: tuple[str, ...]) -> list[str]:

@@ -5,43 +5,21 @@ out while the job goes on with the other node; a node that keeps crashing is cor
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from elasticd.testing.etcd import EtcdServer
-from elasticd.testing.localcluster import REPO_ROOT
-from tests.integration.test_node_agent import AgentJob, _env
-from tests.jobs import job_factory
+from tests.integration.test_node_agent import AgentJob, agent_job  # noqa: F401
+from tests.integration.test_ops import elasticctl, status_json
 
 pytestmark = pytest.mark.timeout(150)
 
-CTL = [sys.executable, "-c", "import sys; from elasticd.cli import ctl_main; sys.exit(ctl_main())"]
-
-
-@pytest.fixture
-def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
-    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
-        yield make
-
 
 def _node(job: AgentJob, node: str) -> dict[str, object]:
-    proc = subprocess.run(
-        [*CTL, "--etcd", job.etcd.endpoint, "status", "--job", job.job_id, "--json"],
-        env=_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    nodes = {n["node"]: n for n in json.loads(proc.stdout)["nodes"]}
-    return nodes.get(node, {})
+    return next((n for n in status_json(job)["nodes"] if n["node"] == node), {})
 
 
 def test_a_failing_check_keeps_a_node_out_and_a_passing_one_admits_it(agent_job, tmp_path: Path) -> None:
@@ -72,17 +50,6 @@ def test_a_failing_check_keeps_a_node_out_and_a_passing_one_admits_it(agent_job,
     assert b.wait(30) == 0, b.log_text()[-3000:]
 
 
-def _ctl(job: AgentJob, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CTL, "--etcd", job.etcd.endpoint, *argv, "--job", job.job_id],
-        env=_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-
-
 def test_a_node_that_keeps_crashing_is_cordoned_until_uncordon(agent_job) -> None:
     """More than cordon_crashes (2) crashes: the agent cordons its node and starts no worker; status
     counts its faults; elasticctl uncordon lets it start again; an operator's cordon holds it too."""
@@ -96,14 +63,14 @@ def test_a_node_that_keeps_crashing_is_cordoned_until_uncordon(agent_job) -> Non
     assert starts == 3, b.log_text()[-3000:]  # the third crash is more than 2: no fourth start
     node = _node(job, "b")
     assert node["faults_last_hour"] == {"crash": 3} and "3 crashes within cordon_window_s" in str(node["cordoned"])
-    assert _ctl(job, "uncordon", "b").returncode == 0
+    assert elasticctl(job, "uncordon", "b").returncode == 0
     job.wait_for(lambda: len(b.events("worker_started")) > starts, 30, "b starting workers again")
     job.wait_for(lambda: len(b.events("node_cordoned")) >= 2, 30, "b cordoned again (its crashes still count)")
     b.kill_group()
     ok = job.start("c", program=[sys.executable, "-c", "import time; time.sleep(60)"])
     job.wait_for(lambda: bool(ok.events("worker_started")), 30, "c's worker")
-    assert _ctl(job, "cordon", "c", "--reason", "disk swap").returncode == 0  # an operator's cordon
+    assert elasticctl(job, "cordon", "c", "--reason", "disk swap").returncode == 0  # an operator's cordon
     job.wait_for(lambda: _node(job, "c").get("workers_running") == 0, 30, "c's worker stopped")
     assert "disk swap" in str(_node(job, "c")["cordoned"]) and len(ok.events("worker_started")) == 1
-    assert _ctl(job, "uncordon", "c").returncode == 0
+    assert elasticctl(job, "uncordon", "c").returncode == 0
     job.wait_for(lambda: len(ok.events("worker_started")) == 2, 30, "c's worker started again")

@@ -5,21 +5,16 @@ rate comes back and no step is lost or repeated."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from elasticd.testing.audit import check_dir
-from elasticd.testing.etcd import EtcdServer
-from tests.integration.test_node_agent import AgentJob
+from elasticd.testing.localcluster import duty_cycle
+from tests.integration.test_node_agent import AgentJob, agent_job  # noqa: F401
 from tests.integration.test_spares import _started
-from tests.jobs import job_factory
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,29 +39,6 @@ def _program(job: AgentJob, node: str) -> list[str]:
     ]
 
 
-@pytest.fixture
-def agent_job(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[Callable[..., AgentJob]]:
-    with job_factory(lambda d, settings: AgentJob(etcd_server, d, **settings), tmp_path) as make:
-        yield make
-
-
-def duty_cycle(pid: int, stop: threading.Event, until: float) -> None:
-    """SIGSTOP/SIGCONT ``pid`` every DUTY_S until ``stop`` or ``until`` (it is left running)."""
-    try:
-        while not stop.is_set() and time.monotonic() < until:
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(DUTY_S)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(DUTY_S)
-    except ProcessLookupError:
-        return  # it left (drained)
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_slowed_worker_is_found_and_its_node_replaced_by_a_waiting_spare(agent_job) -> None:
     job = agent_job(lease_ttl_s=4, straggler_s=STRAGGLER_S, straggler_policy="replace")
     a = job.start("a", "--nnodes", "1:2", program=_program(job, "a"))
@@ -78,7 +50,7 @@ def test_a_slowed_worker_is_found_and_its_node_replaced_by_a_waiting_spare(agent
     victim = _started(b, False)[0]
     stop = threading.Event()
     slowed_at = time.monotonic()
-    t = threading.Thread(target=duty_cycle, args=(victim, stop, slowed_at + 60), daemon=True)
+    t = threading.Thread(target=duty_cycle, args=(victim, DUTY_S, slowed_at + 60, stop), daemon=True)
     t.start()
     try:
         job.wait_for(lambda: bool(b.events("straggler_replaced")), 40, "b replaced as a straggler")
