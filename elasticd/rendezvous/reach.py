@@ -81,6 +81,7 @@ class Stuck:
 
     def __init__(self) -> None:
         self._waiting: Waiting | None = None
+        self.last_began: float | None = None  # when the latest wait began (monotonic; None: none yet)
         self._idle = False  # the reach thread sleeps with no wait to watch: began() wakes it
         self._wake = threading.Event()
         self._recent: deque[float] = deque(maxlen=RECENT_WAITS)  # how long the last waits lasted (s) ...
@@ -88,6 +89,7 @@ class Stuck:
 
     def began(self, generation: int, now: float) -> None:
         self._waiting = Waiting(generation, now)
+        self.last_began = now
         if self._idle:  # one attribute read per step; the event only when the reach thread sleeps idle
             self._idle = False
             self._wake.set()
@@ -128,12 +130,19 @@ def reach_after_s(recent: Sequence[float], min_s: float, max_s: float) -> float:
     return min(max_s, max(min_s, REACH_WAIT_FACTOR * max(recent)))
 
 
-def reach_sleep_s(waiting: Waiting | None, last: Checked | None, now: float, reach_check_s: float) -> float | None:
+def reach_sleep_s(
+    waiting: Waiting | None, last: Checked | None, now: float, reach_check_s: float, last_began: float | None = None
+) -> float | None:
     """How long the reach thread sleeps before it looks again: until the wait in progress is due a
-    check (``check_due``), or None when no wait is in progress or the check is off (it sleeps until
-    a wait begins). Pure."""
-    if waiting is None or reach_check_s <= 0:
+    check (``check_due``). With no wait in progress: ``reach_check_s`` when a wait began within the
+    last ``reach_check_s`` (``last_began``: a job whose steps come faster than that; a wait that
+    begins meanwhile is not due before the thread looks again, and the training thread wakes no
+    thread at each step), else None (it sleeps until a wait begins). None when the check is off.
+    Pure."""
+    if reach_check_s <= 0:
         return None
+    if waiting is None:
+        return reach_check_s if last_began is not None and now - last_began < reach_check_s else None
     due = waiting.since + reach_check_s
     if last is not None and last.waiting == waiting:
         due = max(due, last.at + reach_check_s * 2**last.count)
@@ -247,7 +256,7 @@ class ReachCheck:
             waiting, now = self._stuck.current(), self._clock()
             after = reach_after_s(self._stuck.recent(), self._timeouts.reach_check_min_s, self._timeouts.reach_check_s)
             if not check_due(waiting, last, now, after):
-                wait_s = reach_sleep_s(waiting, last, now, after)
+                wait_s = reach_sleep_s(waiting, last, now, after, self._stuck.last_began)
                 if wait_s is None:
                     self._stuck.sleep(REACH_IDLE_S)
                 else:

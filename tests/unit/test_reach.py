@@ -94,24 +94,34 @@ WS = Waiting(3, 10.0)
 
 
 @pytest.mark.parametrize(
-    ("waiting", "last", "now", "check_s", "sleep_s"),
+    ("waiting", "last", "now", "check_s", "sleep_s", "began"),
     [
-        (None, None, 10.0, 0.5, None),  # no wait in progress: sleep until one begins
-        (WS, None, 10.0, 0.0, None),  # the check is off
-        (WS, None, 10.1, 0.5, 0.4),  # until the wait has lasted reach_check_s
-        (WS, None, 11.0, 0.5, 0.0),  # due already
-        (WS, Checked(WS, 10.5, 1), 10.6, 0.5, 0.9),  # asked once: again reach_check_s x 2 after
-        (WS, Checked(WS, 11.5, 2), 11.5, 0.5, 2.0),  # asked twice: x 4
-        (WS, Checked(Waiting(3, 9.0), 9.5, 3), 10.2, 0.5, 0.3),  # the last check was of another wait
+        (None, None, 10.0, 0.5, None, None),  # no wait in progress, none ever: sleep until one begins
+        (None, None, 10.0, 0.5, None, 9.4),  # the last wait began longer ago than reach_check_s
+        (None, None, 10.0, 0.5, 0.5, 9.8),  # a job stepping faster: look again after reach_check_s
+        (None, None, 10.0, 0.0, None, 9.8),  # the check is off
+        (WS, None, 10.0, 0.0, None, 10.0),  # the check is off
+        (WS, None, 10.1, 0.5, 0.4, 10.0),  # until the wait has lasted reach_check_s
+        (WS, None, 11.0, 0.5, 0.0, 10.0),  # due already
+        (WS, Checked(WS, 10.5, 1), 10.6, 0.5, 0.9, 10.0),  # asked once: again reach_check_s x 2 after
+        (WS, Checked(WS, 11.5, 2), 11.5, 0.5, 2.0, 10.0),  # asked twice: x 4
+        (WS, Checked(Waiting(3, 9.0), 9.5, 3), 10.2, 0.5, 0.3, 10.0),  # the last check was of another wait
     ],
 )
 def test_reach_sleep_s(
-    waiting: Waiting | None, last: Checked | None, now: float, check_s: float, sleep_s: float | None
+    waiting: Waiting | None,
+    last: Checked | None,
+    now: float,
+    check_s: float,
+    sleep_s: float | None,
+    began: float | None,
 ) -> None:
-    got = reach_sleep_s(waiting, last, now, check_s)
+    got = reach_sleep_s(waiting, last, now, check_s, began)
     assert got == (None if sleep_s is None else pytest.approx(sleep_s))
-    if got is not None and got > 0:  # it wakes exactly when check_due turns
+    if waiting is not None and got is not None and got > 0:  # it wakes exactly when check_due turns
         assert not check_due(waiting, last, now + got - 1e-6, check_s) and check_due(waiting, last, now + got, check_s)
+    if waiting is None and got is not None:  # a wait that begins meanwhile is not due before it looks
+        assert not check_due(Waiting(3, now), None, now + got - 1e-6, check_s)
 
 
 def test_the_idle_reach_thread_is_woken_by_a_wait_that_begins_and_by_wake() -> None:

@@ -9,6 +9,7 @@ Its waits are ``group.collectives.wait``'s. Never decides a verdict (``commit`` 
 
 from __future__ import annotations
 
+import math
 import time
 
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ class _Bucket:
         self.params = params
         self.dtype = params[0].dtype if dtype is None else dtype
         self.device = params[0].device if device is None else device
+        self.on_cpu = self.device.type == "cpu"
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
         self.extra = extra
@@ -65,6 +67,10 @@ class _Bucket:
             else torch.zeros(self.numel + self.extra, dtype=self.buffer.dtype, device=self.comm_device)
         )
         self.grads = self.buffer[: self.numel]  # every gradient of the bucket, flat
+        # the vote slots as a NumPy view where the buffer allows one (a CPU buffer of a dtype NumPy
+        # has): writing the slots through it costs no tensor construction on the step path
+        tail = self.buffer[self.numel :]
+        self.slot_view = tail.numpy() if self.extra and self.on_cpu and _numpy_viewable(tail) else None
         self.views = []
         offset = 0
         for p, n in zip(self.params, self.sizes, strict=True):
@@ -79,6 +85,19 @@ class _Bucket:
         for p, view in zip(self.params, self.views, strict=True):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
+
+    def read_slots(self) -> list[float]:
+        """The slots in the buffer's tail (after the all_reduce: the summed vote)."""
+        if self.slot_view is not None:
+            return self.slot_view.tolist()  # type: ignore[no-any-return]
+        return [float(x) for x in self.buffer[self.numel :].tolist()]
+
+    def write_slots(self, slots: Sequence[float]) -> None:
+        """The vote's slots into the buffer's tail, behind the gradients."""
+        if self.slot_view is not None:
+            self.slot_view[:] = slots
+        else:
+            self.buffer[self.numel :] = torch.tensor(slots, dtype=self.buffer.dtype, device=self.buffer.device)
 
     def outbound(self) -> torch.Tensor:
         """The tensor the all_reduce sums: the buffer, or its copy on the group's device."""
@@ -100,6 +119,22 @@ class _Bucket:
             elif g.data_ptr() != view.data_ptr():
                 view.copy_(g)
                 p.grad = view
+
+
+def _numpy_viewable(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float32, torch.float64, torch.float16)
+
+
+def all_finite(grads: torch.Tensor, on_cpu: bool) -> torch.Tensor | bool:
+    """Every element of ``grads`` is finite (no NaN, no infinity), exactly. On the CPU one sum
+    decides the common case: a NaN or an infinity carries into the sum, so a finite sum means every
+    element is finite; only a non-finite sum (a bad element, or a sum that overflowed alone) pays the
+    element-wise test, which costs several times the sum. Elsewhere the element-wise test, as a
+    tensor: nothing waits for the device until the vote reads it."""
+    if not on_cpu:
+        return torch.isfinite(grads).all()
+    accumulate = torch.float32 if grads.dtype in (torch.float16, torch.bfloat16) else None
+    return math.isfinite(grads.sum(dtype=accumulate)) or bool(torch.isfinite(grads).all())
 
 
 def vote_dtype(dtype: torch.dtype) -> torch.dtype | None:
@@ -156,7 +191,9 @@ class GradientReducer:
         off where a GradScaler owns that decision."""
         self._keep = keep_local
         self._check_finite = check_finite
-        self._finite: list[torch.Tensor] = []  # per bucket gone out this step: all of its gradients finite
+        self._finite: list[torch.Tensor | bool] = []  # per bucket gone out this step: all of its gradients finite
+        self._opts = dist.AllreduceOptions()
+        self._opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         self.vote_sent_at = 0.0  # monotonic time the vote bucket of the last step went out (0: never)
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
@@ -264,18 +301,15 @@ class GradientReducer:
         if self._scale != 1.0:
             bucket.grads.mul_(self._scale)
         if self._check_finite and bucket.numel:
-            self._finite.append(torch.isfinite(bucket.grads).all())
+            self._finite.append(all_finite(bucket.grads, bucket.on_cpu))
         if bucket is self._vote_bucket and self._vote is not None:
             self.vote_sent_at = time.monotonic()  # this rank's compute of the step ends: its contribution
             slots = self._vote()
             assert len(slots) == bucket.extra, (len(slots), bucket.extra)
-            bucket.buffer[bucket.numel :] = torch.tensor(slots, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            bucket.write_slots(slots)
         flat = bucket.outbound()
-        group = self._group
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         try:
-            bucket.work = group.pg.allreduce([flat], opts)
+            bucket.work = self._group.pg.allreduce([flat], self._opts)
         except RuntimeError as exc:  # a broken group can refuse at launch; latch, never raise in autograd
             self._error = CollectiveError(f"gradient all_reduce could not start: {exc}")
 
@@ -324,8 +358,7 @@ class GradientReducer:
             self._unapplied = (group.generation, self._step)
         finally:
             self._group, self._vote = None, None
-        vb = self._vote_bucket
-        return [float(x) for x in vb.buffer[vb.numel :].tolist()]
+        return self._vote_bucket.read_slots()
 
     def cancel(self) -> None:
         """Forget a step whose collectives will never be waited for (its group is being retired).
