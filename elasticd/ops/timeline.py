@@ -13,7 +13,10 @@ axis (seconds since the first event):
 * faults: what the agents saw (a worker exited or was stopped, restarts exhausted, a node drained)
   and generations published because members were lost or a generation was aborted;
 * recoveries: from the fault noticed to the first commit after it (``recovered``: cause, duration);
-* checkpoint saves (step, duration).
+* checkpoint saves (step, duration);
+* node faults, per node: each crash, hang, failed health check and straggler episode
+  (``wire.nodefaults.fault_of``, the rule ``elasticctl status`` counts by) and each cordon; a bug
+  that stopped the job (``job_failed``) is a fault mark too.
 
 Unknown kinds and fields of the wrong type are skipped: the history is written by many versions and
 hosts, and a bad record must not cost the picture. Never does I/O.
@@ -25,6 +28,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from elasticd.wire.nodefaults import fault_of
 from elasticd.wire.ops import EventKind, EventRecord
 
 # generation_published reasons that follow a fault (the rest: start, join, regroup)
@@ -65,6 +69,16 @@ class Save:
 
 
 @dataclass(frozen=True)
+class NodeFault:
+    """One node's fault: ``crash``, ``hang``, ``health`` or ``straggler`` (``wire.nodefaults``), or
+    ``cordon`` (its agent or an operator took it out of the job)."""
+
+    t: float
+    node: str
+    kind: str
+
+
+@dataclass(frozen=True)
 class Timeline:
     job_id: str
     start: float  # wall clock of the first event (the time axis' 0)
@@ -75,6 +89,12 @@ class Timeline:
     faults: tuple[Mark, ...]
     recoveries: tuple[Recovery, ...]
     saves: tuple[Save, ...]
+    node_faults: tuple[NodeFault, ...] = ()
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The nodes that had a fault, sorted."""
+        return tuple(sorted({f.node for f in self.node_faults}))
 
     @property
     def lost_s(self) -> float:
@@ -106,6 +126,9 @@ def _fault(kind: str, detail: Mapping[str, object], source: str) -> str | None:
         return f"{node}: worker stopped"
     if kind == EventKind.RESTARTS_EXHAUSTED:
         return f"{node}: restarts exhausted"
+    if kind == EventKind.JOB_FAILED:
+        step = _int(detail, "step")
+        return "job failed: bug" + (f" at step {step}" if step is not None else "")
     if kind == EventKind.NODE_DRAINING:
         cause = detail.get("cause")
         how = "elasticctl drain" if isinstance(cause, str) and cause.startswith("elasticctl drain") else cause
@@ -117,7 +140,7 @@ def build_timeline(job_id: str, events: Iterable[EventRecord]) -> Timeline:
     """The picture's data from a job's events (any order; sorted by time here). Pure."""
     evs = sorted((e for e in events if math.isfinite(e.time)), key=lambda e: e.time)
     if not evs:
-        return Timeline(job_id, 0.0, 0.0, (), (), (), (), (), ())
+        return Timeline(job_id, 0.0, 0.0, (), (), (), (), (), (), ())
     start = evs[0].time
     points: list[tuple[float, int]] = []
     gens: list[Generation] = []
@@ -161,8 +184,28 @@ def build_timeline(job_id: str, events: Iterable[EventRecord]) -> Timeline:
     spaced = _spaced(steps, RATE_MIN_S)
     rates = tuple((t0, t1, (s1 - s0) / (t1 - t0)) for (t0, s0), (t1, s1) in zip(spaced, spaced[1:]))
     return Timeline(
-        job_id, start, evs[-1].time - start, steps, rates, tuple(gens), tuple(faults), tuple(recs), tuple(saves)
+        job_id,
+        start,
+        evs[-1].time - start,
+        steps,
+        rates,
+        tuple(gens),
+        tuple(faults),
+        tuple(recs),
+        tuple(saves),
+        _node_faults(evs, start),
     )
+
+
+def _node_faults(evs: Iterable[EventRecord], start: float) -> tuple[NodeFault, ...]:
+    """Each event that is a fault of a named node (``wire.nodefaults.fault_of``), or its cordon."""
+    out: list[NodeFault] = []
+    for e in evs:
+        node = e.detail.get("node")
+        kind = "cordon" if e.kind == EventKind.NODE_CORDONED else fault_of(e)
+        if kind is not None and isinstance(node, str):
+            out.append(NodeFault(e.time - start, node, kind))
+    return tuple(out)
 
 
 def _spaced(points: tuple[tuple[float, int], ...], min_s: float) -> list[tuple[float, int]]:

@@ -110,7 +110,6 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "ops.render:render_table": 76,
     "ops.render:to_dict": 113,
     "ops.status:build_status": 141,
-    "ops.timeline_plot:_draw": 97,
     "rendezvous.decide:publish_decision": 120,
     "rendezvous.membership:Membership._join": 121,
     "settings:load_agent_config": 78,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.errors import ConfigError
-from elasticd.ops.timeline import Generation, Mark, Recovery, Save, build_timeline
+from elasticd.ops.timeline import Generation, Mark, NodeFault, Recovery, Save, build_timeline
 from elasticd.wire.ops import EventRecord
 
 T0 = 1_700_000_000.0
@@ -131,3 +131,48 @@ def test_svg_and_html_and_bad_suffix(tmp_path: Path) -> None:
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<script" not in page
     with pytest.raises(ConfigError, match=r"\.png, \.svg or \.html"):
         render(tl, str(tmp_path / "t.jpg"))
+
+
+NODE_HISTORY = [
+    ev(1.0, "worker_exited", source="agent.b.7", node="b", exit_kind="signal", how="was killed by SIGKILL"),
+    ev(2.0, "worker_exited", source="agent.b.7", node="b", exit_kind="succeeded", code=0),  # finished
+    ev(3.0, "worker_hung", source="agent.a.5", node="a", local_rank=0),
+    ev(4.0, "health_check_failed", source="agent.c.9", node="c", output="disk full"),
+    ev(5.0, "straggler_detected", source="agent.a.5", node="a", score=2.1),
+    ev(6.0, "node_cordoned", source="agent.b.7", node="b", reason="6 crashes"),
+    ev(7.0, "worker_hung", source="agent.x.1"),  # no node named: not placed on a row
+    ev(8.0, "job_failed", source="agent.a.5", node="a", step=12, exception="ValueError: x"),
+]
+
+
+def test_node_faults_per_node() -> None:
+    tl = build_timeline("j", NODE_HISTORY)
+    assert tl.node_faults == (
+        NodeFault(0.0, "b", "crash"),  # seconds since the first event
+        NodeFault(2.0, "a", "hang"),
+        NodeFault(3.0, "c", "health"),
+        NodeFault(4.0, "a", "straggler"),
+        NodeFault(5.0, "b", "cordon"),
+    )
+    assert tl.nodes == ("a", "b", "c")
+    assert "job failed: bug at step 12" in [f.label for f in tl.faults]
+
+
+def test_the_node_fault_panel_has_a_row_per_node_and_a_mark_per_fault() -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from elasticd.ops.timeline_plot import NODE_FAULT_STYLE, _draw_node_faults
+
+    fig, ax = plt.subplots()
+    try:
+        _draw_node_faults(build_timeline("j", NODE_HISTORY), ax)
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c"]
+        marks = {c.get_label(): c.get_offsets().tolist() for c in ax.collections}
+        assert set(marks) == set(NODE_FAULT_STYLE)
+        assert marks["crash"] == [[0.0, 1.0]] and marks["cordon"] == [[5.0, 1.0]]  # node b's row
+        assert marks["hang"] == [[2.0, 0.0]] and marks["straggler"] == [[4.0, 0.0]]  # node a's
+        assert marks["health"] == [[3.0, 2.0]]
+        ax.clear()
+        _draw_node_faults(build_timeline("j", HISTORY), ax)  # no node faults
+        assert not ax.collections and [t.get_text() for t in ax.texts] == ["no node faults"]
+    finally:
+        plt.close(fig)
