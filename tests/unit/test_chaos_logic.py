@@ -1307,7 +1307,17 @@ def bug_evidence(**kw: object) -> BugEvidence:
             {"status: failed at step 30, naming ScriptBug"},
         ),
         ({"status": None, "status_error": "exit 1"}, {"status: failed at step 30, naming ScriptBug"}),
+        ({"last_step": 28}, set()),  # step 29's commit line waits for step 30's sum, which never comes
         ({"last_step": 30}, {"no step at or past 30 committed"}),
+        ({"last_step": 12}, {"no step at or past 30 committed"}),  # it never got near the step
+        (
+            {"status": {"health": "failed", "bug": {"step": 30, "exception": "__main__.ScriptBug: the batch ..."}}},
+            set(),
+        ),
+        (
+            {"status": {"health": "failed", "bug": {"step": 30, "exception": "ValueError: the batch ..."}}},
+            {"status: failed at step 30, naming ScriptBug"},
+        ),
     ],
 )
 def test_judge_bug(kw, failing) -> None:
