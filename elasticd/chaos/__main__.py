@@ -3,9 +3,11 @@
 Owns ``ChaosRun``, the I/O of one run: it starts etcd and the agents, measures the warm-up,
 injects the faults ``choose_fault`` picks, samples ``elasticctl status``, follows the audit files
 and the processes, stops everything it started (by PID, or by the process group it created) on
-every way out, and gathers the ``Evidence``; and ``main``: the flags, the netns hosts, the report.
-The decisions are the pure modules' (``schedule``, ``judge``, ``ettr``, ``report``); it holds no
-training, rendezvous or supervision logic. Nothing imports it.
+every way out (a checkpoint filesystem it faulted restored and unmounted), and gathers the
+``Evidence``; ``run_bug``, the bug scenario over a ``ChaosRun``; and ``main``: the flags, the netns
+hosts, the checkpoint filesystem, the report. The decisions are the pure modules' (``schedule``,
+``judge``, ``kinds_judge``, ``bug``, ``ettr``, ``report``); it holds no training, rendezvous or
+supervision logic. Nothing imports it.
 """
 
 from __future__ import annotations
