@@ -3,6 +3,11 @@
 Written against the public worker API as a user would write it. Settings of the job come from the
 ``ELASTICD_*`` environment (set by the agent or the local cluster); the workload's own flags are
 below. Exit codes: 0 done, 2 a fatal elasticd error (bad settings, model mismatch, ...).
+
+Two flags make it a faulty workload for fault injection (``python -m elasticd.chaos``): with
+``--nan-steps-on-sigusr2 N``, SIGUSR2 makes this worker's next N backward passes produce NaN
+gradients (a bad node); with ``--raise-at-step S``, every rank raises the same exception when it
+computes step S (a bug in the script).
 """
 
 from __future__ import annotations
@@ -84,6 +89,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="seconds of extra compute per step (slows the demo and fault tests down)",
     )
+    p.add_argument(
+        "--nan-steps-on-sigusr2",
+        type=int,
+        default=0,
+        metavar="N",
+        help="on SIGUSR2, make the next N backward passes of this worker produce NaN gradients "
+        "(the loss times NaN); 0: SIGUSR2 keeps its default action",
+    )
+    p.add_argument(
+        "--raise-at-step",
+        type=int,
+        default=0,
+        metavar="S",
+        help="raise the same exception on every rank when computing step S (a bug in the script); 0: never",
+    )
     # Durable checkpoints: each flag overrides its ELASTICD_CHECKPOINT_* variable.
     p.add_argument(
         "--checkpoint-dir",
@@ -136,6 +156,28 @@ def pick_device(args: argparse.Namespace) -> torch.device:
     return device
 
 
+class NanPoison:
+    """``--nan-steps-on-sigusr2``: SIGUSR2 arms it; each ``apply`` then turns one loss into NaN
+    (its backward gives NaN gradients) until ``steps`` losses were turned."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.left = 0
+
+    def arm(self, *_: object) -> None:
+        self.left = self.steps
+
+    def apply(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.left <= 0:
+            return loss
+        self.left -= 1
+        return loss * float("nan")
+
+
+class ScriptBug(RuntimeError):
+    """``--raise-at-step``: the exception every rank raises at that step."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
@@ -150,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.features, args.hidden, args.classes, args.seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scaler = torch.amp.GradScaler("cuda") if args.fp16 else None
+    poison = NanPoison(args.nan_steps_on_sigusr2)
+    if args.nan_steps_on_sigusr2 > 0:
+        signal.signal(signal.SIGUSR2, poison.arm)
     try:
         trainer = elasticd.ElasticTrainer(
             model,
@@ -168,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             for batch in trainer.batches(max_steps=args.steps):
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
+                if trainer.step_count + 1 == args.raise_at_step:
+                    raise ScriptBug(f"the batch of step {args.raise_at_step} holds a label out of range")
                 with torch.autocast(device.type, dtype=torch.float16, enabled=args.fp16):
-                    loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
+                    loss = poison.apply(F.cross_entropy(model(x[batch.indices]), y[batch.indices]))
                 trainer.step(scaler.scale(loss) if scaler is not None else loss)  # commit() steps the scaler
                 if args.break_at_end and trainer.step_count == args.steps:
                     break  # the script's own end, as many DDP scripts have it

@@ -9,7 +9,10 @@ random (seeded) for ``--minutes``, never taking the job below ``--min-nodes`` re
 starting a replacement for every node it removes (a ``node_join`` at ``--max-nodes`` is a standby
 beyond ``max_workers``). Run as root where ``ip netns`` works, every node is a host of its own: a
 network namespace on a bridge of a private /24 that the run creates (and deletes, by name), so that
-a host's link can be taken down (``link_down``). Then it lets the job finish and checks, from the
+a host's link can be taken down (``link_down``) or flap (``link_flap``); as root where a tmpfs can
+be mounted, the agents save checkpoints on a filesystem of the run's own, which
+``checkpoint_readonly`` and ``checkpoint_full`` turn read-only or fill for a while; ``nan_grads``
+makes one worker's gradients NaN for two steps. Then it lets the job finish and checks, from the
 audit files, the agents' logs and ``elasticctl status`` samples only:
 
 - every committed step 1..N was committed exactly once across all generations (a step committed in
@@ -19,7 +22,11 @@ audit files, the agents' logs and ``elasticctl status`` samples only:
   down (or had no quorum) when membership had to change (a link down excuses nothing: the other
   hosts must go on without the isolated one within the bound);
 - a host whose link was down was dropped (the others committed in a newer generation while it was
-  cut off) and its workers rejoined after the link came back;
+  cut off) and its workers rejoined after the link came back; a host whose link flapped committed
+  again after;
+- NaN gradients were named by the poisoned worker and skipped by every member, never applied;
+- a checkpoint save failed only while the checkpoint filesystem was faulted, the earlier
+  checkpoints stayed, and saves succeeded again after;
 - ``elasticctl status --json`` lists exactly the live workers, give or take lease TTL + 1 s;
 - no Python traceback appears in any agent's or worker's log;
 - ``elasticd.audit.check`` finds no violation; every agent that was not killed exits 0; an agent
@@ -43,12 +50,18 @@ them), ``ettr`` (``fault_free_step_by_world`` and ``ettr_by_world`` make the ETT
 it ends every process it started, by PID or by the process group it created, on every way out.
 Nothing in the library imports it.
 
+``--scenario bug`` injects no fault: every rank raises the same exception at ``--raise-at-step``,
+and it checks that every agent exits 3 within 2 x lease TTL + one restart of the first failure
+record and that ``elasticctl status`` reports the job failed at that step, naming the exception
+(``bug``).
+
 Usage::
 
     python -m elasticd.chaos [--minutes 5] [--mean-interval-s 10] [--seed S] [--faults a,b,...]
                              [--nodes 3] [--min-nodes 2] [--max-nodes N] [--etcd-members 1|3]
                              [--netns|--no-netns] [--link-down-s S] [--warmup-s 10] [--json]
                              [--workdir DIR]
+    python -m elasticd.chaos --scenario bug [--raise-at-step 30] [--nodes 3] [--json]
 
 Exit codes: 0 every invariant held; 1 an invariant failed (or the run could not be completed);
 2 bad arguments, no etcd binary, or ``--netns`` where netns hosts cannot be had; 130 interrupted.

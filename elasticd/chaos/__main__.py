@@ -3,14 +3,18 @@
 Owns ``ChaosRun``, the I/O of one run: it starts etcd and the agents, measures the warm-up,
 injects the faults ``choose_fault`` picks, samples ``elasticctl status``, follows the audit files
 and the processes, stops everything it started (by PID, or by the process group it created) on
-every way out, and gathers the ``Evidence``; and ``main``: the flags, the netns hosts, the report.
-The decisions are the pure modules' (``schedule``, ``judge``, ``ettr``, ``report``); it holds no
-training, rendezvous or supervision logic. Nothing imports it.
+every way out (a checkpoint filesystem it faulted restored and unmounted), and gathers the
+``Evidence``; ``run_bug``, the bug scenario over a ``ChaosRun``; and ``main``: the flags, the netns
+hosts, the checkpoint filesystem, the report. The decisions are the pure modules' (``schedule``,
+``judge``, ``kinds_judge``, ``bug``, ``ettr``, ``report``); it holds no training, rendezvous or
+supervision logic. Nothing imports it.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import dataclasses
 import io
 import json
 import math
@@ -28,11 +32,15 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO
 
+from elasticd.chaos.ckptfs import CheckpointFs, complete_checkpoints
+from elasticd.chaos.ckptfs import unusable_here as no_mount_here
 from elasticd.chaos.evidence import (
     AgentEnd,
+    CheckpointFault,
     Evidence,
     FaultRecord,
     LinkDown,
+    Mark,
     StatusSample,
     Window,
     WorkerLife,
@@ -40,15 +48,19 @@ from elasticd.chaos.evidence import (
     membership_closed_times,
     parse_commits,
     parse_finals,
+    parse_marks,
     traceback_hits,
 )
+from elasticd.chaos.bug import BugEvidence, bug_timestamp, judge_bug, render_bug
 from elasticd.chaos.judge import judge
 from elasticd.chaos.netns import (
+    IP_TIMEOUT_S,
     NETNS_HOST_BASE,
     NETNS_MAX_HOSTS,
     NETNS_NET,
     NetnsHost,
     NetnsHosts,
+    NetnsPlan,
     host_index,
     ip_addresses_and_routes,
     netns_plan,
@@ -58,7 +70,14 @@ from elasticd.chaos.netns import (
 )
 from elasticd.chaos.report import Report, render_table, report_to_dict
 from elasticd.chaos.schedule import (
+    CHECKPOINT_EVERY_STEPS,
+    CHECKPOINT_FAULT_S,
     KIND_NAMES,
+    KINDS,
+    LINK_FLAP_CYCLES,
+    LINK_FLAP_DOWN_S,
+    LINK_FLAP_UP_S,
+    NAN_GRAD_STEPS,
     STEP_OVERHEAD_S,
     STRAGGLER_DUTY_S,
     STRAGGLER_FAULT_S,
@@ -67,11 +86,13 @@ from elasticd.chaos.schedule import (
     ClusterView,
     FaultKind,
     NodeView,
+    Place,
     Settings,
     choose_fault,
     make_settings,
     mix_weights,
     next_delay,
+    no_poison,
     parse_args,
     relayed,
     skipped_kinds,
@@ -82,6 +103,7 @@ from elasticd.testing.audit import check as audit_check
 from elasticd.testing.etcd import EtcdCluster, EtcdServer
 from elasticd.testing.localcluster import (
     AuditTail,
+    log_events,
     duty_cycle,
     WorkerProcess,
     group_pids,
@@ -103,7 +125,10 @@ STUCK_S = 60.0  # no commit for this long during the faults: stop injecting
 AGENT_EXIT_WAIT_S = 30.0  # after the last step: how long the agents get to exit
 DUPLICATE_BOUND_S = 20.0  # an agent with an existing node's id must have exited by then
 ETCD_READY_BOUND_S = 30.0  # a restarted etcd must answer by then
+BUG_BOUND_S = 240.0  # --scenario bug: agents started -> every agent exited (the start, S steps, the stop)
 GROW_BOUND_S = 90.0  # warm-up: one more agent started -> a commit at the bigger world size by then
+NAN_BUSY_S = 5.0  # after nan_grads, no fault on its node for this long: its poisoned steps pass first
+FLAP_JOIN_S = 2 * IP_TIMEOUT_S  # a flapping link's thread has ended by then once its cycles are over
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,11 +194,21 @@ class ChaosRun:
     """One run in ``workdir``: etcd, the agents, the faults, the evidence."""
 
     def __init__(
-        self, settings: Settings, workdir: Path, say: Callable[[str], None], net: NetnsHosts | None = None
+        self,
+        settings: Settings,
+        workdir: Path,
+        say: Callable[[str], None],
+        net: NetnsHosts | None = None,
+        ckptfs: CheckpointFs | None = None,
     ) -> None:
         self.s = settings
         self.net = net
+        self.ckptfs = ckptfs  # the checkpoint filesystem (settings.checkpoints)
         self.link_downs: list[list[object]] = []  # [node, start, end (inf while down)], wall clock
+        self.link_flaps: list[list[object]] = []  # [node, first down, last up (inf while flapping)]
+        self.flappers: dict[str, tuple[threading.Thread, threading.Event, list[str]]] = {}  # node -> its flap
+        self.ckpt_faults: list[CheckpointFault] = []  # closed ones; the open one in ckpt_open
+        self.ckpt_open: CheckpointFault | None = None
         self.workdir = workdir
         self.audit_dir = workdir / "audit"
         self.config_file = workdir / "elasticd.toml"
@@ -247,7 +282,11 @@ class ChaosRun:
         if self.s.form == "dropin":  # its own loop; the global batch follows the world size
             return python_program("agents/mlp_dropin.py", *common, *audit, "--batch-size", str(GLOBAL_BATCH // 3))
         device = ("--device", self.s.device, *(["--fp16"] if self.s.fp16 else []))
-        return python_program("agents/mlp.py", *common, "--global-batch", str(GLOBAL_BATCH), *audit, *device)
+        faulty = (
+            *(("--nan-steps-on-sigusr2", str(NAN_GRAD_STEPS)) if self.s.nan_poison else ()),
+            *(("--raise-at-step", str(self.s.raise_at_step)) if self.s.raise_at_step else ()),
+        )
+        return python_program("agents/mlp.py", *common, "--global-batch", str(GLOBAL_BATCH), *audit, *device, *faulty)
 
     def start_agent(self, name: str, duplicate: bool = False) -> Node:
         log_name = name
@@ -259,6 +298,13 @@ class ChaosRun:
         flags = ["--max-restarts", "1000", "--cordon-crashes", "0"]
         if relayed(self.s.relay, host_index(name)):
             flags += ["--relay", "true"]
+        if self.ckptfs is not None:
+            flags += [
+                "--checkpoint-dir",
+                str(self.ckptfs.path),
+                "--checkpoint-every-steps",
+                str(CHECKPOINT_EVERY_STEPS),
+            ]
         prefix: list[str] = []
         if self.net is not None:
             host = self.net.host(host_index(name))
@@ -327,6 +373,7 @@ class ChaosRun:
             etcd_busy=self.etcd_busy_until is not None,
             duplicate_running=dup_running,
             injected=counts,
+            checkpoint_busy=self.ckpt_open is not None,
         )
 
     def find(self, name: str) -> Node:
@@ -345,7 +392,7 @@ class ChaosRun:
             self.say(f"skipped {kind} on {node.name}: it runs {len(pids)} workers now")
             return
         pid = pids[0] if pids else 0
-        if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_ABORT, FaultKind.STRAGGLER):
+        if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_ABORT, FaultKind.STRAGGLER, FaultKind.NAN_GRADS):
             assert node is not None
             self.signal_worker(kind, node, pid, now)
         elif kind is FaultKind.NODE_LOSS:
@@ -417,28 +464,130 @@ class ChaosRun:
             self.later(DUPLICATE_BOUND_S, f"end duplicate {dup.proc.pid}", partial(self.end_duplicate, dup))
 
         elif kind is FaultKind.LINK_DOWN:
-            assert node is not None and self.net is not None
-            host = self.net.host(host_index(node.name))
-            self.net.set_link(host, up=False)
-            t = time.time()
-            self.link_downs.append([node.name, t, math.inf])
-            for p in self.worker_pids(node):
-                self.lives.setdefault(p, Life(node.name)).cut_off.append([t, math.inf])
-            self.node_start[node.name] = (pid, False)  # ready again once it synced in a new generation
-            # Busy until it was dropped, the link came back and it rejoined (node_ready then also
-            # waits for its worker's new start and sync lines).
-            node.busy_until = now + self.s.link_down_s + 2 * ttl + 3.0
-            self.record(kind, node.name, f"{host.root_veth} down for {self.s.link_down_s:g} s (worker pid {pid})")
-            self.later(self.s.link_down_s, f"link up {node.name}", partial(self.link_up, node.name, host))
+            assert node is not None
+            self.cut_link(node, pid, now)
+        elif kind is FaultKind.LINK_FLAP:
+            assert node is not None
+            self.flap_link(node, pid, now)
+        elif KINDS[kind].mount:
+            self.fault_checkpoints(kind)
+
+    def cut_link(self, node: Node, pid: int, now: float) -> None:
+        """link_down: the host's link down for --link-down-s, then up (``link_up``)."""
+        assert self.net is not None
+        ttl = TIMEOUTS.lease_ttl_s
+        host = self.net.host(host_index(node.name))
+        self.net.set_link(host, up=False)
+        t = time.time()
+        self.link_downs.append([node.name, t, math.inf])
+        for p in self.worker_pids(node):
+            self.lives.setdefault(p, Life(node.name)).cut_off.append([t, math.inf])
+        self.node_start[node.name] = (pid, False)  # ready again once it synced in a new generation
+        # Busy until it was dropped, the link came back and it rejoined (node_ready then also
+        # waits for its worker's new start and sync lines).
+        node.busy_until = now + self.s.link_down_s + 2 * ttl + 3.0
+        self.record(
+            FaultKind.LINK_DOWN, node.name, f"{host.root_veth} down for {self.s.link_down_s:g} s (worker pid {pid})"
+        )
+        self.later(self.s.link_down_s, f"link up {node.name}", partial(self.link_up, node.name, host))
+
+    def flap_link(self, node: Node, pid: int, now: float) -> None:
+        """link_flap: the host's link down and up LINK_FLAP_CYCLES times, on a thread of its own
+        (the loop's tick is too coarse for sub-second downs); ``flap_ended`` joins it. Its workers
+        may be listed by status or not from the first down until their next sync after the last up."""
+        assert self.net is not None
+        host = self.net.host(host_index(node.name))
+        cycles_s = LINK_FLAP_CYCLES * (LINK_FLAP_DOWN_S + LINK_FLAP_UP_S)
+        stop, errors = threading.Event(), []
+        self.link_flaps.append([node.name, time.time(), math.inf])
+        for p in self.worker_pids(node):
+            self.lives.setdefault(p, Life(node.name)).rejoining.append([time.time(), math.inf])
+        args = (host, LINK_FLAP_CYCLES, LINK_FLAP_DOWN_S, LINK_FLAP_UP_S, stop)
+        thread = threading.Thread(target=self._flap, args=(args, errors), name="chaos-link-flap", daemon=True)
+        self.flappers[node.name] = (thread, stop, errors)
+        thread.start()
+        node.busy_until = now + cycles_s + 2 * TIMEOUTS.lease_ttl_s + 3.0
+        self.record(
+            FaultKind.LINK_FLAP,
+            node.name,
+            f"{host.root_veth} down {LINK_FLAP_DOWN_S:g} s / up {LINK_FLAP_UP_S:g} s, {LINK_FLAP_CYCLES} times "
+            f"(worker pid {pid})",
+        )
+        self.later(cycles_s, f"flap ends {node.name}", partial(self.flap_ended, node.name))
+
+    def _flap(self, args: tuple[NetnsHost, int, float, float, threading.Event], errors: list[str]) -> None:
+        assert self.net is not None
+        try:
+            self.net.flap(*args)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    def flap_ended(self, name: str) -> None:
+        """Join the flap's thread (bounded), close its window, report a failed `ip` command."""
+        thread, stop, errors = self.flappers.pop(name)
+        thread.join(FLAP_JOIN_S)
+        if thread.is_alive():
+            stop.set()
+            thread.join(FLAP_JOIN_S)
+            errors.append(f"its link still flapped {FLAP_JOIN_S:g} s after its last cycle")
+        for d in self.link_flaps:
+            if d[0] == name and d[2] == math.inf:
+                d[2] = time.time()
+        for e in errors:
+            self.problems.append(f"link_flap on {name}: {e}")
+            self.say(self.problems[-1])
+        self.say(f"link of {name} stopped flapping")
+
+    def fault_checkpoints(self, kind: FaultKind) -> None:
+        """checkpoint_readonly (remount read-only) or checkpoint_full (fill it) for CHECKPOINT_FAULT_S;
+        ``restore_checkpoints`` undoes it."""
+        assert self.ckptfs is not None
+        before = complete_checkpoints(self.ckptfs.path / JOB_ID)
+        try:
+            if kind is FaultKind.CHECKPOINT_READONLY:
+                self.ckptfs.set_read_only(True)
+                how = "remounted read-only"
+            else:
+                how = f"filled ({self.ckptfs.fill()} bytes)"
+        except (RuntimeError, OSError) as exc:
+            self.problems.append(f"{kind}: could not fault the checkpoint filesystem: {exc}")
+            self.say(self.problems[-1])
+            return
+        self.ckpt_open = CheckpointFault(kind.value, time.time(), math.inf, before, ())
+        self.record(kind, "checkpoints", f"{how} for {CHECKPOINT_FAULT_S:g} s; complete checkpoints {list(before)}")
+        self.later(CHECKPOINT_FAULT_S, f"restore checkpoints ({kind})", self.restore_checkpoints)
+
+    def restore_checkpoints(self) -> None:
+        """End the checkpoint fault in flight: note the checkpoints it left, then restore the filesystem."""
+        fault, self.ckpt_open = self.ckpt_open, None
+        if fault is None or self.ckptfs is None:
+            return
+        after = complete_checkpoints(self.ckptfs.path / JOB_ID)
+        try:
+            if fault.kind == FaultKind.CHECKPOINT_READONLY:
+                self.ckptfs.set_read_only(False)
+            else:
+                self.ckptfs.free()
+        except (RuntimeError, OSError) as exc:
+            self.problems.append(f"{fault.kind}: could not restore the checkpoint filesystem: {exc}")
+            self.say(self.problems[-1])
+        self.ckpt_faults.append(dataclasses.replace(fault, end=time.time(), after=after))
+        self.say(f"checkpoint filesystem restored after {fault.kind}; complete checkpoints {list(after)}")
 
     def signal_worker(self, kind: FaultKind, node: Node, pid: int, now: float) -> None:
-        """worker_kill (SIGKILL), worker_abort (SIGABRT) or straggler (a SIGSTOP/SIGCONT duty cycle)."""
+        """worker_kill (SIGKILL), worker_abort (SIGABRT), straggler (a SIGSTOP/SIGCONT duty cycle) or
+        nan_grads (SIGUSR2: the workload's poison)."""
         if kind is FaultKind.STRAGGLER:
             node.busy_until = now + STRAGGLER_FAULT_S + 1.0
             stop = time.monotonic() + STRAGGLER_FAULT_S
             args = (pid, STRAGGLER_DUTY_S, stop)
             threading.Thread(target=duty_cycle, args=args, name="chaos-straggler", daemon=True).start()
             self.record(kind, node.name, f"worker pid {pid} at half speed for {STRAGGLER_FAULT_S:g} s")
+            return
+        if kind is FaultKind.NAN_GRADS:
+            signal_pid(pid, signal.SIGUSR2)
+            node.busy_until = now + NAN_BUSY_S  # a second poison at once would make its steps in a row 4
+            self.record(kind, node.name, f"worker pid {pid}: its next {NAN_GRAD_STEPS} backward passes give NaN")
             return
         signal_pid(pid, signal.SIGKILL if kind is FaultKind.WORKER_KILL else signal.SIGABRT)
         node.busy_until = now + 2.0
@@ -542,7 +691,7 @@ class ChaosRun:
             elif event == "sync":
                 pid, _ = self.node_start.get(audit_name, (0, False))
                 self.node_start[audit_name] = (pid, True)
-                if pid in self.lives:
+                if pid in self.lives and self.lives[pid].node not in self.flappers:  # not while it flaps
                     self.lives[pid].close_open(self.lives[pid].rejoining, now_t)
                 if self.full_world_t is None and as_int(rec["world_size"]) >= self.s.nodes:
                     self.full_world_t = as_float(rec["t"])
@@ -610,12 +759,22 @@ class ChaosRun:
 
     # -- the run ------------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def prepare(self) -> None:
+        """The work directory's files, the netns hosts and the checkpoint filesystem (where the run
+        has them), etcd."""
         self.audit_dir.mkdir(parents=True, exist_ok=True)
         self.config_file.write_text("# the chaos run's agents take every setting from their flags\n")
         if self.net is not None:
             self.net.setup()
+        if self.ckptfs is not None:
+            self.ckptfs.mount()
+            self.say(
+                f"checkpoints on a {self.ckptfs.path} tmpfs of the run's own, every {CHECKPOINT_EVERY_STEPS} steps"
+            )
         self.start_etcd()
+
+    def run(self) -> None:
+        self.prepare()
         for i in range(self.s.nodes):
             self.start_agent(f"node-{i}")
         start_deadline = time.monotonic() + STARTUP_BOUND_S
@@ -759,6 +918,10 @@ class ChaosRun:
             if t.what.startswith("SIGCONT"):
                 t.action()
         self.timed.clear()
+        for name in list(self.flappers):
+            self.flappers[name][1].set()
+            self.flap_ended(name)
+        self.restore_checkpoints()
         for n in self.nodes:
             if n.proc.proc is not None and n.code is None and n.proc.alive():
                 n.proc.kill_group()
@@ -775,6 +938,8 @@ class ChaosRun:
                 d[2] = time.time()  # the link goes with the network below
         if self.net is not None:
             self.net.remove()
+        if self.ckptfs is not None:
+            self.ckptfs.remove()
 
     # -- the evidence -------------------------------------------------------------------------
 
@@ -796,14 +961,7 @@ class ChaosRun:
         for log in sorted(self.workdir.glob("agent-*.log")):
             tracebacks += traceback_hits(log.name, log.read_text(errors="replace"))
         agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line()) for n in self.nodes)
-        left: dict[int, float] = {}
-        discarded: dict[str, int] = {}
-        for log in sorted(self.workdir.glob("agent-*.log")):
-            text = log.read_text(errors="replace")
-            for pid, t in membership_closed_times(text).items():
-                left[pid] = min(t, left.get(pid, t))
-            for reason, n in discarded_steps(text).items():
-                discarded[reason] = discarded.get(reason, 0) + n
+        left, discarded, marks = self.log_evidence()
         lives = tuple(
             WorkerLife(
                 pid,
@@ -841,21 +999,125 @@ class ChaosRun:
             link_down=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_downs),
             max_world=self.s.max_nodes,  # one worker per node
             discarded=discarded,
+            marks=tuple(marks),
+            link_flaps=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_flaps),
+            checkpoint_faults=tuple(self.ckpt_faults),
         )
+
+    def log_evidence(self) -> tuple[dict[int, float], dict[str, int], list[Mark]]:
+        """From the agents' logs (their workers' lines are in them): when each worker's membership
+        closed, the steps discarded by reason, and the workers' marks."""
+        left: dict[int, float] = {}
+        discarded: dict[str, int] = {}
+        marks: list[Mark] = []
+        for log in sorted(self.workdir.glob("agent-*.log")):
+            text = log.read_text(errors="replace")
+            for pid, t in membership_closed_times(text).items():
+                left[pid] = min(t, left.get(pid, t))
+            for reason, n in discarded_steps(text).items():
+                discarded[reason] = discarded.get(reason, 0) + n
+            marks += parse_marks(log.stem.removeprefix("agent-"), text)
+        return left, discarded, sorted(marks, key=lambda m: m.t)
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
 
+def run_bug(run: ChaosRun, as_json: bool) -> int:
+    """Start etcd and the agents, wait (at most BUG_BOUND_S) for every agent to exit, read
+    ``elasticctl status --json``, judge and print; the exit code (0: every invariant held). The
+    caller stops every process on every way out (``ChaosRun.stop_all``)."""
+    run.prepare()
+    for i in range(run.s.nodes):
+        node = run.start_agent(f"node-{i}")
+        node.expected, node.replaced = "bug", True  # its exit is judged here, never replaced
+    deadline = time.monotonic() + BUG_BOUND_S
+    while run.live_nodes() and time.monotonic() < deadline:
+        run.poll()
+        time.sleep(TICK_S)
+    run.poll()
+    code, out = run.elasticctl("status", "--job", JOB_ID, "--json")
+    status: dict[str, object] | None = None
+    try:
+        status = json.loads(out.splitlines()[0])
+    except (ValueError, IndexError):
+        pass
+    failures = status.get("failures") if status is not None else None
+    times = [float(f["time"]) for f in failures if isinstance(f, dict)] if isinstance(failures, list) else []
+    stopped: dict[str, float] = {}
+    for n in run.nodes:
+        stamps = [bug_timestamp(e.get("timestamp")) for e in log_events(n.proc.log_path, "agent_stopped")]
+        if stamps and stamps[-1] is not None:
+            stopped[n.name] = stamps[-1]
+    evidence = BugEvidence(
+        step=run.s.raise_at_step,
+        codes={n.name: n.code for n in run.nodes},
+        stopped_t=stopped,
+        first_failure_t=min(times, default=None),
+        status=status,
+        status_error="" if status is not None else f"elasticctl status --json: exit {code}: {out.strip()[:200]}",
+        last_step=run.last_step,
+        lease_ttl_s=TIMEOUTS.lease_ttl_s,
+    )
+    invariants = judge_bug(evidence)
+    text = render_bug(invariants, run.s.raise_at_step, run.s.nodes, str(run.workdir))
+    (run.workdir / "report.txt").write_text(text)
+    if as_json:
+        obj = {"ok": all(i.ok for i in invariants), "scenario": "bug", "step": run.s.raise_at_step}
+        obj["invariants"] = [{"name": i.name, "ok": i.ok, "detail": i.detail} for i in invariants]
+        print(json.dumps(obj), flush=True)
+    else:
+        print("\n" + text, end="", flush=True)
+    return 0 if all(i.ok for i in invariants) else 1
+
+
+def place_here(args: argparse.Namespace, netns: bool, no_netns: str) -> Place:
+    """What this run has for the kinds that need more than agents and etcd (probes a mount as root)."""
+    no_mount = no_mount_here() if args.scenario == "faults" else "--scenario bug"
+    return Place(args.etcd_members, "" if netns else no_netns, no_mount, no_poison(args.form, args.fp16))
+
+
+def hosts(plan: NetnsPlan | None, ip: str | None, no_netns: str, say: Callable[[str], None]) -> NetnsHosts | None:
+    """The network-namespace hosts of the plan (None: every node on loopback), said."""
+    if plan is None or ip is None:
+        say(f"hosts: every node on loopback ({no_netns}); link_down and link_flap are left out")
+        return None
+    net = NetnsHosts(plan, ip, say)
+    atexit.register(net.remove)  # also on a way out that skips the run's finally
+    say(
+        f"hosts: network namespaces {plan.prefix}h<i> at {NETNS_NET}.{plan.subnet}.<{NETNS_HOST_BASE}+i>, "
+        f"bridge {plan.bridge} {plan.bridge_addr}/24"
+    )
+    return net
+
+
+def report_run(run: ChaosRun, place: Place, as_json: bool) -> int:
+    """Judge the run's evidence, write report.json and report.txt, print the table (or the JSON
+    object); the exit code."""
+    evidence = run.evidence()
+    settings, workdir = run.s, run.workdir
+    skipped = skipped_kinds(settings.etcd_members, place=place)
+    report = Report(settings, evidence, judge(evidence), run.started_t, str(workdir), skipped)
+    (workdir / "report.json").write_text(json.dumps(report_to_dict(report), indent=1) + "\n")
+    (workdir / "report.txt").write_text(render_table(report))
+    if as_json:
+        print(json.dumps(report_to_dict(report)), flush=True)
+    else:
+        print("\n" + render_table(report), end="", flush=True)
+    return 0 if report.verdict.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ip = shutil.which("ip")
     pid = os.getpid()
-    no_netns = "--no-netns" if args.netns is False else unusable_here(pid)
+    bug = args.scenario == "bug"
+    no_netns = "--no-netns" if args.netns is False else "--scenario bug" if bug else unusable_here(pid)
     try:
         netns = use_netns(args.netns, no_netns)
-        settings = make_settings(args, netns)
+        place = place_here(args, netns, no_netns)
+        settings = make_settings(args, netns, place)
         plan = netns_plan(pid, subnets_in_use(ip_addresses_and_routes(ip))) if netns and ip else None
         workdir, remove = make_workdir(args.workdir, args.keep, "elasticd-chaos-")
     except ConfigError as exc:
@@ -869,44 +1131,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         with log_path.open("a") as f:  # kept with the work dir, for a post-mortem
             f.write(text + "\n")
 
+    if bug:
+        run = ChaosRun(settings, workdir, say)
+        return run_to_exit("elasticd.chaos", partial(run_bug, run, args.json), run.stop_all, workdir, remove, say)
     say(
         f"elasticd chaos: seed {settings.seed}; faults {', '.join(k.value for k in settings.kinds)}; "
         f"{settings.steps} steps; relay {settings.relay}; work dir {workdir}"
     )
-    net = None
-    if plan is not None:
-        assert ip is not None
-        net = NetnsHosts(plan, ip, say)
-        atexit.register(net.remove)  # also on a way out that skips the finally below
-        say(
-            f"hosts: network namespaces {plan.prefix}h<i> at {NETNS_NET}.{plan.subnet}.<{NETNS_HOST_BASE}+i>, "
-            f"bridge {plan.bridge} {plan.bridge_addr}/24"
-        )
-    else:
-        say(f"hosts: every node on loopback ({no_netns}); link_down is left out")
-    run = ChaosRun(settings, workdir, say, net)
+    net = hosts(plan, ip, no_netns, say)
+    ckptfs = CheckpointFs(workdir / "checkpoints", say) if settings.checkpoints else None
+    if ckptfs is not None:
+        atexit.register(ckptfs.remove)  # also on a way out that skips the run's finally
+    run = ChaosRun(settings, workdir, say, net, ckptfs)
 
     def body() -> int:
         try:
             run.run()
         finally:
             run.stop_all()
-        evidence = run.evidence()
-        report = Report(
-            settings,
-            evidence,
-            judge(evidence),
-            run.started_t,
-            str(workdir),
-            skipped_kinds(settings.etcd_members, "" if netns else no_netns),
-        )
-        (workdir / "report.json").write_text(json.dumps(report_to_dict(report), indent=1) + "\n")
-        (workdir / "report.txt").write_text(render_table(report))
-        if args.json:
-            print(json.dumps(report_to_dict(report)), flush=True)
-        else:
-            print("\n" + render_table(report), end="", flush=True)
-        return 0 if report.verdict.ok else 1
+        return report_run(run, place, args.json)
 
     return run_to_exit("elasticd.chaos", body, run.stop_all, workdir, remove, say)
 

@@ -1,10 +1,10 @@
 """What a chaos run observed, as records the judge reads (pure).
 
 Owns the records (``Commit``, ``Final``, ``FaultRecord``, ``StatusSample``, ``WorkerLife``,
-``AgentEnd``, the ``Window`` of an etcd outage or a warm-up, ``LinkDown``) gathered into one
-``Evidence``, and the parsers that make them from the audit lines and the agents' logs
-(``parse_commits``, ``parse_finals``, ``membership_closed_times``, ``discarded_steps``,
-``traceback_hits``). It reads
+``AgentEnd``, the ``Window`` of an etcd outage or a warm-up, ``LinkDown``, a worker's ``Mark``, a
+``CheckpointFault``) gathered into one ``Evidence``, and the parsers that make them from the audit
+lines and the agents' logs (``parse_commits``, ``parse_finals``, ``membership_closed_times``,
+``discarded_steps``, ``parse_marks``, ``traceback_hits``). It reads
 text it is given, never a file or a process, and never judges.
 """
 
@@ -44,6 +44,7 @@ class Commit:
     rank: int
     world_size: int
     t: float
+    loss: float | None = None  # the step's global loss (NaN where a member's gradients were not finite)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,48 @@ def membership_closed_times(log_text: str) -> dict[int, float]:
     return out
 
 
+# The workers' log lines a chaos run reads as marks: a member's own gradients not finite, a step
+# skipped (every member), a durable checkpoint saved or failed.
+MARKED = ("gradients_not_finite", "step_skipped", "checkpoint_saved", "checkpoint_save_failed")
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One such line: of the worker(s) of ``node`` (the log's node), at ``step``, at wall time ``t``."""
+
+    node: str
+    event: str
+    step: int
+    t: float
+    errno: str = ""  # checkpoint_save_failed: the errno's name (EROFS, ENOSPC, ...)
+
+
+def parse_marks(node: str, log_text: str) -> list[Mark]:
+    """The ``MARKED`` lines of an agent's log (its workers' lines are in it), in order (pure)."""
+    out: list[Mark] = []
+    for event in MARKED:
+        for rec in events_in(log_text, event):
+            try:
+                t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+                step = as_int(rec["step"])
+            except (ValueError, KeyError, TypeError, AssertionError):
+                continue
+            out.append(Mark(node, event, step, t, str(rec.get("errno") or "")))
+    return sorted(out, key=lambda m: m.t)
+
+
+@dataclass(frozen=True)
+class CheckpointFault:
+    """A checkpoint filesystem fault over [start, end] (wall clock), and the complete checkpoints
+    (their seqs: a manifest in place) in the job's directory when it began and when it ended."""
+
+    kind: str
+    start: float
+    end: float
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+
+
 def discarded_steps(log_text: str) -> dict[str, int]:
     """reason -> how many applied steps the workers of an agent's log discarded unconfirmed
     (``steps_discarded`` lines: a branch the job left, or a leave before a confirmation). Counted,
@@ -122,6 +165,7 @@ def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Com
             as_int(r["rank"]),
             as_int(r["world_size"]),
             as_float(r["t"]),
+            as_float(r["loss"]) if isinstance(r.get("loss"), (int, float)) else None,
         )
         for node, r in pairs
         if r.get("event") == "commit"
@@ -195,3 +239,6 @@ class Evidence:
     warmups: tuple[Window, ...] = ()  # every warm-up window, one per world size (``warmup`` first)
     max_world: int = 0  # the job's max_workers (a host beyond it is a standby); 0: unknown
     discarded: Mapping[str, int] = field(default_factory=dict)  # reason -> steps applied, then discarded unconfirmed
+    marks: tuple[Mark, ...] = ()  # the workers' MARKED lines
+    link_flaps: tuple[LinkDown, ...] = ()  # a flapping link: its first down to its last up
+    checkpoint_faults: tuple[CheckpointFault, ...] = ()

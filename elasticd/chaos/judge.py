@@ -36,6 +36,7 @@ from elasticd.chaos.evidence import (
     Window,
     WorkerLife,
 )
+from elasticd.chaos.kinds_judge import checkpoint_findings, nan_findings
 from elasticd.chaos.schedule import FaultKind
 
 REJOIN_BOUND_S = 60.0  # after its link came back, an isolated host's worker must commit again by then
@@ -110,6 +111,7 @@ MEMBER_REMOVING = frozenset(
         FaultKind.DRAIN,
         FaultKind.AGENT_SIGTERM,
         FaultKind.LINK_DOWN,
+        FaultKind.LINK_FLAP,
     }
 )
 
@@ -279,21 +281,29 @@ def link_down_findings(
             out.append(
                 f"{d.node}: the other hosts did not go on without it while its link was down ({d.end - d.start:.1f} s)"
             )
-        back = [c.t for c in commits if c.node == d.node and c.t > d.end]
-        until = back[0] if back else last_t
-        waited = until - d.end - standby_s(commits, d.node, d.end, until, max_world)
-        if back:
-            if waited > rejoin_bound_s:
-                out.append(
-                    f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back, "
-                    f"{waited:.1f} s of it not as a standby (bound {rejoin_bound_s:g} s)"
-                )
-        elif waited > rejoin_bound_s:
-            out.append(
-                f"{d.node}: did not rejoin after its link came back (the job went on for "
-                f"{last_t - d.end:.1f} s, {waited:.1f} s of it below max_workers)"
-            )
+        out += rejoin_findings(d, commits, rejoin_bound_s, max_world)
     return out
+
+
+def rejoin_findings(d: LinkDown, commits: Sequence[Commit], rejoin_bound_s: float, max_world: int = 0) -> list[str]:
+    """The host of a link that was down (or flapped) over ``d`` commits again after it came back,
+    within ``rejoin_bound_s`` unless the job ended sooner; time the job spent at ``max_world``
+    without it does not count (it was a standby then)."""
+    last_t = max((c.t for c in commits), default=0.0)
+    back = [c.t for c in commits if c.node == d.node and c.t > d.end]
+    until = back[0] if back else last_t
+    waited = until - d.end - standby_s(commits, d.node, d.end, until, max_world)
+    if back and waited > rejoin_bound_s:
+        return [
+            f"{d.node}: rejoined {back[0] - d.end:.1f} s after its link came back, "
+            f"{waited:.1f} s of it not as a standby (bound {rejoin_bound_s:g} s)"
+        ]
+    if not back and waited > rejoin_bound_s:
+        return [
+            f"{d.node}: did not rejoin after its link came back (the job went on for "
+            f"{last_t - d.end:.1f} s, {waited:.1f} s of it below max_workers)"
+        ]
+    return []
 
 
 def agent_findings(ends: Sequence[AgentEnd]) -> tuple[list[str], list[str]]:
@@ -360,6 +370,30 @@ def _finals_summary(finals: Sequence[Final], last_step: int) -> str:
     )
 
 
+def kind_invariants(ev: Evidence) -> list[Invariant]:
+    """The invariants of the kinds injected in this run (none of a kind not injected)."""
+    out = []
+    if ev.link_down:
+        isolated = link_down_findings(
+            ev.link_down, ev.commits, REJOIN_BOUND_S, after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.max_world
+        )
+        detail = f"{len(ev.link_down)} link down(s): the others went on, the host rejoined"
+        out.append(Invariant("link down: dropped, rejoined", not isolated, "; ".join(isolated[:5]) or detail))
+    if ev.link_flaps:
+        flapped = [p for d in ev.link_flaps for p in rejoin_findings(d, ev.commits, REJOIN_BOUND_S, ev.max_world)]
+        flapped += [f"{d.node}: its link was still flapping at the end" for d in ev.link_flaps if d.end == math.inf]
+        detail = f"{len(ev.link_flaps)} flapping link(s): each host committed again after"
+        out.append(Invariant("link flap: host back", not flapped, "; ".join(flapped[:5]) or detail))
+    nan_faults = [f for f in ev.faults if f.kind == FaultKind.NAN_GRADS]
+    if nan_faults or any(m.event == "gradients_not_finite" for m in ev.marks):
+        bad, detail = nan_findings(nan_faults, ev.marks, ev.commits, ev.faults)
+        out.append(Invariant("NaN gradients skipped", not bad, "; ".join(bad[:5]) or detail))
+    if ev.checkpoint_faults or any(m.event == "checkpoint_save_failed" for m in ev.marks):
+        bad, detail = checkpoint_findings(ev.checkpoint_faults, ev.marks, ev.commits)
+        out.append(Invariant("checkpoint saves resume", not bad, "; ".join(bad[:5]) or detail))
+    return out
+
+
 def judge(ev: Evidence) -> Verdict:
     """Check every invariant over the evidence of one run."""
     steps = step_findings(ev.commits)
@@ -422,17 +456,7 @@ def judge(ev: Evidence) -> Verdict:
             or f"{sum(1 for a in ev.agents if a.expected not in ('killed', 'duplicate'))} agent(s) exited 0",
         ),
     ]
-    if ev.link_down:
-        isolated = link_down_findings(
-            ev.link_down, ev.commits, REJOIN_BOUND_S, after_etcd_returns(ev.etcd_down, ev.lease_ttl_s), ev.max_world
-        )
-        inv.append(
-            Invariant(
-                "link down: dropped, rejoined",
-                not isolated,
-                "; ".join(isolated[:5]) or f"{len(ev.link_down)} link down(s): the others went on, the host rejoined",
-            )
-        )
+    inv += kind_invariants(ev)
     dups = [a for a in ev.agents if a.expected == "duplicate"]
     if dups:
         inv.append(

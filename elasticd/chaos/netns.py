@@ -10,11 +10,13 @@ never decides which host to cut or when.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -247,6 +249,25 @@ class NetnsHosts:
             RuntimeError: the command failed.
         """
         _ip(self.ip, "link", "set", host.root_veth, "up" if up else "down")
+
+    def flap(self, host: NetnsHost, cycles: int, down_s: float, up_s: float, stop: threading.Event) -> None:
+        """Take the host's link down for ``down_s``, then up for ``up_s``, ``cycles`` times (or until
+        ``stop``); it ends up.
+
+        Raises:
+            RuntimeError: a command failed (the link is set up again first, where it can be).
+        """
+        try:
+            for _ in range(cycles):
+                self.set_link(host, up=False)
+                stop.wait(down_s)
+                self.set_link(host, up=True)
+                if stop.wait(up_s):
+                    return
+        except RuntimeError:
+            with contextlib.suppress(RuntimeError):
+                self.set_link(host, up=True)
+            raise
 
     def exec_prefix(self, host: NetnsHost) -> list[str]:
         """The command prefix that runs a program on ``host`` (``ip netns exec`` execs it in place,

@@ -49,6 +49,10 @@ class FaultKind(StrEnum):
     LINK_DOWN = "link_down"
     WORKER_ABORT = "worker_abort"
     STRAGGLER = "straggler"
+    NAN_GRADS = "nan_grads"
+    LINK_FLAP = "link_flap"
+    CHECKPOINT_READONLY = "checkpoint_readonly"
+    CHECKPOINT_FULL = "checkpoint_full"
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,29 @@ class KindSpec:
     adds: bool = False  # starts a node (below max_nodes, or up to STANDBY_NODES beyond it)
     needs_etcd: bool = False  # needs etcd up (it writes there, or its outcome means nothing without)
     netns: bool = False  # needs every node on a network-namespace host (--netns)
+    mount: bool = False  # acts on the checkpoint filesystem the run mounts (root, and mount works)
+    poison: bool = False  # needs the workload's NaN poison (agents/mlp.py without a GradScaler)
 
 
 # How long a straggler fault slows its worker, and the duty cycle that slows it: stopped this long,
 # then running this long, over and over (shorter than a step: its compute takes about twice as long).
 STRAGGLER_FAULT_S = 5.0
 STRAGGLER_DUTY_S = 0.005
+
+# nan_grads: the worker's next NAN_GRAD_STEPS backward passes give NaN gradients. Below the
+# workers' nonfinite_steps (3: at that many in a row a worker exits 78 and its node is out), so the
+# steps are skipped everywhere and the worker stays: the job goes on at its size.
+NAN_GRAD_STEPS = 2
+NONFINITE_STEPS = 3  # the workers' retry.nonfinite_steps (its default: the chaos agents keep it)
+# link_flap: the host's link goes down and up LINK_FLAP_CYCLES times, down LINK_FLAP_DOWN_S, then up
+# LINK_FLAP_UP_S: each down shorter than a lease TTL, together longer.
+LINK_FLAP_CYCLES = 5
+LINK_FLAP_DOWN_S = 0.3
+LINK_FLAP_UP_S = 0.7
+# checkpoint_readonly / checkpoint_full: the checkpoint filesystem stays read-only (or full) this
+# long, then is restored; the agents save every CHECKPOINT_EVERY_STEPS steps, so a few saves fail.
+CHECKPOINT_FAULT_S = 5.0
+CHECKPOINT_EVERY_STEPS = 20
 
 KINDS: Mapping[FaultKind, KindSpec] = {
     FaultKind.WORKER_KILL: KindSpec("SIGKILL one worker; its agent restarts it", removes=True, on_node=True),
@@ -125,6 +146,30 @@ KINDS: Mapping[FaultKind, KindSpec] = {
         needs_etcd=True,
         netns=True,
     ),
+    FaultKind.NAN_GRADS: KindSpec(
+        f"SIGUSR2 one worker: its next {NAN_GRAD_STEPS} backward passes give NaN gradients "
+        f"(agents/mlp.py --nan-steps-on-sigusr2); every member skips those steps, none applies a NaN",
+        on_node=True,
+        poison=True,
+    ),
+    FaultKind.LINK_FLAP: KindSpec(
+        f"take a network-namespace host's link down and up {LINK_FLAP_CYCLES} times (down "
+        f"{LINK_FLAP_DOWN_S:g} s, up {LINK_FLAP_UP_S:g} s); its workers may be dropped and rejoin",
+        removes=True,
+        on_node=True,
+        needs_etcd=True,
+        netns=True,
+    ),
+    FaultKind.CHECKPOINT_READONLY: KindSpec(
+        f"remount the checkpoint filesystem read-only for {CHECKPOINT_FAULT_S:g} s, then read-write: "
+        "the saves meanwhile fail (EROFS), training goes on, the saves after succeed",
+        mount=True,
+    ),
+    FaultKind.CHECKPOINT_FULL: KindSpec(
+        f"fill the checkpoint filesystem for {CHECKPOINT_FAULT_S:g} s, then free it: the saves "
+        "meanwhile fail (ENOSPC), training goes on, the saves after succeed",
+        mount=True,
+    ),
 }
 
 
@@ -135,19 +180,25 @@ KIND_NAMES = frozenset(k.value for k in FaultKind)
 # GPU-memory faults 58.7 % (a worker dying as a CUDA error ends it, or killed), software bugs
 # 13.4 % (a worker crash; a bug at the same step on every rank is its own scenario, which ends the
 # job), host and maintenance 11 % (a node lost, drained or stopped for maintenance), network
-# 10.1 % (a link down; a worker cut off), NCCL watchdog hangs 1.7 % (a worker stopped, then found
-# hung), silent data corruption 1.4 % (a slow or bad node: a straggler here). The etcd faults are
-# the control plane's, absent from that table; they keep a small weight so that every run meets them.
+# 10.1 % (a link down, or one that flaps: split alike), NCCL watchdog hangs 1.7 % (a worker stopped,
+# then found hung), silent data corruption 1.4 % (a bad node: a slow one, a straggler here, and one
+# whose gradients turn NaN, split alike). Host and maintenance keep 1 % of their 11 % for the
+# checkpoint storage turning read-only or full (0.5 % each). The etcd faults are the control plane's,
+# absent from that table; they keep a small weight so that every run meets them.
 PRODUCTION_MIX: Mapping[FaultKind, float] = {
     FaultKind.WORKER_ABORT: 35.2,
     FaultKind.WORKER_KILL: 23.5 + 13.4,
-    FaultKind.NODE_LOSS: 5.0,
+    FaultKind.NODE_LOSS: 4.0,
     FaultKind.DRAIN: 2.0,
     FaultKind.AGENT_SIGTERM: 2.0,
     FaultKind.AGENT_STOP: 2.0,
-    FaultKind.LINK_DOWN: 10.1,
+    FaultKind.CHECKPOINT_READONLY: 0.5,
+    FaultKind.CHECKPOINT_FULL: 0.5,
+    FaultKind.LINK_DOWN: 5.05,
+    FaultKind.LINK_FLAP: 5.05,
     FaultKind.WORKER_STOP: 1.7,
-    FaultKind.STRAGGLER: 1.4,
+    FaultKind.STRAGGLER: 0.7,
+    FaultKind.NAN_GRADS: 0.7,
     FaultKind.NODE_JOIN: 2.0,
     FaultKind.DUPLICATE_NODE: 0.5,
     FaultKind.ETCD_RESTART: 0.5,
@@ -156,6 +207,8 @@ PRODUCTION_MIX: Mapping[FaultKind, float] = {
     FaultKind.ETCD_LEADER_KILL: 0.5,
 }
 MIXES = ("uniform", "production")
+SCENARIOS = ("faults", "bug")
+BUG_STEP = 30  # --scenario bug: the default step every rank raises at
 
 
 def mix_weights(mix: str) -> Mapping[FaultKind, float] | None:
@@ -163,19 +216,49 @@ def mix_weights(mix: str) -> Mapping[FaultKind, float] | None:
     return PRODUCTION_MIX if mix == "production" else None
 
 
-def kinds_possible(etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
+@dataclass(frozen=True)
+class Place:
+    """What this run has that some kinds need: an etcd cluster of ``etcd_members``, network-namespace
+    hosts, a checkpoint filesystem of its own, a workload with the NaN poison. Each reason is why
+    it lacks one ("" when it has it)."""
+
+    etcd_members: int = 1
+    no_netns: str = "--no-netns"
+    no_mount: str = ""
+    no_poison: str = ""
+
+    def missing(self, kind: FaultKind) -> str:
+        """Why ``kind`` cannot be injected here ("" when it can)."""
+        spec = KINDS[kind]
+        if spec.etcd_members not in (1, self.etcd_members):
+            return f"needs --etcd-members {spec.etcd_members}"
+        if spec.netns and self.no_netns:
+            return f"needs network-namespace hosts: {self.no_netns}"
+        if spec.mount and self.no_mount:
+            return f"needs a checkpoint filesystem of the run's own: {self.no_mount}"
+        if spec.poison and self.no_poison:
+            return f"needs the workload's NaN poison: {self.no_poison}"
+        return ""
+
+
+def kinds_possible(etcd_members: int, netns: bool = False, place: Place | None = None) -> tuple[FaultKind, ...]:
     """The fault kinds that can be injected with an etcd cluster of this size, with (or without)
-    network-namespace hosts."""
-    return tuple(k for k, spec in KINDS.items() if spec.etcd_members in (1, etcd_members) and (netns or not spec.netns))
+    network-namespace hosts; ``place`` (when given) says the rest of what the run has."""
+    where = place or Place(etcd_members, "" if netns else "--no-netns")
+    return tuple(k for k in KINDS if not where.missing(k))
 
 
-def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tuple[FaultKind, ...]:
+def parse_faults(
+    text: str | None, etcd_members: int, netns: bool = False, place: Place | None = None
+) -> tuple[FaultKind, ...]:
     """``--faults a,b,c`` (None: every kind possible here).
 
     Raises:
-        ConfigError: an unknown kind, or one that needs a larger etcd cluster or network namespaces.
+        ConfigError: an unknown kind, or one that needs what the run lacks (a larger etcd cluster,
+            network namespaces, a checkpoint filesystem, the workload's NaN poison).
     """
-    possible = kinds_possible(etcd_members, netns)
+    where = place or Place(etcd_members, "" if netns else "--no-netns")
+    possible = kinds_possible(etcd_members, netns, where)
     if text is None:
         return possible
     out: list[FaultKind] = []
@@ -188,10 +271,11 @@ def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tu
             raise ConfigError(
                 f"--faults: unknown fault kind {name!r}; known: {', '.join(k.value for k in FaultKind)}"
             ) from None
-        if kind not in possible and KINDS[kind].netns and not netns:
-            raise ConfigError(f"--faults: {name} needs network-namespace hosts (--netns: root, and `ip netns` works)")
-        if kind not in possible:
-            raise ConfigError(f"--faults: {name} needs --etcd-members {KINDS[kind].etcd_members}")
+        why = where.missing(kind)
+        if KINDS[kind].netns and where.no_netns:
+            why = "needs network-namespace hosts (--netns: root, and `ip netns` works)"
+        if why:
+            raise ConfigError(f"--faults: {name} {why}")
         if kind not in out:
             out.append(kind)
     if not out:
@@ -199,18 +283,12 @@ def parse_faults(text: str | None, etcd_members: int, netns: bool = False) -> tu
     return tuple(out)
 
 
-def skipped_kinds(etcd_members: int, no_netns: str = "") -> dict[str, str]:
+def skipped_kinds(etcd_members: int, no_netns: str = "", place: Place | None = None) -> dict[str, str]:
     """Kinds not possible here, with the reason (printed in the table); ``no_netns``: why the nodes
-    run on loopback ("" when they run on network-namespace hosts)."""
-    return {
-        k.value: (
-            f"needs network-namespace hosts: {no_netns}"
-            if KINDS[k].netns and no_netns
-            else f"needs --etcd-members {KINDS[k].etcd_members}"
-        )
-        for k in FaultKind
-        if k not in kinds_possible(etcd_members, not no_netns)
-    }
+    run on loopback ("" when they run on network-namespace hosts); ``place`` (when given) says the
+    rest of what the run has."""
+    where = place or Place(etcd_members, no_netns)
+    return {k.value: where.missing(k) for k in FaultKind if where.missing(k)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +312,7 @@ class ClusterView:
     etcd_busy: bool  # an etcd fault is in flight (etcd or a member down)
     duplicate_running: bool
     injected: Mapping[FaultKind, int]
+    checkpoint_busy: bool = False  # a checkpoint filesystem fault is in flight
 
     @property
     def ready(self) -> tuple[str, ...]:
@@ -255,6 +334,8 @@ def allowed(kind: FaultKind, view: ClusterView) -> bool:
     if spec.removes and len(ready) - 1 < view.min_nodes:
         return False
     if (spec.etcd or spec.needs_etcd) and view.etcd_busy:
+        return False
+    if spec.mount and view.checkpoint_busy:
         return False
     # The faults begin at max_nodes (the warm-up measured every size up to it), so a join there is a
     # standby beyond max_workers: it forces no generation and takes the place of a member that leaves.
@@ -341,6 +422,18 @@ class Settings:
     fp16: bool = False  # the workload's --fp16: autocast and a GradScaler (cuda only)
     form: str = "short"  # the workload's form: short (agents/mlp.py) or dropin (agents/mlp_dropin.py)
     mix: str = "uniform"  # uniform (every kind covered alike) or production (PRODUCTION_MIX's weights)
+    scenario: str = "faults"  # faults (random faults) or bug (the same exception at one step on every rank)
+    raise_at_step: int = 0  # the bug scenario's step
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether the agents save durable checkpoints (on the run's filesystem): a kind acts on it."""
+        return any(KINDS[k].mount for k in self.kinds)
+
+    @property
+    def nan_poison(self) -> bool:
+        """Whether the workers take SIGUSR2 as nan_grads' poison (else it keeps its default action)."""
+        return FaultKind.NAN_GRADS in self.kinds
 
 
 RELAY_CHOICES = ("off", "on", "mixed")
@@ -352,7 +445,7 @@ def relayed(relay: str, node_number: int) -> bool:
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    """The flags that choose the workload: its device, fp16, its worker API."""
+    """The flags that choose the workload: its device, fp16, its worker API, the bug scenario's."""
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -371,6 +464,21 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         default="short",
         help="the workload's worker API: short (agents/mlp.py, ElasticTrainer) or dropin "
         "(agents/mlp_dropin.py: its own loop, elasticd's DistributedDataParallel); default short",
+    )
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="faults",
+        help="faults: random faults, judged by the invariants; bug: no fault, a workload that raises the same "
+        "exception at --raise-at-step on every rank, judged by how the job stops (every agent exits 3, "
+        "elasticctl status names the step and the exception). Default faults",
+    )
+    p.add_argument(
+        "--raise-at-step",
+        type=int,
+        default=BUG_STEP,
+        metavar="S",
+        help=f"--scenario bug: the step every rank raises at (default {BUG_STEP})",
     )
 
 
@@ -464,8 +572,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
-    """Validate the arguments (``netns``: whether the nodes run on network-namespace hosts).
+def _check_workload(args: argparse.Namespace) -> None:
+    """The workload's flags agree with each other.
+
+    Raises:
+        ConfigError: they do not; the message names the flag.
+    """
+    if args.fp16 and args.device != "cuda":
+        raise ConfigError("--fp16: needs --device cuda")
+    if args.form == "dropin" and (args.device != "cpu" or args.fp16):
+        raise ConfigError("--form dropin: runs on the CPU without --fp16")
+    if args.raise_at_step < 1:
+        raise ConfigError(f"--raise-at-step: at least 1, got {args.raise_at_step}")
+    if args.scenario == "bug" and (args.form != "short" or args.fp16):
+        raise ConfigError("--scenario bug: runs agents/mlp.py (--form short) without --fp16")
+
+
+def no_poison(form: str, fp16: bool) -> str:
+    """Why the workload cannot take nan_grads' poison ("" when it can)."""
+    if form != "short":
+        return "--form dropin (agents/mlp_dropin.py has none)"
+    if fp16:
+        return "--fp16 (the GradScaler skips non-finite steps itself)"
+    return ""
+
+
+def make_settings(args: argparse.Namespace, netns: bool = False, place: Place | None = None) -> Settings:
+    """Validate the arguments (``netns``: whether the nodes run on network-namespace hosts;
+    ``place``: what else the run has, for the kinds that need it).
 
     Raises:
         ConfigError: an argument is out of range; the message names it.
@@ -497,16 +631,15 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         raise ConfigError(
             f"--link-down-s: must be more than the lease TTL ({TIMEOUTS.lease_ttl_s:g} s), got {link_down_s}"
         )
-    if args.fp16 and args.device != "cuda":
-        raise ConfigError("--fp16: needs --device cuda")
-    if args.form == "dropin" and (args.device != "cpu" or args.fp16):
-        raise ConfigError("--form dropin: runs on the CPU without --fp16")
+    _check_workload(args)
+    if args.scenario == "bug" and args.steps is None:
+        steps = args.raise_at_step + BUG_STEP  # never reached: the job stops at --raise-at-step
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     return Settings(
         minutes=args.minutes,
         mean_interval_s=args.mean_interval_s,
         seed=seed,
-        kinds=parse_faults(args.faults, args.etcd_members, netns),
+        kinds=parse_faults(args.faults, args.etcd_members, netns, place),
         nodes=args.nodes,
         min_nodes=args.min_nodes,
         max_nodes=max_nodes,
@@ -522,4 +655,6 @@ def make_settings(args: argparse.Namespace, netns: bool = False) -> Settings:
         fp16=args.fp16,
         form=args.form,
         mix=args.mix,
+        scenario=args.scenario,
+        raise_at_step=args.raise_at_step if args.scenario == "bug" else 0,
     )

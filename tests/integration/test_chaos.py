@@ -2,8 +2,9 @@
 possible (a 3-member etcd cluster included; where network namespaces work, as root, every node a
 namespace host on a bridge the run creates and ``link_down`` among the kinds, else loopback; half
 the agents with the node relay on) and
-must pass every invariant and delete every namespace and link it made; and the 30-minute soak
-(``-m soak``). The checker's own detection of violations is tested in
+must pass every invariant and delete every namespace and link it made (and, as root, its
+checkpoint filesystem); the bug scenario, whose agents must all stop with exit 3 and whose status
+must name the step and the exception; and the 30-minute soak (``-m soak``). The checker's own detection of violations is tested in
 ``tests/unit/test_chaos_logic.py`` on hand-made records."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.chaos.ckptfs import unusable_here as no_mount_here
 from elasticd.chaos.netns import unusable_here
-from elasticd.chaos.schedule import kinds_possible
+from elasticd.chaos.schedule import Place, kinds_possible
 from elasticd.testing.localcluster import REPO_ROOT
 
 
@@ -60,14 +62,15 @@ def _failed(report: dict[str, object]) -> list[str]:
     return [f"{i['name']}: {i['detail']}" for i in invariants if not i["ok"]]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path) -> None:
     netns = not _why_not_netns()  # the reason is printed by the run when it falls back
+    place = Place(3, "" if netns else "--no-netns", no_mount_here())
     code, report, err = _run_chaos(
         tmp_path / "chaos",
-        170,
+        230,
         "--minutes",
-        "0.75",
+        "1",
         "--mean-interval-s",
         "2.2",
         "--warmup-s",
@@ -81,19 +84,19 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
         "--netns" if netns else "--no-netns",
         "--relay",
         "mixed",  # both ways of following the job (relay.node) under the same faults
-        # A little more than the job commits in the warm-up and the 45 s of faults (~750 at ~13
-        # steps/s; ~20 faults, so every kind at least once): the faults must end on time, not near
+        # A little more than the job commits in the warm-up and the 60 s of faults (~950 at ~13
+        # steps/s; ~27 faults, so every kind at least once): the faults must end on time, not near
         # the last step, and the default (a fault-free rate) left ~25 s of steps to finish after
         # the faults ended.
         "--steps",
-        "900",
+        "1150",
     )
     tail = err[-5000:]
     assert not _failed(report), f"{_failed(report)}\nstalls {report['stalls']}\n{tail}"
     assert code == 0 and report["ok"] is True, tail
     injected = report["injected"]
     assert isinstance(injected, dict)
-    assert set(injected) == {k.value for k in kinds_possible(3, netns=netns)}, injected
+    assert set(injected) == {k.value for k in kinds_possible(3, place=place)}, injected
     missed = [k for k, n in injected.items() if n < 1]
     assert not missed, f"kinds never injected: {missed}\n{tail}"
     if netns:  # the cut-off host was dropped for longer than the lease, the others went on, it rejoined
@@ -104,6 +107,20 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
     assert report["status_samples"], tail
     assert isinstance(report["ettr"], float) and 0 < report["ettr"] <= 1.2
     assert (tmp_path / "chaos" / "audit").is_dir()
+    assert not os.path.ismount(tmp_path / "chaos" / "checkpoints")  # unmounted on the way out
+
+
+@pytest.mark.timeout(120)
+def test_the_bug_scenario_stops_every_agent_with_exit_3_and_status_names_the_bug(tmp_path: Path) -> None:
+    code, report, err = _run_chaos(tmp_path / "bug", 110, "--scenario", "bug", "--raise-at-step", "20")
+    assert code == 0 and report["ok"] is True, f"{_failed(report)}\n{err[-5000:]}"
+    names = {i["name"] for i in report["invariants"]}  # type: ignore[union-attr, index]
+    assert names == {
+        "every agent exits 3",
+        "stopped within 2 x TTL + 3 s = 7 s",
+        "status: failed at step 20, naming ScriptBug",
+        "no step at or past 20 committed",
+    }, names
 
 
 @pytest.mark.soak

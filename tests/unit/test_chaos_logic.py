@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import random
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from elasticd.chaos.__main__ import ChaosRun, Node
+from elasticd.chaos.bug import BugEvidence, judge_bug, render_bug
 from elasticd.chaos.ettr import (
     baseline_world,
     cost_by_kind,
@@ -24,14 +26,17 @@ from elasticd.chaos.ettr import (
 )
 from elasticd.chaos.evidence import (
     AgentEnd,
+    CheckpointFault,
     Commit,
     Evidence,
     FaultRecord,
     Final,
     LinkDown,
+    Mark,
     StatusSample,
     Window,
     WorkerLife,
+    parse_marks,
     traceback_hits,
 )
 from elasticd.chaos.judge import (
@@ -41,9 +46,11 @@ from elasticd.chaos.judge import (
     find_stalls,
     judge,
     link_down_findings,
+    rejoin_findings,
     status_findings,
     step_findings,
 )
+from elasticd.chaos.kinds_judge import checkpoint_findings, nan_findings
 from elasticd.chaos.netns import (
     NetnsHost,
     NetnsPlan,
@@ -56,15 +63,19 @@ from elasticd.chaos.netns import (
 from elasticd.chaos.report import Report, render_table, report_to_dict
 from elasticd.chaos.schedule import (
     KINDS,
+    NAN_GRAD_STEPS,
+    NONFINITE_STEPS,
     ClusterView,
     FaultKind,
     NodeView,
+    Place,
     Settings,
     allowed,
     choose_fault,
     kinds_possible,
     link_down_s_default,
     next_delay,
+    no_poison,
     parse_faults,
     relayed,
     skipped_kinds,
@@ -798,7 +809,10 @@ def test_link_down_needs_netns_hosts() -> None:
     assert parse_faults("link_down,worker_kill", 1, netns=True) == (FaultKind.LINK_DOWN, FaultKind.WORKER_KILL)
     with pytest.raises(ConfigError, match="link_down needs network-namespace hosts"):
         parse_faults("link_down", 3)
-    assert skipped_kinds(3, "not root") == {"link_down": "needs network-namespace hosts: not root"}
+    assert skipped_kinds(3, "not root") == {
+        "link_down": "needs network-namespace hosts: not root",
+        "link_flap": "needs network-namespace hosts: not root",
+    }
     assert skipped_kinds(1, "") == {
         "etcd_follower_kill": "needs --etcd-members 3",
         "etcd_leader_kill": "needs --etcd-members 3",
@@ -1079,3 +1093,235 @@ def test_the_production_mix_draws_kinds_by_their_published_shares() -> None:
         not KINDS[choose_fault(busy, kinds, rng, PRODUCTION_MIX).kind].etcd  # type: ignore[union-attr]
         for _ in range(200)
     )
+
+
+# -- nan_grads, link_flap, the checkpoint kinds, the bug scenario ------------------------------
+
+
+def lossy(rows: list[tuple[int, float]], world: int = 2) -> list[Commit]:
+    """(step, loss) -> one commit line per rank, step s at T0 + s (generation 1)."""
+    return [Commit(f"node-{r}", s, 1, r, world, T0 + s, loss) for s, loss in rows for r in range(world)]
+
+
+def mark(node: str, event: str, step: int, t: float, errno: str = "") -> Mark:
+    return Mark(node, event, step, T0 + t, errno)
+
+
+NAN = float("nan")
+POISON = FaultRecord(T0 + 4.5, "nan_grads", "node-1")
+NAMED_5_6 = [mark("node-1", "gradients_not_finite", s, s + 0.1) for s in (5, 6)]
+SKIPPED_5_6 = [mark(f"node-{r}", "step_skipped", s, s + 0.1) for s in (5, 6) for r in (0, 1)]
+
+
+@pytest.mark.parametrize(
+    "faults, marks, losses, problem",
+    [
+        # poisoned at 4.5: steps 5 and 6 named by node-1, skipped on both, their losses NaN
+        ([POISON], NAMED_5_6 + SKIPPED_5_6, {5: NAN, 6: NAN}, None),
+        # a NaN loss nobody named: a NaN was applied
+        ([POISON], NAMED_5_6 + SKIPPED_5_6, {5: NAN, 6: NAN, 7: NAN}, "no member named"),
+        # node-0 committed step 6 without skipping it
+        ([POISON], NAMED_5_6 + SKIPPED_5_6[:3], {5: NAN, 6: NAN}, "without skipping it"),
+        # non-finite gradients with no poison injected on that node
+        ([], NAMED_5_6 + SKIPPED_5_6, {5: NAN, 6: NAN}, "no nan_grads was injected"),
+        # more steps named than the poison's
+        ([POISON], [*NAMED_5_6, mark("node-1", "gradients_not_finite", 7, 7.1)], {5: NAN, 6: NAN}, "3 steps named"),
+        # poisoned, the node went on for longer than the bound, and no step was named
+        ([POISON], [], {}, "no step named its gradients non-finite"),
+    ],
+)
+def test_nan_findings(faults, marks, losses, problem) -> None:
+    rows = lossy([(s, losses.get(s, 1.0 / s)) for s in range(1, 41)])
+    found, summary = nan_findings(faults, marks, rows, faults)
+    if problem is None:
+        assert found == [] and "[5, 6]" in summary
+    else:
+        assert any(problem in f for f in found), found
+
+
+def test_a_nan_run_is_judged_and_fails_when_a_nan_was_applied() -> None:
+    finals = [Final("node-0", 40, "x"), Final("node-1", 40, "x")]
+    base = dict(
+        commits=tuple(lossy([(s, NAN if s in (5, 6) else 1.0) for s in range(1, 41)])),
+        faults=(POISON,),
+        marks=tuple(NAMED_5_6 + SKIPPED_5_6),
+        target_steps=40,
+    )
+    ok = judge(evidence([], finals, **base))
+    assert "NaN gradients skipped" in {i.name for i in ok.invariants} and ok.ok, ok.invariants
+    applied = {**base, "commits": tuple(lossy([(s, NAN if s >= 5 else 1.0) for s in range(1, 41)]))}
+    assert failed(evidence([], finals, **applied)) == {"NaN gradients skipped"}
+
+
+def test_a_flapping_host_must_commit_again_after_its_link_stopped_flapping() -> None:
+    flap = LinkDown("node-1", T0 + 10, T0 + 15)
+    went_on = commits(*steady(100, dt=1.0))  # node-1 commits every second, before and after
+    assert rejoin_findings(flap, went_on, 60.0) == []
+    gone = [c for c in commits(*steady(100, dt=1.0)) if not (c.node == "node-1" and c.t > T0 + 15)]
+    assert "did not rejoin" in rejoin_findings(flap, gone, 60.0)[0]
+    finals = [Final("node-0", 100, "x"), Final("node-1", 100, "x")]
+    assert failed(evidence(steady(100, dt=1.0), finals, link_flaps=(flap,))) == set()
+    v = judge(evidence([], finals, commits=tuple(gone), target_steps=100, link_flaps=(flap,)))
+    assert {i.name for i in v.invariants if not i.ok} >= {"link flap: host back"}
+
+
+RO = CheckpointFault("checkpoint_readonly", T0 + 10, T0 + 15, (1, 2, 3), (1, 2, 3))
+
+
+@pytest.mark.parametrize(
+    "cfaults, marks, problem",
+    [
+        # two saves failed with EROFS while read-only; one succeeded after
+        (
+            [RO],
+            [mark("node-0", "checkpoint_save_failed", 20, 11, "EROFS"), mark("node-0", "checkpoint_saved", 40, 21)],
+            None,
+        ),
+        # a failure outside every fault
+        (
+            [RO],
+            [mark("node-0", "checkpoint_save_failed", 60, 30, "EIO"), mark("node-0", "checkpoint_saved", 40, 21)],
+            "no checkpoint fault in flight",
+        ),
+        # the wrong errno for the fault
+        (
+            [RO],
+            [mark("node-0", "checkpoint_save_failed", 20, 11, "EIO"), mark("node-0", "checkpoint_saved", 40, 21)],
+            "not ['EROFS']",
+        ),
+        # the newest checkpoint before the fault is gone, none newer
+        ([dataclasses.replace(RO, after=(1, 2))], [mark("node-0", "checkpoint_saved", 40, 21)], "seq 3"),
+        # no save after the restore although the job went on
+        ([RO], [mark("node-0", "checkpoint_saved", 20, 9)], "no save succeeded after"),
+        # still faulted at the end
+        ([dataclasses.replace(RO, end=math.inf)], [], "still faulted at the end"),
+        # ENOSPC is what a full filesystem gives
+        (
+            [dataclasses.replace(RO, kind="checkpoint_full")],
+            [mark("node-0", "checkpoint_save_failed", 20, 16, "ENOSPC"), mark("node-0", "checkpoint_saved", 40, 21)],
+            None,
+        ),
+    ],
+)
+def test_checkpoint_findings(cfaults, marks, problem) -> None:
+    found, summary = checkpoint_findings(cfaults, marks, lossy([(s, 1.0) for s in range(1, 100)]))
+    if problem is None:
+        assert found == [], found
+    else:
+        assert any(problem in f for f in found), found
+
+
+def test_parse_marks_reads_the_workers_lines_of_an_agent_log() -> None:
+    lines = [
+        {"event": "step_skipped", "step": 5, "timestamp": "2026-01-01T00:00:01Z"},
+        {"event": "checkpoint_save_failed", "step": 20, "errno": "EROFS", "timestamp": "2026-01-01T00:00:02Z"},
+        {"event": "gradients_not_finite", "step": 5, "timestamp": "2026-01-01T00:00:00.5Z"},
+        {"event": "checkpoint_saved", "step": 40, "timestamp": "not a time"},
+    ]
+    text = "\n".join(json.dumps(x) for x in lines) + "\nTraceback (most recent call last)\n"
+    got = parse_marks("node-1", text)
+    assert [(m.event, m.step, m.errno) for m in got] == [
+        ("gradients_not_finite", 5, ""),
+        ("step_skipped", 5, ""),
+        ("checkpoint_save_failed", 20, "EROFS"),
+    ]
+    assert {m.node for m in got} == {"node-1"}
+
+
+@pytest.mark.parametrize(
+    "kind, place, why",
+    [
+        (FaultKind.NAN_GRADS, Place(1), ""),
+        (
+            FaultKind.NAN_GRADS,
+            Place(1, no_poison=no_poison("dropin", False)),
+            "needs the workload's NaN poison: --form dropin",
+        ),
+        (FaultKind.NAN_GRADS, Place(1, no_poison=no_poison("short", True)), "GradScaler"),
+        (FaultKind.LINK_FLAP, Place(1, no_netns=""), ""),
+        (FaultKind.LINK_FLAP, Place(1, no_netns="not root"), "needs network-namespace hosts: not root"),
+        (
+            FaultKind.CHECKPOINT_FULL,
+            Place(1, no_mount="not root"),
+            "needs a checkpoint filesystem of the run's own: not root",
+        ),
+        (FaultKind.CHECKPOINT_READONLY, Place(3), ""),
+        (FaultKind.ETCD_LEADER_KILL, Place(1), "needs --etcd-members 3"),
+    ],
+)
+def test_what_each_kind_needs(kind, place, why) -> None:
+    assert why in place.missing(kind) and bool(place.missing(kind)) == bool(why)
+    assert (kind in kinds_possible(place.etcd_members, place=place)) == (not why)
+    if why:
+        assert skipped_kinds(place.etcd_members, place=place)[kind.value] == place.missing(kind)
+        with pytest.raises(ConfigError, match=f"--faults: {kind.value} needs"):
+            parse_faults(kind.value, place.etcd_members, place=place)
+
+
+def test_one_checkpoint_fault_at_a_time_and_the_new_kinds_in_the_mix() -> None:
+    from elasticd.chaos.schedule import PRODUCTION_MIX
+
+    busy = dataclasses.replace(view(3), checkpoint_busy=True)
+    assert allowed(FaultKind.CHECKPOINT_FULL, view(3)) and not allowed(FaultKind.CHECKPOINT_FULL, busy)
+    assert allowed(FaultKind.NAN_GRADS, view(2))  # takes no node away
+    assert not allowed(FaultKind.LINK_FLAP, view(2)) and allowed(FaultKind.LINK_FLAP, view(3))
+    # the published shares: host and maintenance 11, network 10.1, silent data corruption 1.4
+    host = (FaultKind.NODE_LOSS, FaultKind.DRAIN, FaultKind.AGENT_SIGTERM, FaultKind.AGENT_STOP)
+    assert sum(PRODUCTION_MIX[k] for k in host) + PRODUCTION_MIX[FaultKind.CHECKPOINT_READONLY] + PRODUCTION_MIX[
+        FaultKind.CHECKPOINT_FULL
+    ] == pytest.approx(11.0)
+    assert PRODUCTION_MIX[FaultKind.LINK_DOWN] + PRODUCTION_MIX[FaultKind.LINK_FLAP] == pytest.approx(10.1)
+    assert PRODUCTION_MIX[FaultKind.STRAGGLER] + PRODUCTION_MIX[FaultKind.NAN_GRADS] == pytest.approx(1.4)
+    assert NAN_GRAD_STEPS < NONFINITE_STEPS  # the poisoned worker stays: its node is never taken as bad
+
+
+def bug_evidence(**kw: object) -> BugEvidence:
+    base: dict[str, object] = dict(
+        step=30,
+        codes={"node-0": 3, "node-1": 3},
+        stopped_t={"node-0": T0 + 2.0, "node-1": T0 + 3.5},
+        first_failure_t=T0,
+        status={"health": "failed", "bug": {"step": 30, "exception": "ScriptBug: the batch of step 30 ..."}},
+        status_error="",
+        last_step=29,
+        lease_ttl_s=2.0,
+    )
+    base.update(kw)
+    return BugEvidence(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kw, failing",
+    [
+        ({}, set()),
+        ({"codes": {"node-0": 3, "node-1": 1}}, {"every agent exits 3"}),
+        (  # still running at the bound: no agent_stopped line
+            {"codes": {"node-0": 3, "node-1": None}, "stopped_t": {"node-0": T0 + 2.0}},
+            {"every agent exits 3", "stopped within 2 x TTL + 3 s = 7 s"},
+        ),
+        ({"stopped_t": {"node-0": T0 + 2.0, "node-1": T0 + 7.5}}, {"stopped within 2 x TTL + 3 s = 7 s"}),
+        ({"first_failure_t": None}, {"stopped within 2 x TTL + 3 s = 7 s"}),
+        ({"status": {"health": "degraded", "bug": None}}, {"status: failed at step 30, naming ScriptBug"}),
+        (
+            {"status": {"health": "failed", "bug": {"step": 31, "exception": "ScriptBug: x"}}},
+            {"status: failed at step 30, naming ScriptBug"},
+        ),
+        ({"status": None, "status_error": "exit 1"}, {"status: failed at step 30, naming ScriptBug"}),
+        ({"last_step": 28}, set()),  # step 29's commit line waits for step 30's sum, which never comes
+        ({"last_step": 30}, {"no step at or past 30 committed"}),
+        ({"last_step": 12}, {"no step at or past 30 committed"}),  # it never got near the step
+        (
+            {"status": {"health": "failed", "bug": {"step": 30, "exception": "__main__.ScriptBug: the batch ..."}}},
+            set(),
+        ),
+        (
+            {"status": {"health": "failed", "bug": {"step": 30, "exception": "ValueError: the batch ..."}}},
+            {"status: failed at step 30, naming ScriptBug"},
+        ),
+    ],
+)
+def test_judge_bug(kw, failing) -> None:
+    invariants = judge_bug(bug_evidence(**kw))
+    assert {i.name for i in invariants if not i.ok} == failing
+    text = render_bug(invariants, 30, 2, "/tmp/x")
+    assert ("result: PASS" in text) == (not failing) and text.count("PASS") + text.count("FAIL") == 5
