@@ -1,10 +1,10 @@
 """``python -m elasticd.chaos`` run as a user runs it: a short run that injects every fault kind
 possible (a 3-member etcd cluster included; where network namespaces work, as root, every node a
 namespace host on a bridge the run creates and ``link_down`` among the kinds, else loopback; half
-the agents with the node relay on) and
-must pass every invariant and delete every namespace and link it made (and, as root, its
-checkpoint filesystem); the bug scenario, whose agents must all stop with exit 3 and whose status
-must name the step and the exception; and the 30-minute soak (``-m soak``). The checker's own detection of violations is tested in
+the agents with the node relay on) and must pass every invariant and delete every namespace and
+link it made (and, as root, its checkpoint filesystem); and, marked soak, the bug scenario (whose
+agents must all stop with exit 3 and whose status must name the step and the exception) and the
+30-minute run. The checker's own detection of violations is tested in
 ``tests/unit/test_chaos_logic.py`` on hand-made records."""
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def test_a_short_run_with_every_fault_kind_keeps_every_invariant(tmp_path: Path)
     assert not os.path.ismount(tmp_path / "chaos" / "checkpoints")  # unmounted on the way out
 
 
+@pytest.mark.soak  # test_bugs.py holds the behaviour in the default suite (docs/testing.md)
 @pytest.mark.timeout(120)
 def test_the_bug_scenario_stops_every_agent_with_exit_3_and_status_names_the_bug(tmp_path: Path) -> None:
     code, report, err = _run_chaos(tmp_path / "bug", 110, "--scenario", "bug", "--raise-at-step", "20")
