@@ -133,6 +133,7 @@ def _run_job(slurm: SlurmCluster, etcd: EtcdServer, tmp_path: Path) -> None:
         RECIPE,
         program,
         env | {"ELASTICD_SLURM_JOIN": str(first)},
+        work,
     )
     wait_until(lambda: _at_world(audit, 4) >= 10, 120, "the joining allocation's node to train with them", outputs)
 
