@@ -179,6 +179,7 @@ class Timed:
 @dataclass
 class Life:
     node: str
+    seen_t: float = field(default_factory=time.time)  # first seen (a reused pid starts a new life)
     registered_t: float | None = None
     ended_t: float | None = None
     paused: list[list[float]] = field(default_factory=list)
@@ -225,7 +226,8 @@ class ChaosRun:
         self.down_since: float | None = None  # wall: etcd (or quorum) lost, not back yet
         self.etcd_busy_until: float | None = None  # monotonic; None: no etcd fault in flight
         self.samples: list[StatusSample] = []
-        self.lives: dict[int, Life] = {}
+        self.lives: dict[int, Life] = {}  # each pid's current (or last) life
+        self.past_lives: list[tuple[int, Life]] = []  # ended lives whose pid the kernel gave out again
         self.problems: list[str] = []
         self.tail = AuditTail(self.audit_dir)
         self.last_step = 0
@@ -481,7 +483,7 @@ class ChaosRun:
         t = time.time()
         self.link_downs.append([node.name, t, math.inf])
         for p in self.worker_pids(node):
-            self.lives.setdefault(p, Life(node.name)).cut_off.append([t, math.inf])
+            self.life_of(p, node.name).cut_off.append([t, math.inf])
         self.node_start[node.name] = (pid, False)  # ready again once it synced in a new generation
         # Busy until it was dropped, the link came back and it rejoined (node_ready then also
         # waits for its worker's new start and sync lines).
@@ -501,7 +503,7 @@ class ChaosRun:
         stop, errors = threading.Event(), []
         self.link_flaps.append([node.name, time.time(), math.inf])
         for p in self.worker_pids(node):
-            self.lives.setdefault(p, Life(node.name)).rejoining.append([time.time(), math.inf])
+            self.life_of(p, node.name).rejoining.append([time.time(), math.inf])
         args = (host, LINK_FLAP_CYCLES, LINK_FLAP_DOWN_S, LINK_FLAP_UP_S, stop)
         thread = threading.Thread(target=self._flap, args=(args, errors), name="chaos-link-flap", daemon=True)
         self.flappers[node.name] = (thread, stop, errors)
@@ -620,12 +622,22 @@ class ChaosRun:
         self._joins += 1
         return f"node-{self._joins - 1}"
 
+    def life_of(self, pid: int, node: str) -> Life:
+        """The life of the live process ``pid``: a new one when its last life ended (the kernel
+        gave the pid out again: a 30-minute run starts more processes than ``pid_max`` here)."""
+        life = self.lives.get(pid)
+        if life is None or life.ended_t is not None:
+            if life is not None:
+                self.past_lives.append((pid, life))
+            life = self.lives[pid] = Life(node)
+        return life
+
     def later(self, delay_s: float, what: str, action: Callable[[], None]) -> None:
         self.timed.append(Timed(time.monotonic() + delay_s, what, action))
 
     def pause(self, pid: int, node: str) -> None:
         if signal_pid(pid, signal.SIGSTOP):
-            self.lives.setdefault(pid, Life(node)).paused.append([time.time(), math.inf])
+            self.life_of(pid, node).paused.append([time.time(), math.inf])
 
     def resume(self, pid: int) -> None:
         signal_pid(pid, signal.SIGCONT)
@@ -684,7 +696,7 @@ class ChaosRun:
                 pid = int(member.rsplit(".", 1)[-1]) if member.rsplit(".", 1)[-1].isdigit() else 0
                 self.node_start[audit_name] = (pid, False)
                 node = member.split(".", 1)[0]
-                life = self.lives.setdefault(pid, Life(node))
+                life = self.life_of(pid, node)
                 # The line is written once the member is registered, but its "t" is when the worker
                 # began to register (which may wait out an etcd outage): when it was seen is later.
                 life.registered_t = now_t
@@ -707,7 +719,7 @@ class ChaosRun:
             for pid in groups[n.proc.pid]:
                 if pid != n.proc.pid:
                     alive.add(pid)
-                    self.lives.setdefault(pid, Life(n.name))
+                    self.life_of(pid, n.name)
         for pid, life in self.lives.items():
             if life.ended_t is None and pid not in alive and process_state(pid) in (None, "Z"):
                 life.ended_t = now_t
@@ -962,20 +974,7 @@ class ChaosRun:
             tracebacks += traceback_hits(log.name, log.read_text(errors="replace"))
         agents = tuple(AgentEnd(n.name, n.proc.pid, n.expected, n.code, n.message or n.last_line()) for n in self.nodes)
         left, discarded, marks = self.log_evidence()
-        lives = tuple(
-            WorkerLife(
-                pid,
-                life.node,
-                life.registered_t,
-                life.ended_t,
-                tuple(Window(a, b) for a, b in life.paused),
-                tuple(Window(a, b) for a, b in life.cut_off),
-                tuple(Window(a, b) for a, b in life.rejoining),
-                left.get(pid),
-            )
-            for pid, life in sorted(self.lives.items())
-            if pid
-        )
+        lives = self.worker_lives(left)
         down = list(self.down)
         if self.down_since is not None:
             down.append(Window(self.down_since, time.time()))
@@ -1004,16 +1003,35 @@ class ChaosRun:
             checkpoint_faults=tuple(self.ckpt_faults),
         )
 
-    def log_evidence(self) -> tuple[dict[int, float], dict[str, int], list[Mark]]:
-        """From the agents' logs (their workers' lines are in them): when each worker's membership
-        closed, the steps discarded by reason, and the workers' marks."""
-        left: dict[int, float] = {}
+    def worker_lives(self, left: dict[int, list[float]]) -> tuple[WorkerLife, ...]:
+        """Every worker life the run saw, a reused pid's lives in order; ``left``: when each pid's
+        memberships closed (a life takes the first at or after it was seen)."""
+        return tuple(
+            WorkerLife(
+                pid,
+                life.node,
+                life.registered_t,
+                life.ended_t,
+                tuple(Window(a, b) for a, b in life.paused),
+                tuple(Window(a, b) for a, b in life.cut_off),
+                tuple(Window(a, b) for a, b in life.rejoining),
+                next((t for t in left.get(pid, ()) if t >= life.seen_t), None),
+                life.seen_t,
+            )
+            for pid, life in sorted([*self.past_lives, *self.lives.items()], key=lambda pl: (pl[0], pl[1].seen_t))
+            if pid
+        )
+
+    def log_evidence(self) -> tuple[dict[int, list[float]], dict[str, int], list[Mark]]:
+        """From the agents' logs (their workers' lines are in them): when the memberships of each
+        pid's workers closed (oldest first), the steps discarded by reason, and the workers' marks."""
+        left: dict[int, list[float]] = {}
         discarded: dict[str, int] = {}
         marks: list[Mark] = []
         for log in sorted(self.workdir.glob("agent-*.log")):
             text = log.read_text(errors="replace")
-            for pid, t in membership_closed_times(text).items():
-                left[pid] = min(t, left.get(pid, t))
+            for pid, times in membership_closed_times(text).items():
+                left[pid] = sorted([*left.get(pid, []), *times])
             for reason, n in discarded_steps(text).items():
                 discarded[reason] = discarded.get(reason, 0) + n
             marks += parse_marks(log.stem.removeprefix("agent-"), text)

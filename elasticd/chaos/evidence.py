@@ -86,19 +86,23 @@ class WorkerLife:
     # It left the job (drained, finished, or gave up: its membership closed and its lease was
     # revoked) while its process still ran, e.g. waiting for abandoned groups to close.
     left_t: float | None = None
+    # When the run first saw it (None: not known): the kernel gives a pid out again, and the
+    # lives of one pid follow each other.
+    seen_t: float | None = None
 
 
-def membership_closed_times(log_text: str) -> dict[int, float]:
-    """pid -> wall time of the worker's first ``membership_closed`` line in an agent's log (pure)."""
-    out: dict[int, float] = {}
+def membership_closed_times(log_text: str) -> dict[int, tuple[float, ...]]:
+    """pid -> wall times of its workers' ``membership_closed`` lines in an agent's log, oldest
+    first: a pid the kernel gave out again closes more than one membership (pure)."""
+    out: dict[int, list[float]] = {}
     for rec in events_in(log_text, "membership_closed"):
         try:
             pid = int(str(rec["member"]).split(".")[2])
             t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
         except (ValueError, KeyError, IndexError, TypeError):
             continue
-        out[pid] = min(t, out.get(pid, t))
-    return out
+        out.setdefault(pid, []).append(t)
+    return {pid: tuple(sorted(ts)) for pid, ts in out.items()}
 
 
 # The workers' log lines a chaos run reads as marks: a member's own gradients not finite, a step

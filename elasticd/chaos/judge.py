@@ -175,6 +175,19 @@ def final_findings(finals: Sequence[Final], last_step: int) -> list[str]:
     return out
 
 
+def _reused(w: WorkerLife, lives: Sequence[WorkerLife], s: StatusSample) -> bool:
+    """Another life of ``w``'s pid (the kernel gave it out again) was seen by the end of sample
+    ``s`` and had not ended before its start: the pid listed is that one's."""
+    return any(
+        o is not w
+        and o.pid == w.pid
+        and o.seen_t is not None
+        and o.seen_t <= s.t1
+        and (o.ended_t is None or o.ended_t >= s.t0)
+        for o in lives
+    )
+
+
 def status_findings(
     samples: Sequence[StatusSample],
     lives: Sequence[WorkerLife],
@@ -233,7 +246,7 @@ def status_findings(
                 (w.ended_t is not None and w.ended_t <= since)
                 or any(p.start <= since and p.end >= s.t1 for p in out_of_reach)
             )
-            if gone and w.pid in listed:
+            if gone and w.pid in listed and not _reused(w, lives, s):
                 out.append(
                     f"at {s.t0:.1f}: worker {w.node} pid {w.pid} is listed but gone or stopped "
                     f"for more than {slack_s:g} s"

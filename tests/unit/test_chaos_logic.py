@@ -240,6 +240,20 @@ def test_a_worker_that_lost_its_record_around_an_etcd_outage_gets_the_slack_from
     assert status_findings([sample(10.0, 11)], [life], SLACK, etcd_down=down) == []
 
 
+@pytest.mark.parametrize(
+    ("new_seen", "problems"),
+    [
+        (T0 + 8, 0),  # the pid's new life was seen before the sample: the listed pid is its
+        (T0 + 30, 1),  # ... seen only after the sample: the dead worker was listed
+        (None, 1),  # no other life of the pid
+    ],
+)
+def test_a_pid_given_out_again_is_the_listed_life(new_seen: float | None, problems: int) -> None:
+    old = WorkerLife(11, "n0", T0, T0 + 2, seen_t=T0 - 1)
+    lives = [old] if new_seen is None else [old, WorkerLife(11, "n0", None, None, seen_t=new_seen)]
+    assert len(status_findings([sample(10.0, 11)], lives, SLACK)) == problems
+
+
 def test_status_listing_an_unknown_pid_is_a_finding_and_failed_samples_are_skipped() -> None:
     lives = [WorkerLife(11, "n0", T0, None)]
     (problem,) = status_findings([sample(10.0, 11, 99)], lives, SLACK)
@@ -967,7 +981,8 @@ def test_membership_closed_times_reads_the_workers_lines_of_an_agent_log() -> No
             '{"member": "odd", "event": "membership_closed", "timestamp": "2026-11-24T01:34:21Z"}',
         ]
     )
-    assert membership_closed_times(log) == {2994: 1795484061.876257}
+    # both lines: a pid the kernel gave out again closes a membership per life
+    assert membership_closed_times(log) == {2994: (1795484061.876257, 1795484100.0)}
 
 
 def test_discarded_steps_are_counted_by_reason_and_reported() -> None:
