@@ -106,6 +106,7 @@ def run_leader(s: LeaderSettings, workdir: Path) -> dict[str, object]:
             "targets": LEADER_TARGETS,
             "violations": rep.violations,
             "samples": {"rate_quiet": [round(x, 2) for x in quiet], "rate_after_kill": [round(x, 2) for x in after]},
+            "windows": [[round(t, 3) for t in w] for w in windows],  # (baseline start, kill, end), wall clock
         }
     finally:
         for w in workers:
