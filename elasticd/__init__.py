@@ -3,6 +3,7 @@
 The worker API, two forms: the drop-in form keeps a torchrun + DDP script's loop and swaps
 ``DistributedDataParallel`` and ``DistributedSampler`` for elasticd's (docs/porting.md); the short
 form wraps the model and optimizer in ``ElasticTrainer`` and takes batches from it (README.md).
+Sharded training shards the model with FSDP2 over ``replica_mesh()`` (docs/sharded.md).
 """
 
 from elasticd.config import CheckpointConfig, WorkerEnv
@@ -22,6 +23,7 @@ __all__ = [
     "StepResult",
     "TransientError",
     "WorkerEnv",
+    "replica_mesh",
     "worker_env_from_environ",
 ]
 
@@ -36,6 +38,10 @@ def __getattr__(name: str) -> object:
         from elasticd.worker import dropin
 
         return getattr(dropin, name)
+    if name == "replica_mesh":
+        from elasticd.worker.shard import replica
+
+        return replica.replica_mesh
     if name in ("Batch", "BatchMode"):
         from elasticd.worker.data import sampler
 

@@ -521,6 +521,18 @@ class WorkerEnv:
         metadata={"doc": "This worker starts as a warm spare: it waits outside every generation until one needs it."},
     )
     standby: bool = field(default=False, metadata={"doc": "... a spare of a standby node (taken last)."})
+    replica_size: int = field(
+        default=1,
+        metadata={"doc": "Processes of this worker's replica (sharded training; 1: data parallel)."},
+    )
+    replica: str = field(
+        default="", metadata={"doc": "This worker's replica: an id of its agent's, new at each start of the replica."}
+    )
+    shard: int = field(default=0, metadata={"doc": "This worker's index in its replica (0 .. replica_size - 1)."})
+    replica_store: str = field(
+        default="",
+        metadata={"doc": "host:port where shard 0 of the replica serves the store the replica's group meets over."},
+    )
     stop_after_sum: int = field(
         default=0,
         metadata={
@@ -563,6 +575,13 @@ class WorkerEnv:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0 (0: never), got {getattr(self, name)}")
         check_name("node_id", self.node_id)
+        if self.replica_size < 1 or not 0 <= self.shard < self.replica_size:
+            raise ConfigError(
+                f"replica_size, shard: need replica_size >= 1 and 0 <= shard < replica_size, "
+                f"got {self.replica_size} and {self.shard}"
+            )
+        if self.replica_size > 1 and (not self.replica or not self.replica_store):
+            raise ConfigError("replica, replica_store: a worker of a replica (replica_size > 1) needs both")
 
     @property
     def audit_file(self) -> Path | None:
@@ -637,6 +656,16 @@ class AgentConfig:
         metadata={
             "doc": "A standby node (--standby): all nproc_per_node workers wait as warm spares, taken after "
             "the other nodes' spares, when a node of the job is lost or drained."
+        },
+    )
+    replica_size: int = field(
+        default=1,
+        metadata={
+            "doc": "Sharded training (--replica-size K): each K consecutive local workers form one replica "
+            "that shards the model (FSDP2) among its ranks over a process group of its own; the job is "
+            "data parallel across replicas. A replica joins and leaves generations whole: when one of "
+            "its workers ends, hangs or stays stopped, the agent ends the others and starts all K "
+            "again. nproc_per_node must be a multiple of K; 1: data parallel (every worker a replica)."
         },
     )
     relay: bool = field(
@@ -832,6 +861,7 @@ class AgentConfig:
                 "audit_dir: the audit files are written by the elastic worker API (restart mode "
                 "runs unmodified torchrun scripts)"
             )
+        _check_replicas(self)
         if (self.spares_per_node or self.standby_node) and self.mode != "elastic":
             raise ConfigError(
                 "spares_per_node, standby_node: spares need mode elastic (a restart-mode job "
@@ -841,7 +871,13 @@ class AgentConfig:
             raise ConfigError(f"audit_dir: not a valid path: {str(self.audit_dir)!r}")
         if self.mode not in AGENT_MODES:
             raise ConfigError(f"mode: must be one of {', '.join(AGENT_MODES)}, got {self.mode!r}")
-        self.worker_env(0)  # validates node_id, advertise_addr, backend and events_keep as a worker would
+        self.worker_env(0, replica="-", replica_store="-")  # node_id, advertise_addr, ... as a worker would
+
+    def replica_ranks(self, local_rank: int) -> tuple[int, ...]:
+        """The local ranks of ``local_rank``'s replica (itself alone with ``replica_size`` 1). Pure."""
+        k = self.replica_size
+        first = local_rank - local_rank % k
+        return tuple(range(first, first + k))
 
     @property
     def slots(self) -> int:
@@ -854,9 +890,12 @@ class AgentConfig:
         every restart once the node keeps spares (the crashed one's place went to a spare). Pure."""
         return self.standby_node or local_rank >= self.nproc_per_node or (starts > 0 and self.spares_per_node > 0)
 
-    def worker_env(self, local_rank: int, spare: bool = False, relay_socket: str = "") -> WorkerEnv:
+    def worker_env(
+        self, local_rank: int, spare: bool = False, relay_socket: str = "", replica: str = "", replica_store: str = ""
+    ) -> WorkerEnv:
         """The settings of this node's worker ``local_rank`` (``spare``: it starts as a warm spare;
-        ``relay_socket``: its node's relay)."""
+        ``relay_socket``: its node's relay; ``replica``, ``replica_store``: with ``replica_size`` > 1,
+        its replica's id for this start and where the replica's store listens)."""
         return WorkerEnv(
             world=self.world,
             etcd=self.etcd,
@@ -872,4 +911,30 @@ class AgentConfig:
             standby=spare and self.standby_node,
             relay_socket=relay_socket,
             audit_dir=str(self.audit_dir) if self.audit_dir is not None else "",
+            replica_size=self.replica_size,
+            replica=replica,
+            shard=local_rank % self.replica_size,
+            replica_store=replica_store,
+        )
+
+
+def _check_replicas(config: AgentConfig) -> None:
+    """``replica_size``: a positive integer dividing ``nproc_per_node``, in elastic mode, with no
+    spares (a spare replica is not supported yet).
+
+    Raises:
+        ConfigError: it is not.
+    """
+    k = config.replica_size
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"replica_size: must be an integer >= 1, got {k!r}")
+    if k == 1:
+        return
+    if config.nproc_per_node % k:
+        raise ConfigError(f"replica_size: must divide nproc_per_node ({config.nproc_per_node}), got {k}")
+    if config.mode != "elastic":
+        raise ConfigError("replica_size: sharded replicas need mode elastic")
+    if config.spares_per_node or config.standby_node:
+        raise ConfigError(
+            "replica_size: warm spares and standby nodes take single workers; use replica_size 1 with them"
         )

@@ -111,6 +111,20 @@ class MemberReplaced(SystemExit):
         return self.reason
 
 
+class ReplicaBroken(SystemExit):
+    """Sharded training: this rank cannot tell what its replica's other ranks did with a step or a
+    sync (their common collective failed), so the replica's state may differ between its ranks: the
+    process exits with ``EXIT_REJOIN``, and its agent ends the replica's other ranks and starts all
+    of them again as a newcomer replica (the job holds the state elsewhere)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_REJOIN)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 class StateCorrupt(FatalError):
     """Training state differs between ranks after a sync, or a record is unreadable."""
 

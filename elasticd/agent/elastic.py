@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Collection
@@ -132,6 +133,7 @@ class Agent(AgentDaemon):
         self._health: HealthChecker | None = None  # the node's health check, when one is set
         self._stop_cause = ""  # why the agent drains itself (a straggler), when it does
         self._crashes: list[float] = []  # wall-clock times of this node's crashes within cordon_window_s
+        self._replica_starts = 0  # replicas started so far (sharded training: each start's id is new)
 
     @property
     def stats(self) -> dict[int, WorkerStats]:
@@ -365,7 +367,8 @@ class Agent(AgentDaemon):
             self.snapshot = replace(self.snapshot, stop_requests=requests)
         for e in self._supervisor.poll():
             self._log_exit(e)
-            self._note_crash(e)
+            if not self.snapshot.slots[e.local_rank].replica_killed:  # ended with its replica: no crash of its own
+                self._note_crash(e)
             self._set_slot(e.local_rank, state=SlotState.EXITED, exit=e, exited_at=now)
             if self._reader is not None:  # did the job finish (``awaits_finish``), or show a bug?
                 self._reader.refresh()
@@ -619,8 +622,12 @@ class Agent(AgentDaemon):
 
     def _apply(self, action: Action, now: float) -> None:
         c = self._config
-        if action.kind is ActionKind.SPAWN:
+        if action.kind is ActionKind.SPAWN and action.local_ranks:
+            self._spawn_replica(action.local_ranks, now)
+        elif action.kind is ActionKind.SPAWN:
             self._spawn(action.local_rank, now)
+        elif action.kind is ActionKind.KILL_REPLICA:
+            self._kill_replica(action)
         elif action.kind is ActionKind.RELEASE:
             self._release(action, now)
         elif action.kind is ActionKind.TERMINATE:
@@ -650,14 +657,37 @@ class Agent(AgentDaemon):
         if action.next_state is AgentState.RUNNING:  # back from UNHEALTHY: its stop is over
             self.snapshot = replace(self.snapshot, terminate_deadline=None, kill_deadline=None)
 
-    def _spawn(self, local_rank: int, now: float) -> None:
+    def _spawn_replica(self, local_ranks: tuple[int, ...], now: float) -> None:
+        """Start every worker of a replica, under a replica id new to this start, with the address
+        its shard 0 serves the replica's store on (a free port of the advertised address)."""
+        c = self._config
+        self._replica_starts += 1
+        replica = f"{c.node_id}.r{local_ranks[0] // c.replica_size}.{os.getpid()}.{self._replica_starts}"
+        store = f"{c.advertise_addr}:{free_port(c.advertise_addr)}"
+        log.info("replica_starting", replica=replica, local_ranks=list(local_ranks), store=store)
+        for lr in local_ranks:
+            self._spawn(lr, now, replica, store)
+
+    def _kill_replica(self, action: Action) -> None:
+        """SIGKILL the given workers of a replica and revoke their leases now (the others regroup
+        without the replica at once); each one's exit puts it in line to start with its replica."""
+        for lr in action.local_ranks:
+            slot = self.snapshot.slots[lr]
+            pids = self._supervisor.pids(lr)
+            killed = self._supervisor.kill([lr])
+            log.warning("replica_worker_killed", local_rank=lr, pid=slot.pid, killed=killed, reason=action.reason)
+            self._set_slot(lr, replica_killed=lr != action.local_rank)
+            self._revoke_leases(lr, slot.pid, pids)
+        self._event(EventKind.REPLICA_ENDED, local_ranks=list(action.local_ranks), reason=action.reason)
+
+    def _spawn(self, local_rank: int, now: float, replica: str = "", replica_store: str = "") -> None:
         c = self._config
         slot = self.snapshot.slots[local_rank]
         if slot.starts and self._reader is not None:
             self._reader.refresh()  # a restart: the other workers' failure records may be in by now
         spare = c.starts_spare(local_rank, slot.starts)
         env = c.worker_env(
-            local_rank, spare, self._relay.path if self._relay is not None else ""
+            local_rank, spare, self._relay.path if self._relay is not None else "", replica, replica_store
         )  # NCCL's watchdog settings are defaults: the agent's own environment wins
         pid = self._spawn_worker(local_rank, child_environ(worker_env_to_environ(env), nccl_environ(env.timeouts)))
         if isinstance(pid, WorkerExit):
@@ -675,6 +705,7 @@ class Agent(AgentDaemon):
             hang_killed=False,
             stopped_at=None,
             stop_revoked=False,
+            replica_killed=False,
         )
         log.info(
             "worker_started",
@@ -722,6 +753,13 @@ class Agent(AgentDaemon):
                 lease=lease,
                 took_s=round(self._clock() - started, 4),
             )
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the kernel's pick; another process may take it before it is used)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _close_relay(relay: NodeRelay) -> None:

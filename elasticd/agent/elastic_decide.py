@@ -94,6 +94,7 @@ class Slot:
     score: float | None = None  # RUNNING: its straggler score at the last read (None: none)
     slow_since: float | None = None  # RUNNING: when its slow episode began (``wire.stragglers``)
     straggler_acted: bool = False  # RUNNING: this slow episode was reported (and acted on)
+    replica_killed: bool = False  # RUNNING: SIGKILLed because its replica lost another worker
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class ActionKind(StrEnum):
     STRAGGLER = "straggler"  # local_rank's worker is a straggler: report it (and replace its node, by policy)
     KILL_HUNG = "kill_hung"  # SIGKILL the hung worker of local_rank (and its children); its exit restarts it
     REVOKE_STOPPED = "revoke_stopped"  # revoke the lease of local_rank's stopped worker (it is not killed)
+    KILL_REPLICA = "kill_replica"  # SIGKILL local_ranks (a replica that lost a worker, or a stopped one's)
     JOB_FAILED = "job_failed"  # a bug stops the job (``JobView.bug``): record it, stop (STOPPING, exit 3)
     WAIT = "wait"  # nothing to do until `until` (None: until something happens)
     EXIT = "exit"  # the agent is done: exit with exit_code
@@ -141,6 +143,9 @@ class Action:
     until: float | None = None
     exit_code: int = EXIT_OK
     budgeted: bool = True  # a RELEASE to BACKOFF counts against max_restarts
+    # SPAWN: every local rank of the replica it starts; KILL_REPLICA: the ranks it kills (``local_rank``:
+    # the one whose fault it is, -1: none of them). Empty: ``local_rank`` alone.
+    local_ranks: tuple[int, ...] = ()
 
 
 def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
@@ -175,6 +180,8 @@ def decide(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     fault = _running_fault(snap, running, now, config)
     if fault is not None:
         return fault
+    if config.replica_size > 1:
+        return _replicas(snap, now, config)
     pending = next((s for s in snap.slots if s.state is SlotState.PENDING), None)
     if pending is not None:
         return Action(ActionKind.SPAWN, "start", local_rank=pending.local_rank, next_state=AgentState.RUNNING)
@@ -270,7 +277,16 @@ def _next_deadline(snap: AgentSnapshot, running: list[Slot], config: AgentConfig
         for s in running
         if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0
     ]
-    due = [s.restart_at for s in snap.slots if s.state is SlotState.BACKOFF]
+    if config.replica_size > 1:  # a replica restarts when its last worker's backoff ends
+        k = config.replica_size
+        due = [
+            max(s.restart_at for s in rep if s.state is SlotState.BACKOFF)
+            for rep in (snap.slots[i : i + k] for i in range(0, config.nproc_per_node, k))
+            if all(s.state in (SlotState.PENDING, SlotState.BACKOFF) for s in rep)
+            and any(s.state is SlotState.BACKOFF for s in rep)
+        ]
+    else:
+        due = [s.restart_at for s in snap.slots if s.state is SlotState.BACKOFF]
     unsure = [
         s.exited_at + config.timeouts.etcd_outage_s
         for s in snap.slots
@@ -307,6 +323,15 @@ def _running_fault(snap: AgentSnapshot, running: list[Slot], now: float, config:
             local_rank=hung.local_rank,
         )
     frozen = next((s for s in running if stopped_past(s, now, config.stopped_worker_s)), None)
+    if frozen is not None and config.replica_size > 1:
+        assert frozen.stopped_at is not None
+        return Action(
+            ActionKind.KILL_REPLICA,
+            f"worker {frozen.local_rank} (pid {frozen.pid}) stopped for {now - frozen.stopped_at:.2f} s "
+            f"(stopped_worker_s {config.stopped_worker_s:g}): its replica is ended and starts again whole",
+            local_rank=frozen.local_rank,
+            local_ranks=_alive_in_replica(snap, frozen.local_rank, config),
+        )
     if frozen is not None:
         assert frozen.stopped_at is not None
         return Action(
@@ -326,6 +351,50 @@ def _running_fault(snap: AgentSnapshot, running: list[Slot], now: float, config:
             local_rank=slow.local_rank,
         )
     return None
+
+
+def _alive_in_replica(snap: AgentSnapshot, local_rank: int, config: AgentConfig) -> tuple[int, ...]:
+    """The running workers of ``local_rank``'s replica not yet killed with it."""
+    return tuple(
+        lr
+        for lr in config.replica_ranks(local_rank)
+        if snap.slots[lr].state is SlotState.RUNNING and not snap.slots[lr].replica_killed
+    )
+
+
+def _replicas(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
+    """With ``replica_size`` > 1, after the faults: a replica that lost a worker (one waiting for
+    its restart) while others of it run has those ended (KILL_REPLICA); a replica whose every
+    worker waits (to start, or for its restart, all due) starts whole (one SPAWN of all its ranks);
+    then as ``decide``: exit once every worker is done, else wait."""
+    k = config.replica_size
+    replicas = [snap.slots[first : first + k] for first in range(0, config.nproc_per_node, k)]
+    for rep in replicas:
+        down = next((s for s in rep if s.state in (SlotState.BACKOFF, SlotState.STOPPED)), None)
+        alive = _alive_in_replica(snap, rep[0].local_rank, config)
+        if down is not None and alive:
+            return Action(
+                ActionKind.KILL_REPLICA,
+                f"worker {down.local_rank} of the replica of local ranks {rep[0].local_rank}.."
+                f"{rep[-1].local_rank} ended: the others end with it and all start again together",
+                local_ranks=alive,
+            )
+    for rep in replicas:
+        if not all(s.state in (SlotState.PENDING, SlotState.BACKOFF) for s in rep):
+            continue
+        if max(s.restart_at if s.state is SlotState.BACKOFF else now for s in rep) <= now:
+            fresh = all(s.state is SlotState.PENDING for s in rep)
+            return Action(
+                ActionKind.SPAWN,
+                "start" if fresh else "restart",
+                local_rank=rep[0].local_rank,
+                local_ranks=tuple(s.local_rank for s in rep),
+                next_state=AgentState.RUNNING,
+            )
+    if all(s.state is SlotState.DONE for s in snap.slots):
+        return Action(ActionKind.EXIT, "workers_finished", exit_code=EXIT_OK)
+    running = [s for s in snap.slots if s.state is SlotState.RUNNING]
+    return Action(ActionKind.WAIT, "supervising", until=_next_deadline(snap, running, config))
 
 
 def is_straggler(slot: Slot, now: float, config: AgentConfig) -> bool:
@@ -367,10 +436,16 @@ def _release(snap: AgentSnapshot, slot: Slot, now: float, config: AgentConfig) -
         # A worker leaves with 0 at the job's end (a ``finished`` record), or when drained (the
         # agent is stopping then): any other exit 0 is a script that ended before the job did.
         what += " before the job finished (no finished record in etcd): a failure"
-    if e.kind is ExitKind.FAILED and e.code == EXIT_REJOIN:  # it asked for it: no fault of its own
+    # no fault of its own: its replica lost another worker, or it asked for it (it missed steps)
+    if slot.replica_killed or (e.kind is ExitKind.FAILED and e.code == EXIT_REJOIN):
+        why = (
+            " with its replica: it starts again with the others"
+            if slot.replica_killed
+            else ": it missed steps of the job and starts again as a newcomer now"
+        )
         return Action(
             ActionKind.RELEASE,
-            f"{what}: it missed steps of the job and starts again as a newcomer now",
+            what + why,
             local_rank=slot.local_rank,
             slot_state=SlotState.BACKOFF,
             restart_at=now,

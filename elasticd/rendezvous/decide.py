@@ -130,19 +130,67 @@ def without_gone(snap: Snapshot, gone: Collection[str]) -> Snapshot:
     )
 
 
+def replica_of(snap: Snapshot, member_id: str) -> tuple[str, int, int]:
+    """(replica, shard, replica size) of a live member; a member that is a replica alone (every
+    member of a data-parallel job) is ``(member_id, 0, 1)``. Pure."""
+    rec = snap.members.get(member_id)
+    if rec is None or rec.replica_size <= 1 or not rec.replica:
+        return member_id, 0, 1
+    return rec.replica, rec.shard, rec.replica_size
+
+
+def whole_replicas(snap: Snapshot, records: Iterable[ReadyRecord]) -> list[list[ReadyRecord]]:
+    """``records`` as replicas, each in shard order, in the order their first record comes: only
+    a replica with one record for each of its shards takes part (one whose rank is gone or not
+    ready yet waits outside, whole: its processes join and leave together). Pure."""
+    shards: dict[str, dict[int, ReadyRecord]] = {}
+    sizes: dict[str, int] = {}
+    broken: set[str] = set()
+    for r in records:
+        key, shard, size = replica_of(snap, r.member_id)
+        held = shards.setdefault(key, {})
+        if shard in held or not 0 <= shard < size or sizes.setdefault(key, size) != size:
+            broken.add(key)
+        held[shard] = r
+    return [
+        [held[i] for i in range(sizes[key])]
+        for key, held in shards.items()
+        if key not in broken and len(held) == sizes[key]
+    ]
+
+
+def _flat(replicas: Iterable[list[ReadyRecord]]) -> list[ReadyRecord]:
+    return [r for replica in replicas for r in replica]
+
+
+def _up_to(replicas: Iterable[list[ReadyRecord]], limit: int) -> list[list[ReadyRecord]]:
+    """The first replicas whose members together fit in ``limit`` (one that does not fit is skipped)."""
+    taken: list[list[ReadyRecord]] = []
+    count = 0
+    for replica in replicas:
+        if count + len(replica) <= limit:
+            taken.append(replica)
+            count += len(replica)
+    return taken
+
+
 def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldConfig) -> list[ReadyRecord]:
-    """The members of the next generation, in rank order (pure): the ready candidates that are not
-    spares (``rank_order``, up to ``max_workers``), then spares up to ``spare_target``: last those of
-    a node whose member of the generation lives but is not ready (a node lost whole, its leases not
+    """The members of the next generation, in rank order (pure), by whole replicas
+    (``whole_replicas``; a data-parallel member is one): the ready candidates that are not spares
+    (``rank_order``, up to ``max_workers``), then spares up to ``spare_target``: last those of a
+    node whose member of the generation lives but is not ready (a node lost whole, its leases not
     expired yet); first those on the nodes with the fewest chosen members (a crashed worker's own
     node, a lost node's replacement), a standby node's after the others, then in arrival order."""
     pool = list(cands)
-    regular = rank_order(snap, [r for r in pool if not is_spare(snap, r.member_id)])[: world.max_workers]
-    need = spare_target(snap.generation, world) - len(regular)
+    replicas = whole_replicas(snap, pool)
+    regular = _up_to(
+        _ranked(snap, [rep for rep in replicas if not is_spare(snap, rep[0].member_id)]), world.max_workers
+    )
+    need = spare_target(snap.generation, world) - len(_flat(regular))
     if need <= 0:
-        return regular
+        return _flat(regular)
     per_node: dict[str, int] = {}
-    for r in regular:
+    for r in _flat(regular):
         node = snap.members[r.member_id].node
         per_node[node] = per_node.get(node, 0) + 1
     # A node whose member of the generation is alive but not ready is suspect: lost with all its
@@ -151,16 +199,16 @@ def choose_members(snap: Snapshot, cands: Iterable[ReadyRecord], world: WorldCon
     suspect = {snap.members[m].node for m in missing_members(snap, {r.member_id for r in pool})}
     suspect |= snap.lost_nodes
     spares = sorted(
-        (r for r in pool if is_spare(snap, r.member_id)),
-        key=lambda r: (
-            snap.members[r.member_id].node in suspect,
-            per_node.get(snap.members[r.member_id].node, 0),
-            snap.members[r.member_id].standby,
-            snap.ready_order.get(r.member_id, 0),
-            r.member_id,
+        (rep for rep in replicas if is_spare(snap, rep[0].member_id)),
+        key=lambda rep: (
+            snap.members[rep[0].member_id].node in suspect,
+            per_node.get(snap.members[rep[0].member_id].node, 0),
+            snap.members[rep[0].member_id].standby,
+            snap.ready_order.get(rep[0].member_id, 0),
+            rep[0].member_id,
         ),
     )
-    return rank_order(snap, regular + spares[:need])
+    return _flat(_ranked(snap, regular + _up_to(spares, need)))
 
 
 def generation_broken(snap: Snapshot) -> bool:
@@ -173,20 +221,27 @@ def generation_broken(snap: Snapshot) -> bool:
 
 def rank_order(snap: Snapshot, chosen: Iterable[ReadyRecord]) -> list[ReadyRecord]:
     """Newest committed step first (so rank 0 holds it), then survivors in their old rank order,
-    then newcomers in arrival order."""
-    old = snap.generation.members if snap.generation else ()
+    then newcomers in arrival order; a replica's members stay together, in shard order, ranked by
+    the least step any of them holds (``whole_replicas``: the chosen are whole replicas)."""
+    return _flat(_ranked(snap, whole_replicas(snap, chosen)))
 
-    def key(r: ReadyRecord) -> tuple[int, int, int, int, str]:
-        survivor = r.member_id in old and r.prev_generation == (snap.generation.generation if snap.generation else -1)
+
+def _ranked(snap: Snapshot, replicas: Iterable[list[ReadyRecord]]) -> list[list[ReadyRecord]]:
+    old = snap.generation.members if snap.generation else ()
+    prev = snap.generation.generation if snap.generation else -1
+
+    def key(replica: list[ReadyRecord]) -> tuple[int, int, int, int, str]:
+        r = replica[0]
+        survivor = all(m.member_id in old and m.prev_generation == prev for m in replica)
         return (
-            -r.committed_step,
+            -min(m.committed_step for m in replica),
             0 if survivor else 1,
             r.prev_rank if survivor else 0,
-            snap.ready_order.get(r.member_id, 0),
+            min(snap.ready_order.get(m.member_id, 0) for m in replica),
             r.member_id,
         )
 
-    return sorted(chosen, key=key)
+    return sorted(replicas, key=key)
 
 
 def next_action(snap: Snapshot, me: Me, window: Window, now: float, world: WorldConfig, timeouts: Timeouts) -> Action:

@@ -32,10 +32,11 @@ at its next step boundary.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from elasticd.config import WorldConfig
-from elasticd.rendezvous.decide import candidates_of, carried_full_size, choose_members, is_spare
+from elasticd.rendezvous.decide import candidates_of, carried_full_size, choose_members, is_spare, replica_of
 from elasticd.wire.records import GenerationRecord, ReadyRecord
 from elasticd.wire.snapshot import Snapshot
 
@@ -51,7 +52,13 @@ def survivors_generation(snap: Snapshot, world: WorldConfig) -> GenerationRecord
         return None
     if snap.finished is not None and snap.finished.generation >= g.generation:
         return None
-    ranked = [(rank, m) for rank, m in enumerate(g.members) if m in snap.members]  # old ranks: one pass
+    # old ranks, one pass; a replica that lost a member leaves whole (its agent ends the others)
+    alive = Counter(replica_of(snap, m)[0] for m in g.members if m in snap.members)
+    ranked = [
+        (rank, m)
+        for rank, m in enumerate(g.members)
+        if m in snap.members and alive[replica_of(snap, m)[0]] == replica_of(snap, m)[2]
+    ]
     survivors = [m for _, m in ranked]
     if len(survivors) == len(g.members) or len(survivors) < world.min_workers:
         return None

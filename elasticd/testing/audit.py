@@ -66,6 +66,9 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
     rep = AuditReport()
     commits: dict[int, list[dict[str, object]]] = defaultdict(list)
     syncs: dict[int, list[dict[str, object]]] = defaultdict(list)
+    # a sharded job's ranks hold their shard of the state: sync and final lines say which ("shard"),
+    # and checksums are compared among the ranks of one shard
+    finals: dict[tuple[int, int], set[str]] = {}
     for r in records:
         if r["event"] == "commit":
             commits[int(r["step"])].append(r)  # type: ignore[call-overload]
@@ -73,17 +76,21 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
             syncs[int(r["generation"])].append(r)  # type: ignore[call-overload]
         elif r["event"] == "final" and not (r.get("branch") or r.get("never_joined")):  # not the job's bytes
             rep.final_checksums.append(str(r["checksum"]))
-            rep.finals_by_step.setdefault(int(r["step"]), set()).add(str(r["checksum"]))  # type: ignore[call-overload]
+            key = (int(r["step"]), int(r.get("shard", 0)))  # type: ignore[call-overload]
+            finals.setdefault(key, set()).add(str(r["checksum"]))
+    rep.finals_by_step = {step: sums for (step, shard), sums in finals.items() if shard == 0}
     v = rep.violations
     rep.steps = sorted(commits)
     if rep.steps and rep.steps != list(range(1, rep.steps[-1] + 1)):
         missing = sorted(set(range(1, rep.steps[-1] + 1)) - set(rep.steps))
         v.append(f"committed steps have gaps: missing {missing[:10]}")
     for gen, rows in sorted(syncs.items()):
-        sums = {str(r["checksum"]) for r in rows}
         rep.generations[gen] = int(rows[0]["world_size"])  # type: ignore[call-overload]
-        if len(sums) != 1:
-            v.append(f"generation {gen}: ranks hold different state after sync: {sorted(sums)}")
+        for shard in sorted({int(r.get("shard", 0)) for r in rows}):  # type: ignore[call-overload]
+            sums = {str(r["checksum"]) for r in rows if int(r.get("shard", 0)) == shard}  # type: ignore[call-overload]
+            if len(sums) != 1:
+                of = f" (shard {shard})" if shard else ""
+                v.append(f"generation {gen}: ranks hold different state after sync{of}: {sorted(sums)}")
         ranks = sorted(int(r["rank"]) for r in rows)  # type: ignore[call-overload]
         if len(set(ranks)) != len(ranks):
             v.append(f"generation {gen}: a rank synced twice: {ranks}")
@@ -134,9 +141,10 @@ def check(records: list[dict[str, object]], dataset_size: int, loss_rtol: float 
         shares.append((step, all_rows, rows, absent, world))
     _check_stream([sh[1] for sh in shares if "blocks" in sh[1][0]], dataset_size, rep)
     _check_spans([sh for sh in shares if "blocks" not in sh[1][0]], dataset_size, loss_rtol, rep)
-    for step, sums in sorted(rep.finals_by_step.items()):
+    for (step, shard), sums in sorted(finals.items()):
         if len(sums) > 1:
-            v.append(f"members that left at step {step} hold different parameters: {sorted(sums)}")
+            of = f" (shard {shard})" if shard else ""
+            v.append(f"members that left at step {step} hold different parameters{of}: {sorted(sums)}")
     return rep
 
 

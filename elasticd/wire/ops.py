@@ -35,6 +35,7 @@ class EventKind(StrEnum):
     WORKER_EXITED = "worker_exited"  # by the agent
     WORKER_RESTARTED = "worker_restarted"  # by the agent
     WORKER_STOPPED = "worker_stopped"  # by the agent: a stopped worker's lease revoked (stopped_worker_s)
+    REPLICA_ENDED = "replica_ended"  # by the agent: a replica's workers ended with one that failed or stopped
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # by the agent
     GRADIENTS_NOT_FINITE = "gradients_not_finite"  # by a member whose own gradients held a NaN or an infinity
     WORKER_HUNG = "worker_hung"  # by the agent: a worker killed as hung (hang_timeout_s)

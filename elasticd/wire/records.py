@@ -28,6 +28,12 @@ class MemberRecord:
     # to join. ``standby`` (1): a spare of a standby node (``--standby``), taken after the others.
     spare: int = 0
     standby: int = 0
+    # Sharded training (``replica_size`` > 1): this process is shard ``shard`` of replica
+    # ``replica``, whose ``replica_size`` processes join and leave generations together
+    # (``rendezvous.decide.whole_replicas``). ``replica`` is "" where the member is a replica alone.
+    replica: str = ""
+    shard: int = 0
+    replica_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,11 @@ class _Session(ElasticTrainer):
         self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], accumulation_steps: int, **kw: Any
     ) -> None:
         super().__init__(model, list(optimizers), **kw)
+        if self.env.replica_size > 1:
+            raise ConfigError(
+                "elasticd.DistributedDataParallel: a sharded model (replica_size > 1) trains with "
+                "ElasticTrainer (docs/sharded.md)"
+            )
         self.accum = accumulation_steps
         self.data_state = _DataState()
         self.state.register("elasticd_data", self.data_state)

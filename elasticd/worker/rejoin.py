@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 
 from elasticd.config import Timeouts, WorkerEnv
-from elasticd.errors import CheckpointTransferError, CollectiveError
+from elasticd.errors import CheckpointTransferError, CollectiveError, ReplicaBroken
 from elasticd.log import set_moment
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
@@ -31,6 +31,7 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
 from elasticd.worker.group.collectives import barrier
 from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer
+from elasticd.worker.shard.replica import Replica
 from elasticd.worker.state.training import ChecksumAhead, TrainingState
 from elasticd.worker.state.sync import Discard, SyncReport, sync_state
 
@@ -46,6 +47,7 @@ class Rejoined:
     group: Group
     joined: Joined
     report: SyncReport
+    shard_group: Group | None = None  # sharded training: this rank's shard index across the replicas
 
 
 def etcd_client(env: WorkerEnv, attempts: int | None = None) -> KeyValueStore:
@@ -87,6 +89,9 @@ def connect(
         signature=signature,
         spare=int(env.spare),
         standby=int(env.standby),
+        replica=env.replica if env.replica_size > 1 else "",
+        shard=env.shard,
+        replica_size=env.replica_size,
     )
     membership = Membership(store, keys, record, env.world, env.timeouts)
     set_moment(node=env.node_id, member=record.member_id)
@@ -104,6 +109,7 @@ def rejoin(
     disk_seq: Callable[[], int | None],
     resume: Callable[[int], int] | None,
     discard: Discard | None = None,
+    replica: Replica | None = None,
 ) -> Rejoined:
     """Join the newest generation and hold rank 0's state in its new group.
 
@@ -117,6 +123,8 @@ def rejoin(
         resume: loads the newest checkpoint when no live member holds state (None: no directory).
         discard: told when the sync replaces this member's state with one of another lineage (its
             unconfirmed steps are a branch the job left).
+        replica: sharded training: this rank's replica (its shard of the state syncs over its
+            shard group, and the replica's ranks agree on the outcome: ``_sync``).
 
     Raises:
         CollectiveError, CheckpointTransferError: the join deadline passed with no generation joined.
@@ -158,19 +166,98 @@ def rejoin(
             own = ahead.result(sync.deadline) if ahead is not None else None
             ahead = None  # a failed attempt may have changed the state: a retry hashes it anew
 
-            def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
-                return factory.build_subgroup(parent, ranks, name, bound(timeouts.group_build_s))
-
-            report = sync_state(
-                group, state, sync, subgroup=subgroup, retire=factory.retire, own_checksum=own, discard=discard
-            )
-            return Rejoined(group, joined, report)
+            shards, report = _sync(factory, group, state, sync, bound, timeouts, replica, own, discard)
+            return Rejoined(group, joined, report, shards)
         except (CollectiveError, CheckpointTransferError) as exc:
             log.warning("generation_join_failed", generation=rec.generation, rank=joined.rank, error=str(exc)[:300])
             membership.abort(rec.generation, str(exc))
             factory.retire(group)
             if deadline.expired():
                 raise
+
+
+def _sync(
+    factory: GroupFactory,
+    group: Group,
+    state: TrainingState,
+    sync: Bound,
+    bound: Callable[[float], Bound],
+    timeouts: Timeouts,
+    replica: Replica | None,
+    own: int | None,
+    discard: Discard | None,
+) -> tuple[Group | None, SyncReport]:
+    """Rank 0's state to every rank of ``group`` that lacks it (``sync_state``). With a replica:
+    over this rank's shard group (built here, retired here if the sync fails), each shard's state
+    from rank 0's replica's rank of that shard; then the replica's ranks agree that every shard
+    synced (``_replica_synced``), once per generation, whatever happened here.
+
+    Raises:
+        CollectiveError, CheckpointTransferError: the sync failed here, or on a rank of the replica.
+        ReplicaBroken: the replica's ranks no longer hold one state.
+    """
+    if replica is None:
+        subgroup = lambda p, ranks, name: factory.build_subgroup(p, ranks, name, bound(timeouts.group_build_s))  # noqa: E731
+        return None, sync_state(group, state, sync, subgroup, factory.retire, own, discard)
+    loads, shards = state.loads, None
+
+    def in_shard(parent: Group, ranks: Sequence[int], name: str) -> Group:
+        return factory.build_subgroup(parent, ranks, f"shard-{replica.shard}/{name}", bound(timeouts.group_build_s))
+
+    try:
+        shards = _shard_group(factory, group, replica, bound(timeouts.group_build_s))
+        report = sync_state(shards, state, sync, in_shard, factory.retire, own, discard)
+    except (CollectiveError, CheckpointTransferError):
+        _replica_synced(replica, group.generation, False, state.loads != loads, bound(timeouts.collective_s))
+        factory.retire(shards)
+        raise
+    except BaseException:
+        factory.retire(shards)
+        raise
+    if not _replica_synced(replica, group.generation, True, state.loads != loads, sync):
+        factory.retire(shards)
+        raise CheckpointTransferError(
+            f"generation {group.generation}: another shard of replica {replica.id} did not sync"
+        )
+    return shards, report
+
+
+def _shard_group(factory: GroupFactory, group: Group, replica: Replica, bound: Bound) -> Group:
+    """This rank's shard group of ``group``: rank ``replica.shard`` of every replica.
+
+    Raises:
+        CollectiveError: the generation's ranks are not whole replicas of this one's size in shard
+            order (this rank's place says another shard), or the group was not built.
+    """
+    k = replica.size
+    if group.world_size % k or group.rank % k != replica.shard:
+        raise CollectiveError(
+            f"generation {group.generation}: rank {group.rank} of {group.world_size} is not shard "
+            f"{replica.shard} of a replica of {k}: every member of a sharded job must run with the same replica_size"
+        )
+    ranks = [r * k + replica.shard for r in range(group.world_size // k)]
+    return factory.build_subgroup(group, ranks, f"shard-{replica.shard}", bound)
+
+
+def _replica_synced(replica: Replica, generation: int, ok: bool, replaced: bool, bound: Bound) -> bool:
+    """Whether every shard of the replica synced ``generation``: its ranks say so over the replica's
+    store, keyed by the generation (they need not be in step). False: a shard did not sync (or did
+    not say within ``bound``), and every rank of the replica kept its state, or every one took rank
+    0's (one that took it and cannot tell the others' raises).
+
+    Raises:
+        ReplicaBroken: some of the replica's ranks took rank 0's state and some did not (or one
+            that took it cannot tell): its shards no longer make one state.
+    """
+    outcome = replica.outcome(f"sync/{generation}", (int(ok), int(replaced)), bound)
+    if outcome is not None and all(o == 1 for o, _ in outcome):
+        return True
+    took = sum(r for _, r in outcome) if outcome is not None else int(replaced)
+    if 0 < took < replica.size or (outcome is None and replaced):
+        raise ReplicaBroken(
+            f"generation {generation}: some shards of replica {replica.id} took rank 0's state and some did not"
+        )
+    return False
 
 
 def goodbye(group: Group | None, membership: Membership, timeouts: Timeouts, step: int) -> bool:

@@ -32,6 +32,9 @@ from elasticd.store.kv import KeyValueStore
 from elasticd.wire.ops import EventKind
 from elasticd.worker import failure
 from elasticd.worker.checkpoints import Checkpoints, load_initial
+from elasticd.worker.shard import replica
+from elasticd.worker.shard.reducer import ShardReducer
+from elasticd.worker.shard.replica import Replica
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.data.plan import DataPlan, collated
 from elasticd.worker.step.commit import Outcome, Verdict
@@ -65,6 +68,10 @@ class ElasticTrainer:
                     if trainer.commit():
                         scheduler.step()
     """
+
+    _factory: GroupFactory | None
+    _replica: Replica | None  # sharded training: this rank's replica (``shard.replica``)
+    _shards: Group | None  # sharded training: this rank's shard group of ``group``
 
     def __init__(
         self,
@@ -169,8 +176,8 @@ class ElasticTrainer:
         )
         self.checkpoint = self.checkpoints.config
         self._membership: Membership | None = None
-        self._factory: GroupFactory | None = None
-        self._reducer: GradientReducer | None = None
+        self._factory = self._replica = self._shards = None
+        self._reducer: GradientReducer | ShardReducer | None = None
         self.group: Group | None = None
         self.joined: Joined | None = None
         self._has_state = False
@@ -221,13 +228,22 @@ class ElasticTrainer:
         env = self.env
         if env.backend != "nccl":
             torch.set_num_threads(1)  # workers share the node's cores; see README
+        if env.replica_size > 1:
+            if self.checkpoint.enabled:
+                raise ConfigError(
+                    "checkpoint_dir: durable checkpoints of a sharded model (replica_size > 1) are not "
+                    "supported; the job's state lives in its replicas"
+                )
+            self._replica = replica.join(env)
         if self._init_from is not None:
             initial = load_initial(self._init_from, self.model, self.optimizers, self.state.registered())
             if initial.step is not None:
                 self.state.counters.step = initial.step
         self._store, self._factory, self._membership = connect(env, self.state.signature, self._store)
         self._reducer = injecting(self._make_reducer(self._factory.device), env)
-        self._protocol = StepProtocol(self._reducer, self._membership, self._drain_requested, env.timeouts)
+        self._protocol = StepProtocol(
+            self._reducer, self._membership, self._drain_requested, env.timeouts, self._replica
+        )
         self._journal.open(self._membership, self._store, self._membership.member_id, started_wall)
         self._failed_at = self._clock()
 
@@ -241,7 +257,11 @@ class ElasticTrainer:
             store=self._store,
         )
 
-    def _make_reducer(self, device: torch.device) -> GradientReducer:
+    def _make_reducer(self, device: torch.device) -> GradientReducer | ShardReducer:
+        if self._replica is not None:
+            return ShardReducer(
+                list(self.model.parameters()), device, self._replica.size, check_finite=self.scaler is None
+            )
         return GradientReducer(list(self.model.parameters()), device, check_finite=self.scaler is None)
 
     def _note_verdict(self, step: int, verdict: Verdict) -> None:
@@ -304,9 +324,10 @@ class ElasticTrainer:
         if self._reducer is not None:
             self._reducer.close()
         if self._factory is not None:
+            self._factory.retire(self._shards)
             self._factory.retire(self.group)
             self._factory.drain(Deadline.after(self.env.timeouts.collective_s + 1.0))
-        self.group = None
+        self.group = self._shards = None
         self._journal.close(self.state.counters.step, self.state.checksum, joined=self._has_state)
 
     @property
@@ -426,7 +447,9 @@ class ElasticTrainer:
             self._save_if_due()
             if self._drained or self._job_finished:
                 return
-            if self._need_rendezvous or membership.must_abandon():
+            # A replica's ranks leave a generation together, through a step's sums (``Replica.agree``):
+            # one that left on its own would leave the others waiting for it there.
+            if self._need_rendezvous or (self._replica is None and membership.must_abandon()):
                 if not self._need_rendezvous:
                     self._fail(CollectiveError(membership.abandon_reason or "generation abandoned"))
                 if self._drain_requested.is_set():  # leaving: the others regroup without it
@@ -529,7 +552,7 @@ class ElasticTrainer:
         assert micro is not None and op is not None, "backward() called without a batch from batches()"
         assert self.group is not None and self._protocol is not None
         try:
-            if not self._protocol.backward(self.group, op, micro, loss):
+            if not self._protocol.backward(self.group, op, micro, loss, self._shards):
                 return False
             self._journal.confirm()  # the whole group summed this step: each applied the one before
         except CollectiveError as exc:
@@ -623,8 +646,9 @@ class ElasticTrainer:
     def _recover(self) -> None:
         """Rendezvous, rebuild the group in-process, and sync the state from rank 0 (``rejoin``)."""
         assert self._membership is not None and self._factory is not None and self._protocol is not None
+        self._factory.retire(self._shards)
         self._factory.retire(self.group)
-        self.group = None
+        self.group = self._shards = None
         ck = self.checkpoints
         done = rejoin(
             self._membership,
@@ -637,8 +661,9 @@ class ElasticTrainer:
             ),
             resume=ck.resume if self.checkpoint.enabled else None,
             discard=self._state_replaced,
+            replica=self._replica,
         )
-        self.group, self.joined = done.group, done.joined
+        self.group, self.joined, self._shards = done.group, done.joined, done.shard_group
         self._has_state, self._need_rendezvous = True, False
         if self._mode is BatchMode.LINEAR_SCALING:
             reference = self.data.reference(self.state.counters, done.group.world_size)

@@ -81,6 +81,10 @@ FULL_ENV = {
     "ELASTICD_STANDBY": "yes",
     "ELASTICD_RELAY_SOCKET": "/run/elasticd-relay/relay.sock",
     "ELASTICD_AUDIT_DIR": "/data/audit",
+    "ELASTICD_REPLICA_SIZE": "4",
+    "ELASTICD_REPLICA": "node-7.r0.12.1",
+    "ELASTICD_SHARD": "3",
+    "ELASTICD_REPLICA_STORE": "10.1.2.3:29400",
     "ELASTICD_STOP_AFTER_SUM": "17",
     "ELASTICD_MISS_SUM_AT": "18",
     "ELASTICD_KILL_AFTER_APPLY": "19",
@@ -145,6 +149,7 @@ def test_from_environ_parses_every_variable() -> None:
     assert (env.spare, env.standby) == (True, True)
     assert env.relay_socket == "/run/elasticd-relay/relay.sock"
     assert env.audit_dir == "/data/audit"
+    assert (env.replica_size, env.replica, env.shard, env.replica_store) == (4, "node-7.r0.12.1", 3, "10.1.2.3:29400")
     assert (env.stop_after_sum, env.miss_sum_at, env.kill_after_apply) == (17, 18, 19)
     assert isinstance(env.local_rank, int) and isinstance(env.timeouts.join_s, float)
     assert env.checkpoint == CheckpointConfig(

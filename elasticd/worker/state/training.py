@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 
 import structlog
 import torch
+from torch.distributed.tensor import DTensor
 
 from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
 from elasticd.retry import Deadline
@@ -134,6 +135,10 @@ class TrainingState:
         self._arena_key: str = ""  # the arena's entries and RNG sizes: it is reused while they stay
         self._arena_entries: list[list[object]] = []
         self._received_key: bytes | None = None  # checksum_key of the layout whose bytes the arena holds
+        self.loads = 0  # states loaded from a peer or a file so far (``unpack``)
+        # Names of the tensors that are a sharded (FSDP2) tensor's local shard: they travel and
+        # persist as the shard, are copied in at every pack and never adopted (FSDP2 owns their storage).
+        self._sharded: set[str] = set()
 
     # -- registered objects ------------------------------------------------------------------
 
@@ -220,16 +225,23 @@ class TrainingState:
     def _tensors(
         self, optim_sd: dict[str, object], extra: list[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor]]:
-        out = [(f"model.{k}", v) for k, v in self.model.state_dict().items()]
+        out = [(f"model.{k}", self._local(f"model.{k}", v)) for k, v in self.model.state_dict().items()]
         state: dict[int, dict[str, object]] = optim_sd["state"]  # type: ignore[assignment]
         for idx in sorted(state):
             for key in sorted(state[idx]):
                 value = state[idx][key]
                 if isinstance(value, torch.Tensor):
-                    out.append((f"optim.{idx}.{key}", value))
+                    out.append((f"optim.{idx}.{key}", self._local(f"optim.{idx}.{key}", value)))
         out += extra
         out.append(("counters", torch.tensor(self.counters.as_list(), dtype=torch.int64)))
         return out
+
+    def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or its local shard where it is sharded (noted in ``_sharded``)."""
+        if isinstance(t, DTensor):
+            self._sharded.add(name)
+            return t.to_local()
+        return t
 
     def checksum(self) -> int:
         """A 63-bit XXH3 hash of the packed state bytes, seeded with ``checksum_key`` of the layout
@@ -340,7 +352,7 @@ class TrainingState:
             if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() == region.data_ptr():
                 continue  # it lives there already
             region.copy_(_bytes_of(t))
-            if t.device.type == "cpu" and name.startswith(_ADOPTED):
+            if t.device.type == "cpu" and name.startswith(_ADOPTED) and name not in self._sharded:
                 self._adopt(name, region.view(t.dtype).view(t.shape), params)
         at = total
         for r in rngs:
@@ -414,11 +426,15 @@ class TrainingState:
             raise
         ours = self.model.state_dict()
         for name, t in d.model_sd.items():
-            if ours[name].device == t.device:
+            if isinstance(ours[name], DTensor):  # its local shard, in place (FSDP2 owns the storage)
+                with torch.no_grad():
+                    ours[name].to_local().copy_(t)
+            elif ours[name].device == t.device:
                 self._adopt(f"model.{name}", t, [])
             else:
                 ours[name].copy_(t)
         self.counters = d.counters
+        self.loads += 1
         torch.set_rng_state(d.rng)
         self.device_rng.load(d.device_rngs)
         if flat.device.type == "cpu" and flat.storage_offset() % _ALIGN == 0:
@@ -457,7 +473,7 @@ class TrainingState:
                 raw = raw.clone()  # a fresh storage is aligned for any dtype
             t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
             if name.startswith("model."):
-                mine = ours.get(name)
+                mine = _local_of(ours.get(name))
                 if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
                     raise ModelMismatch(f"state tensor {name} {dtype_s}{shape} does not match this worker's model")
                 model_sd[name[len("model.") :]] = t
@@ -497,7 +513,7 @@ class TrainingState:
         rng, device_rngs = split_rng_states(layout, flat, total)
         return _Decoded(
             model_sd,
-            {"state": optim_state, "param_groups": groups},
+            {"state": _shard_like_params(optim_state, self.optimizer), "param_groups": groups},
             extras,
             counters,
             rng,
@@ -620,6 +636,30 @@ def _check_groups(groups: object, optimizer: torch.optim.Optimizer, what: str) -
         )
     ):
         raise ValueError(f"{what} param groups differ from this worker's")
+
+
+def _local_of(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded (DTensor) tensor's local shard; any other tensor (or None) itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_like_params(
+    optim_state: dict[int, dict[str, object]], optimizer: torch.optim.Optimizer
+) -> dict[int, dict[str, object]]:
+    """``optim_state``, where a parameter is sharded (a DTensor) with its optimizer state tensors
+    of the parameter's local shape (moments; not a scalar step) made DTensors sharded as it is."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, st in optim_state.items():
+        p = params[idx] if 0 <= idx < len(params) else None
+        if not isinstance(p, DTensor):
+            continue
+        shape = p.to_local().shape
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape:
+                st[key] = DTensor.from_local(
+                    value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+    return optim_state
 
 
 def model_signature(model: torch.nn.Module) -> str:

@@ -92,6 +92,8 @@ class Journal:
         self._keys = Keys(env.etcd.prefix, env.world.job_id)
         self._node = env.node_id
         self._events_keep = env.events_keep
+        # sharded training: a rank's state is its shard's, so its sync and final lines say which
+        self._shard: dict[str, object] = {"shard": env.shard} if env.replica_size > 1 else {}
         self._progress_event_s = env.timeouts.progress_event_s
         self._progress_evented_at = float("-inf")  # when rank 0 last recorded a progress event
         self.recoveries = 0
@@ -186,7 +188,7 @@ class Journal:
         self.discard("left the job before a later collective or sync confirmed them")
         if self._audit is None:
             return
-        final: dict[str, object] = {"event": "final", "step": step, "checksum": f"{checksum():016x}"}
+        final: dict[str, object] = {"event": "final", "step": step, "checksum": f"{checksum():016x}", **self._shard}
         if step > self.confirmed_step and self._discarded_last == step:
             final["branch"] = True  # its last step was discarded: these bytes are not the job's
         if not joined:
@@ -258,6 +260,7 @@ class Journal:
                 "transferred_bytes": report.transferred_bytes,
                 "cause": cause,
                 "t": time.time(),
+                **self._shard,
                 **_resource_counts(),
             }
         )

@@ -20,8 +20,10 @@ from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, ConfigError
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Bound
+from elasticd.worker.shard.replica import Replica
+from elasticd.worker.shard.reducer import ShardReducer
 from elasticd.worker.step.reducer import GradientReducer
-from elasticd.worker.step.commit import Tally, Verdict, Vote, commit_outcome
+from elasticd.worker.step.commit import VOTE_SLOTS, Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.group.process_group import Group
 from elasticd.worker.data.sampler import Batch
 
@@ -53,16 +55,26 @@ class StepProtocol:
     """The per-step collective protocol of one member."""
 
     def __init__(
-        self, reducer: GradientReducer, membership: Membership, drain: threading.Event, timeouts: Timeouts
+        self,
+        reducer: GradientReducer | ShardReducer,
+        membership: Membership,
+        drain: threading.Event,
+        timeouts: Timeouts,
+        replica: Replica | None = None,
     ) -> None:
+        """``replica``: sharded training (``reducer`` is a ``ShardReducer``): the replica whose
+        ranks' sums ``agree`` combines into one tally."""
         self._reducer, self._membership, self._drain = reducer, membership, drain
-        self._timeouts = timeouts
+        self._timeouts, self._replica = timeouts, replica
         self._loss_checked = False  # the first accumulated loss was checked for a division by the count
 
-    def backward(self, group: Group, op: OpenStep, micro: Batch, loss: torch.Tensor) -> bool:
+    def backward(
+        self, group: Group, op: OpenStep, micro: Batch, loss: torch.Tensor, shards: Group | None = None
+    ) -> bool:
         """This micro-batch's backward; at the last one, the all_reduce and the verdict
         (``op.verdict``). True once the averaged gradients are in ``.grad`` and ``op.tally`` holds
-        the summed vote.
+        the summed vote. ``shards``: sharded training: the shard group of ``group`` the gradients
+        are summed over (the verdict is the whole generation's).
 
         Raises:
             CollectiveError: the all_reduce failed, timed out or its generation was abandoned
@@ -89,12 +101,19 @@ class StepProtocol:
                 return Vote(wl[0], membership.veto(), regroup, reducer.local_nonfinite()).slots()
 
             # begin() zeroes the gradients: they are views into its buckets
-            self._reducer.begin(group, whole.step, whole.weight, vote, sync=micro.micro_count == 1)
+            self._reducer.begin(shards or group, whole.step, whole.weight, vote, sync=micro.micro_count == 1)
         elif last:
             self._reducer.sync_next()
+        if not micro.indices and self._replica is not None:
+            raise ConfigError(
+                f"global_batch_size: step {whole.step} leaves rank {whole.rank} of {whole.world_size} no sample; "
+                f"a sharded model's ranks each run every backward (FSDP2's collectives): give every rank "
+                f"a share (a global batch of at least the largest world size, per micro-batch)"
+            )
         if micro.indices:
             op.weighted_loss[0] += float(loss.detach()) * micro.weight
-            share = len(micro.indices) / len(whole.indices)  # the reducer weighs the whole share
+            # the reducer weighs the whole share (a sharded one: through the loss)
+            share = len(micro.indices) / len(whole.indices) * self._reducer.loss_scale(whole.weight)
             (loss * share if share != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         if not last:
             return False
@@ -106,12 +125,34 @@ class StepProtocol:
             )
         except CollectiveError:
             self._reducer.cancel()
+            if self._replica is not None:  # the replica's other ranks learn this one has no sum
+                self._replica.agree([0.0] * (1 + VOTE_SLOTS), "the step's sums")
             raise
         finally:
             self._membership.reach.ended()
+        if self._replica is not None:
+            summed = self._whole_replica(summed, group.generation, whole.step)
         op.tally = Tally.from_slots(summed)
         op.verdict = commit_outcome(op.tally, group.world_size)
         return True
+
+    def _whole_replica(self, summed: list[float], generation: int, step: int) -> list[float]:
+        """The tally of the whole generation: this shard group's summed slots added to the other
+        shard groups' (``Replica.agree``), the same on every replica that received every sum. A
+        replica where a shard's sum did not arrive applies nothing.
+
+        Raises:
+            CollectiveError: a rank of this replica did not receive its shard's sum.
+            ReplicaBroken: the replica's ranks could not combine their sums.
+        """
+        assert self._replica is not None
+        got = self._replica.agree([1.0, *summed], "the step's sums")
+        if round(got[0]) < self._replica.size:
+            self._reducer.cancel()
+            raise CollectiveError(
+                f"step {step}: a shard's sum of generation {generation} did not arrive at every rank of this replica"
+            )
+        return got[1:]
 
 
 def constant_divisor(loss: torch.Tensor) -> float | None:

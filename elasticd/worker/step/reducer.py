@@ -233,6 +233,11 @@ class GradientReducer:
             for p in trainable
         ]
 
+    def loss_scale(self, weight: float) -> float:
+        """What a rank's loss is multiplied by before its backward: nothing here (the rank's share,
+        ``weight``, multiplies its gradients as they go out); a sharded model's reducer differs."""
+        return 1.0
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()

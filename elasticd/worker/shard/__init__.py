@@ -1,0 +1,1 @@
+"""Sharded training: a member's replica of K ranks (FSDP2 inside it), data parallel across replicas."""
