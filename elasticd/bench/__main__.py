@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from elasticd.bench import agent, checkpoint, hostloss, leader, outage, recovery, rendezvous, straggler
+from elasticd.bench import agent, checkpoint, hostloss, leader, outage, recovery, rendezvous, sharded, straggler
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "check against the lease alone, in the same run (elasticd.bench.hostloss)",
         hostloss.add_args,
         hostloss.run_cmd,
+    ),
+    "sharded": Subcommand(
+        "sharded training (replicas of 2 FSDP2 ranks under real agents) next to data parallel: a rank "
+        "SIGKILLed -> the survivors' next commit, a newcomer replica's state sync, step time vs plain HSDP "
+        "(elasticd.bench.sharded)",
+        sharded.add_args,
+        sharded.run_cmd,
     ),
     "rendezvous": Subcommand(
         "N lightweight members (threads in processes, no torch) on one local etcd: a join round and a "
