@@ -6,9 +6,9 @@ reference (agents/mlp_sharded.py --reference, no elasticd), but the sharded job 
 order (FSDP2's reduce-scatter inside a replica, then the sum across replicas, each rank's loss
 weighted by its share), so float32 rounding differs (~1e-7 relative per sum) and AdamW carries it
 on. Measured here after 300 steps with a kill and a join: max |param diff| 3e-8. Leaving one
-batch out, late (step 250, at a quarter of the learning rate), moves them by 8e-5
+batch out, late (step 450, at a sixteenth of the learning rate), moves them by 2e-5
 (``test_a_left_out_batch_moves_the_parameters_past_the_tolerance``). We allow 1e-6: 30x what was
-measured, 80x below what one lost step does.
+measured, 20x below what one lost step does.
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from elasticd.testing.audit import check_dir
+from elasticd.testing.audit import check_dir, read_lines
 from tests.integration.test_node_agent import AgentJob, agent_job  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 300
+STEPS = 500
 SHARDED = [sys.executable, "agents/mlp_sharded.py", "--steps", str(STEPS), "--seed", "3"]
 PARAM_ATOL = 1e-6
 
@@ -39,7 +40,7 @@ def test_a_left_out_batch_moves_the_parameters_past_the_tolerance() -> None:
     args = mlp_sharded.parse_args(["--steps", str(STEPS), "--seed", "3", "--reference"])
     x, y = mlp_sharded.make_dataset(args.samples, args.features, args.classes, args.seed)
     whole, short = mlp_sharded.reference(args, x, y), mlp_sharded.reference(args, x, y, skip=STEPS - 50)
-    assert max(float((whole[k] - short[k]).abs().max()) for k in whole) > 50 * PARAM_ATOL
+    assert max(float((whole[k] - short[k]).abs().max()) for k in whole) > 10 * PARAM_ATOL
 
 
 def _reference(tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -62,15 +63,26 @@ def _commits(job: AgentJob) -> int:
     return check_dir(_audit(job), 2048).last_step
 
 
+def _commits_after(job: AgentJob, generation: int, t: float) -> list[float]:
+    rows = read_lines(_audit(job).glob("*.jsonl"))
+    return [float(r["t"]) for r in rows if r["event"] == "commit" and r["generation"] > generation and r["t"] > t]
+
+
+def _worlds_after(job: AgentJob, generation: int) -> set[int]:
+    rows = read_lines(_audit(job).glob("*.jsonl"))
+    return {int(r["world_size"]) for r in rows if r["event"] == "commit" and r["generation"] > generation}
+
+
 def _worker_pids(agent) -> list[int]:
     return [int(e["pid"]) for e in agent.events("worker_started")]  # type: ignore[call-overload]
 
 
-def test_replicas_survive_a_killed_rank_and_a_join_and_end_like_one_process(agent_job, tmp_path):
-    """Three replicas of two shards; one rank is SIGKILLed (its replica leaves whole, its agent
-    starts both ranks again, and the replica comes back as a newcomer), a fourth replica joins;
-    every step is committed once, every replica's shards end identical, and the parameters equal
-    a fault-free run in one process."""
+def test_replicas_survive_a_killed_rank_a_stopped_rank_and_a_join_and_end_like_one_process(agent_job, tmp_path):
+    """Three replicas of two shards; a rank of b is SIGKILLed (its replica leaves whole, its agent
+    starts both ranks again, and the replica comes back as a newcomer); a rank of c is SIGSTOPped
+    (its agent ends the replica after stopped_worker_s, the others go on without waiting for a
+    lease, and c comes back); a fourth replica joins; every step is committed once, every
+    replica's shards end identical, and the parameters equal a fault-free run in one process."""
     ref = _reference(tmp_path)
     job = agent_job(join_window_s=1.0)
     agents = {n: _start(job, n) for n in ("a", "b", "c")}
@@ -78,6 +90,15 @@ def test_replicas_survive_a_killed_rank_and_a_join_and_end_like_one_process(agen
     victim = _worker_pids(agents["b"])[1]
     os.kill(victim, signal.SIGKILL)
     job.wait_for(lambda: len(agents["b"].events("worker_started")) >= 4, 60, "replica b started again")
+    job.wait_for(lambda: max(_worlds_after(job, 1), default=0) == 6, 90, "replica b back in the job")
+    gen = max(int(r["generation"]) for r in read_lines(_audit(job).glob("*.jsonl")) if r["event"] == "commit")
+    stopped_at = time.time()
+    os.kill(_worker_pids(agents["c"])[0], signal.SIGSTOP)
+    job.wait_for(lambda: bool(agents["c"].events("replica_worker_killed")), 30, "replica c ended")
+    job.wait_for(lambda: bool(_commits_after(job, gen, stopped_at)), 30, "the others' next commit")
+    # stopped_worker_s (0.5 s) and the agent's poll, then a regroup: never the lease
+    assert min(_commits_after(job, gen, stopped_at)) - stopped_at < 3.0
+    job.wait_for(lambda: len(agents["c"].events("worker_started")) >= 4, 60, "replica c started again")
     agents["d"] = _start(job, "d")
     for node, agent in agents.items():
         assert agent.wait(240) == 0, f"agent {node}\n" + job.logs_tail()
@@ -85,8 +106,9 @@ def test_replicas_survive_a_killed_rank_and_a_join_and_end_like_one_process(agen
     assert rep.ok, rep.violations
     assert rep.last_step == STEPS
     assert max(rep.generations.values()) == 8, rep.generations  # four replicas of two at the end
-    ended = agents["b"].events("replica_worker_killed")
-    assert ended, agents["b"].log_text()[-3000:]
+    killed = [e["local_rank"] for e in agents["b"].events("replica_worker_killed")]
+    assert killed == [0], agents["b"].log_text()[-3000:]  # rank 1 was SIGKILLed: its agent ended rank 0
+    assert sorted(e["local_rank"] for e in agents["c"].events("replica_worker_killed")) == [0, 1]
     finals = sorted((job.dir).glob("final.*"))
     assert len(finals) == 8, finals
     for path in finals:
