@@ -13,9 +13,9 @@ import pytest
 from elasticd.config import WorldConfig
 from elasticd.rendezvous.decide import choose_members, rank_order, whole_replicas
 from elasticd.rendezvous.survivors import survivors_generation
-from elasticd.wire.records import CoordinatorRecord, GenerationRecord, MemberRecord
-from elasticd.wire.snapshot import Snapshot
-from tests.unit.test_membership import gen, member, ready
+from elasticd.wire.records import MemberRecord
+from tests.unit.test_membership import gen, member
+from tests.unit.test_spare_rules import snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,28 +33,6 @@ SHARDS = [
     shard("c0", "r3", 0),
     shard("c1", "r3", 1),
 ]
-
-
-def snapshot(
-    g: GenerationRecord | None, records: list[MemberRecord], ready_ids: list[str], steps: dict[str, int] | None = None
-) -> Snapshot:
-    steps = steps or {}
-    return Snapshot(
-        generation=g,
-        generation_revision=50 if g else 0,
-        members={r.member_id: r for r in records},
-        ready={
-            m: ready(
-                m,
-                steps.get(m, -1),
-                prev_gen=g.generation if g and m in g.members else 0,
-                prev_rank=g.rank_of(m) if g and m in g.members else 0,
-            )
-            for m in ready_ids
-        },
-        ready_order={m: 100 + i for i, m in enumerate(ready_ids)},
-        coordinator=CoordinatorRecord("a0", "n1"),
-    )
 
 
 W6 = WorldConfig(min_workers=2, max_workers=6)

@@ -12,7 +12,9 @@ re-rendezvouses.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -20,12 +22,19 @@ from elasticd.config import Timeouts
 from elasticd.errors import CollectiveError, ConfigError
 from elasticd.rendezvous.membership import Membership
 from elasticd.retry import Bound
-from elasticd.worker.shard.replica import Replica
-from elasticd.worker.shard.reducer import ShardReducer
 from elasticd.worker.step.reducer import GradientReducer
 from elasticd.worker.step.commit import VOTE_SLOTS, Tally, Verdict, Vote, commit_outcome
 from elasticd.worker.group.process_group import Group
 from elasticd.worker.data.sampler import Batch
+
+
+class Replica(Protocol):
+    """Sharded training: this rank's replica (``shard.replica.Replica``): its ranks' count, and
+    the sum over them of each rank's values."""
+
+    size: int
+
+    def agree(self, values: Sequence[float], what: str) -> list[float]: ...
 
 
 @dataclass(frozen=True)
@@ -56,14 +65,14 @@ class StepProtocol:
 
     def __init__(
         self,
-        reducer: GradientReducer | ShardReducer,
+        reducer: GradientReducer,
         membership: Membership,
         drain: threading.Event,
         timeouts: Timeouts,
         replica: Replica | None = None,
     ) -> None:
-        """``replica``: sharded training (``reducer`` is a ``ShardReducer``): the replica whose
-        ranks' sums ``agree`` combines into one tally."""
+        """``replica``: sharded training (``reducer`` is a ``shard.reducer.ShardReducer``, which
+        sums gradient shards): the replica whose ranks' sums ``agree`` adds into one tally."""
         self._reducer, self._membership, self._drain = reducer, membership, drain
         self._timeouts, self._replica = timeouts, replica
         self._loss_checked = False  # the first accumulated loss was checked for a division by the count
