@@ -566,8 +566,8 @@ class ChaosRun:
             return
         after = complete_checkpoints(self.ckptfs.path / JOB_ID)
         try:
-            if fault.kind == FaultKind.CHECKPOINT_READONLY:
-                self.ckptfs.set_read_only(False)
+            if fault.kind == FaultKind.CHECKPOINT_READONLY:  # agents started meanwhile hold read-only copies
+                self.ckptfs.set_read_only(False, [n.proc.pid for n in self.live_nodes()])
             else:
                 self.ckptfs.free()
         except (RuntimeError, OSError) as exc:

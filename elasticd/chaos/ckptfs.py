@@ -4,7 +4,9 @@ read-only or fill up, and restore.
 Owns whether such a filesystem can be had here (``mount_unusable``, ``unusable_here``: root, a
 ``mount`` binary, and a probe mount that works), and ``CheckpointFs``: the tmpfs the agents save
 their checkpoints on, ``set_read_only`` (a remount of the filesystem itself, so that every mount
-namespace sees it, a netns host's too), ``fill`` and ``free`` (a filler file beside the job's
+namespace sees it, a netns host's too; back to read-write also in the mount namespaces of the
+given processes: one copied while the filesystem was read-only keeps that copy read-only),
+``fill`` and ``free`` (a filler file beside the job's
 directory, never in it), and ``remove``. It touches only the mount point it was given, and never
 decides when a fault begins or ends.
 """
@@ -18,7 +20,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 MOUNT_TIMEOUT_S = 10.0  # bound on one `mount` or `umount` command
@@ -60,6 +62,14 @@ def _run(*argv: str) -> str:
     return "" if done.returncode == 0 else f"{' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()[:200]}"
 
 
+def _mount_ns(pid: int) -> str | None:
+    """The mount namespace of ``pid`` (None: it ended)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
 def probe_mount() -> str:
     """Mount a tiny tmpfs on a temporary directory and unmount it; the error ("" when it worked)."""
     with tempfile.TemporaryDirectory(prefix="elasticd-chaos-probe-") as d:
@@ -94,15 +104,28 @@ class CheckpointFs:
             raise RuntimeError(error)
         self.mounted = True
 
-    def set_read_only(self, read_only: bool) -> None:
-        """Remount the filesystem read-only (or read-write again).
+    def set_read_only(self, read_only: bool, namespaces_of: Collection[int] = ()) -> None:
+        """Remount the filesystem read-only (or read-write again). Back to read-write, also in the
+        mount namespace of each pid in ``namespaces_of`` that is not this one's: ``ip netns exec``
+        copies the mounts, and a copy made while the filesystem was read-only stays read-only when
+        the original is remounted (best effort: a process that ended is skipped).
 
         Raises:
-            RuntimeError: the remount failed.
+            RuntimeError: the remount failed (here).
         """
         error = _run("mount", "-o", f"remount,{'ro' if read_only else 'rw'}", str(self.path))
         if error:
             raise RuntimeError(error)
+        if read_only:
+            return
+        mine = _mount_ns(os.getpid())
+        seen = {mine}
+        for pid in namespaces_of:
+            ns = _mount_ns(pid)
+            if ns is None or ns in seen:
+                continue
+            seen.add(ns)
+            _run("nsenter", "-t", str(pid), "-m", "mount", "-o", "remount,rw", str(self.path))
 
     def fill(self) -> int:
         """Write the filler until the filesystem is full (ENOSPC); the bytes it took.
