@@ -98,8 +98,7 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_and_a_join_and_end_like_o
     job.wait_for(lambda: bool(_commits_after(job, gen, stopped_at)), 30, "the others' next commit")
     # stopped_worker_s (0.5 s) and the agent's poll, then a regroup: never the lease
     assert min(_commits_after(job, gen, stopped_at)) - stopped_at < 3.0
-    job.wait_for(lambda: len(agents["c"].events("worker_started")) >= 4, 60, "replica c started again")
-    agents["d"] = _start(job, "d")
+    agents["d"] = _start(job, "d")  # it joins with c's replica once that is back
     for node, agent in agents.items():
         assert agent.wait(240) == 0, f"agent {node}\n" + job.logs_tail()
     rep = check_dir(_audit(job), 2048)
