@@ -278,10 +278,9 @@ def _next_deadline(snap: AgentSnapshot, running: list[Slot], config: AgentConfig
         if s.stopped_at is not None and not s.stop_revoked and config.stopped_worker_s > 0
     ]
     if config.replica_size > 1:  # a replica restarts when its last worker's backoff ends
-        k = config.replica_size
         due = [
             max(s.restart_at for s in rep if s.state is SlotState.BACKOFF)
-            for rep in (snap.slots[i : i + k] for i in range(0, config.nproc_per_node, k))
+            for rep in _replica_slots(snap, config)
             if all(s.state in (SlotState.PENDING, SlotState.BACKOFF) for s in rep)
             and any(s.state is SlotState.BACKOFF for s in rep)
         ]
@@ -362,13 +361,18 @@ def _alive_in_replica(snap: AgentSnapshot, local_rank: int, config: AgentConfig)
     )
 
 
+def _replica_slots(snap: AgentSnapshot, config: AgentConfig) -> list[tuple[Slot, ...]]:
+    """The slots of each replica, in local rank order (``replica_size`` consecutive ranks each)."""
+    k = config.replica_size
+    return [snap.slots[first : first + k] for first in range(0, config.nproc_per_node, k)]
+
+
 def _replicas(snap: AgentSnapshot, now: float, config: AgentConfig) -> Action:
     """With ``replica_size`` > 1, after the faults: a replica that lost a worker (one waiting for
     its restart) while others of it run has those ended (KILL_REPLICA); a replica whose every
     worker waits (to start, or for its restart, all due) starts whole (one SPAWN of all its ranks);
     then as ``decide``: exit once every worker is done, else wait."""
-    k = config.replica_size
-    replicas = [snap.slots[first : first + k] for first in range(0, config.nproc_per_node, k)]
+    replicas = _replica_slots(snap, config)
     for rep in replicas:
         down = next((s for s in rep if s.state in (SlotState.BACKOFF, SlotState.STOPPED)), None)
         alive = _alive_in_replica(snap, rep[0].local_rank, config)

@@ -196,17 +196,17 @@ def _sync(
         CollectiveError, CheckpointTransferError: the sync failed here, or on a rank of the replica.
         ReplicaBroken: the replica's ranks no longer hold one state.
     """
+    prefix = f"shard-{replica.shard}/" if replica is not None else ""  # a transfer's subgroups, per shard group
+
+    def subgroup(parent: Group, ranks: Sequence[int], name: str) -> Group:
+        return factory.build_subgroup(parent, ranks, prefix + name, bound(timeouts.group_build_s))
+
     if replica is None:
-        subgroup = lambda p, ranks, name: factory.build_subgroup(p, ranks, name, bound(timeouts.group_build_s))  # noqa: E731
         return None, sync_state(group, state, sync, subgroup, factory.retire, own, discard)
     loads, shards = state.loads, None
-
-    def in_shard(parent: Group, ranks: Sequence[int], name: str) -> Group:
-        return factory.build_subgroup(parent, ranks, f"shard-{replica.shard}/{name}", bound(timeouts.group_build_s))
-
     try:
         shards = _shard_group(factory, group, replica, bound(timeouts.group_build_s))
-        report = sync_state(shards, state, sync, in_shard, factory.retire, own, discard)
+        report = sync_state(shards, state, sync, subgroup, factory.retire, own, discard)
     except (CollectiveError, CheckpointTransferError):
         _replica_synced(replica, group.generation, False, state.loads != loads, bound(timeouts.collective_s))
         factory.retire(shards)

@@ -55,7 +55,7 @@ def test_a_gpu_replica_binds_its_device_before_its_nccl_group(calls: list[tuple[
         ("group", "nccl", "replica/n.r1.7/@store", 1, 2, torch.device("cuda", 3)),
         ("mesh", "cuda", (2,)),
     ]
-    assert r.mesh == "mesh" and replica_mod.joined() is r and replica_mod.join() is r  # once per process
+    assert r.mesh == "mesh" and replica_mod._JOINED is r and replica_mod.join() is r  # once per process
 
 
 def test_a_cpu_replica_makes_a_gloo_group_over_the_store_its_shard_0_serves(calls: list[tuple[object, ...]]) -> None:
@@ -74,7 +74,7 @@ def test_a_group_that_cannot_be_made_ends_the_replica(calls: list[tuple[object, 
     monkeypatch.setattr(dist, "init_process_group", refuse)
     with pytest.raises(ReplicaBroken, match="replica n.r1.7: its 2 ranks did not meet: connect timed out"):
         replica_mod.join(env(backend="gloo"))
-    assert replica_mod.joined() is None
+    assert replica_mod._JOINED is None
 
 
 @pytest.mark.parametrize(

@@ -22,17 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from elasticd.errors import CollectiveError, ConfigError, ProtocolViolation
+from elasticd.errors import CollectiveError, ConfigError
 from elasticd.retry import Bound
 from elasticd.worker.group.collectives import wait
 from elasticd.worker.group.process_group import Group
+from elasticd.worker.state.training import local_shard as local
 from elasticd.worker.step.commit import VOTE_SLOTS
-from elasticd.worker.step.reducer import DEFAULT_BUCKET_CAP_BYTES, all_finite, vote_dtype
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from elasticd.worker.step.reducer import DEFAULT_BUCKET_CAP_BYTES, all_finite, check_applied, vote_dtype
 
 
 class _Flat:
@@ -152,11 +148,7 @@ class ShardReducer:
             ProtocolViolation: this rank received the sum of an earlier step in ``group`` and did
                 not apply it (``applied``).
         """
-        if self._unapplied is not None and self._unapplied[0] == group.generation and self._unapplied[1] != step:
-            raise ProtocolViolation(
-                f"step {step}: shard rank {group.rank} of generation {group.generation} would contribute "
-                f"before applying step {self._unapplied[1]}, whose sum it received"
-            )
+        check_applied(self._unapplied, group, step)
         self._group, self._vote, self._step, self._finite = group, vote, step, []
         for p in self._params:
             p.grad = None

@@ -123,11 +123,6 @@ class Replica:
         except (RuntimeError, dist.DistError) as exc:  # shard 0, which serves the store, is gone
             raise ReplicaBroken(f"replica {self.id}: its store is gone: {exc}") from exc
 
-    def close(self) -> None:
-        """Destroy the replica's group (the process is leaving)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 _JOINED: Replica | None = None  # this process's replica, once joined (``join``)
 
@@ -157,11 +152,6 @@ def join(env: WorkerEnv | None = None) -> Replica:
         else:
             device = torch.device("cpu")
         _JOINED = Replica(env, device)
-    return _JOINED
-
-
-def joined() -> Replica | None:
-    """This process's replica if it joined one (``join``), else None."""
     return _JOINED
 
 

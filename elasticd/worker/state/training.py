@@ -240,8 +240,7 @@ class TrainingState:
         """``t``, or its local shard where it is sharded (noted in ``_sharded``)."""
         if isinstance(t, DTensor):
             self._sharded.add(name)
-            return t.to_local()
-        return t
+        return local_shard(t)
 
     def checksum(self) -> int:
         """A 63-bit XXH3 hash of the packed state bytes, seeded with ``checksum_key`` of the layout
@@ -473,7 +472,7 @@ class TrainingState:
                 raw = raw.clone()  # a fresh storage is aligned for any dtype
             t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
             if name.startswith("model."):
-                mine = _local_of(ours.get(name))
+                mine = local_shard(ours[name]) if name in ours else None
                 if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
                     raise ModelMismatch(f"state tensor {name} {dtype_s}{shape} does not match this worker's model")
                 model_sd[name[len("model.") :]] = t
@@ -638,8 +637,8 @@ def _check_groups(groups: object, optimizer: torch.optim.Optimizer, what: str) -
         raise ValueError(f"{what} param groups differ from this worker's")
 
 
-def _local_of(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A sharded (DTensor) tensor's local shard; any other tensor (or None) itself."""
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) tensor's local shard; any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 

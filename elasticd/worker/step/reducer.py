@@ -137,6 +137,20 @@ def all_finite(grads: torch.Tensor, on_cpu: bool) -> torch.Tensor | bool:
     return math.isfinite(grads.sum(dtype=accumulate)) or bool(torch.isfinite(grads).all())
 
 
+def check_applied(unapplied: tuple[int, int] | None, group: Group, step: int) -> None:
+    """A rank contributes to ``step`` in ``group`` only after applying the step whose sum it
+    received in that group (``unapplied``: its (generation, step), None when applied).
+
+    Raises:
+        ProtocolViolation: it did not: contributing now would confirm a step it does not hold.
+    """
+    if unapplied is not None and unapplied[0] == group.generation and unapplied[1] != step:
+        raise ProtocolViolation(
+            f"step {step}: rank {group.rank} of generation {group.generation} would contribute before "
+            f"applying step {unapplied[1]}, whose sum it received"
+        )
+
+
 def vote_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype the vote slots need when the last gradient bucket is of ``dtype``: None (they ride
     in that bucket) where it counts every member exactly and keeps the loss to float32's precision
@@ -255,11 +269,7 @@ class GradientReducer:
             ProtocolViolation: this rank received the sum of an earlier step in ``group`` and did
                 not apply it (``applied``): contributing now would confirm a step it does not hold.
         """
-        if self._unapplied is not None and self._unapplied[0] == group.generation and self._unapplied[1] != step:
-            raise ProtocolViolation(
-                f"step {step}: rank {group.rank} of generation {group.generation} would contribute before "
-                f"applying step {self._unapplied[1]}, whose sum it received"
-            )
+        check_applied(self._unapplied, group, step)
         self._group, self._scale, self._error, self._vote = group, scale, None, vote
         self._step = step
         self._syncing = sync
