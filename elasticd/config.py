@@ -443,7 +443,8 @@ class CheckpointConfig:
         default=60.0,
         metadata={
             "doc": "Longest a due save waits at a step boundary for the previous write to finish; past "
-            "it, this save is skipped (checkpoint_skipped) and the next one is tried."
+            "it, this save is skipped (checkpoint_skipped) and the next one is tried. A sharded model's "
+            "ranks also wait at most this long for one another's writes of one save."
         },
     )
     checkpoint_allow_new_model: bool = field(

@@ -23,6 +23,8 @@ import torch
 
 from elasticd.config import CheckpointConfig
 from elasticd.errors import CheckpointModelChanged, ConfigError
+from elasticd.worker.shard.checkpoint import ShardedCheckpointWriter, read_shard
+from elasticd.worker.shard.replica import Replica
 from elasticd.worker.state.durable import CheckpointWriter
 from elasticd.worker.state.durable_format import (
     LoadedCheckpoint,
@@ -31,6 +33,7 @@ from elasticd.worker.state.durable_format import (
     refuse_new_model,
     scan,
     signature_of,
+    verify,
 )
 from elasticd.worker.state.extras import load_in_place
 from elasticd.worker.step.journal import Journal
@@ -74,6 +77,25 @@ class Checkpoints:
         self._writer: CheckpointWriter | None = None
         self._verdicts_wired = False  # the journal's confirm/discard reach the writer
         self.resumed_from: LoadedCheckpoint | None = None  # the checkpoint this member's state came from
+        self._replica: Replica | None = None  # a sharded model's: saves and loads are its shard's
+
+    def shard_over(self, replica: Replica) -> None:
+        """A sharded model: save and load in the sharded format (``shard.checkpoint``), this
+        rank's shard of it; saves are made by the ranks of rank 0's replica together.
+
+        Raises:
+            ConfigError: ``checkpoint_every_s`` is set (the K ranks must save at the same steps).
+            ReplicaBroken: the replica's checkpoint group could not be made.
+        """
+        if self.config.checkpoint_every_s > 0:
+            raise ConfigError(
+                "checkpoint_every_s: a sharded model (replica_size > 1) saves by steps only "
+                "(checkpoint_every_steps): the ranks of a replica write one checkpoint together, "
+                "at the same steps"
+            )
+        self._replica = replica
+        if self.config.saves:  # made now, at the start, by every rank of the replica alike
+            replica.checkpoint_group(self.config.checkpoint_wait_s)
 
     @property
     def directory(self) -> Path:
@@ -97,8 +119,13 @@ class Checkpoints:
     def _writer_for_saves(self) -> CheckpointWriter:
         if self._writer is None:
             c = self.config
-            self._writer = CheckpointWriter(
+            sharded = {}
+            if self._replica is not None:
+                group = self._replica.checkpoint_group(c.checkpoint_wait_s)
+                sharded = {"replica": self._replica, "group": group}
+            self._writer = (ShardedCheckpointWriter if sharded else CheckpointWriter)(
                 self.directory,
+                **sharded,  # type: ignore[arg-type]
                 job_id=self._job_id,
                 node=self._node,
                 signature=self._state.signature,
@@ -127,7 +154,9 @@ class Checkpoints:
             CheckpointModelChanged: nothing of this model is there, another model's checkpoints
                 are, and ``checkpoint_allow_new_model`` is off.
         """
-        loaded = load_latest(self.directory, self._state, newer_than=held_step)
+        r, state = self._replica, self._state
+        read = verify if r is None else lambda entry: read_shard(entry, state, r.shard, r.size)
+        loaded = load_latest(self.directory, state, newer_than=held_step, read=read)
         if loaded is None:
             if held_step < 0:  # it would start over from step 1 (holding state, it would not)
                 refuse_new_model(self.directory, self._state.signature, self.config.checkpoint_allow_new_model)

@@ -229,12 +229,9 @@ class ElasticTrainer:
         if env.backend != "nccl":
             torch.set_num_threads(1)  # workers share the node's cores; see README
         if env.replica_size > 1:
-            if self.checkpoint.enabled:
-                raise ConfigError(
-                    "checkpoint_dir: durable checkpoints of a sharded model (replica_size > 1) are not "
-                    "supported; the job's state lives in its replicas"
-                )
             self._replica = replica.join(env)
+            if self.checkpoint.enabled:
+                self.checkpoints.shard_over(self._replica)
         if self._init_from is not None:
             initial = load_initial(self._init_from, self.model, self.optimizers, self.state.registered())
             if initial.step is not None:
@@ -601,8 +598,9 @@ class ElasticTrainer:
         self._journal.committed(
             batch, result.step, result.loss, result.generation, result.world_size, result.duration_s, compute_s
         )
-        # rank 0 saves at the next batch, after the script's own post-step code (scheduler, EMA)
-        self._save_due = group.rank == 0
+        # rank 0 (a sharded model: rank 0's replica) saves at the next batch, after the script's
+        # own post-step code (scheduler, EMA)
+        self._save_due = group.rank < (self._replica.size if self._replica is not None else 1)
         self._leave_if_unhealthy()
         return result
 

@@ -1,5 +1,6 @@
 """Sharded training for real: agents with ``--replica-size 2`` run replicas of two gloo workers each
-(FSDP2 over the replica's own group), data parallel across replicas, on a real etcd.
+(FSDP2 over the replica's own group), data parallel across replicas, on a real etcd, saving sharded
+checkpoints (torch.distributed.checkpoint) that a whole job resumes from and a plain script loads.
 
 Tolerance of the equivalence: every step averages the same global batch as the one-process
 reference (agents/mlp_sharded.py --reference, no elasticd), but the sharded job sums it in another
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticd.testing.audit import check_dir, read_lines
+from elasticd.testing.audit import check, check_dir, read_lines
 from tests.integration.test_node_agent import AgentJob, agent_job  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,20 +44,21 @@ def test_a_left_out_batch_moves_the_parameters_past_the_tolerance() -> None:
     assert max(float((whole[k] - short[k]).abs().max()) for k in whole) > 10 * PARAM_ATOL
 
 
-def _reference(tmp_path: Path) -> dict[str, torch.Tensor]:
-    out = tmp_path / "reference.pt"
-    subprocess.run([*SHARDED, "--reference", "--save-final", str(out)], check=True, timeout=120)
+def _reference(tmp_path: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"reference{steps}.pt"
+    cmd = [*SHARDED, "--steps", str(steps), "--reference", "--save-final", str(out)]
+    subprocess.run(cmd, check=True, timeout=120)
     return torch.load(out, weights_only=True)
 
 
-def _start(job: AgentJob, node: str, step_sleep: float = 0.02):
-    prog = [*SHARDED, "--step-sleep", str(step_sleep), "--save-final", str(job.dir / "final")]
+def _start(job: AgentJob, node: str, run: int = 1, steps: int = STEPS, step_sleep: float = 0.02):
+    prog = [*SHARDED, "--steps", str(steps), "--step-sleep", str(step_sleep), "--save-final", str(job.dir / "final")]
     flags = ("--nproc-per-node", "2", "--replica-size", "2", "--min-workers", "4", "--max-workers", "8")
-    return job.start(node, *flags, "--audit-dir", str(job.dir / "audit"), program=prog)
+    return job.start(node, *flags, "--audit-dir", str(job.dir / f"audit{run}"), program=prog)
 
 
-def _audit(job: AgentJob) -> Path:
-    return job.dir / "audit" / job.job_id
+def _audit(job: AgentJob, run: int = 1) -> Path:
+    return job.dir / f"audit{run}" / job.job_id
 
 
 def _commits(job: AgentJob) -> int:
@@ -73,19 +75,38 @@ def _worlds_after(job: AgentJob, generation: int) -> set[int]:
     return {int(r["world_size"]) for r in rows if r["event"] == "commit" and r["generation"] > generation}
 
 
+def _checkpoints(job: AgentJob) -> list[Path]:
+    """The job's published sharded checkpoints, oldest first."""
+    return sorted((Path(str(job.settings["checkpoint_dir"])) / job.job_id).glob("*.dcp"))
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-step")[1].split(".")[0])
+
+
+def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
+
+
 def _worker_pids(agent) -> list[int]:
     return [int(e["pid"]) for e in agent.events("worker_started")]  # type: ignore[call-overload]
 
 
-def test_replicas_survive_a_killed_rank_a_stopped_rank_and_a_join_and_end_like_one_process(agent_job, tmp_path):
-    """Three replicas of two shards; a rank of b is SIGKILLed (its replica leaves whole, its agent
-    starts both ranks again, and the replica comes back as a newcomer); a rank of c is SIGSTOPped
-    (its agent ends the replica after stopped_worker_s, the others go on without waiting for a
-    lease, and c comes back); a fourth replica joins; every step is committed once, every
-    replica's shards end identical, and the parameters equal a fault-free run in one process."""
-    ref = _reference(tmp_path)
-    job = agent_job(join_window_s=1.0)
-    agents = {n: _start(job, n) for n in ("a", "b", "c")}
+def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_lost_and_end_like_one_process(
+    agent_job, tmp_path
+):
+    """Three replicas of two shards, saving a sharded checkpoint every 50 steps; a rank of b is
+    SIGKILLed (its replica leaves whole, its agent starts both ranks again, and the replica comes
+    back as a newcomer); a rank of c is SIGSTOPped (its agent ends the replica after
+    stopped_worker_s, the others go on without waiting for a lease, and c comes back); a fourth
+    replica joins; then every process of the job is SIGKILLed, and three replicas start again and
+    resume from the newest checkpoint. Every step is committed once (the steps after the
+    checkpoint, lost with the job, once more after it), every replica's shards end identical, the
+    parameters equal a fault-free run in one process, and a plain script loads a checkpoint with
+    torch.distributed.checkpoint alone. The first run trains on until it is killed; the second one
+    ends 100 steps after the checkpoint it resumed from."""
+    job = agent_job(join_window_s=1.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=50)
+    agents = {n: _start(job, n, steps=10 * STEPS) for n in ("a", "b", "c")}
     job.wait_for(lambda: _commits(job) >= 20, 120, "step 20 at three replicas")
     victim = _worker_pids(agents["b"])[1]
     os.kill(victim, signal.SIGKILL)
@@ -98,19 +119,40 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_and_a_join_and_end_like_o
     job.wait_for(lambda: bool(_commits_after(job, gen, stopped_at)), 30, "the others' next commit")
     # stopped_worker_s (0.5 s) and the agent's poll, then a regroup: never the lease
     assert min(_commits_after(job, gen, stopped_at)) - stopped_at < 3.0
-    agents["d"] = _start(job, "d")  # it joins with c's replica once that is back
-    for node, agent in agents.items():
-        assert agent.wait(240) == 0, f"agent {node}\n" + job.logs_tail()
-    rep = check_dir(_audit(job), 2048)
-    assert rep.ok, rep.violations
-    assert rep.last_step == STEPS
-    assert max(rep.generations.values()) == 8, rep.generations  # four replicas of two at the end
+    agents["d"] = _start(job, "d", steps=10 * STEPS)  # it joins with c's replica once that is back
+    job.wait_for(lambda: 8 in _worlds_after(job, gen), 120, "four replicas")
+    job.wait_for(lambda: any(_step_of(c) >= 250 for c in _checkpoints(job)), 120, "a checkpoint at step 250")
+    for agent in agents.values():
+        agent.kill_group()  # the whole job is lost
+    first = check_dir(_audit(job), 2048)
+    assert first.ok, first.violations
+    assert max(first.generations.values()) == 8, first.generations  # four replicas of two
     killed = [e["local_rank"] for e in agents["b"].events("replica_worker_killed")]
     assert killed == [0], agents["b"].log_text()[-3000:]  # rank 1 was SIGKILLed: its agent ended rank 0
     assert sorted(e["local_rank"] for e in agents["c"].events("replica_worker_killed")) == [0, 1]
+    resumed_at = _step_of(_checkpoints(job)[-1])
+    assert first.last_step >= resumed_at
+    last = resumed_at + 100
+    ref = _reference(tmp_path, last)
+
+    agents = {n: _start(job, n, run=2, steps=last) for n in ("a", "b", "c")}  # three replicas, of the same size
+    for node, agent in agents.items():
+        assert agent.wait(240) == 0, f"agent {node}\n" + job.logs_tail()
+    second = read_lines(_audit(job, 2).glob("*.jsonl"))
+    resumes = [r for r in second if r["event"] == "resume"]
+    assert len(resumes) == 6 and {r["step"] for r in resumes} == {resumed_at}, resumes
+    kept = [r for r in read_lines(_audit(job).glob("*.jsonl")) if r["event"] != "commit" or r["step"] <= resumed_at]
+    rep = check(kept + second, 2048)
+    assert rep.ok, rep.violations
+    assert rep.last_step == last
     finals = sorted((job.dir).glob("final.*"))
-    assert len(finals) == 8, finals
+    assert len(finals) == 6, finals
     for path in finals:
-        got = torch.load(path, weights_only=True)
-        diff = max(float((got[k] - ref[k]).abs().max()) for k in ref)
-        assert diff < PARAM_ATOL, (path.name, diff)
+        assert _max_diff(torch.load(path, weights_only=True), ref) < PARAM_ATOL, path.name
+
+    newest = _checkpoints(job)[-1]
+    out = tmp_path / "plain.pt"
+    subprocess.run([sys.executable, "tests/programs/load_dcp.py", str(newest), str(out)], check=True, timeout=120)
+    plain = torch.load(out, weights_only=True)
+    assert _max_diff(plain["model"], _reference(tmp_path, _step_of(newest))) < PARAM_ATOL
+    assert plain["optim"]["0.weight"]["exp_avg"].shape == ref["0.weight"].shape

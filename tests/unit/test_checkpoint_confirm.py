@@ -98,13 +98,13 @@ def rank0(tmp_path: Path) -> Iterator[Rank0]:
 def held_write(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Holds every file write of the checkpoint writer until the event is set (at most WAIT_S)."""
     gate = threading.Event()
-    write_parts = durable._write_parts
+    write_parts = durable.write_parts
 
     def gated(*args: object, **kwargs: object) -> None:
         gate.wait(WAIT_S)
         write_parts(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(durable, "_write_parts", gated)
+    monkeypatch.setattr(durable, "write_parts", gated)
     return gate
 
 

@@ -115,7 +115,6 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "testing.audit:check": 105,
     "wire.snapshot:parse_snapshot": 81,
     "worker.state.durable:CheckpointWriter._write": 65,
-    "worker.state.durable_format:verify": 62,
     "worker.data.loader:ElasticLoader.__init__": 61,
     "worker.state.training:TrainingState._decode": 79,
     "worker.state.sync:_transfer": 72,

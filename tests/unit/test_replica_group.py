@@ -96,3 +96,22 @@ def test_the_store_address_parses_ipv6_and_refuses_garbage() -> None:
     for bad in ("host", ":80", "host:0", "host:x"):
         with pytest.raises(ConfigError):
             replica_mod.parse_store(bad)
+
+
+def test_the_checkpoint_group_is_gloo_on_gpus_too_made_once_and_a_failure_ends_the_replica(calls, monkeypatch) -> None:
+    r = replica_mod.join(env(backend="nccl", local_rank=1))
+    made: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        dist, "new_group", lambda backend, timeout: made.append((backend, timeout.total_seconds())) or "ckpt"
+    )
+    assert r.checkpoint_group(60.0) == "ckpt" and r.checkpoint_group(5.0) == "ckpt"
+    assert made == [("gloo", 60.0)]  # the saves' bytes are on the CPU; every rank made it once, at the start
+
+    def refuse(backend: str, timeout: object) -> None:
+        raise RuntimeError("rank 0 is gone")
+
+    monkeypatch.setattr(dist, "new_group", refuse)
+    monkeypatch.setattr(replica_mod, "_JOINED", None)
+    other = replica_mod.join(env(backend="gloo"))
+    with pytest.raises(ReplicaBroken, match="its checkpoint group could not be made: rank 0 is gone"):
+        other.checkpoint_group(60.0)

@@ -86,6 +86,7 @@ class Replica:
         except (RuntimeError, dist.DistError) as exc:
             raise ReplicaBroken(f"replica {self.id}: its {self.size} ranks did not meet: {exc}") from exc
         self._store = store  # the group holds it without keeping the Python object alive
+        self._checkpoint_group: dist.ProcessGroup | None = None
         self._prefixed = PrefixStore(f"replica/{self.id}/agree/", store)
         self.group = dist.group.WORLD
         from torch.distributed.device_mesh import init_device_mesh
@@ -106,6 +107,23 @@ class Replica:
         except (RuntimeError, dist.DistError) as exc:
             raise ReplicaBroken(f"replica {self.id}: {what} across its ranks failed: {exc}") from exc
         return [float(x) for x in t.tolist()]
+
+    def checkpoint_group(self, timeout_s: float) -> dist.ProcessGroup:
+        """A gloo group of the replica's ranks for the collectives of its durable saves (DCP's, on
+        the writer thread, apart from the training's): made at the first call, which every rank of
+        the replica makes at the same point (the trainer's start); ``timeout_s`` bounds how long a
+        rank waits there for the others' writes.
+
+        Raises:
+            ReplicaBroken: the replica's ranks did not all make it.
+        """
+        if self._checkpoint_group is None:
+            try:
+                self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            except (RuntimeError, dist.DistError) as exc:
+                raise ReplicaBroken(f"replica {self.id}: its checkpoint group could not be made: {exc}") from exc
+        assert self._checkpoint_group is not None
+        return self._checkpoint_group
 
     def outcome(self, key: str, values: tuple[int, int], bound: Bound) -> list[tuple[int, int]] | None:
         """Every rank's ``values`` for ``key`` (in shard order), through the replica's store: this

@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import queue
+import shutil
 import threading
 import time
 import zlib
@@ -88,6 +89,14 @@ def describe_failure(exc: Exception) -> tuple[str | None, str]:
     return None, f"{type(exc).__name__}: {exc}"
 
 
+def remove_path(path: Path) -> None:
+    """Delete a file, or a directory with what it holds (a sharded checkpoint's); gone already: fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -120,7 +129,7 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, view[done : done + CHUNK_BYTES])
 
 
-def _write_parts(tmp: Path, parts: list[memoryview], size: int | None) -> None:
+def write_parts(tmp: Path, parts: list[memoryview], size: int | None) -> None:
     """Create ``tmp`` and write ``parts`` into it, then fsync.
 
     With ``size``, every part is ``DIRECT_ALIGN``-aligned in memory and in length: the file is
@@ -155,7 +164,7 @@ def _write_parts(tmp: Path, parts: list[memoryview], size: int | None) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _tmp_path(directory: Path, name: str) -> Path:
+def tmp_path(directory: Path, name: str) -> Path:
     """The temp name ``name`` is written under before it is renamed into place (``.*.tmp.*``)."""
     return directory / f".{name}.tmp.{os.getpid()}"
 
@@ -172,9 +181,9 @@ def _write_durably(
     ``sync_dir``) fsync the directory.
 
     ``crc_job`` runs on a helper thread while the bytes are written (both release the GIL).
-    ``direct_size``: see ``_write_parts``.
+    ``direct_size``: see ``write_parts``.
     """
-    tmp = _tmp_path(directory, name)
+    tmp = tmp_path(directory, name)
     helper: threading.Thread | None = None
     errors: list[BaseException] = []
     if crc_job is not None:
@@ -189,7 +198,7 @@ def _write_durably(
         helper = threading.Thread(target=run, name="elasticd-ckpt-crc", daemon=True)
         helper.start()
     try:
-        _write_parts(tmp, parts, direct_size)
+        write_parts(tmp, parts, direct_size)
         os.rename(tmp, directory / name)
         if sync_dir:
             _fsync_dir(directory)
@@ -211,7 +220,7 @@ def _write_durably(
 
 
 @dataclass
-class _Job:
+class SaveJob:
     step: int
     generation: int
     epoch: int
@@ -220,15 +229,18 @@ class _Job:
     payload: torch.Tensor  # the snapshot (the writer's spare buffer), not the live arena
     padded: memoryview  # the same bytes and zeros to a DIRECT_ALIGN multiple, page-aligned
     pending: bool  # the step is not known committed: the checkpoint waits for ``confirm``
+    seq: int = -1  # the save's seq when it was chosen before the write (a sharded save), else -1
+    places: object = None  # what a subclass's ``_write`` needs besides the bytes (a sharded save's)
 
 
 @dataclass(frozen=True)
-class _Pending:
+class PendingSave:
     """A save whose files are written and fsynced, its manifest under a temp name (invisible)."""
 
     step: int
     saved: SavedCheckpoint
     manifest_tmp: Path
+    data_tmp: Path | None = None  # data written under a temp name, renamed to ``saved.path`` at publish
 
 
 class CheckpointWriter:
@@ -278,9 +290,9 @@ class CheckpointWriter:
         self._idle.set()
         self._lock = threading.Lock()
         self._outstanding = 0  # saves and verdicts queued or running
-        self._queue: queue.Queue[_Job | Callable[[], None] | None] = queue.Queue()
+        self._queue: queue.Queue[SaveJob | Callable[[], None] | None] = queue.Queue()
         self._unsettled: list[int] = []  # the training thread's: steps of pending saves without a verdict
-        self._pending: list[_Pending] = []  # the writer thread's: written, waiting for their verdict
+        self._pending: list[PendingSave] = []  # the writer thread's: written, waiting for their verdict
         self._seq = -1  # the last seq used; read from the directory at the first save
         self._thread: threading.Thread | None = None
         self.saved: list[SavedCheckpoint] = []  # published, oldest first
@@ -306,13 +318,21 @@ class CheckpointWriter:
             True if the snapshot was taken and queued; False if it was skipped (previous write stuck).
         """
         if not self._idle.wait(self._wait_s):
-            log.warning(
-                "checkpoint_skipped",
-                step=state.counters.step,
-                reason=f"the previous write still runs after checkpoint_wait_s={self._wait_s}",
-            )
-            self._last_save_at = self._clock()
-            return False
+            return self._skip(state, "the previous write still runs")
+        return self._enqueue(state, generation, pending)
+
+    def _skip(self, state: TrainingState, why: str) -> bool:
+        """Skip the save due now (``checkpoint_skipped``); False."""
+        log.warning(
+            "checkpoint_skipped", step=state.counters.step, reason=f"{why} after checkpoint_wait_s={self._wait_s}"
+        )
+        self._last_save_at = self._clock()
+        return False
+
+    def _enqueue(
+        self, state: TrainingState, generation: int, pending: bool, seq: int = -1, places: object = None
+    ) -> bool:
+        """Snapshot ``state`` into the spare buffer and queue its write; True."""
         layout, arena = state.pack()
         n = arena.numel()
         if self._spare is None or self._spare.numel() != n:
@@ -321,7 +341,18 @@ class CheckpointWriter:
         self._spare.copy_(arena)  # the only work on the training thread: one memcpy
         c = state.counters
         assert self._spare_map is not None
-        job = _Job(c.step, generation, c.epoch, c.position, layout, self._spare, memoryview(self._spare_map), pending)
+        job = SaveJob(
+            c.step,
+            generation,
+            c.epoch,
+            c.position,
+            layout,
+            self._spare,
+            memoryview(self._spare_map),
+            pending,
+            seq,
+            places,
+        )
         self._last_save_at = self._clock()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="elasticd-ckpt-writer", daemon=True)
@@ -364,7 +395,7 @@ class CheckpointWriter:
         if not self._thread.is_alive():
             self._thread = None
 
-    def _submit(self, item: _Job | Callable[[], None]) -> None:
+    def _submit(self, item: SaveJob | Callable[[], None]) -> None:
         with self._lock:
             self._outstanding += 1
             self._idle.clear()
@@ -381,7 +412,7 @@ class CheckpointWriter:
                     self._drop(p, "not confirmed when the writer closed")
                 return
             try:
-                if isinstance(item, _Job):
+                if isinstance(item, SaveJob):
                     self._run(item)
                 else:
                     item()  # a verdict (``_settle``)
@@ -393,11 +424,13 @@ class CheckpointWriter:
                     if not self._outstanding:
                         self._idle.set()
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: SaveJob) -> None:
         try:
             pending = self._write(job)
         except Exception as exc:  # any failure of the write: report it, and stay alive
             self._failed(job.step, exc)
+            return
+        if pending is None:  # another rank publishes this save
             return
         if not job.pending:
             self._publish(pending)
@@ -437,10 +470,12 @@ class CheckpointWriter:
         if self._on_failed is not None:
             self._on_failed(step, exc)
 
-    def _publish(self, pending: _Pending) -> None:
+    def _publish(self, pending: PendingSave) -> None:
         """Rename the manifest into place and fsync the directory (it exists now); ``on_saved``; retention."""
         saved = pending.saved
         try:
+            if pending.data_tmp is not None:
+                os.rename(pending.data_tmp, saved.path)
             os.rename(pending.manifest_tmp, saved.path.with_suffix(".json"))
             _fsync_dir(self.directory)
         except OSError as exc:
@@ -463,12 +498,13 @@ class CheckpointWriter:
         except OSError as exc:
             log.warning("checkpoint_retention_failed", directory=str(self.directory), error=str(exc))
 
-    def _drop(self, pending: _Pending, why: str) -> None:
+    def _drop(self, pending: PendingSave, why: str) -> None:
         """Delete a pending save's files (its manifest first: never a manifest without data; one
         that cannot be deleted stays unseen, and retention removes it later)."""
-        for path in (pending.manifest_tmp, pending.saved.path):
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+        for path in (pending.manifest_tmp, pending.data_tmp, pending.saved.path):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    remove_path(path)
         log.info("checkpoint_discarded", step=pending.step, seq=pending.saved.manifest.seq, reason=why)
 
     def _next_seq(self) -> int:
@@ -477,7 +513,7 @@ class CheckpointWriter:
         self._seq += 1
         return self._seq
 
-    def _write(self, job: _Job) -> _Pending:
+    def _write(self, job: SaveJob) -> PendingSave:
         """Write the data file (renamed into place) and the manifest (fsynced under its temp name)."""
         started = time.monotonic()
         self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)  # as its files: not for other users
@@ -539,10 +575,10 @@ class CheckpointWriter:
             position=job.position,
             created=time.time(),
         )
-        tmp = _tmp_path(self.directory, name + ".json")
-        _write_parts(tmp, [memoryview(json.dumps(asdict(manifest), indent=1).encode())], None)
+        tmp = tmp_path(self.directory, name + ".json")
+        write_parts(tmp, [memoryview(json.dumps(asdict(manifest), indent=1).encode())], None)
         saved = SavedCheckpoint(self.directory / (name + ".ckpt"), manifest, time.monotonic() - started)
-        return _Pending(job.step, saved, tmp)
+        return PendingSave(job.step, saved, tmp)
 
     def _retain(self) -> None:
         """Keep the ``keep`` newest complete checkpoints of this model; remove its older ones, orphans
@@ -552,13 +588,15 @@ class CheckpointWriter:
         for e in removable([(e, signature_of(e)) for e in entries], self._signature, self._keep):
             for path in (e.manifest_path, e.data_path):  # manifest first: never a manifest without data
                 if path is not None:
-                    path.unlink(missing_ok=True)
+                    remove_path(path)
             log.info("checkpoint_removed", seq=e.seq, step=e.step, directory=str(self.directory))
         now = time.time()
-        pending_tmps = {p.manifest_tmp.name for p in self._pending}
+        pending_tmps = {p.manifest_tmp.name for p in self._pending} | {
+            p.data_tmp.name for p in self._pending if p.data_tmp is not None
+        }
         for tmp in self.directory.glob(".*.tmp.*"):
             try:
                 if tmp.name not in pending_tmps and now - tmp.stat().st_mtime > STALE_TMP_S:
-                    tmp.unlink(missing_ok=True)
+                    remove_path(tmp)
             except FileNotFoundError:
                 pass

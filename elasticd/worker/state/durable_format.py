@@ -27,6 +27,11 @@ Files of one checkpoint, in the directory of its job (``job_dir``: ``<checkpoint
   only, ``legacy_checksum_key``) and a CRC-32 of every other byte of the file; together they cover
   the whole file.
 
+A sharded model's checkpoint (``FORMAT_SHARDED``, written by ``shard.checkpoint``) is a
+torch.distributed.checkpoint directory ``<name>.dcp`` in place of ``<name>.ckpt``, with the same
+manifest (its ``shards``: the replica size that wrote it); ``verify`` refuses one, naming the
+``--replica-size`` it loads at.
+
 A checkpoint exists only once its manifest and its data file both do (a manifest without its data
 file is rejected as incomplete). ``seq`` grows with every save into the directory, so the newest
 save wins even when a job was resumed from an older step. Reading parses JSON and raw bytes only:
@@ -42,7 +47,8 @@ import re
 import struct
 import time
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 import structlog
@@ -55,6 +61,10 @@ from elasticd.worker.state.training import TrainingState
 log = structlog.get_logger(__name__)
 
 FORMAT = "elasticd-checkpoint"
+# A sharded model's checkpoint (replica_size K > 1): a torch.distributed.checkpoint directory
+# ``<name>.dcp`` that the K ranks of one replica write together (``shard.checkpoint``)
+FORMAT_SHARDED = "elasticd-dcp"
+SHARDED_VERSIONS = (1,)
 # 3: the checksum's seed covers the whole layout (param groups, optimizer scalars, registered
 # objects), not only the tensor entries; 2: the state checksum is XXH3 (1 was CRC-32)
 VERSION = 3
@@ -63,7 +73,7 @@ MAGIC = b"ELASTICD-CKPT\x00\x01\n"  # 16 bytes: a pickle, a zip (torch.save) or 
 HEADER_LEN = struct.Struct("<Q")
 CHUNK_BYTES = 16 << 20  # write and read in pieces of this size (large sequential I/O, bounded syscalls)
 MAX_HEADER_BYTES = 64 << 20  # a header claiming more is refused (a corrupt length must not allocate GBs)
-_NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|json)$")
+_NAME = re.compile(r"^(\d{8,})-step(\d{12,})\.(ckpt|dcp|json)$")
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Manifest:
     epoch: int
     position: int
     created: float  # wall clock
+    shards: int = 1  # FORMAT_SHARDED: the replica size K of the replica that wrote it (1: FORMAT)
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,7 @@ class Entry:
 
     seq: int
     step: int
-    data_path: Path | None
+    data_path: Path | None  # the .ckpt file, or a sharded checkpoint's .dcp directory
     manifest_path: Path | None
 
 
@@ -154,7 +165,10 @@ def scan(directory: Path) -> list[Entry]:
         m = _NAME.match(n)
         if m:
             found.setdefault((int(m.group(1)), int(m.group(2))), {})[m.group(3)] = directory / n
-    out = [Entry(seq, step, files.get("ckpt"), files.get("json")) for (seq, step), files in found.items()]
+    out = [
+        Entry(seq, step, files.get("ckpt") or files.get("dcp"), files.get("json"))
+        for (seq, step), files in found.items()
+    ]
     return sorted(out, key=lambda e: (e.seq, e.step), reverse=True)
 
 
@@ -173,6 +187,8 @@ def read_manifest(path: Path) -> Manifest:
         raise ValueError("manifest is not a JSON object")
     kwargs: dict[str, object] = {}
     for name, f in Manifest.__dataclass_fields__.items():
+        if name not in data and f.default is not MISSING:
+            continue  # a field added since, with its default
         if name not in data:
             raise ValueError(f"manifest lacks {name}")
         value = data[name]
@@ -184,13 +200,37 @@ def read_manifest(path: Path) -> Manifest:
             raise ValueError(f"manifest field {name} is not {kind}")
         kwargs[name] = float(value) if kind == "float" else value
     man = Manifest(**kwargs)  # type: ignore[arg-type]
-    if man.format != FORMAT or man.version not in READABLE_VERSIONS:
+    known = (man.format == FORMAT and man.version in READABLE_VERSIONS) or (
+        man.format == FORMAT_SHARDED and man.version in SHARDED_VERSIONS and man.shards > 1
+    )
+    if not known:
         raise ValueError(
             f"format {man.format!r} version {man.version} is not {FORMAT!r} version "
-            f"{' or '.join(map(str, READABLE_VERSIONS))}"
+            f"{' or '.join(map(str, READABLE_VERSIONS))}, nor {FORMAT_SHARDED!r} version "
+            f"{' or '.join(map(str, SHARDED_VERSIONS))}"
         )
     if "/" in man.file or man.file.startswith("."):
         raise ValueError(f"manifest names a file outside its directory: {man.file!r}")
+    return man
+
+
+def manifest_of(entry: Entry, shards: int) -> Manifest:
+    """``entry``'s manifest, checked to name its data, and to be one of a replica of ``shards``
+    ranks (1: ``FORMAT``, more: ``FORMAT_SHARDED``).
+
+    Raises:
+        ValueError: a file is missing, or the manifest is of another entry or replica size.
+        OSError: it cannot be read.
+    """
+    if entry.manifest_path is None:
+        raise ValueError("no manifest (an incomplete save)")
+    if entry.data_path is None:
+        raise ValueError("the manifest's data file is missing")
+    man = read_manifest(entry.manifest_path)
+    if man.shards != shards or (man.format == FORMAT_SHARDED) != (shards > 1):
+        raise ValueError(sharded_elsewhere(man.shards, shards))
+    if man.file != entry.data_path.name or man.seq != entry.seq or man.step != entry.step:
+        raise ValueError(f"manifest names {man.file} (seq {man.seq}, step {man.step}), not this checkpoint")
     return man
 
 
@@ -204,13 +244,8 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
         ValueError: a check failed; the message says which (the caller logs it and falls back).
         OSError: a file cannot be read.
     """
-    if entry.manifest_path is None:
-        raise ValueError("no manifest (an incomplete save)")
-    if entry.data_path is None:
-        raise ValueError("the manifest's data file is missing")
-    man = read_manifest(entry.manifest_path)
-    if man.file != entry.data_path.name or man.seq != entry.seq or man.step != entry.step:
-        raise ValueError(f"manifest names {man.file} (seq {man.seq}, step {man.step}), not this file")
+    man = manifest_of(entry, 1)
+    assert entry.data_path is not None
     size = entry.data_path.stat().st_size
     if size != man.file_bytes:
         raise ValueError(f"size {size} bytes, the manifest says {man.file_bytes} (truncated or overwritten)")
@@ -265,6 +300,16 @@ def verify(entry: Entry) -> tuple[Manifest, bytes, torch.Tensor]:
             f"{man.state_checksum:016x} (corrupt bytes)"
         )
     return man, json.dumps(layout).encode(), payload
+
+
+def sharded_elsewhere(saved: int, mine: int) -> str:
+    """Why a checkpoint written by replicas of ``saved`` ranks does not load in a worker of a
+    replica of ``mine`` ranks (pure)."""
+    what = "a sharded checkpoint" if saved > 1 else "a data-parallel checkpoint"
+    return (
+        f"{what} of replica_size {saved}, and this worker's replica_size is {mine}: it loads in a job "
+        f"whose agents run with --replica-size {saved}"
+    )
 
 
 def legacy_checksum_key(layout: dict[str, object]) -> bytes:
@@ -402,10 +447,18 @@ class LoadedCheckpoint:
     duration_s: float
 
 
-def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> LoadedCheckpoint | None:
+Reader = Callable[[Entry], tuple[Manifest, bytes, torch.Tensor]]
+# What a checkpoint that cannot be read or loaded raises: it is rejected, and the one before it tried
+_REJECTED = (ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError, OSError, ModelMismatch, StateCorrupt)
+
+
+def load_latest(
+    directory: Path, state: TrainingState, newer_than: int = -1, read: Reader = verify
+) -> LoadedCheckpoint | None:
     """Load the newest good checkpoint of ``directory`` into ``state``, if it is newer than ``newer_than``.
 
-    Checkpoints are tried newest (highest seq) first. One that fails a check, or does not fit this
+    Checkpoints are tried newest (highest seq) first, each checked and read by ``read`` (a
+    replica's rank: ``shard.checkpoint.read_shard``). One that fails a check, or does not fit this
     model, is logged (``checkpoint_rejected``, with the reason) and the previous one is tried.
 
     Returns:
@@ -425,22 +478,13 @@ def load_latest(directory: Path, state: TrainingState, newer_than: int = -1) -> 
             log.info("checkpoint_not_newer", path=str(shown), step=entry.step, held_step=newer_than)
             return None
         try:
-            man, layout, payload = verify(entry)
+            man, layout, payload = read(entry)
             if man.signature != state.signature:
                 raise ValueError(
                     f"model signature {man.signature[:12]} differs from this worker's {state.signature[:12]}"
                 )
             state.unpack(layout, payload)
-        except (
-            ValueError,
-            TypeError,
-            KeyError,
-            RecursionError,
-            UnicodeDecodeError,
-            OSError,
-            ModelMismatch,
-            StateCorrupt,
-        ) as exc:
+        except _REJECTED as exc:
             why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
             rejected.append(f"{shown.name}: {why}")
             log.warning(
