@@ -122,6 +122,7 @@ def _steps(directory: Path) -> int:
     return max((len(p.read_text().splitlines()) for p in directory.glob("*.jsonl")), default=0)
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_under_agents_a_worker_killed_a_node_lost_and_a_node_joining_mid_epoch(agent_job) -> None:
     # long enough that the new node (a fresh Python importing torch, ~3 s on a loaded machine) joins
     argv = (*ARGS, "--samples", "1024", "--steps", "200", "--step-sleep", "0.04")
@@ -198,6 +199,7 @@ def test_a_full_job_resume_continues_the_same_curve(local_job, tmp_path: Path) -
     _assert_replays(rec1 + rec2, final, argv)
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_a_stopped_worker_that_missed_steps_starts_again_as_a_newcomer(agent_job) -> None:
     # SIGSTOP past the lease: the other goes on alone; continued, the stopped one finds the job's
     # steps beyond its own mid-step, exits EXIT_REJOIN, and its agent starts it again at once.

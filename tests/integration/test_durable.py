@@ -178,6 +178,7 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_damaged_and_foreign_checkpoints_are_refused_and_the_previous_good_one_is_used(
     local_job: Any, tmp_path: Path
 ) -> None:

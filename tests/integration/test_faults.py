@@ -12,6 +12,7 @@ pytestmark = pytest.mark.timeout(180)
 SLOW = ("--step-sleep", "0.02")
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_sigkill_mid_step_survivors_finish_at_world_2(local_job):
     job = local_job(min_workers=2)
     for _ in range(3):
@@ -192,6 +193,7 @@ def test_an_etcd_outage_without_a_membership_change_does_not_stop_training(local
         assert "etcd_unreachable" in text and "etcd_reachable_again" in text, text[-3000:]
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_a_standby_beyond_max_workers_waits_without_forcing_generations(local_job):
     """A worker started while the job is at max_workers does not make every step vote a regroup (a
     new generation every few steps): it waits as a standby; when a member dies it takes its place."""
