@@ -211,7 +211,10 @@ class ChaosRun:
         self.ckpt_faults: list[CheckpointFault] = []  # closed ones; the open one in ckpt_open
         self.ckpt_open: CheckpointFault | None = None
         self.workdir = workdir
-        self.audit_dir = workdir / "audit"
+        self.audit_root = workdir / "audit"
+        # one file per node (<node>.jsonl), or with replica_size > 1 per worker (the agents' --audit-dir:
+        # <job>/<node>.<local rank>.jsonl)
+        self.audit_dir = self.audit_root / JOB_ID if settings.replica_size > 1 else self.audit_root
         self.config_file = workdir / "elasticd.toml"
         self._say = say
         self.rng = random.Random(settings.seed)
@@ -280,6 +283,8 @@ class ChaosRun:
 
     def program(self, audit_name: str) -> list[str]:
         common = ("--steps", str(self.s.steps), "--samples", str(SAMPLES), "--step-sleep", str(self.s.step_sleep_s))
+        if self.s.replica_size > 1:  # its workers' audit files: the agent's --audit-dir
+            return python_program("agents/mlp_sharded.py", *common, "--global-batch", str(GLOBAL_BATCH))
         audit = ("--audit", str(self.audit_dir / f"{audit_name}.jsonl"))
         if self.s.form == "dropin":  # its own loop; the global batch follows the world size
             return python_program("agents/mlp_dropin.py", *common, *audit, "--batch-size", str(GLOBAL_BATCH // 3))
@@ -298,6 +303,9 @@ class ChaosRun:
         # a worker killed again and again is restarted again, and its node never cordoned for it: the
         # crashes are the run's own
         flags = ["--max-restarts", "1000", "--cordon-crashes", "0"]
+        if self.s.replica_size > 1:
+            k = str(self.s.replica_size)
+            flags += ["--nproc-per-node", k, "--replica-size", k, "--audit-dir", str(self.audit_root)]
         if relayed(self.s.relay, host_index(name)):
             flags += ["--relay", "true"]
         if self.ckptfs is not None:
@@ -348,16 +356,31 @@ class ChaosRun:
     def worker_pids(self, node: Node) -> list[int]:
         return [p for p in group_pids([node.proc.pid])[node.proc.pid] if p != node.proc.pid]
 
+    def node_of(self, audit_name: str) -> str:
+        """The node an audit file's name belongs to (``audit_names``)."""
+        return audit_name.rsplit(".", 1)[0] if self.s.replica_size > 1 else audit_name
+
+    def audit_names(self, node: str) -> list[str]:
+        """The names of ``node``'s audit files: its own, or its workers' (``<node>.<local rank>``)."""
+        k = self.s.replica_size
+        return [node] if k == 1 else [f"{node}.{i}" for i in range(k)]
+
     def node_ready(self, node: Node, now: float) -> bool:
         if node.leaving or node.expected or now < node.busy_until or not node.proc.alive():
             return False
         if process_state(node.proc.pid) in (None, "T", "t", "Z"):
             return False
         pids = self.worker_pids(node)
-        if len(pids) != 1 or process_state(pids[0]) in (None, "T", "t", "Z"):
+        if len(pids) != self.s.replica_size or any(process_state(p) in (None, "T", "t", "Z") for p in pids):
             return False
-        start_pid, synced = self.node_start.get(node.name, (0, False))
-        return start_pid == pids[0] and synced
+        starts = [self.node_start.get(name, (0, False)) for name in self.audit_names(node.name)]
+        return sorted(pid for pid, _ in starts) == sorted(pids) and all(synced for _, synced in starts)
+
+    def unsynced(self, node: Node) -> None:
+        """``node`` is ready again only once its workers synced in a new generation."""
+        for name in self.audit_names(node.name):
+            pid, _ = self.node_start.get(name, (0, False))
+            self.node_start[name] = (pid, False)
 
     def view(self, now: float) -> ClusterView:
         live = self.live_nodes()
@@ -389,11 +412,11 @@ class ChaosRun:
         ttl = TIMEOUTS.lease_ttl_s
         kind = choice.kind
         node = self.find(choice.node) if choice.node is not None else None
-        pids = self.worker_pids(node) if node is not None else []
-        if node is not None and len(pids) != 1:
+        pids = sorted(self.worker_pids(node)) if node is not None else []
+        if node is not None and len(pids) != self.s.replica_size:
             self.say(f"skipped {kind} on {node.name}: it runs {len(pids)} workers now")
             return
-        pid = pids[0] if pids else 0
+        pid = self.rng.choice(pids) if len(pids) > 1 else pids[0] if pids else 0  # a fault hits one worker
         if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_ABORT, FaultKind.STRAGGLER, FaultKind.NAN_GRADS):
             assert node is not None
             self.signal_worker(kind, node, pid, now)
@@ -484,7 +507,7 @@ class ChaosRun:
         self.link_downs.append([node.name, t, math.inf])
         for p in self.worker_pids(node):
             self.life_of(p, node.name).cut_off.append([t, math.inf])
-        self.node_start[node.name] = (pid, False)  # ready again once it synced in a new generation
+        self.unsynced(node)  # ready again once it synced in a new generation
         # Busy until it was dropped, the link came back and it rejoined (node_ready then also
         # waits for its worker's new start and sync lines).
         node.busy_until = now + self.s.link_down_s + 2 * ttl + 3.0
@@ -705,7 +728,7 @@ class ChaosRun:
                 self.node_start[audit_name] = (pid, True)
                 if pid in self.lives and self.lives[pid].node not in self.flappers:  # not while it flaps
                     self.lives[pid].close_open(self.lives[pid].rejoining, now_t)
-                if self.full_world_t is None and as_int(rec["world_size"]) >= self.s.nodes:
+                if self.full_world_t is None and as_int(rec["world_size"]) >= self.s.workers(self.s.nodes):
                     self.full_world_t = as_float(rec["t"])
             elif event == "commit":
                 step = as_int(rec["step"])
@@ -807,10 +830,11 @@ class ChaosRun:
                 )
             if self.phase is Phase.STARTING:
                 if self.full_world_t is not None:
-                    self.begin_warmup_window(self.s.nodes)
+                    self.begin_warmup_window(self.s.workers(self.s.nodes))
                 elif now > start_deadline:
                     self.problems.append(
-                        f"the job did not train at world size {self.s.nodes} within {STARTUP_BOUND_S:g} s"
+                        f"the job did not train at world size {self.s.workers(self.s.nodes)} within "
+                        f"{STARTUP_BOUND_S:g} s"
                     )
                     self.say(self.problems[-1])
                     break
@@ -890,26 +914,25 @@ class ChaosRun:
         if self.phase is Phase.WARMUP:
             if time.time() < self.warmups[-1].end:
                 return False
-            if self.warm_world >= self.s.max_nodes:
+            if self.warm_world >= self.s.workers(self.s.max_nodes):
                 return True
             name = self.new_node_name()
+            grown = self.warm_world + self.s.replica_size
             if name is None:
-                self.problems.append(
-                    f"warm-up: no host address left for a node to grow to world size {self.warm_world + 1}"
-                )
+                self.problems.append(f"warm-up: no host address left for a node to grow to world size {grown}")
                 self.say(self.problems[-1])
                 return True
             self.phase = Phase.GROWING
             self.grow_deadline = now + GROW_BOUND_S
-            self.say(f"warm-up: starting {name} to measure world size {self.warm_world + 1}")
+            self.say(f"warm-up: starting {name} to measure world size {grown}")
             self.start_agent(name)
             return False
         if self.world > self.warm_world:  # the newest commit is at the bigger size
-            self.begin_warmup_window(self.warm_world + 1)
+            self.begin_warmup_window(self.warm_world + self.s.replica_size)
             return False
         if now > self.grow_deadline:
             self.problems.append(
-                f"warm-up: the job did not commit at world size {self.warm_world + 1} within "
+                f"warm-up: the job did not commit at world size {self.warm_world + self.s.replica_size} within "
                 f"{GROW_BOUND_S:g} s of starting one more agent"
             )
             self.say(self.problems[-1])
@@ -964,7 +987,7 @@ class ChaosRun:
                 except ValueError:
                     continue  # a killed worker's last line may be cut short
                 if isinstance(rec, dict):
-                    pairs.append((path.stem, rec))
+                    pairs.append((self.node_of(path.stem), rec))
         try:
             violations = tuple(audit_check([r for _, r in pairs], SAMPLES).violations)
         except (KeyError, TypeError, ValueError) as exc:
@@ -996,7 +1019,7 @@ class ChaosRun:
             end_t=time.time(),
             warmups=tuple(self.warmups),
             link_down=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_downs),
-            max_world=self.s.max_nodes,  # one worker per node
+            max_world=self.s.workers(self.s.max_nodes),
             discarded=discarded,
             marks=tuple(marks),
             link_flaps=tuple(LinkDown(str(d[0]), as_float(d[1]), as_float(d[2])) for d in self.link_flaps),
@@ -1093,7 +1116,9 @@ def run_bug(run: ChaosRun, as_json: bool) -> int:
 def place_here(args: argparse.Namespace, netns: bool, no_netns: str) -> Place:
     """What this run has for the kinds that need more than agents and etcd (probes a mount as root)."""
     no_mount = no_mount_here() if args.scenario == "faults" else "--scenario bug"
-    return Place(args.etcd_members, "" if netns else no_netns, no_mount, no_poison(args.form, args.fp16))
+    return Place(
+        args.etcd_members, "" if netns else no_netns, no_mount, no_poison(args.form, args.fp16, args.replica_size)
+    )
 
 
 def hosts(plan: NetnsPlan | None, ip: str | None, no_netns: str, say: Callable[[str], None]) -> NetnsHosts | None:

@@ -424,6 +424,11 @@ class Settings:
     mix: str = "uniform"  # uniform (every kind covered alike) or production (PRODUCTION_MIX's weights)
     scenario: str = "faults"  # faults (random faults) or bug (the same exception at one step on every rank)
     raise_at_step: int = 0  # the bug scenario's step
+    replica_size: int = 1  # workers per node, one replica sharding the model (agents/mlp_sharded.py); 1: agents/mlp.py
+
+    def workers(self, nodes: int) -> int:
+        """The world size of ``nodes`` nodes (each runs ``replica_size`` workers)."""
+        return nodes * self.replica_size
 
     @property
     def checkpoints(self) -> bool:
@@ -472,6 +477,15 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         help="faults: random faults, judged by the invariants; bug: no fault, a workload that raises the same "
         "exception at --raise-at-step on every rank, judged by how the job stops (every agent exits 3, "
         "elasticctl status names the step and the exception). Default faults",
+    )
+    p.add_argument(
+        "--replica-size",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each node's agent runs K workers that shard the model among themselves with FSDP2 "
+        "(agents/mlp_sharded.py, --replica-size K; docs/sharded.md), data parallel across the nodes; "
+        "a worker fault hits one of them. Default 1: one worker per node (agents/mlp.py)",
     )
     p.add_argument(
         "--raise-at-step",
@@ -586,10 +600,18 @@ def _check_workload(args: argparse.Namespace) -> None:
         raise ConfigError(f"--raise-at-step: at least 1, got {args.raise_at_step}")
     if args.scenario == "bug" and (args.form != "short" or args.fp16):
         raise ConfigError("--scenario bug: runs agents/mlp.py (--form short) without --fp16")
+    if args.replica_size < 1:
+        raise ConfigError(f"--replica-size: at least 1, got {args.replica_size}")
+    if args.replica_size > 1 and (args.form != "short" or args.device != "cpu" or args.scenario != "faults"):
+        raise ConfigError(
+            "--replica-size: more than 1 runs agents/mlp_sharded.py on the CPU, with --form short and --scenario faults"
+        )
 
 
-def no_poison(form: str, fp16: bool) -> str:
+def no_poison(form: str, fp16: bool, replica_size: int = 1) -> str:
     """Why the workload cannot take nan_grads' poison ("" when it can)."""
+    if replica_size > 1:
+        return f"--replica-size {replica_size} (agents/mlp_sharded.py has none)"
     if form != "short":
         return "--form dropin (agents/mlp_dropin.py has none)"
     if fp16:
@@ -657,4 +679,5 @@ def make_settings(args: argparse.Namespace, netns: bool = False, place: Place | 
         mix=args.mix,
         scenario=args.scenario,
         raise_at_step=args.raise_at_step if args.scenario == "bug" else 0,
+        replica_size=args.replica_size,
     )

@@ -1340,3 +1340,35 @@ def test_judge_bug(kw, failing) -> None:
     assert {i.name for i in invariants if not i.ok} == failing
     text = render_bug(invariants, 30, 2, "/tmp/x")
     assert ("result: PASS" in text) == (not failing) and text.count("PASS") + text.count("FAIL") == 5
+
+
+def test_a_sharded_run_counts_k_workers_a_node_and_reads_their_audit_files_by_node(tmp_path) -> None:
+    settings = dataclasses.replace(
+        Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 10, 5.0), replica_size=2
+    )
+    assert settings.workers(3) == 6
+    run = ChaosRun(settings, tmp_path, lambda _text: None)
+    assert run.audit_dir == tmp_path / "audit" / "chaos"  # the agents' --audit-dir, per job
+    assert run.audit_names("node-1") == ["node-1.0", "node-1.1"]
+    assert run.node_of("node-1.1") == "node-1"
+    flat = ChaosRun(Settings(1.0, 5.0, 7, (FaultKind.WORKER_KILL,), 3, 2, 4, 1, 5.0, 0.05, 10, 5.0), tmp_path, print)
+    assert flat.audit_names("node-1") == ["node-1"] and flat.node_of("node-1") == "node-1"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--replica-size", "0"], "--replica-size: at least 1"),
+        (["--replica-size", "2", "--form", "dropin"], "--replica-size: more than 1 runs agents/mlp_sharded.py"),
+        (["--replica-size", "2", "--scenario", "bug"], "--replica-size: more than 1 runs agents/mlp_sharded.py"),
+    ],
+)
+def test_a_sharded_run_refuses_what_its_workload_cannot_do(flags: list[str], message: str) -> None:
+    from elasticd.chaos.schedule import make_settings, parse_args
+
+    with pytest.raises(ConfigError, match=message):
+        make_settings(parse_args(["--minutes", "1", *flags]))
+    assert make_settings(parse_args(["--minutes", "1", "--replica-size", "2"])).replica_size == 2
+    assert "agents/mlp_sharded.py has none" in Place(1, no_poison=no_poison("short", False, 2)).missing(
+        FaultKind.NAN_GRADS
+    )
