@@ -33,12 +33,16 @@ MANIFEST = re.compile(r"^(\d{8})-step\d{12}\.json$")
 
 def complete_checkpoints(job_dir: Path) -> tuple[int, ...]:
     """The seqs of the complete checkpoints in a job's directory (a manifest in place beside its
-    data file), oldest first; () when the directory cannot be read."""
+    data file, or a sharded checkpoint's directory), oldest first; () when the directory cannot be read."""
     try:
         names = set(os.listdir(job_dir))
     except OSError:
         return ()
-    seqs = [int(m.group(1)) for n in names if (m := MANIFEST.match(n)) and n.removesuffix(".json") + ".ckpt" in names]
+    seqs = [
+        int(m.group(1))
+        for n in names
+        if (m := MANIFEST.match(n)) and {n.removesuffix(".json") + s for s in (".ckpt", ".dcp")} & names
+    ]
     return tuple(sorted(seqs))
 
 

@@ -5,6 +5,7 @@ of a replica writing one together, on real processes: ``tests/integration/test_s
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from elasticd.worker.shard.checkpoint import places, read_shard, rest_start, sharded_state
+from elasticd.worker.shard.checkpoint import cause_of, places, read_shard, rest_start, sharded_state
 from elasticd.worker.state.checksum import checksum_key, state_checksum
 from elasticd.worker.state.durable_format import (
     FORMAT_SHARDED,
@@ -163,3 +165,14 @@ def test_a_manifest_without_the_shards_field_reads_as_one_shard(tmp_path: Path) 
     entry.manifest_path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="is not 'elasticd-checkpoint'"):  # a sharded format needs shards > 1
         read_manifest(entry.manifest_path)
+
+
+def test_a_failed_dcp_save_is_reported_as_the_os_error_that_caused_it(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    state = _state(0, 1)
+    layout_bytes, arena = state.pack()
+    sd = sharded_state(layout_bytes, arena, places(json.loads(layout_bytes), state), 0, torch.tensor([0]))
+    with pytest.raises(CheckpointException) as raised:  # a BaseException: the writer thread must not let it by
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "a-file" / "x.dcp"), no_dist=True)
+    cause = cause_of(raised.value)
+    assert isinstance(cause, OSError) and cause.errno in (errno.ENOTDIR, errno.EEXIST), cause

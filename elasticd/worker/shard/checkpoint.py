@@ -205,10 +205,12 @@ class ShardedCheckpointWriter(CheckpointWriter):
         sd = sharded_state(job.layout, job.payload, placed, self._replica.shard, torch.tensor([checksum]))
         try:
             dcp.save(sd, storage_writer=FileSystemWriter(tmp), process_group=self._group)
-        except BaseException:
+        except BaseException as exc:
             if self._replica.shard == 0:
                 with contextlib.suppress(OSError):
                     remove_path(tmp)
+            if isinstance(exc, CheckpointException):  # a BaseException: say what failed, as an Exception
+                raise cause_of(exc) from exc
             raise
         if self._replica.shard != 0:
             return None
@@ -239,6 +241,17 @@ class ShardedCheckpointWriter(CheckpointWriter):
         write_parts(manifest_tmp, [memoryview(json.dumps(manifest.__dict__, indent=1).encode())], None)
         saved = SavedCheckpoint(final, manifest, time.monotonic() - started)
         return PendingSave(job.step, saved, manifest_tmp, data_tmp=tmp)
+
+
+def cause_of(exc: CheckpointException) -> Exception:
+    """What failed in a DCP save or load, as the writer reports it: the first ``OSError`` of any
+    rank (its errno names the cause: EROFS, ENOSPC), else the first exception, else a RuntimeError."""
+    failures = [pair[0] for _, pair in sorted(exc.failures.items())]
+    for failure in failures:
+        if isinstance(failure, OSError):
+            return failure
+    first = next((f for f in failures if isinstance(f, Exception)), None)
+    return first if first is not None else RuntimeError(str(exc)[:500])
 
 
 def read_shard(entry: Entry, state: TrainingState, shard: int, size: int) -> tuple[Manifest, bytes, torch.Tensor]:
