@@ -151,6 +151,8 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
         assert _max_diff(torch.load(path, weights_only=True), ref) < PARAM_ATOL, path.name
 
     newest = _checkpoints(job)[-1]
+    assert newest.stat().st_mode & 0o777 == 0o750  # the model is never world-readable
+    assert {f.stat().st_mode & 0o777 for f in newest.iterdir()} == {0o640}
     out = tmp_path / "plain.pt"
     subprocess.run([sys.executable, "tests/programs/load_dcp.py", str(newest), str(out)], check=True, timeout=120)
     plain = torch.load(out, weights_only=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import time
 import warnings
@@ -214,6 +215,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
             raise
         if self._replica.shard != 0:
             return None
+        private(tmp)
         final = self.directory / (name + DATA_SUFFIX)
         manifest = Manifest(
             format=FORMAT_SHARDED,
@@ -241,6 +243,14 @@ class ShardedCheckpointWriter(CheckpointWriter):
         write_parts(manifest_tmp, [memoryview(json.dumps(manifest.__dict__, indent=1).encode())], None)
         saved = SavedCheckpoint(final, manifest, time.monotonic() - started)
         return PendingSave(job.step, saved, manifest_tmp, data_tmp=tmp)
+
+
+def private(directory: Path) -> None:
+    """The job's model is never world-readable: ``directory`` 0750 and its files 0640, as a
+    data-parallel checkpoint's (DCP creates them with the process's umask)."""
+    os.chmod(directory, 0o750)
+    for f in directory.iterdir():
+        os.chmod(f, 0o640)
 
 
 def cause_of(exc: CheckpointException) -> Exception:
