@@ -646,7 +646,9 @@ def _shard_like_params(
     optim_state: dict[int, dict[str, object]], optimizer: torch.optim.Optimizer
 ) -> dict[int, dict[str, object]]:
     """``optim_state``, where a parameter is sharded (a DTensor) with its optimizer state tensors
-    of the parameter's local shape (moments; not a scalar step) made DTensors sharded as it is."""
+    of the parameter's local shape (moments; not a scalar step) made DTensors sharded as it is,
+    each over a copy of its own: a DTensor over a view of the received buffer cannot be deep-copied,
+    and the next ``unpack`` deep-copies the optimizer's state to restore it if loading fails."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for idx, st in optim_state.items():
         p = params[idx] if 0 <= idx < len(params) else None
@@ -656,7 +658,7 @@ def _shard_like_params(
         for key, value in st.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape:
                 st[key] = DTensor.from_local(
-                    value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    value.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 )
     return optim_state
 
