@@ -52,6 +52,7 @@ class Final:
     node: str
     step: int
     checksum: str
+    shard: int = 0  # a sharded job's rank holds its shard: checksums compare within one shard index
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def parse_commits(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Com
 
 def parse_finals(pairs: Iterable[tuple[str, Mapping[str, object]]]) -> list[Final]:
     return [
-        Final(node, as_int(r["step"]), str(r["checksum"]))
+        Final(node, as_int(r["step"]), str(r["checksum"]), as_int(r.get("shard", 0)))
         for node, r in pairs
         if r.get("event") == "final" and not (r.get("branch") or r.get("never_joined"))
     ]  # a branch's bytes are not the job's

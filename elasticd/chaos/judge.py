@@ -160,17 +160,18 @@ def find_stalls(
 
 
 def final_findings(finals: Sequence[Final], last_step: int) -> list[str]:
-    """Problems with the final parameters: workers that left at the same step differ, or no worker
-    finished at the last step."""
-    by_step: dict[int, set[str]] = {}
+    """Problems with the final parameters: workers that left at the same step differ (a sharded
+    job's: those of one shard index), or no worker finished at the last step."""
+    by_step: dict[tuple[int, int], set[str]] = {}
     for f in finals:
-        by_step.setdefault(f.step, set()).add(f.checksum)
+        by_step.setdefault((f.step, f.shard), set()).add(f.checksum)
     out = [
-        f"workers that ended at step {step} hold different parameters: {sorted(sums)}"
-        for step, sums in sorted(by_step.items())
+        f"workers that ended at step {step} hold different parameters{f' (shard {shard})' if shard else ''}: "
+        f"{sorted(sums)}"
+        for (step, shard), sums in sorted(by_step.items())
         if len(sums) > 1
     ]
-    if last_step and last_step not in by_step:
+    if last_step and last_step not in {step for step, _ in by_step}:
         out.append(f"no worker wrote a final line at the last step {last_step}")
     return out
 

@@ -25,6 +25,7 @@ from elasticd.errors import ConfigError
 # The shortest lease etcd grants with its default election settings (its minimum TTL is ~2 s).
 TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
 STEP_OVERHEAD_S = 0.015  # per-step cost besides --step-sleep on a small machine (for the step estimate)
+SHARDED_STEP_OVERHEAD_S = 0.09  # the same with --replica-size 2 (FSDP2's collectives in each replica, 8 workers)
 GROW_ESTIMATE_S = 10.0  # warm-up: about how long one more agent takes to join (for the step estimate)
 STANDBY_NODES = 1  # node_join may start this many agents beyond max_nodes: standbys waiting for a place
 
@@ -385,9 +386,9 @@ def warmup_estimate_s(warmup_s: float, nodes: int, max_nodes: int) -> float:
     return warmup_s * sizes + GROW_ESTIMATE_S * (sizes - 1)
 
 
-def estimate_steps(step_sleep_s: float, seconds: float) -> int:
+def estimate_steps(step_sleep_s: float, seconds: float, overhead_s: float = STEP_OVERHEAD_S) -> int:
     """Steps a fault-free job of this workload commits in ``seconds`` on a small machine."""
-    return max(50, math.ceil(seconds / (step_sleep_s + STEP_OVERHEAD_S)))
+    return max(50, math.ceil(seconds / (step_sleep_s + overhead_s)))
 
 
 def link_down_s_default(lease_ttl_s: float) -> float:
@@ -643,7 +644,9 @@ def make_settings(args: argparse.Namespace, netns: bool = False, place: Place | 
         args.steps
         if args.steps is not None
         else estimate_steps(
-            args.step_sleep, warmup_estimate_s(args.warmup_s, args.nodes, max_nodes) + args.minutes * 60.0 + 10.0
+            args.step_sleep,
+            warmup_estimate_s(args.warmup_s, args.nodes, max_nodes) + args.minutes * 60.0 + 10.0,
+            SHARDED_STEP_OVERHEAD_S if args.replica_size > 1 else STEP_OVERHEAD_S,
         )
     )
     if steps < 20:

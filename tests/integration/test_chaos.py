@@ -145,3 +145,35 @@ def test_soak_thirty_minutes_of_faults(tmp_path: Path) -> None:
     assert isinstance(injected, dict)
     assert set(injected) >= {k.value for k in kinds_possible(3)}  # link_down too where netns works
     assert all(n >= 1 for n in injected.values()), injected
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(600)
+def test_a_sharded_run_keeps_every_invariant(tmp_path: Path) -> None:
+    """``--replica-size 2``: each node a replica of two FSDP2 workers, every kind possible for it
+    (no ``nan_grads``) injected, sharded checkpoints under the checkpoint faults where root can mount."""
+    netns = not _why_not_netns()
+    place = Place(3, "" if netns else "--no-netns", no_mount_here(), "--replica-size 2")
+    code, report, err = _run_chaos(
+        tmp_path / "sharded",
+        560,
+        "--replica-size",
+        "2",
+        "--minutes",
+        "3",
+        "--mean-interval-s",
+        "4",
+        "--etcd-members",
+        "3",
+        "--min-nodes",
+        "1",
+        "--seed",
+        "5",
+        "--netns" if netns else "--no-netns",
+    )
+    assert not _failed(report), f"{_failed(report)}\nstalls {report['stalls']}\n{err[-5000:]}"
+    assert code == 0 and report["ok"] is True
+    injected = report["injected"]
+    assert isinstance(injected, dict) and "nan_grads" not in injected
+    assert set(injected) == {k.value for k in kinds_possible(3, place=place)}, injected
+    assert report["steps"] == report["target_steps"]

@@ -178,6 +178,9 @@ def test_a_stall_names_the_faults_just_before_and_during_it() -> None:
         ([Final("a", 100, "x"), Final("b", 100, "z")], 100, 1),  # differ at the end
         ([Final("a", 40, "y"), Final("c", 40, "w"), Final("b", 100, "x")], 100, 1),  # differ at a drain
         ([Final("a", 40, "y")], 100, 1),  # nobody finished
+        # a sharded job: each shard index holds its own bytes
+        ([Final("a", 100, "x", 0), Final("a", 100, "u", 1), Final("b", 100, "x", 0), Final("b", 100, "u", 1)], 100, 0),
+        ([Final("a", 100, "x", 0), Final("a", 100, "u", 1), Final("b", 100, "x", 0), Final("b", 100, "v", 1)], 100, 1),
     ],
 )
 def test_final_findings(finals, last, problems) -> None:
