@@ -27,9 +27,11 @@ from elasticd.worker.shard.checkpoint import ShardedCheckpointWriter, read_shard
 from elasticd.worker.shard.replica import Replica
 from elasticd.worker.state.durable import CheckpointWriter
 from elasticd.worker.state.durable_format import (
+    Entry,
     LoadedCheckpoint,
     job_dir,
     load_latest,
+    read_manifest,
     refuse_new_model,
     scan,
     signature_of,
@@ -167,8 +169,8 @@ class Checkpoints:
         return loaded.manifest.step
 
     def _refuse_unloadable(self) -> None:
-        """Checkpoints of this model are there but none loads (damaged, or the registered state
-        differs: a scheduler or an EMA added since): starting over from step 1 would silently drop
+        """Checkpoints of this model are there but none loads (damaged, the registered state
+        differs: a scheduler or an EMA added since, or saved at another replica size): starting over from step 1 would silently drop
         their progress, so stop unless ``checkpoint_allow_new_model``. Nothing is deleted. A data
         file without its manifest is no checkpoint (a save never confirmed, or cut off) and counts
         for nothing here.
@@ -177,22 +179,28 @@ class Checkpoints:
             CheckpointModelChanged: such checkpoints exist and the setting is off.
         """
         try:
-            steps = [
-                e.step
-                for e in scan(self.directory)
-                if e.manifest_path is not None and signature_of(e) == self._state.signature
-            ]
+            found = [(e.step, _shards(e)) for e in scan(self.directory) if signature_of(e) == self._state.signature]
         except OSError:
             return
-        if not steps:
+        found = [(step, shards) for step, shards in found if shards]
+        if not found:
             return
+        steps = [step for step, _ in found]
         if self.config.checkpoint_allow_new_model:
             log.warning("checkpoint_none_usable_started_over", directory=str(self.directory), steps=steps[:5])
             return
+        sizes, mine = sorted({shards for _, shards in found}), self._replica.size if self._replica else 1
+        why, fix = (
+            ("damaged, or registered state that differs from this worker's register() calls", "Fix the registrations")
+            if mine in sizes
+            else (
+                f"saved at replica_size {', '.join(map(str, sizes))}, and this worker's is {mine}",
+                f"Start the agents with --replica-size {sizes[-1]}",
+            )
+        )
         raise CheckpointModelChanged(
             f"{self.directory} holds {len(steps)} checkpoint(s) of this model (newest step {steps[0]}) and none "
-            f"loads (see checkpoint_rejected: damaged, or registered state that differs from this worker's "
-            f"register() calls); refusing to start over from step 1. Fix the registrations, or set "
+            f"loads (see checkpoint_rejected: {why}); refusing to start over from step 1. {fix}, or set "
             f"checkpoint_allow_new_model to start over (nothing is deleted)"
         )
 
@@ -202,6 +210,17 @@ class Checkpoints:
         steps in the journal first)."""
         if self._writer is not None:
             self._writer.close()
+
+
+def _shards(entry: Entry) -> int:
+    """The replica size a checkpoint was saved at (its manifest's ``shards``); 0 without a readable
+    manifest (a data file without one is no checkpoint: a save never confirmed, or cut off)."""
+    if entry.manifest_path is None:
+        return 0
+    try:
+        return read_manifest(entry.manifest_path).shards
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError):
+        return 0
 
 
 def _failure_recorder(journal: Journal, directory: Path, generation: list[int]) -> Callable[[int, Exception], None]:

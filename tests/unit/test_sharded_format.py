@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+from types import SimpleNamespace
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elasticd import ElasticTrainer
+from elasticd.config import CheckpointConfig, WorkerEnv, WorldConfig
+from elasticd.errors import CheckpointModelChanged
 from elasticd.worker.shard.checkpoint import cause_of, places, read_shard, rest_start, sharded_state
 from elasticd.worker.state.checksum import checksum_key, state_checksum
 from elasticd.worker.state.durable_format import (
@@ -23,6 +27,7 @@ from elasticd.worker.state.durable_format import (
     Entry,
     Manifest,
     checkpoint_name,
+    job_dir,
     load_latest,
     read_manifest,
     scan,
@@ -176,3 +181,30 @@ def test_a_failed_dcp_save_is_reported_as_the_os_error_that_caused_it(tmp_path: 
         dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "a-file" / "x.dcp"), no_dist=True)
     cause = cause_of(raised.value)
     assert isinstance(cause, OSError) and cause.errno in (errno.ENOTDIR, errno.EEXIST), cause
+
+
+@pytest.mark.parametrize(("shards", "mine"), [(2, 1), (4, 2)])
+def test_a_worker_that_finds_only_checkpoints_of_another_replica_size_stops_naming_the_flag(
+    tmp_path: Path, shards: int, mine: int
+) -> None:
+    directory = job_dir(tmp_path, "job")
+    directory.mkdir(parents=True)
+    _save(_state(0, 2), directory, seq=1, shards=shards)
+    before = sorted(p.name for p in directory.iterdir())
+    model = _state(1, 0).model
+    trainer = ElasticTrainer(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        dataset_size=16,
+        global_batch_size=4,
+        env=WorkerEnv(node_id="n0", world=WorldConfig(job_id="job")),
+        checkpoint=CheckpointConfig(checkpoint_dir=str(tmp_path)),
+    )
+    if mine > 1:  # a rank of a replica of ``mine`` (no schedule: no checkpoint group is made)
+        trainer.checkpoints.shard_over(SimpleNamespace(size=mine, shard=0))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointModelChanged) as info:
+        trainer.checkpoints.resume(-1)
+    assert f"saved at replica_size {shards}, and this worker's is {mine}" in str(info.value)
+    assert f"Start the agents with --replica-size {shards}" in str(info.value)
+    assert sorted(p.name for p in directory.iterdir()) == before  # nothing deleted
+    assert trainer.state.counters.step == 0
