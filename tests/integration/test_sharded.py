@@ -6,7 +6,7 @@ Tolerance of the equivalence: every step averages the same global batch as the o
 reference (agents/mlp_sharded.py --reference, no elasticd), but the sharded job sums it in another
 order (FSDP2's reduce-scatter inside a replica, then the sum across replicas, each rank's loss
 weighted by its share), so float32 rounding differs (~1e-7 relative per sum) and AdamW carries it
-on. Measured here after ~550 steps with a kill, a stop, a join and a whole-job resume from a
+on. Measured here after 400-600 steps with a kill, a stop, a join and a whole-job resume from a
 sharded checkpoint: max |param diff| 3e-8. Leaving one
 batch out, late (step 450, at a sixteenth of the learning rate), moves them by 2e-5
 (``test_a_left_out_batch_moves_the_parameters_past_the_tolerance``). We allow 1e-6: 30x what was
@@ -105,7 +105,7 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
     checkpoint, lost with the job, once more after it), every replica's shards end identical, the
     parameters equal a fault-free run in one process, and a plain script loads a checkpoint with
     torch.distributed.checkpoint alone. The first run trains on until it is killed; the second one
-    ends 100 steps after the checkpoint it resumed from."""
+    ends 50 steps after the checkpoint it resumed from."""
     job = agent_job(join_window_s=1.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=50)
     agents = {n: _start(job, n, steps=10 * STEPS) for n in ("a", "b", "c")}
     job.wait_for(lambda: _commits(job) >= 20, 120, "step 20 at three replicas")
@@ -133,7 +133,7 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
     assert sorted(e["local_rank"] for e in agents["c"].events("replica_worker_killed")) == [0, 1]
     resumed_at = _step_of(_checkpoints(job)[-1])
     assert first.last_step >= resumed_at
-    last = resumed_at + 100
+    last = resumed_at + 50
     ref = _reference(tmp_path, last)
 
     agents = {n: _start(job, n, run=2, steps=last) for n in ("a", "b", "c")}  # three replicas, of the same size
@@ -157,5 +157,6 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
     out = tmp_path / "plain.pt"
     subprocess.run([sys.executable, "tests/programs/load_dcp.py", str(newest), str(out)], check=True, timeout=120)
     plain = torch.load(out, weights_only=True)
-    assert _max_diff(plain["model"], _reference(tmp_path, _step_of(newest))) < PARAM_ATOL
+    at = _step_of(newest)
+    assert _max_diff(plain["model"], ref if at == last else _reference(tmp_path, at)) < PARAM_ATOL
     assert plain["optim"]["0.weight"]["exp_avg"].shape == ref["0.weight"].shape
