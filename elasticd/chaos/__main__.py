@@ -416,7 +416,8 @@ class ChaosRun:
         if node is not None and len(pids) != self.s.replica_size:
             self.say(f"skipped {kind} on {node.name}: it runs {len(pids)} workers now")
             return
-        pid = self.rng.choice(pids) if len(pids) > 1 else pids[0] if pids else 0  # a fault hits one worker
+        # a fault hits one worker; one alone is no draw (a data-parallel run's schedule stays the seed's)
+        pid = self.rng.choice(pids) if len(pids) > 1 else pids[0] if pids else 0
         if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_ABORT, FaultKind.STRAGGLER, FaultKind.NAN_GRADS):
             assert node is not None
             self.signal_worker(kind, node, pid, now)

@@ -29,12 +29,12 @@ from elasticd.worker.state.durable import CheckpointWriter
 from elasticd.worker.state.durable_format import (
     Entry,
     LoadedCheckpoint,
+    Manifest,
     job_dir,
     load_latest,
     read_manifest,
     refuse_new_model,
     scan,
-    signature_of,
     verify,
 )
 from elasticd.worker.state.extras import load_in_place
@@ -170,26 +170,25 @@ class Checkpoints:
 
     def _refuse_unloadable(self) -> None:
         """Checkpoints of this model are there but none loads (damaged, the registered state
-        differs: a scheduler or an EMA added since, or saved at another replica size): starting over from step 1 would silently drop
-        their progress, so stop unless ``checkpoint_allow_new_model``. Nothing is deleted. A data
-        file without its manifest is no checkpoint (a save never confirmed, or cut off) and counts
-        for nothing here.
+        differs: a scheduler or an EMA added since, or saved at another replica size): starting
+        over from step 1 would silently drop their progress, so stop unless
+        ``checkpoint_allow_new_model``. Nothing is deleted. A data file without its manifest is no
+        checkpoint (a save never confirmed, or cut off) and counts for nothing here.
 
         Raises:
             CheckpointModelChanged: such checkpoints exist and the setting is off.
         """
         try:
-            found = [(e.step, _shards(e)) for e in scan(self.directory) if signature_of(e) == self._state.signature]
+            found = [m for m in map(_manifest, scan(self.directory)) if m and m.signature == self._state.signature]
         except OSError:
             return
-        found = [(step, shards) for step, shards in found if shards]
         if not found:
             return
-        steps = [step for step, _ in found]
+        steps = [m.step for m in found]
         if self.config.checkpoint_allow_new_model:
             log.warning("checkpoint_none_usable_started_over", directory=str(self.directory), steps=steps[:5])
             return
-        sizes, mine = sorted({shards for _, shards in found}), self._replica.size if self._replica else 1
+        sizes, mine = sorted({m.shards for m in found}), self._replica.size if self._replica else 1
         why, fix = (
             ("damaged, or registered state that differs from this worker's register() calls", "Fix the registrations")
             if mine in sizes
@@ -212,15 +211,15 @@ class Checkpoints:
             self._writer.close()
 
 
-def _shards(entry: Entry) -> int:
-    """The replica size a checkpoint was saved at (its manifest's ``shards``); 0 without a readable
-    manifest (a data file without one is no checkpoint: a save never confirmed, or cut off)."""
+def _manifest(entry: Entry) -> Manifest | None:
+    """A checkpoint's manifest, read once; None without a readable one (a data file without a
+    manifest is no checkpoint: a save never confirmed, or cut off)."""
     if entry.manifest_path is None:
-        return 0
+        return None
     try:
-        return read_manifest(entry.manifest_path).shards
+        return read_manifest(entry.manifest_path)
     except (OSError, ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError):
-        return 0
+        return None
 
 
 def _failure_recorder(journal: Journal, directory: Path, generation: list[int]) -> Callable[[int, Exception], None]:

@@ -62,7 +62,6 @@ from elasticd.worker.state.durable_format import (
     Manifest,
     checkpoint_name,
     manifest_of,
-    scan,
 )
 from elasticd.worker.state.training import TrainingState, local_shard
 
@@ -184,12 +183,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
         if busy:
             return self._skip(state, "a rank of the replica still writes the previous save")
         self._seq = round(seq_sum)
-        return self._enqueue(state, generation, pending, seq=self._seq, places=places(state.layout(), state))
-
-    def _peek_seq(self) -> int:
-        if self._seq < 0:
-            self._seq = max((e.seq for e in scan(self.directory)), default=0)
-        return self._seq + 1
+        return self._enqueue(state, generation, pending, seq=self._seq, describe=lambda layout: places(layout, state))
 
     def _write(self, job: SaveJob) -> PendingSave | None:
         """Write this rank's shard into the save's temp directory (DCP, over the replica's

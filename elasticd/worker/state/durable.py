@@ -330,10 +330,17 @@ class CheckpointWriter:
         return False
 
     def _enqueue(
-        self, state: TrainingState, generation: int, pending: bool, seq: int = -1, places: object = None
+        self,
+        state: TrainingState,
+        generation: int,
+        pending: bool,
+        seq: int = -1,
+        describe: Callable[[dict[str, object]], object] | None = None,
     ) -> bool:
-        """Snapshot ``state`` into the spare buffer and queue its write; True."""
+        """Snapshot ``state`` into the spare buffer and queue its write; True. ``describe``: what
+        a subclass's ``_write`` needs of the layout packed (``SaveJob.places``)."""
         layout, arena = state.pack()
+        places = describe(json.loads(layout)) if describe is not None else None
         n = arena.numel()
         if self._spare is None or self._spare.numel() != n:
             self._spare_map = aligned_bytes(n)  # past n it stays zero: written, then truncated away
@@ -507,10 +514,14 @@ class CheckpointWriter:
                     remove_path(path)
         log.info("checkpoint_discarded", step=pending.step, seq=pending.saved.manifest.seq, reason=why)
 
-    def _next_seq(self) -> int:
+    def _peek_seq(self) -> int:
+        """The seq the next save takes (the directory's highest, read at the first save, plus one)."""
         if self._seq < 0:
             self._seq = max((e.seq for e in scan(self.directory)), default=0)
-        self._seq += 1
+        return self._seq + 1
+
+    def _next_seq(self) -> int:
+        self._seq = self._peek_seq()
         return self._seq
 
     def _write(self, job: SaveJob) -> PendingSave:
