@@ -674,8 +674,8 @@ class AgentConfig:
         metadata={
             "doc": "Relay the job's generation keys to this node's workers (--relay): the agent watches them "
             "once and reads the workers' view once per change for all of them (relay.node), "
-            "so etcd serves one watcher per node instead of one per worker; each worker keeps its "
-            "own lease. Elastic mode."
+            "so etcd serves one watcher per node instead of one per worker; its workers hold member "
+            "leases of the relay (relay.leases) under the node's one etcd lease. Elastic mode."
         },
     )
     max_restarts: int = field(

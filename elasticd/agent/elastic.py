@@ -253,6 +253,7 @@ class Agent(AgentDaemon):
             c.node_id,
             os.path.join(tempfile.mkdtemp(prefix="elasticd-relay-"), "relay.sock"),
             c.timeouts,
+            node_lease=self._presence.lease_now if self._presence is not None else None,
         )
         try:
             relay.start()
@@ -736,7 +737,13 @@ class Agent(AgentDaemon):
             # Normal after a clean exit (the worker revoked its own lease) or a death before joining.
             log.info("worker_record_not_found", local_rank=local_rank, pid=pid)
             return
+        node_lease = self._relay.node_lease if self._relay is not None else 0
         for member, lease in found:
+            if node_lease and lease == node_lease:  # a member lease of this node's relay (relay.leases)
+                assert self._relay is not None
+                done = self._relay.release_members([member], self._config.timeouts.etcd_request_s)
+                log.info("worker_released", local_rank=local_rank, pid=pid, member=member, deleted=done)
+                continue
             try:
                 self._store.revoke_lease(lease)
             except LeaseLost:

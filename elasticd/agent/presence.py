@@ -191,6 +191,11 @@ class NodePresence:
     def drain_seen(self) -> bool:
         return self._drain_seen
 
+    def lease_now(self) -> tuple[int, bool]:
+        """The node's lease (0: none now) and whether its last renewal was answered: the node's one
+        etcd lease, which the node's relay holds its workers' records under (``relay.leases``)."""
+        return self._lease, not self._failing
+
     def claim(
         self, record: NodeRecord, wait: Callable[[float], None], stopping: Callable[[], bool], job: str = ""
     ) -> ClaimDecision:

@@ -66,6 +66,7 @@ SETTLE_S, SETTLE_MAX_S = 0.5, 30.0
 IDLE_S = 3.0  # the idle window between the rounds: the steady-state cost of N members
 EVENTS_TIMEOUT_S = 30.0  # bound on the calibration's watch events reaching the watchers
 POLL_S = 0.05  # how often the calibration looks at its watch events
+NODES_PER_PROCESS = 32  # with --nodes: the nodes' members one process runs, as threads (K = this x --per-node)
 LONGEST_PID = 4_194_303  # Linux's pid_max (2^22 - 1): the walls are computed for the longest member ids
 # Calibration sizes: enough work that etcd's CPU (10 ms ticks in /proc) is measured to a few %.
 CAL_REQUESTS, CAL_WRITES, CAL_RECORDS, CAL_READS, CAL_WATCHERS, CAL_PUTS = 400, 100, 300, 40, 100, 100
@@ -422,27 +423,7 @@ def render(result: Mapping[str, object]) -> str:
         "calibration (costs per operation, this run): "
         + ", ".join(f"{k} {v * 1e6:.3g} us" if "byte" not in k else f"{k} {v * 1e9:.3g} ns" for k, v in costs.items()),
     ]
-    model = result["model"]
-    assert isinstance(model, list)
-    measured = [phases.get(p, {}).get("all_learned_s") for p in ("join", "leave")]
-    lines += [
-        "",
-        f"model of the coordinated protocol, to the last member learned (predict(); here: all on "
-        f"{result['cores']:g} cores, to check against the measured {fmt(measured[0])} s join, "
-        f"{fmt(measured[1])} s leave; fleet: each member on its own host, etcd on {result['cores']:g} "
-        "cores); a join round's etcd CPU and bytes sent with the reads per member measured here ("
-        + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"])
-        + " per join, leave)",
-        f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
-        f"{'etcd cpu':>9} {'sent':>9} {'fleet 3fe7fcf':>14}  walls on a stock etcd",
-    ]
-    for row in model:
-        lines.append(
-            f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
-            f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
-            f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s  "
-            f"{'; '.join(row['walls']) or '-'}"
-        )
+    lines += _model_lines(result, phases)
     walls_at = result["walls"]
     assert isinstance(walls_at, dict)
     lines += [
@@ -457,10 +438,46 @@ def render(result: Mapping[str, object]) -> str:
     return "\n".join(lines)
 
 
+def _model_lines(result: Mapping[str, object], phases: Mapping[str, Mapping[str, float | None]]) -> list[str]:
+    """The model's table: its predictions at the measured N and at ``MODEL_N``."""
+    lines: list[str] = []
+    model = result["model"]
+    assert isinstance(model, list)
+    measured = [phases.get(p, {}).get("all_learned_s") for p in ("join", "leave")]
+    lines += [
+        "",
+        f"model of the coordinated protocol, to the last member learned (predict(); here: all on "
+        f"{result['cores']:g} cores, to check against the measured {fmt(measured[0])} s join, "
+        f"{fmt(measured[1])} s leave; fleet: each member on its own host, etcd on {result['cores']:g} "
+        "cores); a join round's etcd CPU and bytes sent with the reads per member measured here ("
+        + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"])
+        + " per join, leave)",
+        f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
+        f"{'etcd cpu':>9} {'sent':>9} {'no coordinator':>14} {'renewals/s':>11} {'their cores':>12}  "
+        "walls on a stock etcd",
+    ]
+    for row in model:
+        lines.append(
+            f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
+            f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
+            f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s "
+            f"{row['renewals_per_s']:>11.0f} {row['renewal_etcd_cores']:>12.3f}  "
+            f"{'; '.join(row['walls']) or '-'}"
+        )
+    return lines
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """``rendezvous``'s flags."""
     d = RendezvousSettings()
     p.add_argument("--members", type=int, default=d.members, help="lightweight members (N)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="nodes of --per-node members each (sets --members to their product; "
+        f"--per-process defaults to {NODES_PER_PROCESS} nodes' members)",
+    )
     p.add_argument("--per-process", type=int, default=d.per_process, help="members per process, as threads (K)")
     p.add_argument(
         "--per-node",
@@ -487,6 +504,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run_cmd(args: argparse.Namespace) -> int:
     """``rendezvous``: run it, print the figures; 1 when a round could not be measured."""
+    if args.nodes:
+        if args.nodes < 1 or args.per_node < 2:
+            raise SystemExit("--nodes takes --per-node of at least 2 (a node's members share its relay)")
+        args.members = args.nodes * args.per_node
+        if args.per_process == RendezvousSettings().per_process:
+            args.per_process = NODES_PER_PROCESS * args.per_node
     if args.members < 2 or args.per_process < 1:
         raise SystemExit("--members must be >= 2 (one leaves) and --per-process >= 1")
     if args.per_node < 1 or args.per_process % args.per_node or args.members % args.per_node:

@@ -92,6 +92,10 @@ class CountingStore:
         self._n("delete")
         self._inner.delete(key)
 
+    def delete_held(self, items: Sequence[tuple[str, bytes | None]], lease: int) -> int:
+        self._n("delete_held", len(items))
+        return self._inner.delete_held(items, lease)
+
     def compare_and_put(
         self,
         key: str,

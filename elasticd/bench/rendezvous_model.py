@@ -27,7 +27,7 @@ STOCK_MAX_TXN_OPS = 128  # etcd --max-txn-ops
 STOCK_MAX_REQUEST_BYTES = 1536 * 1024  # etcd --max-request-bytes (1.5 MiB)
 GRPC_MAX_RECEIVE_BYTES = 4 * 1024 * 1024  # gRPC's default largest message a client receives
 KV_OVERHEAD_B = 30  # protobuf framing of one KeyValue in a range response (revisions, version, lease)
-MODEL_N = (1000, 4000, 16000)
+MODEL_N = (1024, 4096, 16384)  # 128, 512 and 2,048 nodes of 8
 # Writes on a round's critical path, one after another (each waits for etcd's WAL fsync; the reads
 # between them are the sweeps): join = a ready put, the publish; leave = the revoke, a ready put,
 # the publish.
@@ -87,8 +87,8 @@ class Sizes:
 
     def publish_request(self, n: int, deletes: bool = False) -> int:
         """The publish transaction: the generation record and its event (both list the N ids, as
-        ``"id", ``), plus ~1 kB of rest; ``deletes``: and one delete per consumed ready key (before
-        3fe7fcf)."""
+        ``"id", ``), plus ~1 kB of rest; ``deletes``: and one delete per consumed ready key (a
+        publish that deletes them, as an alternative design would)."""
         return 1024 + 2 * n * (self.member_id + 4) + (n * (self.ready_key + 4) if deletes else 0)
 
 
@@ -127,13 +127,13 @@ def first_n(over: Callable[[int], bool], limit: int = 10**6) -> int | None:
 
 
 def wall_thresholds(sizes: Sizes) -> dict[str, int | None]:
-    """The first N at which each wall of a stock etcd applies (``*_before_3fe7fcf``: with the publish
-    that deleted the consumed ready keys)."""
+    """The first N at which each wall of a stock etcd applies (``*_deleting_ready``: with a publish
+    that deletes the consumed ready keys)."""
     return {
         "publish_txn_ops": first_n(lambda n: publish_ops(n) > STOCK_MAX_TXN_OPS),
-        "publish_txn_ops_before_3fe7fcf": first_n(lambda n: publish_ops(n, True) > STOCK_MAX_TXN_OPS),
+        "publish_txn_ops_deleting_ready": first_n(lambda n: publish_ops(n, True) > STOCK_MAX_TXN_OPS),
         "publish_request_bytes": first_n(lambda n: sizes.publish_request(n) > STOCK_MAX_REQUEST_BYTES),
-        "publish_request_bytes_before_3fe7fcf": first_n(
+        "publish_request_bytes_deleting_ready": first_n(
             lambda n: sizes.publish_request(n, True) > STOCK_MAX_REQUEST_BYTES
         ),
         "full_read_grpc_message": first_n(lambda n: sizes.full_read(n) > GRPC_MAX_RECEIVE_BYTES),
@@ -310,6 +310,14 @@ def round_times(start: float, published: float | None, learned: Iterable[float])
     }
 
 
+def renewals_per_s(n: int, per_node: int, timeouts: Timeouts) -> float:
+    """etcd's lease renewals per second for ``n`` members at ``per_node`` per node: one per node per
+    ``keepalive_s`` with node relays (the node's one lease: ``relay.leases``), one per member
+    without. Pure."""
+    holders = math.ceil(n / per_node) if per_node > 1 else n
+    return holders / timeouts.keepalive_s
+
+
 def model_rows(
     costs: Costs,
     sizes: Sizes,
@@ -344,6 +352,8 @@ def model_rows(
                 "leave_etcd_cpu_s": leave.etcd_cpu_s,
                 "leave_bytes_sent": leave.bytes_sent,
                 "join_fleet_s_before": before.fleet_s,
+                "renewals_per_s": renewals_per_s(n, per_node, timeouts),
+                "renewal_etcd_cores": renewals_per_s(n, per_node, timeouts) * costs.etcd_per_request_s,
                 "reads_per_member": (r_join, r_leave),
                 "walls": walls(n, sizes),
             }

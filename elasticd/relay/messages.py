@@ -1,7 +1,7 @@
 """The node relay's messages and the rule that serves a relayed view (``relay.node``).
 
 Owns the frames a relay sends (``Frame``: its newest good read of the members' view and its newest
-failure), the put requests a worker sends and their replies, their codecs (a length, then JSON;
+failure), the put and lease requests a worker sends and their replies, their codecs (a length, then JSON;
 anything else is refused with ``RelayError``), and ``serve``: whether a frame answers a member's
 view read. Pure: no I/O, no clock.
 """
@@ -113,21 +113,40 @@ def _frame_of(d: dict[str, object]) -> Frame:
 
 @dataclass(frozen=True)
 class PutRequest:
-    """A worker's leased put, sent to its relay."""
+    """A worker's put under the lease its relay granted it, sent to its relay."""
 
     id: int
     key: str
     value: bytes
     lease: int
+    expected: int = -1  # -1: a put; else a compare-and-put on the key's mod_revision (0: absent)
+
+
+class LeaseOp(enum.Enum):
+    GRANT = "grant"  # a member lease under the node's lease: Reply.revision is its id, Reply.lease the node's
+    RENEW = "renew"  # Reply.ttl_s: what is left of it (0: gone)
+    REVOKE = "revoke"  # its keys are deleted before the reply
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """A worker's request about its member lease, sent to its relay."""
+
+    id: int
+    op: LeaseOp
+    lease: int = 0
 
 
 @dataclass(frozen=True)
 class Reply:
-    """The relay's answer to a ``PutRequest``: the revision written, or why not."""
+    """The relay's answer to a ``PutRequest`` or ``LeaseRequest``: the revision written (a
+    compare-and-put that failed its compare: 0), the lease granted, the TTL left, or why not."""
 
     id: int
     revision: int = 0
-    error: str = ""  # "" written; LEASE_LOST: the lease is gone; else etcd did not answer, and why
+    error: str = ""  # "" done; LEASE_LOST: the lease is gone; else etcd did not answer, and why
+    ttl_s: float = 0.0
+    lease: int = 0
 
 
 LEASE_LOST = "lease_lost"
@@ -138,12 +157,22 @@ def _framed(d: dict[str, object]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def encode_request(r: PutRequest) -> bytes:
-    return _framed({"put": r.id, "key": r.key, "value": base64.b64encode(r.value).decode(), "lease": r.lease})
+def encode_request(r: PutRequest | LeaseRequest) -> bytes:
+    if isinstance(r, LeaseRequest):
+        return _framed({"lease_op": r.id, "op": r.op.value, "lease": r.lease})
+    return _framed(
+        {
+            "put": r.id,
+            "key": r.key,
+            "value": base64.b64encode(r.value).decode(),
+            "lease": r.lease,
+            "expected": r.expected,
+        }
+    )
 
 
 def encode_reply(r: Reply) -> bytes:
-    return _framed({"reply": r.id, "revision": r.revision, "error": r.error})
+    return _framed({"reply": r.id, "revision": r.revision, "error": r.error, "ttl_s": r.ttl_s, "lease": r.lease})
 
 
 def _object(body: bytes) -> dict[str, object]:
@@ -160,22 +189,30 @@ def _ints(*values: object) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
-def decode_request(body: bytes) -> PutRequest:
-    """The put request whose JSON is ``body``.
+def decode_request(body: bytes) -> PutRequest | LeaseRequest:
+    """The put or lease request whose JSON is ``body``.
 
     Raises:
-        RelayError: ``body`` is not one.
+        RelayError: ``body`` is neither.
     """
     d = _object(body)
-    key, value = d.get("key"), d.get("value")
     lease = d.get("lease")
-    if not (_ints(d.get("put"), lease) and isinstance(key, str) and isinstance(value, str) and 0 <= lease < 2**63):  # type: ignore[operator]
+    if not (_ints(lease) and 0 <= lease < 2**63):  # type: ignore[operator]
+        raise RelayError("a request without a lease")
+    if "lease_op" in d:
+        if not _ints(d["lease_op"]) or d.get("op") not in {op.value for op in LeaseOp}:
+            raise RelayError("not a lease request")
+        return LeaseRequest(d["lease_op"], LeaseOp(d["op"]), lease)  # type: ignore[arg-type]
+    key, value, expected = d.get("key"), d.get("value"), d.get("expected", -1)
+    if not (
+        _ints(d.get("put"), expected) and isinstance(key, str) and isinstance(value, str) and -1 <= expected < 2**63  # type: ignore[operator]
+    ):
         raise RelayError("not a put request")
     try:
         raw = base64.b64decode(value, validate=True)
     except ValueError as exc:
         raise RelayError(f"a put request's value: {exc}") from exc
-    return PutRequest(d["put"], key, raw, d["lease"])  # type: ignore[arg-type]
+    return PutRequest(d["put"], key, raw, lease, expected)  # type: ignore[arg-type]
 
 
 def decode_message(body: bytes) -> Frame | Reply:
@@ -186,9 +223,16 @@ def decode_message(body: bytes) -> Frame | Reply:
     """
     d = _object(body)
     if "reply" in d:
-        if not (_ints(d["reply"], d.get("revision")) and isinstance(d.get("error"), str)):
+        ttl_s = d.get("ttl_s", 0.0)
+        if not (
+            _ints(d["reply"], d.get("revision"), d.get("lease", 0))
+            and isinstance(d.get("error"), str)
+            and isinstance(ttl_s, (int, float))
+            and not isinstance(ttl_s, bool)
+            and math.isfinite(ttl_s)
+        ):
             raise RelayError("a reply of the wrong shape")
-        return Reply(d["reply"], d["revision"], d["error"])  # type: ignore[arg-type]
+        return Reply(d["reply"], d["revision"], d["error"], float(ttl_s), d.get("lease", 0))  # type: ignore[arg-type]
     return _frame_of(d)
 
 

@@ -8,9 +8,16 @@ at least every ``relay_heartbeat_s``, and sends each read to its workers over a 
 worker's ``RelayedStore`` answers the membership's view reads and watches from those frames and
 sends its member and ready records to the relay, which writes what its workers
 sent meanwhile in one transaction (``put_many``: a node's registrations and ready records are one
-request, not one per worker); everything else (its lease and renewals, the coordinator's full reads,
-the unleased writes) goes straight to etcd. Each worker keeps its own lease, so a crashed worker is
-still seen at once (its agent revokes it).
+request, not one per worker); everything else (the coordinator's full reads, the unleased writes)
+goes straight to etcd.
+
+One etcd lease per node: the relay grants each worker a member lease of its own (``relay.leases``)
+under the node's lease (its agent's, or one of the relay's), answers its renewals at once from
+memory, writes its leased records (member, ready, progress, the coordinator's seat) under the
+node's lease, and deletes them when the member lease ends: the worker's socket closes (at once),
+no renewal for ``lease_ttl_s``, a revoke by the worker, or a release by the agent
+(``release_members``). Each delete is conditional on the key's lease (and the seat's value), and
+runs on the writer thread after the puts queued before it.
 
 The rules that keep a relayed view as good as a read of its own (``serve``, pure):
 
@@ -39,17 +46,20 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import structlog
 
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
+from elasticd.relay.leases import MemberLeases
 from elasticd.relay.messages import (
     HEADER,
     LEASE_LOST,
     MAX_FRAME,
     Frame,
+    LeaseOp,
+    LeaseRequest,
     PutRequest,
     RelayError,
     Reply,
@@ -68,6 +78,18 @@ log = structlog.get_logger(__name__)
 LISTEN_BACKLOG = 256  # a node's workers connect at once when the agent starts them
 MAX_BATCH = 100  # puts in one transaction (etcd's default --max-txn-ops is 128)
 RECV_CHUNK = 65536
+MIN_WAIT_S = 0.01  # the lease loop's least wait: a member lease due now is ended, not spun on
+
+
+class _End:
+    """Ended member leases whose keys the write loop deletes, in order with the puts (``done``:
+    set once they are deleted, or the node's lease that held them ended)."""
+
+    def __init__(self, leases: list[int], node: int) -> None:
+        self.leases = leases
+        self.node = node  # the node's lease the keys were written under
+        self.keys: list[tuple[str, bytes | None]] = []
+        self.done = threading.Event()
 
 
 # -- the agent's side ---------------------------------------------------------------------------
@@ -110,16 +132,33 @@ class NodeRelay:
     it; writes the leased puts its workers send, batched."""
 
     def __init__(
-        self, store: KeyValueStore, keys: Keys, node: str, path: str, timeouts: Timeouts, clock: Clock = time.monotonic
+        self,
+        store: KeyValueStore,
+        keys: Keys,
+        node: str,
+        path: str,
+        timeouts: Timeouts,
+        clock: Clock = time.monotonic,
+        node_lease: Callable[[], tuple[int, bool]] | None = None,
     ) -> None:
+        """``node_lease``: the node's lease as its agent holds it (its node record's: the id, and
+        whether its last renewal was answered), which this relay then neither renews nor revokes;
+        None: the relay holds a lease of its own."""
         self._store, self._keys, self._node, self.path = store, keys, node, path
         self._timeouts, self._clock = timeouts, clock
         self._lock = threading.Lock()
         self._frame = Frame(seq=0)
         self._clients: list[_Client] = []
         self._closing: list[_Client] = []  # dropped, to be closed by the serve thread
-        self._puts: queue.Queue[tuple[_Client, PutRequest]] = queue.Queue()
-        self._carry: tuple[_Client, PutRequest] | None = None  # the write loop's next batch starts with it
+        self._puts: queue.Queue[tuple[_Client | None, PutRequest | LeaseRequest | _End]] = queue.Queue()
+        self._carry: tuple[_Client | None, PutRequest | LeaseRequest | _End] | None = None  # the write loop's next item
+        self._leases = MemberLeases(timeouts.lease_ttl_s)
+        self.node_lease = 0  # the node's etcd lease (0: none: etcd did not grant one)
+        self._node_ok = False  # its last renewal was answered: etcd holds it
+        self._unreleased: list[_End] = []  # ended leases whose keys etcd did not delete yet: retried
+        self._retry_at = 0.0  # ... every keepalive_s
+        self._lease_wake = threading.Event()
+        self._borrowed = node_lease
         self._changed = threading.Event()  # a watched key changed: read now
         self._send = threading.Event()  # a new read or failure: send now
         self._stop = threading.Event()
@@ -145,12 +184,19 @@ class NodeRelay:
         self._sock = sock
         self._selector.register(sock, selectors.EVENT_READ, None)
         self._cancel = [self._store.watch_prefix(p, self._changed.set) for p in self._keys.member_watch]
+        if self._borrowed is not None:
+            self.node_lease, self._node_ok = self._borrowed()
+            if not self.node_lease:
+                raise EtcdUnavailable("the agent holds no node lease yet")
+        else:
+            self.node_lease, self._node_ok = self._store.grant_lease(self._timeouts.lease_ttl_s), True
         self._changed.set()
         for name, target in (
             ("read", self._read_loop),
             ("send", self._send_loop),
             ("serve", self._serve_loop),
             ("write", self._write_loop),
+            ("lease", self._lease_loop),
         ):
             t = threading.Thread(target=target, name=f"elasticd-relay-{name}", daemon=True)
             t.start()
@@ -158,9 +204,11 @@ class NodeRelay:
         log.info("relay_started", node=self._node, path=self.path)
 
     def close(self) -> None:
+        """Stop, and revoke the node's lease: whatever its workers still hold goes at once."""
         self._stop.set()
         self._changed.set()
         self._send.set()
+        self._lease_wake.set()
         for cancel in self._cancel:
             try:
                 cancel()
@@ -180,6 +228,11 @@ class NodeRelay:
             os.unlink(self.path)
         except OSError:
             pass
+        if self.node_lease and self._borrowed is None:
+            try:
+                self._store.revoke_lease(self.node_lease)
+            except (EtcdUnavailable, LeaseLost) as exc:  # it ends by its TTL
+                log.info("node_lease_revoke_failed", node=self._node, error=str(exc)[:200])
 
     # -- the view -------------------------------------------------------------------------------
 
@@ -243,6 +296,8 @@ class NodeRelay:
             for c in dropped:
                 c.gone = True
                 self._closing.append(c)
+            leases = [lease for c in dropped for lease in self._leases.of_owner(c)]
+        self._end(leases, "its worker's connection closed")
         for c in dropped:
             with c.lock:
                 try:
@@ -310,7 +365,11 @@ class NodeRelay:
                     break
                 body = bytes(client.buf[HEADER.size : HEADER.size + length])
                 del client.buf[: HEADER.size + length]
-                self._puts.put((client, decode_request(body)))
+                request = decode_request(body)
+                if isinstance(request, LeaseRequest) and request.op is not LeaseOp.REVOKE:
+                    self._reply([(client, self._answer_lease(client, request))])
+                else:
+                    self._puts.put((client, request))
         except BlockingIOError:
             return
         except RelayError as exc:  # not what a worker sends: refused
@@ -320,52 +379,222 @@ class NodeRelay:
             self._drop([client])
 
     def _write_loop(self) -> None:
-        """Write what the workers sent meanwhile in one transaction (at most ``MAX_BATCH`` puts)."""
+        """Write what the workers sent meanwhile in one transaction (at most ``MAX_BATCH`` puts);
+        a compare-and-put, a revoke and the keys of ended member leases each on their own, in the
+        order they came."""
         while not self._stop.is_set():
+            if self._unreleased and self._clock() >= self._retry_at:
+                self._retry_unreleased()
             if self._carry is not None:
-                batch, self._carry = [self._carry], None
+                first, self._carry = self._carry, None
             else:
                 try:
-                    batch = [self._puts.get(timeout=self._timeouts.relay_heartbeat_s)]
+                    first = self._puts.get(timeout=self._timeouts.relay_heartbeat_s)
                 except queue.Empty:
                     continue
-            keys = {batch[0][1].key}
-            while len(batch) < MAX_BATCH:
-                try:
-                    item = self._puts.get_nowait()
-                except queue.Empty:
-                    break
-                if item[1].key in keys:  # etcd refuses a key twice in one transaction: next batch
-                    self._carry = item
-                    break
-                keys.add(item[1].key)
-                batch.append(item)
-            # A worker that left this relay (it heard nothing for relay_stale_s: this agent was
-            # stopped) writes its records itself: one queued here must not land after its own.
-            batch = [(c, r) for c, r in batch if c.connected()]
-            if not batch:
-                continue
-            for client, reply in self._write(batch):
-                if not client.send_now(encode_reply(reply)):
-                    self._drop([client])
+            try:
+                self._write_from(first)
+            except Exception:  # a bug: its requests go unanswered (their workers leave the relay)
+                log.exception("relay_write_failed", node=self._node)
+
+    def _write_from(self, first: tuple[_Client | None, PutRequest | LeaseRequest | _End]) -> None:
+        client, request = first
+        if isinstance(request, _End):
+            self._release(request)
+            return
+        assert client is not None
+        if isinstance(request, LeaseRequest):
+            self._revoke(client, request)
+            return
+        if request.expected >= 0:
+            self._reply([(client, self._compare_and_put(client, request))])
+            return
+        batch = [(client, request)]
+        keys = {request.key}
+        while len(batch) < MAX_BATCH:
+            try:
+                item = self._puts.get_nowait()
+            except queue.Empty:
+                break
+            c, r = item
+            if c is None or not isinstance(r, PutRequest) or r.expected >= 0 or r.key in keys:
+                self._carry = item  # etcd refuses a key twice in one transaction: next batch
+                break
+            keys.add(r.key)
+            batch.append((c, r))
+        # A worker that left this relay (it heard nothing for relay_stale_s: this agent was
+        # stopped) writes its records itself: one queued here must not land after its own.
+        self._reply(self._write([(c, r) for c, r in batch if c.connected()]))
+
+    def _reply(self, replies: list[tuple[_Client, Reply]]) -> None:
+        for client, reply in replies:
+            if not client.send_now(encode_reply(reply)):
+                self._drop([client])
+
+    def _admit(
+        self, batch: list[tuple[_Client, PutRequest]]
+    ) -> tuple[list[tuple[_Client, PutRequest]], list[tuple[_Client, Reply]]]:
+        """The puts that may be written now (their keys noted under their member leases), and the
+        answers to those that may not: their lease ended, or an ended lease's key is still to
+        delete (etcd did not answer its delete; a put after it must wait for it)."""
+        held = {k for e in self._unreleased for k, _ in e.keys}
+        admitted, refused = [], []
+        with self._lock:
+            for c, r in batch:
+                if r.key in held:
+                    refused.append((c, Reply(r.id, error="the relay has a delete of this key still to make")))
+                elif self._leases.note(r.lease, c, r.key, r.value if r.expected >= 0 else None):
+                    admitted.append((c, r))
+                else:
+                    refused.append((c, Reply(r.id, error=LEASE_LOST)))
+        return admitted, refused
 
     def _write(self, batch: list[tuple[_Client, PutRequest]]) -> list[tuple[_Client, Reply]]:
+        batch, out = self._admit(batch)
+        if not batch:
+            return out
+        node = self.node_lease
         try:
-            revision = self._store.put_many([(r.key, r.value, r.lease) for _, r in batch])
-            return [(c, Reply(r.id, revision)) for c, r in batch]
+            revision = self._store.put_many([(r.key, r.value, node) for _, r in batch])
+            return out + [(c, Reply(r.id, revision)) for c, r in batch]
         except EtcdUnavailable as exc:
-            return [(c, Reply(r.id, error=str(exc)[:300] or "etcd unavailable")) for c, r in batch]
-        except LeaseLost:
-            pass  # one of them: each alone, so the others are written
+            return out + [(c, Reply(r.id, error=str(exc)[:300] or "etcd unavailable")) for c, r in batch]
+        except LeaseLost:  # the node's lease ended: its member leases with it
+            self._lease_wake.set()
+            return out + [(c, Reply(r.id, error=LEASE_LOST)) for c, r in batch]
         except Exception as exc:
             log.exception("relay_write_failed", node=self._node)
-            return [(c, Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])) for c, r in batch]
-        out = []
-        for c, r in batch:
-            try:
-                out.append((c, Reply(r.id, self._store.put(r.key, r.value, r.lease))))
-            except LeaseLost:
-                out.append((c, Reply(r.id, error=LEASE_LOST)))
-            except Exception as exc:  # noqa: BLE001 (EtcdUnavailable, or refused: answer it)
-                out.append((c, Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])))
-        return out
+            return out + [(c, Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])) for c, r in batch]
+
+    def _compare_and_put(self, client: _Client, r: PutRequest) -> Reply:
+        """The coordinator's seat: a compare-and-put under the node's lease (revision 1: written,
+        0: the compare failed)."""
+        admitted, refused = self._admit([(client, r)])
+        if refused:
+            return refused[0][1]
+        try:
+            return Reply(r.id, int(self._store.compare_and_put(r.key, r.expected, r.value, lease=self.node_lease)))
+        except LeaseLost:
+            self._lease_wake.set()
+            return Reply(r.id, error=LEASE_LOST)
+        except Exception as exc:  # noqa: BLE001 (EtcdUnavailable, or refused: answer it)
+            return Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    # -- member leases --------------------------------------------------------------------------
+
+    def _answer_lease(self, client: _Client, r: LeaseRequest) -> Reply:
+        """A grant or a renewal, answered at once (no etcd request: the node's lease is renewed by
+        the lease loop)."""
+        now = self._clock()
+        with self._lock:
+            if r.op is LeaseOp.GRANT:
+                if not (self.node_lease and self._node_ok):
+                    return Reply(r.id, error="etcd did not answer this node's relay: it holds no node lease now")
+                return Reply(r.id, revision=self._leases.grant(client, now), lease=self.node_lease)
+            ttl = self._leases.renew(r.lease, client, now)
+            if ttl > 0 and not self._node_ok:  # renewed here; etcd did not answer the node's renewal
+                return Reply(r.id, error="etcd did not answer this node's relay's renewal of the node lease")
+            return Reply(r.id, ttl_s=ttl)
+
+    def _revoke(self, client: _Client, r: LeaseRequest) -> None:
+        with self._lock:
+            ended = self._leases.end([r.lease]) if self._leases.holds(r.lease, client) else []
+        end = _End(ended, self.node_lease)
+        self._release(end)
+        self._reply([(client, Reply(r.id) if end.done.is_set() else Reply(r.id, error="etcd did not delete its keys"))])
+
+    def _end(self, leases: list[int], why: str) -> _End | None:
+        """End these member leases now (no renewal or write under them from here); their keys are
+        deleted by the write loop, after every put queued before."""
+        with self._lock:
+            ended = self._leases.end(leases)
+        if not ended:
+            return None
+        log.info("member_leases_ended", node=self._node, leases=ended, cause=why)
+        end = _End(ended, self.node_lease)
+        self._puts.put((None, end))
+        return end
+
+    def _release(self, end: _End) -> None:
+        with self._lock:
+            end.keys += self._leases.take(end.leases)
+        if not end.keys or end.node != self.node_lease:  # none, or they went with the node's lease
+            end.done.set()
+            return
+        try:
+            self._store.delete_held(end.keys, end.node)
+        except EtcdUnavailable as exc:
+            log.warning("member_keys_not_deleted", node=self._node, keys=len(end.keys), error=str(exc)[:200])
+            self._unreleased.append(end)
+            self._retry_at = self._clock() + self._timeouts.keepalive_s
+            return
+        end.done.set()
+
+    def _retry_unreleased(self) -> None:
+        pending, self._unreleased = self._unreleased, []
+        for end in pending:
+            self._release(end)
+
+    def release_members(self, member_ids: Collection[str], bound_s: float) -> bool:
+        """End the member leases of these members now (the agent saw their workers dead or stopped),
+        and wait at most ``bound_s`` for their keys to be deleted; True: deleted (or none held)."""
+        with self._lock:
+            leases = self._leases.holding([self._keys.member(m) for m in member_ids])
+        end = self._end(leases, "released by the agent")
+        return end is None or end.done.wait(bound_s)
+
+    def _lease_loop(self) -> None:
+        """Renew the node's lease every ``keepalive_s`` (a new one when it ended); end each member
+        lease not renewed for ``lease_ttl_s``."""
+        renew_at = self._clock() + self._timeouts.keepalive_s
+        while not self._stop.is_set():
+            with self._lock:
+                due = self._leases.next_expiry()
+            wake_at = renew_at if due is None else min(renew_at, due)
+            self._lease_wake.wait(max(MIN_WAIT_S, wake_at - self._clock()))
+            woken = self._lease_wake.is_set()
+            self._lease_wake.clear()
+            if self._stop.is_set():
+                return
+            now = self._clock()
+            if woken or now >= renew_at:
+                self._renew_node()
+                renew_at = now + self._timeouts.keepalive_s
+            with self._lock:
+                expired = self._leases.expired(now)
+            if expired:
+                self._end(expired, f"not renewed for {self._timeouts.lease_ttl_s:g} s (lease_ttl_s)")
+
+    def _renew_node(self) -> None:
+        if self._borrowed is not None:
+            lease, ok = self._borrowed()
+            if lease == self.node_lease:
+                self._node_ok = ok
+            else:  # the agent's lease ended and it holds a new one (or none yet)
+                self._node_lost(lease, ok)
+            return
+        try:
+            ttl = self._store.refresh_lease(self.node_lease) if self.node_lease else 0.0
+        except LeaseLost:
+            ttl = 0.0
+        except EtcdUnavailable:
+            self._node_ok = False
+            return
+        if ttl > 0:
+            self._node_ok = True
+            return
+        self._node_lost(0, False)
+        try:
+            lease = self._store.grant_lease(self._timeouts.lease_ttl_s)
+        except EtcdUnavailable:
+            return
+        with self._lock:
+            self.node_lease, self._node_ok = lease, True
+
+    def _node_lost(self, lease: int, ok: bool) -> None:
+        """The node's lease ended: every member lease with it (their keys went with it)."""
+        with self._lock:
+            old, self.node_lease, self._node_ok = self.node_lease, lease, ok and bool(lease)
+            forgotten = self._leases.forget_all()
+        if old:
+            log.warning("node_lease_expired", node=self._node, lease=old, member_leases=forgotten)

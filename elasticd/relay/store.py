@@ -1,8 +1,11 @@
 """A worker's side of its node's relay (``RelayedStore``; the relay and its rules: ``relay.node``).
 
 A ``KeyValueStore`` that answers the membership's view reads and watches from the frames its node's
-relay sends, sends its member and ready records to the relay, which batches
-them, and everything else straight to etcd. When the relay goes quiet for ``relay_stale_s``, breaks
+relay sends, holds a member lease of the relay instead of an etcd lease of its own (granted,
+renewed and revoked over the socket: ``relay.leases``), sends its writes under that lease to the
+relay, which batches them under the node's one etcd lease, and everything else straight to etcd.
+Once the relay is lost, its member lease is gone with it: its renewal answers 0 and its puts fail
+with ``LeaseLost``, so the member registers again, under an etcd lease of its own. When the relay goes quiet for ``relay_stale_s``, breaks
 or sends something malformed, it reads, watches and writes etcd itself from then on. Never imports
 etcd3 or torch.
 """
@@ -24,6 +27,8 @@ from elasticd.relay.messages import (
     LEASE_LOST,
     MAX_FRAME,
     Frame,
+    LeaseOp,
+    LeaseRequest,
     MessageReader,
     PutRequest,
     RelayError,
@@ -64,7 +69,12 @@ class RelayedStore:
         self._subs: dict[int, tuple[str, Callable[[], None]]] = {}
         self._direct_cancel: dict[int, Callable[[], None]] = {}
         self._next_sub = 0
-        self._relayed_prefixes = (keys.member(""), keys.ready(""))  # the puts sent to the relay
+        self._ready_prefix = keys.ready("")
+        self._virtual: set[int] = set()  # the member leases the relay granted this member
+        # what this member holds under each live member lease: key -> (value, a seat taken by compare)
+        self._held: dict[int, dict[str, tuple[bytes, bool]]] = {}
+        self._moving = threading.Lock()  # held while the records move to an etcd lease of my own
+        self._moved: dict[int, int] = {}  # member lease -> the etcd lease its records moved to
         self._ids = itertools.count(1)
         self._pending: dict[int, list[Reply | None]] = {}  # put id -> [its reply], when it came
         self._send_lock = threading.Lock()
@@ -134,23 +144,65 @@ class RelayedStore:
                 self._cond.notify_all()
 
     def _fall_back(self, why: str) -> None:
-        with self._cond:
-            if self._direct:
-                return
-            self._direct = True
-            # Shut the socket before any write of this member goes to etcd directly: the relay
-            # drops what it queued for a worker that shut its end (a stopped agent, continued).
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._cond.notify_all()
-            subs = dict(self._subs)
-        log.warning("relay_lost", reason=why, then="reading and watching etcd directly")
+        with self._moving:
+            with self._cond:
+                if self._direct:
+                    return
+                self._direct = True
+                # Shut the socket before any write of this member goes to etcd directly: the relay
+                # drops what it queued for a worker that shut its end (a stopped agent, continued).
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._cond.notify_all()
+                subs = dict(self._subs)
+            log.warning("relay_lost", reason=why, then="reading and watching etcd directly")
+            self._move_leases()
         for sub, (prefix, cb) in subs.items():
             self._watch_directly(sub, prefix, cb)
         for _, cb in subs.values():
             cb()  # read again, directly
+
+    def _move_leases(self) -> None:
+        """The relay is lost: write what this member holds under its member lease again, under an
+        etcd lease of its own, before the node's lease can end (``relay_stale_s`` <
+        ``lease_ttl_s``), so that its records never vanish and it need not register again; the
+        coordinator's seat only while it still names this member. Not its ready record: written
+        again, it would read as a new request to join (its mod_revision past the generation's);
+        one still waiting ends with the node's lease, and the join writes it again. Best effort: a
+        member lease not moved answers 0 at its next renewal, and the member registers again."""
+        with self._cond:
+            held = {lease: dict(keys) for lease, keys in self._held.items()}
+        if not held:
+            return
+        try:
+            own = self._inner.grant_lease(self._timeouts.lease_ttl_s)
+            for lease, keys in held.items():
+                for key, (value, seat) in keys.items():
+                    if key.startswith(self._ready_prefix):
+                        continue
+                    if not seat:
+                        self._inner.put(key, value, own)
+                        continue
+                    kv = self._inner.get(key)
+                    if kv is not None and kv.value == value:
+                        self._inner.compare_and_put(key, kv.mod_revision, value, lease=own)
+                self._moved[lease] = own
+        except (EtcdUnavailable, LeaseLost) as exc:
+            log.warning("member_lease_not_moved", error=str(exc)[:200], then="registering again")
+            return
+        log.info("member_lease_moved", leases=sorted(held), lease=own, keys=sum(len(k) for k in held.values()))
+
+    def _own(self, lease: int) -> int | None:
+        """The etcd lease member lease ``lease`` moved to once the relay was lost (None: it did
+        not); waits for a move in progress."""
+        with self._moving:
+            return self._moved.get(lease)
+
+    def _forget(self, lease: int) -> None:
+        with self._cond:
+            self._held.pop(lease, None)
 
     def _watch_directly(self, sub: int, prefix: str, cb: Callable[[], None]) -> None:
         """Arm ``sub``'s watch on etcd itself; while etcd does not answer (an outage), again on a
@@ -255,26 +307,32 @@ class RelayedStore:
             self._dirty_since = self._clock()
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        """A member or ready record goes through the relay, which writes its workers' puts
-        together; the rest (the progress record, from the keepalive thread, which must never wait
-        on the relay), or when the relay does not answer, directly.
+        """A put under a member lease of the relay goes through the relay, which writes its workers'
+        puts together under the node's lease; the rest directly.
 
         Raises:
-            LeaseLost: ``lease`` is gone.
+            LeaseLost: ``lease`` is gone (a member lease also when the relay is lost).
             EtcdUnavailable: etcd did not answer (the relay's attempts or this member's own).
         """
-        if lease and key.startswith(self._relayed_prefixes) and not self._direct:
-            got = self._relayed_put(PutRequest(next(self._ids), key, value, lease))
-            if got is not None:
-                return got
+        if lease in self._virtual:
+            if not self._direct:
+                reply = self._ask(PutRequest(next(self._ids), key, value, lease))
+                if reply is not None:
+                    revision = self._answer(reply, lease, f"put {key}").revision
+                    with self._cond:
+                        self._held.setdefault(lease, {})[key] = (value, False)
+                    return revision
+            lease = self._moved_or_lost(lease, f"put {key}")
         try:
             return self._inner.put(key, value, lease)
         finally:
             self._wrote(key)
 
-    def _relayed_put(self, request: PutRequest) -> int | None:
-        """The revision the relay wrote ``request`` at; None: the relay did not answer (it is lost,
-        or took longer than this member's own put could): put it directly (a put is idempotent)."""
+    def _ask(self, request: PutRequest | LeaseRequest) -> Reply | None:
+        """The relay's reply to ``request``; None: the relay is lost, or did not answer within the
+        bound of this member's own request (then it is left: ``relay_lost``)."""
+        if self._direct:
+            return None
         slot: list[Reply | None] = [None]
         with self._cond:
             self._pending[request.id] = slot
@@ -294,19 +352,41 @@ class RelayedStore:
                     self._cond.wait(left)
             reply = slot[0]
             if reply is None:  # leave the relay first: what it still holds for me is then dropped
-                self._fall_back(f"the relay did not answer a put within {self._wait_s:g} s")
+                self._fall_back(f"the relay did not answer within {self._wait_s:g} s")
         finally:
             with self._cond:
                 self._pending.pop(request.id, None)
-        if reply is None:
-            return None
+        return reply
+
+    def _answer(self, reply: Reply, lease: int, what: str) -> Reply:
+        """``reply`` to a request under member lease ``lease``, unless it failed.
+
+        Raises:
+            LeaseLost: the member lease ended.
+            EtcdUnavailable: etcd did not answer the relay.
+        """
         if reply.error == LEASE_LOST:
-            raise LeaseLost(f"put {request.key}: the lease {request.lease} no longer exists")
+            self._forget(lease)
+            raise LeaseLost(f"{what}: the relay's member lease {lease} no longer exists")
         if reply.error:
             raise EtcdUnavailable(f"etcd did not answer this node's relay: {reply.error}")
-        return reply.revision
+        return reply
+
+    def _moved_or_lost(self, lease: int, what: str) -> int:
+        """The etcd lease member lease ``lease`` moved to when the relay was lost.
+
+        Raises:
+            LeaseLost: it did not move (its records are deleted when the relay sees this member's
+                connection close, or end with the node's lease).
+        """
+        own = self._own(lease)
+        if own is None:
+            raise LeaseLost(f"{what}: the relay is lost, and the member lease {lease} with it")
+        return own
 
     def put_many(self, items: Sequence[tuple[str, bytes, int]]) -> int:
+        if any(lease in self._virtual for _, _, lease in items):
+            raise ValueError("put_many under a relay's member lease: put each key")
         try:
             return self._inner.put_many(items)
         finally:
@@ -314,10 +394,16 @@ class RelayedStore:
                 self._wrote(key)
 
     def delete(self, key: str) -> None:
+        with self._cond:  # no longer held: a move after the relay is lost must not write it again
+            for keys in self._held.values():
+                keys.pop(key, None)
         try:
             self._inner.delete(key)
         finally:
             self._wrote(key)
+
+    def delete_held(self, items: Sequence[tuple[str, bytes | None]], lease: int) -> int:
+        return self._inner.delete_held(items, lease)
 
     def compare_and_put(
         self,
@@ -330,6 +416,18 @@ class RelayedStore:
         delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
         try:
+            if lease in self._virtual:
+                if delete_keys or put_keys or delete_ranges:
+                    raise ValueError("a compare-and-put under a relay's member lease writes its one key")
+                if not self._direct:
+                    reply = self._ask(PutRequest(next(self._ids), key, value, lease, expected_mod_revision))
+                    if reply is not None:
+                        won = self._answer(reply, lease, f"compare-and-put {key}").revision > 0
+                        if won:
+                            with self._cond:
+                                self._held.setdefault(lease, {})[key] = (value, True)
+                        return won
+                lease = self._moved_or_lost(lease, f"compare-and-put {key}")
             return self._inner.compare_and_put(
                 key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges
             )
@@ -337,13 +435,48 @@ class RelayedStore:
             self._wrote(key)
 
     def grant_lease(self, ttl_s: float) -> int:
-        return self._inner.grant_lease(ttl_s)
+        """A member lease of the relay, under the node's one etcd lease (``relay.leases``); an etcd
+        lease of this member's own once the relay is lost.
+
+        Raises:
+            EtcdUnavailable: etcd did not answer (the relay holds no node lease now).
+        """
+        reply = self._ask(LeaseRequest(next(self._ids), LeaseOp.GRANT))
+        if reply is None:
+            return self._inner.grant_lease(ttl_s)
+        if reply.error:
+            raise EtcdUnavailable(f"etcd did not answer this node's relay: {reply.error}")
+        with self._cond:
+            self._virtual.add(reply.revision)
+        return reply.revision
 
     def refresh_lease(self, lease: int) -> float:
-        return self._inner.refresh_lease(lease)
+        if lease not in self._virtual:
+            return self._inner.refresh_lease(lease)
+        if not self._direct:
+            reply = self._ask(LeaseRequest(next(self._ids), LeaseOp.RENEW, lease))
+            if reply is not None:
+                ttl = self._answer(reply, lease, "renew").ttl_s
+                if ttl <= 0:
+                    self._forget(lease)
+                return ttl
+        own = self._own(lease)
+        return 0.0 if own is None else self._inner.refresh_lease(own)
 
     def revoke_lease(self, lease: int) -> None:
-        self._inner.revoke_lease(lease)
+        if lease not in self._virtual:
+            self._inner.revoke_lease(lease)
+            return
+        self._forget(lease)
+        if not self._direct:
+            reply = self._ask(LeaseRequest(next(self._ids), LeaseOp.REVOKE, lease))
+            if reply is not None:
+                if reply.error not in ("", LEASE_LOST):
+                    raise EtcdUnavailable(f"etcd did not answer this node's relay: {reply.error}")
+                return
+        own = self._own(lease)
+        if own is not None:  # else: a lost relay ends it when it sees this member's connection close
+            self._inner.revoke_lease(own)
 
     def raft_term(self) -> int:
         return self._inner.raft_term()

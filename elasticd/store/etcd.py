@@ -429,6 +429,25 @@ class EtcdClient:
         # A CAS is safe to retry: a lost reply makes the retry fail the compare, and the caller re-reads.
         return self._call("compare_and_put", txn, key)
 
+    def delete_held(self, items: Sequence[tuple[str, bytes | None]], lease: int) -> int:
+        """``KeyValueStore.delete_held``: one transaction per key (its compare is its own)."""
+        deleted = 0
+        for key, value in items:
+
+            def txn(c: etcd3.Etcd3Client, key: str = key, value: bytes | None = value) -> bool:
+                raw = etcd3.utils.to_bytes(key)
+                cmp = [etcd3.etcdrpc.Compare(key=raw, target=etcd3.etcdrpc.Compare.LEASE, lease=lease)]
+                if value is not None:
+                    cmp.append(etcd3.etcdrpc.Compare(key=raw, target=etcd3.etcdrpc.Compare.VALUE, value=value))
+                delete = etcd3.etcdrpc.RequestOp(request_delete_range=etcd3.etcdrpc.DeleteRangeRequest(key=raw))
+                req = etcd3.etcdrpc.TxnRequest(compare=cmp, success=[delete], failure=[])
+                reply = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+                return bool(reply.succeeded)
+
+            # Idempotent: a retry after a lost reply finds the key gone and deletes nothing.
+            deleted += self._call("delete_held", txn, key)
+        return deleted
+
     def grant_lease(self, ttl_s: float) -> int:
         ttl = max(1, round(ttl_s))
         lease = self._call("lease", lambda c: c.lease(ttl))

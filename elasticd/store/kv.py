@@ -69,6 +69,13 @@ class KeyValueStore(Protocol):
         """
         ...
 
+    def delete_held(self, items: Sequence[tuple[str, bytes | None]], lease: int) -> int:
+        """Delete each (key, value) of ``items`` that is still held by ``lease`` (and, where
+        ``value`` is not None, still holds that value), each key by a transaction of its own; returns
+        how many were deleted. A node's relay releases one worker's keys of the node's lease this
+        way: a key written since under another lease, or by another member, stays."""
+        ...
+
     def grant_lease(self, ttl_s: float) -> int: ...
 
     def refresh_lease(self, lease: int) -> float:

@@ -38,7 +38,7 @@ def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_pat
     register = phases["register"]
     assert register["member_watches"] >= N and register["member_grant_lease"] == N and register["register_s"] > 0
     assert idle["etcd_requests"] > 0  # renewals and the periodic re-reads
-    assert result["walls"]["publish_txn_ops_before_3fe7fcf"] == 127  # type: ignore[index]
+    assert result["walls"]["publish_txn_ops_deleting_ready"] == 127  # type: ignore[index]
     assert result["txn_wall"] == {"128": "accepted", "129": "refused: etcdserver: too many operations in txn request"}
     assert "16000" in render(result) and "N >= 127" in render(result)
     assert etcd_server.running()  # a given etcd is left running

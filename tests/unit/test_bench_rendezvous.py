@@ -63,10 +63,10 @@ def test_the_publish_txn_wall_was_at_127_members_while_the_publish_deleted_the_r
 
 def test_wall_thresholds_are_the_first_n_over_each_limit() -> None:
     at = wall_thresholds(SIZES)
-    assert at["publish_txn_ops"] is None and at["publish_txn_ops_before_3fe7fcf"] == 127
+    assert at["publish_txn_ops"] is None and at["publish_txn_ops_deleting_ready"] == 127
     for name, limit, size in (
         ("publish_request_bytes", 1536 * 1024, SIZES.publish_request),
-        ("publish_request_bytes_before_3fe7fcf", 1536 * 1024, lambda n: SIZES.publish_request(n, deletes=True)),
+        ("publish_request_bytes_deleting_ready", 1536 * 1024, lambda n: SIZES.publish_request(n, deletes=True)),
         ("full_read_grpc_message", 4 * 1024 * 1024, SIZES.full_read),
     ):
         n = at[name]
@@ -85,7 +85,7 @@ def test_first_n_bisects(threshold: int, expected: int | None) -> None:
     [
         (50, True, 5_050, 2 * 49 * 49 + 2 * 49),  # 5,050 events at 50 members with the deletes
         (200, True, 80_200, 2 * 199 * 199 + 2 * 199),  # and 80,200 at 200
-        (50, False, 2_550, 49 * 49 + 2 * 49),  # 3fe7fcf: the ready records are no longer deleted
+        (50, False, 2_550, 49 * 49 + 2 * 49),  # the ready records are not deleted
     ],
 )
 def test_current_protocol_events_are_quadratic(n: int, deletes: bool, join_events: int, leave_events: int) -> None:
@@ -259,3 +259,19 @@ def test_counting_store_reports_a_refused_publish_and_counts_an_unanswered_one(w
         store.compare_and_put(KEYS.generation, 0, b"g")
     assert errors == ([f"publish: {why}"] if reported else [])
     assert counts["unanswered"] == (0 if reported else 1) and counts["publish_attempts"] == 1
+
+
+@pytest.mark.parametrize(
+    ("members", "per_node", "per_s"),
+    [
+        (16384, 8, 2048 / 0.75),  # node relays: one renewal per node per keepalive_s
+        (16384, 1, 16384 / 0.75),  # no relay: one per member
+        (10, 4, 3 / 0.75),  # a last node of 2
+    ],
+)
+def test_renewals_follow_the_nodes_with_relays_and_the_members_without(
+    members: int, per_node: int, per_s: float
+) -> None:
+    from elasticd.bench.rendezvous_model import renewals_per_s
+
+    assert renewals_per_s(members, per_node, Timeouts()) == pytest.approx(per_s)
