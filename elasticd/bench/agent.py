@@ -7,6 +7,9 @@ sessions of their own) on a real local etcd, and injects three faults in turn:
 * ``crash_detect_s``: SIGKILL of one node's worker -> the next generation record published in etcd
   (seen through an etcd watch on the generation key, stamped with the wall clock on arrival). The
   agent revokes the dead worker's lease at once, so nobody waits for the TTL;
+* ``stop_detect_s``: once that worker is back (its agent restarted it and it rejoined), SIGSTOP of
+  it -> the next generation published (its agent sees it stopped and revokes its lease, or ends its
+  member lease of the relay, after ``stopped_worker_s``); it is continued and rejoins;
 * ``drain_s``: once that worker is back (its agent restarted it and it rejoined), SIGTERM of another
   node's agent -> the job's first commit at the smaller world size (audit ``commit`` lines' ``t``).
   Reported next to ``drain_step_time_s``, the median step time before the drain, because the target
@@ -15,6 +18,10 @@ sessions of their own) on a real local etcd, and injects three faults in turn:
   worker: a lost node) -> the survivor's next commit. Nobody revokes the lost worker's lease, so this
   includes waiting for it to expire (``lease_ttl_s``);
 * ``steps_lost``: committed steps missing or repeated, by ``audit.check`` over every node's audit log.
+
+``--relay both`` runs each repetition twice, the agents' relay off and on (``relay.node``: one etcd
+lease per node, each worker a member lease of the relay), and prints the figures side by side with
+their ratios on/off: a fault must be seen no later under the node's one lease.
 
 Before those, ``spare_reps`` repetitions of the warm-spare figures (``bench.spares``: ``full_size_s``,
 ``node_replace_s`` and ``overhead_ratio``, with spares and without, in the same run).
@@ -30,7 +37,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from elasticd.bench.agentjob import SETTLE_STEPS, AgentBenchSettings, AgentJob, step_time, steps_at
@@ -58,7 +65,9 @@ AGENT_TARGETS = {
 
 @dataclass
 class AgentRep:
+    relay: bool = False
     crash_detect_s: float | None = None
+    stop_detect_s: float | None = None
     drain_s: float | None = None
     drain_step_time_s: float | None = None
     node_loss_recovery_s: float | None = None
@@ -68,8 +77,9 @@ class AgentRep:
 
 
 def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettings) -> AgentRep:
-    out = AgentRep()
-    job = AgentJob(etcd, workdir / f"rep{rep}", f"agentbench{rep}x{int(time.time())}", s)
+    out = AgentRep(relay=s.relay_on)
+    name = f"rep{rep}{'-relay' if s.relay_on else ''}"
+    job = AgentJob(etcd, workdir / name, f"agentbench{rep}{'r' if s.relay_on else ''}x{int(time.time())}", s)
     nodes = [f"node-{i}" for i in range(s.nodes)]
     victim, drained, lost = nodes[-1], nodes[-2], nodes[0]
     try:
@@ -91,6 +101,7 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
             lambda: len(steps_at(job.commits_since(killed_t), s.nodes)) >= SETTLE_STEPS,
             "the restarted worker to rejoin and train",
         )
+        out.stop_detect_s = _stop_detect(job, victim, s)
 
         # 2. a node is drained (SIGTERM to its agent)
         out.drain_step_time_s = step_time(job.commits, s.nodes)
@@ -122,6 +133,41 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
     return out
 
 
+def _stop_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
+    """SIGSTOP ``node``'s worker -> the next generation published; then SIGCONT, and it rejoins."""
+    gen = job.generation()
+    pid = job.worker_pid(node)
+    stopped_t = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        job.wait_for(lambda: job.watch.first_after(gen) is not None, "the generation after the stop")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    published = job.watch.first_after(gen)
+    assert published is not None
+    job.wait_for(
+        lambda: len(steps_at(job.commits_since(stopped_t), s.nodes)) >= SETTLE_STEPS,
+        "the continued worker to rejoin and train",
+    )
+    return published[1] - stopped_t
+
+
+DETECTION = ("crash_detect_s", "stop_detect_s", "node_loss_recovery_s", "drain_s")
+
+
+def _figures(reps: list[AgentRep]) -> dict[str, float | int | None]:
+    return {
+        **{name: median_of(getattr(r, name) for r in reps) for name in DETECTION},
+        "drain_step_time_s": median_of(r.drain_step_time_s for r in reps),
+        "steps_lost": sum(r.steps_lost for r in reps),
+    }
+
+
+def relay_modes(relay: str) -> tuple[bool, ...]:
+    """The relay settings each repetition runs with: ``--relay`` off, on or both. Pure."""
+    return {"off": (False,), "on": (True,), "both": (False, True)}[relay]
+
+
 def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[str], None]) -> dict[str, object]:
     reps: list[AgentRep] = []
     spares: dict[str, object] = {"figures": {}, "targets": {}, "reps": [], "errors": [], "violations": []}
@@ -129,31 +175,35 @@ def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[st
         if s.spare_reps:
             spares = run_spare_reps(etcd, workdir, s, s.spare_reps, progress)
         for i in range(s.reps):
-            r = run_agent_rep(etcd, workdir, i, s)
-            progress(
-                f"rep {i + 1}/{s.reps}: crash_detect {fmt(r.crash_detect_s)} s, drain {fmt(r.drain_s)} s "
-                f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
-                f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else "")
-            )
-            reps.append(r)
+            for relay in relay_modes(s.relay):  # alternating: both ways meet the same machine load
+                r = run_agent_rep(etcd, workdir, i, replace(s, relay_on=relay))
+                progress(
+                    f"rep {i + 1}/{s.reps}{' (relay)' if relay else ''}: crash_detect {fmt(r.crash_detect_s)} s, "
+                    f"stop_detect {fmt(r.stop_detect_s)} s, drain {fmt(r.drain_s)} s "
+                    f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
+                    f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else "")
+                )
+                reps.append(r)
 
-    def spread(name: str) -> list[float]:
-        return sorted(v for v in (getattr(r, name) for r in reps) if v is not None)
+    def spread(name: str, of: list[AgentRep]) -> list[float]:
+        return sorted(v for v in (getattr(r, name) for r in of) if v is not None)
 
-    figures = {
-        "crash_detect_s": median_of(r.crash_detect_s for r in reps),
-        "node_loss_recovery_s": median_of(r.node_loss_recovery_s for r in reps),
-        "drain_s": median_of(r.drain_s for r in reps),
-        "drain_step_time_s": median_of(r.drain_step_time_s for r in reps),
-        "steps_lost": sum(r.steps_lost for r in reps),
-        **spares["figures"],  # type: ignore[dict-item]
-    }
+    off, on = [r for r in reps if not r.relay], [r for r in reps if r.relay]
+    figures: dict[str, object] = {**(_figures(off) if off else {})}
+    if on:
+        figures |= {f"{k}_relay": v for k, v in _figures(on).items()}
+    if off and on:
+        for name in DETECTION:
+            a, b = figures[name], figures[f"{name}_relay"]
+            figures[f"{name}_relay_ratio"] = b / a if isinstance(a, float) and isinstance(b, float) and a else None
+    figures |= spares["figures"]  # type: ignore[arg-type]
     return {
         "benchmark": "agent",
         "settings": {**asdict(s), "workload": f"{WORKLOAD} (one worker per agent)", "torch": dist_version("torch")},
         "figures": figures,
         "targets": {**AGENT_TARGETS, **spares["targets"]},  # type: ignore[dict-item]
-        "spread": {k: spread(k) for k in ("crash_detect_s", "node_loss_recovery_s", "drain_s")},
+        "spread": {k: spread(k, off) for k in DETECTION if off}
+        | {f"{k}_relay": spread(k, on) for k in DETECTION if on},
         "reps": [asdict(r) for r in reps],
         "spare_reps": spares["reps"],
         "errors": [r.error for r in reps if r.error] + spares["errors"],  # type: ignore[operator]
@@ -165,9 +215,10 @@ def render_agent(result: Mapping[str, object]) -> str:
     fig, spread, s = result["figures"], result["spread"], result["settings"]
     assert isinstance(fig, dict) and isinstance(spread, dict) and isinstance(s, dict)
     ttl = float(s["lease_ttl_s"])
-    step = fig["drain_step_time_s"]
+    step = fig.get("drain_step_time_s", fig.get("drain_step_time_s_relay"))
     rows = [
         ("crash_detect_s", "SIGKILL of a worker -> next generation published", "<= 0.2"),
+        ("stop_detect_s", "SIGSTOP of a worker -> next generation published", f"<= {ttl:g}"),
         ("node_loss_recovery_s", "SIGKILL of an agent + its worker -> survivors' next commit", f"<= {ttl + 1:g}"),
         (
             "drain_s",
@@ -175,20 +226,28 @@ def render_agent(result: Mapping[str, object]) -> str:
             f"<= {2 * step + 1:.3f}" if isinstance(step, float) else "<= 2 steps + 1",
         ),
     ]
+    modes = [m for m in ("", "_relay") if f"steps_lost{m}" in fig]
+    head = {"": "relay off", "_relay": "relay on"}
     lines = [
         f"elasticd agent benchmark: {s['nodes']} agents x 1 worker, {s['reps']} reps, lease TTL {ttl:g} s, "
-        f"keepalive {s['keepalive_s']:g} s, step sleep {s['step_sleep_s']:g} s",
+        f"keepalive {s['keepalive_s']:g} s, step sleep {s['step_sleep_s']:g} s; medians (spread)",
         "",
-        f"{'figure':<22} {'median':>8}  {'spread':<17} {'target':<10} what",
+        f"{'figure':<22} "
+        + " ".join(f"{head[m]:>26}" for m in modes)
+        + (f" {'on/off':>7}" if len(modes) == 2 else "")
+        + f" {'target':<8} what",
     ]
     for name, what, target in rows:
-        values = spread.get(name) or []
-        rng = f"{values[0]:.3f}..{values[-1]:.3f}" if values else "-"
-        lines.append(f"{name:<22} {fmt(fig[name]):>8}  {rng:<17} {target:<10} {what}")
-    lines.append(f"{'drain_step_time_s':<22} {fmt(step, 4):>8}  {'':<17} {'':<10} median step time before the drain")
-    lines.append(
-        f"{'steps_lost':<22} {fig['steps_lost']!s:>8}  {'':<17} {'0':<10} by the audit checker, over every fault"
-    )
+        cells = []
+        for m in modes:
+            values = spread.get(f"{name}{m}") or []
+            rng = f"{values[0]:.3f}..{values[-1]:.3f}" if values else "-"
+            cells.append(f"{fmt(fig.get(f'{name}{m}')):>8} ({rng:>15})")
+        ratio = f" {fmt(fig.get(f'{name}_relay_ratio')):>7}" if len(modes) == 2 else ""
+        lines.append(f"{name:<22} " + " ".join(f"{c:>26}" for c in cells) + f"{ratio} {target:<8} {what}")
+    lines.append(f"{'drain_step_time_s':<22} {fmt(step, 4):>26} median step time before the drain")
+    lost = " + ".join(str(fig[f"steps_lost{m}"]) for m in modes)
+    lines.append(f"{'steps_lost':<22} {lost:>26} by the audit checker, over every fault (target 0)")
     if "full_size_s" in fig:
         lines += [
             "",
@@ -215,6 +274,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--step-sleep", type=float, default=d.step_sleep_s, help="the workers' --step-sleep (default %(default)s)"
     )
     p.add_argument(
+        "--relay",
+        choices=("off", "on", "both"),
+        default=d.relay,
+        help="the agents' node relay (one etcd lease per node): off, on, or both, each repetition once "
+        "each way, with the ratios on/off (default %(default)s)",
+    )
+    p.add_argument(
         "--spare-reps",
         type=int,
         default=d.spare_reps,
@@ -230,6 +296,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         keepalive_s=args.keepalive,
         step_sleep_s=args.step_sleep,
         spare_reps=args.spare_reps,
+        relay=args.relay,
     )
     s.timeouts()  # validates the TTL/keepalive pair before anything starts
     return run_subcommand(

@@ -1,7 +1,8 @@
 """The node relay's messages and the rule that serves a relayed view (``relay.node``).
 
 Owns the frames a relay sends (``Frame``: its newest good read of the members' view and its newest
-failure), the put and lease requests a worker sends and their replies, their codecs (a length, then JSON;
+failure), the put and lease requests a worker sends, their replies and the relay's word that a
+member lease ended, their codecs (a length, then JSON;
 anything else is refused with ``RelayError``), and ``serve``: whether a frame answers a member's
 view read. Pure: no I/O, no clock.
 """
@@ -124,7 +125,6 @@ class PutRequest:
 
 class LeaseOp(enum.Enum):
     GRANT = "grant"  # a member lease under the node's lease: Reply.revision is its id, Reply.lease the node's
-    RENEW = "renew"  # Reply.ttl_s: what is left of it (0: gone)
     REVOKE = "revoke"  # its keys are deleted before the reply
 
 
@@ -140,16 +140,27 @@ class LeaseRequest:
 @dataclass(frozen=True)
 class Reply:
     """The relay's answer to a ``PutRequest`` or ``LeaseRequest``: the revision written (a
-    compare-and-put that failed its compare: 0), the lease granted, the TTL left, or why not."""
+    compare-and-put that failed its compare: 0; a grant: the member lease), the node's lease (a
+    grant), or why not."""
 
     id: int
     revision: int = 0
     error: str = ""  # "" done; LEASE_LOST: the lease is gone; else etcd did not answer, and why
-    ttl_s: float = 0.0
     lease: int = 0
 
 
 LEASE_LOST = "lease_lost"
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The relay to a worker: these member leases of yours ended (``relay.leases``)."""
+
+    leases: tuple[int, ...]
+
+
+def encode_ended(e: Ended) -> bytes:
+    return _framed({"ended": list(e.leases)})
 
 
 def _framed(d: dict[str, object]) -> bytes:
@@ -172,7 +183,7 @@ def encode_request(r: PutRequest | LeaseRequest) -> bytes:
 
 
 def encode_reply(r: Reply) -> bytes:
-    return _framed({"reply": r.id, "revision": r.revision, "error": r.error, "ttl_s": r.ttl_s, "lease": r.lease})
+    return _framed({"reply": r.id, "revision": r.revision, "error": r.error, "lease": r.lease})
 
 
 def _object(body: bytes) -> dict[str, object]:
@@ -215,24 +226,22 @@ def decode_request(body: bytes) -> PutRequest | LeaseRequest:
     return PutRequest(d["put"], key, raw, lease, expected)  # type: ignore[arg-type]
 
 
-def decode_message(body: bytes) -> Frame | Reply:
-    """What a relay sent: a frame, or the reply to a put.
+def decode_message(body: bytes) -> Frame | Reply | Ended:
+    """What a relay sent: a frame, the reply to a request, or member leases ended.
 
     Raises:
-        RelayError: neither.
+        RelayError: none of them.
     """
     d = _object(body)
+    if "ended" in d:
+        ended = d["ended"]
+        if not (isinstance(ended, list) and _ints(*ended)):
+            raise RelayError("an ended message of the wrong shape")
+        return Ended(tuple(ended))  # type: ignore[arg-type]
     if "reply" in d:
-        ttl_s = d.get("ttl_s", 0.0)
-        if not (
-            _ints(d["reply"], d.get("revision"), d.get("lease", 0))
-            and isinstance(d.get("error"), str)
-            and isinstance(ttl_s, (int, float))
-            and not isinstance(ttl_s, bool)
-            and math.isfinite(ttl_s)
-        ):
+        if not (_ints(d["reply"], d.get("revision"), d.get("lease", 0)) and isinstance(d.get("error"), str)):
             raise RelayError("a reply of the wrong shape")
-        return Reply(d["reply"], d["revision"], d["error"], float(ttl_s), d.get("lease", 0))  # type: ignore[arg-type]
+        return Reply(d["reply"], d["revision"], d["error"], d.get("lease", 0))  # type: ignore[arg-type]
     return _frame_of(d)
 
 
@@ -250,7 +259,7 @@ class MessageReader:
         self._tail = b""
         self._frame: Frame | None = None
 
-    def decode(self, body: bytes) -> Frame | Reply:
+    def decode(self, body: bytes) -> Frame | Reply | Ended:
         """What a relay sent (``decode_message``).
 
         Raises:

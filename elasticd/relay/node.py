@@ -12,12 +12,12 @@ request, not one per worker); everything else (the coordinator's full reads, the
 goes straight to etcd.
 
 One etcd lease per node: the relay grants each worker a member lease of its own (``relay.leases``)
-under the node's lease (its agent's, or one of the relay's), answers its renewals at once from
-memory, writes its leased records (member, ready, progress, the coordinator's seat) under the
-node's lease, and deletes them when the member lease ends: the worker's socket closes (at once),
-no renewal for ``lease_ttl_s``, a revoke by the worker, or a release by the agent
-(``release_members``). Each delete is conditional on the key's lease (and the seat's value), and
-runs on the writer thread after the puts queued before it.
+under the node's lease (its agent's, or one of the relay's), writes its leased records (member,
+ready, progress, the coordinator's seat) under the node's lease, and deletes them when the member
+lease ends: the worker's socket closes (at once), its process stays stopped for ``lease_ttl_s``
+(read from ``/proc`` every ``STOP_POLL_S``), a revoke by the worker, or a release by the agent
+(``release_members``); it then tells the worker (``Ended``). Each delete is conditional on the
+key's lease (and the seat's value), and runs on the writer thread after the puts queued before it.
 
 The rules that keep a relayed view as good as a read of its own (``serve``, pure):
 
@@ -44,9 +44,10 @@ import queue
 import select
 import selectors
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import structlog
 
@@ -57,6 +58,7 @@ from elasticd.relay.messages import (
     HEADER,
     LEASE_LOST,
     MAX_FRAME,
+    Ended,
     Frame,
     LeaseOp,
     LeaseRequest,
@@ -64,6 +66,7 @@ from elasticd.relay.messages import (
     RelayError,
     Reply,
     decode_request,
+    encode_ended,
     encode_frame,
     encode_reply,
 )
@@ -79,6 +82,27 @@ LISTEN_BACKLOG = 256  # a node's workers connect at once when the agent starts t
 MAX_BATCH = 100  # puts in one transaction (etcd's default --max-txn-ops is 128)
 RECV_CHUNK = 65536
 MIN_WAIT_S = 0.01  # the lease loop's least wait: a member lease due now is ended, not spun on
+STOP_POLL_S = 0.25  # how often the relay reads its workers' process states (a stop is seen this late at most)
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket (SO_PEERCRED; 0: unknown)."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError, struct.error):
+        return 0
+    return int(pid)
+
+
+def process_stopped(pid: int) -> bool:
+    """Process ``pid`` is stopped (SIGSTOP, SIGTSTP: state T in ``/proc/<pid>/stat``; a debugger's
+    tracing stop, t, is not counted); False when it cannot be read (gone: its socket closes)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3] == b"T"
 
 
 class _End:
@@ -101,6 +125,7 @@ class _Client:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.pid = peer_pid(sock)  # the worker's process (0: unknown)
         self.buf = bytearray()
         self.lock = threading.Lock()
         self.gone = False  # dropped: shut down; the serve thread closes it (it owns the fds)
@@ -483,18 +508,11 @@ class NodeRelay:
     # -- member leases --------------------------------------------------------------------------
 
     def _answer_lease(self, client: _Client, r: LeaseRequest) -> Reply:
-        """A grant or a renewal, answered at once (no etcd request: the node's lease is renewed by
-        the lease loop)."""
-        now = self._clock()
+        """A grant, answered at once (no etcd request: the node's lease is the agent's)."""
         with self._lock:
-            if r.op is LeaseOp.GRANT:
-                if not (self.node_lease and self._node_ok):
-                    return Reply(r.id, error="etcd did not answer this node's relay: it holds no node lease now")
-                return Reply(r.id, revision=self._leases.grant(client, now), lease=self.node_lease)
-            ttl = self._leases.renew(r.lease, client, now)
-            if ttl > 0 and not self._node_ok:  # renewed here; etcd did not answer the node's renewal
-                return Reply(r.id, error="etcd did not answer this node's relay's renewal of the node lease")
-            return Reply(r.id, ttl_s=ttl)
+            if not (self.node_lease and self._node_ok):
+                return Reply(r.id, error="etcd did not answer this node's relay: it holds no node lease now")
+            return Reply(r.id, revision=self._leases.grant(client, client.pid), lease=self.node_lease)
 
     def _revoke(self, client: _Client, r: LeaseRequest) -> None:
         with self._lock:
@@ -504,16 +522,26 @@ class NodeRelay:
         self._reply([(client, Reply(r.id) if end.done.is_set() else Reply(r.id, error="etcd did not delete its keys"))])
 
     def _end(self, leases: list[int], why: str) -> _End | None:
-        """End these member leases now (no renewal or write under them from here); their keys are
-        deleted by the write loop, after every put queued before."""
+        """End these member leases now (no write under them from here) and tell their workers;
+        their keys are deleted by the write loop, after every put queued before."""
         with self._lock:
             ended = self._leases.end(leases)
+            owners = {lease: self._leases.owner_of(lease) for lease in ended}
         if not ended:
             return None
         log.info("member_leases_ended", node=self._node, leases=ended, cause=why)
         end = _End(ended, self.node_lease)
         self._puts.put((None, end))
+        self._tell(owners)
         return end
+
+    def _tell(self, owners: Mapping[int, object]) -> None:
+        """Tell each worker which of its member leases ended (one it cannot hear has left)."""
+        by_owner: dict[_Client, list[int]] = {}
+        for lease, owner in owners.items():
+            if isinstance(owner, _Client) and not owner.gone:
+                by_owner.setdefault(owner, []).append(lease)
+        self._drop([c for c, ids in by_owner.items() if not c.send_now(encode_ended(Ended(tuple(ids))))])
 
     def _release(self, end: _End) -> None:
         with self._lock:
@@ -544,15 +572,12 @@ class NodeRelay:
         return end is None or end.done.wait(bound_s)
 
     def _lease_loop(self) -> None:
-        """Renew the node's lease every ``keepalive_s`` (a new one when it ended); end each member
-        lease not renewed for ``lease_ttl_s``."""
+        """Every ``STOP_POLL_S``: read the workers' process states, and end each member lease whose
+        process has been stopped for ``lease_ttl_s``; every ``keepalive_s``: renew the node's
+        lease (a new one when it ended), or follow the agent's."""
         renew_at = self._clock() + self._timeouts.keepalive_s
         while not self._stop.is_set():
-            with self._lock:
-                due = self._leases.next_expiry()
-            wake_at = renew_at if due is None else min(renew_at, due)
-            self._lease_wake.wait(max(MIN_WAIT_S, wake_at - self._clock()))
-            woken = self._lease_wake.is_set()
+            woken = self._lease_wake.wait(STOP_POLL_S)
             self._lease_wake.clear()
             if self._stop.is_set():
                 return
@@ -561,9 +586,13 @@ class NodeRelay:
                 self._renew_node()
                 renew_at = now + self._timeouts.keepalive_s
             with self._lock:
+                pids = self._leases.pids()
+            states = {lease: process_stopped(pid) for lease, pid in pids.items()}
+            with self._lock:
+                self._leases.observe(states, now)
                 expired = self._leases.expired(now)
             if expired:
-                self._end(expired, f"not renewed for {self._timeouts.lease_ttl_s:g} s (lease_ttl_s)")
+                self._end(expired, f"its process stopped for {self._timeouts.lease_ttl_s:g} s (lease_ttl_s)")
 
     def _renew_node(self) -> None:
         if self._borrowed is not None:
@@ -595,6 +624,7 @@ class NodeRelay:
         """The node's lease ended: every member lease with it (their keys went with it)."""
         with self._lock:
             old, self.node_lease, self._node_ok = self.node_lease, lease, ok and bool(lease)
-            forgotten = self._leases.forget_all()
+            owners = self._leases.forget_all()
         if old:
-            log.warning("node_lease_expired", node=self._node, lease=old, member_leases=forgotten)
+            log.warning("node_lease_expired", node=self._node, lease=old, member_leases=len(owners))
+        self._tell(owners)

@@ -1,9 +1,10 @@
 """A worker's side of its node's relay (``RelayedStore``; the relay and its rules: ``relay.node``).
 
 A ``KeyValueStore`` that answers the membership's view reads and watches from the frames its node's
-relay sends, holds a member lease of the relay instead of an etcd lease of its own (granted,
-renewed and revoked over the socket: ``relay.leases``), sends its writes under that lease to the
-relay, which batches them under the node's one etcd lease, and everything else straight to etcd.
+relay sends, holds a member lease of the relay instead of an etcd lease of its own (granted and
+revoked over the socket; it needs no renewal, and the relay says when it ended: ``relay.leases``),
+sends its writes under that lease to the relay, which batches them under the node's one etcd
+lease, and everything else straight to etcd.
 Once the relay is lost, its member lease is gone with it: its renewal answers 0 and its puts fail
 with ``LeaseLost``, so the member registers again, under an etcd lease of its own. When the relay goes quiet for ``relay_stale_s``, breaks
 or sends something malformed, it reads, watches and writes etcd itself from then on. Never imports
@@ -26,6 +27,7 @@ from elasticd.relay.messages import (
     HEADER,
     LEASE_LOST,
     MAX_FRAME,
+    Ended,
     Frame,
     LeaseOp,
     LeaseRequest,
@@ -75,6 +77,7 @@ class RelayedStore:
         self._held: dict[int, dict[str, tuple[bytes, bool]]] = {}
         self._moving = threading.Lock()  # held while the records move to an etcd lease of my own
         self._moved: dict[int, int] = {}  # member lease -> the etcd lease its records moved to
+        self._ended: set[int] = set()  # member leases the relay said ended
         self._ids = itertools.count(1)
         self._pending: dict[int, list[Reply | None]] = {}  # put id -> [its reply], when it came
         self._send_lock = threading.Lock()
@@ -107,6 +110,8 @@ class RelayedStore:
                 message = reader.decode(self._recv_exactly(length))
                 if isinstance(message, Reply):
                     self._on_reply(message)
+                elif isinstance(message, Ended):
+                    self._on_ended(message)
                 else:
                     self._on_frame(message)
         except TimeoutError:
@@ -142,6 +147,12 @@ class RelayedStore:
             if slot is not None:
                 slot[0] = reply
                 self._cond.notify_all()
+
+    def _on_ended(self, message: Ended) -> None:
+        with self._cond:
+            self._ended.update(message.leases)
+            for lease in message.leases:
+                self._held.pop(lease, None)
 
     def _fall_back(self, why: str) -> None:
         with self._moving:
@@ -201,8 +212,10 @@ class RelayedStore:
             return self._moved.get(lease)
 
     def _forget(self, lease: int) -> None:
+        """Member lease ``lease`` ended: nothing of it to move, and its renewal answers 0."""
         with self._cond:
             self._held.pop(lease, None)
+            self._ended.add(lease)
 
     def _watch_directly(self, sub: int, prefix: str, cb: Callable[[], None]) -> None:
         """Arm ``sub``'s watch on etcd itself; while etcd does not answer (an outage), again on a
@@ -451,15 +464,15 @@ class RelayedStore:
         return reply.revision
 
     def refresh_lease(self, lease: int) -> float:
+        """A member lease needs no renewal: the relay sees its worker's process (``relay.leases``),
+        and says when it ended. Its TTL is ``lease_ttl_s`` until then (0 after); once the relay is
+        lost, the etcd lease it moved to is renewed (0: it did not move)."""
         if lease not in self._virtual:
             return self._inner.refresh_lease(lease)
+        if lease in self._ended:
+            return 0.0
         if not self._direct:
-            reply = self._ask(LeaseRequest(next(self._ids), LeaseOp.RENEW, lease))
-            if reply is not None:
-                ttl = self._answer(reply, lease, "renew").ttl_s
-                if ttl <= 0:
-                    self._forget(lease)
-                return ttl
+            return self._timeouts.lease_ttl_s
         own = self._own(lease)
         return 0.0 if own is None else self._inner.refresh_lease(own)
 
