@@ -670,12 +670,14 @@ class AgentConfig:
         },
     )
     relay: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "doc": "Relay the job's generation keys to this node's workers (--relay): the agent watches them "
-            "once and reads the workers' view once per change for all of them (relay.node), "
-            "so etcd serves one watcher per node instead of one per worker; its workers hold member "
-            "leases of the relay (relay.leases) under the node's one etcd lease. Elastic mode."
+            "doc": "Run this node's relay (--relay): the agent watches the job's generation keys once and "
+            "reads the workers' view once per change for all of them (relay.node), so etcd serves one "
+            "watcher per node instead of one per worker, and its workers hold member leases of the relay "
+            "(relay.leases) under the node's one etcd lease, so etcd renews one lease per node instead of "
+            "one per worker. false: each worker watches, reads and holds its lease itself. Elastic mode "
+            "(restart mode has a rendezvous of its own, and ignores it)."
         },
     )
     max_restarts: int = field(
@@ -855,8 +857,6 @@ class AgentConfig:
             )
         if not isinstance(self.standby_node, bool):
             raise ConfigError(f"standby_node: must be true or false, got {self.standby_node!r}")
-        if self.relay and self.mode != "elastic":
-            raise ConfigError("relay: relays the elastic rendezvous (restart mode has its own)")
         if self.audit_dir is not None and self.mode != "elastic":
             raise ConfigError(
                 "audit_dir: the audit files are written by the elastic worker API (restart mode "

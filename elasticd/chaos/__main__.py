@@ -306,8 +306,7 @@ class ChaosRun:
         if self.s.replica_size > 1:
             k = str(self.s.replica_size)
             flags += ["--nproc-per-node", k, "--replica-size", k, "--audit-dir", str(self.audit_root)]
-        if relayed(self.s.relay, host_index(name)):
-            flags += ["--relay", "true"]
+        flags += ["--relay", "true" if relayed(self.s.relay, host_index(name)) else "false"]
         if self.ckptfs is not None:
             flags += [
                 "--checkpoint-dir",

@@ -418,7 +418,7 @@ class Settings:
     warmup_s: float
     netns: bool = False  # every node a network-namespace host (else: loopback)
     link_down_s: float = 0.0
-    relay: str = "off"  # the agents' relay setting: off, on, or mixed (on for even node numbers)
+    relay: str = "on"  # the agents' relay setting: on (their default), off, or mixed (on for even node numbers)
     device: str = "cpu"  # the workload's --device: cpu, or cuda (the model on the GPU; groups stay gloo)
     fp16: bool = False  # the workload's --fp16: autocast and a GradScaler (cuda only)
     form: str = "short"  # the workload's form: short (agents/mlp.py) or dropin (agents/mlp_dropin.py)
@@ -570,9 +570,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--relay",
         choices=RELAY_CHOICES,
-        default="off",
-        help="the agents' relay setting (relay.node): off, on, or mixed (on for the even node "
-        "numbers: both paths under the same faults); default off",
+        default="on",
+        help="the agents' relay setting (relay.node: one etcd lease per node): on (the agents' "
+        "default), off, or mixed (on for the even node numbers: both paths under the same faults); "
+        "default on",
     )
     _workload_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
