@@ -273,8 +273,10 @@ class Timeouts:
         0.5,
     )
     relay_stale_s: float = _seconds(
-        "A worker that hears nothing from its node's relay for this long (a stopped or dead agent) "
-        "reads and watches etcd itself from then on; more than twice relay_heartbeat_s.",
+        "A worker that hears nothing from its node's relay for this long (a stopped agent) "
+        "reads and watches etcd itself from then on, and moves its records to an etcd lease of its own; "
+        "more than twice relay_heartbeat_s, and less than lease_ttl_s, so that they move before the node's "
+        "lease can end (else the job regroups once).",
         2.0,
     )
     progress_event_s: float = _seconds(

@@ -4,8 +4,9 @@ Owns the demo only. It starts a real etcd on loopback and ``--nodes`` ``elasticd
 (``node-0``, ``node-1``, ...), each a separate process in a session of its own running one worker of
 the default workload ``agents/mlp.py``. Then, going by the committed step:
 
-1. at about 1/5 of the steps it SIGKILLs the last node's worker. Its agent revokes the worker's lease
-   at once, the survivors regroup without waiting for the TTL, and the agent restarts the worker,
+1. at about 1/5 of the steps it SIGKILLs the last node's worker. Its agent ends the worker's lease
+   at once (its node relay sees the worker's socket close), the survivors regroup without waiting
+   for the TTL, and the agent restarts the worker,
    which rejoins as a newcomer and receives the state from rank 0;
 2. once that worker is back, at about 2/5, it drains ``node-1`` with ``elasticctl drain node-1``:
    its agent sees the request in etcd, the worker finishes its step and leaves, the agent exits 0,
@@ -383,7 +384,7 @@ class Demo:
                 signal_pid(pid, signal.SIGKILL)
                 self.say(
                     f"killed {plan.victim}'s worker (pid {pid}) with SIGKILL at step {p.step}; "
-                    f"its agent revokes its lease and restarts it"
+                    f"its agent ends its lease and restarts it"
                 )
         if o.killed_t is not None and not o.rejoined and p.synced_after(plan.victim, o.killed_t):
             o.rejoined = True
@@ -475,9 +476,13 @@ class Demo:
         elif not o.rejoined:
             problems.append(f"{plan.victim}'s restarted worker never rejoined")
         else:
-            revoked = log_events(self.workdir / f"agent-{plan.victim}.log", "worker_lease_revoked")
-            if not any(r.get("pid") == o.killed_pid for r in revoked):
-                problems.append(f"agent {plan.victim} did not revoke the killed worker's lease")
+            log = self.workdir / f"agent-{plan.victim}.log"
+            revoked = log_events(log, "worker_lease_revoked")  # its own etcd lease (relay off)
+            ended = log_events(log, "member_leases_ended")  # its member lease of the node's relay
+            if not any(r.get("pid") == o.killed_pid for r in revoked) and not any(
+                o.killed_pid in (r.get("pids") or ()) for r in ended
+            ):
+                problems.append(f"agent {plan.victim} did not end the killed worker's lease")
         if o.drained_t is None:
             problems.append(f"{plan.drained} was never drained")
         else:

@@ -43,8 +43,8 @@ class AgentBenchSettings(LeaseSettings):
     nodes: int = 3
     step_sleep_s: float = 0.02
     spare_reps: int = 5  # repetitions of the warm-spare figures, each with spares and without (0: none)
-    relay: str = "off"  # the agents' relay: off, on, or both (each repetition once each way)
-    relay_on: bool = False  # this job's agents run their node relay (one etcd lease per node)
+    relay: str = "on"  # the agents' relay: on (their default), off, or both (each repetition once each way)
+    relay_on: bool = True  # this job's agents run their node relay (one etcd lease per node)
 
 
 class GenerationWatch:
@@ -140,7 +140,8 @@ class AgentJob:
             str(self.s.lease_ttl_s),
             "--keepalive-s",
             str(self.s.keepalive_s),
-            *(("--relay", "true") if self.s.relay_on else ()),
+            "--relay",
+            "true" if self.s.relay_on else "false",
             *flags,
             "--",
             *program,

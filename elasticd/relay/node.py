@@ -529,7 +529,8 @@ class NodeRelay:
             owners = {lease: self._leases.owner_of(lease) for lease in ended}
         if not ended:
             return None
-        log.info("member_leases_ended", node=self._node, leases=ended, cause=why)
+        pids = sorted({o.pid for o in owners.values() if isinstance(o, _Client) and o.pid})
+        log.info("member_leases_ended", node=self._node, leases=ended, pids=pids, cause=why)
         end = _End(ended, self.node_lease)
         self._puts.put((None, end))
         self._tell(owners)

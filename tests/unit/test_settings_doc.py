@@ -45,7 +45,7 @@ def test_the_groups_name_only_settings_that_exist() -> None:
         ("lease_ttl_s", "3.0"),
         ("node_id", "the host name"),
         ("checkpoint_dir", "unset"),
-        ("relay", "false"),
+        ("relay", "true"),
         ("etcd_endpoints", "127.0.0.1:2379"),
     ],
 )
