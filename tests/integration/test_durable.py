@@ -72,6 +72,7 @@ def _client(etcd_server: Any) -> EtcdClient:
     return EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
 
 
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
 def test_full_restart_after_sigkill_of_every_worker_resumes_from_the_checkpoint_exactly(
     local_job: Any, etcd_server: Any, tmp_path: Path
 ) -> None:

@@ -6,7 +6,7 @@ Tolerance of the equivalence: every step averages the same global batch as the o
 reference (agents/mlp_sharded.py --reference, no elasticd), but the sharded job sums it in another
 order (FSDP2's reduce-scatter inside a replica, then the sum across replicas, each rank's loss
 weighted by its share), so float32 rounding differs (~1e-7 relative per sum) and AdamW carries it
-on. Measured here after 400-600 steps with a kill, a stop, a join and a whole-job resume from a
+on. Measured here after a few hundred steps with a kill, a stop, a join and a whole-job resume from a
 sharded checkpoint: max |param diff| 3e-8. Leaving one
 batch out, late (step 450, at a sixteenth of the learning rate), moves them by 2e-5
 (``test_a_left_out_batch_moves_the_parameters_past_the_tolerance``). We allow 1e-6: 30x what was
@@ -122,7 +122,10 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
     assert min(_commits_after(job, gen, stopped_at)) - stopped_at < 3.0
     agents["d"] = _start(job, "d", steps=10 * STEPS)  # it joins with c's replica once that is back
     job.wait_for(lambda: 8 in _worlds_after(job, gen), 120, "four replicas")
-    job.wait_for(lambda: any(_step_of(c) >= 250 for c in _checkpoints(job)), 120, "a checkpoint at step 250")
+    at_eight = _commits(job)
+    job.wait_for(
+        lambda: any(_step_of(c) > at_eight for c in _checkpoints(job)), 120, "a checkpoint saved by four replicas"
+    )
     for agent in agents.values():
         agent.kill_group()  # the whole job is lost
     first = check_dir(_audit(job), 2048)
