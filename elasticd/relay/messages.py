@@ -290,6 +290,13 @@ class Serve(enum.Enum):
     WAIT = "wait"  # no read after ``since`` yet: wait for the next frame
 
 
+def shows(frame: Frame, key: str, value: bytes | None) -> bool:
+    """``frame``'s view holds ``key`` with ``value`` (None: holds no ``key``): it shows a write of
+    the member's own, whenever its read began. Pure."""
+    held = [kv.value for kv in frame.view if kv.key == key]
+    return not held if value is None else value in held
+
+
 def serve(frame: Frame | None, since: float) -> Serve:
     """Whether ``frame`` answers a member's view read that needs a read begun at ``since`` or later. Pure."""
     if frame is None:

@@ -547,6 +547,8 @@ class NodeRelay:
     def _release(self, end: _End) -> None:
         with self._lock:
             end.keys += self._leases.take(end.leases)
+        members = self._keys.member("")
+        end.keys.sort(key=lambda kv: not kv[0].startswith(members))  # the one the coordinator reads, first
         if not end.keys or end.node != self.node_lease:  # none, or they went with the node's lease
             end.done.set()
             return

@@ -38,6 +38,7 @@ from elasticd.relay.messages import (
     Serve,
     encode_request,
     serve,
+    shows,
 )
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
@@ -67,6 +68,7 @@ class RelayedStore:
         self._cond = threading.Condition()
         self._frame: Frame | None = None
         self._dirty_since = 0.0  # when my last write to a watched key returned
+        self._own_write: tuple[str, bytes | None] | None = None  # ... that write: (key, value; None: deleted)
         self._direct = False
         self._subs: dict[int, tuple[str, Callable[[], None]]] = {}
         self._direct_cancel: dict[int, Callable[[], None]] = {}
@@ -264,6 +266,8 @@ class RelayedStore:
         with self._cond:
             while not self._direct:
                 verdict = serve(self._frame, since)
+                if verdict is Serve.WAIT and self._shows_own_write(now):
+                    verdict = Serve.VIEW  # a fresh read that began before my write returned, and holds it
                 if verdict is Serve.VIEW:
                     assert self._frame is not None
                     return list(self._frame.view)
@@ -280,6 +284,15 @@ class RelayedStore:
                     left = min(left, own_left)
                 self._cond.wait(left)
         return self._inner.get_prefixes(prefixes)
+
+    def _shows_own_write(self, now: float) -> bool:
+        """The newest frame is fresh (a read begun less than ``2 * relay_heartbeat_s`` ago) and
+        holds my last write to a watched key: its read began before the write returned to me, but
+        after etcd applied it. Called holding the condition."""
+        frame, own = self._frame, self._own_write
+        if frame is None or own is None or not frame.read_at:
+            return False
+        return frame.read_at >= now - 2 * self._timeouts.relay_heartbeat_s and shows(frame, *own)
 
     def get(self, key: str) -> KeyValue | None:
         frame = self._frame
@@ -315,9 +328,11 @@ class RelayedStore:
 
     # -- writes: straight to etcd, noting when a watched key was written --------------------------
 
-    def _wrote(self, key: str) -> None:
+    def _wrote(self, key: str, value: bytes | None) -> None:
+        """A write of mine to ``key`` (``value``; None: a delete) returned: my next view must show it."""
         if key in self._watched:
             self._dirty_since = self._clock()
+            self._own_write = (key, value)
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """A put under a member lease of the relay goes through the relay, which writes its workers'
@@ -339,7 +354,7 @@ class RelayedStore:
         try:
             return self._inner.put(key, value, lease)
         finally:
-            self._wrote(key)
+            self._wrote(key, value)
 
     def _ask(self, request: PutRequest | LeaseRequest) -> Reply | None:
         """The relay's reply to ``request``; None: the relay is lost, or did not answer within the
@@ -403,8 +418,8 @@ class RelayedStore:
         try:
             return self._inner.put_many(items)
         finally:
-            for key, _, _ in items:
-                self._wrote(key)
+            for key, value, _ in items:
+                self._wrote(key, value)
 
     def delete(self, key: str) -> None:
         with self._cond:  # no longer held: a move after the relay is lost must not write it again
@@ -413,7 +428,7 @@ class RelayedStore:
         try:
             self._inner.delete(key)
         finally:
-            self._wrote(key)
+            self._wrote(key, None)
 
     def delete_held(self, items: Sequence[tuple[str, bytes | None]], lease: int) -> int:
         return self._inner.delete_held(items, lease)
@@ -445,7 +460,7 @@ class RelayedStore:
                 key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges
             )
         finally:
-            self._wrote(key)
+            self._wrote(key, value)
 
     def grant_lease(self, ttl_s: float) -> int:
         """A member lease of the relay, under the node's one etcd lease (``relay.leases``); an etcd

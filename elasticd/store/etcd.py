@@ -430,7 +430,9 @@ class EtcdClient:
         return self._call("compare_and_put", txn, key)
 
     def delete_held(self, items: Sequence[tuple[str, bytes | None]], lease: int) -> int:
-        """``KeyValueStore.delete_held``: one transaction per key (its compare is its own)."""
+        """``KeyValueStore.delete_held``: one transaction per key (its compare is its own), in the
+        order given. Not one transaction of nested ones: etcd 3.4 sends no watch event for a key a
+        nested transaction deletes."""
         deleted = 0
         for key, value in items:
 

@@ -172,3 +172,22 @@ def test_anything_but_a_put_request_is_refused(raw: bytes) -> None:
 def test_a_reply_of_the_wrong_shape_is_refused() -> None:
     with pytest.raises(RelayError):
         decode_message(json.dumps({"reply": 1, "revision": "2", "error": ""}).encode())
+
+
+@pytest.mark.parametrize(
+    ("view", "value", "expected"),
+    [
+        ((("/j/generation", b"g2"),), b"g2", True),  # my write is in the read
+        ((("/j/generation", b"g1"),), b"g2", False),  # an older read: wait for the next one
+        ((), b"g2", False),
+        ((("/j/abort", b"a"),), None, True),  # my delete: the key is gone in the read
+        ((("/j/generation", b"g1"),), None, False),
+    ],
+)
+def test_a_frame_shows_a_members_own_write_whatever_its_read_time(
+    view: tuple[tuple[str, bytes], ...], value: bytes | None, expected: bool
+) -> None:
+    from elasticd.relay.messages import shows
+
+    frame = Frame(seq=1, read_at=5.0, view=tuple(KeyValue(k, v, 10, 1) for k, v in view))
+    assert shows(frame, "/j/generation", value) is expected
