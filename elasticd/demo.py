@@ -476,12 +476,7 @@ class Demo:
         elif not o.rejoined:
             problems.append(f"{plan.victim}'s restarted worker never rejoined")
         else:
-            log = self.workdir / f"agent-{plan.victim}.log"
-            revoked = log_events(log, "worker_lease_revoked")  # its own etcd lease (relay off)
-            ended = log_events(log, "member_leases_ended")  # its member lease of the node's relay
-            if not any(r.get("pid") == o.killed_pid for r in revoked) and not any(
-                o.killed_pid in (r.get("pids") or ()) for r in ended
-            ):
+            if not lease_ended(self.workdir / f"agent-{plan.victim}.log", o.killed_pid):
                 problems.append(f"agent {plan.victim} did not end the killed worker's lease")
         if o.drained_t is None:
             problems.append(f"{plan.drained} was never drained")
@@ -631,3 +626,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def lease_ended(agent_log: Path, pid: int) -> bool:
+    """The agent whose log is ``agent_log`` ended worker ``pid``'s lease: revoked its etcd lease
+    (relay off), or its relay ended its member lease (``relay.leases``)."""
+    revoked = log_events(agent_log, "worker_lease_revoked")
+    ended = log_events(agent_log, "member_leases_ended")
+    return any(r.get("pid") == pid for r in revoked) or any(pid in (r.get("pids") or ()) for r in ended)  # type: ignore[operator]
