@@ -79,6 +79,14 @@ DEMO_TIMEOUTS = Timeouts(lease_ttl_s=2.0, keepalive_s=0.5)
 # Reading what the workers write
 
 
+def lease_ended(agent_log: Path, pid: int) -> bool:
+    """The agent whose log is ``agent_log`` ended worker ``pid``'s lease: revoked its etcd lease
+    (relay off), or its relay ended its member lease (``relay.leases``)."""
+    revoked = log_events(agent_log, "worker_lease_revoked")
+    ended = log_events(agent_log, "member_leases_ended")
+    return any(r.get("pid") == pid for r in revoked) or any(pid in (r.get("pids") or ()) for r in ended)  # type: ignore[operator]
+
+
 @dataclass
 class GenerationSeen:
     """One generation as the demo saw it: from the audit sync lines and the etcd record."""
@@ -626,11 +634,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def lease_ended(agent_log: Path, pid: int) -> bool:
-    """The agent whose log is ``agent_log`` ended worker ``pid``'s lease: revoked its etcd lease
-    (relay off), or its relay ended its member lease (``relay.leases``)."""
-    revoked = log_events(agent_log, "worker_lease_revoked")
-    ended = log_events(agent_log, "member_leases_ended")
-    return any(r.get("pid") == pid for r in revoked) or any(pid in (r.get("pids") or ()) for r in ended)  # type: ignore[operator]
