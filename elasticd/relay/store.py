@@ -46,6 +46,11 @@ from elasticd.wire.keys import Keys
 
 log = structlog.get_logger(__name__)
 
+# After a write of its own to a watched key, how long a member waits for a relayed view that shows
+# it before it reads etcd itself (once): a few relay round trips. Own writes are rare (a publish, a
+# verdict, an abort), so the direct reads they cost do not grow with the job.
+OWN_WRITE_WAIT_S = 0.05
+
 
 class RelayedStore:
     """A ``KeyValueStore``: a member's view reads and watches from its node's relay (``NodeRelay``),
@@ -259,10 +264,12 @@ class RelayedStore:
         now = self._clock()
         since = max(self._dirty_since, now - 2 * self._timeouts.relay_heartbeat_s)
         deadline = now + self._wait_s
-        # After my own write to a watched key (a generation I published, an abort) the relay's
-        # next view shows it within milliseconds; if it does not within relay_heartbeat_s (its
-        # agent is stopped, say), I read etcd myself once rather than wait relay_stale_s for it.
-        own_write_by = now + self._timeouts.relay_heartbeat_s if self._dirty_since >= since else None
+        # After my own write to a watched key (a generation I published, a verdict, an abort) the
+        # relay's next view shows it within milliseconds; if none does within OWN_WRITE_WAIT_S (its
+        # read began before my write returned and the key changed again since, or its agent is
+        # stopped), I read etcd myself once rather than wait for its next heartbeat or relay_stale_s.
+        own_wait_s = min(OWN_WRITE_WAIT_S, self._timeouts.relay_heartbeat_s)
+        own_write_by = now + own_wait_s if self._dirty_since >= since else None
         with self._cond:
             while not self._direct:
                 verdict = serve(self._frame, since)
