@@ -58,7 +58,9 @@ def test_a_slowed_worker_is_found_and_its_node_replaced_by_a_waiting_spare(agent
         stop.set()
         t.join(5)
     (found,) = b.events("straggler_detected")
-    assert float(found["score"]) >= 1.5, found  # type: ignore[arg-type]
+    # slower than its peers at the read that found it: the score that made it slow (>= 1.5) held
+    # for straggler_s, and the last read may dip below it (a SIGSTOP duty cycle on shared cores)
+    assert float(found["score"]) > 1.0, found  # type: ignore[arg-type]
     assert b.wait(30) == 0, job.logs_tail()  # drained: its agent leaves
     job.wait_for(lambda: bool(job.commits("s")), 30, "the standby node's spare in b's place")
     assert a.wait(150) == 0 and s.wait(30) == 0, job.logs_tail()
