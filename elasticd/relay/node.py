@@ -81,7 +81,6 @@ log = structlog.get_logger(__name__)
 LISTEN_BACKLOG = 256  # a node's workers connect at once when the agent starts them
 MAX_BATCH = 100  # puts in one transaction (etcd's default --max-txn-ops is 128)
 RECV_CHUNK = 65536
-MIN_WAIT_S = 0.01  # the lease loop's least wait: a member lease due now is ended, not spun on
 STOP_POLL_S = 0.25  # how often the relay reads its workers' process states (a stop is seen this late at most)
 
 
