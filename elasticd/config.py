@@ -222,14 +222,15 @@ class Timeouts:
     round_poll_s: float = _seconds(
         "While a broken generation's rendezvous is open, how often the coordinator reads the job again "
         "with no change seen: a watch event that a loaded etcd or host delivers late must not hold the "
-        "round (otherwise the coordinator wakes on each change, or every keepalive_s).",
+        "round (otherwise the coordinator wakes on each change, or every view_poll_s).",
         0.25,
     )
     lease_ttl_s: float = _seconds("TTL of a member's etcd lease: a member that stops renewing is gone after this.", 3.0)
     keepalive_s: float = _seconds("Interval between lease renewals (must be < lease_ttl_s / 2).", 0.75)
     view_poll_s: float = _seconds(
         "How often a member re-reads its view of the job besides what its watches deliver at once "
-        "(a broken watch is re-armed and re-read on its own): a safety net whose cost grows with N.",
+        "(a broken watch is re-armed and re-read on its own), and an idle coordinator the whole job: "
+        "a safety net whose cost grows with N.",
         3.0,
     )
     collective_s: float = _seconds("Bound on one collective (gradient all_reduce, vote).", 30.0)
@@ -267,9 +268,10 @@ class Timeouts:
     abort_poll_s: float = _seconds("How often a waiting collective checks whether its generation was aborted.", 0.02)
     shutdown_grace_s: float = _seconds("Grace given to workers to finish a step on shutdown.", 10.0)
     relay_heartbeat_s: float = _seconds(
-        "How often a node's relay (the agent's relay setting) reads its workers' view of the job and "
-        "sends it to them with no change seen; a worker serves its view from a read at most twice this "
-        "old.",
+        "How often a node's relay (the agent's relay setting) sends its workers their view of the job "
+        "with no change seen, as still current when nothing changed since its read and etcd answered the "
+        "node's last lease renewal; a worker serves its view from one current at most twice this long "
+        "ago. The relay reads etcd on each change and every view_poll_s (this often while etcd fails).",
         0.5,
     )
     relay_stale_s: float = _seconds(

@@ -380,8 +380,9 @@ class BenchJob:
 
 
 def progress(msg: str) -> None:
-    """One progress line, on stderr (stdout holds only the result: a table, or ``--json``'s object)."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    """One progress line, on stderr (stdout holds only the result: a table, or ``--json``'s object),
+    with the wall clock (UTC, as the logs' timestamps)."""
+    print(f"[bench {time.strftime('%H:%M:%S', time.gmtime())}] {msg}", file=sys.stderr, flush=True)
 
 
 def run_subcommand(

@@ -25,7 +25,9 @@ import argparse
 import math
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -37,7 +39,14 @@ from pathlib import Path
 import psutil
 
 from elasticd.bench.common import BenchError, LeaseSettings, fmt, progress, run_subcommand
-from elasticd.bench.rendezvous_members import PREFIX, REPLY_TIMEOUT_S, MemberProcesses, Plan, bench_record
+from elasticd.bench.rendezvous_members import (
+    PREFIX,
+    REPLY_TIMEOUT_S,
+    MemberProcesses,
+    Plan,
+    RelayPlan,
+    bench_record,
+)
 from elasticd.bench.rendezvous_model import (
     KV_OVERHEAD_B,
     STOCK_MAX_TXN_OPS,
@@ -67,6 +76,9 @@ IDLE_S = 3.0  # the idle window between the rounds: the steady-state cost of N m
 EVENTS_TIMEOUT_S = 30.0  # bound on the calibration's watch events reaching the watchers
 POLL_S = 0.05  # how often the calibration looks at its watch events
 NODES_PER_PROCESS = 32  # with --nodes: the nodes' members one process runs, as threads (K = this x --per-node)
+NODES_PER_RELAY_PROCESS = (
+    32  # the relays one relay process runs (each node's agent is a process apart from its workers)
+)
 LONGEST_PID = 4_194_303  # Linux's pid_max (2^22 - 1): the walls are computed for the longest member ids
 # Calibration sizes: enough work that etcd's CPU (10 ms ticks in /proc) is measured to a few %.
 CAL_REQUESTS, CAL_WRITES, CAL_RECORDS, CAL_READS, CAL_WATCHERS, CAL_PUTS = 400, 100, 300, 40, 100, 100
@@ -231,6 +243,45 @@ def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
     return out
 
 
+def _plans(s: RendezvousSettings, endpoint: str, workdir: Path, relay_dir: str) -> tuple[list[Plan], list[RelayPlan]]:
+    """The member processes (``per_process`` members each) and, with ``relay_dir``, the relay
+    processes (``NODES_PER_RELAY_PROCESS`` nodes' relays each, their sockets there)."""
+    n = s.members
+    nodes = sorted({bench_record(i, 0, s.per_node).node for i in range(n)}) if relay_dir else []
+    relays = [
+        RelayPlan(
+            i,
+            tuple(nodes[k : k + NODES_PER_RELAY_PROCESS]),
+            s.timeouts(),
+            endpoint,
+            "bench",
+            str(workdir / f"relays{i}.log"),
+            relay_dir,
+        )
+        for i, k in enumerate(range(0, len(nodes), NODES_PER_RELAY_PROCESS))
+    ]
+    plans = [
+        Plan(
+            i,
+            first,
+            min(s.per_process, n - first),
+            n,
+            s.timeouts(),
+            endpoint,
+            "bench",
+            str(workdir / f"members{i}.log"),
+            s.per_node,
+            relay_dir,
+        )
+        for i, first in enumerate(range(0, n, s.per_process))
+    ]
+    progress(
+        f"starting {len(plans)} member processes for {n} members"
+        + (f" and {len(relays)} relay processes for their {len(nodes)} nodes" if relays else "")
+    )
+    return plans, relays
+
+
 def _measure(
     s: RendezvousSettings,
     etcd: EtcdServer,
@@ -245,22 +296,14 @@ def _measure(
         BenchError: a wait ran past its bound, a member failed, or a member process exited.
     """
     n, keys = s.members, Keys(PREFIX, "bench")
-    plans = [
-        Plan(
-            i,
-            first,
-            min(s.per_process, n - first),
-            n,
-            s.timeouts(),
-            etcd.endpoint,
-            "bench",
-            str(workdir / f"members{i}.log"),
-            s.per_node,
-        )
-        for i, first in enumerate(range(0, n, s.per_process))
-    ]
-    progress(f"starting {len(plans)} member processes for {n} members")
-    procs = MemberProcesses(plans)
+    relay_dir = tempfile.mkdtemp(prefix="elasticd-bench-relay-") if s.per_node > 1 else ""  # short: <= 107 bytes
+    plans, relays = _plans(s, etcd.endpoint, workdir, relay_dir)
+    try:
+        procs = MemberProcesses(plans, relays)
+    except BenchError:
+        if relay_dir:
+            shutil.rmtree(relay_dir, ignore_errors=True)
+        raise
     try:
 
         def sample() -> dict[str, float]:
@@ -322,6 +365,8 @@ def _measure(
         measure_round("leave", procs.left[leaver], n - 1, max(g for (_, g) in procs.learned), s2)
     finally:
         procs.stop()
+        if relay_dir:
+            shutil.rmtree(relay_dir, ignore_errors=True)
 
 
 def published_times(client: EtcdClient, keys: Keys) -> dict[int, float]:

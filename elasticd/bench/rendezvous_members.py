@@ -2,10 +2,12 @@
 
 Owns the member processes of ``python -m elasticd.bench rendezvous``: ``MemberProcesses`` starts
 them (spawned, never forked: the bench holds gRPC channels), tracked by PID, and drives them over a
-pipe ("register", "join", "leave", "counts", "exit"); each runs ``Plan.count`` members as threads, each over its
-own ``EtcdClient`` wrapped in a ``CountingStore``, and reports when each began and ended its
+pipe ("register", "join", "leave", "counts", "exit"); each runs ``Plan.count`` members as threads, over one
+``EtcdClient`` wrapped in a ``CountingStore`` per member, and reports when each began and ended its
 registration (``Membership.start``), began its first ``join()``, learned a generation (a ``join()``
-returned) or left. As a trainer does, a member registers when it starts and joins once its
+returned) or left. With more than one member per node, relay processes (``RelayPlan``) run the
+nodes' relays, as each node's agent runs its relay in a process apart from its workers, and count
+what they ask etcd the same way. As a trainer does, a member registers when it starts and joins once its
 process is ready (here: once every member registered). A member reacts to ``must_abandon()`` and
 ``join_pending()`` as the trainer does: it joins again. Measures nothing itself (``bench.rendezvous``
 does) and never changes the protocol: it only calls ``Membership``.
@@ -19,7 +21,6 @@ import multiprocessing as mp
 import os
 import queue
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -45,6 +46,10 @@ REPLY_TIMEOUT_S = 30.0  # bound on a member process's answer to one command
 EXIT_GRACE_S = 5.0  # a member process that has not exited this long after "exit" is killed
 POLL_S = 0.05  # how often the bench and the member processes look at their pipes
 PREFIX = "/elasticd"
+# The member processes' nice value: in a fleet each node's agent (its relay) has its host's cores; here
+# 128 nodes' members share 2 cores with the relays, and at the default niceness a burst of them (a
+# thousand threads waking at once) delays a relay's lease renewal past the lease TTL.
+MEMBER_NICE = 0
 
 
 class CountingStore:
@@ -160,11 +165,27 @@ class Plan:
     job_id: str
     log_path: str
     per_node: int = 1  # members per node: more than 1, each node's members share its relay (relay.node)
+    relay_dir: str = ""  # where the relays' sockets are (one per node, named after it): "" for no relay
+
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """One relay process: the relays of ``nodes``, as each node's agent runs its own (a process apart
+    from its workers), each listening at ``relay_dir``/<node>."""
+
+    index: int
+    nodes: tuple[str, ...]
+    timeouts: Timeouts
+    endpoint: str
+    job_id: str
+    log_path: str
+    relay_dir: str
 
 
 def _member_process(conn: Connection, plan: Plan) -> None:
     """A member process: ``plan.count`` members as threads, driven by the bench over ``conn``."""
     sys.stdout = open(plan.log_path, "a", buffering=1)  # noqa: SIM115 (the bench's stdout holds its result)
+    os.nice(MEMBER_NICE)
     configure_logging(json=True, level=logging.WARNING)
     out, timeouts = queue.Queue[tuple[object, ...]](), plan.timeouts
     # min_workers N-1: the survivors of the leave form a generation; max_workers N: the join round
@@ -186,16 +207,11 @@ def _member_process(conn: Connection, plan: Plan) -> None:
     # the workers of one node could share their agent's: a channel per member costs each a
     # polling thread, and a process of hundreds of them measures gRPC's threads, not the protocol.
     client = EtcdClient(EtcdConfig(endpoints=(plan.endpoint,)), timeouts, RetryPolicy())
-    relays: dict[str, NodeRelay] = {}  # node -> its relay, as each node's agent would run it
-    sockets = tempfile.mkdtemp(prefix="elasticd-bench-relay-")  # short: a socket path has at most 107 bytes
     for i in range(plan.first, plan.first + plan.count):
         record = bench_record(i, os.getpid(), plan.per_node)
         store: KeyValueStore = CountingStore(client, counts, lock, keys.generation, error)
-        if plan.per_node > 1:
-            if record.node not in relays:
-                relays[record.node] = NodeRelay(store, keys, record.node, os.path.join(sockets, record.node), timeouts)
-                relays[record.node].start()
-            store = RelayedStore(store, keys, relays[record.node].path, timeouts, RetryPolicy())
+        if plan.relay_dir:  # its node's relay runs in a relay process, as an agent runs apart from its workers
+            store = RelayedStore(store, keys, os.path.join(plan.relay_dir, record.node), timeouts, RetryPolicy())
         members[record.member_id] = Membership(store, keys, record, world, timeouts)
     wake = {mid: threading.Event() for mid in members}
     left: set[str] = set()
@@ -231,6 +247,36 @@ def _member_process(conn: Connection, plan: Plan) -> None:
                 if m.must_abandon() or m.join_pending():
                     wake[mid].set()
 
+    def handle(cmd: tuple[object, ...]) -> bool:
+        if cmd[0] == "register":
+            for target, args in [(watch_abandon, ())] + [(run, (mid,)) for mid in members]:
+                threading.Thread(target=target, args=args, daemon=True).start()
+        elif cmd[0] == "join":
+            joining.set()
+        elif cmd[0] == "leave":
+            mid = str(cmd[1])
+            left.add(mid)
+            out.put(("left", mid, time.time()))
+            members[mid].close()  # revokes its lease: its keys vanish at once
+            wake[mid].set()
+        elif cmd[0] == "exit":
+            stop.set()
+            joining.set()
+            return False
+        return True
+
+    _serve_commands(conn, out, counts, lock, handle)
+
+
+def _serve_commands(
+    conn: Connection,
+    out: queue.Queue[tuple[object, ...]],
+    counts: Counter[str],
+    lock: threading.Lock,
+    handle: Callable[[tuple[object, ...]], bool],
+) -> None:
+    """A bench process's loop: say it is up, pass on what its threads reported, answer "counts",
+    hand other commands to ``handle`` until it returns False or the bench goes away; then exit."""
     conn.send(("up", os.getpid()))
     try:
         while True:
@@ -239,27 +285,30 @@ def _member_process(conn: Connection, plan: Plan) -> None:
             if not conn.poll(POLL_S):
                 continue
             cmd = conn.recv()
-            if cmd[0] == "register":
-                for target, args in [(watch_abandon, ())] + [(run, (mid,)) for mid in members]:
-                    threading.Thread(target=target, args=args, daemon=True).start()
-            elif cmd[0] == "join":
-                joining.set()
-            elif cmd[0] == "leave":
-                left.add(cmd[1])
-                out.put(("left", cmd[1], time.time()))
-                members[cmd[1]].close()  # revokes its lease: its keys vanish at once
-                wake[cmd[1]].set()
-            elif cmd[0] == "counts":
+            if cmd[0] == "counts":
                 with lock:
                     conn.send(("counts", dict(counts), time.process_time()))
-            elif cmd[0] == "exit":
-                stop.set()
-                joining.set()
+            elif not handle(cmd):
                 break
     except (EOFError, OSError):
         pass  # the bench went away
     sys.stdout.flush()
-    os._exit(0)  # members' gRPC and watch threads would hold the process; their leases just expire
+    os._exit(0)  # gRPC and watch threads would hold the process; its leases just expire
+
+
+def _relay_process(conn: Connection, plan: RelayPlan) -> None:
+    """A relay process: the relays of ``plan.nodes``, each at ``plan.relay_dir``/<node>, over one etcd
+    client; counts what they ask etcd, as the member processes count their members'."""
+    sys.stdout = open(plan.log_path, "a", buffering=1)  # noqa: SIM115 (the bench's stdout holds its result)
+    configure_logging(json=True, level=logging.WARNING)
+    out, keys = queue.Queue[tuple[object, ...]](), Keys(PREFIX, plan.job_id)
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+    client = EtcdClient(EtcdConfig(endpoints=(plan.endpoint,)), plan.timeouts, RetryPolicy())
+    for node in plan.nodes:
+        store = CountingStore(client, counts, lock, keys.generation, lambda msg: out.put(("error", msg)))
+        NodeRelay(store, keys, node, os.path.join(plan.relay_dir, node), plan.timeouts).start()
+    _serve_commands(conn, out, counts, lock, lambda cmd: cmd[0] != "exit")
 
 
 def bench_record(i: int, pid: int, per_node: int = 1) -> MemberRecord:
@@ -280,8 +329,9 @@ def bench_record(i: int, pid: int, per_node: int = 1) -> MemberRecord:
 class MemberProcesses:
     """The member processes, tracked by PID, and what they reported."""
 
-    def __init__(self, plans: Sequence[Plan]) -> None:
-        ctx = mp.get_context("spawn")  # never fork a process that holds gRPC channels
+    def __init__(self, plans: Sequence[Plan], relays: Sequence[RelayPlan] = ()) -> None:
+        """Start the relay processes (``relays``), once they listen the member processes (``plans``):
+        process ``i`` of ``plans`` is ``conns[i]``; the relay processes' follow."""
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         self.registering: dict[str, float] = {}  # member -> when its start() began (wall clock)
@@ -291,19 +341,26 @@ class MemberProcesses:
         self.learned: dict[tuple[str, int], tuple[int, int, float]] = {}  # (member, gen) -> (rank, size, time)
         self.left: dict[str, float] = {}
         self.errors: list[str] = []
-        for plan in plans:
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_member_process, args=(theirs, plan), daemon=True, name=f"members{plan.index}")
-            p.start()
-            self.conns.append(mine)
-            self.procs.append(p)
         self._counts: dict[int, tuple[dict[str, int], float]] = {}
         self._up: set[int] = set()
         try:
-            self.wait_until(lambda: len(self._up) == len(plans), SPAWN_TIMEOUT_S, "the member processes to start")
+            self._spawn(_relay_process, relays, "relays")
+            self._spawn(_member_process, plans, "members")
         except BenchError:
             self.stop()
             raise
+        n = len(relays)  # the member processes first: conns[i] runs plans[i]
+        self.conns, self.procs = self.conns[n:] + self.conns[:n], self.procs[n:] + self.procs[:n]
+
+    def _spawn(self, target: Callable[..., None], plans: Sequence[Plan] | Sequence[RelayPlan], what: str) -> None:
+        ctx = mp.get_context("spawn")  # never fork a process that holds gRPC channels
+        for plan in plans:
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=target, args=(theirs, plan), daemon=True, name=f"{what}{plan.index}")
+            p.start()
+            self.conns.append(mine)
+            self.procs.append(p)
+        self.wait_until(lambda: len(self._up) == len(self.conns), SPAWN_TIMEOUT_S, f"the {what} processes to start")
 
     def receive(self, timeout: float) -> None:
         for conn in wait(self.conns, timeout):

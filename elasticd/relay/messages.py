@@ -32,6 +32,9 @@ class Frame:
 
     seq: int
     read_at: float = 0.0  # CLOCK_MONOTONIC when the newest good read began (0: none yet)
+    # ... and when the relay last found that read still current (read_at, or later: a heartbeat
+    # with no change seen since the read, the read good and the node's lease renewed)
+    current_at: float = 0.0
     view: tuple[KeyValue, ...] = ()  # that read of Keys.member_view
     extra: tuple[KeyValue, ...] = ()  # ... and the single keys read with it (this node's roster bucket)
     error: str = ""  # the newest read after it failed: why (etcd did not answer)
@@ -60,6 +63,7 @@ def encode_frame(frame: Frame) -> bytes:
         {
             "seq": frame.seq,
             "read_at": frame.read_at,
+            "current_at": frame.current_at,
             "view": [_kv_json(kv) for kv in frame.view],
             "extra": [_kv_json(kv) for kv in frame.extra],
             "error": frame.error,
@@ -81,9 +85,10 @@ def decode_frame(body: bytes) -> Frame:
 
 def _frame_of(d: dict[str, object]) -> Frame:
     try:
-        seq, read_at, error, error_at, view, extra = (
+        seq, read_at, current_at, error, error_at, view, extra = (
             d["seq"],
             d["read_at"],
+            d["current_at"],
             d["error"],
             d["error_at"],
             d["view"],
@@ -92,17 +97,19 @@ def _frame_of(d: dict[str, object]) -> Frame:
         if not (
             _ints(seq)
             and isinstance(read_at, (int, float))
+            and isinstance(current_at, (int, float))
             and isinstance(error, str)
             and isinstance(error_at, (int, float))
             and isinstance(view, list)
             and isinstance(extra, list)
         ):
             raise RelayError("a field of the wrong type")
-        if not (math.isfinite(read_at) and math.isfinite(error_at)):
+        if not (math.isfinite(read_at) and math.isfinite(current_at) and math.isfinite(error_at)):
             raise RelayError("a time that is not finite")
         return Frame(
             seq=seq,
             read_at=float(read_at),
+            current_at=float(current_at),
             view=tuple(_kv_of(r) for r in view),  # type: ignore[arg-type]
             extra=tuple(_kv_of(r) for r in extra),
             error=error,
@@ -245,13 +252,13 @@ def decode_message(body: bytes) -> Frame | Reply | Ended:
     return _frame_of(d)
 
 
-_VIEW_FIELD = b',"view":'  # where a frame's body leaves its head (seq, read_at) for its read (encode_frame)
+_VIEW_FIELD = b',"view":'  # where a frame's body leaves its head (seq, read_at, current_at) for its read (encode_frame)
 
 
 class MessageReader:
     """A worker's decoding of what its relay sends, remembering the last frame: a heartbeat that
     repeats that frame's read (the same bytes from ``"view"`` on: the view, the roster bucket and
-    the error fields) is decoded from its head alone (``seq``, ``read_at``), so its view is not
+    the error fields) is decoded from its head alone (``seq``, ``read_at``, ``current_at``), so its view is not
     parsed again. 1,000 members each parsing their view twice a second cost this machine about a
     tenth of a core."""
 
@@ -268,15 +275,14 @@ class MessageReader:
         cut = body.find(_VIEW_FIELD)
         if self._frame is not None and cut > 0 and body[cut:] == self._tail:
             head = _object(body[:cut] + b"}")
-            seq, read_at = head.get("seq"), head.get("read_at")
+            seq, times = head.get("seq"), (head.get("read_at"), head.get("current_at"))
             if (
-                set(head) == {"seq", "read_at"}
+                set(head) == {"seq", "read_at", "current_at"}
                 and _ints(seq)
-                and isinstance(read_at, (int, float))
-                and not isinstance(read_at, bool)
-                and math.isfinite(read_at)
+                and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in times)
             ):
-                self._frame = replace(self._frame, seq=seq, read_at=float(read_at))  # type: ignore[arg-type]
+                read_at, current_at = (float(t) for t in times)  # type: ignore[arg-type]
+                self._frame = replace(self._frame, seq=seq, read_at=read_at, current_at=current_at)  # type: ignore[arg-type]
                 return self._frame
         message = decode_message(body)
         if isinstance(message, Frame):
@@ -297,12 +303,13 @@ def shows(frame: Frame, key: str, value: bytes | None) -> bool:
     return not held if value is None else value in held
 
 
-def serve(frame: Frame | None, since: float) -> Serve:
-    """Whether ``frame`` answers a member's view read that needs a read begun at ``since`` or later. Pure."""
+def serve(frame: Frame | None, since: float, written: float = 0.0) -> Serve:
+    """Whether ``frame`` answers a member's view read that needs a view current at ``since`` or
+    later, from a read begun at ``written`` (the member's last write to a watched key) or later. Pure."""
     if frame is None:
         return Serve.WAIT
-    if frame.read_at >= since and frame.read_at > 0:
+    if frame.read_at > 0 and frame.read_at >= written and max(frame.read_at, frame.current_at) >= since:
         return Serve.VIEW
-    if frame.error and frame.error_at >= since:
+    if frame.error and frame.error_at >= max(since, written):
         return Serve.FAIL
     return Serve.WAIT

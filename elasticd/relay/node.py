@@ -3,8 +3,9 @@
 Without it every worker watches the job's generation keys and reads its view of the job itself, so
 a change of membership costs etcd one watch event and one read per worker. With it (the agent's
 ``relay`` setting), the agent runs a ``NodeRelay``: it watches ``Keys.member_watch`` once, reads
-``Keys.member_view`` (and, for a large generation, this node's roster bucket) once per change and
-at least every ``relay_heartbeat_s``, and sends each read to its workers over a Unix socket. A
+``Keys.member_view`` once per change and every ``view_poll_s`` (and, for a large generation, this
+node's roster bucket once per generation), and sends each read to its workers over a Unix socket,
+and every ``relay_heartbeat_s`` a heartbeat (saying the read is still current: ``current``). A
 worker's ``RelayedStore`` answers the membership's view reads and watches from those frames and
 sends its member and ready records to the relay, which writes what its workers
 sent meanwhile in one transaction (``put_many``: a node's registrations and ready records are one
@@ -22,9 +23,10 @@ key's lease (and the seat's value), and runs on the writer thread after the puts
 The rules that keep a relayed view as good as a read of its own (``serve``, pure):
 
 * a view is served only from a read that *began* after the member's last write to a watched key
-  (read-your-writes: that write's watch event makes the relay read at once) and less than
-  ``2 * relay_heartbeat_s`` ago; the clock is ``CLOCK_MONOTONIC``, one clock for every process of a
-  host;
+  (read-your-writes: that write's watch event makes the relay read at once) and that the relay
+  found current less than ``2 * relay_heartbeat_s`` ago (its read began then, or a heartbeat since
+  said so: no change seen, the read good, etcd answering the node's lease renewals); the clock is
+  ``CLOCK_MONOTONIC``, one clock for every process of a host;
 * a read the relay could not make (etcd did not answer within its retries) fails the member's view
   read with ``EtcdUnavailable``, as its own read would have;
 * a relay that sends nothing for ``relay_stale_s`` (a stopped or dead agent), a broken socket or a
@@ -48,6 +50,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 
 import structlog
 
@@ -82,6 +85,14 @@ LISTEN_BACKLOG = 256  # a node's workers connect at once when the agent starts t
 MAX_BATCH = 100  # puts in one transaction (etcd's default --max-txn-ops is 128)
 RECV_CHUNK = 65536
 STOP_POLL_S = 0.25  # how often the relay reads its workers' process states (a stop is seen this late at most)
+
+
+def current(frame: Frame, changing: bool, node_ok: bool) -> bool:
+    """Whether a heartbeat may say ``frame``'s read is still current: it was good (the newest read
+    did not fail), no change was seen since it began (``changing``: a watch event, or a read under
+    way) and etcd answered the node's last lease renewal (a watch on a cut link goes silent, it
+    does not fail). Pure."""
+    return frame.read_at > 0 and not frame.error and not changing and node_ok
 
 
 def peer_pid(sock: socket.socket) -> int:
@@ -172,6 +183,8 @@ class NodeRelay:
         self._timeouts, self._clock = timeouts, clock
         self._lock = threading.Lock()
         self._frame = Frame(seq=0)
+        self._reading = False  # a read is under way (or due: a change was seen): no heartbeat says current
+        self._bucket: tuple[tuple[str, int], KeyValue] | None = None  # ((key, generation revision), this node's bucket)
         self._clients: list[_Client] = []
         self._closing: list[_Client] = []  # dropped, to be closed by the serve thread
         self._puts: queue.Queue[tuple[_Client | None, PutRequest | LeaseRequest | _End]] = queue.Queue()
@@ -261,18 +274,30 @@ class NodeRelay:
     # -- the view -------------------------------------------------------------------------------
 
     def _read(self) -> tuple[list[KeyValue], list[KeyValue]]:
+        """The members' view and, for a large generation, this node's roster bucket: read once per
+        generation record (it is written with the record, in its transaction, and never after)."""
         view = self._store.get_prefixes(self._keys.member_view)
         g = parse_snapshot(self._keys, view).generation
-        extra: list[KeyValue] = []
-        if g is not None and is_sparse(g):
-            kv = self._store.get(self._keys.roster(g.generation, bucket_of(self._node, buckets_for(g.world_size))))
-            extra = [kv] if kv is not None else []
-        return view, extra
+        if g is None or not is_sparse(g):
+            return view, []
+        key = self._keys.roster(g.generation, bucket_of(self._node, buckets_for(g.world_size)))
+        written = next((kv.mod_revision for kv in view if kv.key == self._keys.generation), 0)
+        if self._bucket is not None and self._bucket[0] == (key, written):
+            return view, [self._bucket[1]]
+        kv = self._store.get(key)
+        if kv is None:
+            return view, []
+        self._bucket = ((key, written), kv)
+        return view, [kv]
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
-            self._changed.wait(self._timeouts.relay_heartbeat_s)
-            self._changed.clear()
+            with self._lock:  # etcd answering: a change (its watch event) or the safety net; else retry soon
+                healthy = not self._frame.error and self._node_ok
+            self._changed.wait(self._timeouts.view_poll_s if healthy else self._timeouts.relay_heartbeat_s)
+            with self._lock:
+                self._changed.clear()
+                self._reading = True
             if self._stop.is_set():
                 return
             began = self._clock()
@@ -281,31 +306,35 @@ class NodeRelay:
             except EtcdUnavailable as exc:
                 with self._lock:
                     f = self._frame
-                    self._frame = Frame(
-                        f.seq + 1, f.read_at, f.view, f.extra, str(exc)[:300] or "etcd unavailable", self._clock()
+                    self._frame = replace(
+                        f, seq=f.seq + 1, error=str(exc)[:300] or "etcd unavailable", error_at=self._clock()
                     )
             except Exception as exc:
                 log.exception("relay_read_failed", node=self._node)
                 with self._lock:
                     f = self._frame
-                    self._frame = Frame(
-                        f.seq + 1,
-                        f.read_at,
-                        f.view,
-                        f.extra,
-                        f"the relay's read failed: {type(exc).__name__}: {exc}"[:300],
-                        self._clock(),
+                    self._frame = replace(
+                        f,
+                        seq=f.seq + 1,
+                        error=f"the relay's read failed: {type(exc).__name__}: {exc}"[:300],
+                        error_at=self._clock(),
                     )
             else:
                 with self._lock:
-                    self._frame = Frame(self._frame.seq + 1, began, tuple(view), tuple(extra))
+                    self._frame = Frame(self._frame.seq + 1, began, began, tuple(view), tuple(extra))
+            with self._lock:
+                self._reading = False
             self._send.set()
 
     def _send_loop(self) -> None:
+        """Send the newest frame on each read, and every ``relay_heartbeat_s``: then, if nothing
+        changed since its read, as current now (``current``)."""
         while not self._stop.is_set():
-            self._send.wait(self._timeouts.relay_heartbeat_s)
+            beat = not self._send.wait(self._timeouts.relay_heartbeat_s)
             self._send.clear()
             with self._lock:
+                if beat and current(self._frame, self._reading or self._changed.is_set(), self._node_ok):
+                    self._frame = replace(self._frame, seq=self._frame.seq + 1, current_at=self._clock())
                 data, clients = encode_frame(self._frame), list(self._clients)
             self._drop([c for c in clients if not c.send_now(data)])
 

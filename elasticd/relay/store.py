@@ -262,17 +262,17 @@ class RelayedStore:
         if tuple(prefixes) != self._view_prefixes:
             return self._inner.get_prefixes(prefixes)
         now = self._clock()
-        since = max(self._dirty_since, now - 2 * self._timeouts.relay_heartbeat_s)
+        since, written = now - 2 * self._timeouts.relay_heartbeat_s, self._dirty_since
         deadline = now + self._wait_s
         # After my own write to a watched key (a generation I published, a verdict, an abort) the
         # relay's next view shows it within milliseconds; if none does within OWN_WRITE_WAIT_S (its
         # read began before my write returned and the key changed again since, or its agent is
         # stopped), I read etcd myself once rather than wait for its next heartbeat or relay_stale_s.
         own_wait_s = min(OWN_WRITE_WAIT_S, self._timeouts.relay_heartbeat_s)
-        own_write_by = now + own_wait_s if self._dirty_since >= since else None
+        own_write_by = now + own_wait_s if written >= since else None
         with self._cond:
             while not self._direct:
-                verdict = serve(self._frame, since)
+                verdict = serve(self._frame, since, written)
                 if verdict is Serve.WAIT and self._shows_own_write(now):
                     verdict = Serve.VIEW  # a fresh read that began before my write returned, and holds it
                 if verdict is Serve.VIEW:
@@ -293,13 +293,13 @@ class RelayedStore:
         return self._inner.get_prefixes(prefixes)
 
     def _shows_own_write(self, now: float) -> bool:
-        """The newest frame is fresh (a read begun less than ``2 * relay_heartbeat_s`` ago) and
+        """The newest frame is fresh (current less than ``2 * relay_heartbeat_s`` ago) and
         holds my last write to a watched key: its read began before the write returned to me, but
         after etcd applied it. Called holding the condition."""
         frame, own = self._frame, self._own_write
         if frame is None or own is None or not frame.read_at:
             return False
-        return frame.read_at >= now - 2 * self._timeouts.relay_heartbeat_s and shows(frame, *own)
+        return max(frame.read_at, frame.current_at) >= now - 2 * self._timeouts.relay_heartbeat_s and shows(frame, *own)
 
     def get(self, key: str) -> KeyValue | None:
         frame = self._frame

@@ -303,15 +303,15 @@ class Coordinator:
 
 def round_wait_s(until: float | None, window: Window | None, now: float, timeouts: Timeouts) -> float:
     """How long the coordinator waits for a change before its next round: until the time its last
-    round named (a join window, a last call), else ``round_poll_s`` while a broken generation's
-    rendezvous is open (members are arriving: a late watch event must not hold them), else
-    ``keepalive_s``. Pure."""
-    wait_s = timeouts.keepalive_s
+    round named (a join window, a last call; at most ``keepalive_s``), else ``round_poll_s`` while a
+    broken generation's rendezvous is open (members are arriving: a late watch event must not hold
+    them), else ``view_poll_s``: nothing is due, its watches wake it on every change, and a round
+    reads every member's records (at a fleet's size, megabytes). Pure."""
     if until is not None:
-        return min(wait_s, max(0.0, until - now))
+        return min(timeouts.keepalive_s, max(0.0, until - now))
     if window is not None and window.broken_at is not None:
-        return min(wait_s, timeouts.round_poll_s)
-    return wait_s
+        return min(timeouts.keepalive_s, timeouts.round_poll_s)
+    return timeouts.view_poll_s
 
 
 class Seat:

@@ -141,15 +141,20 @@ def test_a_stopped_relay_is_left_within_relay_stale_s_and_the_members_read_etcd_
 
 
 class _Counting:
-    """The relay's etcd client, counting its batched writes (a real etcd behind it)."""
+    """The relay's etcd client, counting its batched writes and its view reads (a real etcd behind it)."""
 
     def __init__(self, inner: EtcdClient) -> None:
         self._inner = inner
         self.batches: list[int] = []
+        self.reads = 0
 
     def put_many(self, items):  # type: ignore[no-untyped-def]
         self.batches.append(len(items))
         return self._inner.put_many(items)
+
+    def get_prefixes(self, prefixes):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return self._inner.get_prefixes(prefixes)
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
@@ -206,6 +211,49 @@ def test_leased_puts_go_through_the_relay_in_batches_and_a_lost_lease_fails_only
     try:
         assert client.get(keys.ready("n0.1.1")) is None
     finally:
+        client.close()
+
+
+def test_a_relay_reads_etcd_on_a_change_not_on_its_heartbeats_and_its_view_stays_served(
+    etcd_server, tmp_path: Path
+) -> None:
+    """With nothing changing the relay reads etcd only every view_poll_s; its heartbeats say the
+    last read is still current, so a worker's view read is answered from it, with no etcd read. A
+    change to a watched key is read at once and served; after the worker's own write its view holds
+    that write."""
+    from elasticd.relay.node import NodeRelay
+    from elasticd.relay.store import RelayedStore
+
+    t = Timeouts(view_poll_s=30.0)  # the safety net out of the way: every read here is a change's
+    keys = Keys("/elasticd", f"relaybeat{time.monotonic_ns()}")
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), t, RetryPolicy())
+    counting = _Counting(client)
+    relay = NodeRelay(counting, keys, "n0", str(tmp_path / "r.sock"), t)  # type: ignore[arg-type]
+    relay.start()
+    store = RelayedStore(_Counting(client), keys, relay.path, t, RetryPolicy())  # type: ignore[arg-type]
+    try:
+        wait_until(lambda: counting.reads >= 1, 5.0, "the relay's first read", lambda: "")
+        time.sleep(2 * t.relay_heartbeat_s)
+        before = counting.reads
+        time.sleep(4 * t.relay_heartbeat_s)  # older than 2 x relay_heartbeat_s, kept current by heartbeats
+        view = store.get_prefixes(keys.member_view)
+        assert counting.reads == before, "the relay read etcd with nothing changed"
+        assert store._inner.reads == 0, "the worker read etcd itself"  # type: ignore[attr-defined]
+        assert not any(kv.key == keys.verdict for kv in view)
+        client.put(keys.verdict, b"another member's write")  # a watched key: read at once
+        wait_until(lambda: counting.reads == before + 1, 2.0, "the relay to read the change", lambda: "")
+        wait_until(
+            lambda: any(kv.key == keys.verdict for kv in store.get_prefixes(keys.member_view)),
+            2.0,
+            "the change served",
+            lambda: "",
+        )
+        store.put(keys.abort, b"my own write")
+        assert any(kv.key == keys.abort and kv.value == b"my own write" for kv in store.get_prefixes(keys.member_view))
+        assert store.relayed
+    finally:
+        store.close()
+        relay.close()
         client.close()
 
 

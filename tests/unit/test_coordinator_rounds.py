@@ -216,18 +216,18 @@ def test_garbage_in_place_of_the_generation_publishes_nothing_for_members_still_
     assert g.generation == 2 and g.members == ("a.0.1",)
 
 
-T_POLL = Timeouts(keepalive_s=1.5, lease_ttl_s=4.0, round_poll_s=0.25)
+T_POLL = Timeouts(keepalive_s=1.5, lease_ttl_s=4.0, round_poll_s=0.25, view_poll_s=3.0)
 
 
 @pytest.mark.parametrize(
     ("until", "window", "now", "expected"),
     [
-        (None, None, 10.0, 1.5),  # nobody waits: every keepalive_s
+        (None, None, 10.0, 3.0),  # nobody waits: only the safety net, every view_poll_s
         (10.2, None, 10.0, 0.2),  # the time the last round named
         (9.0, Window(8.0, 8.0, 8.5), 10.0, 0.0),  # ... already past
         (20.0, Window(8.0, 8.0, 8.5), 10.0, 1.5),  # ... far off: at most keepalive_s
         (None, Window(8.0, 8.0, 8.5), 10.0, 0.25),  # a broken generation's round: poll
-        (None, Window(8.0, 8.0, None), 10.0, 1.5),  # standbys beside a healthy one: no poll
+        (None, Window(8.0, 8.0, None), 10.0, 3.0),  # standbys beside a healthy one: no poll
     ],
 )
 def test_round_wait_s(until: float | None, window: Window | None, now: float, expected: float) -> None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from elasticd.config import ConfigError, Timeouts
+from elasticd.relay.node import current
 from elasticd.relay.messages import (
     LEASE_LOST,
     Frame,
@@ -48,8 +49,8 @@ def test_a_heartbeat_repeating_the_last_read_is_decoded_from_its_head_and_any_ot
     first = Frame(seq=4, read_at=12.5, view=(KV,), extra=(ROSTER,))
     got = reader.decode(body(first))
     assert got == first
-    beat = reader.decode(body(Frame(seq=5, read_at=13.0, view=(KV,), extra=(ROSTER,))))
-    assert beat == Frame(seq=5, read_at=13.0, view=(KV,), extra=(ROSTER,))
+    beat = reader.decode(body(Frame(seq=5, read_at=13.0, current_at=13.5, view=(KV,), extra=(ROSTER,))))
+    assert beat == Frame(seq=5, read_at=13.0, current_at=13.5, view=(KV,), extra=(ROSTER,))
     assert isinstance(beat, Frame) and beat.view is got.view  # not parsed again
     for changed in (
         Frame(seq=6, read_at=14.0, view=(KV, ROSTER), extra=(ROSTER,)),  # a new read
@@ -66,10 +67,15 @@ def test_a_heartbeat_repeating_the_last_read_is_decoded_from_its_head_and_any_ot
     # a head that is not a frame's is refused as in full, even with the last frame's tail
     tail = body(first)[body(first).find(b',"view":') :]
     reader.decode(body(first))
-    for bad in (b'{"seq":"9","read_at":1.0' + tail, b'{"seq":9,"read_at":1e999' + tail):
+    for bad in (
+        b'{"seq":"9","read_at":1.0,"current_at":1.0' + tail,
+        b'{"seq":9,"read_at":1e999,"current_at":1.0' + tail,
+        b'{"seq":9,"read_at":1.0,"current_at":1e999' + tail,
+        b'{"seq":9,"read_at":1.0' + tail,
+    ):
         with pytest.raises(RelayError):
             reader.decode(bad)
-    extra_field = b'{"seq":9,"read_at":1.0,"x":1' + tail  # decoded in full, as decode_message does
+    extra_field = b'{"seq":9,"read_at":1.0,"current_at":1.0,"x":1' + tail  # decoded in full, as decode_message does
     assert reader.decode(extra_field) == decode_message(extra_field)
 
 
@@ -122,10 +128,43 @@ def test_anything_but_a_frame_is_refused(raw: bytes) -> None:
         (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 10.5, Serve.FAIL),  # the read after failed
         (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 11.5, Serve.WAIT),  # a failure before: wait
         (Frame(seq=2, read_at=12.0, error="down", error_at=11.0), 11.5, Serve.VIEW),  # a good read after it
+        (Frame(seq=3, read_at=10.0, current_at=11.0, view=(KV,)), 10.5, Serve.VIEW),  # read before, current since
+        (Frame(seq=3, read_at=10.0, current_at=11.0, view=(KV,)), 11.5, Serve.WAIT),  # ... not current since
     ],
 )
 def test_serve(frame: Frame | None, since: float, expected: Serve) -> None:
     assert serve(frame, since) is expected
+
+
+@pytest.mark.parametrize(
+    ("frame", "since", "written", "expected"),
+    [
+        (Frame(seq=1, read_at=10.0, current_at=12.0, view=(KV,)), 11.0, 9.0, Serve.VIEW),  # read after my write
+        (Frame(seq=1, read_at=10.0, current_at=12.0, view=(KV,)), 11.0, 10.5, Serve.WAIT),  # read before it: wait
+        (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 9.0, 10.5, Serve.FAIL),  # the read after it failed
+        (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), 9.0, 11.5, Serve.WAIT),  # ... failed before it
+    ],
+)
+def test_serve_after_a_write_of_my_own_needs_a_read_begun_after_it(
+    frame: Frame, since: float, written: float, expected: Serve
+) -> None:
+    assert serve(frame, since, written) is expected
+
+
+@pytest.mark.parametrize(
+    ("frame", "changing", "node_ok", "expected"),
+    [
+        (Frame(seq=1, read_at=10.0, view=(KV,)), False, True, True),  # a good read, nothing since
+        (Frame(seq=0), False, True, False),  # no read yet
+        (Frame(seq=2, read_at=10.0, error="down", error_at=11.0), False, True, False),  # the newest read failed
+        (Frame(seq=1, read_at=10.0, view=(KV,)), True, True, False),  # a change seen, or a read under way
+        (Frame(seq=1, read_at=10.0, view=(KV,)), False, False, False),  # etcd did not answer the node's renewal
+    ],
+)
+def test_a_heartbeat_says_current_only_with_nothing_changed_and_etcd_answering(
+    frame: Frame, changing: bool, node_ok: bool, expected: bool
+) -> None:
+    assert current(frame, changing, node_ok) is expected
 
 
 def test_relay_stale_s_must_exceed_two_heartbeats() -> None:
