@@ -498,7 +498,7 @@ def _model_lines(result: Mapping[str, object], phases: Mapping[str, Mapping[str,
         + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"])
         + " per join, leave)",
         f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
-        f"{'etcd cpu':>9} {'sent':>9} {'no coordinator':>14} {'renewals/s':>11} {'their cores':>12}  "
+        f"{'etcd cpu':>9} {'sent':>9} {'no coordinator':>14} {'renewals/s':>11} {'their cores':>12} {'idle cores':>10}  "
         "walls on a stock etcd",
     ]
     for row in model:
@@ -506,7 +506,7 @@ def _model_lines(result: Mapping[str, object], phases: Mapping[str, Mapping[str,
             f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
             f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
             f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s "
-            f"{row['renewals_per_s']:>11.0f} {row['renewal_etcd_cores']:>12.3f}  "
+            f"{row['renewals_per_s']:>11.0f} {row['renewal_etcd_cores']:>12.3f} {row['idle_etcd_cores']:>10.3f}  "
             f"{'; '.join(row['walls']) or '-'}"
         )
     return lines

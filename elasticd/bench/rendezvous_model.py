@@ -318,6 +318,17 @@ def renewals_per_s(n: int, per_node: int, timeouts: Timeouts) -> float:
     return holders / timeouts.keepalive_s
 
 
+def idle_etcd_cores(n: int, per_node: int, sizes: Sizes, costs: Costs, timeouts: Timeouts) -> float:
+    """etcd's cores while nothing changes, for ``n`` members at ``per_node`` per node: the lease
+    renewals (``renewals_per_s``), one view read per holder per ``view_poll_s`` (each node's relay,
+    or each member without one: the safety net; a relay's heartbeats read nothing) and the idle
+    coordinator's read of the whole job per ``view_poll_s``. Pure."""
+    holders = math.ceil(n / per_node) if per_node > 1 else n
+    requests = renewals_per_s(n, per_node, timeouts) + (holders + 1) / timeouts.view_poll_s
+    full_read_bytes = sizes.full_read(n) / timeouts.view_poll_s
+    return requests * costs.etcd_per_request_s + full_read_bytes * costs.etcd_per_byte_s
+
+
 def model_rows(
     costs: Costs,
     sizes: Sizes,
@@ -354,6 +365,7 @@ def model_rows(
                 "join_fleet_s_before": before.fleet_s,
                 "renewals_per_s": renewals_per_s(n, per_node, timeouts),
                 "renewal_etcd_cores": renewals_per_s(n, per_node, timeouts) * costs.etcd_per_request_s,
+                "idle_etcd_cores": idle_etcd_cores(n, per_node, sizes, costs, timeouts),
                 "reads_per_member": (r_join, r_leave),
                 "walls": walls(n, sizes),
             }

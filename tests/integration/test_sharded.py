@@ -76,6 +76,16 @@ def _worlds_after(job: AgentJob, generation: int) -> set[int]:
     return {int(r["world_size"]) for r in rows if r["event"] == "commit" and r["generation"] > generation}
 
 
+def _generations_below(job: AgentJob, world: int, t: float) -> set[int]:
+    """The generations that committed a step after ``t`` at fewer than ``world`` members."""
+    rows = read_lines(_audit(job).glob("*.jsonl"))
+    return {
+        int(r["generation"])
+        for r in rows
+        if r["event"] == "commit" and int(r["world_size"]) < world and float(r["t"]) > t
+    }
+
+
 def _checkpoints(job: AgentJob) -> list[Path]:
     """The job's published sharded checkpoints, oldest first."""
     return sorted((Path(str(job.settings["checkpoint_dir"])) / job.job_id).glob("*.dcp"))
@@ -108,11 +118,15 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
     ends 50 steps after the checkpoint it resumed from."""
     job = agent_job(join_window_s=1.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=50)
     agents = {n: _start(job, n, steps=10 * STEPS) for n in ("a", "b", "c")}
-    job.wait_for(lambda: _commits(job) >= 20, 120, "step 20 at three replicas")
+    job.wait_for(lambda: _commits(job) >= 20 and 6 in _worlds_after(job, 0), 120, "step 20 at three replicas")
     victim = _worker_pids(agents["b"])[1]
+    killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
+    # the others regroup without b (a generation below six), then b comes back in a later one
+    job.wait_for(lambda: bool(_generations_below(job, 6, killed_at)), 60, "the others' regroup without replica b")
+    without_b = max(_generations_below(job, 6, killed_at))
     job.wait_for(lambda: len(agents["b"].events("worker_started")) >= 4, 60, "replica b started again")
-    job.wait_for(lambda: max(_worlds_after(job, 1), default=0) == 6, 90, "replica b back in the job")
+    job.wait_for(lambda: max(_worlds_after(job, without_b), default=0) == 6, 90, "replica b back in the job")
     gen = max(int(r["generation"]) for r in read_lines(_audit(job).glob("*.jsonl")) if r["event"] == "commit")
     stopped_at = time.time()
     os.kill(_worker_pids(agents["c"])[0], signal.SIGSTOP)

@@ -3,6 +3,8 @@ arithmetic, and the counting proxy (over the in-memory store)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import threading
 from collections import Counter
 
@@ -275,3 +277,18 @@ def test_renewals_follow_the_nodes_with_relays_and_the_members_without(
     from elasticd.bench.rendezvous_model import renewals_per_s
 
     assert renewals_per_s(members, per_node, Timeouts()) == pytest.approx(per_s)
+
+
+def test_idle_etcd_load_is_the_renewals_one_view_read_per_node_and_the_coordinators_read_per_view_poll() -> None:
+    from elasticd.bench.rendezvous_model import Costs, Sizes, idle_etcd_cores
+
+    t = Timeouts()
+    sizes = Sizes(member_kv=300, ready_kv=200, member_id=20, ready_key=40)
+    per_request = Costs(*(0.0 for _ in Costs.__dataclass_fields__))
+    per_request = replace(per_request, etcd_per_request_s=1e-3)
+    per_byte = replace(per_request, etcd_per_request_s=0.0, etcd_per_byte_s=1e-9)
+    relayed = (2048 / t.keepalive_s + (2048 + 1) / t.view_poll_s) * 1e-3
+    assert idle_etcd_cores(16384, 8, sizes, per_request, t) == pytest.approx(relayed)
+    alone = (16384 / t.keepalive_s + (16384 + 1) / t.view_poll_s) * 1e-3
+    assert idle_etcd_cores(16384, 1, sizes, per_request, t) == pytest.approx(alone)
+    assert idle_etcd_cores(16384, 8, sizes, per_byte, t) == pytest.approx(16384 * (300 + 200 + 20 + 4) / 3.0 * 1e-9)
