@@ -243,7 +243,9 @@ def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
     return out
 
 
-def _plans(s: RendezvousSettings, endpoint: str, workdir: Path, relay_dir: str) -> tuple[list[Plan], list[RelayPlan]]:
+def _plans(
+    s: RendezvousSettings, endpoint: str, workdir: Path, relay_dir: str, job: str
+) -> tuple[list[Plan], list[RelayPlan]]:
     """The member processes (``per_process`` members each) and, with ``relay_dir``, the relay
     processes (``NODES_PER_RELAY_PROCESS`` nodes' relays each, their sockets there)."""
     n = s.members
@@ -254,7 +256,7 @@ def _plans(s: RendezvousSettings, endpoint: str, workdir: Path, relay_dir: str) 
             tuple(nodes[k : k + NODES_PER_RELAY_PROCESS]),
             s.timeouts(),
             endpoint,
-            "bench",
+            job,
             str(workdir / f"relays{i}.log"),
             relay_dir,
         )
@@ -268,7 +270,7 @@ def _plans(s: RendezvousSettings, endpoint: str, workdir: Path, relay_dir: str) 
             n,
             s.timeouts(),
             endpoint,
-            "bench",
+            job,
             str(workdir / f"members{i}.log"),
             s.per_node,
             relay_dir,
@@ -295,9 +297,10 @@ def _measure(
     Raises:
         BenchError: a wait ran past its bound, a member failed, or a member process exited.
     """
-    n, keys = s.members, Keys(PREFIX, "bench")
+    job = f"bench{time.time_ns()}"  # its own job: a given etcd may hold an earlier run's
+    n, keys = s.members, Keys(PREFIX, job)
     relay_dir = tempfile.mkdtemp(prefix="elasticd-bench-relay-") if s.per_node > 1 else ""  # short: <= 107 bytes
-    plans, relays = _plans(s, etcd.endpoint, workdir, relay_dir)
+    plans, relays = _plans(s, etcd.endpoint, workdir, relay_dir, job)
     try:
         procs = MemberProcesses(plans, relays)
     except BenchError:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.bench.rendezvous import RendezvousSettings, render, run_rendezvous
+from elasticd.config import Timeouts
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import REPO_ROOT
 
@@ -40,8 +41,28 @@ def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_pat
     assert idle["etcd_requests"] > 0  # renewals and the periodic re-reads
     assert result["walls"]["publish_txn_ops_deleting_ready"] == 127  # type: ignore[index]
     assert result["txn_wall"] == {"128": "accepted", "129": "refused: etcdserver: too many operations in txn request"}
-    assert "16000" in render(result) and "N >= 127" in render(result)
+    assert "16384" in render(result) and "N >= 127" in render(result)
     assert etcd_server.running()  # a given etcd is left running
+
+
+@pytest.mark.soak  # its behaviour is also in the default suite: docs/testing.md#soak-tests
+@pytest.mark.timeout(90)
+def test_nodes_of_4_share_their_relays_which_run_apart_and_renew_one_lease_per_node(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    nodes, per_node = 4, 4
+    s = RendezvousSettings(members=nodes * per_node, per_process=8, per_node=per_node)
+    result = run_rendezvous(s, tmp_path, etcd=etcd_server)
+    assert result["errors"] == [], result["errors"]
+    phases = result["phases"]
+    assert isinstance(phases, dict)
+    for phase in (phases["join"], phases["leave"]):
+        assert 0 < phase["published_s"] <= phase["all_learned_s"] < 30, phase
+    assert phases["register"]["member_grant_lease"] == 0  # member leases are the relays' (theirs came before)
+    assert sorted(p.name for p in tmp_path.glob("relays*.log")) == ["relays0.log"]  # one relay process
+    idle = phases["idle_per_s"]  # etcd renewals: one per node per keepalive_s (the relays'; members ask none)
+    assert 0.5 * nodes / s.keepalive_s <= idle["member_refresh_lease"] <= 1.5 * nodes / s.keepalive_s, idle
+    assert idle["member_reads"] <= 2 * nodes / Timeouts().view_poll_s + 1, idle  # no reads on heartbeats
 
 
 @pytest.mark.timeout(60)
