@@ -25,7 +25,6 @@ import argparse
 import math
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -76,9 +75,7 @@ IDLE_S = 3.0  # the idle window between the rounds: the steady-state cost of N m
 EVENTS_TIMEOUT_S = 30.0  # bound on the calibration's watch events reaching the watchers
 POLL_S = 0.05  # how often the calibration looks at its watch events
 NODES_PER_PROCESS = 32  # with --nodes: the nodes' members one process runs, as threads (K = this x --per-node)
-NODES_PER_RELAY_PROCESS = (
-    32  # the relays one relay process runs (each node's agent is a process apart from its workers)
-)
+NODES_PER_RELAY_PROCESS = 32  # the relays one relay process runs (as agents, apart from their workers)
 LONGEST_PID = 4_194_303  # Linux's pid_max (2^22 - 1): the walls are computed for the longest member ids
 # Calibration sizes: enough work that etcd's CPU (10 ms ticks in /proc) is measured to a few %.
 CAL_REQUESTS, CAL_WRITES, CAL_RECORDS, CAL_READS, CAL_WATCHERS, CAL_PUTS = 400, 100, 300, 40, 100, 100
@@ -290,23 +287,19 @@ def _measure(
     probe: Probe,
     client: EtcdClient,
     workdir: Path,
+    relay_dir: str,
     phases: dict[str, dict[str, float | None]],
 ) -> None:
-    """The join round, the idle window and the leave, into ``phases`` (as far as they got).
+    """The join round, the idle window and the leave, into ``phases`` (as far as they got); with
+    ``relay_dir``, the nodes' relays listen there.
 
     Raises:
         BenchError: a wait ran past its bound, a member failed, or a member process exited.
     """
     job = f"bench{time.time_ns()}"  # its own job: a given etcd may hold an earlier run's
     n, keys = s.members, Keys(PREFIX, job)
-    relay_dir = tempfile.mkdtemp(prefix="elasticd-bench-relay-") if s.per_node > 1 else ""  # short: <= 107 bytes
     plans, relays = _plans(s, etcd.endpoint, workdir, relay_dir, job)
-    try:
-        procs = MemberProcesses(plans, relays)
-    except BenchError:
-        if relay_dir:
-            shutil.rmtree(relay_dir, ignore_errors=True)
-        raise
+    procs = MemberProcesses(plans, relays)
     try:
 
         def sample() -> dict[str, float]:
@@ -368,8 +361,6 @@ def _measure(
         measure_round("leave", procs.left[leaver], n - 1, max(g for (_, g) in procs.learned), s2)
     finally:
         procs.stop()
-        if relay_dir:
-            shutil.rmtree(relay_dir, ignore_errors=True)
 
 
 def published_times(client: EtcdClient, keys: Keys) -> dict[int, float]:
@@ -401,7 +392,9 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
         costs = calibrate(client, probe, Keys(PREFIX, "calibrate"))
         txn_wall = probe_txn_wall(client, Keys(PREFIX, "calibrate"))
         try:
-            _measure(s, etcd, probe, client, workdir, phases)
+            # the relays' sockets: a short path (at most 107 bytes), removed with the run
+            with tempfile.TemporaryDirectory(prefix="elasticd-bench-relay-") as sockets:
+                _measure(s, etcd, probe, client, workdir, sockets if s.per_node > 1 else "", phases)
         except BenchError as exc:
             errors.append(str(exc))
     finally:

@@ -46,10 +46,6 @@ REPLY_TIMEOUT_S = 30.0  # bound on a member process's answer to one command
 EXIT_GRACE_S = 5.0  # a member process that has not exited this long after "exit" is killed
 POLL_S = 0.05  # how often the bench and the member processes look at their pipes
 PREFIX = "/elasticd"
-# The member processes' nice value: in a fleet each node's agent (its relay) has its host's cores; here
-# 128 nodes' members share 2 cores with the relays, and at the default niceness a burst of them (a
-# thousand threads waking at once) delays a relay's lease renewal past the lease TTL.
-MEMBER_NICE = 0
 
 
 class CountingStore:
@@ -185,7 +181,6 @@ class RelayPlan:
 def _member_process(conn: Connection, plan: Plan) -> None:
     """A member process: ``plan.count`` members as threads, driven by the bench over ``conn``."""
     sys.stdout = open(plan.log_path, "a", buffering=1)  # noqa: SIM115 (the bench's stdout holds its result)
-    os.nice(MEMBER_NICE)
     configure_logging(json=True, level=logging.WARNING)
     out, timeouts = queue.Queue[tuple[object, ...]](), plan.timeouts
     # min_workers N-1: the survivors of the leave form a generation; max_workers N: the join round

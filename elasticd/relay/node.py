@@ -277,11 +277,11 @@ class NodeRelay:
         """The members' view and, for a large generation, this node's roster bucket: read once per
         generation record (it is written with the record, in its transaction, and never after)."""
         view = self._store.get_prefixes(self._keys.member_view)
-        g = parse_snapshot(self._keys, view).generation
+        snap = parse_snapshot(self._keys, view)
+        g, written = snap.generation, snap.generation_revision
         if g is None or not is_sparse(g):
             return view, []
         key = self._keys.roster(g.generation, bucket_of(self._node, buckets_for(g.world_size)))
-        written = next((kv.mod_revision for kv in view if kv.key == self._keys.generation), 0)
         if self._bucket is not None and self._bucket[0] == (key, written):
             return view, [self._bucket[1]]
         kv = self._store.get(key)
