@@ -74,7 +74,7 @@ SETTLE_S, SETTLE_MAX_S = 0.5, 30.0
 IDLE_S = 3.0  # the idle window between the rounds: the steady-state cost of N members
 EVENTS_TIMEOUT_S = 30.0  # bound on the calibration's watch events reaching the watchers
 POLL_S = 0.05  # how often the calibration looks at its watch events
-NODES_PER_PROCESS = 32  # with --nodes: the nodes' members one process runs, as threads (K = this x --per-node)
+NODES_PER_PROCESS = 8  # with --nodes: the nodes' members one process runs, as threads (K = this x --per-node)
 NODES_PER_RELAY_PROCESS = 32  # the relays one relay process runs (as agents, apart from their workers)
 LONGEST_PID = 4_194_303  # Linux's pid_max (2^22 - 1): the walls are computed for the longest member ids
 # Calibration sizes: enough work that etcd's CPU (10 ms ticks in /proc) is measured to a few %.

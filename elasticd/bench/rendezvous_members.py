@@ -46,6 +46,12 @@ REPLY_TIMEOUT_S = 30.0  # bound on a member process's answer to one command
 EXIT_GRACE_S = 5.0  # a member process that has not exited this long after "exit" is killed
 POLL_S = 0.05  # how often the bench and the member processes look at their pipes
 PREFIX = "/elasticd"
+# A member process's GIL switch interval (Python's default is 0.005 s). Its members are threads of one
+# interpreter where a fleet's workers each have their own: when a change wakes hundreds of them
+# at once, every thread waiting for the GIL wakes every switch interval to ask for it, and at the
+# default those wakeups alone take the cores (measured: 1,024 members, 4 processes, 70 % system
+# time and node leases lost). Their waits are on sockets and events, which release the GIL.
+MEMBER_SWITCH_INTERVAL_S = 0.05
 
 
 class CountingStore:
@@ -182,6 +188,7 @@ def _member_process(conn: Connection, plan: Plan) -> None:
     """A member process: ``plan.count`` members as threads, driven by the bench over ``conn``."""
     sys.stdout = open(plan.log_path, "a", buffering=1)  # noqa: SIM115 (the bench's stdout holds its result)
     configure_logging(json=True, level=logging.WARNING)
+    sys.setswitchinterval(MEMBER_SWITCH_INTERVAL_S)
     out, timeouts = queue.Queue[tuple[object, ...]](), plan.timeouts
     # min_workers N-1: the survivors of the leave form a generation; max_workers N: the join round
     # publishes at once when all N are ready (its join window is cut short at max size).
@@ -229,7 +236,7 @@ def _member_process(conn: Connection, plan: Plan) -> None:
                 joined = m.join(0, Deadline.after(timeouts.join_s))
                 out.put(("learned", mid, joined.generation, joined.rank, joined.world_size, time.time()))
                 while not stop.is_set() and mid not in left and not (m.must_abandon() or m.join_pending()):
-                    wake[mid].wait(timeouts.keepalive_s)  # as a trainer at its step boundary
+                    wake[mid].wait(REPLY_TIMEOUT_S)  # set by watch_abandon, a leave and "exit"
                     wake[mid].clear()
                 if mid in left:
                     return
@@ -257,6 +264,8 @@ def _member_process(conn: Connection, plan: Plan) -> None:
         elif cmd[0] == "exit":
             stop.set()
             joining.set()
+            for w in wake.values():
+                w.set()
             return False
         return True
 

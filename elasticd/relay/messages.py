@@ -57,13 +57,11 @@ def _kv_of(row: object) -> KeyValue:
     return KeyValue(row[0], base64.b64decode(row[1], validate=True), row[2], row[3], row[4])
 
 
-def encode_frame(frame: Frame) -> bytes:
-    """``frame`` as sent: its length, then JSON."""
-    body = json.dumps(
+def frame_tail(frame: Frame) -> bytes:
+    """The part of ``frame``'s body after its head (``seq``, ``read_at``, ``current_at``): its read,
+    the same bytes for every heartbeat that repeats that read (``encode_frame``'s ``tail``)."""
+    rest = json.dumps(
         {
-            "seq": frame.seq,
-            "read_at": frame.read_at,
-            "current_at": frame.current_at,
             "view": [_kv_json(kv) for kv in frame.view],
             "extra": [_kv_json(kv) for kv in frame.extra],
             "error": frame.error,
@@ -71,6 +69,16 @@ def encode_frame(frame: Frame) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
+    return b"," + rest[1:]
+
+
+def encode_frame(frame: Frame, tail: bytes | None = None) -> bytes:
+    """``frame`` as sent: its length, then JSON. ``tail``: ``frame_tail(frame)``, when the sender
+    kept it (a heartbeat repeats its read; encoding a large view again each time costs the relay)."""
+    head = json.dumps(
+        {"seq": frame.seq, "read_at": frame.read_at, "current_at": frame.current_at}, separators=(",", ":")
+    ).encode()
+    body = head[:-1] + (frame_tail(frame) if tail is None else tail)
     return HEADER.pack(len(body)) + body
 
 

@@ -71,6 +71,7 @@ from elasticd.relay.messages import (
     decode_request,
     encode_ended,
     encode_frame,
+    frame_tail,
     encode_reply,
 )
 from elasticd.retry import Clock
@@ -107,11 +108,16 @@ def peer_pid(sock: socket.socket) -> int:
 def process_stopped(pid: int) -> bool:
     """Process ``pid`` is stopped (SIGSTOP, SIGTSTP: state T in ``/proc/<pid>/stat``; a debugger's
     tracing stop, t, is not counted); False when it cannot be read (gone: its socket closes)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+    try:  # os.open, not open(): the relay reads each worker's state four times a second
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return False
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     return raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3] == b"T"
 
 
@@ -183,6 +189,7 @@ class NodeRelay:
         self._timeouts, self._clock = timeouts, clock
         self._lock = threading.Lock()
         self._frame = Frame(seq=0)
+        self._tail = frame_tail(self._frame)  # the encoded read of _frame (a heartbeat sends it again)
         self._reading = False  # a read is under way (or due: a change was seen): no heartbeat says current
         self._bucket: tuple[tuple[str, int], KeyValue] | None = None  # ((key, generation revision), this node's bucket)
         self._clients: list[_Client] = []
@@ -304,27 +311,25 @@ class NodeRelay:
             try:
                 view, extra = self._read()
             except EtcdUnavailable as exc:
-                with self._lock:
-                    f = self._frame
-                    self._frame = replace(
-                        f, seq=f.seq + 1, error=str(exc)[:300] or "etcd unavailable", error_at=self._clock()
-                    )
+                error = str(exc)[:300] or "etcd unavailable"
+                self._set_frame(lambda f: replace(f, error=error, error_at=self._clock()))
             except Exception as exc:
                 log.exception("relay_read_failed", node=self._node)
-                with self._lock:
-                    f = self._frame
-                    self._frame = replace(
-                        f,
-                        seq=f.seq + 1,
-                        error=f"the relay's read failed: {type(exc).__name__}: {exc}"[:300],
-                        error_at=self._clock(),
-                    )
+                error = f"the relay's read failed: {type(exc).__name__}: {exc}"[:300]
+                self._set_frame(lambda f: replace(f, error=error, error_at=self._clock()))
             else:
-                with self._lock:
-                    self._frame = Frame(self._frame.seq + 1, began, began, tuple(view), tuple(extra))
+                self._set_frame(lambda f: Frame(f.seq, began, began, tuple(view), tuple(extra)))
             with self._lock:
                 self._reading = False
             self._send.set()
+
+    def _set_frame(self, new: Callable[[Frame], Frame]) -> None:
+        """The next frame, ``new`` of the current one with the next ``seq``, and its encoded read."""
+        with self._lock:
+            f = new(self._frame)
+        tail = frame_tail(f)  # encoded once per read, off the lock
+        with self._lock:
+            self._frame, self._tail = replace(f, seq=self._frame.seq + 1), tail
 
     def _send_loop(self) -> None:
         """Send the newest frame on each read, and every ``relay_heartbeat_s``: then, if nothing
@@ -335,7 +340,7 @@ class NodeRelay:
             with self._lock:
                 if beat and current(self._frame, self._reading or self._changed.is_set(), self._node_ok):
                     self._frame = replace(self._frame, seq=self._frame.seq + 1, current_at=self._clock())
-                data, clients = encode_frame(self._frame), list(self._clients)
+                data, clients = encode_frame(self._frame, self._tail), list(self._clients)
             self._drop([c for c in clients if not c.send_now(data)])
 
     def _drop(self, dropped: list[_Client]) -> None:
@@ -460,7 +465,7 @@ class NodeRelay:
             self._revoke(client, request)
             return
         if request.expected >= 0:
-            self._reply([(client, self._compare_and_put(client, request))])
+            self._reply(self._compare_and_put(self._same_compares(client, request)))
             return
         batch = [(client, request)]
         keys = {request.key}
@@ -519,19 +524,40 @@ class NodeRelay:
             log.exception("relay_write_failed", node=self._node)
             return out + [(c, Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])) for c, r in batch]
 
-    def _compare_and_put(self, client: _Client, r: PutRequest) -> Reply:
-        """The coordinator's seat: a compare-and-put under the node's lease (revision 1: written,
-        0: the compare failed)."""
-        admitted, refused = self._admit([(client, r)])
-        if refused:
-            return refused[0][1]
+    def _same_compares(self, client: _Client, first: PutRequest) -> list[tuple[_Client, PutRequest]]:
+        """``first`` and the compare-and-puts of the same key and expected revision queued right
+        behind it (a node's workers campaign for the coordinator's seat together, on one view)."""
+        group = [(client, first)]
+        while True:
+            try:
+                item = self._puts.get_nowait()
+            except queue.Empty:
+                break
+            c, r = item
+            if c is None or not isinstance(r, PutRequest) or (r.key, r.expected) != (first.key, first.expected):
+                self._carry = item
+                break
+            group.append((c, r))
+        return group
+
+    def _compare_and_put(self, group: list[tuple[_Client, PutRequest]]) -> list[tuple[_Client, Reply]]:
+        """Compare-and-puts of one key and expected revision (the coordinator's seat), under the node's
+        lease, as one: the first is sent to etcd (revision 1: written, 0: the compare failed), and
+        the others, all received before it was sent, fail as they would right after it (it changed
+        the key's revision, or found it changed); an error answers them all."""
+        admitted, replies = self._admit(group)
+        if not admitted:
+            return replies
+        (client, r), rest = admitted[0], admitted[1:]
         try:
-            return Reply(r.id, int(self._store.compare_and_put(r.key, r.expected, r.value, lease=self.node_lease)))
+            won = int(self._store.compare_and_put(r.key, r.expected, r.value, lease=self.node_lease))
+            return replies + [(client, Reply(r.id, won))] + [(c, Reply(x.id, 0)) for c, x in rest]
         except LeaseLost:
             self._lease_wake.set()
-            return Reply(r.id, error=LEASE_LOST)
+            error = LEASE_LOST
         except Exception as exc:  # noqa: BLE001 (EtcdUnavailable, or refused: answer it)
-            return Reply(r.id, error=f"{type(exc).__name__}: {exc}"[:300])
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        return replies + [(c, Reply(x.id, error=error)) for c, x in admitted]
 
     # -- member leases --------------------------------------------------------------------------
 

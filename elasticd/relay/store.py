@@ -450,6 +450,11 @@ class RelayedStore:
         lease: int = 0,
         delete_ranges: Iterable[tuple[str, str]] = (),
     ) -> bool:
+        """As ``KeyValueStore.compare_and_put``; one under a member lease goes through the relay.
+        Only a compare that held (or one whose outcome is unknown: an error) is an own write the
+        next view must show: one that failed wrote nothing, and its member reads on from the relay
+        (at a job's start every member campaigns for the coordinator's seat and all but one lose)."""
+        won: bool | None = None  # None: unknown (raised)
         try:
             if lease in self._virtual:
                 if delete_keys or put_keys or delete_ranges:
@@ -463,11 +468,13 @@ class RelayedStore:
                                 self._held.setdefault(lease, {})[key] = (value, True)
                         return won
                 lease = self._moved_or_lost(lease, f"compare-and-put {key}")
-            return self._inner.compare_and_put(
+            won = self._inner.compare_and_put(
                 key, expected_mod_revision, value, delete_keys, put_keys, lease, delete_ranges
             )
+            return won
         finally:
-            self._wrote(key, value)
+            if won is not False:
+                self._wrote(key, value)
 
     def grant_lease(self, ttl_s: float) -> int:
         """A member lease of the relay, under the node's one etcd lease (``relay.leases``); an etcd

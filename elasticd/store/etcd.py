@@ -46,6 +46,7 @@ from elasticd.store.credentials import (  # noqa: F401 (re-exported: the etcd ac
     read_password,
     system_ca_bundle,
 )
+from elasticd.store.keepalive import KeepAliveStream, KeepAliveTimeout
 from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
@@ -142,6 +143,7 @@ class EtcdClient:
         # outages under chaos a worker grew to 400 threads.)
         self._clients: dict[int, etcd3.Etcd3Client] = {}
         self._client: etcd3.Etcd3Client | None = None
+        self._streams: dict[int, KeepAliveStream] = {}  # id(client) -> its lease keepalive stream
         try:
             self._client = self._first_client()
         except _AuthUnanswered as exc:
@@ -456,23 +458,33 @@ class EtcdClient:
         return int(lease.id)
 
     def refresh_lease(self, lease: int) -> float:
-        """Renew ``lease``; its TTL now (0: gone). Attempts are bounded by ``lease_renew_s``, then
-        twice that, up to ``etcd_request_s``: one stuck in a leader election moves on early."""
+        """Renew ``lease``; its TTL now (0: gone). One keepalive stream per endpoint carries every
+        renewal of this client (``store.keepalive``). Attempts are bounded by ``lease_renew_s``,
+        then twice that, up to ``etcd_request_s``: one stuck in a leader election moves on early."""
         bound = [min(self._timeouts.lease_renew_s, self._timeouts.etcd_request_s)]
 
-        def keepalive(c: etcd3.Etcd3Client) -> list[Any]:
+        def keepalive(c: etcd3.Etcd3Client) -> float:
             timeout, bound[0] = bound[0], min(bound[0] * 2, self._timeouts.etcd_request_s)
-            return list(
-                c.leasestub.LeaseKeepAlive(
-                    iter([etcd3.etcdrpc.LeaseKeepAliveRequest(ID=lease)]),
-                    timeout,
-                    credentials=c.call_credentials,
-                    metadata=c.metadata,
-                )
-            )
+            try:
+                return self._stream_of(c).renew(lease, timeout)
+            except KeepAliveTimeout as exc:
+                self._failover(c)
+                raise _RetryableRpc(str(exc)) from exc
 
-        replies = self._call("refresh_lease", keepalive)
-        return float(replies[0].TTL) if replies else 0.0
+        return self._call("refresh_lease", keepalive)
+
+    def _stream_of(self, c: etcd3.Etcd3Client) -> KeepAliveStream:
+        """The open keepalive stream to ``c``'s endpoint (a new one when there is none, or it ended)."""
+        with self._lock:
+            stream = self._streams.get(id(c))
+            if stream is None or stream.broken:
+                stream = self._streams[id(c)] = KeepAliveStream(
+                    lambda requests: c.leasestub.LeaseKeepAlive(
+                        requests, credentials=c.call_credentials, metadata=c.metadata
+                    ),
+                    lambda lease: etcd3.etcdrpc.LeaseKeepAliveRequest(ID=lease),
+                )
+            return stream
 
     def revoke_lease(self, lease: int) -> None:
         self._call("revoke_lease", lambda c: c.revoke_lease(lease))
@@ -571,6 +583,10 @@ class EtcdClient:
         return self._call(what, lambda c: fn(c.channel, c.metadata))
 
     def close(self) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
         for client in {id(c): c for c in (*self._clients.values(), self._client) if c is not None}.values():
             _close_client(client)
 

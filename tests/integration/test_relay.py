@@ -258,6 +258,65 @@ def test_a_relay_reads_etcd_on_a_change_not_on_its_heartbeats_and_its_view_stays
         client.close()
 
 
+class _CountingCompares(_Counting):
+    """... and its compare-and-puts."""
+
+    def __init__(self, inner: EtcdClient) -> None:
+        super().__init__(inner)
+        self.compares = 0
+
+    def compare_and_put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.compares += 1
+        return self._inner.compare_and_put(*args, **kwargs)
+
+
+def test_a_nodes_workers_campaign_for_the_seat_at_once_one_wins_and_the_losers_read_on_from_the_relay(
+    etcd_server, tmp_path: Path
+) -> None:
+    """Eight workers of a node campaign for the coordinator's seat on one view, as at a job's start:
+    exactly one wins and the seat holds its record; the relay sends the campaigns queued together
+    to etcd as one (the rest fail as they would right after it); a loser wrote nothing, so its next
+    view read is served by the relay, not read from etcd by the worker itself."""
+    from elasticd.relay.node import NodeRelay
+    from elasticd.relay.store import RelayedStore
+
+    keys = Keys("/elasticd", f"relayseat{time.monotonic_ns()}")
+    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
+    relay_side = _CountingCompares(client)
+    relay = NodeRelay(relay_side, keys, "n0", str(tmp_path / "r.sock"), T)  # type: ignore[arg-type]
+    relay.start()
+    owns = [_Counting(client) for _ in range(8)]
+    stores = [RelayedStore(own, keys, relay.path, T, RetryPolicy()) for own in owns]  # type: ignore[arg-type]
+    try:
+        leases = [s.grant_lease(T.lease_ttl_s) for s in stores]
+        for s in stores:
+            s.get_prefixes(keys.member_view)
+        go, won = threading.Barrier(len(stores)), [False] * len(stores)
+
+        def campaign(i: int) -> None:
+            go.wait(10)
+            won[i] = stores[i].compare_and_put(keys.coordinator, 0, f"worker{i}".encode(), lease=leases[i])
+
+        threads = [threading.Thread(target=campaign, args=(i,)) for i in range(len(stores))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert sum(won) == 1, won
+        held = client.get(keys.coordinator)
+        assert held is not None and held.value == f"worker{won.index(True)}".encode()
+        assert 1 <= relay_side.compares <= len(stores)
+        for i, s in enumerate(stores):
+            if not won[i]:
+                assert any(kv.key == keys.coordinator for kv in s.get_prefixes(keys.member_view))
+                assert owns[i].reads == 0, f"a losing worker {i} read etcd itself"
+    finally:
+        for s in stores:
+            s.close()
+        relay.close()
+        client.close()
+
+
 def _relay_and_store(etcd_server, procs: list[Proc], tmp_path: Path, keys: Keys):  # type: ignore[no-untyped-def]
     """A relay process for ``keys``' job, and a worker's store in this process: (relay, etcd client, RelayedStore)."""
     from elasticd.relay.store import RelayedStore

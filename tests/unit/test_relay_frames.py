@@ -23,6 +23,7 @@ from elasticd.relay.messages import (
     encode_frame,
     encode_reply,
     encode_request,
+    frame_tail,
     serve,
 )
 from elasticd.store.kv import KeyValue
@@ -230,3 +231,14 @@ def test_a_frame_shows_a_members_own_write_whatever_its_read_time(
 
     frame = Frame(seq=1, read_at=5.0, view=tuple(KeyValue(k, v, 10, 1) for k, v in view))
     assert shows(frame, "/j/generation", value) is expected
+
+
+def test_a_frame_encoded_with_its_kept_tail_is_the_same_bytes_and_a_heartbeat_decodes_from_its_head() -> None:
+    f = Frame(seq=4, read_at=12.5, view=(KV,), extra=(ROSTER,), error="", error_at=0.0)
+    tail = frame_tail(f)
+    assert encode_frame(f, tail) == encode_frame(f)
+    beat = Frame(seq=5, read_at=12.5, current_at=13.0, view=f.view, extra=f.extra)
+    assert encode_frame(beat, tail) == encode_frame(beat)
+    reader = MessageReader()
+    assert reader.decode(body(f)) == f
+    assert reader.decode(encode_frame(beat, tail)[4:]) == beat
