@@ -56,8 +56,10 @@ from elasticd.bench.rendezvous_model import (
     parse_metrics,
     round_times,
     wall_thresholds,
+    load_walls,
 )
-from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
+from elasticd.agent.jobview import job_read_interval_s
+from elasticd.config import AgentConfig, EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable
 from elasticd.store.etcd import EtcdClient
 from elasticd.testing.etcd import EtcdServer, etcd_binary
@@ -402,6 +404,8 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
         if own:
             etcd.stop()
     sizes = Sizes.of(bench_record(s.members, LONGEST_PID), Keys(PREFIX, "bench"))
+    # how often each node's agent reads the whole job, at the agent's defaults (the bench runs no agents)
+    agent_read_s = job_read_interval_s(AgentConfig(program=("train.py",), timeouts=timeouts), live_consumers=False)
     cores = float(len(os.sched_getaffinity(0)))  # the cores this process may run on (psutil counts the host's)
     return {
         "settings": asdict(s),
@@ -412,7 +416,9 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
         "costs": asdict(costs),
         "sizes": asdict(sizes),
         "walls": wall_thresholds(sizes),
-        "model": model_rows(costs, sizes, timeouts, phases, s.members, cores, s.per_node),
+        "agent_read_s": agent_read_s,
+        "load_walls": load_walls(sizes, costs, timeouts, s.per_node, agent_read_s),
+        "model": model_rows(costs, sizes, timeouts, phases, s.members, cores, s.per_node, agent_read_s),
         "errors": errors,
     }
 
@@ -472,6 +478,13 @@ def render(result: Mapping[str, object]) -> str:
         "walls of a stock etcd: "
         + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in walls_at.items() if n is not None),
     ]
+    load_at = result["load_walls"]
+    assert isinstance(load_at, dict)
+    lines += [
+        "walls of the training load on one etcd core at this run's costs (agents reading the whole job every "
+        f"{result['agent_read_s']:g} s): "
+        + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in load_at.items() if n is not None),
+    ]
     probe = result["txn_wall"]
     assert isinstance(probe, dict)
     lines += ["this etcd, sent a transaction of: " + "; ".join(f"{n} ops: {answer}" for n, answer in probe.items())]
@@ -494,7 +507,8 @@ def _model_lines(result: Mapping[str, object], phases: Mapping[str, Mapping[str,
         + ", ".join(f"{r:.1f}" for r in model[0]["reads_per_member"])
         + " per join, leave)",
         f"{'members':>8} {'join here':>10} {'join fleet':>11} {'leave here':>11} {'leave fleet':>12} "
-        f"{'etcd cpu':>9} {'sent':>9} {'no coordinator':>14} {'renewals/s':>11} {'their cores':>12} {'idle cores':>10}  "
+        f"{'etcd cpu':>9} {'sent':>9} {'no coordinator':>14} {'renewals/s':>11} {'their cores':>12} {'idle cores':>10} "
+        f"{'progress cores':>14} {'agent reads cores':>17}  "
         "walls on a stock etcd",
     ]
     for row in model:
@@ -502,7 +516,8 @@ def _model_lines(result: Mapping[str, object], phases: Mapping[str, Mapping[str,
             f"{row['members']:>8} {row['join_here_s']:>9.2f}s {row['join_fleet_s']:>10.2f}s "
             f"{row['leave_here_s']:>10.2f}s {row['leave_fleet_s']:>11.2f}s {row['join_etcd_cpu_s']:>8.1f}s "
             f"{row['join_bytes_sent'] / 1e9:>7.3f}GB {row['join_fleet_s_before']:>13.1f}s "
-            f"{row['renewals_per_s']:>11.0f} {row['renewal_etcd_cores']:>12.3f} {row['idle_etcd_cores']:>10.3f}  "
+            f"{row['renewals_per_s']:>11.0f} {row['renewal_etcd_cores']:>12.3f} {row['idle_etcd_cores']:>10.3f} "
+            f"{row['progress_etcd_cores']:>14.2f} {row['agent_reads_etcd_cores']:>17.2f}  "
             f"{'; '.join(row['walls']) or '-'}"
         )
     return lines

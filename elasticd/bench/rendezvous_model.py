@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from elasticd.config import Timeouts
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord, ReadyRecord, encode
+from elasticd.wire.progress import ProgressRecord, encode_progress
 from elasticd.wire.roster import buckets_for
 
 # etcd's defaults (v3.4/3.5) and gRPC's: the walls of a stock deployment.
@@ -62,20 +63,28 @@ class Sizes:
     ready_kv: int  # ready/<id>
     member_id: int  # one id's length (the generation record and its event list them all)
     ready_key: int  # the ready key's length (the publish deletes each)
+    progress_kv: int = 0  # progress/<id>: what a training member writes every keepalive_s
 
     @staticmethod
     def of(record: MemberRecord, keys: Keys) -> Sizes:
         ready = ReadyRecord(record.member_id, 0, 1, 0, record.signature)
+        progress = ProgressRecord(123456, 1234, 16383, 0.512, 3, 0.1, "worker_kill", 1.8e9, 0.48)
         return Sizes(
             len(keys.member(record.member_id)) + len(encode(record)) + KV_OVERHEAD_B,
             len(keys.ready(record.member_id)) + len(encode(ready)) + KV_OVERHEAD_B,
             len(record.member_id),
             len(keys.ready(record.member_id)),
+            len(keys.progress(record.member_id)) + len(encode_progress(progress)) + KV_OVERHEAD_B,
         )
 
     def full_read(self, n: int) -> int:
         """One member's read while all N are registered and ready (and a generation lists them)."""
         return n * (self.member_kv + self.ready_kv + self.member_id + 4)
+
+    def agent_read(self, n: int) -> int:
+        """An agent's read of the whole job while it trains (``agent.jobview.JobReader``): every
+        member's rendezvous records and its progress record."""
+        return self.full_read(n) + n * self.progress_kv
 
     def view(self, n: int) -> int:
         """One member's reads after a change under the coordinated protocol: its view (the small
@@ -329,6 +338,35 @@ def idle_etcd_cores(n: int, per_node: int, sizes: Sizes, costs: Costs, timeouts:
     return requests * costs.etcd_per_request_s + full_read_bytes * costs.etcd_per_byte_s
 
 
+def training_etcd_cores(
+    n: int, per_node: int, sizes: Sizes, costs: Costs, timeouts: Timeouts, agent_read_s: float
+) -> tuple[float, float]:
+    """etcd's cores while a job of ``n`` trains, besides the idle load: (the workers' progress puts,
+    the agents' reads of the whole job). Each worker puts its progress record every ``keepalive_s``
+    (a node's relay writes those that meet in one transaction; counted here one request each, as
+    they come unaligned); each node's agent reads every member's records and progress every
+    ``agent_read_s`` (``agent.jobview.job_read_interval_s``). Pure."""
+    nodes = math.ceil(n / per_node)
+    puts = n / timeouts.keepalive_s * costs.etcd_per_request_s
+    reads = nodes / agent_read_s * (costs.etcd_per_request_s + sizes.agent_read(n) * costs.etcd_per_byte_s)
+    return puts, reads
+
+
+def load_walls(
+    sizes: Sizes, costs: Costs, timeouts: Timeouts, per_node: int, agent_read_s: float
+) -> dict[str, int | None]:
+    """The first N at which the training load alone takes one etcd core at this run's costs:
+    the progress puts, the agents' reads of the whole job (``training_etcd_cores``)."""
+
+    def load(n: int) -> tuple[float, float]:
+        return training_etcd_cores(n, per_node, sizes, costs, timeouts, agent_read_s)
+
+    return {
+        "progress_puts_one_core": first_n(lambda n: load(n)[0] > 1.0),
+        "agent_job_reads_one_core": first_n(lambda n: load(n)[1] > 1.0),
+    }
+
+
 def model_rows(
     costs: Costs,
     sizes: Sizes,
@@ -337,6 +375,7 @@ def model_rows(
     measured_n: int,
     cores: float,
     per_node: int = 1,
+    agent_read_s: float = 2.5,
 ) -> list[dict[str, object]]:
     """The model's predictions at the measured N and at ``MODEL_N``, with the reads per member per
     round measured here, and ``per_node`` members per node (pure)."""
@@ -366,6 +405,8 @@ def model_rows(
                 "renewals_per_s": renewals_per_s(n, per_node, timeouts),
                 "renewal_etcd_cores": renewals_per_s(n, per_node, timeouts) * costs.etcd_per_request_s,
                 "idle_etcd_cores": idle_etcd_cores(n, per_node, sizes, costs, timeouts),
+                "progress_etcd_cores": training_etcd_cores(n, per_node, sizes, costs, timeouts, agent_read_s)[0],
+                "agent_reads_etcd_cores": training_etcd_cores(n, per_node, sizes, costs, timeouts, agent_read_s)[1],
                 "reads_per_member": (r_join, r_leave),
                 "walls": walls(n, sizes),
             }

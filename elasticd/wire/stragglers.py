@@ -20,23 +20,37 @@ the next replacement waits out the lease. No I/O, no clock reads.
 
 from __future__ import annotations
 
+import bisect
 import json
-import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 
 def straggler_scores(compute: Mapping[str, float]) -> dict[str, float]:
     """Each member's compute time over the median of the others' (members with a compute time; fewer
-    than two, or a median of 0: no scores)."""
+    than two, or a median of 0: no scores). One sort for all of them: a large generation's scores
+    are read every few seconds by every agent."""
     if len(compute) < 2:
         return {}
+    ranked = sorted(compute.values())
     out = {}
     for member, t in compute.items():
-        median = statistics.median(v for m, v in compute.items() if m != member)
+        median = _median_without(ranked, t)
         if median > 0:
             out[member] = t / median
     return out
+
+
+def _median_without(ranked: list[float], value: float) -> float:
+    """The median of sorted ``ranked`` with one ``value`` taken out (whichever of equal ones: the
+    rest is the same)."""
+    i = bisect.bisect_left(ranked, value)
+    m = len(ranked) - 1
+
+    def at(j: int) -> float:  # index j of the list without position i
+        return ranked[j if j < i else j + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 def release_score(bound: float) -> float:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 
 from elasticd.wire.stragglers import release_score, slow_since, straggler_scores
@@ -21,6 +24,14 @@ def test_a_score_is_the_compute_time_over_the_median_of_the_others(
     compute: dict[str, float], scores: dict[str, float]
 ) -> None:
     assert straggler_scores(compute) == pytest.approx(scores)
+
+
+def test_scores_agree_with_the_median_of_the_others_taken_one_by_one() -> None:
+    rng = random.Random(7)
+    for n in (2, 3, 4, 5, 8, 33):
+        compute = {f"m{i}": rng.choice([0.1, 0.2, 0.25, rng.uniform(0.05, 1.0)]) for i in range(n)}
+        expected = {m: t / statistics.median(v for o, v in compute.items() if o != m) for m, t in compute.items()}
+        assert straggler_scores(compute) == pytest.approx(expected)
 
 
 BOUND = 1.5
