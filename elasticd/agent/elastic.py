@@ -200,6 +200,7 @@ class Agent(AgentDaemon):
             self._clock,
             job_read_interval_s(c, live_consumers=self._metrics is not None or self._notifier.enabled),
             waker.poke,
+            node=c.node_id,
         )
         try:
             outcome = self._guarded_loop(waker)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -38,8 +38,10 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.nodefaults import decode_cordon
 from elasticd.wire.failures import DeterministicFailure, FailureRecord, decode_failure, deterministic_failure
 from elasticd.wire.progress import ProgressRecord, parse_progress
-from elasticd.wire.records import MemberRecord
-from elasticd.wire.snapshot import parse_snapshot
+from elasticd.wire.records import DECODE_ERRORS, MemberRecord
+from elasticd.wire.roster import bucket_of, buckets_for, fill, is_sparse
+from elasticd.wire.snapshot import Snapshot, parse_snapshot
+from elasticd.wire.digest import JobDigest, decode_digest, encode_digest, middle_of, score
 from elasticd.wire.stragglers import straggler_scores
 
 log = structlog.get_logger(__name__)
@@ -60,23 +62,57 @@ class JobView:
     finished: bool = False  # the job reached its target step (``finished`` record)
     failures: tuple[FailureRecord, ...] = ()  # workers' uncaught exceptions (``failures/``)
     cordoned: Mapping[str, str] = field(default_factory=dict)  # node -> why (``cordon/<node>``)
+    # True: every member's records were read; False: this node's only, and the rest is ``digest``'s
+    full: bool = True
+    digest: JobDigest | None = None  # ``wire.digest``, when ``full`` is False (None: none yet)
 
     @functools.cached_property
-    def scores(self) -> dict[str, float]:
-        """Each generation member's straggler score (``wire.stragglers``), from its progress record."""
-        compute = {
+    def compute(self) -> dict[str, float]:
+        """The compute time of each generation member whose progress record was read."""
+        return {
             m: p.compute_s
             for m, p in self.progress.items()
             if m in self.in_generation and p.generation == self.generation and p.compute_s is not None
         }
-        return straggler_scores(compute)
+
+    @functools.cached_property
+    def scores(self) -> dict[str, float]:
+        """Each generation member's straggler score (``wire.stragglers``), from its progress record
+        (this node's members only, against the digest's median, when the read was not ``full``)."""
+        if self.full:
+            return straggler_scores(self.compute)
+        d = self._digest
+        if d is None:
+            return {}
+        return {m: s for m, t in self.compute.items() if (s := score(t, d)) is not None}
+
+    @property
+    def _digest(self) -> JobDigest | None:
+        """The digest, if it is of this view's generation."""
+        d = self.digest
+        return d if d is not None and d.generation == self.generation else None
 
     def spares_waiting(self, other_than: str) -> int:
         """Warm spares waiting outside the generation on nodes other than ``other_than``."""
-        return sum(
-            1
-            for m, rec in self.members.items()
-            if rec.spare and rec.node != other_than and m in self.waiting and m not in self.in_generation
+        if not self.full:
+            d = self._digest
+            return sum(k for node, k in d.spares.items() if node != other_than) if d is not None else 0
+        return sum(k for node, k in spares_by_node(self).items() if node != other_than)
+
+    @functools.cached_property
+    def rank0_step_time_s(self) -> float | None:
+        """Rank 0's last step time in this generation (None: not known)."""
+        if not self.full:
+            d = self._digest
+            return d.rank0_step_time_s if d is not None else None
+        return next(
+            (
+                p.step_time_s
+                for m, p in self.progress.items()
+                if m in self.in_generation and p.rank == 0 and p.generation == self.generation
+                if p.step_time_s is not None
+            ),
+            None,
         )
 
     @functools.cached_property
@@ -85,9 +121,33 @@ class JobView:
         return deterministic_failure(self.failures)
 
 
-def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobView:
+def spares_by_node(view: JobView) -> dict[str, int]:
+    """The warm spares waiting outside the generation, by node, in a ``full`` view."""
+    out: dict[str, int] = {}
+    for m, rec in view.members.items():
+        if rec.spare and m in view.waiting and m not in view.in_generation:
+            out[rec.node] = out.get(rec.node, 0) + 1
+    return out
+
+
+def digest_of(view: JobView) -> JobDigest:
+    """What the other agents need of a ``full`` view (``wire.digest``)."""
+    n, start, middle = middle_of(view.compute)
+    return JobDigest(view.generation, n, start, middle, view.rank0_step_time_s, spares_by_node(view))
+
+
+def read_job_view(
+    keys: Keys,
+    kvs: Iterable[KeyValue],
+    read_at: float,
+    full: bool = True,
+    digest: JobDigest | None = None,
+    roster: Sequence[bytes] = (),
+) -> JobView:
     """Parse the rows of a job (``keys.rendezvous``, ``progress/`` and ``failures/``, the latter two
-    read tolerantly: ``wire.progress``); records that do not parse are left out."""
+    read tolerantly: ``wire.progress``), all of it (``full``) or a node's (``node_prefixes``) with
+    the job's ``digest`` and the node's ``roster`` bucket of a large generation; records that do
+    not parse are left out."""
     rows = list(kvs)
     failures, cordoned = [], {}
     for kv in rows:
@@ -103,6 +163,9 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
     snap = parse_snapshot(keys, rows)
     progress, _ = parse_progress(keys, rows, tolerant=True)
     g = snap.generation
+    if g is not None and roster and is_sparse(g):
+        with contextlib.suppress(*DECODE_ERRORS):
+            g = fill(g, roster)
     steps = [snap.committed_step, g.committed_step if g else -1, *(p.step for p in progress.values())]
     return JobView(
         read_at=read_at,
@@ -116,6 +179,8 @@ def read_job_view(keys: Keys, kvs: Iterable[KeyValue], read_at: float) -> JobVie
         finished=snap.finished is not None,
         failures=tuple(failures),
         cordoned=cordoned,
+        full=full,
+        digest=digest,
     )
 
 
@@ -214,6 +279,10 @@ def job_read_interval_s(config: AgentConfig, live_consumers: bool) -> float:
 class JobReader:
     """A thread that reads the job's keys every ``interval_s`` and keeps the newest ``JobView``.
 
+    Each agent reads its own node's records (``node_prefixes``) and the job's ``digest``
+    (``wire.digest``); the agent of the coordinator's node alone reads the whole job, and writes
+    the digest from it: a job of many nodes is read once per interval, not once per node.
+
     It keeps etcd off the agent's loop: a slow or absent etcd delays only the next view (each
     read is bounded by the store's own request timeout and retries), and a failed read leaves the
     previous view in place, so nothing is decided on evidence that was not read. etcd's permission
@@ -227,14 +296,18 @@ class JobReader:
         clock: Clock,
         interval_s: float,
         on_read: Callable[[], None] = lambda: None,
+        node: str = "",
     ) -> None:
         """
         Args:
             on_read: called (on this thread) after each successful read: the agent's loop wakes.
+            node: this agent's node ("": read the whole job every time, and write no digest).
         """
         self._store, self._keys, self._clock, self._interval_s = store, keys, clock, interval_s
-        self._on_read = on_read
+        self._on_read, self._node = on_read, node
         self._latest: JobView | None = None
+        self._written = b""  # the digest this reader last wrote
+        self._bucket: tuple[int, KeyValue | None] = (0, None)  # (generation revision, this node's roster bucket)
         self._stop = threading.Event()
         self._wake = threading.Event()  # read now (``refresh``) or stop
         self._failing = False
@@ -258,9 +331,7 @@ class JobReader:
         while not self._stop.is_set():
             self._wake.clear()  # a refresh from now on asks for a read after this one
             try:
-                rows = self._store.get_prefixes(
-                    (*self._keys.rendezvous, self._keys.progress(""), self._keys.failure(""), self._keys.cordon(""))
-                )
+                view = self._read()
             except EtcdUnavailable as exc:
                 if not self._failing:
                     log.warning("job_read_failed", error=str(exc)[:300])
@@ -273,6 +344,70 @@ class JobReader:
                 if self._failing:
                     log.info("job_read_recovered")
                 self._failing = False
-                self._latest = read_job_view(self._keys, rows, self._clock())
+                self._latest = view
                 self._on_read()
             self._wake.wait(self._interval_s)
+
+    def _read(self) -> JobView:
+        """This node's records and the digest; the whole job (and the digest written) when this is the
+        coordinator's node or no node was given."""
+        if self._node:
+            rows = self._store.get_prefixes(node_prefixes(self._keys, self._node))
+            snap = parse_snapshot(self._keys, rows)
+            if snap.coordinator is None or snap.coordinator.node != self._node:
+                return read_job_view(
+                    self._keys, rows, self._clock(), False, _digest_in(self._keys, rows), self._roster(snap)
+                )
+        rows = self._store.get_prefixes(
+            (*self._keys.rendezvous, self._keys.progress(""), self._keys.failure(""), self._keys.cordon(""))
+        )
+        view = read_job_view(self._keys, rows, self._clock())
+        if self._node:
+            self._write_digest(view)
+        return view
+
+    def _roster(self, snap: Snapshot) -> list[bytes]:
+        """This node's roster bucket of a large generation (``wire.roster``), read once per generation."""
+        g = snap.generation
+        if g is None or not is_sparse(g):
+            return []
+        if self._bucket[0] != snap.generation_revision:
+            key = self._keys.roster(g.generation, bucket_of(self._node, buckets_for(g.world_size)))
+            self._bucket = (snap.generation_revision, self._store.get(key))
+        kv = self._bucket[1]
+        return [kv.value] if kv is not None else []
+
+    def _write_digest(self, view: JobView) -> None:
+        raw = encode_digest(digest_of(view))
+        if raw == self._written:
+            return
+        try:
+            self._store.put(self._keys.digest, raw)
+        except EtcdUnavailable as exc:  # the next read writes it again
+            log.info("digest_not_written", error=str(exc)[:200])
+            return
+        self._written = raw
+
+
+def node_prefixes(keys: Keys, node: str) -> tuple[str, ...]:
+    """What one agent reads of its job: the member's view (the generation, committed step, finished,
+    coordinator, ...), its node's member, ready and progress records, the failures, the cordons and
+    the digest; never another node's records."""
+    mine = f"{node}."
+    return (
+        *keys.member_view,
+        keys.member(mine),
+        keys.ready(mine),
+        keys.progress(mine),
+        keys.failure(""),
+        keys.cordon(""),
+        keys.digest,
+    )
+
+
+def _digest_in(keys: Keys, rows: Iterable[KeyValue]) -> JobDigest | None:
+    for kv in rows:
+        if kv.key == keys.digest:
+            with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError, RecursionError):
+                return decode_digest(kv.value)
+    return None

@@ -119,19 +119,8 @@ class AgentMetrics:
         self.generation.set(view.generation)
         self.world_size.set(view.world_size)
         self.committed_step.set(view.job_step)
-        rank0 = next(
-            (
-                p
-                for m, p in view.progress.items()
-                if m in view.in_generation
-                and p.rank == 0
-                and p.generation == view.generation
-                and p.step_time_s is not None
-            ),
-            None,
-        )
-        if rank0 is not None and rank0.step_time_s is not None:
-            self.step_time.set(rank0.step_time_s)
+        if view.rank0_step_time_s is not None:
+            self.step_time.set(view.rank0_step_time_s)
         for lr, obs in local.items():
             p = obs.progress
             if p is None:

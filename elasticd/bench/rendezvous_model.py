@@ -48,6 +48,7 @@ ETCD_METRICS = {
     "etcd_network_client_grpc_sent_bytes_total": "bytes_sent",
 }
 DEFAULT_READS_PER_MEMBER = 2.0
+DIGEST_B = 256  # the job's digest (wire.digest): four times, a few counts, the spares by node
 VIEW_FIXED_B = 1024  # a member's view without the roster: generation pointer, verdict, coordinator, ... (framed)
 COORDINATED_FIXED_REQUESTS = 1  # a member's requests in a round besides its reads: its ready put
 # The coordinator's reads of the job on a round's critical path (with no round measured: a
@@ -82,9 +83,14 @@ class Sizes:
         return n * (self.member_kv + self.ready_kv + self.member_id + 4)
 
     def agent_read(self, n: int) -> int:
-        """An agent's read of the whole job while it trains (``agent.jobview.JobReader``): every
-        member's rendezvous records and its progress record."""
+        """The coordinator's node's agent's read of the whole job while it trains
+        (``agent.jobview.JobReader``): every member's rendezvous records and its progress record."""
         return self.full_read(n) + n * self.progress_kv
+
+    def node_read(self, per_node: int) -> int:
+        """Every other agent's read (``agent.jobview.node_prefixes``): the small records, the digest
+        and its own node's member, ready and progress records."""
+        return VIEW_FIXED_B + DIGEST_B + per_node * (self.member_kv + self.ready_kv + self.progress_kv)
 
     def view(self, n: int) -> int:
         """One member's reads after a change under the coordinated protocol: its view (the small
@@ -342,13 +348,14 @@ def training_etcd_cores(
     n: int, per_node: int, sizes: Sizes, costs: Costs, timeouts: Timeouts, agent_read_s: float
 ) -> tuple[float, float]:
     """etcd's cores while a job of ``n`` trains, besides the idle load: (the workers' progress puts,
-    the agents' reads of the whole job). Each worker puts its progress record every ``keepalive_s``
-    (a node's relay writes those that meet in one transaction; counted here one request each, as
-    they come unaligned); each node's agent reads every member's records and progress every
-    ``agent_read_s`` (``agent.jobview.job_read_interval_s``). Pure."""
+    the agents' reads). Each worker puts its progress record every ``keepalive_s``: a node's relay
+    writes its workers' in one transaction per ``keepalive_s`` (``relay.node``), a worker without
+    one its own; every ``agent_read_s`` (``agent.jobview.job_read_interval_s``) each node's agent
+    reads its own node's records and the digest, and the coordinator's node's agent the whole job. Pure."""
     nodes = math.ceil(n / per_node)
-    puts = n / timeouts.keepalive_s * costs.etcd_per_request_s
-    reads = nodes / agent_read_s * (costs.etcd_per_request_s + sizes.agent_read(n) * costs.etcd_per_byte_s)
+    puts = (nodes if per_node > 1 else n) / timeouts.keepalive_s * costs.etcd_per_request_s
+    read_bytes = (nodes - 1) * sizes.node_read(per_node) + sizes.agent_read(n)
+    reads = (nodes * costs.etcd_per_request_s + read_bytes * costs.etcd_per_byte_s) / agent_read_s
     return puts, reads
 
 
@@ -356,14 +363,14 @@ def load_walls(
     sizes: Sizes, costs: Costs, timeouts: Timeouts, per_node: int, agent_read_s: float
 ) -> dict[str, int | None]:
     """The first N at which the training load alone takes one etcd core at this run's costs:
-    the progress puts, the agents' reads of the whole job (``training_etcd_cores``)."""
+    the progress puts, the agents' reads (``training_etcd_cores``)."""
 
     def load(n: int) -> tuple[float, float]:
         return training_etcd_cores(n, per_node, sizes, costs, timeouts, agent_read_s)
 
     return {
         "progress_puts_one_core": first_n(lambda n: load(n)[0] > 1.0),
-        "agent_job_reads_one_core": first_n(lambda n: load(n)[1] > 1.0),
+        "agent_reads_one_core": first_n(lambda n: load(n)[1] > 1.0),
     }
 
 

@@ -196,6 +196,9 @@ class NodeRelay:
         self._closing: list[_Client] = []  # dropped, to be closed by the serve thread
         self._puts: queue.Queue[tuple[_Client | None, PutRequest | LeaseRequest | _End]] = queue.Queue()
         self._carry: tuple[_Client | None, PutRequest | LeaseRequest | _End] | None = None  # the write loop's next item
+        self._progress_prefix = keys.progress("")
+        self._held: list[tuple[_Client, PutRequest]] = []  # progress records to write together (``_hold``)
+        self._flush_at = 0.0  # ... at this time
         self._leases = MemberLeases(timeouts.lease_ttl_s)
         self.node_lease = 0  # the node's etcd lease (0: none: etcd did not grant one)
         self._node_ok = False  # its last renewal was answered: etcd holds it
@@ -439,21 +442,55 @@ class NodeRelay:
     def _write_loop(self) -> None:
         """Write what the workers sent meanwhile in one transaction (at most ``MAX_BATCH`` puts);
         a compare-and-put, a revoke and the keys of ended member leases each on their own, in the
-        order they came."""
+        order they came; progress records together once per ``keepalive_s`` (``_hold``)."""
         while not self._stop.is_set():
-            if self._unreleased and self._clock() >= self._retry_at:
+            now = self._clock()
+            if self._unreleased and now >= self._retry_at:
                 self._retry_unreleased()
+            wait_s = self._timeouts.relay_heartbeat_s
+            if self._held:
+                if now >= self._flush_at:
+                    held, self._held = self._held, []
+                    self._guarded(lambda: self._write_held(held))
+                    continue
+                wait_s = min(wait_s, self._flush_at - now)
             if self._carry is not None:
                 first, self._carry = self._carry, None
             else:
                 try:
-                    first = self._puts.get(timeout=self._timeouts.relay_heartbeat_s)
+                    first = self._puts.get(timeout=wait_s)
                 except queue.Empty:
                     continue
-            try:
-                self._write_from(first)
-            except Exception:  # a bug: its requests go unanswered (their workers leave the relay)
-                log.exception("relay_write_failed", node=self._node)
+            self._guarded(lambda: self._write_from(first))
+
+    def _guarded(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception:  # a bug: its requests go unanswered (their workers leave the relay)
+            log.exception("relay_write_failed", node=self._node)
+
+    def _write_held(self, held: list[tuple[_Client, PutRequest]]) -> None:
+        """The progress records held (``_hold``), at most ``MAX_BATCH`` a transaction; of one key
+        twice (a worker does not send its next before its last is answered), the newer."""
+        newest = {r.key: (c, r) for c, r in held if c.connected()}
+        older = [(c, Reply(r.id)) for c, r in held if newest.get(r.key, (None, None))[1] is not r and c.connected()]
+        items = list(newest.values())
+        for i in range(0, len(items), MAX_BATCH):
+            self._reply(self._write(items[i : i + MAX_BATCH]))
+        self._reply(older)
+
+    def _hold(self, client: _Client, request: PutRequest) -> bool:
+        """Keep a worker's progress record to write with the node's others, ``keepalive_s`` after
+        the first of them: each worker writes its own every ``keepalive_s``, at a time of its own,
+        so written as they come a node's would cost etcd a transaction each. Whether its member
+        lease still holds is checked when they are written (``_admit``), after any delete of
+        its keys. Returns whether ``request`` was held."""
+        if request.expected >= 0 or not request.key.startswith(self._progress_prefix):
+            return False
+        if not self._held:
+            self._flush_at = self._clock() + self._timeouts.keepalive_s
+        self._held.append((client, request))
+        return True
 
     def _write_from(self, first: tuple[_Client | None, PutRequest | LeaseRequest | _End]) -> None:
         client, request = first
@@ -466,6 +503,8 @@ class NodeRelay:
             return
         if request.expected >= 0:
             self._reply(self._compare_and_put(self._same_compares(client, request)))
+            return
+        if self._hold(client, request):
             return
         batch = [(client, request)]
         keys = {request.key}

@@ -82,6 +82,11 @@ class Keys:
         return f"{self.job}/progress/{member_id}"
 
     @property
+    def digest(self) -> str:
+        """``digest``: what the agents need of the whole job, from one read of it (``wire.digest``)."""
+        return f"{self.job}/digest"
+
+    @property
     def straggler(self) -> str:
         """``straggler``: the node being replaced as a straggler (``wire.stragglers``), leased."""
         return f"{self.job}/straggler"

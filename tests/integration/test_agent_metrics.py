@@ -76,10 +76,18 @@ def test_metrics_endpoint_shows_the_job_moving_and_counts_a_restart(agent_job):
         10,
         "the worker's memory sample",
     )
+    # progress records reach etcd within keepalive_s (a node's together), rank 0's step time through
+    # the job's digest (wire.digest) one read later
+    job.wait_for(
+        lambda: (
+            (value(scrape(port_a), "elasticd_worker_step_time_seconds", local_rank="0") or 0) > 0
+            and (value(scrape(port_a), "elasticd_step_time_seconds") or 0) > 0
+        ),
+        10,
+        "the worker's and rank 0's step times",
+    )
     now = scrape(port_a)
     assert value(now, "elasticd_worker_up", local_rank="0") == 1
-    assert (value(now, "elasticd_worker_step_time_seconds", local_rank="0") or 0) > 0
-    assert (value(now, "elasticd_step_time_seconds") or 0) > 0
     assert value(scrape(port_b), "elasticd_worker_restarts_total", local_rank="0") in (None, 0.0)
     # a's worker trained alone first, so b's arrival was a regroup: a recovery with cause "regroup"
     before = scrape(port_a)

@@ -307,8 +307,13 @@ def test_a_nodes_workers_campaign_for_the_seat_at_once_one_wins_and_the_losers_r
         assert held is not None and held.value == f"worker{won.index(True)}".encode()
         assert 1 <= relay_side.compares <= len(stores)
         for i, s in enumerate(stores):
-            if not won[i]:
-                assert any(kv.key == keys.coordinator for kv in s.get_prefixes(keys.member_view))
+            if not won[i]:  # the seat's watch event reaches the relay within milliseconds
+                wait_until(
+                    lambda s=s: any(kv.key == keys.coordinator for kv in s.get_prefixes(keys.member_view)),
+                    2.0,
+                    f"worker {i}'s view to show the seat",
+                    lambda: "",
+                )
                 assert owns[i].reads == 0, f"a losing worker {i} read etcd itself"
     finally:
         for s in stores:

@@ -37,7 +37,7 @@ from elasticd.config import AgentConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError, EtcdUnavailable
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
-from elasticd.wire.records import FinishedRecord, MemberRecord, encode
+from elasticd.wire.records import CommittedRecord, FinishedRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -728,9 +728,13 @@ class _OutageStore(FakeKeyValueStore):
         return super().get_prefixes(prefixes)
 
 
-def _progress(store: FakeKeyValueStore, member: str, step: int) -> None:
-    rec = {"step": step, "generation": 1, "rank": 0, "step_time_s": 0.01, "recoveries": 0, "time": 1.0}
-    store.put(Keys("/elasticd", "j").progress(member), json.dumps(rec).encode())
+def _progress(store: FakeKeyValueStore, member: str, step: int, rank: int = 1) -> None:
+    """``member``'s progress record; rank 0's also sets the job's committed step, as its keepalive does."""
+    keys = Keys("/elasticd", "j")
+    rec = {"step": step, "generation": 1, "rank": rank, "step_time_s": 0.01, "recoveries": 0, "time": 1.0}
+    store.put(keys.progress(member), json.dumps(rec).encode())
+    if rank == 0:
+        store.put(keys.committed, encode(CommittedRecord(generation=1, step=step)))
 
 
 @pytest.mark.parametrize("etcd_down", [False, True], ids=["stalled: killed as hung", "etcd down: left alone"])
@@ -763,14 +767,14 @@ def test_the_executor_kills_a_stalled_worker_but_not_on_an_etcd_outage(etcd_down
         store.put(keys.member("n.0.x"), encode(MemberRecord("n.0.x", "n", 0, pid, "h", 1, "s")))
         store.put(keys.member("m.0.y"), encode(MemberRecord("m.0.y", "m", 0, 1, "h", 1, "s")))
         _progress(store, "n.0.x", 5)
-        _progress(store, "m.0.y", 5)
+        _progress(store, "m.0.y", 5, rank=0)
         time.sleep(0.3)  # the agent sees the worker at step 5
         if etcd_down:
             store.down.set()
         step = 5
         while not done.wait(0.05) and time.monotonic() < deadline:
             step += 1
-            _progress(store, "m.0.y", step)  # the rest of the job advances
+            _progress(store, "m.0.y", step, rank=0)  # the rest of the job advances
         agent.request_stop()
 
     t = threading.Thread(target=job)

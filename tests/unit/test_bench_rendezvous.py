@@ -294,16 +294,26 @@ def test_idle_etcd_load_is_the_renewals_one_view_read_per_node_and_the_coordinat
     assert idle_etcd_cores(16384, 8, sizes, per_byte, t) == pytest.approx(16384 * (300 + 200 + 20 + 4) / 3.0 * 1e-9)
 
 
+def _node_read(per_node: int) -> int:
+    return 1024 + 256 + per_node * (300 + 200 + 250)
+
+
 @pytest.mark.parametrize(
     ("n", "per_node", "puts", "reads"),
     [
-        # progress puts: one per worker per keepalive_s (0.75 s), 1 ms each
-        (1024, 8, 1024 / 0.75 * 1e-3, 128 / 2.5 * (1e-3 + 1024 * (300 + 200 + 20 + 4 + 250) * 1e-9)),
-        (16384, 8, 16384 / 0.75 * 1e-3, 2048 / 2.5 * (1e-3 + 16384 * (300 + 200 + 20 + 4 + 250) * 1e-9)),
-        (16, 1, 16 / 0.75 * 1e-3, 16 / 2.5 * (1e-3 + 16 * (300 + 200 + 20 + 4 + 250) * 1e-9)),
+        # progress puts: one per node (relayed) or per worker per keepalive_s (0.75 s), 1 ms each;
+        # reads every 2.5 s: one request per node, each node its own records, one node the whole job
+        (
+            1024,
+            8,
+            128 / 0.75 * 1e-3,
+            (128e-3 + (127 * _node_read(8) + 1024 * (300 + 200 + 20 + 4 + 250)) * 1e-9) / 2.5,
+        ),
+        (16384, 8, 2048 / 0.75 * 1e-3, (2048e-3 + (2047 * _node_read(8) + 16384 * 774) * 1e-9) / 2.5),
+        (16, 1, 16 / 0.75 * 1e-3, (16e-3 + (15 * _node_read(1) + 16 * 774) * 1e-9) / 2.5),
     ],
 )
-def test_training_load_is_each_workers_progress_put_and_each_agents_read_of_the_whole_job(
+def test_training_load_is_each_workers_progress_put_and_each_agents_read(
     n: int, per_node: int, puts: float, reads: float
 ) -> None:
     from elasticd.bench.rendezvous_model import Costs, Sizes, load_walls, training_etcd_cores
@@ -312,7 +322,7 @@ def test_training_load_is_each_workers_progress_put_and_each_agents_read_of_the_
     costs = replace(Costs(*(0.0 for _ in Costs.__dataclass_fields__)), etcd_per_request_s=1e-3, etcd_per_byte_s=1e-9)
     assert training_etcd_cores(n, per_node, sizes, costs, Timeouts(), 2.5) == pytest.approx((puts, reads))
     walls = load_walls(sizes, costs, Timeouts(), per_node, 2.5)
-    for name, which in (("progress_puts_one_core", 0), ("agent_job_reads_one_core", 1)):
+    for name, which in (("progress_puts_one_core", 0), ("agent_reads_one_core", 1)):
         at = walls[name]
         assert at is not None
         assert training_etcd_cores(at, per_node, sizes, costs, Timeouts(), 2.5)[which] > 1.0

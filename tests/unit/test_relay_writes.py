@@ -4,7 +4,10 @@ alone can win; anything else queued behind them is written after, in order."""
 
 from __future__ import annotations
 
+import select
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -46,6 +49,7 @@ def workers() -> Iterator[list[tuple[_Client, socket.socket]]]:
 
 def _replies(sock: socket.socket) -> list[Reply]:
     out, reader = [], MessageReader()
+    select.select([sock], [], [], 2.0)  # the reply is sent just after the store's answer
     sock.setblocking(False)
     data = b""
     try:
@@ -108,3 +112,31 @@ def test_a_campaign_with_another_expected_revision_is_not_joined_to_them(
     relay._write_from(relay._carry)
     assert store.compares == [seat, seat]  # its own compare (and it fails: the revision is not 5)
     assert [r.revision for r in _replies(workers[1][1])] == [0]
+
+
+def test_a_nodes_progress_records_go_in_one_transaction_a_keepalive_after_the_first_and_the_rest_at_once(
+    workers: list[tuple[_Client, socket.socket]],
+) -> None:
+    store = _Store()
+    relay, leases = _relay(store, workers)
+    t = Timeouts()
+    loop = threading.Thread(target=relay._write_loop, daemon=True)
+    loop.start()
+    try:
+        began = time.monotonic()
+        for i, (client, _) in enumerate(workers[:3]):
+            relay._puts.put((client, PutRequest(i + 1, KEYS.progress(f"w{i}"), b"p", leases[i])))
+            time.sleep(0.05)  # each worker at a time of its own
+        relay._puts.put((workers[3][0], PutRequest(9, KEYS.member("w3"), b"rec", leases[3])))
+        deadline = time.monotonic() + 5
+        while len(store.puts) < 2:
+            assert time.monotonic() < deadline, store.puts
+            time.sleep(0.01)
+        took = time.monotonic() - began
+        assert store.puts == [[KEYS.member("w3")], [KEYS.progress(f"w{i}") for i in range(3)]]
+        assert t.keepalive_s <= took < t.keepalive_s + 1.0
+        for i in range(3):
+            assert [r.revision > 0 and not r.error for r in _replies(workers[i][1])] == [True]
+    finally:
+        relay._stop.set()
+        loop.join(5)
