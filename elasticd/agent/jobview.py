@@ -105,15 +105,12 @@ class JobView:
         if not self.full:
             d = self._digest
             return d.rank0_step_time_s if d is not None else None
-        return next(
-            (
-                p.step_time_s
-                for m, p in self.progress.items()
-                if m in self.in_generation and p.rank == 0 and p.generation == self.generation
-                if p.step_time_s is not None
-            ),
-            None,
+        rank0 = (
+            p
+            for m, p in self.progress.items()
+            if m in self.in_generation and p.rank == 0 and p.generation == self.generation and p.step_time_s is not None
         )
+        return next((p.step_time_s for p in rank0), None)
 
     @functools.cached_property
     def bug(self) -> DeterministicFailure | None:

@@ -404,7 +404,7 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
         if own:
             etcd.stop()
     sizes = Sizes.of(bench_record(s.members, LONGEST_PID), Keys(PREFIX, "bench"))
-    # how often each node's agent reads the whole job, at the agent's defaults (the bench runs no agents)
+    # how often each node's agent reads the job, at the agent's defaults (the bench runs no agents)
     agent_read_s = job_read_interval_s(AgentConfig(program=("train.py",), timeouts=timeouts), live_consumers=False)
     cores = float(len(os.sched_getaffinity(0)))  # the cores this process may run on (psutil counts the host's)
     return {
@@ -481,7 +481,7 @@ def render(result: Mapping[str, object]) -> str:
     load_at = result["load_walls"]
     assert isinstance(load_at, dict)
     lines += [
-        "walls of the training load on one etcd core at this run's costs (agents reading the whole job every "
+        "walls of the training load on one etcd core at this run's costs (the agents' reads every "
         f"{result['agent_read_s']:g} s): "
         + "; ".join(f"N >= {n}: {name.replace('_', ' ')}" for name, n in load_at.items() if n is not None),
     ]

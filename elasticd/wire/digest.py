@@ -11,11 +11,12 @@ rank 0's step time. A digest of another generation than the reader's is not used
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+
+from elasticd.wire.stragglers import median_without
 
 MIDDLE = 4  # sorted compute times kept around the median: enough for the median with any one taken out
 
@@ -43,22 +44,10 @@ def score(value: float, digest: JobDigest) -> float | None:
     """A member's straggler score (``wire.stragglers``) from the digest: its compute time
     ``value`` (one of those the digest counted) over the median of the others'. None: fewer
     than two, or a median of 0."""
-    n, start, mid = digest.computed, digest.start, digest.middle
+    n, mid = digest.computed, digest.middle
     if n < 2 or not mid:
         return None
-    # its rank in sorted order: below the kept times, within them, or above them
-    if value < mid[0]:
-        i = start - 1
-    elif value > mid[-1]:
-        i = start + len(mid)
-    else:
-        i = start + bisect.bisect_left(mid, value)
-    m = n - 1
-
-    def at(j: int) -> float:  # rank j of the times without rank i
-        return mid[(j if j < i else j + 1) - start]
-
-    median = at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+    median = median_without(mid, digest.start, n, value)
     return value / median if median > 0 else None
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 
@@ -35,20 +35,27 @@ def straggler_scores(compute: Mapping[str, float]) -> dict[str, float]:
     ranked = sorted(compute.values())
     out = {}
     for member, t in compute.items():
-        median = _median_without(ranked, t)
+        median = median_without(ranked, 0, len(ranked), t)
         if median > 0:
             out[member] = t / median
     return out
 
 
-def _median_without(ranked: list[float], value: float) -> float:
-    """The median of sorted ``ranked`` with one ``value`` taken out (whichever of equal ones: the
-    rest is the same)."""
-    i = bisect.bisect_left(ranked, value)
-    m = len(ranked) - 1
+def median_without(window: Sequence[float], start: int, n: int, value: float) -> float:
+    """The median of ``n`` sorted values with one ``value`` (one of them) taken out, from the sorted
+    values of ranks ``start`` on (``window``): all of them, or at least ranks ``n//2 - 2`` to
+    ``n//2 + 1`` (``wire.digest.middle_of``). Of equal values, whichever is taken out: the rest is
+    the same."""
+    if value < window[0]:  # its rank: below the window, within it, or above it
+        i = start - 1
+    elif value > window[-1]:
+        i = start + len(window)
+    else:
+        i = start + bisect.bisect_left(window, value)
+    m = n - 1
 
-    def at(j: int) -> float:  # index j of the list without position i
-        return ranked[j if j < i else j + 1]
+    def at(j: int) -> float:  # rank j of the values without rank i
+        return window[(j if j < i else j + 1) - start]
 
     return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
