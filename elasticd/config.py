@@ -206,6 +206,13 @@ class Timeouts:
         "reach_check_s as before.",
         0.1,
     )
+    reach_hold_s: float = _seconds(
+        "How long a member whose host a reach check (or the coordinator's probe) found out of reach "
+        "is kept out of new generations: a link that flaps answers in its up phases, and a member "
+        "taken back during the flap holds the next group build until its connections get through. "
+        "It comes back as a newcomer after this.",
+        5.0,
+    )
     coordinator_grace_s: float = _seconds(
         "How long rank 0 or 1 of the generation left (a deputy) waits in a rendezvous before it "
         "publishes itself beside the coordinator (0: at once; may be 0), covering a coordinator "

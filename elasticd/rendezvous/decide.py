@@ -8,7 +8,7 @@ No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membersh
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -128,6 +128,22 @@ def without_gone(snap: Snapshot, gone: Collection[str]) -> Snapshot:
     return replace(
         snap, members={m: r for m, r in snap.members.items() if m not in gone}, lost_nodes=snap.lost_nodes | lost
     )
+
+
+def held_out(
+    found: Mapping[str, tuple[int, float]], g: GenerationRecord | None, now: float, hold_s: float
+) -> dict[str, float]:
+    """The members kept out of new generations now, each with when it may come back: those found
+    out of reach (``found``: member -> (the generation it was found in, when)) less than ``hold_s``
+    ago, unless a generation newer than the one it was found in took it back (a coordinator
+    without this finding published it: it is a member like any other then). Pure."""
+    newest = g.generation if g is not None else 0
+    members = set(g.members) if g is not None else set()
+    return {
+        m: at + hold_s
+        for m, (generation, at) in found.items()
+        if now < at + hold_s and not (m in members and newest > generation)
+    }
 
 
 def replica_of(snap: Snapshot, member_id: str) -> tuple[str, int, int]:

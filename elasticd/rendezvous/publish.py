@@ -30,6 +30,7 @@ from elasticd.wire.ops import EventKind, EventRecord, encode_event, event_name
 from elasticd.wire.progress import ProgressRecord, encode_progress
 from elasticd.wire.records import (
     DECODE_ERRORS,
+    OUT_OF_REACH_IDS,
     AbortRecord,
     CheckpointRecord,
     CommittedRecord,
@@ -74,9 +75,10 @@ class Publisher:
         t = threading.Thread(target=self._publish_abort, args=(rec,), name="elasticd-abort", daemon=True)
         t.start()
 
-    def abort_now(self, generation: int, reason: str) -> bool | None:
+    def abort_now(self, generation: int, reason: str, out_of_reach: tuple[str, ...] = ()) -> bool | None:
         """Mark ``generation`` broken with one attempt, on this thread (a reach check's: a prober
-        that is itself cut off must not write it once its link is back, long after).
+        that is itself cut off must not write it once its link is back, long after), naming the
+        members whose hosts did not answer (the coordinator holds them out for ``reach_hold_s``).
 
         Returns:
             True: written; False: lost the race; None: it (or a newer generation) was aborted already.
@@ -84,7 +86,7 @@ class Publisher:
         Raises:
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
-        rec = AbortRecord(generation=generation, member_id=self._member_id, reason=reason[:200])
+        rec = AbortRecord(generation, self._member_id, reason[:200], out_of_reach[:OUT_OF_REACH_IDS])
         return self._put_unless_newer(
             self._keys.abort, encode(rec), lambda raw: (decode_abort(raw).generation,), (rec.generation,)
         )

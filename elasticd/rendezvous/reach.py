@@ -217,7 +217,7 @@ class ReachCheck:
         timeouts: Timeouts,
         clock: Clock,
         read: Callable[[], Snapshot],
-        abort_now: Callable[[int, str], bool | None],
+        abort_now: Callable[[int, str, tuple[str, ...]], bool | None],
         coordinator: Callable[[], bool],
         abandoned: Callable[[], bool],
     ) -> None:
@@ -322,6 +322,7 @@ class ReachCheck:
         )
         if not v.abort:
             return v
-        written = self._abort_now(g, v.why)
+        silent = [m for m, a in zip(ids, first, strict=True) if a is Answer.UNREACHABLE]
+        written = self._abort_now(g, v.why, tuple(silent))
         log.warning("members_out_of_reach", generation=g, gone=gone[:8], aborted=written is True)
         return v

@@ -108,15 +108,19 @@ class VerdictRecord:
 
 
 VERDICT_IDS = 8  # member ids named in a reason (for logs)
+OUT_OF_REACH_IDS = 64  # members an abort names as out of reach, at most (its record stays small)
 
 
 @dataclass(frozen=True)
 class AbortRecord:
-    """``abort``: the named generation is broken; its members must re-rendezvous."""
+    """``abort``: the named generation is broken; its members must re-rendezvous. ``out_of_reach``:
+    the members whose hosts a reach check found silent (``rendezvous.reach``), held out of the next
+    generations for ``reach_hold_s`` (``rendezvous.decide.held_out``)."""
 
     generation: int
     member_id: str
     reason: str
+    out_of_reach: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.roster import fill, is_sparse
 from elasticd.wire.records import (
     DECODE_ERRORS,
+    AbortRecord,
     CheckpointRecord,
     CommittedRecord,
     CoordinatorRecord,
@@ -50,6 +51,7 @@ class Snapshot:
     # nodes of members left out because their processes are gone while their leases live
     # (``rendezvous.decide.without_gone``): a node lost whole, whose spares are gone too
     lost_nodes: frozenset[str] = frozenset()
+    out_of_reach: frozenset[str] = frozenset()  # members the abort of ``aborted`` found out of reach
 
     @property
     def highest_generation_seen(self) -> int:
@@ -80,19 +82,17 @@ def consumed(generation_revision: int, ready_revision: Mapping[str, int]) -> lis
 def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
     """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``."""
     generation: GenerationRecord | None = None
-    generation_revision = 0
+    generation_revision = verdict_revision = coordinator_revision = 0
     members: dict[str, MemberRecord] = {}
     ready: dict[str, ReadyRecord] = {}
     ready_order: dict[str, int] = {}
     ready_revision: dict[str, int] = {}
-    aborted = 0
+    abort = AbortRecord(0, "", "")
     finished: FinishedRecord | None = None
     committed_step = -1
     checkpoint: CheckpointRecord | None = None
     verdict: VerdictRecord | None = None
-    verdict_revision = 0
     coordinator: CoordinatorRecord | None = None
-    coordinator_revision = 0
     malformed: list[str] = []
     rosters: dict[int, list[bytes]] = {}
     for kv in kvs:
@@ -101,7 +101,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
                 generation_revision = kv.mod_revision
                 generation = decode_generation(kv.value)
             elif kv.key == keys.abort:
-                aborted = decode_abort(kv.value).generation
+                abort = decode_abort(kv.value)
             elif kv.key == keys.finished:
                 finished = decode(FinishedRecord, kv.value)
             elif kv.key == keys.committed:
@@ -147,7 +147,7 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
         members,
         ready,
         ready_order,
-        aborted,
+        abort.generation,
         tuple(malformed),
         finished,
         committed_step,
@@ -158,4 +158,5 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
         ready_revision=ready_revision,
         coordinator_revision=coordinator_revision,
         spent_generation=spent,
+        out_of_reach=frozenset(abort.out_of_reach),
     )

@@ -9,13 +9,14 @@ import pytest
 
 from elasticd.config import Timeouts, WorldConfig
 from elasticd.rendezvous.coordinator import Coordinator, NotCoordinator, round_wait_s
-from elasticd.rendezvous.decide import Window
+from elasticd.rendezvous.decide import Window, held_out
 from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
 from elasticd.rendezvous.reader import JobReader
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import (
     AbortRecord,
     CoordinatorRecord,
+    GenerationRecord,
     MemberRecord,
     ReadyRecord,
     decode_generation,
@@ -371,3 +372,72 @@ def test_deputy_starts_by_tier_and_only_while_the_coordinator_is_silent(
 ) -> None:
     got = deputy_starts_s(tier, heard, Timeouts(coordinator_grace_s=grace, deputy_step_s=0.5))
     assert got == (None if want is None else pytest.approx(want))
+
+
+G5 = GenerationRecord(5, ("a", "b", "c"), "127.0.0.1", 1, "s", 0, "start")
+G6 = GenerationRecord(6, ("a", "b"), "127.0.0.1", 1, "s", 0, "aborted")
+G7 = GenerationRecord(7, ("a", "b", "c"), "127.0.0.1", 1, "s", 0, "join")
+
+
+@pytest.mark.parametrize(
+    ("found", "g", "now", "held"),
+    [
+        ({}, G5, 10.0, {}),
+        ({"c": (5, 10.0)}, G5, 10.0, {"c": 15.0}),  # found in the generation it is in (now aborted)
+        ({"c": (5, 10.0)}, G6, 14.9, {"c": 15.0}),  # left out: held while it waits as a newcomer
+        ({"c": (5, 10.0)}, G6, 15.0, {}),  # the hold is over: it may join
+        ({"c": (5, 10.0)}, G7, 12.0, {}),  # a newer generation took it back: a member like any other
+        ({"c": (5, 10.0), "d": (6, 12.0)}, G6, 13.0, {"c": 15.0, "d": 17.0}),
+        ({"c": (5, 10.0)}, None, 11.0, {"c": 15.0}),
+    ],
+)
+def test_held_out(
+    found: dict[str, tuple[int, float]], g: GenerationRecord | None, now: float, held: dict[str, float]
+) -> None:
+    assert held_out(found, g, now, 5.0) == held
+
+
+@pytest.mark.parametrize("source", ["abort record", "own reach check"])
+def test_a_member_found_out_of_reach_is_held_out_for_reach_hold_s_though_it_comes_back(source: str) -> None:
+    """A flapping link: a reach check found c's host silent and the generation was aborted; c's
+    host answers again in an up phase and c comes to the rendezvous at once. The next generation is
+    published without c (taking it back during the flap would hold the group build for it); the
+    coordinator's round names when the hold ends, and c joins as a newcomer after it."""
+    clock = ManualClock()
+    store = FakeKeyValueStore(clock)
+    lease = store.grant_lease(600)
+    noted: list[tuple[int, frozenset[str]]] = [(0, frozenset())]
+    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3), noted=noted)
+    for name in ("a.0.1", "b.0.2", "c.0.3"):
+        _member(store, name, lease, step=0)
+    c.round()
+    clock.advance(T.join_window_s)
+    c.round()
+    g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g.world_size == 3
+    clock.advance(5.0)
+    silent = ("c.0.3",) if source == "abort record" else ()
+    if source == "own reach check":
+        noted.append((g.generation, frozenset({"c.0.3"})))
+    store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "members out of reach", silent)))
+    for name in ("a.0.1", "b.0.2", "c.0.3"):  # every member comes, c too (its link is up again)
+        _member(store, name, lease, step=7, prev=g.generation)
+    found_at = clock()
+    until = c.round()
+    g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g2.generation == g.generation + 1 and g2.members == ("a.0.1", "b.0.2")
+    _member(store, "c.0.3", lease, step=7, prev=g.generation)  # c waits as a newcomer
+    until = c.round()
+    assert until == pytest.approx(found_at + T.reach_hold_s)  # the round is due when the hold ends
+    clock.advance(T.reach_hold_s - 0.1)
+    c.round()
+    assert decode_generation(store.get(KEYS.generation).value).generation == g2.generation  # type: ignore[union-attr]
+    assert store.get(KEYS.verdict) is None  # nothing to say: c is not announced
+    clock.advance(0.1)
+    c.round()  # the hold is over: c is announced to the generation (it brings it to max_workers)
+    assert decode_verdict(store.get(KEYS.verdict).value).pending  # type: ignore[union-attr]
+    for name in ("a.0.1", "b.0.2"):  # they come at their next step boundary
+        _member(store, name, lease, step=9, prev=g2.generation)
+    c.round()
+    g3 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
+    assert g3.generation == g2.generation + 1 and set(g3.members) == {"a.0.1", "b.0.2", "c.0.3"}

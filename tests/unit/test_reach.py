@@ -227,6 +227,7 @@ class _Job:
         self.record = GenerationRecord(generation, tuple(ports), "127.0.0.1", 1, "s", 0, "start")
         self.reads = 0
         self.aborts: list[tuple[int, str]] = []
+        self.silent: list[tuple[str, ...]] = []  # the members each abort names as out of reach
         self.etcd_down = False
         self.abandoned = False
 
@@ -234,10 +235,11 @@ class _Job:
         self.reads += 1
         return Snapshot(generation=self.record, members=self.members)
 
-    def abort_now(self, generation: int, why: str) -> bool | None:
+    def abort_now(self, generation: int, why: str, out_of_reach: tuple[str, ...]) -> bool | None:
         if self.etcd_down:
             raise EtcdUnavailable("etcd did not answer")
         self.aborts.append((generation, why))
+        self.silent.append(out_of_reach)
         return True
 
     def check(self, rank: int = 0, coordinator: bool = False, **timeouts: float) -> ReachCheck:
@@ -294,6 +296,7 @@ def test_a_silent_host_gets_the_generation_aborted_and_is_noted() -> None:
         v = rc.check(_waiting(rc, job))
         assert v.abort and job.aborts and job.aborts[0][0] == 7 and "silent1" in job.aborts[0][1]
         assert rc.out_of_reach == (7, frozenset({"silent1"}))  # for this member's coordinator or deputy rounds
+        assert job.silent == [("silent1",)]  # named in the abort: every coordinator holds it out (reach_hold_s)
         rc.check(_waiting(rc, job))
         assert job.reads == 1  # the members' records are read once per generation
 
@@ -303,6 +306,7 @@ def test_a_closed_port_is_a_process_gone_and_aborts_too() -> None:
         job = _Job({"a": 1, **ports})
         rc = job.check()
         assert rc.check(_waiting(rc, job)).abort and rc.out_of_reach == (7, frozenset({"gone1"}))
+        assert job.silent == [()]  # a process gone, not a host out of reach: nobody is held out for it
 
 
 @pytest.mark.parametrize("case", ["all answer", "wait ended", "abandoned", "most silent", "superseded"])
