@@ -143,6 +143,7 @@ class Coordinator:
         for m, (generation, at) in list(self._found.items()):
             if now >= at + hold_s and fresh.get(m) != generation:  # over, and no finding would add it again
                 del self._found[m]
+                self._held_logged_until.pop(m, None)
         held = held_out(self._found, snap.generation, now, hold_s)
         logged = {m: t for m, t in held.items() if m in snap.members and self._held_logged_until.get(m) != t}
         if logged:
