@@ -13,7 +13,6 @@ computes step S (a bug in the script).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import os
 import signal
@@ -99,14 +98,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(the loss times NaN); 0: SIGUSR2 keeps its default action",
     )
     p.add_argument(
-        "--hang-on-sigusr1",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="on SIGUSR1, hang the whole process for S seconds: a C call that holds the GIL, as a stuck "
-        "extension would (none of its threads runs; the process stays running); 0: SIGUSR1 keeps its default action",
-    )
-    p.add_argument(
         "--raise-at-step",
         type=int,
         default=0,
@@ -183,11 +174,6 @@ class NanPoison:
         return loss * float("nan")
 
 
-def hang(seconds: float) -> None:
-    """``--hang-on-sigusr1``: sleep in libc with the GIL held (``ctypes.PyDLL`` calls keep it)."""
-    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
-
-
 class ScriptBug(RuntimeError):
     """``--raise-at-step``: the exception every rank raises at that step."""
 
@@ -209,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     poison = NanPoison(args.nan_steps_on_sigusr2)
     if args.nan_steps_on_sigusr2 > 0:
         signal.signal(signal.SIGUSR2, poison.arm)
-    if args.hang_on_sigusr1 > 0:
-        signal.signal(signal.SIGUSR1, lambda *_: hang(args.hang_on_sigusr1))
     try:
         trainer = elasticd.ElasticTrainer(
             model,

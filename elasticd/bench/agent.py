@@ -10,11 +10,6 @@ sessions of their own) on a real local etcd, and injects three faults in turn:
 * ``stop_detect_s``: once that worker is back (its agent restarted it and it rejoined), SIGSTOP of
   it -> the next generation published (its agent sees it stopped and revokes its lease, or ends its
   member lease of the relay, after ``stopped_worker_s``); it is continued and rejoins;
-* ``hang_detect_s``: once that worker is back, it hangs with all its threads (SIGUSR1 to
-  ``agents/mlp.py --hang-on-sigusr1``: a C call that holds the GIL; the process stays running, its
-  sockets open) -> the next generation published. Its own lease (relay off) or its member lease of
-  the relay (relay on) is renewed no more and ends after ``lease_ttl_s``; the worker wakes
-  ``HANG_S`` later and rejoins;
 * ``drain_s``: once that worker is back (its agent restarted it and it rejoined), SIGTERM of another
   node's agent -> the job's first commit at the smaller world size (audit ``commit`` lines' ``t``).
   Reported next to ``drain_step_time_s``, the median step time before the drain, because the target
@@ -62,14 +57,10 @@ from elasticd.testing.etcd import EtcdServer
 
 AGENT_TARGETS = {
     "crash_detect_s": "<= 0.2 s",
-    "hang_detect_s": "<= lease TTL + 0.5 s",
     "node_loss_recovery_s": "<= lease TTL + 1 s",
     "drain_s": "<= 2 step times + 1 s",
     "steps_lost": "0",
 }
-
-
-HANG_EXTRA_S = 2.0  # the hang lasts lease_ttl_s + this: past the detection, then the worker rejoins
 
 
 @dataclass
@@ -77,7 +68,6 @@ class AgentRep:
     relay: bool = False
     crash_detect_s: float | None = None
     stop_detect_s: float | None = None
-    hang_detect_s: float | None = None
     drain_s: float | None = None
     drain_step_time_s: float | None = None
     node_loss_recovery_s: float | None = None
@@ -89,8 +79,7 @@ class AgentRep:
 def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettings) -> AgentRep:
     out = AgentRep(relay=s.relay_on)
     name = f"rep{rep}{'-relay' if s.relay_on else ''}"
-    hang = ("--hang-on-sigusr1", f"{s.lease_ttl_s + HANG_EXTRA_S:g}")
-    job = AgentJob(etcd, workdir / name, f"agentbench{rep}{'r' if s.relay_on else ''}x{int(time.time())}", s, hang)
+    job = AgentJob(etcd, workdir / name, f"agentbench{rep}{'r' if s.relay_on else ''}x{int(time.time())}", s)
     nodes = [f"node-{i}" for i in range(s.nodes)]
     victim, drained, lost = nodes[-1], nodes[-2], nodes[0]
     try:
@@ -113,7 +102,6 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
             "the restarted worker to rejoin and train",
         )
         out.stop_detect_s = _stop_detect(job, victim, s)
-        out.hang_detect_s = _hang_detect(job, victim, s)
 
         # 2. a node is drained (SIGTERM to its agent)
         out.drain_step_time_s = step_time(job.commits, s.nodes)
@@ -164,22 +152,7 @@ def _stop_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
     return published[1] - stopped_t
 
 
-def _hang_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
-    """Hang ``node``'s worker (SIGUSR1) -> the next generation published; it wakes and rejoins."""
-    gen = job.generation()
-    hung_t = time.time()
-    os.kill(job.worker_pid(node), signal.SIGUSR1)
-    job.wait_for(lambda: job.watch.first_after(gen) is not None, "the generation after the hang")
-    published = job.watch.first_after(gen)
-    assert published is not None
-    job.wait_for(
-        lambda: len(steps_at(job.commits_since(hung_t + s.lease_ttl_s + HANG_EXTRA_S), s.nodes)) >= SETTLE_STEPS,
-        "the hung worker to wake, rejoin and train",
-    )
-    return published[1] - hung_t
-
-
-DETECTION = ("crash_detect_s", "stop_detect_s", "hang_detect_s", "node_loss_recovery_s", "drain_s")
+DETECTION = ("crash_detect_s", "stop_detect_s", "node_loss_recovery_s", "drain_s")
 
 
 def _figures(reps: list[AgentRep]) -> dict[str, float | int | None]:
@@ -206,7 +179,7 @@ def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[st
                 r = run_agent_rep(etcd, workdir, i, replace(s, relay_on=relay))
                 progress(
                     f"rep {i + 1}/{s.reps}{' (relay)' if relay else ''}: crash_detect {fmt(r.crash_detect_s)} s, "
-                    f"stop_detect {fmt(r.stop_detect_s)} s, hang_detect {fmt(r.hang_detect_s)} s, drain {fmt(r.drain_s)} s "
+                    f"stop_detect {fmt(r.stop_detect_s)} s, drain {fmt(r.drain_s)} s "
                     f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
                     f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else "")
                 )
@@ -246,7 +219,6 @@ def render_agent(result: Mapping[str, object]) -> str:
     rows = [
         ("crash_detect_s", "SIGKILL of a worker -> next generation published", "<= 0.2"),
         ("stop_detect_s", "SIGSTOP of a worker -> next generation published", f"<= {ttl:g}"),
-        ("hang_detect_s", "a worker hung (GIL held) -> next generation published", f"<= {ttl + 0.5:g}"),
         ("node_loss_recovery_s", "SIGKILL of an agent + its worker -> survivors' next commit", f"<= {ttl + 1:g}"),
         (
             "drain_s",

@@ -4,16 +4,12 @@ etcd sees one lease per node: the node agent's (its node record's), renewed once
 ``keepalive_s``. Each worker holds a *member lease* of its node's relay instead of an etcd lease
 of its own, and its leased records (``members/``, ``ready/``, ``progress/``, the ``coordinator``
 seat) are written through the relay under the node's lease. The relay knows its workers' liveness
-first hand: a member lease lives while its worker's connection is open, its process runs and its
-worker renews it, and it ends
+first hand, so a member lease needs no renewal: it lives while its worker's connection is open and
+its process runs, and it ends
 
 * when its worker's socket closes (the process exited or was killed): at once;
 * when its worker's process has been stopped (SIGSTOP, SIGTSTP: state ``T``, seen in ``/proc``)
   for ``lease_ttl_s``, as an etcd lease not renewed for its TTL would (``expired``, the rule);
-* when its worker has not renewed it for ``lease_ttl_s``: a worker renews its member lease every
-  ``keepalive_s`` from the thread that would renew an etcd lease of its own (a message to the
-  relay, no etcd request), so a process hung with its threads (a C call holding the GIL, a
-  deadlock) is left out as soon as with a lease of its own (``expired``);
 * when its worker revokes it (it leaves the job), or the agent releases it (its supervision says
   the worker is dead, stopped past ``stopped_worker_s``, hung or its replica ended);
 * when the node's lease ends (the agent lost etcd for ``lease_ttl_s``): every member lease with
@@ -42,7 +38,6 @@ class MemberLease:
     owner: Hashable  # the worker's connection
     pid: int = 0  # the worker's process (0: unknown: no stop is seen)
     stopped_since: float | None = None
-    renewed_at: float = 0.0  # when it was granted or last renewed by its worker
     # key -> the value it must still hold to be deleted (None: any value; the key is this
     # member's alone); a key is noted before it is written, so none written escapes its lease
     keys: dict[str, bytes | None] = field(default_factory=dict)
@@ -50,15 +45,9 @@ class MemberLease:
 
 
 def expired(leases: Iterable[MemberLease], now: float, ttl_s: float) -> list[int]:
-    """The live member leases whose process has been stopped for ``ttl_s`` by ``now``, or that
-    their worker has not renewed for ``ttl_s``: ended, as etcd ends a lease not renewed for its
-    TTL. Pure."""
-    return [
-        m.id
-        for m in leases
-        if not m.ended
-        and ((m.stopped_since is not None and now - m.stopped_since >= ttl_s) or now - m.renewed_at >= ttl_s)
-    ]
+    """The live member leases whose process has been stopped for ``ttl_s`` by ``now``: ended, as
+    etcd ends a lease not renewed for its TTL. Pure."""
+    return [m.id for m in leases if not m.ended and m.stopped_since is not None and now - m.stopped_since >= ttl_s]
 
 
 class MemberLeases:
@@ -72,17 +61,10 @@ class MemberLeases:
     def __len__(self) -> int:
         return len(self._live)
 
-    def grant(self, owner: Hashable, now: float, pid: int = 0) -> int:
+    def grant(self, owner: Hashable, pid: int = 0) -> int:
         lease = next(self._ids)
-        self._live[lease] = MemberLease(lease, owner, pid, renewed_at=now)
+        self._live[lease] = MemberLease(lease, owner, pid)
         return lease
-
-    def renew(self, lease: int, owner: Hashable, now: float) -> bool:
-        """``owner`` renewed ``lease`` at ``now``; False: it has ended or is not theirs."""
-        if not self.holds(lease, owner):
-            return False
-        self._live[lease].renewed_at = now
-        return True
 
     def holds(self, lease: int, owner: Hashable) -> bool:
         """``lease`` is live and ``owner``'s."""

@@ -141,7 +141,6 @@ class PutRequest:
 class LeaseOp(enum.Enum):
     GRANT = "grant"  # a member lease under the node's lease: Reply.revision is its id, Reply.lease the node's
     REVOKE = "revoke"  # its keys are deleted before the reply
-    RENEW = "renew"  # the worker lives (every keepalive_s; no reply): one not renewed for lease_ttl_s ends
 
 
 @dataclass(frozen=True)

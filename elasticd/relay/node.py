@@ -427,10 +427,7 @@ class NodeRelay:
                 body = bytes(client.buf[HEADER.size : HEADER.size + length])
                 del client.buf[: HEADER.size + length]
                 request = decode_request(body)
-                if isinstance(request, LeaseRequest) and request.op is LeaseOp.RENEW:
-                    with self._lock:
-                        self._leases.renew(request.lease, client, self._clock())
-                elif isinstance(request, LeaseRequest) and request.op is LeaseOp.GRANT:
+                if isinstance(request, LeaseRequest) and request.op is not LeaseOp.REVOKE:
                     self._reply([(client, self._answer_lease(client, request))])
                 else:
                     self._puts.put((client, request))
@@ -608,7 +605,7 @@ class NodeRelay:
         with self._lock:
             if not (self.node_lease and self._node_ok):
                 return Reply(r.id, error="etcd did not answer this node's relay: it holds no node lease now")
-            return Reply(r.id, revision=self._leases.grant(client, self._clock(), client.pid), lease=self.node_lease)
+            return Reply(r.id, revision=self._leases.grant(client, client.pid), lease=self.node_lease)
 
     def _revoke(self, client: _Client, r: LeaseRequest) -> None:
         with self._lock:
@@ -672,7 +669,7 @@ class NodeRelay:
 
     def _lease_loop(self) -> None:
         """Every ``STOP_POLL_S``: read the workers' process states, and end each member lease whose
-        process has been stopped, or that its worker has not renewed, for ``lease_ttl_s``; every ``keepalive_s``: renew the node's
+        process has been stopped for ``lease_ttl_s``; every ``keepalive_s``: renew the node's
         lease (a new one when it ended), or follow the agent's."""
         renew_at = self._clock() + self._timeouts.keepalive_s
         while not self._stop.is_set():
@@ -691,11 +688,7 @@ class NodeRelay:
                 self._leases.observe(states, now)
                 expired = self._leases.expired(now)
             if expired:
-                self._end(
-                    expired,
-                    f"its process stopped, or it did not renew its lease, for {self._timeouts.lease_ttl_s:g} s "
-                    "(lease_ttl_s)",
-                )
+                self._end(expired, f"its process stopped for {self._timeouts.lease_ttl_s:g} s (lease_ttl_s)")
 
     def _renew_node(self) -> None:
         if self._borrowed is not None:

@@ -363,18 +363,6 @@ class RelayedStore:
         finally:
             self._wrote(key, value)
 
-    def _send(self, request: LeaseRequest) -> bool:
-        """Send ``request`` to the relay, expecting no reply; False: the relay is lost (left)."""
-        if self._direct:
-            return False
-        try:
-            with self._send_lock:
-                self._sock.sendall(encode_request(request))
-        except OSError as exc:
-            self._fall_back(f"{type(exc).__name__}: {exc}"[:200])
-            return False
-        return True
-
     def _ask(self, request: PutRequest | LeaseRequest) -> Reply | None:
         """The relay's reply to ``request``; None: the relay is lost, or did not answer within the
         bound of this member's own request (then it is left: ``relay_lost``)."""
@@ -505,15 +493,14 @@ class RelayedStore:
         return reply.revision
 
     def refresh_lease(self, lease: int) -> float:
-        """A member lease is renewed with a message to the relay (no etcd request, no reply): the
-        relay ends one not renewed for ``lease_ttl_s`` (``relay.leases``), and says when it ended.
-        Its TTL is ``lease_ttl_s`` until then (0 after); once the relay is lost, the etcd lease it
-        moved to is renewed (0: it did not move)."""
+        """A member lease needs no renewal: the relay sees its worker's process (``relay.leases``),
+        and says when it ended. Its TTL is ``lease_ttl_s`` until then (0 after); once the relay is
+        lost, the etcd lease it moved to is renewed (0: it did not move)."""
         if lease not in self._virtual:
             return self._inner.refresh_lease(lease)
         if lease in self._ended:
             return 0.0
-        if not self._direct and self._send(LeaseRequest(next(self._ids), LeaseOp.RENEW, lease)):
+        if not self._direct:
             return self._timeouts.lease_ttl_s
         own = self._own(lease)
         return 0.0 if own is None else self._inner.refresh_lease(own)

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.bench.agent import DETECTION
 from elasticd.testing.localcluster import REPO_ROOT
 
 
 @pytest.mark.soak  # a benchmark run (~25 s): `pytest -m soak tests/integration/test_bench_agent.py`; what it
 @pytest.mark.timeout(180)  # measures is in the default suite (test_node_agent.py, test_agent_faults.py)
-def test_bench_agent_measures_crash_stop_hang_drain_and_node_loss_both_ways_with_no_step_lost(tmp_path: Path) -> None:
+def test_bench_agent_measures_crash_stop_drain_and_node_loss_both_ways_with_no_step_lost(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -47,19 +46,15 @@ def test_bench_agent_measures_crash_stop_hang_drain_and_node_loss_both_ways_with
     assert result["errors"] == [] and result["violations"] == [], result
     assert fig["steps_lost"] == 0 and fig["steps_lost_relay"] == 0
     for mode in ("", "_relay"):
-        for name in DETECTION + ("drain_step_time_s",):
+        for name in ("crash_detect_s", "stop_detect_s", "node_loss_recovery_s", "drain_s", "drain_step_time_s"):
             assert isinstance(fig[name + mode], float) and fig[name + mode] > 0, (name + mode, fig)
     assert isinstance(fig["stop_detect_s_relay_ratio"], float)
     # each fault happened: the drained agent exited 0 and the restarted worker started twice (the
-    # stopped one was continued, not restarted); the hung one was left by its lease's end, not by the
-    # survivors' collective bound (collective_s, 30 s)
-    assert fig["hang_detect_s"] < 2.0 * result["settings"]["lease_ttl_s"] + 1.0, fig
-    assert fig["hang_detect_s_relay"] < 2.0 * result["settings"]["lease_ttl_s"] + 1.0, fig
+    # stopped one was continued, not restarted)
     for rep in ("rep0", "rep0-relay"):
         agent_logs = {p.name: p.read_text() for p in (tmp_path / rep).glob("agent-*.log")}
         assert '"reason": "drained"' in agent_logs["agent-node-1.log"]
-        # the hung one woke and rejoined, or its agent killed it as hung (hang_timeout_s) and restarted it
-        assert agent_logs["agent-node-2.log"].count('"event": "worker_started"') in (2, 3)
+        assert agent_logs["agent-node-2.log"].count('"event": "worker_started"') == 2
         assert ('"event": "relay_started"' in agent_logs["agent-node-2.log"]) == (rep == "rep0-relay")
 
 

@@ -472,34 +472,6 @@ def test_one_etcd_lease_holds_a_node_a_killed_member_goes_at_once_a_stopped_one_
         client.close()
 
 
-def test_a_hung_member_behind_the_relay_goes_after_the_ttl_as_with_a_lease_of_its_own(
-    etcd_server, procs: list[Proc], tmp_path: Path
-) -> None:
-    """A member hung with all its threads (a C call holding the GIL: its process runs, its socket
-    to the relay stays open, nothing stops it) renews its member lease no more: its records go
-    after lease_ttl_s, as an etcd lease of its own would end, and the others form a generation
-    without it."""
-    job = f"hung{time.monotonic_ns()}"
-    keys = Keys("/elasticd", job)
-    relay, members = _start(etcd_server, procs, tmp_path, job, 3)
-    _wait(lambda: all((1, 3) in m.generations() for m in members), 60, "generation 1 of 3", procs)
-    client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), T, RetryPolicy())
-    try:
-        hung = members[2]
-        hid = keys.member(f"n0.0.{hung.proc.pid}")
-        assert client.get(hid) is not None
-        os.kill(hung.proc.pid, signal.SIGUSR1)
-        t0 = time.monotonic()
-        _wait(lambda: client.get(hid) is None, T.lease_ttl_s + 3.0, "the hung member's record to go", procs)
-        took = time.monotonic() - t0
-        assert T.lease_ttl_s - T.keepalive_s - 0.5 <= took <= T.lease_ttl_s + 1.5, took
-        rest = members[:2]
-        _wait(lambda: all(any(w == 2 for _, w in m.generations()) for m in rest), 30, "a generation of 2", procs)
-        assert "did not renew its lease" in relay.text()
-    finally:
-        client.close()
-
-
 def test_a_killed_relay_takes_its_node_lease_away_and_its_members_move_to_leases_of_their_own(
     etcd_server, procs: list[Proc], tmp_path: Path
 ) -> None:

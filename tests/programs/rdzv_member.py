@@ -3,17 +3,12 @@ line, and joins again when its generation must be abandoned or newcomers wait, a
 
 Usage: rdzv_member.py ENDPOINT JOB NODE MIN_WORKERS MAX_WORKERS [COORDINATOR_GRACE_S]
 With ELASTICD_RELAY_SOCKET set, its view and watches come from that node relay (``RelayedStore``).
-SIGUSR1 hangs the whole process for ``HANG_S``: a C call that holds the GIL (as a stuck extension
-would), so none of its threads runs, while its process stays running (not stopped) and its sockets
-open.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import sys
 import time
 
@@ -28,12 +23,6 @@ from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
 
 POLL_S = 0.01  # as the trainer polls must_abandon() between steps
-HANG_S = 30  # how long SIGUSR1 hangs the process
-
-
-def hang(*_: object) -> None:
-    """Sleep in libc with the GIL held (``PyDLL`` calls keep it): every thread of the process stops."""
-    ctypes.PyDLL(None).sleep(HANG_S)
 
 
 def main() -> int:
@@ -61,7 +50,6 @@ def main() -> int:
         timeouts,
     )
     membership.start()
-    signal.signal(signal.SIGUSR1, hang)
     try:
         while True:
             joined = membership.join(0, Deadline.after(timeouts.join_s))

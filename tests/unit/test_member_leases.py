@@ -24,60 +24,42 @@ TTL = 3.0
 
 
 @pytest.mark.parametrize(
-    ("stopped_since", "renewed_at", "ended", "now", "is_expired"),
+    ("stopped_since", "ended", "now", "is_expired"),
     [
-        (None, 99.0, False, 100.0, False),  # running and renewed within the TTL
-        (None, 97.0, False, 100.0, True),  # running but not renewed for a TTL: hung
-        (None, 97.1, False, 100.0, False),
-        (10.0, 12.0, False, 12.9, False),  # stopped, within the TTL
-        (10.0, 12.0, False, 13.0, True),  # stopped for a TTL: ended, as etcd ends a lease not renewed
-        (10.0, 99.0, False, 100.0, True),  # stopped for long (renewals seen before the stop was: either ends it)
-        (10.0, 0.0, True, 100.0, False),  # ended already: not again
-        (10.0, 10.0, False, 10.0, False),
+        (None, False, 100.0, False),  # running: a member lease needs no renewal
+        (10.0, False, 12.9, False),  # stopped, within the TTL
+        (10.0, False, 13.0, True),  # stopped for a TTL: ended, as etcd ends a lease not renewed
+        (10.0, False, 100.0, True),
+        (10.0, True, 100.0, False),  # ended already: not again
+        (10.0, False, 10.0, False),
     ],
 )
-def test_a_member_lease_expires_once_its_process_is_stopped_or_it_is_not_renewed_for_the_ttl(
-    stopped_since: float | None, renewed_at: float, ended: bool, now: float, is_expired: bool
+def test_a_member_lease_expires_once_its_process_is_stopped_for_the_ttl(
+    stopped_since: float | None, ended: bool, now: float, is_expired: bool
 ) -> None:
-    lease = MemberLease(7, "w", 1234, stopped_since, renewed_at=renewed_at, ended=ended)
+    lease = MemberLease(7, "w", 1234, stopped_since, ended=ended)
     assert expired([lease], now, TTL) == ([7] if is_expired else [])
-
-
-def test_a_renewal_counts_only_from_the_owner_of_a_live_lease() -> None:
-    leases = MemberLeases(TTL)
-    a = leases.grant("wa", now=0.0, pid=11)
-    assert leases.renew(a, "wa", now=2.0) and not leases.renew(a, "wb", now=4.0)
-    assert leases.expired(now=4.9) == [] and leases.expired(now=5.0) == [a]
-    leases.end([a])
-    assert not leases.renew(a, "wa", now=5.0)
 
 
 def test_a_stop_counts_from_when_it_is_first_seen_and_a_continue_clears_it() -> None:
     leases = MemberLeases(TTL)
-    a = leases.grant("wa", now=0.0, pid=11)
-    b = leases.grant("wb", now=0.0, pid=12)
-    c = leases.grant("wc", now=0.0)  # pid unknown: no stop is ever seen
+    a = leases.grant("wa", pid=11)
+    b = leases.grant("wb", pid=12)
+    c = leases.grant("wc")  # pid unknown: no stop is ever seen
     assert leases.pids() == {a: 11, b: 12}
-    owners = {a: "wa", b: "wb", c: "wc"}
-
-    def renewed(now: float) -> MemberLeases:  # every worker's keepalive thread renews (a stop is seen first)
-        for lease, owner in owners.items():
-            leases.renew(lease, owner, now)
-        return leases
-
     leases.observe({a: True, b: True}, now=1.0)
     leases.observe({a: True, b: False}, now=2.0)  # b continued
-    assert renewed(3.9).expired(now=3.9) == []
-    assert renewed(4.0).expired(now=4.0) == [a]  # stopped since 1.0, not since 2.0
+    assert leases.expired(now=3.9) == []
+    assert leases.expired(now=4.0) == [a]  # stopped since 1.0, not since 2.0
     leases.observe({b: True}, now=5.0)
-    assert renewed(7.9).expired(now=7.9) == [a] and renewed(8.0).expired(now=8.0) == [a, b]
-    assert c not in renewed(1000.0).expired(now=1000.0)
+    assert leases.expired(now=7.9) == [a] and leases.expired(now=8.0) == [a, b]
+    assert c not in leases.expired(now=1000.0)
 
 
 def test_writes_only_by_the_owner_while_the_lease_lives() -> None:
     leases = MemberLeases(TTL)
-    a = leases.grant("wa", now=0.0)
-    b = leases.grant("wb", now=0.0)
+    a = leases.grant("wa")
+    b = leases.grant("wb")
     assert a != b
     assert not leases.note(a, "wb", "/k", None)  # not theirs
     assert leases.note(a, "wa", "/members/a", None)
@@ -91,7 +73,7 @@ def test_writes_only_by_the_owner_while_the_lease_lives() -> None:
 
 def test_an_ended_lease_gives_every_key_noted_under_it_once() -> None:
     leases = MemberLeases(TTL)
-    a = leases.grant("wa", now=0.0)
+    a = leases.grant("wa")
     leases.note(a, "wa", "/members/a", None)
     leases.note(a, "wa", "/ready/a", None)
     leases.note(a, "wa", "/coordinator", b"seat of a")
@@ -110,10 +92,10 @@ def test_an_ended_lease_gives_every_key_noted_under_it_once() -> None:
 
 def test_the_node_lease_lost_forgets_every_member_lease_and_names_their_owners() -> None:
     leases = MemberLeases(TTL)
-    ids = [leases.grant(f"w{i}", now=0.0) for i in range(3)]
+    ids = [leases.grant(f"w{i}") for i in range(3)]
     assert leases.forget_all() == {ids[0]: "w0", ids[1]: "w1", ids[2]: "w2"}
     assert not any(leases.holds(i, f"w{n}") for n, i in enumerate(ids))
-    assert leases.grant("w0", now=0.0) not in ids  # ids are never reused
+    assert leases.grant("w0") not in ids  # ids are never reused
 
 
 @pytest.mark.parametrize(
