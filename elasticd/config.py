@@ -207,10 +207,10 @@ class Timeouts:
         0.1,
     )
     reach_hold_s: float = _seconds(
-        "How long a member whose host a reach check (or the coordinator's probe) found out of reach "
-        "is kept out of new generations: a link that flaps answers in its up phases, and a member "
-        "taken back during the flap holds the next group build until its connections get through. "
-        "It comes back as a newcomer after this.",
+        "How long a member whose host a reach check found out of reach is kept out of new "
+        "generations, from when the check's abort was written (rendezvous.decide.held_out): a link "
+        "that flaps answers in its up phases, and a member taken back during the flap holds the next "
+        "group build until its connections get through. It comes back as a newcomer after this.",
         5.0,
     )
     coordinator_grace_s: float = _seconds(

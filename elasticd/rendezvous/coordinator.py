@@ -97,9 +97,7 @@ class Coordinator:
         # (generation, members) this member's reach check found out of reach while the generation
         # was stuck (rendezvous.reach): left out without being asked again
         self._noted = noted
-        # member -> (generation, when): found out of reach in that generation (``_held``)
-        self._found: dict[str, tuple[int, float]] = {}
-        self._held_logged_until: dict[str, float] = {}
+        self._held_names: frozenset[str] = frozenset()  # the members held out, as last logged
         self._wall = wall  # the wall clock: the verdict's orphaned_at, read by other hosts too
         self._broken_seen = 0
         self._held_logged = 0  # the generation whose resume hold was logged
@@ -124,32 +122,24 @@ class Coordinator:
         now, wall = self._clock(), self._wall()
         if self._elected and (read.coordinator is None or read.coordinator.member_id != self._member_id):
             raise NotCoordinator(read.coordinator.member_id if read.coordinator else "")
-        held = self._held(read, now)
+        held = held_out(read, wall, self._timeouts.reach_hold_s)
+        self._log_held(read, held, wall)
         until = self._decide(without_gone(read, held) if held else read, now, wall)
-        back = min((t for m, t in held.items() if m in read.members), default=None)
+        ends = [t for m, t in held.items() if m in read.members]  # a held member waits: look again then
+        back = now + max(0.0, min(ends) - wall) if ends else None
         return back if until is None or (back is not None and back < until) else until
 
-    def _held(self, snap: Snapshot, now: float) -> dict[str, float]:
-        """The members kept out of this round (``decide.held_out``), each with when it may come
-        back: those this member's reach check or probe, or the abort of ``snap``'s generation, found
-        out of reach less than ``reach_hold_s`` ago (``_found``, updated here)."""
-        noted_generation, noted = self._noted()
-        fresh = {m: noted_generation for m in noted}
-        fresh.update((m, snap.aborted) for m in snap.out_of_reach)
-        for m, generation in fresh.items():
-            if m not in self._found or self._found[m][0] < generation:
-                self._found[m] = (generation, now)
-        hold_s = self._timeouts.reach_hold_s
-        for m, (generation, at) in list(self._found.items()):
-            if now >= at + hold_s and fresh.get(m) != generation:  # over, and no finding would add it again
-                del self._found[m]
-                self._held_logged_until.pop(m, None)
-        held = held_out(self._found, snap.generation, now, hold_s)
-        logged = {m: t for m, t in held.items() if m in snap.members and self._held_logged_until.get(m) != t}
-        if logged:
-            self._held_logged_until.update(logged)
-            log.info("members_held_out", members=sorted(logged)[:8], for_s=round(max(logged.values()) - now, 2))
-        return held
+    def _log_held(self, snap: Snapshot, held: dict[str, float], wall: float) -> None:
+        """Log the members held out (``decide.held_out``) when that set changes."""
+        names = frozenset(m for m in held if m in snap.members)
+        if names and names != self._held_names:
+            log.info(
+                "members_held_out",
+                members=sorted(names)[:8],
+                for_s=round(max(held.values()) - wall, 2),
+                generation=snap.aborted,
+            )
+        self._held_names = names
 
     def _decide(self, snap: Snapshot, now: float, wall: float) -> float | None:
         window = self._track(snap, now)
@@ -258,8 +248,6 @@ class Coordinator:
         for rec, answer in zip(ask, got, strict=True):
             gone_now = answer in GONE and (self._elected or answer is Answer.REFUSED)
             self._probed[rec.member_id] = gone_now
-            if gone_now and answer is Answer.UNREACHABLE:
-                self._found[rec.member_id] = (g.generation, self._clock())
             if gone_now:
                 why = (
                     "refuses connections"

@@ -8,7 +8,7 @@ No I/O and no clock: ``now`` is passed in. The executor is ``rendezvous.membersh
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -130,20 +130,18 @@ def without_gone(snap: Snapshot, gone: Collection[str]) -> Snapshot:
     )
 
 
-def held_out(
-    found: Mapping[str, tuple[int, float]], g: GenerationRecord | None, now: float, hold_s: float
-) -> dict[str, float]:
-    """The members kept out of new generations now, each with when it may come back: those found
-    out of reach (``found``: member -> (the generation it was found in, when)) less than ``hold_s``
-    ago, unless a generation newer than the one it was found in took it back (a coordinator
-    without this finding published it: it is a member like any other then). Pure."""
-    newest = g.generation if g is not None else 0
-    members = set(g.members) if g is not None else set()
-    return {
-        m: at + hold_s
-        for m, (generation, at) in found.items()
-        if now < at + hold_s and not (m in members and newest > generation)
-    }
+def held_out(snap: Snapshot, now: float, hold_s: float) -> dict[str, float]:
+    """The members kept out of new generations at ``now`` (Unix time), each with when it may come
+    back: those the abort of ``snap`` names out of reach (a reach check found their hosts silent),
+    until ``hold_s`` after the abort was written, unless a generation newer than the aborted one
+    took them back (a member like any other then). Every coordinator and deputy reads the same
+    record, so they hold the same members until the same time. Pure."""
+    until = snap.aborted_at + hold_s
+    if not snap.out_of_reach or now >= until:
+        return {}
+    g = snap.generation
+    taken = set(g.members) if g is not None and g.generation > snap.aborted else set()
+    return {m: until for m in snap.out_of_reach if m not in taken}
 
 
 def replica_of(snap: Snapshot, member_id: str) -> tuple[str, int, int]:

@@ -86,7 +86,7 @@ class Publisher:
         Raises:
             EtcdUnavailable: etcd could not be reached within the store's retry bound.
         """
-        rec = AbortRecord(generation, self._member_id, reason[:200], out_of_reach[:OUT_OF_REACH_IDS])
+        rec = AbortRecord(generation, self._member_id, reason[:200], out_of_reach[:OUT_OF_REACH_IDS], time.time())
         return self._put_unless_newer(
             self._keys.abort, encode(rec), lambda raw: (decode_abort(raw).generation,), (rec.generation,)
         )

@@ -114,13 +114,15 @@ OUT_OF_REACH_IDS = 64  # members an abort names as out of reach, at most (its re
 @dataclass(frozen=True)
 class AbortRecord:
     """``abort``: the named generation is broken; its members must re-rendezvous. ``out_of_reach``:
-    the members whose hosts a reach check found silent (``rendezvous.reach``), held out of the next
-    generations for ``reach_hold_s`` (``rendezvous.decide.held_out``)."""
+    the members whose hosts a reach check found silent (``rendezvous.reach``), held out of new
+    generations until ``reach_hold_s`` after ``at`` (Unix time, by the writer's clock)
+    (``rendezvous.decide.held_out``)."""
 
     generation: int
     member_id: str
     reason: str
     out_of_reach: tuple[str, ...] = ()
+    at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class Snapshot:
     # (``rendezvous.decide.without_gone``): a node lost whole, whose spares are gone too
     lost_nodes: frozenset[str] = frozenset()
     out_of_reach: frozenset[str] = frozenset()  # members the abort of ``aborted`` found out of reach
+    aborted_at: float = 0.0  # when that abort was written (Unix time, by its writer's clock)
 
     @property
     def highest_generation_seen(self) -> int:
@@ -159,4 +160,5 @@ def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
         coordinator_revision=coordinator_revision,
         spent_generation=spent,
         out_of_reach=frozenset(abort.out_of_reach),
+        aborted_at=abort.at,
     )

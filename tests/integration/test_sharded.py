@@ -147,7 +147,10 @@ def test_replicas_survive_a_killed_rank_a_stopped_rank_a_join_and_the_whole_job_
     assert max(first.generations.values()) == 8, first.generations  # four replicas of two
     killed = [e["local_rank"] for e in agents["b"].events("replica_worker_killed")]
     assert killed == [0], agents["b"].log_text()[-3000:]  # rank 1 was SIGKILLed: its agent ended rank 0
-    assert sorted(e["local_rank"] for e in agents["c"].events("replica_worker_killed")) == [0, 1]
+    # the stop ended c's replica: both its ranks, once (a later end, of the restarted replica under
+    # this machine's load, says why of its own)
+    ended = [e for e in agents["c"].events("replica_worker_killed") if "stopped for" in str(e["reason"])]
+    assert sorted(e["local_rank"] for e in ended) == [0, 1], agents["c"].log_text()[-3000:]  # type: ignore[type-var]
     resumed_at = _step_of(_checkpoints(job)[-1])
     assert first.last_step >= resumed_at
     last = resumed_at + 50

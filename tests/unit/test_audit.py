@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.testing.audit import check, check_dir
+from elasticd.testing.audit import check, check_dir, read_lines
 from elasticd.worker.data.sampler import ElasticSampler
 
 pytestmark = pytest.mark.timeout(60)
@@ -231,3 +231,12 @@ def test_check_dir_reads_every_worker_log(tmp_path: Path) -> None:
     assert rep.last_step == 9 and rep.generations == {1: 3, 2: 2, 3: 4}
     (tmp_path / "audit0.jsonl").unlink()
     assert not check_dir(tmp_path, DATASET).ok  # rank 0's commits are gone
+
+
+def test_read_lines_leaves_out_a_last_line_still_being_written(tmp_path: Path) -> None:
+    """A reader of a live job's audit can see half of the line being written: it is not a line yet."""
+    audit = tmp_path / "a.jsonl"
+    audit.write_text('{"event": "commit", "step": 1}\n{"event": "commit", "step": 2}\n{"event": "com')
+    assert [r["step"] for r in read_lines([audit])] == [1, 2]
+    audit.write_text('{"event": "commit", "step": 1}\n\n{"event": "commit", "step": 2}\n')
+    assert [r["step"] for r in read_lines([audit, tmp_path / "missing.jsonl"])] == [1, 2]

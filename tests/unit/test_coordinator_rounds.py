@@ -13,6 +13,7 @@ from elasticd.rendezvous.decide import Window, held_out
 from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
 from elasticd.rendezvous.reader import JobReader
 from elasticd.wire.keys import Keys
+from elasticd.wire.snapshot import Snapshot
 from elasticd.wire.records import (
     AbortRecord,
     CoordinatorRecord,
@@ -380,34 +381,59 @@ G7 = GenerationRecord(7, ("a", "b", "c"), "127.0.0.1", 1, "s", 0, "join")
 
 
 @pytest.mark.parametrize(
-    ("found", "g", "now", "held"),
+    ("g", "out", "now", "held"),
     [
-        ({}, G5, 10.0, {}),
-        ({"c": (5, 10.0)}, G5, 10.0, {"c": 15.0}),  # found in the generation it is in (now aborted)
-        ({"c": (5, 10.0)}, G6, 14.9, {"c": 15.0}),  # left out: held while it waits as a newcomer
-        ({"c": (5, 10.0)}, G6, 15.0, {}),  # the hold is over: it may join
-        ({"c": (5, 10.0)}, G7, 12.0, {}),  # a newer generation took it back: a member like any other
-        ({"c": (5, 10.0), "d": (6, 12.0)}, G6, 13.0, {"c": 15.0, "d": 17.0}),
-        ({"c": (5, 10.0)}, None, 11.0, {"c": 15.0}),
+        (G5, (), 1001.0, {}),  # an abort that names nobody
+        (G5, ("c",), 1000.0, {"c": 1005.0}),  # found in the generation it is in (now aborted)
+        (G6, ("c",), 1004.9, {"c": 1005.0}),  # left out: held while it waits as a newcomer
+        (G6, ("c",), 1005.0, {}),  # the hold is over: it may join
+        (G7, ("c",), 1002.0, {}),  # a newer generation took it back: a member like any other
+        (G7, ("c", "d"), 1002.0, {"d": 1005.0}),
+        (None, ("c",), 1001.0, {"c": 1005.0}),
     ],
 )
-def test_held_out(
-    found: dict[str, tuple[int, float]], g: GenerationRecord | None, now: float, held: dict[str, float]
-) -> None:
-    assert held_out(found, g, now, 5.0) == held
+def test_held_out(g: GenerationRecord | None, out: tuple[str, ...], now: float, held: dict[str, float]) -> None:
+    snap = Snapshot(generation=g, aborted=5, out_of_reach=frozenset(out), aborted_at=1000.0)
+    assert held_out(snap, now, 5.0) == held
 
 
-@pytest.mark.parametrize("source", ["abort record", "own reach check"])
-def test_a_member_found_out_of_reach_is_held_out_for_reach_hold_s_though_it_comes_back(source: str) -> None:
-    """A flapping link: a reach check found c's host silent and the generation was aborted; c's
-    host answers again in an up phase and c comes to the rendezvous at once. The next generation is
-    published without c (taking it back during the flap would hold the group build for it); the
-    coordinator's round names when the hold ends, and c joins as a newcomer after it."""
+def test_the_last_abort_read_names_who_is_held_out_and_since_when() -> None:
+    store = FakeKeyValueStore(ManualClock())
+    store.put(KEYS.abort, encode(AbortRecord(4, "a.0.1", "members out of reach", ("c.0.3",), 1234.5)))
+    snap = JobReader(store, KEYS, "a").snapshot()
+    assert (snap.aborted, snap.out_of_reach, snap.aborted_at) == (4, frozenset({"c.0.3"}), 1234.5)
+    store.put(KEYS.abort, encode(AbortRecord(5, "a.0.1", "gradient all_reduce failed")))  # an older writer's form
+    snap = JobReader(store, KEYS, "a").snapshot()
+    assert (snap.aborted, snap.out_of_reach, snap.aborted_at) == (5, frozenset(), 0.0)
+
+
+def test_a_member_named_out_of_reach_by_an_abort_is_held_out_for_reach_hold_s_though_it_comes_back() -> None:
+    """A flapping link: a reach check found c's host silent and aborted the generation, naming c;
+    c's host answers again in an up phase and c comes to the rendezvous at once. The next generation
+    is published without c (taking it back during the flap would hold the group build for it); the
+    round names when the hold ends, by the abort's time, whichever coordinator or deputy runs it;
+    and c comes back after it."""
     clock = ManualClock()
+    wall = [50_000.0]
     store = FakeKeyValueStore(clock)
     lease = store.grant_lease(600)
-    noted: list[tuple[int, frozenset[str]]] = [(0, frozenset())]
-    c = _coordinator(store, clock, WorldConfig(job_id="j", min_workers=1, max_workers=3), noted=noted)
+    store.put(KEYS.coordinator, encode(CoordinatorRecord("a.0.1", "a")))
+
+    def coordinator(elected: bool = True) -> Coordinator:
+        return Coordinator(
+            store,
+            KEYS,
+            "a.0.1",
+            WorldConfig(job_id="j", min_workers=1, max_workers=3),
+            T,
+            clock,
+            JobReader(store, KEYS, "a").snapshot,
+            lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"),
+            elected=elected,
+            wall=lambda: wall[0] + clock(),
+        )
+
+    c = coordinator()
     for name in ("a.0.1", "b.0.2", "c.0.3"):
         _member(store, name, lease, step=0)
     c.round()
@@ -416,20 +442,18 @@ def test_a_member_found_out_of_reach_is_held_out_for_reach_hold_s_though_it_come
     g = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
     assert g.world_size == 3
     clock.advance(5.0)
-    silent = ("c.0.3",) if source == "abort record" else ()
-    if source == "own reach check":
-        noted.append((g.generation, frozenset({"c.0.3"})))
-    store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "members out of reach", silent)))
+    written = wall[0] + clock() - 1.0  # the prober wrote it a second ago
+    store.put(KEYS.abort, encode(AbortRecord(g.generation, "a.0.1", "members out of reach", ("c.0.3",), written)))
     for name in ("a.0.1", "b.0.2", "c.0.3"):  # every member comes, c too (its link is up again)
         _member(store, name, lease, step=7, prev=g.generation)
-    found_at = clock()
-    until = c.round()
+    c.round()
     g2 = decode_generation(store.get(KEYS.generation).value)  # type: ignore[union-attr]
     assert g2.generation == g.generation + 1 and g2.members == ("a.0.1", "b.0.2")
     _member(store, "c.0.3", lease, step=7, prev=g.generation)  # c waits as a newcomer
-    until = c.round()
-    assert until == pytest.approx(found_at + T.reach_hold_s)  # the round is due when the hold ends
-    clock.advance(T.reach_hold_s - 0.1)
+    ends = clock() + T.reach_hold_s - 1.0
+    assert c.round() == pytest.approx(ends)  # the round is due when the hold ends
+    assert coordinator(elected=False).round() == pytest.approx(ends)  # a deputy's new rounds: the same end
+    clock.advance(T.reach_hold_s - 1.1)
     c.round()
     assert decode_generation(store.get(KEYS.generation).value).generation == g2.generation  # type: ignore[union-attr]
     assert store.get(KEYS.verdict) is None  # nothing to say: c is not announced
