@@ -55,12 +55,22 @@ def _iso(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def test_one_rank_raising_once_is_restarted_and_the_job_finishes(agent_job) -> None:
-    """An exception on one rank at one step is no bug yet: the worker restarts, rejoins as a
-    newcomer after the others committed that step, and the job finishes."""
+def test_one_rank_raising_once_is_restarted_and_the_job_finishes(agent_job, tmp_path: Path) -> None:
+    """An exception on one rank at one step, once, is no bug: the worker restarts, rejoins, and the
+    job finishes. Two nodes at least (``--nnodes 2:2``): both are in the job when step 8 comes,
+    however late one of them starts on a loaded machine, and the other waits for the restarted one,
+    which does not raise again (each node's first worker raises, as rank 1 only)."""
+    code = (
+        "import os, sys, runpy; f = sys.argv.pop(1); first = not os.path.exists(f); open(f, 'a').close(); "
+        "sys.argv[0] = 'tests/programs/raises.py'; "
+        "sys.argv += ['--raise-at', '8', '--ranks', '1'] if first else []; "
+        "runpy.run_path('tests/programs/raises.py', run_name='__main__')"
+    )
     job = agent_job(lease_ttl_s=LEASE_TTL_S)
-    prog = [*RAISES, "--raise-at", "8", "--ranks", "1", "--steps", "120"]
-    agents = [job.start(node, program=prog) for node in ("a", "b")]
+    agents = [
+        job.start(node, "--nnodes", "2:2", program=[sys.executable, "-c", code, str(tmp_path / node), "--steps", "120"])
+        for node in ("a", "b")
+    ]
     assert [a.wait(120) for a in agents] == [0, 0], job.logs_tail()
     assert sum(len(a.events("worker_started")) for a in agents) == 3
     assert status_json(job)["health"] == "finished"

@@ -28,10 +28,16 @@ def test_the_readme_worker_survives_a_kill_and_a_join(local_job) -> None:
         job.spawn(program=str(PROGRAM), audit=False, audit_dir=job.dir)
     audits = job.dir / job.job_id
 
-    def committed() -> int:
-        return max((len(p.read_text().splitlines()) for p in audits.glob("*.jsonl")), default=0)
+    def committed() -> list[int]:
+        return [len(p.read_text().splitlines()) for p in audits.glob("*.jsonl")]
 
-    job.wait_for(lambda: committed() > 40, 60, "40 audit lines")
+    # both train (on a loaded machine one may join the other's generation late: killed before it
+    # synced, the job's state would go with the one killed)
+    def both_training() -> bool:
+        lines = committed()
+        return len(lines) == 2 and max(lines) > 40 and min(lines) >= 10
+
+    job.wait_for(both_training, 60, "both workers training")
     job.workers[1].proc.send_signal(signal.SIGKILL)
     job.spawn(program=str(PROGRAM), audit=False, audit_dir=job.dir)  # a newcomer
     codes = job.wait_all(120)
