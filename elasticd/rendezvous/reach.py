@@ -303,7 +303,8 @@ class ReachCheck:
                 members=[m for m, a in zip(ids, first, strict=True) if a is Answer.UNASKED][:8],
             )
         gone = out_of_reach(ids, first)
-        unreachable = sum(1 for a in first if a is Answer.UNREACHABLE)
+        silent = tuple(m for m, a in zip(ids, first, strict=True) if a is Answer.UNREACHABLE)
+        unreachable = len(silent)
         if verdict(ids, gone, unreachable, True).abort:
             # noted before the abort is written: the members learn the abort at once, and this
             # member's rendezvous (its coordinator, or its deputy rounds) must know them gone by then
@@ -322,7 +323,6 @@ class ReachCheck:
         )
         if not v.abort:
             return v
-        silent = [m for m, a in zip(ids, first, strict=True) if a is Answer.UNREACHABLE]
-        written = self._abort_now(g, v.why, tuple(silent))
+        written = self._abort_now(g, v.why, silent)
         log.warning("members_out_of_reach", generation=g, gone=gone[:8], aborted=written is True)
         return v

@@ -4,6 +4,8 @@ when it publishes, what verdict it writes and how often, and that a stale one st
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -43,6 +45,7 @@ def _coordinator(
     me: str = "a.0.1",
     noted: list[tuple[int, frozenset[str]]] | None = None,
     elected: bool = True,
+    wall: Callable[[], float] = time.time,
 ) -> Coordinator:
     store.put(KEYS.coordinator, encode(CoordinatorRecord(me, "a")))
     finding = noted if noted is not None else [(0, frozenset())]
@@ -57,6 +60,7 @@ def _coordinator(
         lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"),
         elected=elected,
         noted=lambda: finding[-1],
+        wall=wall,
     )
 
 
@@ -417,21 +421,10 @@ def test_a_member_named_out_of_reach_by_an_abort_is_held_out_for_reach_hold_s_th
     wall = [50_000.0]
     store = FakeKeyValueStore(clock)
     lease = store.grant_lease(600)
-    store.put(KEYS.coordinator, encode(CoordinatorRecord("a.0.1", "a")))
+    world = WorldConfig(job_id="j", min_workers=1, max_workers=3)
 
     def coordinator(elected: bool = True) -> Coordinator:
-        return Coordinator(
-            store,
-            KEYS,
-            "a.0.1",
-            WorldConfig(job_id="j", min_workers=1, max_workers=3),
-            T,
-            clock,
-            JobReader(store, KEYS, "a").snapshot,
-            lambda g: (KEYS.event(f"{g.generation:020d}.x.0"), b"{}"),
-            elected=elected,
-            wall=lambda: wall[0] + clock(),
-        )
+        return _coordinator(store, clock, world, elected=elected, wall=lambda: wall[0] + clock())
 
     c = coordinator()
     for name in ("a.0.1", "b.0.2", "c.0.3"):
