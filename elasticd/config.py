@@ -251,8 +251,10 @@ class Timeouts:
     checkpoint_transfer_s: float = _seconds("Bound on the state broadcast from rank 0 to newcomers.", 120.0)
     etcd_request_s: float = _seconds("Bound on one etcd request.", 2.0)
     lease_renew_s: float = _seconds(
-        "Bound on a lease renewal's first attempt (doubling up to etcd_request_s): one held by an etcd "
-        "member that lost its leader moves on early, so the next renewal is asked sooner.",
+        "Bound on a lease renewal's first attempt while its keepalive stream answers nothing (doubling up "
+        "to etcd_request_s): one held by an etcd member that lost its leader moves on early, so the next "
+        "renewal is asked sooner; a stream that answers other renewals meanwhile is waited on up to "
+        "etcd_request_s.",
         0.5,
     )
     etcd_outage_s: float = _seconds(

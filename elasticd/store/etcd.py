@@ -46,7 +46,7 @@ from elasticd.store.credentials import (  # noqa: F401 (re-exported: the etcd ac
     read_password,
     system_ca_bundle,
 )
-from elasticd.store.keepalive import KeepAliveStream, KeepAliveTimeout
+from elasticd.store.keepalive import KeepAliveBehind, KeepAliveStream, KeepAliveTimeout
 from elasticd.store.kv import KeyValue
 
 log = structlog.get_logger(__name__)
@@ -459,16 +459,19 @@ class EtcdClient:
 
     def refresh_lease(self, lease: int) -> float:
         """Renew ``lease``; its TTL now (0: gone). One keepalive stream per endpoint carries every
-        renewal of this client (``store.keepalive``). Attempts are bounded by ``lease_renew_s``,
-        then twice that, up to ``etcd_request_s``: one stuck in a leader election moves on early."""
+        renewal of this client (``store.keepalive``). An attempt on a stream that answers nothing
+        for ``lease_renew_s`` (then twice that, up to ``etcd_request_s``) fails over: one stuck in a
+        leader election moves on early; on a stream that answers others meanwhile (behind: a busy
+        host or etcd) it waits up to ``etcd_request_s``."""
         bound = [min(self._timeouts.lease_renew_s, self._timeouts.etcd_request_s)]
 
         def keepalive(c: etcd3.Etcd3Client) -> float:
             timeout, bound[0] = bound[0], min(bound[0] * 2, self._timeouts.etcd_request_s)
             try:
-                return self._stream_of(c).renew(lease, timeout)
+                return self._stream_of(c).renew(lease, timeout, self._timeouts.etcd_request_s)
             except KeepAliveTimeout as exc:
-                self._failover(c)
+                if not isinstance(exc, KeepAliveBehind):  # silent: this endpoint does not answer
+                    self._failover(c)
                 raise _RetryableRpc(str(exc)) from exc
 
         return self._call("refresh_lease", keepalive)

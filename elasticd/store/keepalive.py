@@ -4,15 +4,21 @@ etcd renews a lease only over its ``LeaseKeepAlive`` stream. Opening a stream fo
 etcd3's ``refresh_lease`` does) costs a gRPC call, a thread to feed it and etcd a stream set up
 and torn down: about a millisecond of the renewer's CPU, at every ``keepalive_s``, for every lease.
 Here one stream, opened at the first renewal, carries them all (as etcd's own Go client does);
-a renewal is one message each way. A renewal not answered within its bound, or a stream that
-breaks, ends the stream: the renewal fails as its own call would have (the caller retries and
-fails over), and the next one opens a new stream. Holds no protocol logic.
+a renewal is one message each way. A stream that answers nothing for a renewal's bound (an etcd
+member without a leader, a dead connection), or that breaks, is ended: the renewal fails as its own
+call would have (the caller retries and fails over), and the next one opens a new stream. A stream
+that goes on answering other renewals meanwhile is behind, not dead (its process or etcd is busy:
+etcd answers a stream in order): the renewal waits on for its answer, up to its whole bound, and the
+stream stays open. Ending a live stream would fail every renewal waiting on it at once; on a loaded
+host their retries open streams that fall behind in turn, and the process's leases end. Holds no
+protocol logic.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +26,13 @@ import grpc
 
 
 class KeepAliveTimeout(Exception):
-    """No answer to a renewal within its bound: the stream is ended."""
+    """No answer to a renewal within its bound: the stream is ended when it answered nothing else
+    meanwhile (``KeepAliveStream.renew``)."""
+
+
+class KeepAliveBehind(KeepAliveTimeout):
+    """No answer to a renewal within its whole bound while the stream answered others: it stays
+    open (the endpoint answers; it is slow)."""
 
 
 class KeepAliveStream:
@@ -35,6 +47,7 @@ class KeepAliveStream:
         self._lock = threading.Lock()
         self._waiting: dict[int, list[list[Any]]] = {}  # lease -> its renewals' slots, oldest first
         self._broken: BaseException | None = None
+        self._answers = 0  # answers read so far (to any renewal): the stream is alive while it grows
         self._done = threading.Condition(self._lock)
         self._responses = open_stream(self._requests())
         threading.Thread(target=self._read, name="elasticd-keepalive-stream", daemon=True).start()
@@ -51,6 +64,7 @@ class KeepAliveStream:
         try:
             for response in self._responses:
                 with self._lock:
+                    self._answers += 1
                     slots = self._waiting.get(int(response.ID))
                     if slots:
                         slots.pop(0).append(float(response.TTL))
@@ -68,11 +82,16 @@ class KeepAliveStream:
     def broken(self) -> bool:
         return self._broken is not None
 
-    def renew(self, lease: int, timeout_s: float) -> float:
+    def renew(self, lease: int, timeout_s: float, bound_s: float | None = None) -> float:
         """Renew ``lease``: its TTL now (0: etcd no longer has it).
 
+        Waits ``timeout_s``, and on in windows of ``timeout_s`` while the stream answers other
+        renewals (it is behind, not dead), up to ``bound_s`` in all (default ``timeout_s``); a window
+        without any answer ends the stream.
+
         Raises:
-            KeepAliveTimeout: no answer within ``timeout_s`` (the stream is ended).
+            KeepAliveTimeout: no answer within the bound (the stream is ended when its last window
+                had no answer at all).
             grpc.RpcError: the stream broke (the caller maps its status code).
         """
         slot: list[Any] = []
@@ -80,17 +99,28 @@ class KeepAliveStream:
             if self._broken is not None:
                 raise self._broken
             self._waiting.setdefault(lease, []).append(slot)
+            seen = self._answers
         self._out.put(self._request(lease))
+        until = time.monotonic() + max(timeout_s, bound_s or 0.0)
         with self._lock:
-            self._done.wait_for(lambda: bool(slot) or self._broken is not None, timeout_s)
+            while True:
+                window = min(timeout_s, until - time.monotonic())
+                self._done.wait_for(lambda: bool(slot) or self._broken is not None, max(0.0, window))
+                if slot or self._broken is not None or self._answers == seen or time.monotonic() >= until:
+                    break
+                seen = self._answers  # others answered in this window: behind, not dead
             if slot:
                 return float(slot[0])
             slots = self._waiting.get(lease, [])
             if slot in slots:
                 slots.remove(slot)
-            broken = self._broken
+            broken, silent = self._broken, self._answers == seen
         if broken is not None:
             raise broken
+        if not silent:
+            raise KeepAliveBehind(
+                f"no answer to a lease renewal within {max(timeout_s, bound_s or 0.0):g} s (the stream is behind)"
+            )
         self.close()
         raise KeepAliveTimeout(f"no answer to a lease renewal within {timeout_s:g} s")
 
