@@ -78,6 +78,21 @@ class LeaseSettings:
 # Small helpers over JSON records
 
 
+def host_stolen_s(stat: str = "/proc/stat") -> float:
+    """CPU seconds the hypervisor took from this machine's cores so far (``steal`` in ``stat``: a
+    virtual machine whose host is oversubscribed or caps its CPU), all cores together; 0.0 where it
+    is not reported. A benchmark prints its growth beside its figures: on a shared host, time
+    stolen during a round lengthens it as if the round had cost that much more."""
+    try:
+        with open(stat, encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0.0
+    if len(fields) < 9 or fields[0] != "cpu":
+        return 0.0
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def field_float(rec: Mapping[str, object], key: str) -> float:
     """A record's numeric field (an audit or log line's)."""
     value = rec[key]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 
-from elasticd.bench.common import BenchError, LeaseSettings, fmt, progress, run_subcommand
+from elasticd.bench.common import BenchError, LeaseSettings, fmt, host_stolen_s, progress, run_subcommand
 from elasticd.bench.rendezvous_members import (
     PREFIX,
     REPLY_TIMEOUT_S,
@@ -308,6 +308,7 @@ def _measure(
             return {
                 "window_s": time.monotonic(),
                 "etcd_cpu_s": probe.etcd_cpu_s(),
+                "host_stolen_s": host_stolen_s(),
                 **{f"etcd_{k}": v for k, v in probe.metrics().items()},
                 **procs.counts(),
             }
@@ -440,6 +441,7 @@ FIGURES = (
     "etcd_bytes_sent",
     "etcd_cpu_s",
     "member_cpu_s",
+    "host_stolen_s",
 )
 
 

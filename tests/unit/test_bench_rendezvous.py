@@ -3,13 +3,16 @@ arithmetic, and the counting proxy (over the in-memory store)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import threading
 from collections import Counter
 
 import pytest
 
+from elasticd.bench.common import host_stolen_s
 from elasticd.bench.rendezvous_members import CountingStore, bench_record
 from elasticd.bench.rendezvous_model import (
     DEFAULT_READS_PER_MEMBER,
@@ -327,3 +330,20 @@ def test_training_load_is_each_workers_progress_put_and_each_agents_read(
         assert at is not None
         assert training_etcd_cores(at, per_node, sizes, costs, Timeouts(), 2.5)[which] > 1.0
         assert training_etcd_cores(at - 1, per_node, sizes, costs, Timeouts(), 2.5)[which] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("first_line", "stolen"),
+    [
+        ("cpu  233277 20933 95246 1213049 924 0 2600 36706 0 0", 36706),
+        ("cpu  1 2 3 4 5 6 7 0 0 0", 0),
+        ("cpu  1 2 3 4", None),  # an old kernel's line without steal
+        ("intr 12 3", None),
+    ],
+)
+def test_host_stolen_s_reads_the_steal_field_of_proc_stat(tmp_path: Path, first_line: str, stolen: int | None) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(first_line + "\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    expected = 0.0 if stolen is None else stolen / os.sysconf("SC_CLK_TCK")
+    assert host_stolen_s(str(stat)) == expected
+    assert host_stolen_s(str(tmp_path / "none")) == 0.0
