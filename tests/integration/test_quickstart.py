@@ -23,7 +23,10 @@ def test_the_readme_shows_the_program_as_it_is() -> None:
 
 
 def test_the_readme_worker_survives_a_kill_and_a_join(local_job) -> None:
-    job = local_job(min_workers=1)
+    # two at least: the job starts with both (the README's worker trains 200 steps in a few seconds,
+    # faster than a second process starts on a loaded machine), and after the kill the survivor
+    # holds the job's state until the newcomer joins it
+    job = local_job(min_workers=2)
     for _ in range(2):
         job.spawn(program=str(PROGRAM), audit=False, audit_dir=job.dir)
     audits = job.dir / job.job_id
@@ -31,8 +34,6 @@ def test_the_readme_worker_survives_a_kill_and_a_join(local_job) -> None:
     def committed() -> list[int]:
         return [len(p.read_text().splitlines()) for p in audits.glob("*.jsonl")]
 
-    # both train (on a loaded machine one may join the other's generation late: killed before it
-    # synced, the job's state would go with the one killed)
     def both_training() -> bool:
         lines = committed()
         return len(lines) == 2 and max(lines) > 40 and min(lines) >= 10

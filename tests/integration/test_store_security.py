@@ -21,6 +21,9 @@ from elasticd.worker.group.store_seal import MAGIC, Seal
 pytestmark = pytest.mark.timeout(90)
 
 SLOW = ("--step-sleep", "0.02")
+# 12 s and more of training: the joiner starts and joins before the end even on a loaded machine,
+# where a worker's imports alone can take seconds
+STEPS = 600
 STRAY_TIMEOUT = timedelta(seconds=0.5)  # a stray's get or wait of a key that is not there
 
 
@@ -81,7 +84,7 @@ def test_the_store_listens_on_the_advertised_address_and_hides_its_keys(local_jo
     client = EtcdClient(EtcdConfig(endpoints=(etcd_server.endpoint,)), Timeouts(), RetryPolicy())
     job = local_job(min_workers=2)
     for _ in range(2):
-        job.spawn("--steps", "200", *SLOW)
+        job.spawn("--steps", str(STEPS), *SLOW)
     job.wait_for(lambda: job.committed() >= 20, 60, "20 committed steps")
     first = _generation(client, job.job_id)
     assert first is not None and first.world_size == 2 and first.store_host == "127.0.0.1"
@@ -97,7 +100,7 @@ def test_the_store_listens_on_the_advertised_address_and_hides_its_keys(local_jo
             for key in (f"gen/{g}//0/{rank}", f"{first.token}/gen/{g}//0/{rank}"):
                 stray.set(key, "garbage")
                 planted.add(key)
-    job.spawn("--steps", "200", *SLOW)  # a joiner: the next generation builds on rank 0's store
+    job.spawn("--steps", str(STEPS), *SLOW)  # a joiner: the next generation builds on rank 0's store
     job.wait_for(
         lambda: (g := _generation(client, job.job_id)) is not None and g.world_size == 3, 60, "the joiner's generation"
     )
@@ -109,4 +112,4 @@ def test_the_store_listens_on_the_advertised_address_and_hides_its_keys(local_jo
     assert codes == [0, 0, 0], job.logs_tail()
     rep = job.audit()
     assert rep.ok, rep.violations
-    assert rep.last_step == 200 and rep.step_world[200] == 3
+    assert rep.last_step == STEPS and rep.step_world[STEPS] == 3
