@@ -152,7 +152,7 @@ class EtcdServer:
         assert self.proc is not None, "launch() first"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; its log ends:\n{self.log_tail()}")
             if self._answers():
                 return
             time.sleep(0.05)
@@ -161,6 +161,13 @@ class EtcdServer:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of etcd's output (its log file beside the data directory)."""
+        try:
+            return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
 
     def kill(self) -> None:
         """SIGKILL etcd (as a power loss would) and reap it; the data dir stays for a restart."""
@@ -224,6 +231,7 @@ class EtcdServer:
         self.proc = None
         if remove_data and self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.log_path.unlink(missing_ok=True)  # its log goes with the data it made
 
     def restart(self) -> None:
         """Stop and start again on the same ports and data (leases and keys survive)."""

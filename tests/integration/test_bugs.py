@@ -49,6 +49,19 @@ def test_the_same_exception_at_the_same_step_on_every_rank_stops_every_agent_wit
     assert elapsed < 2 * LEASE_TTL_S + 3.0, elapsed  # one restart: the backoff, a start, the step
 
 
+def _first_run_differs(flag: Path, first_run: str, *args: str) -> list[str]:
+    """A worker program: ``tests/programs/raises.py`` with ``args``; on its first run (no ``flag``
+    file yet: the agent's first start of it) the Python statement ``first_run`` runs before it
+    (one that adds arguments, or exits)."""
+    code = (
+        "import os, sys, runpy; f = sys.argv.pop(1); first = not os.path.exists(f); open(f, 'a').close(); "
+        "sys.argv[0] = 'tests/programs/raises.py'; "
+        f"({first_run}) if first else None; "
+        "runpy.run_path('tests/programs/raises.py', run_name='__main__')"
+    )
+    return [sys.executable, "-c", code, str(flag), *args]
+
+
 def _iso(stamp: str) -> float:
     from datetime import datetime
 
@@ -60,15 +73,10 @@ def test_one_rank_raising_once_is_restarted_and_the_job_finishes(agent_job, tmp_
     job finishes. Two nodes at least (``--nnodes 2:2``): both are in the job when step 8 comes,
     however late one of them starts on a loaded machine, and the other waits for the restarted one,
     which does not raise again (each node's first worker raises, as rank 1 only)."""
-    code = (
-        "import os, sys, runpy; f = sys.argv.pop(1); first = not os.path.exists(f); open(f, 'a').close(); "
-        "sys.argv[0] = 'tests/programs/raises.py'; "
-        "sys.argv += ['--raise-at', '8', '--ranks', '1'] if first else []; "
-        "runpy.run_path('tests/programs/raises.py', run_name='__main__')"
-    )
+    raise_once = "sys.argv.extend(['--raise-at', '8', '--ranks', '1'])"
     job = agent_job(lease_ttl_s=LEASE_TTL_S)
     agents = [
-        job.start(node, "--nnodes", "2:2", program=[sys.executable, "-c", code, str(tmp_path / node), "--steps", "120"])
+        job.start(node, "--nnodes", "2:2", program=_first_run_differs(tmp_path / node, raise_once, "--steps", "120"))
         for node in ("a", "b")
     ]
     assert [a.wait(120) for a in agents] == [0, 0], job.logs_tail()
@@ -107,16 +115,10 @@ def test_a_worker_raising_again_after_its_restart_stops_the_job_and_a_new_run_af
 def test_a_worker_that_exits_0_before_the_job_finished_is_restarted(agent_job, tmp_path: Path) -> None:
     """A script that leaves its loop early (here: one rank, once) ends with 0 while the job goes on:
     the agent says so and restarts it like a failed worker; the job finishes with both nodes."""
-    flag = tmp_path / "left-once"
-    code = (
-        "import os, sys, runpy; f = sys.argv.pop(1); first = not os.path.exists(f); open(f, 'a').close(); "
-        "sys.argv[0] = 'tests/programs/raises.py'; "
-        "sys.exit(0) if first else runpy.run_path('tests/programs/raises.py', run_name='__main__')"
-    )
     job = agent_job(lease_ttl_s=LEASE_TTL_S)
     a = job.start("a", program=[*RAISES, "--steps", "150"])
     time.sleep(1.0)
-    b = job.start("b", program=[sys.executable, "-c", code, str(flag), "--steps", "150"])
+    b = job.start("b", program=_first_run_differs(tmp_path / "left-once", "sys.exit(0)", "--steps", "150"))
     assert [a.wait(120), b.wait(120)] == [0, 0], job.logs_tail()
     (scheduled,) = b.events("worker_restart_scheduled")
     assert "exited with code 0 before the job finished" in str(scheduled["reason"]), scheduled
