@@ -4,11 +4,11 @@ etcd renews a lease only over its ``LeaseKeepAlive`` stream. Opening a stream fo
 etcd3's ``refresh_lease`` does) costs a gRPC call, a thread to feed it and etcd a stream set up
 and torn down: about a millisecond of the renewer's CPU, at every ``keepalive_s``, for every lease.
 Here one stream, opened at the first renewal, carries them all (as etcd's own Go client does);
-a renewal is one message each way. A stream that answers nothing for a renewal's bound (an etcd
-member without a leader, a dead connection), or that breaks, is ended: the renewal fails as its own
-call would have (the caller retries and fails over), and the next one opens a new stream. A stream
-that goes on answering other renewals meanwhile is behind, not dead (its process or etcd is busy:
-etcd answers a stream in order): the renewal waits on for its answer, up to its whole bound, and the
+a renewal is one message each way. A stream that answers nothing at all for a renewal's window
+(an etcd member without a leader, a dead connection), or that breaks, is ended: the renewal fails as
+its own call would have (the caller retries and fails over), and the next one opens a new stream. A
+stream that goes on answering other renewals is behind, not dead (its process or etcd is busy: etcd
+answers a stream in order): the renewal waits on for its answer, up to its whole bound, and the
 stream stays open. Ending a live stream would fail every renewal waiting on it at once; on a loaded
 host their retries open streams that fall behind in turn, and the process's leases end. Holds no
 protocol logic.
@@ -47,7 +47,7 @@ class KeepAliveStream:
         self._lock = threading.Lock()
         self._waiting: dict[int, list[list[Any]]] = {}  # lease -> its renewals' slots, oldest first
         self._broken: BaseException | None = None
-        self._answers = 0  # answers read so far (to any renewal): the stream is alive while it grows
+        self._answered_at = 0.0  # CLOCK_MONOTONIC of the newest answer (to any renewal)
         self._done = threading.Condition(self._lock)
         self._responses = open_stream(self._requests())
         threading.Thread(target=self._read, name="elasticd-keepalive-stream", daemon=True).start()
@@ -64,9 +64,9 @@ class KeepAliveStream:
         try:
             for response in self._responses:
                 with self._lock:
-                    self._answers += 1
+                    self._answered_at = time.monotonic()
                     slots = self._waiting.get(int(response.ID))
-                    if slots:
+                    if slots:  # the oldest, whether or not a renewal still waits on it
                         slots.pop(0).append(float(response.TTL))
                         self._done.notify_all()
             broken = KeepAliveTimeout("the keepalive stream ended")
@@ -85,13 +85,14 @@ class KeepAliveStream:
     def renew(self, lease: int, timeout_s: float, bound_s: float | None = None) -> float:
         """Renew ``lease``: its TTL now (0: etcd no longer has it).
 
-        Waits ``timeout_s``, and on in windows of ``timeout_s`` while the stream answers other
-        renewals (it is behind, not dead), up to ``bound_s`` in all (default ``timeout_s``); a window
-        without any answer ends the stream.
+        Waits while the stream answers: up to ``bound_s`` in all (at least ``timeout_s``), and ends
+        the stream once it answered nothing at all for ``timeout_s`` (counted from this renewal's
+        start or the stream's newest answer, whichever is later). A renewal that gives up on a live
+        stream leaves its request's place in order: its answer, when it comes, goes to no later one.
 
         Raises:
-            KeepAliveTimeout: no answer within the bound (the stream is ended when its last window
-                had no answer at all).
+            KeepAliveBehind: no answer within the bound while the stream answered others (it stays open).
+            KeepAliveTimeout: the stream answered nothing for ``timeout_s`` (it is ended).
             grpc.RpcError: the stream broke (the caller maps its status code).
         """
         slot: list[Any] = []
@@ -99,30 +100,33 @@ class KeepAliveStream:
             if self._broken is not None:
                 raise self._broken
             self._waiting.setdefault(lease, []).append(slot)
-            seen = self._answers
         self._out.put(self._request(lease))
-        until = time.monotonic() + max(timeout_s, bound_s or 0.0)
+        began = time.monotonic()
+        until = began + max(timeout_s, bound_s or 0.0)
         with self._lock:
             while True:
-                window = min(timeout_s, until - time.monotonic())
-                self._done.wait_for(lambda: bool(slot) or self._broken is not None, max(0.0, window))
-                if slot or self._broken is not None or self._answers == seen or time.monotonic() >= until:
+                quiet_until = max(began, self._answered_at) + timeout_s  # silent from then on
+                wait_s = min(until, quiet_until) - time.monotonic()
+                self._done.wait_for(lambda: bool(slot) or self._broken is not None, max(0.0, wait_s))
+                now = time.monotonic()
+                silent = now >= max(began, self._answered_at) + timeout_s
+                if slot or self._broken is not None or silent or now >= until:
                     break
-                seen = self._answers  # others answered in this window: behind, not dead
             if slot:
                 return float(slot[0])
-            slots = self._waiting.get(lease, [])
-            if slot in slots:
-                slots.remove(slot)
-            broken, silent = self._broken, self._answers == seen
+            broken = self._broken
+            if broken is None and silent:
+                slots = self._waiting.get(lease, [])
+                if slot in slots:
+                    slots.remove(slot)
         if broken is not None:
             raise broken
-        if not silent:
+        if not silent:  # its slot stays: the answer to its request is on its way, in order
             raise KeepAliveBehind(
-                f"no answer to a lease renewal within {max(timeout_s, bound_s or 0.0):g} s (the stream is behind)"
+                f"no answer to a lease renewal within {now - began:.2g} s (the stream is behind: it answers others)"
             )
         self.close()
-        raise KeepAliveTimeout(f"no answer to a lease renewal within {timeout_s:g} s")
+        raise KeepAliveTimeout(f"no answer on the keepalive stream for {timeout_s:g} s")
 
     def close(self) -> None:
         """End the stream (its reader thread ends with it)."""

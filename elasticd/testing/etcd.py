@@ -156,8 +156,11 @@ class EtcdServer:
             if self._answers():
                 return
             time.sleep(0.05)
+        tail = self.log_tail()  # stop() removes the log with the data
         self.stop()
-        raise RuntimeError(f"etcd did not answer on {self.endpoint} within {ETCD_START_TIMEOUT_S} s")
+        raise RuntimeError(
+            f"etcd did not answer on {self.endpoint} within {ETCD_START_TIMEOUT_S} s; its log ends:\n{tail}"
+        )
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -51,8 +51,8 @@ def test_the_same_exception_at_the_same_step_on_every_rank_stops_every_agent_wit
 
 def _first_run_differs(flag: Path, first_run: str, *args: str) -> list[str]:
     """A worker program: ``tests/programs/raises.py`` with ``args``; on its first run (no ``flag``
-    file yet: the agent's first start of it) the Python statement ``first_run`` runs before it
-    (one that adds arguments, or exits)."""
+    file yet: the agent's first start of it) the Python expression ``first_run`` is evaluated
+    before it (one that adds arguments, or exits)."""
     code = (
         "import os, sys, runpy; f = sys.argv.pop(1); first = not os.path.exists(f); open(f, 'a').close(); "
         "sys.argv[0] = 'tests/programs/raises.py'; "
