@@ -236,8 +236,8 @@ class Timeouts:
     keepalive_s: float = _seconds("Interval between lease renewals (must be < lease_ttl_s / 2).", 0.75)
     view_poll_s: float = _seconds(
         "How often a member re-reads its view of the job besides what its watches deliver at once "
-        "(a broken watch is re-armed and re-read on its own), and an idle coordinator the whole job: "
-        "a safety net whose cost grows with N.",
+        "(a broken watch is re-armed and re-read on its own), and an idle coordinator the job (what "
+        "changed since its last read): a safety net whose cost grows with the nodes.",
         3.0,
     )
     collective_s: float = _seconds("Bound on one collective (gradient all_reduce, vote).", 30.0)

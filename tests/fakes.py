@@ -20,10 +20,10 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elasticd.errors import LeaseLost
-from elasticd.store.kv import KeyValue
+from elasticd.store.kv import KeyValue, RangeQuery, RangeResult
 
 
 class ManualClock:
@@ -149,6 +149,20 @@ class FakeKeyValueStore:
             rows = [kv for p in prefixes for k, kv in sorted(self._data.items()) if k.startswith(p)]
         self._notify(changed)
         return rows
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        with self._lock:
+            changed = self._begin()
+            results = []
+            for q in queries:
+                under = [kv for k, kv in sorted(self._data.items()) if k.startswith(q.prefix)]
+                kept = [kv for kv in under if kv.mod_revision >= q.min_mod_revision]
+                if q.keys_only:
+                    kept = [replace(kv, value=b"") for kv in kept]
+                results.append(RangeResult(kept, len(under)))
+            revision = self.revision
+        self._notify(changed)
+        return revision, results
 
     def put_many(self, items: Sequence[tuple[str, bytes, int]], what: str = "put_many") -> int:
         with self._lock:
@@ -300,6 +314,10 @@ class GuardedStore(FakeKeyValueStore):
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         self.guard("get_prefixes")
         return super().get_prefixes(prefixes)
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        self.guard("read_ranges")
+        return super().read_ranges(queries)
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self.guard("put")

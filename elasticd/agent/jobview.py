@@ -34,6 +34,7 @@ from elasticd.config import AgentConfig
 from elasticd.errors import EtcdUnavailable, PermissionDenied
 from elasticd.retry import Clock
 from elasticd.store.kv import KeyValue, KeyValueStore
+from elasticd.store.mirror import RangeMirror
 from elasticd.wire.keys import Keys
 from elasticd.wire.nodefaults import decode_cordon
 from elasticd.wire.failures import DeterministicFailure, FailureRecord, decode_failure, deterministic_failure
@@ -278,7 +279,10 @@ class JobReader:
 
     Each agent reads its own node's records (``node_prefixes``) and the job's ``digest``
     (``wire.digest``); the agent of the coordinator's node alone reads the whole job, and writes
-    the digest from it: a job of many nodes is read once per interval, not once per node.
+    the digest from it: a job of many nodes is read once per interval, not once per node, and
+    each whole read after the first costs etcd the records that changed since (``store.mirror``:
+    the progress records, every node's each ``keepalive_s``; the member and ready records only at a
+    change of membership).
 
     It keeps etcd off the agent's loop: a slow or absent etcd delays only the next view (each
     read is bounded by the store's own request timeout and retries), and a failed read leaves the
@@ -305,6 +309,8 @@ class JobReader:
         self._latest: JobView | None = None
         self._written = b""  # the digest this reader last wrote
         self._bucket: tuple[int, KeyValue | None] = (0, None)  # (generation revision, this node's roster bucket)
+        # the whole job, read at the cost of what changed since the last whole read (``store.mirror``)
+        self._whole = RangeMirror(store, (*keys.rendezvous, keys.progress(""), keys.failure(""), keys.cordon("")))
         self._stop = threading.Event()
         self._wake = threading.Event()  # read now (``refresh``) or stop
         self._failing = False
@@ -355,10 +361,7 @@ class JobReader:
                 return read_job_view(
                     self._keys, rows, self._clock(), False, _digest_in(self._keys, rows), self._roster(snap)
                 )
-        rows = self._store.get_prefixes(
-            (*self._keys.rendezvous, self._keys.progress(""), self._keys.failure(""), self._keys.cordon(""))
-        )
-        view = read_job_view(self._keys, rows, self._clock())
+        view = read_job_view(self._keys, self._whole.read(), self._clock())
         if self._node:
             self._write_digest(view)
         return view

@@ -37,7 +37,7 @@ from elasticd.relay.node import NodeRelay
 from elasticd.relay.store import RelayedStore
 from elasticd.retry import Deadline
 from elasticd.store.etcd import EtcdClient
-from elasticd.store.kv import KeyValue, KeyValueStore
+from elasticd.store.kv import KeyValue, KeyValueStore, RangeQuery, RangeResult
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
 
@@ -85,6 +85,12 @@ class CountingStore:
         self._n("reads")
         self._n("bytes_read", sum(len(kv.key) + len(kv.value) for kv in kvs))
         return kvs
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        revision, results = self._inner.read_ranges(queries)
+        self._n("reads")
+        self._n("bytes_read", sum(len(kv.key) + len(kv.value) for r in results for kv in r.kvs))
+        return revision, results
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self._n("put")

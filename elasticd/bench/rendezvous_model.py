@@ -65,6 +65,7 @@ class Sizes:
     member_id: int  # one id's length (the generation record and its event list them all)
     ready_key: int  # the ready key's length (the publish deletes each)
     progress_kv: int = 0  # progress/<id>: what a training member writes every keepalive_s
+    member_key: int = 0  # the member key's length
 
     @staticmethod
     def of(record: MemberRecord, keys: Keys) -> Sizes:
@@ -76,16 +77,28 @@ class Sizes:
             len(record.member_id),
             len(keys.ready(record.member_id)),
             len(keys.progress(record.member_id)) + len(encode_progress(progress)) + KV_OVERHEAD_B,
+            len(keys.member(record.member_id)),
         )
 
     def full_read(self, n: int) -> int:
         """One member's read while all N are registered and ready (and a generation lists them)."""
         return n * (self.member_kv + self.ready_kv + self.member_id + 4)
 
+    def join_read(self, n: int) -> int:
+        """The coordinator's read of the job in a join round, at most (``store.mirror``: what changed
+        since its last read): every member's ready record, written meanwhile, and the small records."""
+        return VIEW_FIXED_B + n * self.ready_kv
+
+    def listing(self, n: int) -> int:
+        """The coordinator's read of the job after a member left (``store.mirror``: a key was
+        deleted): every member and ready key without its value, and the small records."""
+        return VIEW_FIXED_B + n * (self.member_key + self.ready_key + 2 * KV_OVERHEAD_B)
+
     def agent_read(self, n: int) -> int:
         """The coordinator's node's agent's read of the whole job while it trains
-        (``agent.jobview.JobReader``): every member's rendezvous records and its progress record."""
-        return self.full_read(n) + n * self.progress_kv
+        (``agent.jobview.JobReader``, ``store.mirror``): what changed since its last, every
+        member's progress record (written each ``keepalive_s``) and the small records."""
+        return VIEW_FIXED_B + n * self.progress_kv
 
     def node_read(self, per_node: int) -> int:
         """Every other agent's read (``agent.jobview.node_prefixes``): the small records, the digest
@@ -181,8 +194,8 @@ class RoundCounts:
     sweeps: float  # sweeps (every member reads once) on the critical path
     seq_writes: int  # writes one after another on the critical path
     fixed_wait_s: float  # waits the protocol imposes
-    coordinator_reads: float = 0.0  # full reads of the job by one reader (the coordinator) on the critical path
-    full_bytes: int = 0  # ... each of this size
+    coordinator_reads: float = 0.0  # reads of the job by one reader (the coordinator) on the critical path
+    full_bytes: int = 0  # ... each of this size (what changed since its last read: ``store.mirror``)
     readers: int = 0  # who read etcd in a sweep (0: every member; with node relays: the nodes)
 
 
@@ -219,7 +232,7 @@ def coordinated_protocol(
         2,
         timeouts.abort_poll_s if leave else 0.0,
         coordinator_reads=COORDINATOR_READS,
-        full_bytes=sizes.full_read(n),
+        full_bytes=sizes.listing(n) if leave else sizes.join_read(n),
         readers=nodes if per_node > 1 else 0,
     )
 
@@ -337,11 +350,12 @@ def idle_etcd_cores(n: int, per_node: int, sizes: Sizes, costs: Costs, timeouts:
     """etcd's cores while nothing changes, for ``n`` members at ``per_node`` per node: the lease
     renewals (``renewals_per_s``), one view read per holder per ``view_poll_s`` (each node's relay,
     or each member without one: the safety net; a relay's heartbeats read nothing) and the idle
-    coordinator's read of the whole job per ``view_poll_s``. Pure."""
+    coordinator's read of the job per ``view_poll_s`` (``store.mirror``: nothing changed, nothing
+    but the counts sent). Pure."""
     holders = math.ceil(n / per_node) if per_node > 1 else n
     requests = renewals_per_s(n, per_node, timeouts) + (holders + 1) / timeouts.view_poll_s
-    full_read_bytes = sizes.full_read(n) / timeouts.view_poll_s
-    return requests * costs.etcd_per_request_s + full_read_bytes * costs.etcd_per_byte_s
+    read_bytes = VIEW_FIXED_B / timeouts.view_poll_s  # the coordinator's
+    return requests * costs.etcd_per_request_s + read_bytes * costs.etcd_per_byte_s
 
 
 def training_etcd_cores(

@@ -41,7 +41,7 @@ from elasticd.relay.messages import (
     shows,
 )
 from elasticd.retry import Clock
-from elasticd.store.kv import KeyValue, KeyValueStore
+from elasticd.store.kv import KeyValue, KeyValueStore, RangeQuery, RangeResult
 from elasticd.wire.keys import Keys
 
 log = structlog.get_logger(__name__)
@@ -311,6 +311,9 @@ class RelayedStore:
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         return self._inner.get_prefix(prefix)
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        return self._inner.read_ranges(queries)
 
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         with self._cond:

@@ -4,7 +4,8 @@ Owns the two reads and their parsing: ``view`` (``Keys.member_view``: the genera
 finished, committed, checkpoint, verdict and coordinator records, plus, for a large generation,
 the one roster bucket of this member's node: ``wire.roster``), whose size does not grow with the
 job, read by every member; and ``snapshot`` (``Keys.rendezvous``: every member's and ready record
-too), read only by the coordinator, a deputy and tools. A malformed record is logged once and left
+too), read only by the coordinator, a deputy and tools, each time only what changed since its
+last (``store.mirror``). A malformed record is logged once and left
 out. Never writes and never decides.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import replace
 import structlog
 
 from elasticd.store.kv import KeyValueStore
+from elasticd.store.mirror import RangeMirror
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import DECODE_ERRORS, GenerationRecord
 from elasticd.wire.roster import bucket_of, buckets_for, fill, is_sparse
@@ -32,6 +34,7 @@ class JobReader:
         self._node = node
         self._warned: set[str] = set()
         self._roster: tuple[int, GenerationRecord] | None = None  # (revision, my view of a large generation)
+        self._mirror = RangeMirror(store, keys.rendezvous)
 
     def view(self) -> Snapshot:
         """This member's view of the job, in one transaction (and one small read of its node's
@@ -58,16 +61,19 @@ class JobReader:
         return replace(view, generation=cached[1])
 
     def snapshot(self) -> Snapshot:
-        """All of the job's rendezvous keys (``Keys.rendezvous``), in one transaction: the
-        coordinator's and a deputy's read, and tools'.
+        """All of the job's rendezvous keys (``Keys.rendezvous``) as of one revision: the
+        coordinator's and a deputy's read, and tools'. After the first, a read costs etcd what
+        changed since the last (``store.mirror``), not the job's size.
 
         Raises:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
-        return self._parsed(self._keys.rendezvous)
+        return self._checked(parse_snapshot(self._keys, self._mirror.read()))
 
     def _parsed(self, prefixes: tuple[str, ...]) -> Snapshot:
-        snap = parse_snapshot(self._keys, self._store.get_prefixes(prefixes))
+        return self._checked(parse_snapshot(self._keys, self._store.get_prefixes(prefixes)))
+
+    def _checked(self, snap: Snapshot) -> Snapshot:
         for bad in snap.malformed:
             self._warn(bad)
         return snap

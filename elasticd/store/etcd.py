@@ -47,7 +47,7 @@ from elasticd.store.credentials import (  # noqa: F401 (re-exported: the etcd ac
     system_ca_bundle,
 )
 from elasticd.store.keepalive import KeepAliveBehind, KeepAliveStream, KeepAliveTimeout
-from elasticd.store.kv import KeyValue
+from elasticd.store.kv import KeyValue, RangeQuery, RangeResult
 
 log = structlog.get_logger(__name__)
 
@@ -348,12 +348,7 @@ class EtcdClient:
                 ),
                 prefix,
             )
-            yield [
-                KeyValue(
-                    kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision, kv.lease
-                )
-                for kv in page.kvs
-            ]
+            yield [_from_message(kv) for kv in page.kvs]
             if not page.more or not page.kvs:
                 return
             revision, start = revision or page.header.revision, page.kvs[-1].key + b"\0"
@@ -370,6 +365,33 @@ class EtcdClient:
 
         first = next(iter(prefixes), "")
         return [kv for rows in self._call("get_prefixes", txn, first) for kv in _key_values(rows)]
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        """``KeyValueStore.read_ranges``: etcd's own range filters (``min_mod_revision``,
+        ``keys_only``) in one transaction; each result's count is etcd's, taken before its filter."""
+
+        def op(q: RangeQuery) -> Any:
+            key = q.prefix.encode()
+            return etcd3.etcdrpc.RequestOp(
+                request_range=etcd3.etcdrpc.RangeRequest(
+                    key=key,
+                    range_end=etcd3.utils.increment_last_byte(key),
+                    min_mod_revision=q.min_mod_revision,
+                    keys_only=q.keys_only,
+                )
+            )
+
+        def txn(c: etcd3.Etcd3Client) -> Any:
+            req = etcd3.etcdrpc.TxnRequest(compare=[], success=[op(q) for q in queries], failure=[])
+            return c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+
+        first = next(iter(queries), RangeQuery("")).prefix
+        answer = self._call("read_ranges", txn, first)
+        results = [
+            RangeResult([_from_message(kv) for kv in r.response_range.kvs], int(r.response_range.count))
+            for r in answer.responses
+        ]
+        return int(answer.header.revision), results
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """``KeyValueStore.put``: the revision etcd answered (the key's new mod_revision)."""
@@ -603,6 +625,11 @@ def _close_client(client: etcd3.Etcd3Client) -> None:
         client.close()
     except (*_TRANSIENT, grpc.RpcError):
         pass
+
+
+def _from_message(kv: Any) -> KeyValue:
+    """etcd's ``mvccpb.KeyValue`` message as a ``KeyValue``."""
+    return KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
 
 
 def _key_values(rows: Iterable[tuple[bytes, Any]]) -> list[KeyValue]:

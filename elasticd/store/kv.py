@@ -22,6 +22,25 @@ class KeyValue:
     lease: int = 0
 
 
+@dataclass(frozen=True)
+class RangeQuery:
+    """One range read of ``KeyValueStore.read_ranges``: every key under ``prefix`` (a whole key is a
+    prefix too), or only those changed since a revision."""
+
+    prefix: str
+    min_mod_revision: int = 0  # only the keys whose mod_revision is at least this (0: every key)
+    keys_only: bool = False  # the keys and their revisions, no values
+
+
+@dataclass(frozen=True)
+class RangeResult:
+    """What one ``RangeQuery`` read: the keys that pass its filter, in key order, and how many keys
+    lie under its prefix, whatever the filter (etcd counts the range before filtering)."""
+
+    kvs: list[KeyValue]
+    count: int
+
+
 class KeyValueStore(Protocol):
     """What the rendezvous needs from etcd. ``etcd.EtcdClient`` satisfies it structurally."""
 
@@ -32,6 +51,12 @@ class KeyValueStore(Protocol):
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         """The keys under each of ``prefixes`` (a whole key is a prefix too), read in one
         transaction, so all of them are from one revision; in the order of ``prefixes``."""
+        ...
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        """Every query of ``queries`` in one transaction: the store's revision it read at, and a
+        result per query, in order. A copy of some prefixes (``store.mirror``) reads only what
+        changed since its revision this way."""
         ...
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:

@@ -19,7 +19,8 @@ from structlog.testing import capture_logs
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable, LeaseLost
 from elasticd.store.etcd import EtcdClient
-from elasticd.store.kv import KeyValueStore
+from elasticd.store.kv import KeyValueStore, RangeQuery
+from elasticd.store.mirror import RangeMirror
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import free_port
 from tests.fakes import FakeKeyValueStore, ManualClock
@@ -169,6 +170,56 @@ class KeyValueStoreContract:
         gen = kv.store.get(kv.k("gen"))
         assert gen is not None and rows[1].mod_revision == gen.mod_revision
         assert kv.store.get_prefixes([]) == []
+
+    def test_read_ranges_reads_at_one_revision_and_counts_before_filtering(self, kv: Harness) -> None:
+        for name in ("m/a", "m/b", "m/c", "gen"):
+            kv.store.put(kv.k(name), name.encode())
+        since = kv.store.put(kv.k("other"), b"x")
+        kv.store.put(kv.k("m/b"), b"b2")
+        kv.store.delete(kv.k("m/c"))
+        newest = kv.store.put(kv.k("m/d"), b"d")
+        revision, (changed, listing, gen, absent) = kv.store.read_ranges(
+            [
+                RangeQuery(kv.k("m/"), min_mod_revision=since + 1),
+                RangeQuery(kv.k("m/"), keys_only=True),
+                RangeQuery(kv.k("gen")),
+                RangeQuery(kv.k("absent/")),
+            ]
+        )
+        assert revision == newest
+        assert [(r.key, r.value) for r in changed.kvs] == [(kv.k("m/b"), b"b2"), (kv.k("m/d"), b"d")]
+        assert changed.count == 3  # every key under m/ now: a, b, d
+        assert [(r.key, r.value) for r in listing.kvs] == [(kv.k(n), b"") for n in ("m/a", "m/b", "m/d")]
+        assert [r.mod_revision for r in listing.kvs] == [r.mod_revision for r in kv.store.get_prefix(kv.k("m/"))]
+        assert [r.value for r in gen.kvs] == [b"gen"] and gen.count == 1
+        assert absent.kvs == [] and absent.count == 0
+
+    def test_a_mirror_reads_what_changed_and_stays_equal_to_a_whole_read(self, kv: Harness) -> None:
+        prefixes = [kv.k("gen"), kv.k("m/"), kv.k("r/")]
+        mirror = RangeMirror(kv.store, prefixes)
+
+        def same() -> None:
+            assert mirror.read() == kv.store.get_prefixes(prefixes)
+
+        kv.store.put(kv.k("gen"), b"1")
+        same()
+        kv.store.put_many([(kv.k(f"m/{i}"), b"m", 0) for i in range(5)] + [(kv.k("r/0"), b"r", 0)])
+        same()
+        assert mirror.reads == {"changes": 1, "listings": 0, "whole": 1}
+        kv.store.delete(kv.k("m/3"))  # a member gone ...
+        kv.store.put(kv.k("m/9"), b"new")  # ... and one come: as many keys as before
+        kv.store.put(kv.k("m/1"), b"again")
+        same()
+        assert mirror.reads["listings"] == 1
+        kv.store.delete(kv.k("gen"))
+        kv.store.put(kv.k("gen"), b"2")  # deleted and written again: changed, the count the same
+        same()
+        lease = kv.store.grant_lease(2.0)
+        kv.store.put(kv.k("r/1"), b"leased", lease=lease)
+        same()
+        kv.store.revoke_lease(lease)
+        same()
+        assert mirror.reads == {"changes": 3, "listings": 2, "whole": 1}
 
     # -- compare_and_put ----------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from elasticd.errors import EXIT_NO_RESTART, EXIT_REJOIN
 from elasticd.wire.failures import FailureRecord
 from elasticd.config import AgentConfig, Timeouts, WorldConfig
 from elasticd.errors import ConfigError, EtcdUnavailable
-from elasticd.store.kv import KeyValue
+from elasticd.store.kv import KeyValue, RangeQuery, RangeResult
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import CommittedRecord, FinishedRecord, MemberRecord, encode
 from tests.fakes import FakeKeyValueStore
@@ -726,6 +726,11 @@ class _OutageStore(FakeKeyValueStore):
         if self.down.is_set():
             raise EtcdUnavailable("etcd at fake did not answer get_prefixes")
         return super().get_prefixes(prefixes)
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        if self.down.is_set():
+            raise EtcdUnavailable("etcd at fake did not answer read_ranges")
+        return super().read_ranges(queries)
 
 
 def _progress(store: FakeKeyValueStore, member: str, step: int, rank: int = 1) -> None:

@@ -113,7 +113,10 @@ def test_coordinated_protocol_events_are_linear_and_reads_small(n: int) -> None:
     assert (join.events, leave.events) == (2 * n, (n - 1) + 2)  # at most 3N per change
     assert leave.requests == 0 and leave.sweeps == join.sweeps  # a leave: no ready round (rendezvous.survivors)
     assert join.read_bytes == leave.read_bytes == SIZES.view(n) < 8 * 1024  # a member's read stays small
-    assert join.full_bytes == SIZES.full_read(n) and join.coordinator_reads == COORDINATOR_READS
+    assert join.coordinator_reads == leave.coordinator_reads == COORDINATOR_READS
+    # the coordinator reads what changed (store.mirror): at a join each ready record, after a leave the keys alone
+    assert join.full_bytes == SIZES.join_read(n) < SIZES.full_read(n)
+    assert leave.full_bytes == SIZES.listing(n) < SIZES.full_read(n) / 3
     before = current_protocol(n, 3.0, SIZES, t, leave=False)
     assert predict(join, ZERO_BUT_EVENTS, 2).etcd_cpu_s < predict(before, ZERO_BUT_EVENTS, 2).etcd_cpu_s
 
@@ -180,7 +183,7 @@ def test_model_rows_use_the_measured_reads_and_name_the_walls() -> None:
     assert rows[0]["walls"] == rows[1]["walls"] == [] and "gRPC" in str(rows[3]["walls"])  # 16,000: the read
     assert rows[0]["join_here_s"] == 0.0 and rows[0]["leave_here_s"] == pytest.approx(Timeouts().abort_poll_s)
     # coordinated: every member reads its view, the coordinator the job (twice on the critical path)
-    assert rows[0]["join_bytes_sent"] == 50 * 4.0 * SIZES.view(50) + COORDINATOR_READS * SIZES.full_read(50)
+    assert rows[0]["join_bytes_sent"] == 50 * 4.0 * SIZES.view(50) + COORDINATOR_READS * SIZES.join_read(50)
     assert model_rows(ZERO, SIZES, Timeouts(), {}, 50, 2.0)[0]["reads_per_member"] == (DEFAULT_READS_PER_MEMBER,) * 2
 
 
@@ -294,7 +297,8 @@ def test_idle_etcd_load_is_the_renewals_one_view_read_per_node_and_the_coordinat
     assert idle_etcd_cores(16384, 8, sizes, per_request, t) == pytest.approx(relayed)
     alone = (16384 / t.keepalive_s + (16384 + 1) / t.view_poll_s) * 1e-3
     assert idle_etcd_cores(16384, 1, sizes, per_request, t) == pytest.approx(alone)
-    assert idle_etcd_cores(16384, 8, sizes, per_byte, t) == pytest.approx(16384 * (300 + 200 + 20 + 4) / 3.0 * 1e-9)
+    # the idle coordinator's read: nothing changed, nothing of the job's size sent (store.mirror)
+    assert idle_etcd_cores(16384, 8, sizes, per_byte, t) == pytest.approx(1024 / t.view_poll_s * 1e-9)
 
 
 def _node_read(per_node: int) -> int:
@@ -306,14 +310,15 @@ def _node_read(per_node: int) -> int:
     [
         # progress puts: one per node (relayed) or per worker per keepalive_s (0.75 s), 1 ms each;
         # reads every 2.5 s: one request per node, each node its own records, one node the whole job
+        # (what changed since its last read: every progress record, store.mirror)
         (
             1024,
             8,
             128 / 0.75 * 1e-3,
-            (128e-3 + (127 * _node_read(8) + 1024 * (300 + 200 + 20 + 4 + 250)) * 1e-9) / 2.5,
+            (128e-3 + (127 * _node_read(8) + 1024 + 1024 * 250) * 1e-9) / 2.5,
         ),
-        (16384, 8, 2048 / 0.75 * 1e-3, (2048e-3 + (2047 * _node_read(8) + 16384 * 774) * 1e-9) / 2.5),
-        (16, 1, 16 / 0.75 * 1e-3, (16e-3 + (15 * _node_read(1) + 16 * 774) * 1e-9) / 2.5),
+        (16384, 8, 2048 / 0.75 * 1e-3, (2048e-3 + (2047 * _node_read(8) + 1024 + 16384 * 250) * 1e-9) / 2.5),
+        (16, 1, 16 / 0.75 * 1e-3, (16e-3 + (15 * _node_read(1) + 1024 + 16 * 250) * 1e-9) / 2.5),
     ],
 )
 def test_training_load_is_each_workers_progress_put_and_each_agents_read(

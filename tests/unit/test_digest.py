@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from elasticd.agent.jobview import JobReader, digest_of, node_prefixes, read_job_view
-from elasticd.store.kv import KeyValue
+from elasticd.store.kv import KeyValue, RangeQuery, RangeResult
 from elasticd.wire.digest import JobDigest, decode_digest, encode_digest, middle_of, score
 from elasticd.wire.keys import Keys
 from elasticd.wire.progress import ProgressRecord, encode_progress
@@ -126,6 +126,10 @@ class _Reads:
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
         self.read.append(tuple(prefixes))
         return self.inner.get_prefixes(prefixes)
+
+    def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
+        self.read.append(tuple(q.prefix for q in queries))
+        return self.inner.read_ranges(queries)
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.inner, name)
