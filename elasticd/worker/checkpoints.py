@@ -23,7 +23,6 @@ import torch
 
 from elasticd.config import CheckpointConfig
 from elasticd.errors import CheckpointModelChanged, ConfigError
-from elasticd.worker.shard.checkpoint import ShardedCheckpointWriter, read_shard
 from elasticd.worker.shard.replica import Replica
 from elasticd.worker.state.durable import CheckpointWriter
 from elasticd.worker.state.durable_format import (
@@ -122,10 +121,15 @@ class Checkpoints:
         if self._writer is None:
             c = self.config
             sharded = {}
+            writer = CheckpointWriter
             if self._replica is not None:
+                # torch.distributed.checkpoint is imported by sharded training alone (a second of
+                # a data-parallel worker's start)
+                from elasticd.worker.shard.checkpoint import ShardedCheckpointWriter
+
                 group = self._replica.checkpoint_group(c.checkpoint_wait_s)
-                sharded = {"replica": self._replica, "group": group}
-            self._writer = (ShardedCheckpointWriter if sharded else CheckpointWriter)(
+                sharded, writer = {"replica": self._replica, "group": group}, ShardedCheckpointWriter
+            self._writer = writer(
                 self.directory,
                 **sharded,  # type: ignore[arg-type]
                 job_id=self._job_id,
@@ -157,7 +161,11 @@ class Checkpoints:
                 are, and ``checkpoint_allow_new_model`` is off.
         """
         r, state = self._replica, self._state
-        read = verify if r is None else lambda entry: read_shard(entry, state, r.shard, r.size)
+        read = verify
+        if r is not None:
+            from elasticd.worker.shard.checkpoint import read_shard  # see _writer_for_saves
+
+            read = lambda entry: read_shard(entry, state, r.shard, r.size)  # noqa: E731
         loaded = load_latest(self.directory, state, newer_than=held_step, read=read)
         if loaded is None:
             if held_step < 0:  # it would start over from step 1 (holding state, it would not)

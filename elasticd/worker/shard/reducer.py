@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from elasticd.errors import CollectiveError, ConfigError
 from elasticd.retry import Bound
 from elasticd.worker.group.collectives import wait
 from elasticd.worker.group.process_group import Group
+from elasticd.worker.state.training import is_dtensor
 from elasticd.worker.state.training import local_shard as local
 from elasticd.worker.step.commit import VOTE_SLOTS
 from elasticd.worker.step.reducer import DEFAULT_BUCKET_CAP_BYTES, all_finite, check_applied, vote_dtype
@@ -94,7 +94,7 @@ class ShardReducer:
                 mesh was not applied before the trainer was made).
         """
         trainable = [p for p in params if p.requires_grad]
-        if not any(isinstance(p, DTensor) for p in trainable):
+        if not any(is_dtensor(p) for p in trainable):
             raise ConfigError(
                 "replica_size > 1: shard the model with fully_shard(model, mesh=elasticd.replica_mesh()) "
                 "before making its optimizer and the ElasticTrainer"

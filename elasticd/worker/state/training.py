@@ -19,13 +19,13 @@ import json
 import math
 import re
 import reprlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import structlog
 import torch
-from torch.distributed.tensor import DTensor
 
 from elasticd.errors import ConfigError, ModelMismatch, StateCorrupt
 from elasticd.retry import Deadline
@@ -238,7 +238,7 @@ class TrainingState:
 
     def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t``, or its local shard where it is sharded (noted in ``_sharded``)."""
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             self._sharded.add(name)
         return local_shard(t)
 
@@ -425,7 +425,7 @@ class TrainingState:
             raise
         ours = self.model.state_dict()
         for name, t in d.model_sd.items():
-            if isinstance(ours[name], DTensor):  # its local shard, in place (FSDP2 owns the storage)
+            if is_dtensor(ours[name]):  # its local shard, in place (FSDP2 owns the storage)
                 with torch.no_grad():
                     ours[name].to_local().copy_(t)
             elif ours[name].device == t.device:
@@ -637,9 +637,17 @@ def _check_groups(groups: object, optimizer: torch.optim.Optimizer, what: str) -
         raise ValueError(f"{what} param groups differ from this worker's")
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a sharded tensor (FSDP2's ``DTensor``). A process that never imported
+    ``torch.distributed.tensor`` (data-parallel training) holds none: it is not imported here
+    (over a second of a worker's start, most of its import of elasticd)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) tensor's local shard; any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return cast(Any, t).to_local() if is_dtensor(t) else t
 
 
 def _shard_like_params(
@@ -652,8 +660,10 @@ def _shard_like_params(
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for idx, st in optim_state.items():
         p = params[idx] if 0 <= idx < len(params) else None
-        if not isinstance(p, DTensor):
+        if not is_dtensor(p):
             continue
+        from torch.distributed.tensor import DTensor  # loaded: ``p`` is one
+
         shape = p.to_local().shape
         for key, value in st.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape:
