@@ -70,6 +70,16 @@ def test_control_plane_module_imports_without_torch(module: str) -> None:
     assert proc.returncode == 0, f"importing {module} imports torch:\n{proc.stderr[-3000:]}"
 
 
+@pytest.mark.parametrize("module", ["elasticd.worker.trainer", "elasticd.worker.dropin", "elasticd"])
+def test_a_data_parallel_worker_imports_no_sharding_module(module: str) -> None:
+    # torch.distributed.tensor (with sympy) and torch.distributed.checkpoint were most of a worker's
+    # import time; sharded training imports them itself. Made to fail, the traceback names the importer.
+    blocked = ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp")
+    code = f"import importlib, sys\nfor m in {blocked!r}: sys.modules[m] = None\nimportlib.import_module({module!r})\n"
+    proc = _python(code, timeout=120)
+    assert proc.returncode == 0, f"importing {module} imports a sharding module:\n{proc.stderr[-3000:]}"
+
+
 def test_elasticctl_against_unreachable_etcd_fails_fast_and_clearly() -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
