@@ -354,28 +354,21 @@ class EtcdClient:
             revision, start = revision or page.header.revision, page.kvs[-1].key + b"\0"
 
     def get_prefixes(self, prefixes: Sequence[str]) -> list[KeyValue]:
-        def txn(c: etcd3.Etcd3Client) -> list[Any]:
-            # the range end etcd3's own get_prefix uses
-            ops = [
-                c.transactions.get(p, range_end=etcd3.utils.increment_last_byte(etcd3.utils.to_bytes(p)))
-                for p in prefixes
-            ]
-            _, responses = c.transaction(compare=[], success=ops, failure=[])
-            return list(responses)
-
-        first = next(iter(prefixes), "")
-        return [kv for rows in self._call("get_prefixes", txn, first) for kv in _key_values(rows)]
+        _, results = self._ranges([RangeQuery(p) for p in prefixes], "get_prefixes")
+        return [kv for r in results for kv in r.kvs]
 
     def read_ranges(self, queries: Sequence[RangeQuery]) -> tuple[int, list[RangeResult]]:
         """``KeyValueStore.read_ranges``: etcd's own range filters (``min_mod_revision``,
         ``keys_only``) in one transaction; each result's count is etcd's, taken before its filter."""
+        return self._ranges(queries, "read_ranges")
 
+    def _ranges(self, queries: Sequence[RangeQuery], what: str) -> tuple[int, list[RangeResult]]:
         def op(q: RangeQuery) -> Any:
             key = q.prefix.encode()
             return etcd3.etcdrpc.RequestOp(
                 request_range=etcd3.etcdrpc.RangeRequest(
                     key=key,
-                    range_end=etcd3.utils.increment_last_byte(key),
+                    range_end=etcd3.utils.increment_last_byte(key),  # the range end of etcd3's get_prefix
                     min_mod_revision=q.min_mod_revision,
                     keys_only=q.keys_only,
                 )
@@ -386,7 +379,7 @@ class EtcdClient:
             return c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
 
         first = next(iter(queries), RangeQuery("")).prefix
-        answer = self._call("read_ranges", txn, first)
+        answer = self._call(what, txn, first)
         results = [
             RangeResult([_from_message(kv) for kv in r.response_range.kvs], int(r.response_range.count))
             for r in answer.responses
@@ -630,13 +623,3 @@ def _close_client(client: etcd3.Etcd3Client) -> None:
 def _from_message(kv: Any) -> KeyValue:
     """etcd's ``mvccpb.KeyValue`` message as a ``KeyValue``."""
     return KeyValue(kv.key.decode(errors="backslashreplace"), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
-
-
-def _key_values(rows: Iterable[tuple[bytes, Any]]) -> list[KeyValue]:
-    """etcd3's (value, metadata) rows as ``KeyValue``s."""
-    return [
-        KeyValue(
-            meta.key.decode(errors="backslashreplace"), value, meta.mod_revision, meta.create_revision, meta.lease_id
-        )
-        for value, meta in rows
-    ]

@@ -61,7 +61,7 @@ class RangeMirror:
         self._lock = threading.Lock()
         self._revision = 0  # of the copies (0: none yet)
         self._copies: tuple[dict[str, KeyValue], ...] = ()
-        self.reads = {"changes": 0, "listings": 0, "whole": 0}  # how each read ended (tests, the bench)
+        self.reads = {"changes": 0, "listings": 0, "whole": 0}  # how each read ended (for tests)
 
     def read(self) -> list[KeyValue]:
         """Every key under each prefix, in the order of the prefixes and by key within each, as of
