@@ -51,6 +51,7 @@ from elasticd.worker.data.stream import (
     plan_epoch,
 )
 from elasticd.worker.group.collectives import all_reduce
+from elasticd.worker.group.process_group import Group
 from elasticd.worker.step.commit import Outcome, Tally, Vote, Verdict, commit_outcome
 from elasticd.worker.step.protocol import StepResult
 from elasticd.worker.step.reducer import GradientReducer
@@ -305,6 +306,8 @@ class _Session(ElasticTrainer):
             if failure is None:
                 tally = Tally.from_slots(summed)
                 verdict = commit_outcome(tally, group.world_size)
+                if verdict.outcome is Outcome.FINISH:
+                    self._finished_at_a_goodbye(group, verdict)
                 if verdict.outcome is Outcome.APPLY:
                     self._journal.confirm()  # the whole group summed this step: each applied the one before
                     self._note_verdict(self.state.counters.step + 1, verdict)
@@ -313,6 +316,49 @@ class _Session(ElasticTrainer):
                 failure = CollectiveError(f"step {self.state.counters.step + 1} not applied: {verdict.reason}")
             reducer.cancel()
             self._regroup_in_step(failure)
+
+    def _finished_at_a_goodbye(self, group: Group, verdict: Verdict) -> NoReturn:
+        """This member's step met the others' goodbye (``_goodbye``): their loops ended at the step
+        every member of the generation holds, so the job is finished there. The completed sum
+        confirms what this member applied before it; the step it opened is applied by nobody. The
+        process exits 0, as a member that arrives after the job's end does."""
+        assert self._reducer is not None
+        self._reducer.cancel()  # not applied: nothing of it is kept
+        self._journal.confirm()
+        log.info(
+            "job_finished_at_a_peers_goodbye",
+            generation=group.generation,
+            step=self.state.counters.step,
+            reason=verdict.reason,
+        )
+        self._job_finished = True
+        self._reduced, self.micro = None, 0
+        self.close(clean=True)
+        raise SystemExit(0)
+
+    def _goodbye(self, group: Group, bound: Bound) -> None:
+        """The goodbye in the step's shape: the gradient all_reduce of the next step, every bucket
+        zero and the vote "finished". A script's loop counts its own steps, so a newcomer admitted
+        at the job's last step opens one more; its all_reduce meets this one (a barrier would not
+        match it), and the verdict (``Outcome.FINISH``) ends the job there on every member.
+
+        Raises:
+            CollectiveError: the all_reduce failed, or a vote is missing.
+        """
+        reducer = self._reducer
+        assert reducer is not None
+
+        def vote() -> list[float]:
+            return Vote(0.0, False, False, finished=True).slots()
+
+        reducer.begin(group, self.state.counters.step + 1, 1.0, vote)
+        try:
+            summed = reducer.finish(bound)
+        finally:
+            reducer.cancel()  # nothing is applied: the next contribution is not held back
+        verdict = commit_outcome(Tally.from_slots(summed), group.world_size)
+        if verdict.outcome is not Outcome.FINISH:
+            raise CollectiveError(f"the goodbye at step {self.state.counters.step}: {verdict.reason}")
 
     def _regroup_in_step(self, exc: CollectiveError) -> None:
         """The open step's sum did not arrive: regroup, then send this rank's kept gradients again."""
@@ -375,7 +421,7 @@ class _Session(ElasticTrainer):
         self._leave_if_unhealthy()
 
     def finish(self) -> None:
-        """The script's loop ended: the goodbye barrier confirms the last step, then ``close``."""
+        """The script's loop ended: the goodbye (``_goodbye``) confirms the last step, then ``close``."""
         try:
             if self.group is not None and not self._closed and self._reduced is None and self.micro == 0:
                 self._finish(self.state.counters.step)

@@ -260,17 +260,24 @@ def _replica_synced(replica: Replica, generation: int, ok: bool, replaced: bool,
     return False
 
 
-def goodbye(group: Group | None, membership: Membership, timeouts: Timeouts, step: int) -> bool:
+def goodbye(
+    group: Group | None,
+    membership: Membership,
+    timeouts: Timeouts,
+    step: int,
+    collective: Callable[[Group, Bound], None] = barrier,
+) -> bool:
     """Every member stopped at the same last step: a barrier, the commit point of the last step
     (no later all_reduce confirms it), then the ``finished`` record, written by every member whose
     barrier completed (a member that missed the barrier's last hop reads it at its rejoin). False
     when the barrier did not complete (or the generation is abandoned): the last step is not
-    confirmed, and the member must rejoin holding it."""
+    confirmed, and the member must rejoin holding it. ``collective``: the barrier (the drop-in form
+    sends one in its step's shape, which a newcomer's next step can meet)."""
     if group is None or membership.must_abandon():
         return False
     bound = Bound.after(timeouts.collective_s, poll_s=timeouts.abort_poll_s, abandon=membership.must_abandon)
     try:
-        barrier(group, bound)
+        collective(group, bound)
     except CollectiveError as exc:
         log.warning("goodbye_barrier_failed", generation=group.generation, rank=group.rank, error=str(exc)[:300])
         return False

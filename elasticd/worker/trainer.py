@@ -26,7 +26,7 @@ import torch
 from elasticd.config import CheckpointConfig, WorkerEnv
 from elasticd.errors import CollectiveError, ConfigError, GradientsNotFinite, JobFinished, RestartsExhausted
 from elasticd.rendezvous.membership import Joined, Membership
-from elasticd.retry import Clock, Deadline
+from elasticd.retry import Bound, Clock, Deadline
 from elasticd.settings import worker_env_from_environ
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.ops import EventKind
@@ -43,6 +43,7 @@ from elasticd.worker.state.durable import LoadedCheckpoint
 from elasticd.worker.step.journal import Journal
 from elasticd.worker.data.loader import ElasticLoader, loader_arguments
 from elasticd.worker.step.optimizers import Optimizers
+from elasticd.worker.group.collectives import barrier
 from elasticd.worker.group.process_group import Group, GroupFactory
 from elasticd.worker.rejoin import connect, goodbye, rejoin
 from elasticd.worker.data.sampler import Batch, BatchMode, ElasticSampler, split_micro
@@ -393,7 +394,7 @@ class ElasticTrainer:
         """
         assert self._membership is not None
         while not self._job_finished:
-            if goodbye(self.group, self._membership, self.env.timeouts, self.state.counters.step):
+            if goodbye(self.group, self._membership, self.env.timeouts, self.state.counters.step, self._goodbye):
                 self._journal.confirm()
                 return True
             self._fail(CollectiveError(f"the goodbye barrier at step {self.state.counters.step} did not complete"))
@@ -401,6 +402,10 @@ class ElasticTrainer:
             if not self._job_finished and self.state.counters.step < max_steps:
                 return False
         return True
+
+    def _goodbye(self, group: Group, bound: Bound) -> None:
+        """The goodbye's collective: a barrier (every member's loop knows the last step)."""
+        barrier(group, bound)
 
     def batches(self, max_steps: int) -> Iterator[Batch]:
         """Yield this rank's batch for each step until ``max_steps`` steps are committed: one per

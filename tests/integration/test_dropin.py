@@ -19,15 +19,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from elasticd.config import EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EXIT_REJOIN
+from elasticd.store.etcd import EtcdClient
 from elasticd.testing.audit import check, read_lines
 from elasticd.testing.localcluster import REPO_ROOT
+from elasticd.wire.keys import Keys
 from tests.dropin_replay import replay, steps_of, worst
 from tests.integration.test_agent_faults import _kill_node
 from tests.integration.test_node_agent import _worker_pid, agent_job  # noqa: F401 (fixture)
@@ -120,6 +124,37 @@ def test_a_worker_killed_mid_step_and_a_newcomer_mid_epoch(local_job) -> None:
     assert rep.last_step == 150 and sorted(set(rep.step_world.values())) == [1, 2], rep.step_world
     assert "recovered" in job.workers[0].log_text()  # the survivor finished the step in place
     _assert_replays(records, final, argv)
+
+
+def test_a_newcomer_admitted_at_the_last_step_ends_with_the_job(local_job, tmp_path: Path) -> None:
+    """Two members hold before their last step until a newcomer waits to join, so that step's vote
+    regroups the job and the newcomer is admitted holding the last step. Its own loop, whose counter
+    starts at 0, takes one more step, whose gradient all_reduce meets the others' goodbye: the
+    goodbye has the step's shape and votes "finished", so the newcomer applies nothing and every
+    member exits 0 with the job at its last step, committed once."""
+    go = tmp_path / "go"
+    args = ("--steps", "20", "--hold-before", "20", "--hold-file", str(go))
+    job = local_job(min_workers=2, max_workers=3)
+    for _ in range(2):
+        job.spawn(*args, program="tests/programs/dropin_hold.py")
+    # they hold before step 20: step 19 waits for its confirmation (step 20's all_reduce)
+    job.wait_for(lambda: job.committed() >= 18, 90, "step 18")
+    newcomer = job.spawn(*args, program="tests/programs/dropin_hold.py")
+    store = EtcdClient(EtcdConfig(endpoints=(job.etcd.endpoint,)), Timeouts(), RetryPolicy())
+    try:
+        ready = Keys("/elasticd", job.job_id).ready("")
+        job.wait_for(
+            lambda: any(f".{newcomer.pid}" in kv.key for kv in store.get_prefix(ready)), 90, "the newcomer's join"
+        )
+    finally:
+        store.close()
+    time.sleep(1.0)  # the members' view of the job sees it waiting (a watch event away)
+    go.touch()
+    assert job.wait_all(90) == [0, 0, 0], job.logs_tail(40)
+    rep = job.audit(512)
+    assert rep.ok, rep.violations
+    assert rep.last_step == 20, rep.last_step  # nothing past the job's end
+    assert "job_finished_at_a_peers_goodbye" in newcomer.log_text(), newcomer.log_text()[-3000:]
 
 
 def _steps(directory: Path) -> int:

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(30)
 WORLD = 3
 
 
-def tally(vetoes: int = 0, regroups: int = 0, voters: int = WORLD, nonfinite: int = 0) -> Tally:
-    return Tally(loss=1.5, vetoes=vetoes, regroups=regroups, voters=voters, nonfinite=nonfinite)
+def tally(vetoes: int = 0, regroups: int = 0, voters: int = WORLD, nonfinite: int = 0, finished: int = 0) -> Tally:
+    return Tally(loss=1.5, vetoes=vetoes, regroups=regroups, voters=voters, nonfinite=nonfinite, finished=finished)
 
 
 CASES = [
@@ -40,6 +40,11 @@ CASES = [
     ("a veto wins over a regroup", tally(vetoes=1, regroups=2), Outcome.ABORT, False),
     ("a vote missing (a sum of another world size)", tally(voters=2), Outcome.ABORT, False),
     ("more votes than members (a late sum of a larger generation)", tally(voters=4), Outcome.ABORT, False),
+    ("every member's goodbye: the job ends at the step they hold", tally(finished=3), Outcome.FINISH, False),
+    ("a newcomer's step met the others' goodbye: nobody applies it", tally(finished=2), Outcome.FINISH, False),
+    ("a goodbye wins over a regroup and a veto", tally(finished=1, regroups=1, vetoes=1), Outcome.FINISH, False),
+    ("a goodbye wins over gradients that are not finite", tally(finished=1, nonfinite=1), Outcome.FINISH, False),
+    ("a vote missing wins over a goodbye", tally(finished=2, voters=2), Outcome.ABORT, False),
 ]
 
 
@@ -67,9 +72,14 @@ def test_the_rule_module_imports_nothing_that_could_read_a_clock_a_lease_or_etcd
 
 
 def test_vote_slots_round_trip_through_a_sum() -> None:
-    votes = [Vote(0.5, False, False), Vote(0.25, False, True), Vote(0.25, True, False)]
+    votes = [
+        Vote(0.5, False, False),
+        Vote(0.25, False, True),
+        Vote(0.25, True, False),
+        Vote(0.0, False, False, finished=True),
+    ]
     summed = [sum(v.slots()[i] for v in votes) for i in range(VOTE_SLOTS)]
-    assert Tally.from_slots(summed) == Tally(loss=1.0, vetoes=1, regroups=1, voters=3)
+    assert Tally.from_slots(summed) == Tally(loss=1.0, vetoes=1, regroups=1, voters=4, finished=1)
     with pytest.raises(ValueError):
         Tally.from_slots(summed[:-1])
 

@@ -12,9 +12,10 @@ from torch._C._distributed_c10d import HashStore
 from elasticd.errors import ProtocolViolation
 from elasticd.retry import Bound
 from elasticd.worker.group.process_group import Group
+from elasticd.worker.step.commit import Vote
 from elasticd.worker.step.reducer import GradientReducer
 
-VOTE = [0.0, 0.0, 0.0, 1.0, 0.0]
+VOTE = Vote(0.0, False, False).slots()
 
 
 def _group(generation: int) -> Group:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-VOTE_SLOTS = 5  # the extra floats carried by the last gradient bucket (Vote.slots)
+VOTE_SLOTS = 6  # the extra floats carried by the last gradient bucket (Vote.slots)
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,18 @@ class Vote:
     veto: bool  # it already knows this generation is abandoned (fenced, or its lease is gone)
     regroup: bool  # it asks the members to regroup after this step (newcomers wait, or it drains)
     nonfinite: bool = False  # its own gradients hold a NaN or an infinity (checked where no GradScaler is)
+    # its loop ended at the step it holds: this is its goodbye, in the step's shape (no gradients)
+    finished: bool = False
 
     def slots(self) -> list[float]:
-        return [self.weighted_loss, float(self.veto), float(self.regroup), 1.0, float(self.nonfinite)]
+        return [
+            self.weighted_loss,
+            float(self.veto),
+            float(self.regroup),
+            1.0,
+            float(self.nonfinite),
+            float(self.finished),
+        ]
 
 
 @dataclass(frozen=True)
@@ -47,13 +56,14 @@ class Tally:
     regroups: int
     voters: int
     nonfinite: int = 0  # members whose own gradients were not finite
+    finished: int = 0  # members whose contribution was their goodbye
 
     @classmethod
     def from_slots(cls, summed: Sequence[float]) -> Tally:
         if len(summed) != VOTE_SLOTS:
             raise ValueError(f"expected {VOTE_SLOTS} vote slots, got {len(summed)}")
-        loss, vetoes, regroups, voters, nonfinite = summed
-        return cls(float(loss), round(vetoes), round(regroups), round(voters), round(nonfinite))
+        loss, vetoes, regroups, voters, nonfinite, finished = summed
+        return cls(float(loss), round(vetoes), round(regroups), round(voters), round(nonfinite), round(finished))
 
 
 class Outcome(StrEnum):
@@ -61,6 +71,9 @@ class Outcome(StrEnum):
     # step (``Verdict.skip``) is applied with no update: the counters and the data move on
     APPLY = "apply"
     ABORT = "abort"  # nobody applies; every member leaves the generation and re-rendezvouses
+    # nobody applies: a member's loop ended at the step every member holds (the job's last), and
+    # its goodbye met the others' next step; the job is finished there, on every member
+    FINISH = "finish"
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,8 @@ def commit_outcome(tally: Tally, world_size: int) -> Verdict:
     """What every member that received the sum does with the step. Pure: the tally alone decides."""
     if tally.voters != world_size:
         return Verdict(Outcome.ABORT, f"{tally.voters} votes in a generation of {world_size}")
+    if tally.finished:
+        return Verdict(Outcome.FINISH, f"{tally.finished} member(s) ended the job at the step every member holds")
     if tally.vetoes:
         return Verdict(Outcome.ABORT, f"{tally.vetoes} member(s) vetoed: the generation is abandoned")
     if tally.nonfinite:
