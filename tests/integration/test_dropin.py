@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +147,7 @@ def test_a_newcomer_admitted_at_the_last_step_ends_with_the_job(local_job, tmp_p
         )
     finally:
         store.close()
-    time.sleep(1.0)  # the members' view of the job sees it waiting (a watch event away)
-    go.touch()
+    go.touch()  # each of them then waits until its own view has the newcomer waiting
     assert job.wait_all(90) == [0, 0, 0], job.logs_tail(40)
     rep = job.audit(512)
     assert rep.ok, rep.violations

@@ -54,8 +54,11 @@ def main() -> int:
         while ahead is not None:
             x, y = ahead
             if ddp.step_count + 1 == args.hold_before:
+                # until the file exists and this member's view of the job has the newcomer waiting
+                # (so the step's vote asks for the regroup that admits it)
                 deadline = time.monotonic() + HOLD_BOUND_S
-                while not Path(args.hold_file).exists() and time.monotonic() < deadline:
+                waiting = ddp.trainer._membership.join_pending  # noqa: SLF001 (a test's view)
+                while not (Path(args.hold_file).exists() and waiting()) and time.monotonic() < deadline:
                     time.sleep(0.05)
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(ddp(x), y).backward()
