@@ -32,12 +32,15 @@ class Member:
     ) -> None:
         self.out = out
         self.log = out.open("w")
+        # its log lines apart: the coordinator's thread logs while the main thread prints, and an
+        # unbuffered stream's line and newline are two writes, which would mix in one file
+        self.err = out.with_suffix(".log").open("w")
         self.proc = subprocess.Popen(
             python_program(
                 "tests/programs/rdzv_member.py", endpoint, job, node, str(min_workers), str(max_workers), str(grace_s)
             ),
             stdout=self.log,
-            stderr=subprocess.STDOUT,
+            stderr=self.err,
             env=os.environ | {"PYTHONPATH": "."},
         )
 
@@ -61,6 +64,7 @@ class Member:
             self.proc.kill()
         self.proc.wait(10)
         self.log.close()
+        self.err.close()
 
 
 @pytest.fixture
