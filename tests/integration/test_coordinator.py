@@ -32,8 +32,8 @@ class Member:
     ) -> None:
         self.out = out
         self.log = out.open("w")
-        # its log lines apart: the coordinator's thread logs while the main thread prints, and an
-        # unbuffered stream's line and newline are two writes, which would mix in one file
+        # its log lines (stderr) apart from its generation lines (stdout): the coordinator's
+        # thread logs while the main thread prints
         self.err = out.with_suffix(".log").open("w")
         self.proc = subprocess.Popen(
             python_program(

@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+import structlog
+
 from elasticd.config import EtcdConfig, RetryPolicy, Timeouts, WorldConfig
 from elasticd.errors import ElasticdError
 from elasticd.rendezvous.membership import Membership
@@ -26,6 +28,8 @@ POLL_S = 0.01  # as the trainer polls must_abandon() between steps
 
 
 def main() -> int:
+    # log lines on stderr, each in one write: the generation lines below are stdout's alone
+    structlog.configure(logger_factory=structlog.WriteLoggerFactory(sys.stderr))
     endpoint, job, node, min_workers, max_workers = sys.argv[1:6]
     timeouts = Timeouts(coordinator_grace_s=float(sys.argv[6])) if len(sys.argv) > 6 else Timeouts()
     store: KeyValueStore = EtcdClient(EtcdConfig(endpoints=(endpoint,)), timeouts, RetryPolicy())
