@@ -23,20 +23,21 @@ def test_unreachable_etcd_at_start_fails_clearly_after_etcd_outage_s(local_job):
     assert "register_waiting_for_etcd" in text, text[-2000:]
 
 
-@pytest.mark.parametrize(
-    ("setting", "value", "named"),
-    [
-        ("lease_ttl_s", "abc", "ELASTICD_LEASE_TTL_S"),
-        ("min_workers", "5", "min_workers"),
-        ("etcd_endpoints", "no-port-here", "etcd_endpoints"),
-        ("keepalive_s", "9", "keepalive_s"),
-    ],
-)
-def test_invalid_settings_name_the_setting(local_job, setting, value, named):
+INVALID = [  # (setting, value, what the error names)
+    ("lease_ttl_s", "abc", "ELASTICD_LEASE_TTL_S"),
+    ("min_workers", "5", "min_workers"),
+    ("etcd_endpoints", "no-port-here", "etcd_endpoints"),
+    ("keepalive_s", "9", "keepalive_s"),
+]
+
+
+def test_invalid_settings_name_the_setting(local_job):
+    """One worker per invalid setting, started together: each exits 2 with a ConfigError naming it."""
     job = local_job(max_workers=4)
-    w = job.spawn("--steps", "5", **{setting: value})
-    assert w.wait(60) == 2, w.log_text()[-2000:]
-    assert "ConfigError" in w.log_text() and named in w.log_text(), w.log_text()[-2000:]
+    workers = [job.spawn("--steps", "5", **{setting: value}) for setting, value, _ in INVALID]
+    for (setting, value, named), w in zip(INVALID, workers, strict=True):
+        assert w.wait(90) == 2, f"{setting}={value}\n{w.log_text()[-2000:]}"
+        assert "ConfigError" in w.log_text() and named in w.log_text(), f"{setting}={value}\n{w.log_text()[-2000:]}"
 
 
 def test_worker_with_a_different_model_is_rejected_and_the_job_goes_on(local_job):
