@@ -19,6 +19,8 @@ Owns ``DistributedDataParallel`` (in place of torch's DDP wrapper and ``init_pro
   for (a newcomer, a drain) happens at the next batch: a step boundary.
 - A member whose state the regroup replaced while its script was mid-step (it missed steps the
   others committed) raises ``MemberReplaced``; its agent starts it again as a newcomer.
+- ``close()`` says goodbye in the step's shape (``_Session._goodbye``): a newcomer whose own loop
+  opens a step after the job's last one meets it, reads the verdict FINISH and exits 0.
 """
 
 from __future__ import annotations
