@@ -324,8 +324,6 @@ class _Session(ElasticTrainer):
         every member of the generation holds, so the job is finished there. The completed sum
         confirms what this member applied before it; the step it opened is applied by nobody. The
         process exits 0, as a member that arrives after the job's end does."""
-        assert self._reducer is not None
-        self._reducer.cancel()  # not applied: nothing of it is kept
         self._journal.confirm()
         log.info(
             "job_finished_at_a_peers_goodbye",

@@ -29,7 +29,6 @@ from elasticd.retry import Bound, Deadline
 from elasticd.store.kv import KeyValueStore
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import MemberRecord
-from elasticd.worker.group.collectives import barrier
 from elasticd.worker.group.process_group import Group, GroupFactory, StoreServer
 from elasticd.worker.shard.replica import Replica
 from elasticd.worker.state.training import ChecksumAhead, TrainingState
@@ -265,14 +264,14 @@ def goodbye(
     membership: Membership,
     timeouts: Timeouts,
     step: int,
-    collective: Callable[[Group, Bound], None] = barrier,
+    collective: Callable[[Group, Bound], None],
 ) -> bool:
     """Every member stopped at the same last step: a barrier, the commit point of the last step
     (no later all_reduce confirms it), then the ``finished`` record, written by every member whose
     barrier completed (a member that missed the barrier's last hop reads it at its rejoin). False
     when the barrier did not complete (or the generation is abandoned): the last step is not
-    confirmed, and the member must rejoin holding it. ``collective``: the barrier (the drop-in form
-    sends one in its step's shape, which a newcomer's next step can meet)."""
+    confirmed, and the member must rejoin holding it. ``collective``: the barrier
+    (``ElasticTrainer._goodbye``; the drop-in form's has its step's shape)."""
     if group is None or membership.must_abandon():
         return False
     bound = Bound.after(timeouts.collective_s, poll_s=timeouts.abort_poll_s, abandon=membership.must_abandon)
