@@ -57,7 +57,8 @@ def test_a_slowed_worker_is_found_and_its_node_replaced_by_a_waiting_spare(agent
     finally:
         stop.set()
         t.join(5)
-    (found,) = b.events("straggler_detected")
+    found = b.events("straggler_detected")[-1]  # the one the replacement followed (a detection that found
+    # no waiting spare in its view replaces nothing, and the worker can be found again)
     # slower than its peers at the read that found it: the score that made it slow (>= 1.5) held
     # for straggler_s, and the last read may dip below it (a SIGSTOP duty cycle on shared cores)
     assert float(found["score"]) > 1.0, found  # type: ignore[arg-type]
