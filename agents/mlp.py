@@ -4,15 +4,17 @@ Written against the public worker API as a user would write it. Settings of the 
 ``ELASTICD_*`` environment (set by the agent or the local cluster); the workload's own flags are
 below. Exit codes: 0 done, 2 a fatal elasticd error (bad settings, model mismatch, ...).
 
-Two flags make it a faulty workload for fault injection (``python -m elasticd.chaos``): with
-``--nan-steps-on-sigusr2 N``, SIGUSR2 makes this worker's next N backward passes produce NaN
-gradients (a bad node); with ``--raise-at-step S``, every rank raises the same exception when it
-computes step S (a bug in the script).
+Three flags make it a faulty workload for fault injection (``python -m elasticd.chaos``,
+``python -m elasticd.bench agent``): with ``--nan-steps-on-sigusr2 N``, SIGUSR2 makes this worker's
+next N backward passes produce NaN gradients (a bad node); with ``--raise-at-step S``, every rank
+raises the same exception when it computes step S (a bug in the script); with ``--hang-on-sigusr1``,
+SIGUSR1 hangs this worker with every thread (a C call that keeps the GIL and does not return).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import signal
@@ -20,6 +22,8 @@ import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+HANG_S = 86400  # --hang-on-sigusr1: longer than any run (its agent ends it as hung)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -96,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="on SIGUSR2, make the next N backward passes of this worker produce NaN gradients "
         "(the loss times NaN); 0: SIGUSR2 keeps its default action",
+    )
+    p.add_argument(
+        "--hang-on-sigusr1",
+        action="store_true",
+        help="on SIGUSR1, hang with every thread: libc's sleep through ctypes.PyDLL, which keeps the GIL",
     )
     p.add_argument(
         "--raise-at-step",
@@ -195,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     poison = NanPoison(args.nan_steps_on_sigusr2)
     if args.nan_steps_on_sigusr2 > 0:
         signal.signal(signal.SIGUSR2, poison.arm)
+    if args.hang_on_sigusr1:
+        signal.signal(signal.SIGUSR1, lambda *_: ctypes.PyDLL(None).sleep(HANG_S))
     try:
         trainer = elasticd.ElasticTrainer(
             model,

@@ -206,6 +206,16 @@ class Timeouts:
         "reach_check_s as before.",
         0.1,
     )
+    unresponsive_s: float = _seconds(
+        "A reach check that finds a member's host answering asks a Python thread of the member for "
+        "one byte (rendezvous.answer): a member whose byte does not come within this (a process hung "
+        "with every thread, e.g. a C call that holds the GIL) counts as gone and the generation is "
+        "aborted, as its own lease would have ended (a lease renewed every keepalive_s from a Python "
+        "thread is lost to a hang of about the TTL); behind the agent's relay nothing else notices such "
+        "a hang before collective_s. Asked only while a collective waits (reach_check_s); a false alarm "
+        "costs a regroup, never a step. 0: not asked.",
+        2.0,
+    )
     reach_hold_s: float = _seconds(
         "How long a member whose host a reach check found out of reach is kept out of new "
         "generations, from when the check's abort was written (rendezvous.decide.held_out): a link "
@@ -299,7 +309,11 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            zero_ok = f.name in ("coordinator_grace_s", "reach_check_s") and value == 0 and not isinstance(value, bool)
+            zero_ok = (
+                f.name in ("coordinator_grace_s", "reach_check_s", "unresponsive_s")
+                and value == 0
+                and not isinstance(value, bool)
+            )
             if not (zero_ok or _positive_finite(value)):
                 raise ConfigError(f"{f.name}: must be a positive, finite number of seconds, got {value!r}")
         if self.keepalive_s * 2 > self.lease_ttl_s:

@@ -38,6 +38,7 @@ from elasticd.errors import (
     RendezvousClosed,
     StateLost,
 )
+from elasticd.rendezvous.answer import Answerer
 from elasticd.rendezvous.coordinator import Coordinator, Seat
 from elasticd.rendezvous.decide import ActionKind, Me, member_action, should_resume, verdict_on
 from elasticd.rendezvous.deputy import deputy_starts_s, deputy_tier
@@ -81,8 +82,10 @@ class Membership:
         world: WorldConfig,
         timeouts: Timeouts,
         clock: Clock = time.monotonic,
+        answerer: Answerer | None = None,
     ) -> None:
         self._store = store
+        self._answerer = answerer  # answers reach checks on member.answer_port (started and closed here)
         self._keys = keys
         self.record = member
         self._world = world
@@ -158,6 +161,8 @@ class Membership:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+        if self._answerer is not None:
+            self._answerer.start()
 
     def close(self) -> None:
         """Leave the job now: revoke the lease so peers see this member gone at once."""
@@ -178,6 +183,8 @@ class Membership:
             log.warning("lease_revoke_failed", error=str(exc))
         for t in self._threads:
             t.join(timeout=self._timeouts.etcd_request_s * 2)
+        if self._answerer is not None:
+            self._answerer.close(self._timeouts.etcd_request_s * 2)
         self._state = MemberState.CLOSED
         log.info("membership_closed", member=self.member_id)
 

@@ -65,12 +65,14 @@ def to_probe(missing: Sequence[str], members: Mapping[str, MemberRecord], asked:
     return [members[m] for m in missing if m not in asked and m in members]
 
 
-def _numeric(host: str, port: int) -> tuple[socket.AddressFamily, tuple[object, ...]] | None:
+def numeric_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[object, ...]] | None:
+    """(family, socket address) of a numeric ``host`` and a ``port`` in 1..65535; None otherwise (a
+    name is never resolved here: a DNS outage must not hold a round)."""
     if not 0 < port < 65536:
         return None
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except (OSError, UnicodeError):  # a name (never resolved here: a DNS outage must not hold the round), or garbage
+    except (OSError, UnicodeError):  # a name, or garbage
         return None
     family, _, _, _, sockaddr = info[0]
     return family, sockaddr
@@ -132,7 +134,7 @@ class _Batch:
     def ask(self, batch: range, timeout_s: float) -> None:
         try:
             for i in batch:
-                addr = _numeric(*self._targets[i])
+                addr = numeric_address(*self._targets[i])
                 if addr is not None:
                     self._addrs[i] = addr
                     self._connect(i)

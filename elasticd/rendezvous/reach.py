@@ -28,6 +28,11 @@ likely the one cut off: it does nothing and the leases decide (``verdict``); so 
 of two whose prober cannot write the abort (it reaches no etcd either). A false alarm costs a
 regroup or two (the member comes to the next rendezvous, or rejoins), never a step.
 
+A host that accepts is asked once more, of the member's Python (``rendezvous.answer``): a process
+hung with every thread (a C call that holds the GIL) keeps its kernel's accept and, behind its
+agent's relay, its lease; one whose Python sends no byte within ``unresponsive_s`` is left out like
+one out of reach (``verdict``'s ``hung``).
+
 The training thread marks its waits (``ReachCheck.began``/``ended``); the ``Membership`` runs the
 thread. Never imports etcd3 or torch.
 """
@@ -43,6 +48,7 @@ import structlog
 
 from elasticd.config import Timeouts
 from elasticd.errors import ElasticdError
+from elasticd.rendezvous.answer import Response, responses
 from elasticd.rendezvous.probe import GONE, Answer, answers
 from elasticd.retry import Clock
 from elasticd.wire.records import MemberRecord
@@ -183,27 +189,35 @@ class Verdict:
     why: str
 
 
-def verdict(asked: Sequence[str], gone: Sequence[str], unreachable: int, still_waiting: bool) -> Verdict:
-    """Whether to abort the generation after asking the hosts of ``asked``: ``gone`` did not answer
-    or refused (``unreachable`` of them did not answer), and whether the collective still waits.
-    Pure.
+def _names(members: Sequence[str]) -> str:
+    return f"{list(members[:8])}{f' and {len(members) - 8} more' if len(members) > 8 else ''}"
 
-    Not when all answered, or the wait ended meanwhile; nor when more than half of several hosts
-    asked do not answer: a prober cut off itself sees every host silent, and a majority gone at once
-    is left to the leases."""
-    if not gone:
+
+def verdict(
+    asked: Sequence[str], gone: Sequence[str], unreachable: int, still_waiting: bool, hung: Sequence[str] = ()
+) -> Verdict:
+    """Whether to abort the generation after asking the hosts of ``asked``: ``gone`` did not answer
+    or refused (``unreachable`` of them did not answer), ``hung`` answered but their Python did not
+    (``rendezvous.answer``), and whether the collective still waits. Pure.
+
+    Not when all answered, or the wait ended meanwhile; nor when more than half of several members
+    asked are silent or hung: a prober cut off itself sees every host silent, and a majority gone
+    or hung at once (a stall of every host) is left to the leases and ``collective_s``."""
+    if not gone and not hung:
         return Verdict(False, "every host answered")
     if not still_waiting:
         return Verdict(False, "the collective finished meanwhile")
-    if len(asked) > 1 and 2 * unreachable > len(asked):
+    quiet = unreachable + len(hung)
+    if len(asked) > 1 and 2 * quiet > len(asked):
         return Verdict(
-            False, f"{unreachable} of {len(asked)} hosts do not answer: this one is likely cut off; the leases decide"
+            False, f"{quiet} of {len(asked)} members do not answer: this one is likely cut off; the leases decide"
         )
-    return Verdict(
-        True,
-        f"members out of reach: {list(gone[:8])}{f' and {len(gone) - 8} more' if len(gone) > 8 else ''} "
-        f"(their hosts do not answer or their processes are gone)",
-    )
+    why = []
+    if gone:
+        why.append(f"members out of reach: {_names(gone)} (their hosts do not answer or their processes are gone)")
+    if hung:
+        why.append(f"members unresponsive: {_names(hung)} (their hosts answer, their Python does not: hung)")
+    return Verdict(True, "; ".join(why))
 
 
 class ReachCheck:
@@ -305,17 +319,21 @@ class ReachCheck:
         gone = out_of_reach(ids, first)
         silent = tuple(m for m, a in zip(ids, first, strict=True) if a is Answer.UNREACHABLE)
         unreachable = len(silent)
-        if verdict(ids, gone, unreachable, True).abort:
+        hung: list[str] = []
+        if not verdict(ids, gone, unreachable, True).abort and self._still_waiting(waiting):
+            hung = self._hung(records, first)
+        if verdict(ids, gone, unreachable, True, hung).abort:
             # noted before the abort is written: the members learn the abort at once, and this
             # member's rendezvous (its coordinator, or its deputy rounds) must know them gone by then
             # (also when another prober's abort ended the wait first)
-            self.out_of_reach = (g, frozenset(gone))
-        v = verdict(ids, gone, unreachable, self._still_waiting(waiting))
+            self.out_of_reach = (g, frozenset(gone) | frozenset(hung))
+        v = verdict(ids, gone, unreachable, self._still_waiting(waiting), hung)
         log.info(
             "reach_checked",
             generation=g,
             asked=len(ids),
             out_of_reach=gone[:8],
+            unresponsive=hung[:8],
             abort=v.abort,
             why=v.why,
             waited_s=round(started - waiting.since, 3),
@@ -324,5 +342,15 @@ class ReachCheck:
         if not v.abort:
             return v
         written = self._abort_now(g, v.why, silent)
-        log.warning("members_out_of_reach", generation=g, gone=gone[:8], aborted=written is True)
+        log.warning("members_out_of_reach", generation=g, gone=gone[:8], hung=hung[:8], aborted=written is True)
         return v
+
+    def _hung(self, records: Sequence[MemberRecord], first: Sequence[Answer]) -> list[str]:
+        """The members whose host accepted but whose Python sent no byte within ``unresponsive_s``
+        (``rendezvous.answer``); none asked when that is 0 or a member has no answer port."""
+        bound = self._timeouts.unresponsive_s
+        ask = [r for r, a in zip(records, first, strict=True) if a is Answer.ACCEPTED and r.answer_port > 0]
+        if bound <= 0 or not ask:
+            return []
+        got = responses([(r.host, r.answer_port) for r in ask], bound)
+        return [r.member_id for r, x in zip(ask, got, strict=True) if x is Response.SILENT]

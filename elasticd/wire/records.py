@@ -34,6 +34,9 @@ class MemberRecord:
     replica: str = ""
     shard: int = 0
     replica_size: int = 1
+    # The port a Python thread of this member answers on (``rendezvous.answer``); 0: none (a reader
+    # that knows no such field, or a member that does not answer).
+    answer_port: int = 0
 
 
 @dataclass(frozen=True)

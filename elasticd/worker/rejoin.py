@@ -22,6 +22,7 @@ import structlog
 from elasticd.config import Timeouts, WorkerEnv
 from elasticd.errors import CheckpointTransferError, CollectiveError, ReplicaBroken
 from elasticd.log import set_moment
+from elasticd.rendezvous.answer import Answerer
 from elasticd.rendezvous.member import Joined, new_member_id
 from elasticd.rendezvous.membership import Membership
 from elasticd.relay.store import RelayedStore
@@ -78,6 +79,7 @@ def connect(
         store = RelayedStore(store, keys, env.relay_socket, env.timeouts, env.retry)
     server = StoreServer(env.advertise_addr, env.timeouts)
     factory = GroupFactory(server, env.advertise_addr, env.backend, env.local_rank, env.timeouts)
+    answerer = Answerer(env.advertise_addr) if env.timeouts.unresponsive_s > 0 else None
     record = MemberRecord(
         member_id=new_member_id(env.node_id, env.local_rank),
         node=env.node_id,
@@ -91,8 +93,9 @@ def connect(
         replica=env.replica if env.replica_size > 1 else "",
         shard=env.shard,
         replica_size=env.replica_size,
+        answer_port=answerer.port if answerer is not None else 0,
     )
-    membership = Membership(store, keys, record, env.world, env.timeouts)
+    membership = Membership(store, keys, record, env.world, env.timeouts, answerer=answerer)
     set_moment(node=env.node_id, member=record.member_id)
     membership.start()
     return store, factory, membership

@@ -9,11 +9,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
 from elasticd.config import Timeouts
 from elasticd.errors import EtcdUnavailable
+from elasticd.rendezvous.answer import Answerer
 from elasticd.rendezvous.probe import Answer
 from elasticd.rendezvous.reach import (
     Checked,
@@ -216,6 +218,26 @@ def test_verdict(asked: list[str], gone: list[str], unreachable: int, waiting: b
         assert all(m in v.why for m in gone)
 
 
+@pytest.mark.parametrize(
+    ("asked", "gone", "unreachable", "hung", "waiting", "abort"),
+    [
+        (["b", "c", "d"], [], 0, ["c"], True, True),  # one process hung: its host answers, its Python not
+        (["b"], [], 0, ["b"], True, True),  # a generation of two
+        (["b", "c", "d"], [], 0, ["c"], False, False),  # the all_reduce finished meanwhile (it was slow)
+        (["b", "c", "d"], [], 0, ["b", "c"], True, False),  # most hung at once: a stall of every host
+        (["b", "c", "d"], ["b"], 1, ["c"], True, False),  # one silent and one hung: most do not answer
+        (["b", "c", "d", "e"], ["b"], 0, ["c"], True, True),  # one gone (refused), one hung
+    ],
+)
+def test_verdict_on_hung_members(
+    asked: list[str], gone: list[str], unreachable: int, hung: list[str], waiting: bool, abort: bool
+) -> None:
+    v = verdict(asked, gone, unreachable, waiting, hung)
+    assert v.abort is abort
+    if abort:
+        assert all(m in v.why for m in [*gone, *hung]) and "unresponsive" in v.why
+
+
 # -- the executor, against real sockets on loopback ----------------------------------------------
 
 
@@ -374,3 +396,34 @@ def test_reach_check_min_s_is_at_most_reach_check_s() -> None:
     Timeouts(reach_check_s=0.0, reach_check_min_s=0.1)  # the check off: the floor says nothing
     with pytest.raises(ConfigError, match="reach_check_min_s"):
         Timeouts(reach_check_s=0.5, reach_check_min_s=0.6)
+
+
+def test_a_member_whose_host_accepts_but_whose_python_is_silent_is_left_out_as_hung() -> None:
+    live = Answerer("127.0.0.1")
+    live.start()
+    mute = socket.socket()  # its kernel accepts; its Python sends nothing (a process hung holding the GIL)
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(4)
+    try:
+        with _hosts("live", "live") as ports:
+            job = _Job({"a": 1, **ports})
+            hung, ok = list(ports)
+            job.members[hung] = replace(job.members[hung], answer_port=mute.getsockname()[1])
+            job.members[ok] = replace(job.members[ok], answer_port=live.port)
+            rc = job.check(unresponsive_s=0.3)
+            started = time.monotonic()
+            v = rc.check(_waiting(rc, job))
+            assert v.abort and hung in v.why and ok not in v.why and "unresponsive" in v.why
+            assert 0.3 <= time.monotonic() - started < 2.0
+            assert rc.out_of_reach == (7, frozenset({hung}))  # left out by this member's rounds at once
+            assert job.silent == [()]  # not held out as a host out of reach (reach_hold_s)
+
+            job.aborts.clear()
+            for off in (job.check(unresponsive_s=0.0), job.check(unresponsive_s=0.3)):
+                if off._timeouts.unresponsive_s > 0:
+                    job.members[hung] = replace(job.members[hung], answer_port=live.port)  # it answers now
+                assert not off.check(_waiting(off, job)).abort  # not asked (0), or every member answered
+            assert job.aborts == []
+    finally:
+        live.close(2.0)
+        mute.close()

@@ -94,6 +94,7 @@ FULL_ENV = {
     "ELASTICD_REACH_CHECK_S": "0.9",
     "ELASTICD_REACH_CHECK_MIN_S": "0.15",
     "ELASTICD_REACH_HOLD_S": "4.5",
+    "ELASTICD_UNRESPONSIVE_S": "2.5",
     "ELASTICD_RELAY_STALE_S": "1.7",
     "ELASTICD_CHECKPOINT_DIR": "/data/ckpt",
     "ELASTICD_CHECKPOINT_EVERY_STEPS": "50",
@@ -136,6 +137,7 @@ def test_from_environ_parses_every_variable() -> None:
         reach_check_s=0.9,
         reach_check_min_s=0.15,
         reach_hold_s=4.5,
+        unresponsive_s=2.5,
         deputy_step_s=0.8,
     )
     assert env.retry == RetryPolicy(
