@@ -10,6 +10,12 @@ sessions of their own) on a real local etcd, and injects three faults in turn:
 * ``stop_detect_s``: once that worker is back (its agent restarted it and it rejoined), SIGSTOP of
   it -> the next generation published (its agent sees it stopped and revokes its lease, or ends its
   member lease of the relay, after ``stopped_worker_s``); it is continued and rejoins;
+* ``hang_detect_s``: once that worker is back, SIGUSR1 of it (``agents/mlp.py --hang-on-sigusr1``:
+  it hangs with every thread, a C call that keeps the GIL) -> the next generation published. With
+  the relay off its own etcd lease ends after the TTL (its renewing thread cannot run); with the
+  relay on its process and socket live on, and the survivors' reach check finds its Python silent
+  for ``unresponsive_s`` (``rendezvous.answer``). Its agent then ends it as hung (``hang_timeout_s``
+  ``HANG_TIMEOUT_S``) and restarts it;
 * ``drain_s``: once that worker is back (its agent restarted it and it rejoined), SIGTERM of another
   node's agent -> the job's first commit at the smaller world size (audit ``commit`` lines' ``t``).
   Reported next to ``drain_step_time_s``, the median step time before the drain, because the target
@@ -55,8 +61,11 @@ from elasticd.bench.spares import render_spares, run_spare_reps
 from elasticd.errors import ElasticdError
 from elasticd.testing.etcd import EtcdServer
 
+HANG_TIMEOUT_S = 3.0  # the agents' --hang-timeout-s: the hung worker is ended and restarted soon after
+
 AGENT_TARGETS = {
     "crash_detect_s": "<= 0.2 s",
+    "hang_detect_s": "<= lease TTL + 1 s",
     "node_loss_recovery_s": "<= lease TTL + 1 s",
     "drain_s": "<= 2 step times + 1 s",
     "steps_lost": "0",
@@ -68,6 +77,7 @@ class AgentRep:
     relay: bool = False
     crash_detect_s: float | None = None
     stop_detect_s: float | None = None
+    hang_detect_s: float | None = None
     drain_s: float | None = None
     drain_step_time_s: float | None = None
     node_loss_recovery_s: float | None = None
@@ -79,13 +89,14 @@ class AgentRep:
 def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettings) -> AgentRep:
     out = AgentRep(relay=s.relay_on)
     name = f"rep{rep}{'-relay' if s.relay_on else ''}"
-    job = AgentJob(etcd, workdir / name, f"agentbench{rep}{'r' if s.relay_on else ''}x{int(time.time())}", s)
+    job_id = f"agentbench{rep}{'r' if s.relay_on else ''}x{int(time.time())}"
+    job = AgentJob(etcd, workdir / name, job_id, s, workload=("--hang-on-sigusr1",))
     nodes = [f"node-{i}" for i in range(s.nodes)]
     victim, drained, lost = nodes[-1], nodes[-2], nodes[0]
     try:
         job.watch.start()
         for node in nodes:
-            job.start(node)
+            job.start(node, "--hang-timeout-s", str(HANG_TIMEOUT_S))
         job.wait_for(lambda: len(steps_at(job.commits, s.nodes)) >= SETTLE_STEPS, f"{s.nodes} workers to train")
 
         # 1. a worker crashes under its agent
@@ -102,6 +113,7 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
             "the restarted worker to rejoin and train",
         )
         out.stop_detect_s = _stop_detect(job, victim, s)
+        out.hang_detect_s = _hang_detect(job, victim, s)
 
         # 2. a node is drained (SIGTERM to its agent)
         out.drain_step_time_s = step_time(job.commits, s.nodes)
@@ -152,7 +164,24 @@ def _stop_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
     return published[1] - stopped_t
 
 
-DETECTION = ("crash_detect_s", "stop_detect_s", "node_loss_recovery_s", "drain_s")
+def _hang_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
+    """SIGUSR1 ``node``'s worker (it hangs holding the GIL) -> the next generation published; its
+    agent ends it as hung and restarts it, and it rejoins."""
+    gen = job.generation()
+    pid = job.worker_pid(node)
+    hung_t = time.time()
+    os.kill(pid, signal.SIGUSR1)
+    job.wait_for(lambda: job.watch.first_after(gen) is not None, "the generation after the hang")
+    published = job.watch.first_after(gen)
+    assert published is not None
+    job.wait_for(
+        lambda: len(steps_at(job.commits_since(hung_t), s.nodes)) >= SETTLE_STEPS,
+        "the hung worker's restart to rejoin and train",
+    )
+    return published[1] - hung_t
+
+
+DETECTION = ("crash_detect_s", "stop_detect_s", "hang_detect_s", "node_loss_recovery_s", "drain_s")
 
 
 def _figures(reps: list[AgentRep]) -> dict[str, float | int | None]:
@@ -179,7 +208,8 @@ def run_agent_bench(s: AgentBenchSettings, workdir: Path, progress: Callable[[st
                 r = run_agent_rep(etcd, workdir, i, replace(s, relay_on=relay))
                 progress(
                     f"rep {i + 1}/{s.reps}{' (relay)' if relay else ''}: crash_detect {fmt(r.crash_detect_s)} s, "
-                    f"stop_detect {fmt(r.stop_detect_s)} s, drain {fmt(r.drain_s)} s "
+                    f"stop_detect {fmt(r.stop_detect_s)} s, hang_detect {fmt(r.hang_detect_s)} s, "
+                    f"drain {fmt(r.drain_s)} s "
                     f"(step {fmt(r.drain_step_time_s, 4)} s), node_loss {fmt(r.node_loss_recovery_s)} s, "
                     f"steps_lost {r.steps_lost}" + (f", ERROR {r.error}" if r.error else "")
                 )
@@ -219,6 +249,7 @@ def render_agent(result: Mapping[str, object]) -> str:
     rows = [
         ("crash_detect_s", "SIGKILL of a worker -> next generation published", "<= 0.2"),
         ("stop_detect_s", "SIGSTOP of a worker -> next generation published", f"<= {ttl:g}"),
+        ("hang_detect_s", "a worker hung holding the GIL -> next generation published", f"<= {ttl + 1:g}"),
         ("node_loss_recovery_s", "SIGKILL of an agent + its worker -> survivors' next commit", f"<= {ttl + 1:g}"),
         (
             "drain_s",

@@ -18,7 +18,7 @@ from elasticd.testing.localcluster import REPO_ROOT
 
 @pytest.mark.soak  # a benchmark run (~25 s): `pytest -m soak tests/integration/test_bench_agent.py`; what it
 @pytest.mark.timeout(180)  # measures is in the default suite (test_node_agent.py, test_agent_faults.py)
-def test_bench_agent_measures_crash_stop_drain_and_node_loss_both_ways_with_no_step_lost(tmp_path: Path) -> None:
+def test_bench_agent_measures_crash_stop_hang_drain_and_node_loss_both_ways_with_no_step_lost(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -46,15 +46,23 @@ def test_bench_agent_measures_crash_stop_drain_and_node_loss_both_ways_with_no_s
     assert result["errors"] == [] and result["violations"] == [], result
     assert fig["steps_lost"] == 0 and fig["steps_lost_relay"] == 0
     for mode in ("", "_relay"):
-        for name in ("crash_detect_s", "stop_detect_s", "node_loss_recovery_s", "drain_s", "drain_step_time_s"):
+        for name in (
+            "crash_detect_s",
+            "stop_detect_s",
+            "hang_detect_s",
+            "node_loss_recovery_s",
+            "drain_s",
+            "drain_step_time_s",
+        ):
             assert isinstance(fig[name + mode], float) and fig[name + mode] > 0, (name + mode, fig)
     assert isinstance(fig["stop_detect_s_relay_ratio"], float)
-    # each fault happened: the drained agent exited 0 and the restarted worker started twice (the
-    # stopped one was continued, not restarted)
+    # each fault happened: the drained agent exited 0 and the victim's worker started three times
+    # (restarted after the crash and after its hang; the stopped one was continued, not restarted)
     for rep in ("rep0", "rep0-relay"):
         agent_logs = {p.name: p.read_text() for p in (tmp_path / rep).glob("agent-*.log")}
         assert '"reason": "drained"' in agent_logs["agent-node-1.log"]
-        assert agent_logs["agent-node-2.log"].count('"event": "worker_started"') == 2
+        assert agent_logs["agent-node-2.log"].count('"event": "worker_started"') == 3
+        assert agent_logs["agent-node-2.log"].count('"event": "worker_hung"') == 1
         assert ('"event": "relay_started"' in agent_logs["agent-node-2.log"]) == (rep == "rep0-relay")
 
 
