@@ -12,7 +12,7 @@ network namespace on a bridge of a private /24 that the run creates (and deletes
 a host's link can be taken down (``link_down``) or flap (``link_flap``); as root where a tmpfs can
 be mounted, the agents save checkpoints on a filesystem of the run's own, which
 ``checkpoint_readonly`` and ``checkpoint_full`` turn read-only or fill for a while; ``nan_grads``
-makes one worker's gradients NaN for two steps. Then it lets the job finish and checks, from the
+makes one worker's gradients NaN for two steps; ``worker_hang`` hangs one worker holding the GIL. Then it lets the job finish and checks, from the
 audit files, the agents' logs and ``elasticctl status`` samples only:
 
 - every committed step 1..N was committed exactly once across all generations (a step committed in

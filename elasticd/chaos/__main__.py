@@ -77,6 +77,7 @@ from elasticd.chaos.schedule import (
     LINK_FLAP_CYCLES,
     LINK_FLAP_DOWN_S,
     LINK_FLAP_UP_S,
+    HANG_TIMEOUT_S,
     NAN_GRAD_STEPS,
     STEP_OVERHEAD_S,
     STRAGGLER_DUTY_S,
@@ -92,6 +93,7 @@ from elasticd.chaos.schedule import (
     make_settings,
     mix_weights,
     next_delay,
+    no_hang,
     no_poison,
     parse_args,
     relayed,
@@ -291,6 +293,7 @@ class ChaosRun:
         device = ("--device", self.s.device, *(["--fp16"] if self.s.fp16 else []))
         faulty = (
             *(("--nan-steps-on-sigusr2", str(NAN_GRAD_STEPS)) if self.s.nan_poison else ()),
+            *(("--hang-on-sigusr1",) if self.s.hang_fault else ()),
             *(("--raise-at-step", str(self.s.raise_at_step)) if self.s.raise_at_step else ()),
         )
         return python_program("agents/mlp.py", *common, "--global-batch", str(GLOBAL_BATCH), *audit, *device, *faulty)
@@ -303,6 +306,8 @@ class ChaosRun:
         # a worker killed again and again is restarted again, and its node never cordoned for it: the
         # crashes are the run's own
         flags = ["--max-restarts", "1000", "--cordon-crashes", "0"]
+        if self.s.hang_fault:  # a hung worker is ended (and restarted) within the run
+            flags += ["--hang-timeout-s", f"{HANG_TIMEOUT_S:g}"]
         if self.s.replica_size > 1:
             k = str(self.s.replica_size)
             flags += ["--nproc-per-node", k, "--replica-size", k, "--audit-dir", str(self.audit_root)]
@@ -417,7 +422,13 @@ class ChaosRun:
             return
         # a fault hits one worker; one alone is no draw (a data-parallel run's schedule stays the seed's)
         pid = self.rng.choice(pids) if len(pids) > 1 else pids[0] if pids else 0
-        if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_ABORT, FaultKind.STRAGGLER, FaultKind.NAN_GRADS):
+        if kind in (
+            FaultKind.WORKER_KILL,
+            FaultKind.WORKER_ABORT,
+            FaultKind.STRAGGLER,
+            FaultKind.NAN_GRADS,
+            FaultKind.WORKER_HANG,
+        ):
             assert node is not None
             self.signal_worker(kind, node, pid, now)
         elif kind is FaultKind.NODE_LOSS:
@@ -600,8 +611,14 @@ class ChaosRun:
         self.say(f"checkpoint filesystem restored after {fault.kind}; complete checkpoints {list(after)}")
 
     def signal_worker(self, kind: FaultKind, node: Node, pid: int, now: float) -> None:
-        """worker_kill (SIGKILL), worker_abort (SIGABRT), straggler (a SIGSTOP/SIGCONT duty cycle) or
-        nan_grads (SIGUSR2: the workload's poison)."""
+        """worker_kill (SIGKILL), worker_abort (SIGABRT), straggler (a SIGSTOP/SIGCONT duty cycle),
+        nan_grads (SIGUSR2: the workload's poison) or worker_hang (SIGUSR1: the workload's hang)."""
+        if kind is FaultKind.WORKER_HANG:
+            signal_pid(pid, signal.SIGUSR1)
+            # its agent ends it after hang_timeout_s, and it restarts (imports) and rejoins
+            node.busy_until = now + 2 * HANG_TIMEOUT_S + 8.0
+            self.record(kind, node.name, f"worker pid {pid} hung holding the GIL")
+            return
         if kind is FaultKind.STRAGGLER:
             node.busy_until = now + STRAGGLER_FAULT_S + 1.0
             stop = time.monotonic() + STRAGGLER_FAULT_S
@@ -1117,7 +1134,11 @@ def place_here(args: argparse.Namespace, netns: bool, no_netns: str) -> Place:
     """What this run has for the kinds that need more than agents and etcd (probes a mount as root)."""
     no_mount = no_mount_here() if args.scenario == "faults" else "--scenario bug"
     return Place(
-        args.etcd_members, "" if netns else no_netns, no_mount, no_poison(args.form, args.fp16, args.replica_size)
+        args.etcd_members,
+        "" if netns else no_netns,
+        no_mount,
+        no_poison(args.form, args.fp16, args.replica_size),
+        no_hang(args.form, args.replica_size),
     )
 
 

@@ -108,6 +108,7 @@ MEMBER_REMOVING = frozenset(
         FaultKind.WORKER_KILL,
         FaultKind.NODE_LOSS,
         FaultKind.WORKER_STOP,
+        FaultKind.WORKER_HANG,
         FaultKind.DRAIN,
         FaultKind.AGENT_SIGTERM,
         FaultKind.LINK_DOWN,

@@ -54,6 +54,7 @@ class FaultKind(StrEnum):
     LINK_FLAP = "link_flap"
     CHECKPOINT_READONLY = "checkpoint_readonly"
     CHECKPOINT_FULL = "checkpoint_full"
+    WORKER_HANG = "worker_hang"
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class KindSpec:
     netns: bool = False  # needs every node on a network-namespace host (--netns)
     mount: bool = False  # acts on the checkpoint filesystem the run mounts (root, and mount works)
     poison: bool = False  # needs the workload's NaN poison (agents/mlp.py without a GradScaler)
+    hang: bool = False  # needs the workload's hang (agents/mlp.py --hang-on-sigusr1)
 
 
 # How long a straggler fault slows its worker, and the duty cycle that slows it: stopped this long,
@@ -91,6 +93,8 @@ LINK_FLAP_UP_S = 0.7
 # long, then is restored; the agents save every CHECKPOINT_EVERY_STEPS steps, so a few saves fail.
 CHECKPOINT_FAULT_S = 5.0
 CHECKPOINT_EVERY_STEPS = 20
+# worker_hang: the agents end a worker hung this long while the job moved on (their hang_timeout_s)
+HANG_TIMEOUT_S = 6.0
 
 KINDS: Mapping[FaultKind, KindSpec] = {
     FaultKind.WORKER_KILL: KindSpec("SIGKILL one worker; its agent restarts it", removes=True, on_node=True),
@@ -171,6 +175,14 @@ KINDS: Mapping[FaultKind, KindSpec] = {
         "meanwhile fail (ENOSPC), training goes on, the saves after succeed",
         mount=True,
     ),
+    FaultKind.WORKER_HANG: KindSpec(
+        "SIGUSR1 one worker: it hangs with every thread (agents/mlp.py --hang-on-sigusr1: a C call "
+        "that keeps the GIL); the others leave it out (its lease, or the reach check behind the "
+        f"relay), its agent ends it as hung (hang_timeout_s {HANG_TIMEOUT_S:g}) and restarts it",
+        removes=True,
+        on_node=True,
+        hang=True,
+    ),
 }
 
 
@@ -182,7 +194,7 @@ KIND_NAMES = frozenset(k.value for k in FaultKind)
 # 13.4 % (a worker crash; a bug at the same step on every rank is its own scenario, which ends the
 # job), host and maintenance 11 % (a node lost, drained or stopped for maintenance), network
 # 10.1 % (a link down, or one that flaps: split alike), NCCL watchdog hangs 1.7 % (a worker stopped,
-# then found hung), silent data corruption 1.4 % (a bad node: a slow one, a straggler here, and one
+# or one hung holding the GIL: split alike), silent data corruption 1.4 % (a bad node: a slow one, a straggler here, and one
 # whose gradients turn NaN, split alike). Host and maintenance keep 1 % of their 11 % for the
 # checkpoint storage turning read-only or full (0.5 % each). The etcd faults are the control plane's,
 # absent from that table; they keep a small weight so that every run meets them.
@@ -197,7 +209,8 @@ PRODUCTION_MIX: Mapping[FaultKind, float] = {
     FaultKind.CHECKPOINT_FULL: 0.5,
     FaultKind.LINK_DOWN: 5.05,
     FaultKind.LINK_FLAP: 5.05,
-    FaultKind.WORKER_STOP: 1.7,
+    FaultKind.WORKER_STOP: 0.85,
+    FaultKind.WORKER_HANG: 0.85,
     FaultKind.STRAGGLER: 0.7,
     FaultKind.NAN_GRADS: 0.7,
     FaultKind.NODE_JOIN: 2.0,
@@ -227,6 +240,7 @@ class Place:
     no_netns: str = "--no-netns"
     no_mount: str = ""
     no_poison: str = ""
+    no_hang: str = ""
 
     def missing(self, kind: FaultKind) -> str:
         """Why ``kind`` cannot be injected here ("" when it can)."""
@@ -239,6 +253,8 @@ class Place:
             return f"needs a checkpoint filesystem of the run's own: {self.no_mount}"
         if spec.poison and self.no_poison:
             return f"needs the workload's NaN poison: {self.no_poison}"
+        if spec.hang and self.no_hang:
+            return f"needs the workload's hang: {self.no_hang}"
         return ""
 
 
@@ -441,6 +457,11 @@ class Settings:
         """Whether the workers take SIGUSR2 as nan_grads' poison (else it keeps its default action)."""
         return FaultKind.NAN_GRADS in self.kinds
 
+    @property
+    def hang_fault(self) -> bool:
+        """Whether the workers take SIGUSR1 as worker_hang's hang (else it keeps its default action)."""
+        return FaultKind.WORKER_HANG in self.kinds
+
 
 RELAY_CHOICES = ("off", "on", "mixed")
 
@@ -618,6 +639,15 @@ def no_poison(form: str, fp16: bool, replica_size: int = 1) -> str:
         return "--form dropin (agents/mlp_dropin.py has none)"
     if fp16:
         return "--fp16 (the GradScaler skips non-finite steps itself)"
+    return ""
+
+
+def no_hang(form: str, replica_size: int = 1) -> str:
+    """Why the workload cannot hang on worker_hang's signal ("" when it can)."""
+    if replica_size > 1:
+        return f"--replica-size {replica_size} (agents/mlp_sharded.py has none)"
+    if form != "short":
+        return "--form dropin (agents/mlp_dropin.py has none)"
     return ""
 
 

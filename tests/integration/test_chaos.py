@@ -153,7 +153,7 @@ def test_a_sharded_run_keeps_every_invariant(tmp_path: Path) -> None:
     """``--replica-size 2``: each node a replica of two FSDP2 workers, every kind possible for it
     (no ``nan_grads``) injected, sharded checkpoints under the checkpoint faults where root can mount."""
     netns = not _why_not_netns()
-    place = Place(3, "" if netns else "--no-netns", no_mount_here(), "--replica-size 2")
+    place = Place(3, "" if netns else "--no-netns", no_mount_here(), "--replica-size 2", "--replica-size 2")
     code, report, err = _run_chaos(
         tmp_path / "sharded",
         560,

@@ -75,6 +75,7 @@ from elasticd.chaos.schedule import (
     kinds_possible,
     link_down_s_default,
     next_delay,
+    no_hang,
     no_poison,
     parse_faults,
     relayed,
@@ -1256,6 +1257,9 @@ def test_parse_marks_reads_the_workers_lines_of_an_agent_log() -> None:
             "needs the workload's NaN poison: --form dropin",
         ),
         (FaultKind.NAN_GRADS, Place(1, no_poison=no_poison("short", True)), "GradScaler"),
+        (FaultKind.WORKER_HANG, Place(1, no_poison=no_poison("short", True)), ""),  # a hang under fp16 too
+        (FaultKind.WORKER_HANG, Place(1, no_hang=no_hang("dropin")), "needs the workload's hang: --form dropin"),
+        (FaultKind.WORKER_HANG, Place(1, no_hang=no_hang("short", 2)), "agents/mlp_sharded.py has none"),
         (FaultKind.LINK_FLAP, Place(1, no_netns=""), ""),
         (FaultKind.LINK_FLAP, Place(1, no_netns="not root"), "needs network-namespace hosts: not root"),
         (
