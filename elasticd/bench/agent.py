@@ -99,21 +99,10 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
             job.start(node, "--hang-timeout-s", str(HANG_TIMEOUT_S))
         job.wait_for(lambda: len(steps_at(job.commits, s.nodes)) >= SETTLE_STEPS, f"{s.nodes} workers to train")
 
-        # 1. a worker crashes under its agent
-        gen = job.generation()
-        pid = job.worker_pid(victim)
-        killed_t = time.time()
-        os.kill(pid, signal.SIGKILL)
-        job.wait_for(lambda: job.watch.first_after(gen) is not None, "the generation after the crash")
-        published = job.watch.first_after(gen)
-        assert published is not None
-        out.crash_detect_s = published[1] - killed_t
-        job.wait_for(
-            lambda: len(steps_at(job.commits_since(killed_t), s.nodes)) >= SETTLE_STEPS,
-            "the restarted worker to rejoin and train",
-        )
-        out.stop_detect_s = _stop_detect(job, victim, s)
-        out.hang_detect_s = _hang_detect(job, victim, s)
+        # 1. a worker crashes, stops, hangs under its agent
+        out.crash_detect_s = _detect(job, victim, s, signal.SIGKILL, "crash", "the restarted worker")
+        out.stop_detect_s = _detect(job, victim, s, signal.SIGSTOP, "stop", "the continued worker", signal.SIGCONT)
+        out.hang_detect_s = _detect(job, victim, s, signal.SIGUSR1, "hang", "the hung worker's restart")
 
         # 2. a node is drained (SIGTERM to its agent)
         out.drain_step_time_s = step_time(job.commits, s.nodes)
@@ -145,40 +134,26 @@ def run_agent_rep(etcd: EtcdServer, workdir: Path, rep: int, s: AgentBenchSettin
     return out
 
 
-def _stop_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
-    """SIGSTOP ``node``'s worker -> the next generation published; then SIGCONT, and it rejoins."""
+def _detect(
+    job: AgentJob, node: str, s: AgentBenchSettings, fault: int, what: str, back: str, resume: int | None = None
+) -> float:
+    """Signal ``fault`` to ``node``'s worker -> the next generation published (seconds); ``resume``
+    (if any) is signalled once it is out. Then waits until ``back`` rejoined and the job trained at
+    its full size again: SIGKILL (its agent restarts it), SIGSTOP and SIGCONT (it rejoins), SIGUSR1
+    (``--hang-on-sigusr1``: it hangs holding the GIL; its agent ends it as hung and restarts it)."""
     gen = job.generation()
     pid = job.worker_pid(node)
-    stopped_t = time.time()
-    os.kill(pid, signal.SIGSTOP)
+    t = time.time()
+    os.kill(pid, fault)
     try:
-        job.wait_for(lambda: job.watch.first_after(gen) is not None, "the generation after the stop")
+        job.wait_for(lambda: job.watch.first_after(gen) is not None, f"the generation after the {what}")
     finally:
-        os.kill(pid, signal.SIGCONT)
+        if resume is not None:
+            os.kill(pid, resume)
     published = job.watch.first_after(gen)
     assert published is not None
-    job.wait_for(
-        lambda: len(steps_at(job.commits_since(stopped_t), s.nodes)) >= SETTLE_STEPS,
-        "the continued worker to rejoin and train",
-    )
-    return published[1] - stopped_t
-
-
-def _hang_detect(job: AgentJob, node: str, s: AgentBenchSettings) -> float:
-    """SIGUSR1 ``node``'s worker (it hangs holding the GIL) -> the next generation published; its
-    agent ends it as hung and restarts it, and it rejoins."""
-    gen = job.generation()
-    pid = job.worker_pid(node)
-    hung_t = time.time()
-    os.kill(pid, signal.SIGUSR1)
-    job.wait_for(lambda: job.watch.first_after(gen) is not None, "the generation after the hang")
-    published = job.watch.first_after(gen)
-    assert published is not None
-    job.wait_for(
-        lambda: len(steps_at(job.commits_since(hung_t), s.nodes)) >= SETTLE_STEPS,
-        "the hung worker's restart to rejoin and train",
-    )
-    return published[1] - hung_t
+    job.wait_for(lambda: len(steps_at(job.commits_since(t), s.nodes)) >= SETTLE_STEPS, f"{back} to rejoin and train")
+    return published[1] - t
 
 
 DETECTION = ("crash_detect_s", "stop_detect_s", "hang_detect_s", "node_loss_recovery_s", "drain_s")
