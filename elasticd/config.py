@@ -190,8 +190,8 @@ class Timeouts:
         0.25,
     )
     reach_check_s: float = _seconds(
-        "A member whose collective has waited this long, while it is the coordinator or rank 0 or 1 "
-        "of its generation, asks the hosts of every member of the generation whether they still "
+        "A member whose collective has waited this long, while it is the coordinator or rank 0, 1 or "
+        "2 of its generation, asks the hosts of every member of the generation whether they still "
         "answer (rendezvous.reach; again at doubling intervals while the wait lasts): a member whose "
         "host is out of reach or whose process is gone gets the generation aborted at once, instead "
         "of holding it until its lease expires (a host lost with its power or its link). 0: off "

@@ -20,7 +20,7 @@ times the longest of its last ``RECENT_WAITS`` waits, never before ``reach_check
 after 0.5 s; at four times its longest recent wait the survivors ask after ~0.1 s. A job whose
 stragglers make the all_reduce wait is asked about as late as before, so it probes no more often.
 
-Only the coordinator and ranks 0 and 1 of the generation ask (``is_prober``): up to three probers
+Only the coordinator and ranks 0, 1 and 2 of the generation ask (``is_prober``): up to four probers
 of N hosts, at ``reach_check_s`` into a wait and then after doubling intervals (``check_due``), so
 the cost is O(N) connects per stuck wait for the whole job, O(1) per member, and nothing while the
 all_reduce's waits stay within ``reach_check_s``. A prober that finds most hosts silent is more
@@ -31,7 +31,8 @@ regroup or two (the member comes to the next rendezvous, or rejoins), never a st
 A host that accepts is asked once more, of the member's Python (``rendezvous.answer``): a process
 hung with every thread (a C call that holds the GIL) keeps its kernel's accept and, behind its
 agent's relay, its lease; one whose Python sends no byte within ``unresponsive_s`` is left out like
-one out of reach (``verdict``'s ``hung``).
+one out of reach (``verdict``'s ``hung``), and named in the abort like one: every coordinator
+and deputy holds it out for ``reach_hold_s``.
 
 The training thread marks its waits (``ReachCheck.began``/``ended``); the ``Membership`` runs the
 thread. Never imports etcd3 or torch.
@@ -59,6 +60,7 @@ log = structlog.get_logger(__name__)
 REACH_IDLE_S = 5.0  # the reach thread's sleep with no wait in progress, at most (a wait that begins wakes it)
 RECENT_WAITS = 32  # the waits for the sum that set when a reach check asks (reach_after_s)
 REACH_WAIT_FACTOR = 4.0  # ... it asks at this many times the longest of them (within its settings)
+PROBER_RANKS = 3  # ranks 0, 1 and 2 ask, and the coordinator (is_prober)
 
 
 @dataclass(frozen=True)
@@ -171,9 +173,10 @@ def next_checked(waiting: Waiting, last: Checked | None, now: float) -> Checked:
 
 
 def is_prober(rank: int, coordinator: bool) -> bool:
-    """Whether this member asks: the coordinator, and ranks 0 and 1 (a deputy tier: they cover a
-    coordinator that is itself the host gone). Pure."""
-    return coordinator or rank in (0, 1)
+    """Whether this member asks: the coordinator, and ranks 0 to ``PROBER_RANKS`` - 1 (a deputy
+    tier: they cover a coordinator that is itself the member gone or hung, and a second prober cut
+    off while the first is that member). Pure."""
+    return coordinator or 0 <= rank < PROBER_RANKS
 
 
 def out_of_reach(members: Sequence[str], answers: Sequence[Answer]) -> list[str]:
@@ -341,7 +344,7 @@ class ReachCheck:
         )
         if not v.abort:
             return v
-        written = self._abort_now(g, v.why, silent)
+        written = self._abort_now(g, v.why, silent + tuple(hung))
         log.warning("members_out_of_reach", generation=g, gone=gone[:8], hung=hung[:8], aborted=written is True)
         return v
 
