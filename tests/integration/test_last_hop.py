@@ -71,8 +71,10 @@ def test_the_last_step_applied_by_one_member_only_is_committed_once_and_the_job_
     # or the other redid it alone and finished first, and the applier's step is a discarded branch
     # (min_workers 1). Either way the step is committed once and both end cleanly.
     job = local_job(min_workers=min_workers)
-    job.spawn("--steps", str(LAST), "--step-sleep", "0.02")
-    job.spawn("--steps", str(LAST), "--step-sleep", "0.02", miss_sum_at=LAST)
+    # 0.1 s a step: with min_workers 1 the first could otherwise commit all 40 alone (~1 s) before
+    # the second joins on a loaded host, and no sum of step 40 would be dropped
+    job.spawn("--steps", str(LAST), "--step-sleep", "0.1")
+    job.spawn("--steps", str(LAST), "--step-sleep", "0.1", miss_sum_at=LAST)
     assert job.wait_all(120) == [0, 0], job.logs_tail()
     rep = job.audit()
     assert rep.ok, rep.violations  # before: "step 40 committed in several generations" (or a hang at min 2)
