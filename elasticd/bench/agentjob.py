@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,10 +106,14 @@ class AgentJob:
         self.agents: dict[str, WorkerProcess] = {}
         self.tails: dict[str, Tail] = {}
         self.commits: list[Record] = []  # every node's commit lines, in the order read
+        self.by_node: dict[str, list[Record]] = {}  # each node's commit lines
         self.expected_gone: set[str] = set()  # nodes whose agent the bench stopped on purpose
 
-    def start(self, node: str, *flags: str) -> WorkerProcess:
-        """Start ``node``'s agent (``flags``: more of its own, such as ``--spares 1``)."""
+    def start(
+        self, node: str, *flags: str, prefix: Sequence[str] = (), etcd_endpoint: str | None = None
+    ) -> WorkerProcess:
+        """Start ``node``'s agent (``flags``: more of its own, such as ``--spares 1``); ``prefix`` runs
+        it elsewhere (``ip netns exec``), where etcd is ``etcd_endpoint`` (default: its loopback one)."""
         audit = self.dir / f"{node}.jsonl"
         program = python_program(
             WORKLOAD,
@@ -125,7 +129,7 @@ class AgentJob:
             "--config",
             str(self.config_file),
             "--etcd",
-            self.etcd.endpoint,
+            etcd_endpoint or self.etcd.endpoint,
             "--job-id",
             self.job_id,
             "--node-id",
@@ -146,14 +150,16 @@ class AgentJob:
             "--",
             *program,
         )
-        agent = WorkerProcess(argv, {}, self.dir / f"agent-{node}.log", new_session=True).start()
+        agent = WorkerProcess([*prefix, *argv], {}, self.dir / f"agent-{node}.log", new_session=True).start()
         self.agents[node] = agent
         self.tails[node] = Tail(audit)
         return agent
 
     def poll(self) -> None:
-        for tail in self.tails.values():
-            self.commits.extend(r for r in tail.read_new() if r.get("event") == "commit")
+        for node, tail in self.tails.items():
+            new = [r for r in tail.read_new() if r.get("event") == "commit"]
+            self.commits.extend(new)
+            self.by_node.setdefault(node, []).extend(new)
 
     def wait_for(self, cond: Callable[[], bool], what: str, timeout: float = PHASE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

@@ -18,6 +18,13 @@ next cut. Then the workers drain, and the audit logs of both jobs are checked.
 Figures: ``host_loss_recovery_s`` (median, reach), ``host_loss_recovery_lease_s`` (median, lease),
 ``recovery_ratio`` = reach / lease (target <= 0.6 at a 2 s lease; the lease's part grows with the
 TTL, the reach check's does not), ``rejoin_s`` (median, reach), ``steps_lost`` (both jobs).
+
+``--agents``: the same cuts of a job whose workers real ``elasticd`` agents run, one agent and its
+worker on each host (the link cut is the node's), in two jobs: ``relay_off`` (each worker holds
+its own etcd lease) and ``relay_on`` (the agents' default: the node relay, one etcd lease per
+node). Figures ``host_loss_recovery_s_relay_off`` and ``_relay_on``, ``relay_ratio`` = on / off
+(target <= 1: a cut host is found no later under the node's one lease), ``rejoin_s`` (relay on),
+``steps_lost``.
 """
 
 from __future__ import annotations
@@ -27,16 +34,19 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
+from elasticd.bench.agentjob import AgentBenchSettings, AgentJob
 from elasticd.bench.common import (
     DATASET_SIZE,
     PHASE_TIMEOUT_S,
     BenchError,
     BenchJob,
     LeaseSettings,
+    Record,
     field_float,
     field_int,
     figure_rows,
@@ -51,6 +61,8 @@ from elasticd.testing.etcd import EtcdServer
 
 MODES = {"reach": {}, "lease": {"ELASTICD_REACH_CHECK_S": "0"}}  # the baseline: the reach check off
 TARGETS = {"recovery_ratio": "<= 0.6", "steps_lost": "0"}
+AGENT_MODES = {"relay_off": False, "relay_on": True}  # --agents: the agents' --relay (relay off: the baseline)
+AGENT_TARGETS = {"relay_ratio": "<= 1", "steps_lost": "0"}
 WARMUP_STEPS = 30  # committed at full size before the first cut
 SETTLE_S = 1.0  # after a rejoin, before the next cut
 
@@ -73,14 +85,58 @@ class HostLossSettings(LeaseSettings):
     workers: int = 3
     reps: int = 5
     step_sleep_s: float = 0.02
+    agents: bool = False  # the workers run under agents, relay off and on (else bare workers, reach and lease)
 
 
-def _cuts(job: BenchJob, net: NetnsHosts, s: HostLossSettings) -> tuple[list[float], list[float]]:
-    """``reps`` cuts of one running job: (recovery times, rejoin times)."""
+class CutJob(Protocol):
+    """What ``_cuts`` asks of a running job (``BenchJob``, or ``_UnderAgents``)."""
+
+    def generation(self) -> int: ...
+
+    def wait_until(self, cond: Callable[[], bool], timeout: float, what: str) -> None: ...
+
+    def first_commit_after(self, t: float, generation: int, timeout: float, what: str) -> Record: ...
+
+
+class _UnderAgents:
+    """An ``AgentJob`` with the calls ``_cuts`` makes of a ``BenchJob``."""
+
+    def __init__(self, job: AgentJob) -> None:
+        self.job = job
+
+    def generation(self) -> int:
+        self.job.poll()
+        return self.job.generation()
+
+    def wait_until(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        self.job.wait_for(cond, what, timeout)
+
+    def first_commit_after(self, t: float, generation: int, timeout: float, what: str) -> Record:
+        def found() -> list[Record]:
+            return [c for c in self.job.commits if field_float(c, "t") > t and field_int(c, "generation") > generation]
+
+        self.wait_until(lambda: bool(found()), timeout, what)
+        time.sleep(0.2)  # let the other survivors write their line of the same step
+        self.job.poll()
+        return min(found(), key=lambda c: field_float(c, "t"))
+
+    def world_size(self) -> int:
+        last = max(self.job.commits, key=lambda c: field_int(c, "step"), default=None)
+        return field_int(last, "world_size") if last else 0
+
+    def max_step(self) -> int:
+        return max((field_int(c, "step") for c in self.job.commits), default=0)
+
+
+def _cuts(
+    job: CutJob, commits_of: Callable[[int], list[Record]], net: NetnsHosts, s: HostLossSettings
+) -> tuple[list[float], list[float]]:
+    """``reps`` cuts of one running job (``commits_of(i)``: host ``i``'s commit lines so far):
+    (recovery times, rejoin times)."""
     recoveries, rejoins = [], []
     for rep in range(s.reps):
         i = rep % s.workers
-        host, cut = net.host(i), job.workers[i]
+        host, cut = net.host(i), commits_of(i)
         generation = job.generation()
         net.set_link(host, up=False)
         cut_at = time.time()
@@ -91,11 +147,11 @@ def _cuts(job: BenchJob, net: NetnsHosts, s: HostLossSettings) -> tuple[list[flo
         up_at = time.time()
         recoveries.append(field_float(first, "t") - cut_at)
         job.wait_until(
-            lambda: any(field_float(c, "t") > up_at and field_int(c, "world_size") == s.workers for c in cut.commits),
+            lambda: any(field_float(c, "t") > up_at and field_int(c, "world_size") == s.workers for c in cut),
             PHASE_TIMEOUT_S,
             f"host {i} rejoining",
         )
-        rejoins.append(min(field_float(c, "t") for c in cut.commits if field_float(c, "t") > up_at) - up_at)
+        rejoins.append(min(field_float(c, "t") for c in cut if field_float(c, "t") > up_at) - up_at)
         progress(
             f"cut {rep + 1}/{s.reps} (host {i}): the survivors went on after {recoveries[-1]:.3f} s, "
             f"it rejoined {rejoins[-1]:.3f} s after its link came back"
@@ -128,7 +184,7 @@ def _job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings, work
             f"{s.workers} workers training",
         )
         progress(f"{mode}: {s.workers} workers on netns hosts train; cutting links")
-        recoveries, rejoins = _cuts(job, net, s)
+        recoveries, rejoins = _cuts(job, lambda i: job.workers[i].commits, net, s)
         for w in job.workers:
             w.proc.signal(signal.SIGTERM)  # drain: finish the step, leave
         codes = job.wait_exit(PHASE_TIMEOUT_S)
@@ -139,6 +195,72 @@ def _job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings, work
         )
     finally:
         job.stop()
+
+
+def _agent_job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings, workdir: Path) -> JobRun:
+    """One job under agents, one agent and its worker on each netns host; the agents' relay per
+    ``mode`` (``AGENT_MODES``)."""
+    relay = AGENT_MODES[mode]
+    settings = AgentBenchSettings(
+        lease_ttl_s=s.lease_ttl_s,
+        keepalive_s=s.keepalive_s,
+        nodes=s.workers,
+        step_sleep_s=s.step_sleep_s,
+        spare_reps=0,
+        relay="on" if relay else "off",
+        relay_on=relay,
+    )
+    job = AgentJob(etcd, workdir / mode, f"hostloss-{mode}", settings)
+    under = _UnderAgents(job)
+    names = [f"host{i}" for i in range(s.workers)]
+    try:
+        for i, name in enumerate(names):
+            host = net.host(i)
+            job.start(
+                name,
+                "--advertise-addr",
+                host.addr,
+                prefix=net.exec_prefix(host),
+                etcd_endpoint=etcd.endpoint_on(net.plan.bridge_addr),
+            )
+        under.wait_until(
+            lambda: under.world_size() == s.workers and under.max_step() >= WARMUP_STEPS,
+            PHASE_TIMEOUT_S,
+            f"{s.workers} agents' workers training",
+        )
+        progress(f"{mode}: {s.workers} agents on netns hosts train; cutting links")
+        recoveries, rejoins = _cuts(under, lambda i: job.by_node.get(names[i], []), net, s)
+        job.expected_gone.update(names)
+        for name in names:
+            job.agents[name].signal(signal.SIGTERM)  # drain: each agent's worker finishes its step and leaves
+        codes = [job.agents[name].wait(PHASE_TIMEOUT_S) for name in names]
+        lost, violations = job.audit()
+        failed = [f"agent {n} exited {c}" for n, c in zip(names, codes, strict=True) if c != 0]
+        return JobRun([round(r, 3) for r in recoveries], [round(r, 3) for r in rejoins], lost, violations, failed)
+    finally:
+        job.stop()
+
+
+def _figures(s: HostLossSettings, runs: Mapping[str, JobRun]) -> dict[str, object]:
+    """The figures of the jobs ``runs`` (by mode)."""
+    lost = sum(r.steps_lost for r in runs.values())
+    if s.agents:
+        off, on = median_of(runs["relay_off"].recovery_s), median_of(runs["relay_on"].recovery_s)
+        return {
+            "host_loss_recovery_s_relay_off": off,
+            "host_loss_recovery_s_relay_on": on,
+            "relay_ratio": round(on / off, 3) if on is not None and off else None,
+            "rejoin_s": median_of(runs["relay_on"].rejoin_s),
+            "steps_lost": lost,
+        }
+    reach, lease = median_of(runs["reach"].recovery_s), median_of(runs["lease"].recovery_s)
+    return {
+        "host_loss_recovery_s": reach,
+        "host_loss_recovery_lease_s": lease,
+        "recovery_ratio": round(reach / lease, 3) if reach is not None and lease else None,
+        "rejoin_s": median_of(runs["reach"].rejoin_s),
+        "steps_lost": lost,
+    }
 
 
 def run_host_loss(s: HostLossSettings, workdir: Path) -> dict[str, object]:
@@ -156,23 +278,18 @@ def run_host_loss(s: HostLossSettings, workdir: Path) -> dict[str, object]:
     try:
         net.setup()
         etcd = EtcdServer(extra_hosts=[net.plan.bridge_addr]).start()
-        runs = {mode: _job(mode, etcd, net, s, workdir) for mode in MODES}
+        if s.agents:
+            runs = {mode: _agent_job(mode, etcd, net, s, workdir) for mode in AGENT_MODES}
+        else:
+            runs = {mode: _job(mode, etcd, net, s, workdir) for mode in MODES}
     finally:
         if etcd is not None:
             etcd.stop()
         net.remove()
-    reach, lease = median_of(runs["reach"].recovery_s), median_of(runs["lease"].recovery_s)
-    figures = {
-        "host_loss_recovery_s": reach,
-        "host_loss_recovery_lease_s": lease,
-        "recovery_ratio": round(reach / lease, 3) if reach is not None and lease else None,
-        "rejoin_s": median_of(runs["reach"].rejoin_s),
-        "steps_lost": sum(r.steps_lost for r in runs.values()),
-    }
     return {
         "settings": asdict(s),
-        "figures": figures,
-        "targets": TARGETS,
+        "figures": _figures(s, runs),
+        "targets": AGENT_TARGETS if s.agents else TARGETS,
         "runs": {mode: asdict(r) for mode, r in runs.items()},
         "violations": [v for r in runs.values() for v in r.violations],
         "errors": [e for r in runs.values() for e in r.errors],
@@ -180,12 +297,17 @@ def run_host_loss(s: HostLossSettings, workdir: Path) -> dict[str, object]:
 
 
 def render(result: Mapping[str, object]) -> str:
-    fig, runs, st = result["figures"], result["runs"], result["settings"]
-    assert isinstance(fig, dict) and isinstance(runs, dict) and isinstance(st, dict)
+    fig, runs, st, targets = result["figures"], result["runs"], result["settings"], result["targets"]
+    assert isinstance(fig, dict) and isinstance(runs, dict) and isinstance(st, dict) and isinstance(targets, dict)
+    against = (
+        "under agents, the node relay on against off (each worker its own lease)"
+        if st["agents"]
+        else "the reach check against the lease alone (reach_check_s = 0)"
+    )
     lines = [
         f"a host's link cut, {st['reps']} times per job, {st['workers']} workers on netns hosts, "
-        f"lease TTL {st['lease_ttl_s']:g} s: the reach check against the lease alone (reach_check_s = 0)",
-        *figure_rows(fig, TARGETS, 28),
+        f"lease TTL {st['lease_ttl_s']:g} s: {against}",
+        *figure_rows(fig, targets, 32),
     ]
     for mode, r in runs.items():
         lines.append(f"{mode}: recovery {r['recovery_s']}, rejoin {r['rejoin_s']}")
@@ -203,6 +325,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
     p.add_argument("--keepalive-s", type=float, default=d.keepalive_s)
     p.add_argument("--step-sleep", type=float, default=d.step_sleep_s)
+    p.add_argument(
+        "--agents",
+        action="store_true",
+        help="run each host's worker under an elasticd agent, the node relay off and on (ratio on/off)",
+    )
 
 
 def run_cmd(args: argparse.Namespace) -> int:
@@ -213,5 +340,6 @@ def run_cmd(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl_s,
         keepalive_s=args.keepalive_s,
         step_sleep_s=args.step_sleep,
+        agents=args.agents,
     )
     return run_subcommand(args, "elasticd-bench-hostloss-", lambda workdir: run_host_loss(s, workdir), render)

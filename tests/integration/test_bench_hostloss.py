@@ -1,8 +1,8 @@
 """``python -m elasticd.bench host-loss`` runs end to end (network-namespace hosts, as root) and
-measures its figures.
+measures its figures, with bare workers and under agents.
 
 Not a timed test: the figures are not asserted against their target, only that every cut was
-measured in both jobs, the cut hosts rejoined, and nothing was lost or repeated. The reach check
+measured in both jobs of each form, the cut hosts rejoined, and nothing was lost or repeated. The reach check
 itself is in the default suite (``test_link_cut.py``).
 """
 
@@ -40,3 +40,26 @@ def test_bench_host_loss_measures_both_jobs() -> None:
     for mode in ("reach", "lease"):
         assert len(result["runs"][mode]["recovery_s"]) == 2 and len(result["runs"][mode]["rejoin_s"]) == 2, result
     assert fig["host_loss_recovery_s"] > 0 and fig["host_loss_recovery_lease_s"] > 0, fig
+
+
+@pytest.mark.soak  # a benchmark run (~60 s): `pytest -m soak tests/integration/test_bench_hostloss.py`
+@pytest.mark.timeout(300)
+def test_bench_host_loss_under_agents_measures_the_relay_off_and_on() -> None:
+    why = unusable_here(os.getpid())
+    if why:
+        pytest.skip(f"needs network-namespace hosts: {why}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd.bench", "host-loss", "--agents", "--reps", "2", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    result = json.loads(proc.stdout)
+    fig = result["figures"]
+    assert result["violations"] == [] and result["errors"] == [], result
+    assert fig["steps_lost"] == 0, fig
+    for mode in ("relay_off", "relay_on"):
+        assert len(result["runs"][mode]["recovery_s"]) == 2 and len(result["runs"][mode]["rejoin_s"]) == 2, result
+    assert fig["host_loss_recovery_s_relay_off"] > 0 and fig["host_loss_recovery_s_relay_on"] > 0, fig
