@@ -48,6 +48,7 @@ from elasticd.bench.rendezvous_members import (
 )
 from elasticd.bench.rendezvous_model import (
     KV_OVERHEAD_B,
+    MODEL_N,
     STOCK_MAX_TXN_OPS,
     Costs,
     Sizes,
@@ -62,11 +63,12 @@ from elasticd.agent.jobview import job_read_interval_s
 from elasticd.config import AgentConfig, EtcdConfig, RetryPolicy, Timeouts
 from elasticd.errors import EtcdUnavailable
 from elasticd.store.etcd import EtcdClient
+from elasticd.store.kv import KeyValue
 from elasticd.testing.etcd import EtcdServer, etcd_binary
 from elasticd.wire.keys import Keys
 from elasticd.wire.ops import EventKind, decode_event
 from elasticd.wire.records import ReadyRecord, encode
-from elasticd.wire.snapshot import parse_snapshot
+from elasticd.wire.snapshot import DecodedRecords, parse_snapshot
 
 ROUND_TIMEOUT_S = 120.0  # bound on one round, from its start to the last member's join() return
 # After a round, its counts are read once the members have digested its watch events (their count
@@ -217,6 +219,44 @@ def calibrate(store: EtcdClient, probe: Probe, keys: Keys) -> Costs:
         member_per_event_s=max(0.0, own - CAL_PUTS * m_req) / events,
         member_per_byte_s=m_byte,
     )
+
+
+PARSE_REPS = 3  # repetitions of each parse timed by ``parse_costs`` (the median is kept)
+
+
+def parse_costs(sizes: tuple[int, ...] = MODEL_N, per_node: int = 8) -> list[dict[str, float]]:
+    """The coordinator's parse of a job of N members (a member and a ready record each, as
+    ``JobReader.snapshot`` parses every round), in this process: decoded whole, and with the records
+    of the round before held (``wire.snapshot.DecodedRecords``) when one node's members wrote their
+    records again (a node joined or left). CPU-bound; medians of ``PARSE_REPS``."""
+    keys = Keys(PREFIX, "parse")
+    out = []
+    for n in sizes:
+        kvs = []
+        for i in range(n):
+            rec = bench_record(i, 4_194_304, per_node)
+            kvs.append(KeyValue(keys.member(rec.member_id), encode(rec), 10 + i, 10 + i))
+            ready = ReadyRecord(rec.member_id, 0, 1, 0, rec.signature)
+            kvs.append(KeyValue(keys.ready(rec.member_id), encode(ready), 10 + n + i, 10 + n + i))
+        whole, held = [], []
+        for rep in range(PARSE_REPS):
+            t0 = time.perf_counter()
+            parse_snapshot(keys, kvs)
+            whole.append(time.perf_counter() - t0)
+            decoded = DecodedRecords()
+            parse_snapshot(keys, kvs, decoded)
+            changed = [
+                KeyValue(kv.key, kv.value, kv.mod_revision + 4 * n + rep, kv.create_revision)
+                if j < 2 * per_node
+                else kv
+                for j, kv in enumerate(kvs)
+            ]
+            t0 = time.perf_counter()
+            parse_snapshot(keys, changed, decoded)
+            held.append(time.perf_counter() - t0)
+        w, h = sorted(whole)[PARSE_REPS // 2], sorted(held)[PARSE_REPS // 2]
+        out.append({"members": n, "whole_s": w, "one_node_changed_s": h, "ratio": h / w})
+    return out
 
 
 def probe_txn_wall(store: EtcdClient, keys: Keys) -> dict[str, str]:
@@ -420,6 +460,7 @@ def run_rendezvous(s: RendezvousSettings, workdir: Path, etcd: EtcdServer | None
         "agent_read_s": agent_read_s,
         "load_walls": load_walls(sizes, costs, timeouts, s.per_node, agent_read_s),
         "model": model_rows(costs, sizes, timeouts, phases, s.members, cores, s.per_node, agent_read_s),
+        "parse": parse_costs(per_node=max(1, s.per_node)),
         "errors": errors,
     }
 
@@ -473,6 +514,16 @@ def render(result: Mapping[str, object]) -> str:
         + ", ".join(f"{k} {v * 1e6:.3g} us" if "byte" not in k else f"{k} {v * 1e9:.3g} ns" for k, v in costs.items()),
     ]
     lines += _model_lines(result, phases)
+    lines += [
+        "",
+        "the coordinator's parse of the job each round (this process, one core), decoded whole against "
+        "only the records of one node written again (the rest held from the round before):",
+    ]
+    for row in result.get("parse", []):  # type: ignore[attr-defined]
+        lines.append(
+            f"{row['members']:>8} members: whole {row['whole_s'] * 1e3:.1f} ms, one node changed "
+            f"{row['one_node_changed_s'] * 1e3:.1f} ms (ratio {row['ratio']:.3f})"
+        )
     walls_at = result["walls"]
     assert isinstance(walls_at, dict)
     lines += [

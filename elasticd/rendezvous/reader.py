@@ -5,8 +5,8 @@ finished, committed, checkpoint, verdict and coordinator records, plus, for a la
 the one roster bucket of this member's node: ``wire.roster``), whose size does not grow with the
 job, read by every member; and ``snapshot`` (``Keys.rendezvous``: every member's and ready record
 too), read only by the coordinator, a deputy and tools, each time only what changed since its
-last (``store.mirror``). A malformed record is logged once and left
-out. Never writes and never decides.
+last (``store.mirror``), decoding only the records that changed. A malformed record is logged
+once and left out. Never writes and never decides.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from elasticd.store.mirror import RangeMirror
 from elasticd.wire.keys import Keys
 from elasticd.wire.records import DECODE_ERRORS, GenerationRecord
 from elasticd.wire.roster import bucket_of, buckets_for, fill, is_sparse
-from elasticd.wire.snapshot import Snapshot, parse_snapshot
+from elasticd.wire.snapshot import DecodedRecords, Snapshot, parse_snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +35,7 @@ class JobReader:
         self._warned: set[str] = set()
         self._roster: tuple[int, GenerationRecord] | None = None  # (revision, my view of a large generation)
         self._mirror = RangeMirror(store, keys.rendezvous)
+        self._decoded = DecodedRecords()  # the whole job's records, decoded once per version
 
     def view(self) -> Snapshot:
         """This member's view of the job, in one transaction (and one small read of its node's
@@ -63,12 +64,13 @@ class JobReader:
     def snapshot(self) -> Snapshot:
         """All of the job's rendezvous keys (``Keys.rendezvous``) as of one revision: the
         coordinator's and a deputy's read, and tools'. After the first, a read costs etcd what
-        changed since the last (``store.mirror``), not the job's size.
+        changed since the last (``store.mirror``), not the job's size, and decodes only the records
+        changed since (``wire.snapshot.DecodedRecords``).
 
         Raises:
             EtcdUnavailable: etcd could not be reached within the retry bound.
         """
-        return self._checked(parse_snapshot(self._keys, self._mirror.read()))
+        return self._checked(parse_snapshot(self._keys, self._mirror.read(), self._decoded))
 
     def _parsed(self, prefixes: tuple[str, ...]) -> Snapshot:
         return self._checked(parse_snapshot(self._keys, self._store.get_prefixes(prefixes)))

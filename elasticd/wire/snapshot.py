@@ -1,10 +1,13 @@
-"""One parsed read of a job's rendezvous keys (``Snapshot``, ``parse_snapshot``), and which ready
-records a published generation consumed (``consumed``). Pure."""
+"""One parsed read of a job's rendezvous keys (``Snapshot``, ``parse_snapshot``), which ready
+records a published generation consumed (``consumed``), and the records already decoded
+(``DecodedRecords``: a reader that parses the whole job each round decodes only what changed)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from elasticd.store.kv import KeyValue
 from elasticd.wire.keys import Keys
@@ -64,6 +67,10 @@ class Snapshot:
         return max(seen)
 
 
+def _generation(kv: KeyValue) -> GenerationRecord:
+    return decode_generation(kv.value)
+
+
 def consumed(generation_revision: int, ready_revision: Mapping[str, int]) -> list[str]:
     """The ready records that the generation record (written at ``generation_revision``; 0: none)
     consumed: every one written before it. Its members' records are spent; a record of a member it
@@ -80,85 +87,170 @@ def consumed(generation_revision: int, ready_revision: Mapping[str, int]) -> lis
     return [m for m, rev in ready_revision.items() if rev < generation_revision]
 
 
-def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue]) -> Snapshot:
-    """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``."""
+_T = TypeVar("_T")
+
+
+class DecodedRecords:
+    """What each key's record decoded to, by its ``mod_revision``: a record is decoded once per
+    version it has. The coordinator parses the whole job every round (``JobReader.snapshot``); with
+    this, a round decodes the records changed since the last (``store.mirror`` reads only those),
+    not every member's. Records are immutable, so one decoded record serves every snapshot that
+    holds it. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, object]] = {}
+        self.decoded = 0  # records decoded (or tried), not found held: for tests and the benchmark
+
+    def get(self, kv: KeyValue, decoder: Callable[[KeyValue], _T]) -> _T:
+        """``decoder(kv)``, or what it gave for this key at this revision.
+
+        Raises:
+            what ``decoder`` raises (nothing is held then).
+        """
+        held = self._held.get(kv.key)  # one dict read: atomic, and ``keep`` replaces the dict whole
+        if held is not None and held[0] == kv.mod_revision:
+            return held[1]  # type: ignore[return-value]
+        with self._lock:
+            self.decoded += 1
+        value = decoder(kv)
+        with self._lock:
+            self._held[kv.key] = (kv.mod_revision, value)
+        return value
+
+    def keep(self, keys: set[str]) -> None:
+        """Forget every key not in ``keys`` (those of the newest parse: deleted keys go)."""
+        with self._lock:
+            if len(self._held) > len(keys) or any(k not in keys for k in self._held):
+                self._held = {k: v for k, v in self._held.items() if k in keys}
+
+
+def _fresh(kv: KeyValue, decoder: Callable[[KeyValue], _T]) -> _T:
+    return decoder(kv)
+
+
+@dataclass
+class _JobRecords:
+    """The job's own records in one read (one of each at most), as ``_job_records`` found them."""
+
     generation: GenerationRecord | None = None
-    generation_revision = verdict_revision = coordinator_revision = 0
-    members: dict[str, MemberRecord] = {}
-    ready: dict[str, ReadyRecord] = {}
-    ready_order: dict[str, int] = {}
-    ready_revision: dict[str, int] = {}
-    abort = AbortRecord(0, "", "")
+    generation_revision: int = 0
+    abort: AbortRecord = AbortRecord(0, "", "")
     finished: FinishedRecord | None = None
-    committed_step = -1
+    committed_step: int = -1
     checkpoint: CheckpointRecord | None = None
     verdict: VerdictRecord | None = None
+    verdict_revision: int = 0
     coordinator: CoordinatorRecord | None = None
-    malformed: list[str] = []
+    coordinator_revision: int = 0
+
+
+def _job_records(
+    keys: Keys, kvs: Iterable[KeyValue], get: Callable[[KeyValue, Callable[[KeyValue], _T]], _T], malformed: list[str]
+) -> _JobRecords:
+    """The job's own records among ``kvs`` (every key but the members' and ready ones), the
+    generation filled from its roster when it is a large one; garbage is added to ``malformed``."""
+    out = _JobRecords()
     rosters: dict[int, list[bytes]] = {}
     for kv in kvs:
         try:
             if kv.key == keys.generation:
-                generation_revision = kv.mod_revision
-                generation = decode_generation(kv.value)
+                out.generation_revision = kv.mod_revision
+                out.generation = get(kv, _generation)  # type: ignore[arg-type]
             elif kv.key == keys.abort:
-                abort = decode_abort(kv.value)
+                out.abort = decode_abort(kv.value)
             elif kv.key == keys.finished:
-                finished = decode(FinishedRecord, kv.value)
+                out.finished = decode(FinishedRecord, kv.value)
             elif kv.key == keys.committed:
-                committed_step = decode(CommittedRecord, kv.value).step
+                out.committed_step = decode(CommittedRecord, kv.value).step
             elif kv.key == keys.checkpoint:
-                checkpoint = decode_checkpoint(kv.value)
+                out.checkpoint = decode_checkpoint(kv.value)
             elif kv.key == keys.verdict:
-                verdict_revision = kv.mod_revision
-                verdict = decode_verdict(kv.value)
+                out.verdict_revision = kv.mod_revision
+                out.verdict = decode_verdict(kv.value)
             elif kv.key == keys.coordinator:
-                coordinator_revision = kv.mod_revision
-                coordinator = decode(CoordinatorRecord, kv.value)
+                out.coordinator_revision = kv.mod_revision
+                out.coordinator = decode(CoordinatorRecord, kv.value)
             elif kv.key.startswith(keys.roster_prefix):
                 rosters.setdefault(keys.roster_of(kv.key)[0], []).append(kv.value)
-            elif kv.key.startswith(keys.member("")):
-                m = decode(MemberRecord, kv.value)
-                if kv.key != keys.member(m.member_id):
-                    raise ValueError("member id does not match its key")
+        except DECODE_ERRORS as exc:
+            malformed.append(f"{kv.key}: {exc}")
+    g = out.generation
+    if g is not None and is_sparse(g) and g.generation in rosters:
+        try:
+            out.generation = fill(g, rosters[g.generation])
+            if is_sparse(out.generation):
+                raise ValueError("ranks missing")
+        except DECODE_ERRORS as exc:
+            malformed.append(f"{keys.roster_prefix}{g.generation}: {exc}")
+    return out
+
+
+def parse_snapshot(keys: Keys, kvs: Iterable[KeyValue], decoded: DecodedRecords | None = None) -> Snapshot:
+    """Turn the raw keys of a job into a ``Snapshot``; garbage is reported in ``malformed``.
+    ``decoded``: records decoded by earlier parses, reused where their revision is the same (the
+    snapshot is the same as without it)."""
+    get = decoded.get if decoded is not None else _fresh
+    members: dict[str, MemberRecord] = {}
+    ready: dict[str, ReadyRecord] = {}
+    ready_order: dict[str, int] = {}
+    ready_revision: dict[str, int] = {}
+    malformed: list[str] = []
+    others: list[KeyValue] = []
+    seen: set[str] = set()
+    k_member, k_ready = keys.member(""), keys.ready("")  # formatted once: two records per member
+
+    def member_of(kv: KeyValue) -> MemberRecord:
+        m = decode(MemberRecord, kv.value)
+        if kv.key != k_member + m.member_id:
+            raise ValueError("member id does not match its key")
+        return m
+
+    def ready_of(kv: KeyValue) -> ReadyRecord:
+        r = decode(ReadyRecord, kv.value)
+        if kv.key != k_ready + r.member_id:
+            raise ValueError("member id does not match its key")
+        return r
+
+    for kv in kvs:
+        seen.add(kv.key)
+        try:
+            if kv.key.startswith(k_member):
+                m = get(kv, member_of)
                 members[m.member_id] = m
-            elif kv.key.startswith(keys.ready("")):
-                r = decode(ReadyRecord, kv.value)
-                if kv.key != keys.ready(r.member_id):
-                    raise ValueError("member id does not match its key")
+            elif kv.key.startswith(k_ready):
+                r = get(kv, ready_of)
                 ready[r.member_id] = r
                 ready_order[r.member_id] = kv.create_revision
                 ready_revision[r.member_id] = kv.mod_revision
+            else:
+                others.append(kv)
         except DECODE_ERRORS as exc:
             malformed.append(f"{kv.key}: {exc}")
-    if generation is not None and is_sparse(generation) and generation.generation in rosters:
-        try:
-            generation = fill(generation, rosters[generation.generation])
-            if is_sparse(generation):
-                raise ValueError("ranks missing")
-        except DECODE_ERRORS as exc:
-            malformed.append(f"{keys.roster_prefix}{generation.generation}: {exc}")
+    if decoded is not None:
+        decoded.keep(seen)
+    job = _job_records(keys, others, get, malformed)
     spent = 0
-    for mid in consumed(generation_revision, ready_revision):
+    for mid in consumed(job.generation_revision, ready_revision):
         spent = max(spent, ready[mid].prev_generation)
         del ready[mid], ready_order[mid]
     return Snapshot(
-        generation,
-        generation_revision,
+        job.generation,
+        job.generation_revision,
         members,
         ready,
         ready_order,
-        abort.generation,
+        job.abort.generation,
         tuple(malformed),
-        finished,
-        committed_step,
-        checkpoint=checkpoint,
-        verdict=verdict,
-        verdict_revision=verdict_revision,
-        coordinator=coordinator,
+        job.finished,
+        job.committed_step,
+        checkpoint=job.checkpoint,
+        verdict=job.verdict,
+        verdict_revision=job.verdict_revision,
+        coordinator=job.coordinator,
         ready_revision=ready_revision,
-        coordinator_revision=coordinator_revision,
+        coordinator_revision=job.coordinator_revision,
         spent_generation=spent,
-        out_of_reach=frozenset(abort.out_of_reach),
-        aborted_at=abort.at,
+        out_of_reach=frozenset(job.abort.out_of_reach),
+        aborted_at=job.abort.at,
     )

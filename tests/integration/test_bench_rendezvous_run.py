@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.bench.rendezvous import RendezvousSettings, render, run_rendezvous
+from elasticd.bench.rendezvous_model import MODEL_N
 from elasticd.config import Timeouts
 from elasticd.testing.etcd import EtcdServer
 from elasticd.testing.localcluster import REPO_ROOT
@@ -42,6 +43,10 @@ def test_a_join_round_and_a_leave_of_20_members(etcd_server: EtcdServer, tmp_pat
     assert result["walls"]["publish_txn_ops_deleting_ready"] == 127  # type: ignore[index]
     assert result["txn_wall"] == {"128": "accepted", "129": "refused: etcdserver: too many operations in txn request"}
     assert "16384" in render(result) and "N >= 127" in render(result)
+    parse = result["parse"]
+    assert [row["members"] for row in parse] == list(MODEL_N), parse  # type: ignore[union-attr]
+    assert all(row["whole_s"] > 0 and row["one_node_changed_s"] > 0 for row in parse), parse  # type: ignore[union-attr]
+    assert "the coordinator's parse of the job" in render(result)
     assert etcd_server.running()  # a given etcd is left running
 
 

@@ -113,7 +113,7 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "settings:load_agent_config": 78,
     "store.etcd:EtcdClient.watch_prefix": 71,
     "testing.audit:check": 105,
-    "wire.snapshot:parse_snapshot": 81,
+    "wire.snapshot:parse_snapshot": 65,
     "worker.state.durable:CheckpointWriter._write": 65,
     "worker.data.loader:ElasticLoader.__init__": 61,
     "worker.state.training:TrainingState._decode": 79,

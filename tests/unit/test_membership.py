@@ -36,7 +36,7 @@ from elasticd.wire.records import (
     ReadyRecord,
     encode,
 )
-from elasticd.wire.snapshot import Snapshot, parse_snapshot
+from elasticd.wire.snapshot import DecodedRecords, Snapshot, parse_snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -709,6 +709,37 @@ def test_parse_snapshot_reads_well_formed_records() -> None:
     assert dict(s.ready) == {"a": ready("a", 3, 3, 0), "b": ready("b", 3, 3, 1)}
     assert dict(s.ready_order) == {"a": 43, "b": 44}  # arrival = create_revision, not mod_revision
     assert s.highest_generation_seen == 3
+
+
+def _with(records: list[KeyValue], *changes: KeyValue, drop: tuple[str, ...] = ()) -> list[KeyValue]:
+    new = {c.key: c for c in changes}
+    return [new.pop(r.key, r) for r in records if r.key not in drop] + list(new.values())
+
+
+_A_AGAIN = kv(KEYS.member("a"), encode(replace(member("a"), pid=9)), 50)
+# (what, the read, records decoded for it): one DecodedRecords across the rows, in order
+DECODED_READS = [
+    ("the first read decodes every record it reads", good_records(), 5),
+    ("the same read again decodes nothing", good_records(), 0),
+    ("a member written again is decoded again", _with(good_records(), _A_AGAIN), 1),
+    ("a member deleted is forgotten", _with(good_records(), _A_AGAIN, drop=(KEYS.member("b"),)), 0),
+    ("back at its old revision, it is decoded again", _with(good_records(), _A_AGAIN), 1),
+    ("a malformed record is never held", _with(good_records(), _A_AGAIN, kv(KEYS.member("c"), b"{not json", 60)), 1),
+    ("and so is tried again", _with(good_records(), _A_AGAIN, kv(KEYS.member("c"), b"{not json", 60)), 1),
+    (
+        "a new generation is decoded",
+        _with(good_records(), _A_AGAIN, kv(KEYS.generation, encode(gen(4, ["a", "b"])), 70, 5)),
+        1,
+    ),
+]
+
+
+def test_parse_snapshot_with_decoded_records_decodes_only_what_changed() -> None:
+    decoded = DecodedRecords()
+    for what, records, count in DECODED_READS:
+        before = decoded.decoded
+        assert parse_snapshot(KEYS, records, decoded) == parse_snapshot(KEYS, records), what
+        assert decoded.decoded - before == count, what
 
 
 def _obj(record: object, **changes: object) -> bytes:
