@@ -323,9 +323,12 @@ class ReachCheck:
         silent = tuple(m for m, a in zip(ids, first, strict=True) if a is Answer.UNREACHABLE)
         unreachable = len(silent)
         hung: list[str] = []
-        if not verdict(ids, gone, unreachable, True).abort and self._still_waiting(waiting):
+        would = verdict(ids, gone, unreachable, True)  # were the wait still on
+        if not would.abort and self._still_waiting(waiting):
             hung = self._hung(records, first)
-        if verdict(ids, gone, unreachable, True, hung).abort:
+            if hung:
+                would = verdict(ids, gone, unreachable, True, hung)
+        if would.abort:
             # noted before the abort is written: the members learn the abort at once, and this
             # member's rendezvous (its coordinator, or its deputy rounds) must know them gone by then
             # (also when another prober's abort ended the wait first)
