@@ -41,7 +41,7 @@ from elasticd.wire.failures import DeterministicFailure, FailureRecord, decode_f
 from elasticd.wire.progress import ProgressRecord, parse_progress
 from elasticd.wire.records import DECODE_ERRORS, MemberRecord
 from elasticd.wire.roster import bucket_of, buckets_for, fill, is_sparse
-from elasticd.wire.snapshot import Snapshot, parse_snapshot
+from elasticd.wire.snapshot import DecodedRecords, Snapshot, parse_snapshot
 from elasticd.wire.digest import JobDigest, decode_digest, encode_digest, middle_of, score
 from elasticd.wire.stragglers import straggler_scores
 
@@ -141,11 +141,13 @@ def read_job_view(
     full: bool = True,
     digest: JobDigest | None = None,
     roster: Sequence[bytes] = (),
+    decoded: DecodedRecords | None = None,
 ) -> JobView:
     """Parse the rows of a job (``keys.rendezvous``, ``progress/`` and ``failures/``, the latter two
     read tolerantly: ``wire.progress``), all of it (``full``) or a node's (``node_prefixes``) with
     the job's ``digest`` and the node's ``roster`` bucket of a large generation; records that do
-    not parse are left out."""
+    not parse are left out. ``decoded``: the member and ready records decoded by earlier reads
+    (``wire.snapshot.DecodedRecords``)."""
     rows = list(kvs)
     failures, cordoned = [], {}
     for kv in rows:
@@ -158,7 +160,7 @@ def read_job_view(
                 cordoned[node] = decode_cordon(kv.value).reason
             except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
                 cordoned[node] = "a cordon record that does not parse"
-    snap = parse_snapshot(keys, rows)
+    snap = parse_snapshot(keys, rows, decoded)
     progress, _ = parse_progress(keys, rows, tolerant=True)
     g = snap.generation
     if g is not None and roster and is_sparse(g):
@@ -311,6 +313,7 @@ class JobReader:
         self._bucket: tuple[int, KeyValue | None] = (0, None)  # (generation revision, this node's roster bucket)
         # the whole job, read at the cost of what changed since the last whole read (``store.mirror``)
         self._whole = RangeMirror(store, (*keys.rendezvous, keys.progress(""), keys.failure(""), keys.cordon("")))
+        self._decoded = DecodedRecords()  # the whole job's member and ready records, decoded once per version
         self._stop = threading.Event()
         self._wake = threading.Event()  # read now (``refresh``) or stop
         self._failing = False
@@ -361,7 +364,7 @@ class JobReader:
                 return read_job_view(
                     self._keys, rows, self._clock(), False, _digest_in(self._keys, rows), self._roster(snap)
                 )
-        view = read_job_view(self._keys, self._whole.read(), self._clock())
+        view = read_job_view(self._keys, self._whole.read(), self._clock(), decoded=self._decoded)
         if self._node:
             self._write_digest(view)
         return view

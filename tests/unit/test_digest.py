@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from elasticd.agent.jobview import JobReader, digest_of, node_prefixes, read_job_view
+from elasticd.wire.snapshot import DecodedRecords
 from elasticd.store.kv import KeyValue, RangeQuery, RangeResult
 from elasticd.wire.digest import JobDigest, decode_digest, encode_digest, middle_of, score
 from elasticd.wire.keys import Keys
@@ -114,6 +115,16 @@ def test_a_node_read_with_the_digest_scores_its_workers_as_the_whole_read_does()
     assert node.rank0_step_time_s == whole.rank0_step_time_s
     stale = read_job_view(KEYS, mine, 1.0, full=False, digest=JobDigest(2, *middle_of(whole.compute)), roster=bucket)
     assert stale.scores == {} and stale.spares_waiting("n7") == 0 and stale.rank0_step_time_s is None
+
+
+def test_a_whole_read_with_the_records_held_decoded_is_the_same_view() -> None:
+    rows, _ = _job(nodes=20, per_node=4, slow="n7.2.102")
+    decoded = DecodedRecords()
+    first = read_job_view(KEYS, rows, 1.0, decoded=decoded)
+    count = decoded.decoded
+    again = read_job_view(KEYS, rows, 1.0, decoded=decoded)
+    assert first == again == read_job_view(KEYS, rows, 1.0)
+    assert count >= 81 and decoded.decoded == count  # the second read decoded nothing
 
 
 class _Reads:
