@@ -194,7 +194,8 @@ class Timeouts:
         "2 of its generation, asks the hosts of every member of the generation whether they still "
         "answer (rendezvous.reach; again at doubling intervals while the wait lasts): a member whose "
         "host is out of reach or whose process is gone gets the generation aborted at once, instead "
-        "of holding it until its lease expires (a host lost with its power or its link). 0: off "
+        "of holding it until its lease expires (a host lost with its power or its link). The wait of "
+        "a generation's group build and state sync is asked about the same way. 0: off "
         "(may be 0). A job whose waits for the sum stay short asks sooner: at four times its longest "
         "recent wait, at least reach_check_min_s (rendezvous.reach.reach_after_s).",
         0.5,

@@ -34,6 +34,10 @@ agent's relay, its lease; one whose Python sends no byte within ``unresponsive_s
 one out of reach (``verdict``'s ``hung``), and named in the abort like one: every coordinator
 and deputy holds it out for ``reach_hold_s``.
 
+The same holds for the wait of a generation's group build and state sync (``Waiting.build``),
+asked about after ``reach_check_s``: a member cut off or hung after the coordinator took it into a
+generation, and before the build, held the others there until its lease ended.
+
 The training thread marks its waits (``ReachCheck.began``/``ended``); the ``Membership`` runs the
 thread. Never imports etcd3 or torch.
 """
@@ -65,10 +69,13 @@ PROBER_RANKS = 3  # ranks 0, 1 and 2 ask, and the coordinator (is_prober)
 
 @dataclass(frozen=True)
 class Waiting:
-    """The training thread waits in a collective of ``generation`` since ``since`` (monotonic)."""
+    """The training thread waits in a collective of ``generation`` since ``since`` (monotonic):
+    a step's sum, or (``build``) the generation's group build and state sync, where it waits for
+    every member to arrive."""
 
     generation: int
     since: float
+    build: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,8 @@ class Stuck:
         self._recent: deque[float] = deque(maxlen=RECENT_WAITS)  # how long the last waits lasted (s) ...
         self._recent_seen: tuple[float, ...] = ()  # ... as the reach thread reads them (one attribute)
 
-    def began(self, generation: int, now: float) -> None:
-        self._waiting = Waiting(generation, now)
+    def began(self, generation: int, now: float, build: bool = False) -> None:
+        self._waiting = Waiting(generation, now, build)
         self.last_began = now
         if self._idle:  # one attribute read per step; the event only when the reach thread sleeps idle
             self._idle = False
@@ -104,7 +111,7 @@ class Stuck:
 
     def ended(self, now: float) -> None:
         waiting = self._waiting
-        if waiting is not None:
+        if waiting is not None and not waiting.build:  # ``recent`` is of the sums' waits
             self._recent.append(now - waiting.since)
             self._recent_seen = tuple(self._recent)
         self._waiting = None
@@ -136,6 +143,13 @@ def reach_after_s(recent: Sequence[float], min_s: float, max_s: float) -> float:
     if max_s <= 0 or len(recent) < RECENT_WAITS // 2:
         return max_s
     return min(max_s, max(min_s, REACH_WAIT_FACTOR * max(recent)))
+
+
+def ask_after_s(waiting: Waiting | None, recent: Sequence[float], min_s: float, max_s: float) -> float:
+    """How long ``waiting`` lasts before a reach check asks: ``max_s`` (``reach_check_s``) for a
+    group build and sync, whose length the sums' waits say nothing about; for a step's sum (or no
+    wait), ``reach_after_s`` of the ``recent`` sums. Pure."""
+    return max_s if waiting is not None and waiting.build else reach_after_s(recent, min_s, max_s)
 
 
 def reach_sleep_s(
@@ -253,9 +267,11 @@ class ReachCheck:
         # them out without asking again
         self.out_of_reach: tuple[int, frozenset[str]] = (0, frozenset())
 
-    def began(self, generation: int) -> None:
-        """The training thread waits for a collective of ``generation`` from now on."""
-        self._stuck.began(generation, self._clock())
+    def began(self, generation: int, build: bool = False) -> None:
+        """The training thread waits for a collective of ``generation`` from now on; ``build``: for
+        the generation's group build and state sync, asked about after ``reach_check_s`` (a step's
+        sum: after ``reach_after_s`` of the recent sums)."""
+        self._stuck.began(generation, self._clock(), build)
 
     def ended(self) -> None:
         self._stuck.ended(self._clock())
@@ -271,7 +287,8 @@ class ReachCheck:
         last: Checked | None = None
         while not stop.is_set():
             waiting, now = self._stuck.current(), self._clock()
-            after = reach_after_s(self._stuck.recent(), self._timeouts.reach_check_min_s, self._timeouts.reach_check_s)
+            t = self._timeouts
+            after = ask_after_s(waiting, self._stuck.recent(), t.reach_check_min_s, t.reach_check_s)
             if not check_due(waiting, last, now, after):
                 wait_s = reach_sleep_s(waiting, last, now, after, self._stuck.last_began)
                 if wait_s is None:

@@ -148,6 +148,7 @@ def rejoin(
         rec = joined.record
         set_moment(generation=rec.generation, rank=joined.rank)
         group: Group | None = None
+        membership.reach.began(rec.generation, build=True)  # a member cut off or hung meanwhile: asked
         try:
             group = factory.build(
                 rec.generation,
@@ -176,6 +177,8 @@ def rejoin(
             factory.retire(group)
             if deadline.expired():
                 raise
+        finally:
+            membership.reach.ended()
 
 
 def _sync(

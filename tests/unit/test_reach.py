@@ -21,6 +21,7 @@ from elasticd.rendezvous.reach import (
     Checked,
     ReachCheck,
     Stuck,
+    ask_after_s,
     Waiting,
     check_due,
     is_prober,
@@ -166,9 +167,28 @@ def test_stuck_holds_the_current_wait() -> None:
         s.began(5, 20.0 + i)
         s.ended(20.0 + i + 0.01 * i)
     assert len(s.recent()) == RECENT_WAITS and s.recent()[-1] == pytest.approx(0.01 * (RECENT_WAITS + 4))
+    before = s.recent()
+    s.began(6, 100.0, build=True)  # a group build and sync: a wait like the others ...
+    assert s.current() == Waiting(6, 100.0, build=True)
+    s.ended(103.0)
+    assert s.current() is None and s.recent() == before  # ... that does not set when the sums are asked about
 
 
 SHORT = [0.01] * RECENT_WAITS
+
+
+@pytest.mark.parametrize(
+    ("waiting", "recent", "after_s"),
+    [
+        (Waiting(3, 0.0), SHORT, 0.1),  # a sum, in a job of short sums: early
+        (Waiting(3, 0.0, build=True), SHORT, 0.5),  # a build: reach_check_s, whatever the sums did
+        (Waiting(3, 0.0, build=True), [], 0.5),
+        (None, SHORT, 0.1),  # no wait: as for a sum (the thread's sleep)
+        (Waiting(3, 0.0), [], 0.5),  # a new member's sum: reach_check_s
+    ],
+)
+def test_ask_after_s(waiting: Waiting | None, recent: list[float], after_s: float) -> None:
+    assert ask_after_s(waiting, recent, 0.1, 0.5) == pytest.approx(after_s)
 
 
 @pytest.mark.parametrize(
