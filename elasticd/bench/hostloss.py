@@ -241,25 +241,24 @@ def _agent_job(mode: str, etcd: EtcdServer, net: NetnsHosts, s: HostLossSettings
         job.stop()
 
 
+# by --agents: (the measured mode, its baseline, their figures' names, the ratio's name)
+FIGURE_NAMES = {
+    False: ("reach", "lease", "host_loss_recovery_s", "host_loss_recovery_lease_s", "recovery_ratio"),
+    True: ("relay_on", "relay_off", "host_loss_recovery_s_relay_on", "host_loss_recovery_s_relay_off", "relay_ratio"),
+}
+
+
 def _figures(s: HostLossSettings, runs: Mapping[str, JobRun]) -> dict[str, object]:
-    """The figures of the jobs ``runs`` (by mode)."""
-    lost = sum(r.steps_lost for r in runs.values())
-    if s.agents:
-        off, on = median_of(runs["relay_off"].recovery_s), median_of(runs["relay_on"].recovery_s)
-        return {
-            "host_loss_recovery_s_relay_off": off,
-            "host_loss_recovery_s_relay_on": on,
-            "relay_ratio": round(on / off, 3) if on is not None and off else None,
-            "rejoin_s": median_of(runs["relay_on"].rejoin_s),
-            "steps_lost": lost,
-        }
-    reach, lease = median_of(runs["reach"].recovery_s), median_of(runs["lease"].recovery_s)
+    """The figures of the jobs ``runs`` (by mode): the measured mode's recovery, its baseline's,
+    their ratio, the measured mode's rejoin, and the steps lost in both."""
+    mode, base, name, base_name, ratio = FIGURE_NAMES[s.agents]
+    got, against = median_of(runs[mode].recovery_s), median_of(runs[base].recovery_s)
     return {
-        "host_loss_recovery_s": reach,
-        "host_loss_recovery_lease_s": lease,
-        "recovery_ratio": round(reach / lease, 3) if reach is not None and lease else None,
-        "rejoin_s": median_of(runs["reach"].rejoin_s),
-        "steps_lost": lost,
+        name: got,
+        base_name: against,
+        ratio: round(got / against, 3) if got is not None and against else None,
+        "rejoin_s": median_of(runs[mode].rejoin_s),
+        "steps_lost": sum(r.steps_lost for r in runs.values()),
     }
 
 

@@ -19,14 +19,24 @@ from elasticd.chaos.netns import unusable_here
 from elasticd.testing.localcluster import REPO_ROOT
 
 
-@pytest.mark.soak  # a benchmark run (~30 s): `pytest -m soak tests/integration/test_bench_hostloss.py`
+@pytest.mark.soak  # benchmark runs (~30 s, ~60 s): `pytest -m soak tests/integration/test_bench_hostloss.py`
 @pytest.mark.timeout(300)
-def test_bench_host_loss_measures_both_jobs() -> None:
+@pytest.mark.parametrize(
+    ("flags", "modes", "figures"),
+    [
+        ((), ("reach", "lease"), ("host_loss_recovery_s", "host_loss_recovery_lease_s")),
+        (("--agents",), ("relay_off", "relay_on"), ("host_loss_recovery_s_relay_off", "host_loss_recovery_s_relay_on")),
+    ],
+    ids=["bare workers", "under agents"],
+)
+def test_bench_host_loss_measures_both_jobs(
+    flags: tuple[str, ...], modes: tuple[str, ...], figures: tuple[str, ...]
+) -> None:
     why = unusable_here(os.getpid())
     if why:
         pytest.skip(f"needs network-namespace hosts: {why}")
     proc = subprocess.run(
-        [sys.executable, "-m", "elasticd.bench", "host-loss", "--reps", "2", "--json"],
+        [sys.executable, "-m", "elasticd.bench", "host-loss", *flags, "--reps", "2", "--json"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -37,29 +47,6 @@ def test_bench_host_loss_measures_both_jobs() -> None:
     fig = result["figures"]
     assert result["violations"] == [] and result["errors"] == [], result
     assert fig["steps_lost"] == 0, fig
-    for mode in ("reach", "lease"):
+    for mode in modes:
         assert len(result["runs"][mode]["recovery_s"]) == 2 and len(result["runs"][mode]["rejoin_s"]) == 2, result
-    assert fig["host_loss_recovery_s"] > 0 and fig["host_loss_recovery_lease_s"] > 0, fig
-
-
-@pytest.mark.soak  # a benchmark run (~60 s): `pytest -m soak tests/integration/test_bench_hostloss.py`
-@pytest.mark.timeout(300)
-def test_bench_host_loss_under_agents_measures_the_relay_off_and_on() -> None:
-    why = unusable_here(os.getpid())
-    if why:
-        pytest.skip(f"needs network-namespace hosts: {why}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "elasticd.bench", "host-loss", "--agents", "--reps", "2", "--json"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
-    result = json.loads(proc.stdout)
-    fig = result["figures"]
-    assert result["violations"] == [] and result["errors"] == [], result
-    assert fig["steps_lost"] == 0, fig
-    for mode in ("relay_off", "relay_on"):
-        assert len(result["runs"][mode]["recovery_s"]) == 2 and len(result["runs"][mode]["rejoin_s"]) == 2, result
-    assert fig["host_loss_recovery_s_relay_off"] > 0 and fig["host_loss_recovery_s_relay_on"] > 0, fig
+    assert all(fig[name] > 0 for name in figures), fig
