@@ -186,7 +186,7 @@ class Life:
     ended_t: float | None = None
     paused: list[list[float]] = field(default_factory=list)
     cut_off: list[list[float]] = field(default_factory=list)  # [link down, link up]
-    rejoining: list[list[float]] = field(default_factory=list)  # [link up, next sync line seen]
+    rejoining: list[list[float]] = field(default_factory=list)  # [link up or hung, next sync line seen or end]
 
     def close_open(self, windows: list[list[float]], t: float) -> None:
         if windows and windows[-1][1] == math.inf:
@@ -615,6 +615,9 @@ class ChaosRun:
         nan_grads (SIGUSR2: the workload's poison) or worker_hang (SIGUSR1: the workload's hang)."""
         if kind is FaultKind.WORKER_HANG:
             signal_pid(pid, signal.SIGUSR1)
+            # the others leave it out within unresponsive_s while its process lives on until its agent
+            # ends it: status may list it or not meanwhile
+            self.life_of(pid, node.name).rejoining.append([time.time(), math.inf])
             # its agent ends it after hang_timeout_s, and it restarts (imports) and rejoins
             node.busy_until = now + 2 * HANG_TIMEOUT_S + 8.0
             self.record(kind, node.name, f"worker pid {pid} hung holding the GIL")

@@ -81,8 +81,8 @@ class WorkerLife:
     # Its host's link down -> up (end = inf while down): its lease expires meanwhile, so status may
     # leave it out, and must once its lease is surely gone.
     cut_off: tuple[Window, ...] = ()
-    # Link up -> its next sync line (it re-registers in place and joins a generation): status may
-    # list it or not.
+    # Link up -> its next sync line (it re-registers in place and joins a generation), or hung
+    # (worker_hang) -> its end: status may list it or not.
     rejoining: tuple[Window, ...] = ()
     # It left the job (drained, finished, or gave up: its membership closed and its lease was
     # revoked) while its process still ran, e.g. waiting for abandoned groups to close.

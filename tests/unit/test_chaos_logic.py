@@ -215,6 +215,9 @@ def sample(at: float, *pids: int) -> StatusSample:
         # continued 1 s before the sample: either way
         (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), False, 0),
         (WorkerLife(11, "n0", T0, None, (Window(T0 + 1, T0 + 9),)), True, 0),
+        # hung since long before (worker_hang: left out, its process alive until its agent ends it): either way
+        (WorkerLife(11, "n0", T0, None, rejoining=(Window(T0 + 1, math.inf),)), False, 0),
+        (WorkerLife(11, "n0", T0, None, rejoining=(Window(T0 + 1, math.inf),)), True, 0),
         # left the job (drained: lease revoked) while its process lingers: need not be listed
         (WorkerLife(11, "n0", T0, None, left_t=T0 + 9), False, 0),
         (WorkerLife(11, "n0", T0, None, left_t=T0 + 11), False, 1),  # left after the sample: must be listed
